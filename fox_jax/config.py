@@ -1,0 +1,167 @@
+"""Model configuration: one frozen dataclass and the paper's size presets.
+
+Architectures (specs/fox_acp.md §2):
+
+* ``fox-llama``          FoX (LLaMA): forgetting attention, no RoPE, SwiGLU ratio 4.
+* ``transformer-llama``  Transformer (LLaMA): softmax attention with RoPE (base 500000), SwiGLU ratio 4.
+
+Sizes follow §2.5 of the spec (125M/360M/760M; the labels count non-embedding parameters plus one
+50257 x d_model matrix) plus a ``tiny`` size that trains on a laptop CPU in minutes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+ARCHS = ("fox-llama", "transformer-llama")
+SIZES = ("tiny", "125M", "360M", "760M")
+GPT2_VOCAB = 50257
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a FoX / Transformer language model.
+
+    Attributes:
+      arch: one of ``ARCHS``.
+      vocab_size: number of token ids the embedding accepts (the tokenizer's vocabulary, possibly padded).
+      d_model: residual width d.
+      n_layers: number of pre-norm blocks.
+      n_heads: query heads H.
+      n_kv_heads: key/value heads (GQA); ``None`` means ``n_heads``.
+      head_dim: per-head width D; ``None`` means ``d_model // n_heads``.
+      hidden_ratio: SwiGLU width factor; the MLP width is ``256*ceil(int(d*ratio*2/3)/256)`` (§2.1)
+        unless ``mlp_dim`` is given.
+      mlp_dim: explicit MLP width I (overrides ``hidden_ratio``).
+      use_fgate: forget gate on (FoX) or off (Transformer).
+      use_rope: rotary embeddings (Transformer baselines).
+      rope_base: RoPE base (500000 in the paper's Transformer).
+      norm_eps: RMSNorm epsilon (1e-6).
+      init_std: std of the N(0, std) initialiser of every linear and the embedding (0.02).
+      tie_embeddings: share the embedding with the LM head (the paper's models do not).
+      dtype: compute dtype name (``"float32"`` or ``"bfloat16"``); params are always float32.
+      attention_impl: ``implementation`` passed to ``fox_jax.ops.forgetting_attention``.
+      attention_block: block size of the blockwise XLA attention.
+      adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float).
+      remat: rematerialise each block in the backward pass (saves activation memory).
+    """
+
+    arch: str = "fox-llama"
+    vocab_size: int = GPT2_VOCAB
+    d_model: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    n_kv_heads: int | None = None
+    head_dim: int | None = None
+    hidden_ratio: float = 4.0
+    mlp_dim: int | None = None
+    use_fgate: bool = True
+    use_rope: bool = False
+    rope_base: float = 500000.0
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+    tie_embeddings: bool = False
+    dtype: str = "float32"
+    attention_impl: str = "auto"
+    attention_block: int = 128
+    adaptive_threshold: Any = None
+    remat: bool = False
+
+    def __post_init__(self):
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig.arch must be one of {ARCHS}, got {self.arch!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "attention_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        if self.n_heads % self.kv_heads:
+            raise ValueError(
+                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
+        if self.head_dim is None and self.d_model % self.n_heads:
+            raise ValueError(
+                f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
+                "unless head_dim is given")
+        if self.use_rope and self.dim_per_head % 2:
+            raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+
+    # Derived quantities -----------------------------------------------------------------------
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def mlp_hidden(self) -> int:
+        if self.mlp_dim is not None:
+            return self.mlp_dim
+        return 256 * math.ceil(int(self.d_model * self.hidden_ratio * 2 / 3) / 256)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def param_count(self, *, include_embedding: bool = True, include_head: bool = True) -> int:
+        """Exact number of parameters of the model this config builds (closed form, no init)."""
+        d, h, hkv, dh, f = self.d_model, self.n_heads, self.kv_heads, self.dim_per_head, self.mlp_hidden
+        attn = d * h * dh + 2 * d * hkv * dh + h * dh * d
+        if self.use_fgate:
+            attn += d * h + h
+        mlp = d * 2 * f + f * d
+        per_layer = attn + mlp + 2 * d
+        n = self.n_layers * per_layer + d  # + final norm
+        if include_embedding:
+            n += self.vocab_size * d
+        if include_head and not self.tie_embeddings:
+            n += self.vocab_size * d
+        return n
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token, dense-equivalent (spec §2.5): 2N + 2 n_layer d_attn L.
+
+        N counts every matmul parameter (non-embedding params plus the LM head); the attention
+        term uses the causal average context L/2 for both QK^T and PV (= 2 * n_layer * H*D * L).
+        Training costs 3x this (forward + backward).
+        """
+        n = self.param_count(include_embedding=False, include_head=True)
+        if self.tie_embeddings:
+            n += self.vocab_size * self.d_model
+        return 2.0 * n + 2.0 * self.n_layers * self.n_heads * self.dim_per_head * seq_len
+
+
+_SIZES = {
+    # name: (n_layers, d_model, n_heads, head_dim for transformer at this size)
+    "tiny": dict(n_layers=4, d_model=128, n_heads=4),
+    "125M": dict(n_layers=12, d_model=768, n_heads=12),
+    "360M": dict(n_layers=24, d_model=1024, n_heads=16),
+    "760M": dict(n_layers=24, d_model=1536, n_heads=24),
+}
+
+
+def preset(size: str = "125M", arch: str = "fox-llama", **overrides) -> ModelConfig:
+    """A model config for one of ``SIZES`` and one of ``ARCHS`` (specs/fox_acp.md §2.5).
+
+    The 760M Transformer uses 12 heads of dim 128 as in the paper; every other size uses head_dim 64
+    (tiny: 4 heads of 32). ``overrides`` replace any field.
+
+    Raises:
+      ValueError: unknown size or arch.
+    """
+    if size not in _SIZES:
+        raise ValueError(f"unknown model size {size!r}; expected one of {SIZES}")
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    kw: dict[str, Any] = dict(_SIZES[size])
+    fox = arch.startswith("fox")
+    kw.update(arch=arch, use_fgate=fox, use_rope=not fox, hidden_ratio=4.0)
+    if size == "760M" and not fox:
+        kw["n_heads"] = 12
+    if size == "tiny":
+        kw.update(vocab_size=GPT2_VOCAB)
+    kw.update(overrides)
+    return ModelConfig(**kw)

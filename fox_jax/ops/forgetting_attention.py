@@ -1,0 +1,150 @@
+"""The public forgetting-attention op and its implementation dispatch (DESIGN.md, "the op contract")."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from fox_jax.ops import acp as acp_lib
+from fox_jax.ops.blockwise import blockwise_attention, block_sizes
+from fox_jax.ops.reference import decay_cumsum, forgetting_attention_reference
+
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense")
+_QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids):
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
+        if x.dtype not in _QKV_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    b, tq, h, d = q.shape
+    _, tk, hkv, dk = k.shape
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.shape[0] != b or dk != d:
+        raise ValueError(f"k/v must be [B={b}, Tk, Hkv, D={d}] to match q {q.shape}, got {k.shape}")
+    if h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
+    if tq > tk:
+        raise ValueError(f"query length ({tq}) must not exceed key length ({tk}); queries are the last Tq keys")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if log_fgate is not None:
+        if log_fgate.shape != (b, tk, h):
+            raise ValueError(f"log_fgate must be [B, Tk, H] = {(b, tk, h)}, got {log_fgate.shape}")
+        if log_fgate.dtype != jnp.float32:
+            raise ValueError(
+                f"log_fgate must be float32 (cast the gate logits to float32 before log_sigmoid), "
+                f"got {log_fgate.dtype}")
+    if seq_start is not None and (seq_start.shape != (b,) or not jnp.issubdtype(seq_start.dtype, jnp.integer)):
+        raise ValueError(f"seq_start must be an int array of shape [B] = ({b},), got {seq_start.dtype}{seq_start.shape}")
+    if segment_ids is not None and (
+            segment_ids.shape != (b, tk) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(
+            f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, got {segment_ids.dtype}{segment_ids.shape}")
+
+
+def _resolve_impl(implementation: str) -> str:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and _pallas_available() else "xla"
+    return implementation
+
+
+def _pallas_available() -> bool:
+    try:
+        from fox_jax.ops import pallas  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def forgetting_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    log_fgate: jax.Array | None,
+    *,
+    sm_scale: float | None = None,
+    seq_start: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    adaptive_threshold: Any = None,
+    log_epsilon: float = acp_lib.DEFAULT_LOG_EPSILON,
+    implementation: str = "auto",
+    block_q: int = 128,
+    block_k: int = 128,
+) -> jax.Array:
+    """Forgetting attention (FoX, arXiv 2503.02130 Eq. 4–6; specs/fox_acp.md §1).
+
+        o_i = Σ_{j visible from i} softmax_j(sm_scale · q_i·k_j + Λ_i − Λ_j) v_j,   Λ = cumsum(log f)
+
+    Causal with bottom-right alignment: with Tq ≤ Tk, query i sits at absolute position Tk − Tq + i
+    (decoding with a cache). Λ is accumulated in float32 over the keys.
+
+    Args:
+      q: [B, Tq, H, D] float32 / bfloat16 / float16.
+      k, v: [B, Tk, Hkv, D], same dtype as q; H must be a multiple of Hkv (GQA).
+      log_fgate: [B, Tk, H] float32 log forget gates (≤ 0), one per *query* head; ``None`` means no
+        forgetting (plain causal softmax attention, the Transformer baseline).
+      sm_scale: logit scale, default 1/√D.
+      seq_start: [B] int, left padding: keys j < seq_start[b] are invisible and their gates are
+        zeroed before the cumsum; rows with no visible key output 0.
+      segment_ids: [B, Tk] int, packed documents: query i sees key j only if their ids are equal.
+      adaptive_threshold: ACP (arXiv 2504.06949): None (off), ``"auto"`` (U from the actual maximum
+        norms of q and k), a float δ, or an array broadcastable to [B, H]. Tiles whose largest decay is
+        below δ are skipped; with the auto threshold the skipped weight per query is ≤ exp(log_epsilon).
+      log_epsilon: log ε of the auto threshold (default −10).
+      implementation: ``"xla"`` (blockwise pure JAX), ``"pallas"`` (pallas_call kernel; interpret mode
+        off-GPU), ``"mosaic"`` (Hopper kernel), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]) or
+        ``"auto"`` (the fastest available for the backend).
+      block_q, block_k: tile sizes of the blockwise implementations.
+
+    Returns:
+      [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_fgate.
+
+    Raises:
+      ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_fgate), Tq > Tk, H not a
+        multiple of Hkv, an unknown implementation or threshold.
+      NotImplementedError: an implementation not available for these inputs.
+    """
+    _check_inputs(q, k, v, log_fgate, seq_start, segment_ids)
+    impl = _resolve_impl(implementation)
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    if log_fgate is None:
+        log_fgate = jnp.zeros((b, tk, h), jnp.float32)
+    delta = acp_lib.resolve_threshold(adaptive_threshold, q, k, scale, log_epsilon)
+    if seq_start is not None:
+        seq_start = seq_start.astype(jnp.int32)
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+
+    if impl == "dense":
+        out = forgetting_attention_reference(q, k, v, log_fgate, sm_scale=scale, seq_start=seq_start,
+                                             segment_ids=segment_ids, prune_threshold=delta)
+        return out.astype(q.dtype)
+    lam = decay_cumsum(log_fgate, seq_start)
+    if seq_start is None:
+        seq_start = jnp.zeros((b,), jnp.int32)
+    if impl == "xla":
+        bq, bk = block_sizes(tq, tk, block_q, block_k)
+        ranges = None
+        if delta is not None:
+            lam_c = jax.lax.stop_gradient(lam)
+            ranges = (acp_lib.kv_block_start(lam_c, delta, tq=tq, block_q=bq, block_k=bk),
+                      acp_lib.q_block_end(lam_c, delta, tq=tq, block_q=bq, block_k=bk))
+        return blockwise_attention(q, k, v, lam, seq_start, segment_ids, ranges, scale, bq, bk)
+    if impl in ("pallas", "mosaic"):
+        try:
+            from fox_jax.ops import pallas as pallas_impl
+        except ImportError as e:  # pragma: no cover - depends on the install
+            raise NotImplementedError(f"implementation={impl!r} is not available: {e}") from e
+        return pallas_impl.attention(q, k, v, lam, seq_start, segment_ids, delta, scale=scale,
+                                     implementation=impl)
+    raise AssertionError(impl)
