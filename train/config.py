@@ -77,6 +77,7 @@ class ExperimentConfig:
       eval_batches: validation batches per evaluation.
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoints: save in the background (waits for the last save before exit).
+      mesh: device mesh, e.g. ``"data=2,fsdp=2"`` (default: all devices on ``data``).
     """
 
     model: ModelConfig = ModelConfig()
@@ -92,6 +93,7 @@ class ExperimentConfig:
     ckpt_every: int = 100
     keep_checkpoints: int = 3
     async_checkpoints: bool = True
+    mesh: str = ""
 
     def validate(self) -> "ExperimentConfig":
         if self.steps <= 0:

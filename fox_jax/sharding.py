@@ -1,0 +1,80 @@
+"""Device meshes and the mapping from logical axis names to mesh axes.
+
+Model code never names mesh axes. The mesh has three axes, ``data``, ``fsdp`` and ``tensor``; by
+default every device sits on ``data`` (pure data parallelism, replicated parameters). Batches are
+split over ``data`` and ``fsdp`` together.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# logical name -> mesh axis (None = replicated)
+LOGICAL_AXIS_RULES = {
+    "batch": ("data", "fsdp"),
+    "seq": None,
+    "embed": "fsdp",
+    "heads": "tensor",
+    "kv_heads": "tensor",
+    "head_dim": None,
+    "mlp": "tensor",
+    "vocab": "tensor",
+}
+
+
+def parse_mesh(spec: str | None) -> dict[str, int]:
+    """``"data=2,fsdp=2,tensor=2"`` → {"data": 2, "fsdp": 2, "tensor": 2}; missing axes are 1 and
+    one axis may be -1 (all remaining devices). None/"" = all devices on ``data``.
+
+    Raises:
+      ValueError: unknown axis, bad number, or sizes that do not multiply to the device count.
+    """
+    n = jax.device_count()
+    sizes = {"data": -1, "fsdp": 1, "tensor": 1} if not spec else {"data": 1, "fsdp": 1, "tensor": 1}
+    for part in (spec or "").split(","):
+        if not part.strip():
+            continue
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in MESH_AXES:
+            raise ValueError(f"--mesh: unknown axis {name!r}; expected some of {MESH_AXES} (e.g. data=2,fsdp=2)")
+        try:
+            sizes[name] = int(value)
+        except ValueError:
+            raise ValueError(f"--mesh: {part!r} is not axis=integer") from None
+    auto = [k for k, v in sizes.items() if v == -1]
+    if len(auto) > 1:
+        raise ValueError("--mesh: at most one axis may be -1")
+    known = int(np.prod([v for v in sizes.values() if v != -1]))
+    if auto:
+        if n % known:
+            raise ValueError(f"--mesh: {spec!r} does not divide the {n} devices")
+        sizes[auto[0]] = n // known
+    if int(np.prod(list(sizes.values()))) != n:
+        raise ValueError(f"--mesh: {sizes} needs {int(np.prod(list(sizes.values())))} devices, have {n}")
+    return sizes
+
+
+def make_mesh(spec: str | None = None) -> Mesh:
+    """A ``Mesh`` with axes (data, fsdp, tensor) over all devices (see ``parse_mesh``)."""
+    sizes = parse_mesh(spec)
+    devices = np.asarray(jax.devices()).reshape([sizes[a] for a in MESH_AXES])
+    return Mesh(devices, MESH_AXES)
+
+
+def logical_to_spec(names: tuple[str | None, ...]) -> P:
+    """Logical axis names → a ``PartitionSpec`` over the mesh axes (LOGICAL_AXIS_RULES)."""
+    return P(*[None if n is None else LOGICAL_AXIS_RULES[n] for n in names])
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (batch) dimension split over data × fsdp, the rest replicated."""
+    return NamedSharding(mesh, logical_to_spec(("batch",)))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

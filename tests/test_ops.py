@@ -1,0 +1,240 @@
+"""The forgetting-attention op (xla blockwise + dense) against the dense float32 reference.
+
+Tolerances: float32 inputs are compared at atol 2e-5 (outputs) / 1e-4 (gradients): the blockwise
+online softmax reorders float32 sums of O(T) terms, so errors are a few ulps of O(1) values. bf16
+and fp16 inputs are compared with the reference evaluated on the *same rounded inputs*; the only
+extra error is rounding P (≤ 2^-8 relative for bf16, 2^-11 for fp16) before the P·V and dS·K
+matmuls, hence atol 3e-2 (bf16) and 5e-3 (fp16) on O(1) outputs and gradients.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.ops import acp, attention_mask, decay_cumsum, forgetting_attention, forgetting_attention_reference
+
+TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (3e-2, 3e-2), jnp.float16: (5e-3, 5e-3)}
+
+
+def make_inputs(b, tq, tk, h, hkv, d, dtype=jnp.float32, seed=0, gate_range=(0.0, 5.0)):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+    q = jax.random.normal(ks[0], (b, tq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, tk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, tk, hkv, d), jnp.float32).astype(dtype)
+    logits = jax.random.uniform(ks[3], (b, tk, h), jnp.float32, *gate_range)
+    return q, k, v, jax.nn.log_sigmoid(logits)
+
+
+def packed_segments(b, tk, seed=0):
+    rng = np.random.default_rng(seed)
+    seg = np.zeros((b, tk), np.int32)
+    for i in range(b):
+        cuts = np.sort(rng.choice(np.arange(1, tk), size=3, replace=False))
+        seg[i] = np.searchsorted(cuts, np.arange(tk), side="right") + 1
+    return jnp.asarray(seg)
+
+
+def grads(fn, q, k, v, lf, cot):
+    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(q, k, v, lf)
+
+
+SHAPES = [
+    # b, tq, tk, h, hkv, d
+    (2, 100, 100, 4, 4, 16),   # not a multiple of the block
+    (1, 37, 130, 4, 2, 32),    # Tq < Tk, GQA
+    (2, 64, 64, 2, 1, 8),      # exact blocks, MQA
+    (1, 1, 77, 2, 2, 16),      # single decoding query
+]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("variant", ["plain", "segments", "seq_start", "both"])
+def test_xla_matches_reference_f32(shape, variant):
+    b, tq, tk, h, hkv, d = shape
+    q, k, v, lf = make_inputs(*shape, seed=hash((shape, variant)) % 1000)
+    kw = {}
+    if variant in ("segments", "both"):
+        kw["segment_ids"] = packed_segments(b, tk)
+    if variant in ("seq_start", "both"):
+        kw["seq_start"] = jnp.asarray([min(7, tk - 1), 0][:b] if b > 1 else [5], jnp.int32)
+    out = forgetting_attention(q, k, v, lf, implementation="xla", block_q=32, block_k=16, **kw)
+    ref = forgetting_attention_reference(q, k, v, lf, **kw)
+    np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+    cot = jax.random.normal(jax.random.PRNGKey(1), ref.shape)
+    g = grads(lambda *a: forgetting_attention(*a, implementation="xla", block_q=32, block_k=16, **kw), q, k, v, lf, cot)
+    gr = grads(lambda *a: forgetting_attention_reference(*a, **kw), q, k, v, lf, cot)
+    for name, a, r in zip("qkvf", g, gr):
+        np.testing.assert_allclose(a, r, atol=1e-4, rtol=0, err_msg=f"d{name}")
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
+def test_xla_low_precision(dtype):
+    shape = (2, 90, 150, 4, 2, 32)
+    q, k, v, lf = make_inputs(*shape, dtype=dtype, seed=3)
+    seg = packed_segments(2, 150, seed=4)
+    out = forgetting_attention(q, k, v, lf, segment_ids=seg, implementation="xla", block_q=32, block_k=32)
+    assert out.dtype == dtype
+    ref = forgetting_attention_reference(q, k, v, lf, segment_ids=seg)
+    atol_o, atol_g = TOL[dtype]
+    np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=atol_o, rtol=0)
+    cot = jax.random.normal(jax.random.PRNGKey(2), ref.shape)
+    g = grads(lambda *a: forgetting_attention(*a, segment_ids=seg, implementation="xla", block_q=32, block_k=32),
+              q, k, v, lf, cot)
+    gr = grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg), q, k, v, lf, cot)
+    for name, a, r in zip("qkvf", g, gr):
+        scale = float(jnp.max(jnp.abs(r)))
+        err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - r)))
+        assert err <= atol_g * max(scale, 1.0), f"d{name}: {err} vs scale {scale}"
+
+
+def test_dense_implementation_and_no_forgetting():
+    q, k, v, lf = make_inputs(1, 40, 40, 2, 2, 16)
+    np.testing.assert_allclose(forgetting_attention(q, k, v, lf, implementation="dense"),
+                               forgetting_attention_reference(q, k, v, lf), atol=1e-6)
+    # log_fgate=None is plain causal softmax attention
+    out = forgetting_attention(q, k, v, None, implementation="xla", block_q=16, block_k=16)
+    ref = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+
+
+def test_empty_rows_are_zero_and_finite():
+    """Queries before seq_start see no key: output 0, gradients finite (no NaN from -inf - -inf)."""
+    q, k, v, lf = make_inputs(2, 48, 48, 2, 2, 16)
+    seq_start = jnp.asarray([20, 47], jnp.int32)
+    out = forgetting_attention(q, k, v, lf, seq_start=seq_start, implementation="xla", block_q=16, block_k=16)
+    assert np.all(np.asarray(out[0, :20]) == 0) and np.all(np.asarray(out[1, :47]) == 0)
+    g = grads(lambda *a: forgetting_attention(*a, seq_start=seq_start, implementation="xla", block_q=16, block_k=16),
+              q, k, v, lf, jnp.ones(out.shape))
+    for x in g:
+        assert np.all(np.isfinite(np.asarray(x)))
+    # gates before seq_start do not matter: their gradient is exactly zero
+    assert np.all(np.asarray(g[3][0, :20]) == 0)
+
+
+def test_decay_gradient_is_reverse_cumsum():
+    lf = jax.nn.log_sigmoid(jax.random.normal(jax.random.PRNGKey(0), (1, 10, 1)))
+    w = jax.random.normal(jax.random.PRNGKey(1), (1, 10, 1))
+    g = jax.grad(lambda x: jnp.sum(decay_cumsum(x) * w))(lf)
+    np.testing.assert_allclose(g, jnp.flip(jnp.cumsum(jnp.flip(w, 1), 1), 1), atol=1e-6)
+
+
+def test_composes_with_jit_vmap_grad():
+    q, k, v, lf = make_inputs(3, 33, 33, 2, 2, 8)
+    f = lambda q, k, v, lf: forgetting_attention(q[None], k[None], v[None], lf[None], implementation="xla",
+                                                 block_q=16, block_k=16)[0]
+    out = jax.jit(jax.vmap(f))(q, k, v, lf)
+    np.testing.assert_allclose(out, forgetting_attention_reference(q, k, v, lf), atol=2e-5)
+    g = jax.jit(jax.vmap(jax.grad(lambda *a: jnp.sum(f(*a)), argnums=3)))(q, k, v, lf)
+    gr = jax.grad(lambda x: jnp.sum(forgetting_attention_reference(q, k, v, x)))(lf)
+    np.testing.assert_allclose(g, gr, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(log_fgate_dtype=jnp.bfloat16), "log_fgate must be float32"),
+        (dict(tq=50, tk=40), "must not exceed key length"),
+        (dict(h=3, hkv=2), "multiple of k/v heads"),
+        (dict(implementation="cuda"), "implementation must be one of"),
+        (dict(adaptive_threshold="sometimes"), "adaptive_threshold"),
+        (dict(seq_start=jnp.zeros((3,), jnp.int32)), "seq_start"),
+    ],
+)
+def test_bad_inputs_raise(kwargs, match):
+    tq, tk = kwargs.pop("tq", 8), kwargs.pop("tk", 8)
+    h, hkv = kwargs.pop("h", 2), kwargs.pop("hkv", 2)
+    q, k, v, lf = make_inputs(1, tq, tk, h, hkv, 8)
+    lf = lf.astype(kwargs.pop("log_fgate_dtype", jnp.float32))
+    with pytest.raises(ValueError, match=match):
+        forgetting_attention(q, k, v, lf, **kwargs)
+
+
+def test_bad_rank_raises():
+    q, k, v, lf = make_inputs(1, 8, 8, 2, 2, 8)
+    with pytest.raises(ValueError, match="q must be"):
+        forgetting_attention(q[0], k, v, lf)
+
+
+# ACP ------------------------------------------------------------------------------------------------
+
+def tile_masked_reference(q, k, v, lf, delta, bq, bk):
+    """Dense float32 attention with exactly the tiles ACP keeps (independent of the block loops)."""
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    lam = np.asarray(decay_cumsum(lf))
+    delta = np.asarray(delta)
+    keep = np.ones((b, h, tq, tk), bool)
+    off = tk - tq
+    for m in range(-(-tq // bq)):
+        r = off + m * bq
+        for n in range(-(-tk // bk)):
+            c = min(n * bk + bk - 1, tk - 1)
+            pruned = (lam[:, r, :] - lam[:, c, :]) < delta  # [b, h]
+            keep[:, :, m * bq:(m + 1) * bq, n * bk:(n + 1) * bk] &= ~pruned[:, :, None, None]
+    group = h // k.shape[2]
+    kf, vf = np.repeat(np.asarray(k, np.float64), group, 2), np.repeat(np.asarray(v, np.float64), group, 2)
+    s = np.einsum("bihd,bjhd->bhij", np.asarray(q, np.float64), kf) / math.sqrt(d)
+    lam_bh = lam.transpose(0, 2, 1).astype(np.float64)
+    s = s + lam_bh[:, :, off:, None] - lam_bh[:, :, None, :]
+    mask = np.asarray(attention_mask(tq, tk, batch=b))[:, None] & keep
+    s = np.where(mask, s, -np.inf)
+    p = np.exp(s - s.max(-1, keepdims=True))
+    p = p / p.sum(-1, keepdims=True)
+    return np.einsum("bhij,bjhd->bihd", p, vf)
+
+
+def test_acp_skips_exactly_the_pruned_tiles():
+    q, k, v, lf = make_inputs(2, 70, 100, 4, 2, 16, seed=5, gate_range=(-3.0, 1.0))
+    delta = jnp.asarray([[-4.0, -8.0, -12.0, -1e9], [-2.0, -6.0, -20.0, -30.0]])
+    out = forgetting_attention(q, k, v, lf, adaptive_threshold=delta, implementation="xla", block_q=16, block_k=16)
+    ref = tile_masked_reference(q, k, v, lf, delta, 16, 16)
+    np.testing.assert_allclose(out, ref, atol=2e-5)
+    starts = acp.kv_block_start(decay_cumsum(lf), delta, tq=70, block_q=16, block_k=16)
+    assert int(jnp.sum(starts)) > 0  # some tiles really were skipped
+
+
+def test_acp_minus_inf_is_bitwise_dense():
+    q, k, v, lf = make_inputs(1, 50, 50, 2, 2, 16)
+    kw = dict(implementation="xla", block_q=16, block_k=16)
+    dense = forgetting_attention(q, k, v, lf, **kw)
+    pruned = forgetting_attention(q, k, v, lf, adaptive_threshold=-jnp.inf, **kw)
+    assert np.array_equal(np.asarray(dense), np.asarray(pruned))
+    cot = jnp.ones(dense.shape)
+    for a, b_ in zip(grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot),
+                     grads(lambda *a: forgetting_attention(*a, adaptive_threshold=-jnp.inf, **kw), q, k, v, lf, cot)):
+        assert np.array_equal(np.asarray(a), np.asarray(b_))
+
+
+def test_acp_auto_guarantee():
+    """With the auto threshold the pruned weight per query is ≤ ε, so |o_acp − o| ≤ 2ε·max|v|
+    (dropping mass m and renormalising moves o by at most 2m·max|v|); gradients agree within
+    a tolerance of the same order (2e-3 on O(1) gradients, dominated by float32 noise)."""
+    b, t, h, d = 1, 256, 2, 16
+    q, k, v, _ = make_inputs(b, t, t, h, h, d, seed=7)
+    lf = jnp.full((b, t, h), -3.0, jnp.float32)  # fast-forgetting heads: most tiles prunable
+    kw = dict(implementation="xla", block_q=16, block_k=16)
+    log_eps = -10.0
+    dense = forgetting_attention(q, k, v, lf, **kw)
+    out = forgetting_attention(q, k, v, lf, adaptive_threshold="auto", log_epsilon=log_eps, **kw)
+    delta = acp.resolve_threshold("auto", q, k, d ** -0.5, log_eps)
+    stats = acp.pruning_stats(acp.kv_block_start(decay_cumsum(lf), delta, tq=t, block_q=16, block_k=16),
+                              tq=t, tk=t, block_q=16, block_k=16)
+    assert float(stats["fraction_skipped"]) > 0.5, stats
+    bound = 2 * math.exp(log_eps) * float(jnp.max(jnp.abs(v)))
+    assert float(jnp.max(jnp.abs(out - dense))) <= bound + 1e-6
+    cot = jax.random.normal(jax.random.PRNGKey(3), dense.shape)
+    for a, r in zip(grads(lambda *a: forgetting_attention(*a, adaptive_threshold="auto", **kw), q, k, v, lf, cot),
+                    grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)):
+        np.testing.assert_allclose(a, r, atol=2e-3)
+
+
+def test_qk_norm_threshold_matches_formula():
+    wq = jnp.ones((3, 64)).at[1, 5].set(2.0)
+    wk = jnp.ones((3, 64))
+    delta = acp.qk_norm_threshold(wq, wk, key_len=16384)
+    expected = -(2 * 8.0 + math.log(16384)) - 10.0  # spec §5.1 example: U = √64 = 8 → δ = −35.7
+    np.testing.assert_allclose(delta[0], expected, rtol=1e-6)
+    np.testing.assert_allclose(delta[1], -(2 * 16.0 + math.log(16384)) - 10.0, rtol=1e-6)

@@ -1,0 +1,134 @@
+"""``fox-jax``: train and evaluate FoX / Transformer language models.
+
+    fox-jax train --preset tiny --workdir runs/tiny                 # built-in corpus, CPU-friendly
+    fox-jax train --preset 125M --data DIR --val-data DIR --tokenizer DIR --workdir runs/fox125m
+    fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
+    fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
+
+Any config field can be overridden with ``key=value`` arguments, e.g. ``model.n_layers=6
+optim.lr=1e-3 data.seed=3`` (see ``train/config.py``). Errors are one line that says what to do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from train import config as config_lib
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/, metrics.jsonl, tb/)")
+    p.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt, .jsonl, or a "
+                   "pre-tokenized .npy); default: the Python standard library source")
+    p.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data)")
+    p.add_argument("--tokenizer", help="'bytes', a dir with GPT-2 vocab.json + merges.txt, or a tokenizer.json")
+    p.add_argument("--seq-len", type=int, help="tokens per sequence")
+    p.add_argument("--batch-size", type=int, help="sequences per step (global)")
+    p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=1 (default: all devices on data)")
+    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.n_layers=6")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fox-jax", description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train a model")
+    t.add_argument("--preset", default="tiny", help="tiny | 125M | 360M | 760M (default tiny)")
+    t.add_argument("--arch", default="fox-llama", help="fox-llama | transformer-llama")
+    t.add_argument("--steps", type=int, help="optimizer steps")
+    t.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+    t.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
+    _add_common(t)
+
+    e = sub.add_parser("eval", help="evaluate a trained model: val loss, perplexity, per-position loss")
+    e.add_argument("--step", type=int, help="checkpoint step (default: latest)")
+    e.add_argument("--num-batches", type=int, default=None, help="validation batches (default: eval_batches)")
+    e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss")
+    _add_common(e)
+    return parser
+
+
+def _explicit_overrides(args) -> list[str]:
+    """CLI flags → ``key=value`` overrides (only the flags actually given)."""
+    out = list(args.overrides or [])
+    if args.data:
+        out.append("data.train=" + ",".join(args.data))
+    if args.val_data:
+        out.append("data.val=" + ",".join(args.val_data))
+    if args.tokenizer:
+        out.append(f"data.tokenizer={args.tokenizer}")
+    if args.seq_len is not None:
+        out.append(f"data.seq_len={args.seq_len}")
+    if args.batch_size is not None:
+        out.append(f"batch_size={args.batch_size}")
+    if args.mesh:
+        out.append(f"mesh={args.mesh}")
+    if getattr(args, "steps", None) is not None:
+        out.append(f"steps={args.steps}")
+    return out
+
+
+def _check_paths(cfg: config_lib.ExperimentConfig) -> None:
+    for flag, paths in (("--data", cfg.data.train), ("--val-data", cfg.data.val)):
+        for p in paths:
+            if not any(ch in p for ch in "*?[") and not os.path.exists(p):
+                raise FileNotFoundError(f"{flag}: {p} does not exist; give a file, directory or glob of .txt/.jsonl text")
+
+
+def cmd_train(args) -> int:
+    from train import trainer
+
+    overrides = _explicit_overrides(args)
+    cfg_path = os.path.join(args.workdir, "config.json")
+    if args.resume and os.path.exists(cfg_path):
+        cfg = config_lib.load_json(cfg_path)  # the saved run; flags given now override it
+    else:
+        if args.preset not in ("tiny", "125M", "360M", "760M"):
+            raise ValueError(f"--preset must be one of tiny, 125M, 360M, 760M; got {args.preset!r}")
+        cfg = config_lib.preset(args.preset, args.arch)
+    cfg = config_lib.apply_overrides(cfg, overrides)
+    _check_paths(cfg)
+    explicit_vocab = any(o.startswith("model.vocab_size=") for o in overrides)
+    result = trainer.train(cfg, args.workdir, resume=args.resume, explicit_vocab=explicit_vocab,
+                           progress=not args.no_progress)
+    msg = f"done: {result.final_step} steps in {result.workdir}"
+    if result.val_loss is not None:
+        import math
+        msg += f"; val_loss {result.val_loss:.4f}, val_ppl {math.exp(min(result.val_loss, 50)):.2f}"
+    print(msg)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from train import evaluate
+
+    report = evaluate.evaluate_run(args.workdir, overrides=_explicit_overrides(args), step=args.step,
+                                   num_batches=args.num_batches, num_docs=args.num_docs)
+    print(f"step {report['step']}: val_loss {report['val_loss']:.4f} | val_ppl {report['val_ppl']:.2f} | "
+          f"{report['val_tokens']} tokens")
+    print(f"per-position loss: {report['per_position_json']} and {report['per_position_png']}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from train.checkpoints import CheckpointError
+
+    try:
+        if args.command == "train":
+            return cmd_train(args)
+        return cmd_eval(args)
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as e:
+        print(f"fox-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fox-jax {args.command}: interrupted; the last checkpoint is kept (continue with --resume)",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""``fox-jax eval``: validation loss / perplexity and per-token loss by position (FoX paper Fig. 2).
+
+Writes ``<workdir>/eval/step_<N>.json`` (summary + per-position loss) and ``per_position_loss_<N>.png``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fox_jax.models import LanguageModel
+from train import config as config_lib
+from train import data as data_lib
+from train.checkpoints import Checkpointer, CheckpointError
+from train.trainer import evaluate_loss, init_state, make_eval_step, make_optimizer, token_losses
+
+
+def load_params(workdir: str, cfg: config_lib.ExperimentConfig, step: int | None = None):
+    """Restore the parameters saved in ``<workdir>/checkpoints`` (latest or ``step``).
+
+    Raises:
+      CheckpointError: no checkpoint there, or one that does not match ``cfg``.
+    """
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{workdir} has no checkpoints/ directory; train first or pass the right --workdir")
+    ckpt = Checkpointer(ckpt_dir, keep=cfg.keep_checkpoints, async_save=False, create=False)
+    try:
+        if step is not None and step not in ckpt.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; available: {ckpt.all_steps()}")
+        optimizer = make_optimizer(cfg)
+        abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer))
+        state, _ = ckpt.restore(step, abstract)
+    finally:
+        ckpt.close()
+    return state.params, int(state.step)
+
+
+def per_position_loss(model, params, windows: dict, batch_size: int):
+    """Mean loss at each position over documents: ([T] float64 mean, [T] counts)."""
+    loss_fn = jax.jit(lambda p, b: token_losses(model, p, b))
+    n = windows["inputs"].shape[0]
+    total = np.zeros(windows["inputs"].shape[1])
+    count = np.zeros_like(total)
+    for i in range(0, n, batch_size):
+        batch = {k: v[i:i + batch_size] for k, v in windows.items()}
+        losses = np.asarray(loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items() if k != "mask"}))
+        mask = batch["mask"].astype(np.float64)
+        total += (losses * mask).sum(0)
+        count += mask.sum(0)
+    return total / np.maximum(count, 1), count
+
+
+def plot_per_position(path: str, mean: np.ndarray, count: np.ndarray, title: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pos = np.arange(1, len(mean) + 1)
+    valid = count > 0
+    window = max(1, min(101, len(mean) // 20))
+    smooth = np.convolve(np.where(valid, mean, 0), np.ones(window), "same") / np.maximum(
+        np.convolve(valid.astype(float), np.ones(window), "same"), 1e-9)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(pos[valid], mean[valid], alpha=0.3, lw=0.8, label="per position")
+    ax.plot(pos[valid], smooth[valid], lw=2, label=f"moving average ({window})")
+    ax.set_xscale("log")
+    ax.set_xlabel("token position")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int | None = None,
+                 num_batches: int | None = None, num_docs: int = 64) -> dict:
+    """Evaluate the checkpoint of a run: validation loss/perplexity and per-position loss.
+
+    ``overrides`` may change the data (e.g. ``data.val=...``, ``data.seq_len=4096`` for length
+    extrapolation) but not the model.
+    """
+    cfg_path = os.path.join(workdir, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found; --workdir must be a directory written by 'fox-jax train'")
+    cfg = config_lib.load_json(cfg_path)
+    cfg = config_lib.apply_overrides(cfg, overrides or [])
+    params, ckpt_step = load_params(workdir, cfg, step)
+    corpus = data_lib.load_corpus(cfg.data)
+    if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only {cfg.model.vocab_size}; "
+                         "evaluate with the tokenizer the model was trained with")
+    model = LanguageModel(cfg.model)
+    batches = data_lib.make_val_batches(cfg.data, cfg.batch_size, num_batches or cfg.eval_batches, corpus=corpus)
+    eval_fn = jax.jit(make_eval_step(model))
+    val_loss = evaluate_loss(eval_fn, params, batches, None)
+    n_tokens = int(sum(b["targets"].size for b in batches))
+    windows = data_lib.document_windows(cfg.data, num_docs, corpus=corpus)
+    mean, count = per_position_loss(model, params, windows, cfg.batch_size)
+
+    out_dir = os.path.join(workdir, "eval")
+    os.makedirs(out_dir, exist_ok=True)
+    report = {
+        "step": ckpt_step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)), "val_tokens": n_tokens,
+        "seq_len": cfg.data.seq_len, "num_docs": int(windows["inputs"].shape[0]),
+        "per_position_loss": [float(x) if c > 0 else None for x, c in zip(mean, count)],
+        "per_position_count": count.astype(int).tolist(),
+    }
+    json_path = os.path.join(out_dir, f"step_{ckpt_step}.json")
+    png_path = os.path.join(out_dir, f"per_position_loss_{ckpt_step}.png")
+    with open(json_path, "w") as f:
+        json.dump(report, f)
+    plot_per_position(png_path, mean, count,
+                      f"{cfg.model.arch} step {ckpt_step}: per-token loss ({report['num_docs']} documents)")
+    report.update(per_position_json=json_path, per_position_png=png_path)
+    return report

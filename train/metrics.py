@@ -1,0 +1,102 @@
+"""Throughput accounting (TFLOP/s, MFU) and metric writers (console, JSON lines, TensorBoard)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+import jax
+
+# Dense peak FLOP/s per chip by device kind (vendor datasheets, no sparsity). Keys are matched as
+# lower-case substrings of ``jax.Device.device_kind``. bf16/fp16 use the tensor-core rate; float32
+# matmuls in XLA default to TF32 on Hopper/Ampere.
+PEAK_FLOPS = {
+    "h200": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "h100": {"bfloat16": 989e12, "float16": 989e12, "float32": 494e12},
+    "a100": {"bfloat16": 312e12, "float16": 312e12, "float32": 156e12},
+    "l40s": {"bfloat16": 362e12, "float16": 362e12, "float32": 181e12},
+}
+
+
+def device_peak_flops(dtype: str, device: jax.Device | None = None) -> float | None:
+    """Peak dense FLOP/s of one device for ``dtype``, or None when unknown (e.g. CPUs)."""
+    device = device or jax.devices()[0]
+    kind = device.device_kind.lower()
+    for name, peaks in PEAK_FLOPS.items():
+        if name in kind:
+            return peaks.get(dtype)
+    return None
+
+
+class MetricWriter:
+    """Writes metrics to ``<workdir>/metrics.jsonl`` (one JSON object per line) and TensorBoard.
+
+    Only process 0 writes. TensorBoard is optional: without tensorboardX installed only JSON is written.
+    """
+
+    def __init__(self, workdir: str, enabled: bool = True):
+        self.enabled = enabled and jax.process_index() == 0
+        self._jsonl = None
+        self._tb = None
+        if not self.enabled:
+            return
+        os.makedirs(workdir, exist_ok=True)
+        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+        try:
+            from tensorboardX import SummaryWriter
+        except ImportError:  # pragma: no cover - tensorboardX is a dependency
+            SummaryWriter = None
+        if SummaryWriter is not None:
+            self._tb = SummaryWriter(os.path.join(workdir, "tb"))
+
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: _to_float(v) for k, v in metrics.items()}
+        self._jsonl.write(json.dumps({"step": int(step), **clean}) + "\n")
+        if self._tb is not None:
+            for k, v in clean.items():
+                if isinstance(v, float) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def _to_float(v):
+    try:
+        return float(v)
+    except (TypeError, ValueError):
+        return v
+
+
+def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
+    """``step 100/300 | loss 2.3456 | lr 3.00e-03 | gnorm 0.81 | 12.3k tok/s | 1.20 TFLOP/s | MFU 34.1%``."""
+    parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}"]
+    if "lr" in m:
+        parts.append(f"lr {m['lr']:.2e}")
+    if "grad_norm" in m:
+        parts.append(f"gnorm {m['grad_norm']:.3f}")
+    if "tokens_per_sec" in m:
+        parts.append(f"{_si(m['tokens_per_sec'])} tok/s")
+    if "tflops" in m:
+        parts.append(f"{m['tflops']:.2f} TFLOP/s")
+    if m.get("mfu") is not None:
+        parts.append(f"MFU {100 * m['mfu']:.1f}%")
+    if "acp_fraction_skipped" in m:
+        parts.append(f"ACP pruned {100 * m['acp_fraction_skipped']:.1f}%")
+    if "val_loss" in m:
+        parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})")
+    return " | ".join(parts)
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"
