@@ -98,11 +98,11 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
         raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only {cfg.model.vocab_size}; "
                          "evaluate with the tokenizer the model was trained with")
     model = LanguageModel(cfg.model)
-    batches = data_lib.make_val_batches(cfg.data, cfg.batch_size, num_batches or cfg.eval_batches, corpus=corpus)
+    batches = data_lib.make_val_batches(corpus, cfg.batch_size, num_batches or cfg.eval_batches)
     eval_fn = jax.jit(make_eval_step(model))
     val_loss = evaluate_loss(eval_fn, params, batches, None)
     n_tokens = int(sum(b["targets"].size for b in batches))
-    windows = data_lib.document_windows(cfg.data, num_docs, corpus=corpus)
+    windows = data_lib.document_windows(corpus, num_docs)
     mean, count = per_position_loss(model, params, windows, cfg.batch_size)
 
     out_dir = os.path.join(workdir, "eval")

@@ -112,7 +112,7 @@ def make_train_step(model: LanguageModel, optimizer, grad_accum: int, collect_ac
         grads = jax.tree_util.tree_map(lambda g: g / grad_accum, grads)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = {"loss": loss / grad_accum, "grad_norm": optax.global_norm(grads)}
+        metrics = {"loss": loss / grad_accum, "grad_norm": optax.tree.norm(grads)}
         if collect_acp:
             metrics["acp_fraction_skipped"] = acp / grad_accum
         new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
@@ -189,7 +189,9 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
         raise FileExistsError(
             f"{workdir} already holds checkpoints; pass --resume to continue that run, or choose another --workdir")
     if has_ckpt and os.path.exists(cfg_path):
-        _check_resume_config(config_lib.load_json(cfg_path), cfg)
+        saved = config_lib.load_json(cfg_path)
+        _check_resume_config(saved, cfg)
+        cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=saved.model.vocab_size))
 
     cfg.validate()
     corpus = data_lib.load_corpus(cfg.data)
@@ -215,14 +217,13 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
 
     ckpt = Checkpointer(ckpt_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
     train_iter = data_lib.make_train_iterator(
-        cfg.data, cfg.batch_size, corpus=corpus,
-        process_index=jax.process_index(), process_count=jax.process_count())
+        corpus, cfg.batch_size, process_index=jax.process_index(), process_count=jax.process_count())
     start_step = 0
     if has_ckpt:
         abstract_sharded = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
         state, data_state = ckpt.restore(None, abstract_sharded)
-        data_lib.restore_iterator(train_iter, data_state)
+        train_iter.set_state(data_state)
         start_step = int(state.step)
         _log(f"resumed from {ckpt_dir} at step {start_step}")
     else:
@@ -234,7 +235,8 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
                       in_shardings=(state_sharding, data_sharding), out_shardings=(state_sharding, None),
                       donate_argnums=(0,))
     eval_fn = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params, data_sharding))
-    val_batches = data_lib.make_val_batches(cfg.data, cfg.batch_size, cfg.eval_batches, corpus=corpus)
+    val_batches = data_lib.make_val_batches(corpus, cfg.batch_size, cfg.eval_batches,
+                                            process_index=jax.process_index(), process_count=jax.process_count())
 
     tokens_per_step = cfg.batch_size * cfg.data.seq_len
     flops_per_step = 3.0 * cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
@@ -242,7 +244,7 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     n_dev = jax.device_count()
     _log(f"model {cfg.model.arch}: {n_params / 1e6:.2f}M parameters "
          f"({cfg.model.param_count(include_head=False) / 1e6:.2f}M excluding the LM head); "
-         f"{len(corpus.train_tokens) / 1e6:.2f}M training tokens, {len(corpus.val_tokens) / 1e6:.2f}M validation; "
+         f"data: {corpus.summary()}; "
          f"{n_dev} x {jax.devices()[0].device_kind}; workdir {workdir}")
 
     writer = MetricWriter(workdir)
@@ -251,27 +253,38 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     pending: list[tuple[int, dict]] = []
     bar = tqdm(total=cfg.steps, initial=start_step, disable=not progress or jax.process_index() != 0,
                desc="train", unit="step", dynamic_ncols=True)
-    t_last, step_last = time.perf_counter(), start_step
     step = start_step
     try:
+        if start_step == 0 and cfg.eval_every > 0:  # the starting point of the validation curve
+            val_loss = evaluate_loss(eval_fn, state.params, val_batches, data_sharding)
+            row = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
+            writer.write(0, row)
+            _log(f"step 0/{cfg.steps} | val_loss {val_loss:.4f} (ppl {row['val_ppl']:.2f})")
+        t_last, step_last = time.perf_counter(), start_step
         while step < cfg.steps:
             batch = _to_global(next(train_iter), data_sharding)
             state, metrics = step_fn(state, batch)
             step += 1
+            if step == start_step + 1:  # the first step compiles: time it on its own
+                jax.block_until_ready(metrics)
+                now = time.perf_counter()
+                first_step_tok_s = tokens_per_step / max(now - t_last, 1e-9)
+                t_last, step_last = now, step
             pending.append((step, metrics))
             is_eval = cfg.eval_every > 0 and step % cfg.eval_every == 0 or step == cfg.steps
             if step % max(cfg.log_every, 1) == 0 or is_eval or step == cfg.steps:
                 fetched = jax.device_get([m for _, m in pending])
                 now = time.perf_counter()
-                tok_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9)
+                tok_s = (step - step_last) * tokens_per_step / max(now - t_last, 1e-9) if step > step_last else None
                 t_last, step_last = now, step
                 for (s, _), m in zip(pending, fetched):
                     row = {k: float(v) for k, v in m.items()}
                     row["lr"] = float(schedule(s - 1))
-                    row["tokens_per_sec"] = tok_s
-                    row["tflops"] = tok_s / tokens_per_step * flops_per_step / 1e12
+                    rate = first_step_tok_s if s == start_step + 1 or tok_s is None else tok_s
+                    row["tokens_per_sec"] = rate  # the first step's includes compilation
+                    row["tflops"] = rate / tokens_per_step * flops_per_step / 1e12
                     if peak:
-                        row["mfu"] = tok_s / tokens_per_step * flops_per_step / (peak * n_dev)
+                        row["mfu"] = rate / tokens_per_step * flops_per_step / (peak * n_dev)
                     losses[s] = row["loss"]
                     if not math.isfinite(row["loss"]):
                         raise FloatingPointError(f"loss became {row['loss']} at step {s}; lower optim.lr or check the data")
@@ -283,17 +296,20 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
                     val_loss = evaluate_loss(eval_fn, state.params, val_batches, data_sharding)
                     last["val_loss"] = val_loss
                     last["val_ppl"] = math.exp(min(val_loss, 50.0))
+                    t_last = time.perf_counter()  # evaluation time is not training throughput
                 writer.write(step, last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
                 bar.write(format_log_line(step, cfg.steps, last)) if progress else _log(
                     format_log_line(step, cfg.steps, last))
             bar.update(1)
             if cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0 and step != cfg.steps:
-                ckpt.save(step, state, data_lib.iterator_state(train_iter))
+                ckpt.save(step, state, train_iter.get_state())
         if ckpt.latest_step() != step:
-            ckpt.save(step, state, data_lib.iterator_state(train_iter), force=True)
+            ckpt.save(step, state, train_iter.get_state(), force=True)
     finally:
         bar.close()
+        if hasattr(train_iter, "close"):
+            train_iter.close()
         ckpt.close()  # waits for the last asynchronous save
         writer.close()
     return RunResult(workdir, step, losses, val_loss)

@@ -1,0 +1,134 @@
+"""Model shapes, parameter counts (specs/fox_acp.md §2.5), equivalences, and jit/vmap/grad composability."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.config import ModelConfig, preset
+from fox_jax.models import LanguageModel, count_params, init_params
+
+# (size, arch) -> parameters incl. one 50257 x d embedding, from the spec table (millions, 0.1 precision)
+SPEC_COUNTS = {
+    ("125M", "fox-llama"): 123.7,
+    ("360M", "fox-llama"): 360.2,
+    ("760M", "fox-llama"): 757.6,
+    ("760M", "transformer-llama"): 756.7,  # paper Table 6: 756M
+}
+
+
+@pytest.mark.parametrize("size_arch", sorted(SPEC_COUNTS), ids=lambda x: "-".join(x))
+def test_paper_parameter_counts(size_arch):
+    cfg = preset(*size_arch)
+    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    built = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
+    assert built == cfg.param_count()
+    assert round(cfg.param_count(include_head=False) / 1e6, 1) == SPEC_COUNTS[size_arch]
+
+
+def test_mlp_width_and_heads():
+    assert preset("125M").mlp_hidden == 2048
+    assert preset("360M").mlp_hidden == 2816
+    assert preset("760M").mlp_hidden == 4096
+    assert preset("760M", "transformer-llama").n_heads == 12
+    assert preset("760M", "transformer-llama").dim_per_head == 128
+
+
+def test_flops_formula():
+    cfg = preset("760M")
+    n = cfg.param_count(include_embedding=False)  # non-embedding + LM head (matmul params)
+    assert cfg.flops_per_token(16384) == pytest.approx(2 * n + 2 * 24 * 1536 * 16384)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = preset("tiny", vocab_size=97)
+    return cfg, init_params(cfg, jax.random.PRNGKey(0))
+
+
+def test_forward_shapes_and_dtypes(tiny):
+    cfg, params = tiny
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 45), 0, 97)
+    logits = LanguageModel(cfg).apply({"params": params}, tokens)
+    assert logits.shape == (3, 45, 97) and logits.dtype == jnp.float32
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    bf = cfg.replace(dtype="bfloat16")
+    assert LanguageModel(bf).apply({"params": params}, tokens).dtype == jnp.bfloat16
+    assert "fgate_proj" in params["layers_0"]["attn"]
+    assert np.all(np.asarray(params["layers_0"]["attn"]["fgate_proj"]["bias"]) == 0)  # f ≈ 0.5 at init
+
+
+def test_causality_and_segments(tiny):
+    cfg, params = tiny
+    model = LanguageModel(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 40), 0, 97)
+    base = model.apply({"params": params}, tokens)
+    changed = model.apply({"params": params}, tokens.at[0, 30].set((tokens[0, 30] + 1) % 97))
+    np.testing.assert_allclose(base[0, :30], changed[0, :30], atol=1e-5)  # the past ignores the future
+    assert not np.allclose(base[0, 30:], changed[0, 30:])
+    # a packed second document is processed as if it stood alone
+    seg = jnp.concatenate([jnp.ones((1, 25), jnp.int32), 2 * jnp.ones((1, 15), jnp.int32)], 1)
+    packed = model.apply({"params": params}, tokens, seg)
+    alone = model.apply({"params": params}, tokens[:, 25:])
+    np.testing.assert_allclose(packed[0, 25:], alone[0], atol=1e-4)
+
+
+def test_transformer_rope_positions_reset_per_segment():
+    cfg = preset("tiny", "transformer-llama", vocab_size=50)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    model = LanguageModel(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 30), 0, 50)
+    seg = jnp.concatenate([jnp.ones((1, 12), jnp.int32), 2 * jnp.ones((1, 18), jnp.int32)], 1)
+    pos = jnp.concatenate([jnp.arange(12), jnp.arange(18)])[None]
+    packed = model.apply({"params": params}, tokens, seg, pos)
+    alone = model.apply({"params": params}, tokens[:, 12:])
+    np.testing.assert_allclose(packed[0, 12:], alone[0], atol=1e-4)
+
+
+def test_xla_and_dense_attention_agree(tiny):
+    cfg, params = tiny
+    tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 70), 0, 97)
+    a = LanguageModel(cfg.replace(attention_impl="xla", attention_block=32)).apply({"params": params}, tokens)
+    b = LanguageModel(cfg.replace(attention_impl="dense")).apply({"params": params}, tokens)
+    np.testing.assert_allclose(a, b, atol=1e-4)
+
+
+def test_jit_vmap_grad(tiny):
+    cfg, params = tiny
+    model = LanguageModel(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(4), (4, 33), 0, 97)
+
+    def loss(p, t):
+        logits = model.apply({"params": p}, t[None])[0]
+        return jnp.mean(jax.nn.logsumexp(logits[:-1], -1) - jnp.take_along_axis(logits[:-1], t[1:, None], -1)[:, 0])
+
+    per_example = jax.jit(jax.vmap(loss, in_axes=(None, 0)))(params, tokens)
+    assert per_example.shape == (4,)
+    g = jax.jit(jax.grad(lambda p: jnp.mean(jax.vmap(loss, in_axes=(None, 0))(p, tokens))))(params)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(params)
+    gnorm = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree_util.tree_leaves(g))))
+    assert np.isfinite(gnorm) and gnorm > 0
+    # the forget gate receives gradient
+    assert float(jnp.abs(g["layers_0"]["attn"]["fgate_proj"]["kernel"]).sum()) > 0
+
+
+def test_acp_in_model_sows_fraction(tiny):
+    cfg, params = tiny
+    model = LanguageModel(cfg.replace(adaptive_threshold="auto", attention_block=16))
+    tokens = jax.random.randint(jax.random.PRNGKey(5), (1, 64), 0, 97)
+    logits, inter = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    fractions = jax.tree_util.tree_leaves(inter)
+    assert len(fractions) == cfg.n_layers
+    dense = LanguageModel(cfg).apply({"params": params}, tokens)
+    np.testing.assert_allclose(logits, dense, atol=1e-3)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="n_kv_heads"):
+        ModelConfig(n_heads=4, n_kv_heads=3, d_model=64)
+    with pytest.raises(ValueError, match="arch"):
+        ModelConfig(arch="mamba")
+    with pytest.raises(ValueError, match="unknown model size"):
+        preset("1B")
+    assert count_params(init_params(preset("tiny", vocab_size=11), jax.random.PRNGKey(0))) == \
+        preset("tiny", vocab_size=11).param_count()

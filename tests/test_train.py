@@ -1,0 +1,189 @@
+"""Training loop, checkpoints, exact resume, evaluation and the CLI (CPU, small models)."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from train import cli, config as config_lib, data as data_lib, trainer
+from train.checkpoints import CheckpointError
+
+SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+
+
+def small_config(corpus_dir, steps=8, **kw) -> config_lib.ExperimentConfig:
+    cfg = config_lib.preset("tiny")
+    cfg = config_lib.apply_overrides(cfg, [
+        f"data.train={corpus_dir}", "data.seq_len=32", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
+        "model.attention_block=16", f"steps={steps}", "batch_size=4", "log_every=1", "eval_every=4",
+        "ckpt_every=4", "eval_batches=2", "optim.warmup_steps=2",
+    ])
+    return config_lib.apply_overrides(cfg, [f"{k}={v}" for k, v in kw.items()])
+
+
+@pytest.fixture(scope="module")
+def corpus_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    # a small real corpus: some of this repository's own Python source, one document per file
+    root = Path(__file__).resolve().parents[1]
+    files = sorted(root.glob("fox_jax/**/*.py")) + sorted(root.glob("train/*.py"))
+    for i, f in enumerate(files):
+        (d / f"doc{i:03d}.txt").write_text(f.read_text())
+    return d
+
+
+def read_metrics(workdir):
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_eval_and_metrics(corpus_dir, tmp_path):
+    cfg = small_config(corpus_dir, steps=8)
+    result = trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == list(range(0, 9))
+    assert set(rows[0]) == {"step", "val_loss", "val_ppl"}  # evaluation before the first step
+    rows = rows[1:]
+    for r in rows:
+        assert {"step", "loss", "lr", "tokens_per_sec", "grad_norm"} <= set(r)
+    evals = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in evals] == [4, 8] and all("val_ppl" in r for r in evals)
+    assert result.val_loss == pytest.approx(evals[-1]["val_loss"])
+    assert any(p.name.startswith("events") for p in (tmp_path / "run" / "tb").iterdir())
+    from train import evaluate
+    report = evaluate.evaluate_run(str(tmp_path / "run"), num_docs=4)
+    assert report["step"] == 8 and report["val_ppl"] > 1
+    assert os.path.exists(report["per_position_png"])
+    assert len(report["per_position_loss"]) == 32
+
+
+class Interrupt(Exception):
+    pass
+
+
+def test_resumed_run_matches_uninterrupted(corpus_dir, tmp_path, monkeypatch):
+    cfg = small_config(corpus_dir, steps=8)
+    trainer.train(cfg, str(tmp_path / "full"), progress=False)
+    full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")[1:]}
+
+    real = data_lib.make_train_iterator
+
+    def crashing_iterator(*a, **kw):  # the run dies while fetching the 6th batch
+        it = real(*a, **kw)
+        count = {"n": 0}
+        orig_next = it.__next__
+
+        def nxt():
+            count["n"] += 1
+            if count["n"] == 6:
+                raise Interrupt()
+            return orig_next()
+
+        it.__next__ = nxt
+        return _Wrapper(it, nxt)
+
+    monkeypatch.setattr(data_lib, "make_train_iterator", crashing_iterator)
+    with pytest.raises(Interrupt):
+        trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+    monkeypatch.setattr(data_lib, "make_train_iterator", real)
+    with pytest.raises(FileExistsError, match="--resume"):
+        trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+    trainer.train(cfg, str(tmp_path / "resumed"), resume=True, progress=False)
+    resumed = {}
+    for r in read_metrics(tmp_path / "resumed")[1:]:
+        resumed[r["step"]] = r["loss"]  # steps 1-4 from the first run, 5-8 after the resume
+    assert sorted(resumed) == list(range(1, 9))
+    assert resumed == full  # bit-identical losses
+
+
+class _Wrapper:
+    def __init__(self, it, nxt):
+        self._it, self._next = it, nxt
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self._next()
+
+    def get_state(self):
+        return self._it.get_state()
+
+    def set_state(self, s):
+        return self._it.set_state(s)
+
+
+def test_resume_refuses_changed_model_and_keeps_checkpoint(corpus_dir, tmp_path):
+    cfg = small_config(corpus_dir, steps=4)
+    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    changed = config_lib.apply_overrides(cfg, ["model.n_layers=3"])
+    with pytest.raises(ValueError, match="model.n_layers"):
+        trainer.train(changed, str(tmp_path / "run"), resume=True, progress=False)
+    assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
+
+
+def test_corrupt_checkpoint_is_reported_not_destroyed(corpus_dir, tmp_path):
+    cfg = small_config(corpus_dir, steps=4)
+    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    ckpt = tmp_path / "run" / "checkpoints" / "4" / "state"
+    victims = [p for p in ckpt.rglob("*") if p.is_file() and p.stat().st_size > 0]
+    assert victims
+    for p in victims:
+        p.write_bytes(b"\x00garbage")
+    before = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(CheckpointError, match="step 4"):
+        trainer.train(config_lib.apply_overrides(cfg, ["steps=6"]), str(tmp_path / "run"), resume=True,
+                      progress=False)
+    assert sorted(str(p) for p in (tmp_path / "run").rglob("*")) == before
+
+
+def test_cli_errors_are_one_line(corpus_dir, tmp_path, capsys):
+    assert cli.main(["train", "--workdir", str(tmp_path / "x"), "--data", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--data" in err and "does not exist" in err
+    assert cli.main(["train", "--workdir", str(tmp_path / "x"), "--data", str(corpus_dir), "--seq-len", "1"]) == 2
+    assert "seq_len" in capsys.readouterr().err
+    assert cli.main(["train", "--workdir", str(tmp_path / "x"), "model.nonsense=3"]) == 2
+    assert "unknown config field" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "a.txt").write_text("")
+    assert cli.main(["train", "--workdir", str(tmp_path / "y"), "--data", str(empty)]) == 2
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    assert cli.main(["eval", "--workdir", str(tmp_path / "nothing")]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def _slice_corpus(src: Path, dst: Path, n_docs: int) -> None:
+    """The first ``n_docs`` books of a Gutenberg shard (whole books, separator lines kept)."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    out, docs = [], 0
+    with open(src) as f:
+        for line in f:
+            out.append(line)
+            if line.strip() == "<|endoftext|>":
+                docs += 1
+                if docs == n_docs:
+                    break
+    dst.write_text("".join(out))
+
+
+@pytest.mark.skipif(not (SHARED / "corpus").is_dir(), reason="../shared/data is absent")
+def test_cli_on_gutenberg_slice_val_loss_falls(tmp_path, capsys):
+    train_file = tmp_path / "train" / "books.txt"
+    val_file = tmp_path / "val" / "books.txt"
+    _slice_corpus(SHARED / "corpus" / "gutenberg_train_00.txt", train_file, 3)
+    _slice_corpus(SHARED / "corpus_val" / "gutenberg_val.txt", val_file, 1)
+    workdir = tmp_path / "run"
+    argv = ["train", "--workdir", str(workdir), "--data", str(train_file.parent), "--val-data", str(val_file.parent),
+            "--tokenizer", str(SHARED / "tokenizers" / "gpt2"), "--steps", "60", "--seq-len", "64",
+            "--batch-size", "8", "--no-progress", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
+            "eval_every=20", "eval_batches=4", "optim.lr=3e-3", "optim.warmup_steps=5"]
+    assert cli.main(argv) == 0
+    evals = [r["val_loss"] for r in read_metrics(workdir) if "val_loss" in r]
+    assert len(evals) == 4  # steps 0, 20, 40, 60
+    assert evals[-1] < evals[0] - 1.0, evals
+    assert cli.main(["eval", "--workdir", str(workdir), "--num-docs", "1"]) == 0
+    assert "val_ppl" in capsys.readouterr().out
