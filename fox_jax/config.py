@@ -4,6 +4,8 @@ Architectures (specs/fox_acp.md §2):
 
 * ``fox-llama``          FoX (LLaMA): forgetting attention, no RoPE, SwiGLU ratio 4.
 * ``transformer-llama``  Transformer (LLaMA): softmax attention with RoPE (base 500000), SwiGLU ratio 4.
+* ``fox-pro``            FoX (Pro): FoX (LLaMA) + QK-norm, output gate + output norm, KV-shift, SwiGLU ratio 3.5.
+* ``transformer-pro``    Transformer (Pro): FoX (Pro) without forget gate and with RoPE.
 
 Sizes follow §2.5 of the spec (125M/360M/760M; the labels count non-embedding parameters plus one
 50257 x d_model matrix) plus a ``tiny`` size that trains on a laptop CPU in minutes.
@@ -15,7 +17,7 @@ import dataclasses
 import math
 from typing import Any
 
-ARCHS = ("fox-llama", "transformer-llama")
+ARCHS = ("fox-llama", "transformer-llama", "fox-pro", "transformer-pro")
 SIZES = ("tiny", "125M", "360M", "760M")
 GPT2_VOCAB = 50257
 
@@ -38,6 +40,11 @@ class ModelConfig:
       use_fgate: forget gate on (FoX) or off (Transformer).
       use_rope: rotary embeddings (Transformer baselines).
       rope_base: RoPE base (500000 in the paper's Transformer).
+      qk_norm: per-head RMSNorm (eps 1e-5) of q and k (Pro).
+      qk_norm_shared: one D-sized QK-norm scale shared by all heads (the paper's released runs).
+      output_gate: o ← RMSNorm_head(o)·w ⊙ σ(W_g x) before W_o (Pro; the norm is ``output_norm``).
+      output_norm: per-head RMSNorm of the attention output (eps ``norm_eps``).
+      kv_shift: data-dependent token shift of keys and values, k_t = α_t k̃_{t−1} + (1 − α_t) k̃_t (Pro).
       norm_eps: RMSNorm epsilon (1e-6).
       init_std: std of the N(0, std) initialiser of every linear and the embedding (0.02).
       tie_embeddings: share the embedding with the LM head (the paper's models do not).
@@ -60,6 +67,11 @@ class ModelConfig:
     use_fgate: bool = True
     use_rope: bool = False
     rope_base: float = 500000.0
+    qk_norm: bool = False
+    qk_norm_shared: bool = False
+    output_gate: bool = False
+    output_norm: bool = False
+    kv_shift: bool = False
     norm_eps: float = 1e-6
     init_std: float = 0.02
     tie_embeddings: bool = False
@@ -112,6 +124,14 @@ class ModelConfig:
         attn = d * h * dh + 2 * d * hkv * dh + h * dh * d
         if self.use_fgate:
             attn += d * h + h
+        if self.qk_norm:
+            attn += dh * 2 if self.qk_norm_shared else (h + hkv) * dh
+        if self.output_gate:
+            attn += d * h * dh
+        if self.output_norm:
+            attn += h * dh
+        if self.kv_shift:
+            attn += 2 * d * hkv
         mlp = d * 2 * f + f * d
         per_layer = attn + mlp + 2 * d
         n = self.n_layers * per_layer + d  # + final norm
@@ -158,7 +178,9 @@ def preset(size: str = "125M", arch: str = "fox-llama", **overrides) -> ModelCon
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     kw: dict[str, Any] = dict(_SIZES[size])
     fox = arch.startswith("fox")
-    kw.update(arch=arch, use_fgate=fox, use_rope=not fox, hidden_ratio=4.0)
+    pro = arch.endswith("pro")
+    kw.update(arch=arch, use_fgate=fox, use_rope=not fox, hidden_ratio=3.5 if pro else 4.0,
+              qk_norm=pro, output_gate=pro, output_norm=pro, kv_shift=pro)
     if size == "760M" and not fox:
         kw["n_heads"] = 12
     if size == "tiny":

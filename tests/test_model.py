@@ -14,6 +14,10 @@ SPEC_COUNTS = {
     ("360M", "fox-llama"): 360.2,
     ("760M", "fox-llama"): 757.6,
     ("760M", "transformer-llama"): 756.7,  # paper Table 6: 756M
+    ("125M", "fox-pro"): 123.9,
+    ("360M", "fox-pro"): 367.3,
+    ("760M", "fox-pro"): 759.5,
+    ("760M", "transformer-pro"): 757.7,  # paper Table 6: 757M
 }
 
 
@@ -132,3 +136,62 @@ def test_config_validation():
         preset("1B")
     assert count_params(init_params(preset("tiny", vocab_size=11), jax.random.PRNGKey(0))) == \
         preset("tiny", vocab_size=11).param_count()
+
+
+def test_kv_shift_continuation_matches_single_pass():
+    from fox_jax.nn.layers import kv_shift
+    raw = jax.random.normal(jax.random.PRNGKey(0), (2, 20, 3, 4))
+    alpha = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(1), (2, 20, 3)))
+    full, last = kv_shift(raw, alpha)
+    first, state = kv_shift(raw[:, :12], alpha[:, :12])
+    second, last2 = kv_shift(raw[:, 12:], alpha[:, 12:], state=state)
+    np.testing.assert_allclose(jnp.concatenate([first, second], 1), full, atol=1e-6)
+    np.testing.assert_allclose(last2, last)
+    np.testing.assert_allclose(full[:, 0], (1 - alpha[:, 0, :, None]) * raw[:, 0], atol=1e-6)  # zeros before t=0
+    seg = jnp.asarray([[1] * 7 + [2] * 13] * 2)
+    packed, _ = kv_shift(raw, alpha, segment_ids=seg)
+    alone, _ = kv_shift(raw[:, 7:], alpha[:, 7:])
+    np.testing.assert_allclose(packed[:, 7:], alone, atol=1e-6)  # never shifts across documents
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
+def test_pro_models_run_and_respect_segments(arch):
+    cfg = preset("tiny", arch, vocab_size=61)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    attn = params["layers_0"]["attn"]
+    assert {"q_norm", "k_norm", "o_norm", "ogate_proj", "k_shift_proj", "v_shift_proj"} <= set(attn)
+    assert ("fgate_proj" in attn) == (arch == "fox-pro")
+    model = LanguageModel(cfg)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 30), 0, 61)
+    seg = jnp.concatenate([jnp.ones((1, 10), jnp.int32), 2 * jnp.ones((1, 20), jnp.int32)], 1)
+    pos = jnp.concatenate([jnp.arange(10), jnp.arange(20)])[None]
+    packed = model.apply({"params": params}, tokens, seg, pos)
+    alone = model.apply({"params": params}, tokens[:, 10:])
+    np.testing.assert_allclose(packed[0, 10:], alone[0], atol=1e-4)
+
+
+def test_pro_acp_threshold_comes_from_qk_norm_weights():
+    """QK-norm bounds every logit by √D·max|w_q|·max|w_k|, so ACP with "auto" uses the weights."""
+    from fox_jax.ops import acp
+    cfg = preset("tiny", "fox-pro", vocab_size=61, adaptive_threshold="auto", attention_block=16)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    # strongly forgetting gates so that tiles really are pruned
+    params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -4.0)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 128), 0, 61)
+    pruned, inter = LanguageModel(cfg).apply({"params": params}, tokens, mutable=["intermediates"])
+    dense = LanguageModel(cfg.replace(adaptive_threshold=None)).apply({"params": params}, tokens)
+    fraction = float(inter["intermediates"]["layers_0"]["attn"]["acp_fraction_skipped"][0])
+    assert fraction > 0.3
+    np.testing.assert_allclose(pruned, dense, atol=1e-3)
+    delta = acp.qk_norm_threshold(jnp.ones((4, 32)), jnp.ones((4, 32)), 128)
+    np.testing.assert_allclose(delta, -(2 * 32 ** 0.5 + np.log(128)) - 10.0, rtol=1e-6)
+
+
+def test_weight_decay_mask_excludes_norms_and_biases():
+    from train.trainer import weight_decay_mask
+    params = init_params(preset("tiny", "fox-pro", vocab_size=61), jax.random.PRNGKey(0))
+    mask = weight_decay_mask(params)
+    attn = mask["layers_0"]["attn"]
+    assert attn["q_proj"]["kernel"] and attn["fgate_proj"]["kernel"] and mask["embed"]["embedding"]
+    assert not attn["q_norm"]["scale"] and not attn["o_norm"]["scale"] and not attn["fgate_proj"]["bias"]
+    assert not mask["layers_0"]["attn_norm"]["scale"] and not mask["final_norm"]["scale"]

@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     t = sub.add_parser("train", help="train a model")
     t.add_argument("--preset", default="tiny", help="tiny | 125M | 360M | 760M (default tiny)")
-    t.add_argument("--arch", default="fox-llama", help="fox-llama | transformer-llama")
+    t.add_argument("--arch", default="fox-llama", help="fox-llama | transformer-llama | fox-pro | transformer-pro")
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
     t.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")

@@ -38,8 +38,11 @@ class TrainState(flax.struct.PyTreeNode):
 # Optimiser ------------------------------------------------------------------------------------
 
 def weight_decay_mask(params) -> Any:
-    """True for matrices (linear kernels, embeddings), False for norm scales and biases (§2.3)."""
-    return jax.tree_util.tree_map(lambda p: p.ndim >= 2, params)
+    """True for linear kernels and embeddings; False for every norm scale (block norms, QK-norm,
+    output norm — some are 2-D) and every bias (specs/fox_acp.md §2.3, pitfall 9)."""
+    def decays(path, _):
+        return getattr(path[-1], "key", None) in ("kernel", "embedding")
+    return jax.tree_util.tree_map_with_path(decays, params)
 
 
 def make_schedule(cfg: config_lib.ExperimentConfig) -> optax.Schedule:

@@ -7,16 +7,20 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ModelConfig
-from fox_jax.nn.layers import apply_rope, normal_init
+from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention
 
 
 class ForgettingAttentionLayer(nn.Module):
-    """q/k/v projections, forget gate, forgetting attention, output projection.
+    """q/k/v projections, forget gate, forgetting attention, output projection (spec §2.1 order).
 
     FoX (LLaMA): no RoPE; one forget-gate logit per head from ``fgate_proj`` (d → H, with bias,
     bias initialised to 0 so f ≈ 0.5 at init); log f = log_sigmoid(logit) in float32.
     Transformer (LLaMA): no forget gate, RoPE on q and k.
+    Pro components (each a config flag): KV-shift of k and v (``k_shift_proj``/``v_shift_proj``: d → Hkv,
+    α in float32), then per-head QK-norm, then RoPE; after attention a per-head output RMSNorm times
+    σ(``ogate_proj`` x). With QK-norm and ``adaptive_threshold="auto"`` the ACP threshold comes from the
+    QK-norm weights (per head, spec §5.2) rather than from the activations.
 
     Call args:
       x: [B, T, d] normed hidden states (compute dtype).
@@ -40,6 +44,23 @@ class ForgettingAttentionLayer(nn.Module):
         q = dense(h * dh, "q_proj")(x).reshape(b, t, h, dh)
         k = dense(hkv * dh, "k_proj")(x).reshape(b, t, hkv, dh)
         v = dense(hkv * dh, "v_proj")(x).reshape(b, t, hkv, dh)
+        if cfg.kv_shift:
+            xf = x.astype(jnp.float32)
+            alpha_k = jax.nn.sigmoid(dense(hkv, "k_shift_proj", dt=jnp.float32)(xf))
+            alpha_v = jax.nn.sigmoid(dense(hkv, "v_shift_proj", dt=jnp.float32)(xf))
+            k, _ = kv_shift(k, alpha_k, segment_ids=segment_ids)
+            v, _ = kv_shift(v, alpha_v, segment_ids=segment_ids)
+        threshold = cfg.adaptive_threshold
+        if cfg.qk_norm:
+            q_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="q_norm")
+            k_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="k_norm")
+            q, k = q_norm(q), k_norm(k)
+            if isinstance(threshold, str) and threshold == "auto":
+                wq = q_norm.variables["params"]["scale"]
+                wk = k_norm.variables["params"]["scale"]
+                if not cfg.qk_norm_shared and hkv != h:
+                    wk = jnp.repeat(wk, h // hkv, axis=0)
+                threshold = jnp.broadcast_to(acp.qk_norm_threshold(wq, wk, t), (b, h))
         if cfg.use_rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -49,12 +70,15 @@ class ForgettingAttentionLayer(nn.Module):
         if cfg.use_fgate:
             logits = dense(h, "fgate_proj", bias=True, dt=jnp.float32)(x.astype(jnp.float32))
             log_fgate = jax.nn.log_sigmoid(logits)  # [B, T, H] float32
-        threshold = cfg.adaptive_threshold
         o = forgetting_attention(
             q, k, v, log_fgate, segment_ids=segment_ids, adaptive_threshold=threshold,
             implementation=cfg.attention_impl, block_q=cfg.attention_block, block_k=cfg.attention_block)
         if threshold is not None and log_fgate is not None:
             self._sow_pruning(q, k, log_fgate, threshold)
+        if cfg.output_norm:
+            o = HeadRMSNorm(cfg.norm_eps, False, dtype, name="o_norm")(o)
+        if cfg.output_gate:
+            o = o * jax.nn.sigmoid(dense(h * dh, "ogate_proj")(x).reshape(b, t, h, dh))
         return dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh))
 
     def _sow_pruning(self, q, k, log_fgate, threshold):

@@ -62,3 +62,48 @@ def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+class HeadRMSNorm(nn.Module):
+    """RMSNorm over head_dim of [..., H, D] with a per-head scale [H, D] (or one [D] scale shared by
+    all heads), computed in float32. Used for QK-norm (eps 1e-5) and the Pro output norm (eps 1e-6)."""
+
+    eps: float = 1e-5
+    shared: bool = False
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape[-1:] if self.shared else x.shape[-2:]
+        scale = self.param("scale", nn.initializers.ones, shape, jnp.float32)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype)
+
+
+def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Data-dependent token shift (FoX Pro "KV-shift", paper Eq. 14):
+
+        x_t = α_t · x̃_{t−1} + (1 − α_t) · x̃_t,   x̃_{−1} = ``state`` (zeros by default)
+
+    Args:
+      raw: [B, T, H, D] unshifted projections x̃.
+      alpha: [B, T, H] float32 mixing weights in (0, 1).
+      state: [B, H, D] the unshifted projection of the token before this chunk (a continuation that
+        starts from the state of the previous chunk equals one pass over both), or None for zeros.
+      segment_ids: [B, T] int or None: the shift never crosses a document boundary (the first token of
+        a segment sees zeros; the first token of the chunk sees ``state``).
+    Returns:
+      (shifted [B, T, H, D] in raw's dtype, new state [B, H, D] = raw[:, -1]).
+    """
+    if state is None:
+        state = jnp.zeros_like(raw[:, 0])
+    prev = jnp.concatenate([state[:, None].astype(raw.dtype), raw[:, :-1]], axis=1)
+    if segment_ids is not None:
+        boundary = jnp.concatenate(
+            [jnp.zeros_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        prev = jnp.where(boundary[:, :, None, None], 0, prev)
+    a = alpha[..., None]
+    out = a * prev.astype(jnp.float32) + (1.0 - a) * raw.astype(jnp.float32)
+    return out.astype(raw.dtype), raw[:, -1]
