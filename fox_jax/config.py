@@ -20,6 +20,7 @@ from typing import Any
 ARCHS = ("fox-llama", "transformer-llama", "fox-pro", "transformer-pro")
 SIZES = ("tiny", "125M", "360M", "760M")
 GPT2_VOCAB = 50257
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,8 @@ class ModelConfig:
       attention_impl: ``implementation`` passed to ``fox_jax.ops.forgetting_attention``.
       attention_block: block size of the blockwise XLA attention.
       adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float).
-      remat: rematerialise each block in the backward pass (saves activation memory).
+      remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
+        or ``"dots"`` (save matmul outputs, recompute the rest).
     """
 
     arch: str = "fox-llama"
@@ -79,7 +81,7 @@ class ModelConfig:
     attention_impl: str = "auto"
     attention_block: int = 128
     adaptive_threshold: Any = None
-    remat: bool = False
+    remat: str = "none"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -97,6 +99,8 @@ class ModelConfig:
                 "unless head_dim is given")
         if self.use_rope and self.dim_per_head % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
 

@@ -71,6 +71,51 @@ def logical_to_spec(names: tuple[str | None, ...]) -> P:
     return P(*[None if n is None else LOGICAL_AXIS_RULES[n] for n in names])
 
 
+# (module name, param name) -> logical axes of the parameter. Every parameter of the models is listed;
+# anything else (norm scales, biases, optimizer counters) is replicated.
+_PARAM_AXES = {
+    ("embed", "embedding"): ("vocab", "embed"),
+    ("lm_head", "kernel"): ("embed", "vocab"),
+    ("q_proj", "kernel"): ("embed", "heads"),
+    ("k_proj", "kernel"): ("embed", "kv_heads"),
+    ("v_proj", "kernel"): ("embed", "kv_heads"),
+    ("ogate_proj", "kernel"): ("embed", "heads"),
+    ("o_proj", "kernel"): ("heads", "embed"),
+    ("fgate_proj", "kernel"): ("embed", None),
+    ("k_shift_proj", "kernel"): ("embed", None),
+    ("v_shift_proj", "kernel"): ("embed", None),
+    ("gate_proj", "kernel"): ("embed", "mlp"),
+    ("down_proj", "kernel"): ("mlp", "embed"),
+}
+
+
+def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
+    """Logical axes of a parameter (or of an optimizer-state leaf that mirrors one) from its pytree path."""
+    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    if len(keys) >= 2:
+        axes = _PARAM_AXES.get((keys[-2], keys[-1]))
+        if axes is not None and len(axes) == ndim:
+            return axes
+    return (None,) * ndim
+
+
+def param_sharding(mesh: Mesh, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+    """Sharding of one parameter: its logical axes mapped by ``LOGICAL_AXIS_RULES``; a dimension that
+    the mesh axis does not divide evenly is replicated instead."""
+    spec = []
+    for dim, name in zip(shape, param_logical_axes(path, len(shape))):
+        axis = LOGICAL_AXIS_RULES.get(name) if name else None
+        axes = (axis,) if isinstance(axis, str) else (axis or ())
+        size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+        spec.append(axis if axes and size > 1 and dim % size == 0 else None)
+    return NamedSharding(mesh, P(*spec))
+
+
+def state_shardings(mesh: Mesh, tree):
+    """Shardings for a pytree of parameters / train state (arrays or ShapeDtypeStructs)."""
+    return jax.tree_util.tree_map_with_path(lambda path, x: param_sharding(mesh, path, tuple(x.shape)), tree)
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data × fsdp, the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",)))

@@ -27,6 +27,12 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, help="sequences per step (global)")
     p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=1 (default: all devices on data)")
+    d = p.add_argument_group("multi-host (one process per host; see README)")
+    d.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() (auto-detects SLURM / Open MPI / cloud TPU env)")
+    d.add_argument("--coordinator", help="HOST:PORT of process 0 (instead of auto-detection)")
+    d.add_argument("--num-processes", type=int, help="number of processes (with --coordinator)")
+    d.add_argument("--process-id", type=int, help="this process's id (with --coordinator)")
     p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.n_layers=6")
 
 
@@ -113,11 +119,35 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def init_distributed(args) -> None:
+    """Start multi-host JAX before any device is touched (``jax.distributed.initialize``).
+
+    ``--distributed`` alone lets JAX read the cluster environment (SLURM: SLURM_JOB_ID, SLURM_NTASKS,
+    SLURM_PROCID, ...; Open MPI: OMPI_* variables). ``--coordinator HOST:PORT --num-processes N
+    --process-id I`` set it explicitly (the same values also come from JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES and JAX_PROCESS_ID).
+    """
+    coordinator = args.coordinator or os.environ.get("JAX_COORDINATOR_ADDRESS")
+    if not (args.distributed or coordinator):
+        return
+    import jax
+
+    kwargs = {}
+    if coordinator:
+        num = args.num_processes if args.num_processes is not None else os.environ.get("JAX_NUM_PROCESSES")
+        pid = args.process_id if args.process_id is not None else os.environ.get("JAX_PROCESS_ID")
+        if num is None or pid is None:
+            raise ValueError("--coordinator needs --num-processes and --process-id (or JAX_NUM_PROCESSES/JAX_PROCESS_ID)")
+        kwargs = dict(coordinator_address=coordinator, num_processes=int(num), process_id=int(pid))
+    jax.distributed.initialize(**kwargs)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from train.checkpoints import CheckpointError
 
     try:
+        init_distributed(args)
         if args.command == "train":
             return cmd_train(args)
         return cmd_eval(args)

@@ -19,7 +19,7 @@ import optax
 from tqdm.auto import tqdm
 
 from fox_jax.models import LanguageModel, count_params, init_params
-from fox_jax.sharding import batch_sharding, make_mesh, replicated
+from fox_jax.sharding import batch_sharding, make_mesh, state_shardings
 from train import config as config_lib
 from train import data as data_lib
 from train.checkpoints import Checkpointer, CheckpointError
@@ -171,6 +171,7 @@ class RunResult:
     final_step: int
     losses: dict[int, float]
     val_loss: float | None
+    state: Any = None  # the final TrainState (params, optimizer state, step, rng)
 
 
 def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = False,
@@ -215,7 +216,7 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     schedule = make_schedule(cfg)
     rng = jax.random.PRNGKey(cfg.seed)
     abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
-    state_sharding = jax.tree_util.tree_map(lambda _: replicated(mesh), abstract)
+    state_sharding = state_shardings(mesh, abstract)
     data_sharding = batch_sharding(mesh)
 
     ckpt = Checkpointer(ckpt_dir, keep=cfg.keep_checkpoints, async_save=cfg.async_checkpoints)
@@ -315,7 +316,7 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
             train_iter.close()
         ckpt.close()  # waits for the last asynchronous save
         writer.close()
-    return RunResult(workdir, step, losses, val_loss)
+    return RunResult(workdir, step, losses, val_loss, state)
 
 
 def evaluate_loss(eval_fn, params, batches, sharding) -> float:

@@ -51,7 +51,11 @@ class LanguageModel(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                          embedding_init=normal_init(cfg.init_std), name="embed")
         x = embed(tokens)
-        block_cls = nn.remat(Block, static_argnums=()) if cfg.remat else Block
+        block_cls = Block
+        if cfg.remat != "none":
+            policy = (jax.checkpoint_policies.nothing_saveable if cfg.remat == "full"
+                      else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+            block_cls = nn.remat(Block, policy=policy)
         for i in range(cfg.n_layers):
             x = block_cls(cfg, name=f"layers_{i}")(x, segment_ids, positions)
         x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)

@@ -14,13 +14,14 @@ Numerics. The root is found by bisection (``lax.fori_loop``, 30 iterations in fl
 where q = σ_α(−|z|) ≤ ½ is the *smaller* of the two class probabilities, using the form of g that is
 stable near α = 1 (specs/dcp.md §2.6):
 
-    h(s) = (expm1(a·s) − expm1(a·log1p(−eˢ))) / a,     s ∈ [log(tiny), log ½].
+    h(s) = (expm1(a·s) − expm1(a·log1p(−eˢ))) / a,     s ∈ [log(tiny), log ½],
 
-Bisecting on log q instead of p keeps a relative (not absolute) precision for tiny keep
-probabilities, so ``log_alpha_sigmoid`` — what the context-pruning mask needs — is accurate far into
-the tail; p = 1 − q is used for z > 0. When α − 1 < 1e-3 (float32(1 + 1e-8) == 1, the fp32 pitfall of
-the reference schedule, §2.4) the bisection is replaced by ``jax.nn.sigmoid``, whose deviation from
-σ_α is then O(α−1). ``alpha = inf`` gives the inference-time step function z > 0 (§2.5; note σ_∞(0)
+evaluated in two rearranged forms (around q = ½ and near the support edge) that keep every term's
+relative precision, and polished by one Newton step. Bisecting on log q instead of p keeps a
+relative (not absolute) precision for tiny keep probabilities, so ``log_alpha_sigmoid`` — what the
+context-pruning mask needs — is accurate far into the tail; p = 1 − q is used for z > 0.
+When α − 1 < 1e-3 (float32(1 + 1e-8) == 1, the fp32 pitfall of the reference schedule, §2.4) the
+bisection is replaced by ``jax.nn.sigmoid``, whose deviation from σ_α is then O(α−1). ``alpha = inf`` gives the inference-time step function z > 0 (§2.5; note σ_∞(0)
 is then 0, "drop", whereas σ_α(0) = ½ for finite α).
 
 Gradients come from a ``jax.custom_jvp`` (no differentiation through the loop); no gradient flows to
@@ -65,33 +66,53 @@ def _check_alpha(alpha: Any) -> tuple[jax.Array | None, float | None]:
     return alpha, None
 
 
-def _bisect_log_smaller(u: jax.Array, a: jax.Array, n_iter: int) -> jax.Array:
+def _bisect_log_smaller(u: jax.Array, a: jax.Array, n_iter: int) -> tuple[jax.Array, jax.Array]:
     """log q with q = σ_α(u), for u ≤ 0 strictly inside the support (u > −1/a), by bisection on log q.
 
-    h(s) is increasing in s, h(log ½) = 0 ≥ u and h(−∞) = −1/a < u, so the root lies in
-    [lo, log ½]; if it lies below lo (q under the dtype's smallest subnormal) ≈ lo is returned, whose
-    exp is 0 or a subnormal. In the tail (u < −e/2, e = 1/a) the comparison is made relative to the
-    support edge, h(s) + e = (eᵃˢ − expm1(a·log1p(−eˢ)))/a  vs  u + e  (exact by Sterbenz), so that
-    q keeps its relative precision right up to the edge.
+    h(s) = g(eˢ) is increasing in s, h(log ½) = 0 ≥ u and h(−∞) = −1/a < u, so the root lies below
+    log ½. Two algebraically equal forms of the comparison keep every term's relative precision:
+
+    * centre (u ≥ −e/2, e = 1/a):  h(s) = (1−q)^a · expm1(a·(s − log1p(−q))) / a   vs  u
+      (q^a − (1−q)^a as one expm1 of a·logit q; stable near α = 1 and near q = ½ for large α);
+    * tail (u < −e/2):  h(s) + e = (q^a − expm1(a·log1p(−q))) / a   vs  u + e  (exact by Sterbenz),
+      so q keeps its relative precision right up to the support edge.
+
+    The bracket starts at lo, a log below the dtype's smallest subnormal; roots under it (q
+    underflows) are reported by the returned ``underflow`` mask. After ``n_iter`` halvings one
+    Newton step (clipped to the final bracket) polishes the root to the dtype's precision.
+
+    Returns:
+      (log q, underflow): same shape as u.
     """
     dtype = u.dtype
-    lo_value = -104.0 if dtype == jnp.float32 else -745.0  # exp(lo) underflows in the dtype
+    lo_value = -105.0 if dtype == jnp.float32 else -746.0  # exp(lo) underflows to 0 in the dtype
     edge = 1.0 / a
     tail = u < -0.5 * edge
     target = jnp.where(tail, u + edge, u)
+
+    def h(s):
+        l1q = jnp.log1p(-jnp.exp(s))
+        centre = jnp.exp(a * l1q) * jnp.expm1(a * (s - l1q))
+        tail_form = jnp.exp(a * s) - jnp.expm1(a * l1q)
+        return jnp.where(tail, tail_form, centre) / a
+
+    def dh_ds(s):  # q·dg/dq = q^{α−1} + q·(1−q)^{α−2}
+        return jnp.exp(a * s) + jnp.exp(s + (a - 1.0) * jnp.log1p(-jnp.exp(s)))
+
     lo = jnp.full(u.shape, lo_value, dtype)
     hi = jnp.full(u.shape, -math.log(2.0), dtype)
+    underflow = h(lo) >= target
 
     def body(_, bracket):
         lo, hi = bracket
         mid = 0.5 * (lo + hi)
-        first = jnp.where(tail, jnp.exp(a * mid), jnp.expm1(a * mid))
-        h = (first - jnp.expm1(a * jnp.log1p(-jnp.exp(mid)))) / a
-        below = h < target  # the root is above mid
+        below = h(mid) < target  # the root is above mid
         return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
 
     lo, hi = lax.fori_loop(0, n_iter, body, (lo, hi))
-    return 0.5 * (lo + hi)
+    mid = 0.5 * (lo + hi)
+    newton = mid - (h(mid) - target) / dh_ds(mid)
+    return jnp.clip(jnp.where(jnp.isfinite(newton), newton, mid), lo, hi), underflow
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -101,13 +122,15 @@ def _entmax2(x: jax.Array, alpha: jax.Array, n_iter: int) -> tuple[jax.Array, ja
     return p, logp
 
 
+@functools.partial(jax.jit, static_argnums=2)  # one compilation per shape, whatever the α
 def _entmax2_parts(x, alpha, n_iter):
     a = (alpha - 1.0).astype(x.dtype)
     edge = 1.0 / a
     u = -jnp.abs(x)
     inside = u > -edge
     u_safe = jnp.where(inside, u, jnp.zeros_like(u))  # any interior point; result is discarded
-    log_q = _bisect_log_smaller(u_safe, a, n_iter)
+    log_q, underflow = _bisect_log_smaller(u_safe, a, n_iter)
+    inside = inside & ~underflow  # q below the smallest subnormal: exactly 0, like outside
     q = jnp.where(inside, jnp.exp(log_q), 0.0)
     log_q = jnp.where(inside, log_q, -jnp.inf)
     log_1mq = jnp.log1p(-q)
@@ -190,7 +213,8 @@ def alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) -> jax
         class probability), 64 for float64.
 
     Returns:
-      Array of x's shape, float32 (float64 for float64 input), in [0, 1].
+      Array of x's shape, float32 (float64 for float64 input), in [0, 1]; values that underflow the
+      dtype are exactly 0 (derivative 0).
       Differentiable in x: dσ/dx = 1/(σ^{α−2} + (1−σ)^{α−2}) inside the support, 0 outside and for
       the step function. No gradient flows to alpha.
 
@@ -205,7 +229,8 @@ def log_alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) ->
     """log σ_α(x), accurate in the tail (the log keep probability of the DCP mask, specs/dcp.md §1.5).
 
     Same arguments, dtypes and errors as ``alpha_sigmoid``. Returns −inf exactly where σ_α(x) = 0
-    (x ≤ −1/(α−1), or x ≤ 0 for α = inf), with a zero derivative there. Inside the support
+    (x ≤ −1/(α−1), or x ≤ 0 for α = inf) or where σ_α(x) underflows the dtype (below ~1e-45 in
+    float32, log σ < −103), with a zero derivative there. Inside the support
     d log σ/dx = 1/(σ^{α−1} + σ·(1−σ)^{α−2}), computed from log σ so it stays finite (it grows like
     1/((α−1)(x + 1/(α−1))) towards the lower support edge, as the exact derivative does).
     """

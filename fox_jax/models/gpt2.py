@@ -1,0 +1,342 @@
+"""GPT-2 in Flax Linen, with optional Dynamic Context Pruning (specs/dcp.md §1, §4).
+
+The architecture is Hugging Face's ``GPT2LMHeadModel`` (Radford et al. 2019): learned absolute
+positions (n_positions = 1024), pre-norm blocks with LayerNorm (ε = 1e-5), fused ``c_attn``
+projection with biases, GELU with the tanh approximation ("gelu_new"), MLP width 4d, a final
+LayerNorm and the LM head tied to the token embedding. Dropout is not implemented (the DCP recipe
+fine-tunes with dropout 0). Parameter names mirror the HF module names so that
+``fox_jax.models.hf_gpt2`` maps checkpoints one to one (HF's Conv1D stores its weight [in, out],
+exactly a Flax ``Dense`` kernel):
+
+    wte/embedding [V, d]   wpe/embedding [P, d]   ln_f/{scale, bias}
+    h_{i}/ln_1, ln_2/{scale, bias}
+    h_{i}/attn/c_attn/{kernel [d, 3d], bias}   h_{i}/attn/c_proj/{kernel [d, d], bias}
+    h_{i}/mlp/c_fc/{kernel [d, 4d], bias}      h_{i}/mlp/c_proj/{kernel [4d, d], bias}
+    DCP only:  h_{i}/attn/q_int/kernel [d, r]   h_{i}/attn/k_int/kernel [d, r]   h_{i}/attn/beta []
+
+With ``config.dcp`` each layer computes, from the same LayerNorm'd input as ``c_attn`` and in float32,
+keep logits z = q_int·k_intᵀ/√r + β, the cumulative keep mask log I (α-sigmoid with the ``alpha``
+passed to ``apply``) once per layer, and adds it to every head's logits (``dcp_attention``).
+
+Usage (pure functional)::
+
+    model = GPT2(cfg)
+    params = model.init(rng, tokens, alpha=1.0)["params"]
+    logits, aux = model.apply({"params": params}, tokens, alpha=alpha)
+    loss = ce(logits, targets) + gamma * aux["sparsity_loss"]          # DCP fine-tuning
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fox_jax.ops.context_pruning import (
+    cumulative_keep_log_mask,
+    dcp_attention,
+    keep_logits,
+    sparsity,
+    sparsity_loss,
+)
+from fox_jax.ops.forgetting_attention import forgetting_attention
+
+GPT2_VOCAB = 50257
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    """Hyper-parameters of GPT-2 (HF ``GPT2Config`` names) plus the DCP fields.
+
+    Attributes:
+      n_layer, n_head, n_embd: depth, heads, width d (n_embd divisible by n_head).
+      vocab_size: token ids accepted (50257 for the GPT-2 BPE).
+      n_positions: learned positions, the maximum sequence length (1024).
+      n_inner: MLP width; ``None`` means 4·n_embd.
+      layer_norm_epsilon: LayerNorm ε (1e-5).
+      init_std: std of the N(0, std) initialiser (0.02); residual projections (``c_proj``) use
+        std/√(2·n_layer), as HF does.
+      dtype: compute dtype name ("float32", "bfloat16", "float16"); params are float32. LayerNorm,
+        the interaction branch, the mask and the logits are float32 in every case.
+      attention_impl: ``implementation`` of ``fox_jax.ops.forgetting_attention`` for the dense
+        (non-DCP) path ("auto", "xla", "dense", ...).
+      attention_block: tile size of the blockwise attention (both paths).
+      remat: rematerialise each block in the backward pass.
+      dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
+      interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
+      beta_init: initial β of every layer (2.0, the reference train.py default).
+    """
+
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    vocab_size: int = GPT2_VOCAB
+    n_positions: int = 1024
+    n_inner: int | None = None
+    layer_norm_epsilon: float = 1e-5
+    init_std: float = 0.02
+    dtype: str = "float32"
+    attention_impl: str = "auto"
+    attention_block: int = 128
+    remat: bool = False
+    dcp: bool = False
+    interaction_dim: int = 64
+    beta_init: float = 2.0
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "attention_block",
+                     "interaction_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPT2Config.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
+            raise ValueError(f"GPT2Config.n_inner must be None or a positive int, got {self.n_inner!r}")
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"GPT2Config.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_dim(self) -> int:
+        return self.n_inner or 4 * self.n_embd
+
+    def replace(self, **kw) -> "GPT2Config":
+        return dataclasses.replace(self, **kw)
+
+    def param_count(self) -> int:
+        """Exact parameter count of the model this config builds (tied head counted once)."""
+        d, f, n = self.n_embd, self.mlp_dim, self.n_layer
+        per_layer = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
+        if self.dcp:
+            per_layer += 2 * d * self.interaction_dim + 1
+        return (self.vocab_size + self.n_positions) * d + n * per_layer + 2 * d
+
+
+GPT2_SIZES = {
+    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
+    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
+    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+}
+
+
+def gpt2_preset(name: str = "gpt2", **overrides) -> GPT2Config:
+    """The config of a released GPT-2 size (specs/dcp.md §4: small/medium/large/XL).
+
+    Raises:
+      ValueError: unknown name (one of ``GPT2_SIZES``).
+    """
+    if name not in GPT2_SIZES:
+        raise ValueError(f"unknown GPT-2 size {name!r}; expected one of {tuple(GPT2_SIZES)}")
+    return GPT2Config(**{**GPT2_SIZES[name], **overrides})
+
+
+def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
+    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=jnp.float32, param_dtype=jnp.float32,
+                        name=name)
+
+
+def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = None, use_bias: bool = True,
+           dtype=None) -> nn.Dense:
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype or _DTYPES[cfg.dtype], param_dtype=jnp.float32,
+                    kernel_init=nn.initializers.normal(std if std is not None else cfg.init_std),
+                    bias_init=nn.initializers.zeros, name=name)
+
+
+class GPT2Attention(nn.Module):
+    """Causal multi-head self-attention, optionally with the DCP interaction mask.
+
+    Input [B, T, d] (LayerNorm'd, compute dtype); returns ([B, T, d], log I [B, T, T] float32 or None).
+    """
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x, alpha, segment_ids):
+        cfg = self.config
+        b, t, d = x.shape
+        h, dh = cfg.n_head, cfg.head_dim
+        qkv = _dense(cfg, 3 * d, "c_attn")(x)
+        q, k, v = jnp.split(qkv, 3, axis=-1)
+        q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
+        log_mask = None
+        if cfg.dcp:
+            xf = x.astype(jnp.float32)
+            q_int = _dense(cfg, cfg.interaction_dim, "q_int", use_bias=False, dtype=jnp.float32)(xf)
+            k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
+            beta = self.param("beta", nn.initializers.constant(cfg.beta_init), (), jnp.float32)
+            z = keep_logits(q_int, k_int, beta)                     # [B, T, T] float32
+            log_mask = cumulative_keep_log_mask(z, alpha)           # once per layer, all heads
+            o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
+                              block_q=cfg.attention_block, block_k=cfg.attention_block)
+        else:
+            o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,
+                                     implementation=cfg.attention_impl,
+                                     block_q=cfg.attention_block, block_k=cfg.attention_block)
+        out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))(o.reshape(b, t, d))
+        return out, log_mask
+
+
+class GPT2MLP(nn.Module):
+    """c_fc -> GELU (tanh approximation, HF "gelu_new") -> c_proj."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        y = _dense(cfg, cfg.mlp_dim, "c_fc")(x)
+        y = jax.nn.gelu(y, approximate=True)
+        return _dense(cfg, cfg.n_embd, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))(y)
+
+
+class GPT2Block(nn.Module):
+    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Returns (x, log I or None)."""
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, x, alpha, segment_ids):
+        cfg = self.config
+        dtype = _DTYPES[cfg.dtype]
+        a, log_mask = GPT2Attention(cfg, name="attn")(
+            _layer_norm(cfg, "ln_1")(x).astype(dtype), alpha, segment_ids)
+        x = x + a.astype(x.dtype)
+        x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2")(x).astype(dtype)).astype(x.dtype)
+        return x, log_mask
+
+
+class GPT2(nn.Module):
+    """GPT-2 language model (``GPT2LMHeadModel``) with optional DCP.
+
+    ``apply({'params': p}, tokens, alpha=None, positions=None, segment_ids=None)``
+
+    Args:
+      tokens: [B, T] int token ids, T ≤ n_positions.
+      alpha: α of the α-sigmoid (required when ``config.dcp``; ignored otherwise): a Python float,
+        ``float('inf')`` for the inference step mask, or a traced float32 scalar from
+        ``fox_jax.ops.alpha_sigmoid.cosine_alpha_schedule`` (no recompile per value).
+      positions: optional [B, T] int positions (default 0..T−1; give per-document positions for
+        packed sequences).
+      segment_ids: optional [B, T] int, packed documents: no attention across documents.
+
+    Returns:
+      (logits, aux): logits [B, T, vocab_size] float32; aux is ``{}`` without DCP, else
+        ``log_masks``      [n_layer, B, T, T] float32 log I per layer (0 kept, ≈ −92.1 dropped),
+        ``sparsity``       [n_layer] float32 fraction of causal pairs dropped (no gradient),
+        ``sparsity_loss``  float32 scalar: ``sparsity_loss(log_masks, 1.0, normalization="causal",
+                           segment_ids=...)`` (0 when T < 3); multiply by γ and add to the CE. For
+                           the reference code's normalisation call ``sparsity_loss`` on
+                           ``log_masks`` with ``normalization="code"``.
+
+    Raises:
+      ValueError: tokens not [B, T] int, T > n_positions, positions/segment_ids of the wrong shape,
+        DCP on without alpha.
+    """
+
+    config: GPT2Config
+
+    @nn.compact
+    def __call__(self, tokens, *, alpha=None, positions=None, segment_ids=None):
+        cfg = self.config
+        tokens = jnp.asarray(tokens)
+        if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
+            raise ValueError(f"tokens must be an int array [B, T], got {tokens.dtype}{tokens.shape}")
+        b, t = tokens.shape
+        if t > cfg.n_positions:
+            raise ValueError(f"sequence length {t} exceeds n_positions={cfg.n_positions} "
+                             "(GPT-2 has learned absolute positions)")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        elif positions.shape != (b, t) or not jnp.issubdtype(positions.dtype, jnp.integer):
+            raise ValueError(f"positions must be an int array [B, T] = {(b, t)}, got {positions.dtype}{positions.shape}")
+        if segment_ids is not None and (segment_ids.shape != (b, t)
+                                        or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+            raise ValueError(f"segment_ids must be an int array [B, T] = {(b, t)}, "
+                             f"got {segment_ids.dtype}{segment_ids.shape}")
+        if cfg.dcp and alpha is None:
+            raise ValueError("alpha is required when config.dcp is True (use float('inf') for inference)")
+
+        dtype = _DTYPES[cfg.dtype]
+        init = nn.initializers.normal(cfg.init_std)
+        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
+                       embedding_init=init, name="wte")
+        wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
+                       embedding_init=init, name="wpe")
+        # The residual stream is kept in float32; sublayers compute in cfg.dtype.
+        x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
+
+        block_cls = nn.remat(GPT2Block) if cfg.remat else GPT2Block
+        log_masks = []
+        for i in range(cfg.n_layer):
+            x, log_mask = block_cls(cfg, name=f"h_{i}")(x, alpha, segment_ids)
+            log_masks.append(log_mask)
+        x = _layer_norm(cfg, "ln_f")(x)
+        logits = wte.attend(x.astype(dtype)).astype(jnp.float32)
+
+        aux: dict[str, Any] = {}
+        if cfg.dcp:
+            stacked = jnp.stack(log_masks)
+            aux["log_masks"] = stacked
+            aux["sparsity"] = jax.lax.stop_gradient(sparsity(stacked, segment_ids=segment_ids)[0])
+            aux["sparsity_loss"] = (sparsity_loss(stacked, 1.0, segment_ids=segment_ids)
+                                    if t >= 3 else jnp.zeros((), jnp.float32))
+        return logits, aux
+
+
+def init_gpt2(cfg: GPT2Config, rng: jax.Array) -> dict:
+    """Randomly initialised params of ``GPT2(cfg)`` (HF's init: N(0, init_std), scaled c_proj,
+    LayerNorm 1/0, zero biases; DCP: q_int/k_int N(0, init_std), β = beta_init)."""
+    tokens = jnp.zeros((1, 1), jnp.int32)
+    return GPT2(cfg).init(rng, tokens, alpha=1.0 if cfg.dcp else None)["params"]
+
+
+def add_dcp_params(cfg: GPT2Config, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
+                   beta_init: float | None = None) -> tuple[GPT2Config, dict]:
+    """Add fresh DCP parameters to a dense GPT-2 (the start of DCP fine-tuning, specs/dcp.md §1.1, §4).
+
+    Every layer gets ``attn/q_int/kernel`` and ``attn/k_int/kernel`` [d, r] ~ N(0, init_std) (the
+    effective init of the reference code) and ``attn/beta`` = beta_init. Existing weights are kept.
+
+    Args:
+      cfg: the dense model's config (``dcp`` False).
+      params: its params (e.g. from ``load_hf_gpt2``).
+      rng: PRNG key for the interaction weights.
+      interaction_dim, beta_init: override the config's r and β₀.
+
+    Returns:
+      (cfg with dcp=True, new params pytree); the input pytree is not modified.
+
+    Raises:
+      ValueError: cfg already has DCP, or params lack a layer ``h_{i}/attn``.
+    """
+    if cfg.dcp:
+        raise ValueError("add_dcp_params: config already has dcp=True")
+    new_cfg = cfg.replace(dcp=True,
+                          interaction_dim=interaction_dim if interaction_dim is not None else cfg.interaction_dim,
+                          beta_init=beta_init if beta_init is not None else cfg.beta_init)
+    d, r = new_cfg.n_embd, new_cfg.interaction_dim
+    out = jax.tree_util.tree_map(lambda x: x, dict(params))
+    keys = jax.random.split(rng, 2 * new_cfg.n_layer)
+    for i in range(new_cfg.n_layer):
+        name = f"h_{i}"
+        if name not in out or "attn" not in out[name]:
+            raise ValueError(f"add_dcp_params: params have no layer {name}/attn")
+        layer = dict(out[name])
+        attn = dict(layer["attn"])
+        attn["q_int"] = {"kernel": new_cfg.init_std * jax.random.normal(keys[2 * i], (d, r), jnp.float32)}
+        attn["k_int"] = {"kernel": new_cfg.init_std * jax.random.normal(keys[2 * i + 1], (d, r), jnp.float32)}
+        attn["beta"] = jnp.asarray(new_cfg.beta_init, jnp.float32)
+        layer["attn"] = attn
+        out[name] = layer
+    return new_cfg, out

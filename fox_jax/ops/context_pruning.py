@@ -1,0 +1,667 @@
+"""Dynamic Context Pruning (DCP): the interaction mask, the sparsity loss and masked attention.
+
+Anagnostidis et al., *Dynamic Context Pruning for Efficient and Interpretable Autoregressive
+Transformers*, NeurIPS 2023 (arXiv 2305.15805); specs/dcp.md §1 and §3. Per attention layer:
+
+    z_{k,j} = ⟨q_int_k, k_int_j⟩ / √r + β                 keep logits            (§1.2)
+    Ī_{k,j} = σ_α(z_{k,j})  for j < k,   1 for j ≥ k       keep probabilities     (§1.2, §2)
+    I_{k,j} = Π_{n=j+1..k} Ī_{n,j}                          cumulative keep mask   (§1.3)
+    A = softmax(QKᵀ/√d_h + log I + causal)                  shared by all heads    (§1.4)
+
+Query k drops key j once any token n ∈ (j, k] voted to drop it; the drop is irreversible, which is
+what lets a decoder free j's KV entry. The self pair (j = k) is always kept.
+
+Everything here works on log I in float32 ("log space", §1.5): log I = cumsum over queries of
+log Ī, floored at ``LOG_FLOOR`` = log(1e-40) ≈ −92.1 (the reference code's ``log(I + 1e-40)``), with
+double-``where`` logs so values *and* gradients stay finite for exact zeros. One [B, T, T] mask per
+layer is computed once and shared by every head; ``dcp_attention`` consumes it blockwise and never
+materialises [B, H, T, T]. The mask itself is O(B·T²) per layer (as in the reference code, whose float
+mask rules out FlashAttention), which is why T stays ≤ 1024 for GPT-2.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fox_jax.ops.alpha_sigmoid import log_alpha_sigmoid
+
+LOG_FLOOR = math.log(1e-40)
+"""≈ −92.103: log of the reference code's 1e-40; a fully dropped (query, key) pair gets this bias."""
+
+NORMALIZATIONS = ("causal", "code")
+_NEG_INF = float("-inf")
+_QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+# ---------------------------------------------------------------------------------------------
+# The interaction mask
+# ---------------------------------------------------------------------------------------------
+
+def keep_logits(q_int: jax.Array, k_int: jax.Array, beta: Any) -> jax.Array:
+    """Keep logits z_{k,j} = ⟨q_int_k, k_int_j⟩/√r + β (specs/dcp.md §1.2), in float32.
+
+    Args:
+      q_int: [B, Tq, r] interaction queries (any float dtype; cast to float32).
+      k_int: [B, Tk, r] interaction keys.
+      beta: scalar interaction bias β of the layer (a float or a shape-() array, e.g. a parameter).
+
+    Returns:
+      [B, Tq, Tk] float32 z (queries on axis 1, keys on axis 2). Positive means "keep".
+
+    Raises:
+      ValueError: wrong ranks, batch or r mismatch, non-scalar beta.
+    """
+    if q_int.ndim != 3 or k_int.ndim != 3:
+        raise ValueError(f"q_int and k_int must be [B, T, r], got {q_int.shape} and {k_int.shape}")
+    if q_int.shape[0] != k_int.shape[0] or q_int.shape[2] != k_int.shape[2]:
+        raise ValueError(f"q_int {q_int.shape} and k_int {k_int.shape} must share batch and r")
+    beta = jnp.asarray(beta, jnp.float32)
+    if beta.shape != ():
+        raise ValueError(f"beta must be a scalar, got shape {beta.shape}")
+    r = q_int.shape[2]
+    z = jnp.einsum("bkr,bjr->bkj", q_int.astype(jnp.float32), k_int.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    return z * (1.0 / math.sqrt(r)) + beta
+
+
+def _safe_log(p: jax.Array, floor: float) -> jax.Array:
+    """log p for p > tiny, ``floor`` otherwise, with finite values and gradients (double where)."""
+    tiny = jnp.finfo(p.dtype).tiny
+    ok = p > tiny
+    return jnp.where(ok, jnp.log(jnp.where(ok, p, 1.0)), floor)
+
+
+def cumulative_keep_log_mask(keep: jax.Array, alpha: Any = None, *, floor: float = LOG_FLOOR) -> jax.Array:
+    """log I_{k,j} = Σ_{n=j+1..k} log Ī_{n,j}, floored at ``floor`` (specs/dcp.md §1.3, §1.5).
+
+    Two input forms:
+
+    * ``alpha is None``: ``keep`` holds the keep probabilities Ī ∈ [0, 1]. Factors below float32's
+      smallest normal count as 0 (log = ``floor``); the derivative 1/Ī is bounded by ~1e38.
+    * ``alpha`` given: ``keep`` holds the keep logits z (``keep_logits``) and
+      log Ī = ``log_alpha_sigmoid(z, alpha)`` is used directly, which is exact in the tail and has a
+      bounded-by-construction derivative. This is the form to train with; ``alpha=inf`` gives the
+      inference-time step mask (0 or ``floor``).
+
+    Only strictly-causal entries (j < k) are used: the diagonal and upper triangle of Ī are treated as
+    1, so the result is 0 there (the token never drops itself; the caller adds the causal mask).
+    Factors ≤ ``floor`` and partial sums ≤ ``floor`` are clamped to ``floor`` with a zero gradient,
+    which equals the reference code's log(cumprod(Ī) + 1e-40) up to that floor (the code's I < 1e-40
+    are the same "dropped"). ``floor=-inf`` gives the exact eval-mode mask (−inf for dropped pairs).
+
+    Args:
+      keep: [B, T, T] float (queries on axis 1, keys on axis 2), probabilities or logits; computed
+        in float32 (bfloat16/float16 are upcast; keep this path out of half precision, §1.5).
+      alpha: None, or α for ``log_alpha_sigmoid`` (Python float, inf, or a traced scalar).
+      floor: the log value of a dropped pair (default log(1e-40) ≈ −92.1), ≤ −1.
+
+    Returns:
+      [B, T, T] float32 log I (float64 for float64 input), in [floor, 0]; differentiable in
+      ``keep`` with finite gradients everywhere, including exact zeros and ones of Ī.
+
+    Raises:
+      ValueError: keep not [B, T, T] with a square last two axes, not floating point, or floor > −1.
+    """
+    if keep.ndim != 3 or keep.shape[1] != keep.shape[2]:
+        raise ValueError(f"keep must be [B, T, T] (queries x keys, square), got {keep.shape}")
+    if not jnp.issubdtype(keep.dtype, jnp.floating):
+        raise ValueError(f"keep must be a floating-point array, got {keep.dtype}")
+    if floor > -1.0:
+        raise ValueError(f"floor must be <= -1 (a log of a near-zero keep), got {floor}")
+    t = keep.shape[1]
+    dtype = jnp.float64 if keep.dtype == jnp.float64 else jnp.float32
+    if alpha is None:
+        lp = _safe_log(keep.astype(dtype), floor)
+    else:
+        lp = log_alpha_sigmoid(keep.astype(dtype), alpha)
+        lp = jnp.where(lp > floor, lp, floor)  # −inf (exact zero) and deep tails -> floor, grad 0
+    strictly_lower = jnp.tril(jnp.ones((t, t), bool), k=-1)
+    lp = jnp.where(strictly_lower[None], lp, 0.0)
+    cs = jnp.cumsum(lp, axis=1)  # along the query axis: Σ_{n ≤ k} for column j, zero for n ≤ j
+    return jnp.where(cs > floor, cs, floor).astype(dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparsity: the regulariser and the metric
+# ---------------------------------------------------------------------------------------------
+
+def _pair_weights(t: int, *, exclude_last_row: bool, segment_ids: jax.Array | None) -> jax.Array:
+    """[1 or B, T, T] bool: strictly causal pairs (j < k), optionally without row T−1 / across docs."""
+    w = jnp.tril(jnp.ones((t, t), bool), k=-1)
+    if exclude_last_row:
+        w = w & (jnp.arange(t) < t - 1)[:, None]
+    w = w[None]
+    if segment_ids is not None:
+        w = w & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return w
+
+
+def _check_stack(log_masks: jax.Array, name: str = "log_masks") -> None:
+    if log_masks.ndim not in (3, 4) or log_masks.shape[-1] != log_masks.shape[-2]:
+        raise ValueError(f"{name} must be [L, B, T, T] or [B, T, T] (square), got {log_masks.shape}")
+
+
+def _check_segments(segment_ids, log_masks):
+    if segment_ids is None:
+        return None
+    b, t = log_masks.shape[-3], log_masks.shape[-1]
+    if segment_ids.shape != (b, t) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+        raise ValueError(f"segment_ids must be an int array of shape [B, T] = {(b, t)}, "
+                         f"got {segment_ids.dtype}{segment_ids.shape}")
+    return segment_ids
+
+
+def sparsity_loss(
+    log_masks: jax.Array,
+    gamma: Any,
+    *,
+    normalization: str = "causal",
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """The DCP sparsity regulariser γ·mean(I) (specs/dcp.md §3.1), from log masks.
+
+    I = exp(log I) (a floored pair contributes e^−92 ≈ 0). Two normalisations:
+
+    * ``"causal"`` (default, recommended): γ times the mean of I over the **strictly causal pairs
+      (j < k) of the query rows k = 0 … T−2**, averaged over layers and batch (and, with
+      ``segment_ids``, only over pairs inside one document). The last query row is excluded because
+      it predicts nothing after the target shift (as in the code). Per layer and row this is
+      (T−1)(T−2)/2 pairs, i.e. the paper's γ·2/(L·n(n−1))·Σ_ℓ Σ_k Σ_{j<k} I^ℓ_{k,j} with n = T−1
+      predicting rows.
+    * ``"code"``: reproduces the reference code exactly, γ·mean(I[..., :T−1, :]) over the whole
+      (T−1)×T slice, whose diagonal and upper triangle are the constant 1. Its value is
+      γ·[(T−2)/(2T)·m + (T+2)/(2T)] with m the ``"causal"`` mean, so its *gradient* equals that of
+      ``"causal"`` with γ_eff = γ·(T−2)/(2T) ≈ γ/2 (0.1497 for the code's γ = 0.3 at T = 1024). Use
+      this flag, or γ_causal ≈ γ_code/2, to compare γ values with the paper/code.
+
+    Args:
+      log_masks: [L, B, T, T] (stacked layers) or [B, T, T] float32 log I from
+        ``cumulative_keep_log_mask``.
+      gamma: γ, the sparsity strength (float or scalar array).
+      normalization: ``"causal"`` or ``"code"``.
+      segment_ids: optional [B, T] int, packed documents (``"causal"`` only).
+
+    Returns:
+      float32 scalar loss term (add it to the cross-entropy). Differentiable in log_masks.
+
+    Raises:
+      ValueError: bad shapes, unknown normalization, T < 3 with ``"causal"``, segment_ids with
+        ``"code"``.
+    """
+    _check_stack(log_masks)
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization must be one of {NORMALIZATIONS}, got {normalization!r}")
+    segment_ids = _check_segments(segment_ids, log_masks)
+    t = log_masks.shape[-1]
+    masks = jnp.exp(log_masks.astype(jnp.float32))
+    gamma = jnp.asarray(gamma, jnp.float32)
+    if normalization == "code":
+        if segment_ids is not None:
+            raise ValueError("segment_ids are not supported with normalization='code' (the code has none)")
+        return gamma * jnp.mean(masks[..., : t - 1, :])
+    if t < 3:
+        raise ValueError(f"normalization='causal' needs T >= 3 (strictly causal pairs before the last row), got T={t}")
+    w = _pair_weights(t, exclude_last_row=True, segment_ids=segment_ids)  # [1 or B, T, T]
+    w = jnp.broadcast_to(w, masks.shape[-3:]).astype(jnp.float32)
+    n_layers = 1 if masks.ndim == 3 else masks.shape[0]
+    total = jnp.sum(masks * w)
+    count = jnp.maximum(jnp.sum(w) * n_layers, 1.0)
+    return gamma * total / count
+
+
+def sparsity(
+    log_masks: jax.Array,
+    *,
+    floor: float = LOG_FLOOR,
+    segment_ids: jax.Array | None = None,
+    soft: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Fraction of causal (query, key) pairs dropped, per layer and overall (specs/dcp.md §3.2).
+
+        sparsity_ℓ = #{(b, k, j): j < k, log I^ℓ_{k,j} ≤ floor} / (B·T(T−1)/2)
+
+    over **all** query rows (including the last) and strictly causal pairs (the diagonal is never
+    dropped and is not counted); with ``segment_ids`` only pairs inside one document count. With the
+    step function (α = inf, the recommended evaluation) a pair is either kept (log I = 0) or dropped
+    (log I = floor), and this equals 1 − mean(I), i.e. the average fraction of each layer's KV cache
+    freed over a full-length generation. ``soft=True`` returns 1 − mean(I) for soft masks instead.
+
+    Args:
+      log_masks: [L, B, T, T] or [B, T, T] (one layer) float32 log I.
+      floor: values ≤ floor count as dropped (LOG_FLOOR; use −inf for exact eval-mode masks, which
+        also works with the default).
+      segment_ids: optional [B, T] int.
+      soft: 1 − mean(exp(log I)) instead of the dropped count.
+
+    Returns:
+      (per_layer [L] float32, overall float32 scalar = mean over layers); L = 1 for a [B, T, T] input.
+      0 when there is no causal pair (T = 1). Not meant to be differentiated (use ``sparsity_loss``).
+
+    Raises:
+      ValueError: bad shapes.
+    """
+    _check_stack(log_masks)
+    segment_ids = _check_segments(segment_ids, log_masks)
+    lm = log_masks if log_masks.ndim == 4 else log_masks[None]
+    t = lm.shape[-1]
+    w = jnp.broadcast_to(_pair_weights(t, exclude_last_row=False, segment_ids=segment_ids), lm.shape[1:])
+    w = w.astype(jnp.float32)
+    if soft:
+        dropped = 1.0 - jnp.exp(lm.astype(jnp.float32))
+    else:
+        dropped = (lm <= floor).astype(jnp.float32)
+    per_layer = jnp.sum(dropped * w, axis=(1, 2, 3)) / jnp.maximum(jnp.sum(w), 1.0)
+    return per_layer, jnp.mean(per_layer)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks of fully dropped pairs
+# ---------------------------------------------------------------------------------------------
+
+def _visible(tq: int, tk: int, segment_ids: jax.Array | None) -> jax.Array:
+    """[1 or B, Tq, Tk] bool: causal with bottom-right alignment, same document."""
+    offset = tk - tq
+    vis = ((offset + jnp.arange(tq))[:, None] >= jnp.arange(tk)[None, :])[None]
+    if segment_ids is not None:
+        vis = vis & (segment_ids[:, offset:, None] == segment_ids[:, None, :])
+    return vis
+
+
+def dropped_key_blocks(
+    log_mask: jax.Array,
+    block_q: int,
+    block_k: int,
+    *,
+    floor: float = LOG_FLOOR,
+    segment_ids: jax.Array | None = None,
+) -> jax.Array:
+    """Which (query block, key block) tiles hold no visible kept pair: attention may skip them.
+
+    tile (m, n) is flagged iff every visible pair in it — causal with bottom-right alignment
+    (query i at absolute position Tk − Tq + i), inside [0, Tq)×[0, Tk), same document when
+    ``segment_ids`` is given — has log I ≤ ``floor``. Tiles with no visible pair at all (above the
+    diagonal, or the padded remainder) are flagged too (vacuously). Computed once per layer from the
+    shared mask and used for every head. Skipping a flagged tile changes each softmax row by at most
+    a relative e^floor ≈ 1e-40 per pair (exactly nothing when floor = −inf).
+
+    Args:
+      log_mask: [B, Tq, Tk] float32 log I of one layer.
+      block_q, block_k: tile sizes (positive ints; T need not be a multiple).
+      floor: values ≤ floor count as dropped.
+      segment_ids: optional [B, Tk] int, packed documents.
+
+    Returns:
+      [B, ceil(Tq/block_q), ceil(Tk/block_k)] bool.
+
+    Raises:
+      ValueError: log_mask not rank 3, bad block sizes or segment_ids shape.
+    """
+    if log_mask.ndim != 3:
+        raise ValueError(f"log_mask must be [B, Tq, Tk], got {log_mask.shape}")
+    for name, v in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name} must be a positive int, got {v!r}")
+    b, tq, tk = log_mask.shape
+    if segment_ids is not None and (segment_ids.shape != (b, tk)
+                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
+        raise ValueError(f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, "
+                         f"got {segment_ids.dtype}{segment_ids.shape}")
+    nq, nk = -(-tq // block_q), -(-tk // block_k)
+    ignorable = (log_mask <= floor) | ~_visible(tq, tk, segment_ids)
+    ignorable = jnp.pad(ignorable, ((0, 0), (0, nq * block_q - tq), (0, nk * block_k - tk)),
+                        constant_values=True)
+    return jnp.all(ignorable.reshape(b, nq, block_q, nk, block_k), axis=(2, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention with the shared additive mask
+# ---------------------------------------------------------------------------------------------
+
+def dcp_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    log_mask: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Dense float32 oracle: softmax(scale·QKᵀ + log I + causal)·V with log I shared by the heads.
+
+    Materialises [B, H, Tq, Tk]; for tests and tiny problems. Shapes and alignment as in
+    ``dcp_attention``. Returns [B, Tq, H, D] float32; rows with no visible key are 0.
+    """
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    group = h // hkv
+    kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)
+    vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
+    s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), kf, precision=lax.Precision.HIGHEST)
+    s = s * scale + log_mask.astype(jnp.float32)[:, None]
+    vis = _visible(tq, tk, segment_ids)[:, None]
+    s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
+    p = jax.nn.softmax(s, axis=-1) * vis
+    return jnp.einsum("bhij,bjhd->bihd", p, vf, precision=lax.Precision.HIGHEST)
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _pad_to(x, axis, new_len, value=0):
+    pad = new_len - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _precision(dtype):
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+class _Geom:
+    """Static tile geometry of one dcp_attention call."""
+
+    def __init__(self, tq, tk, h, hkv, block_q, block_k):
+        self.tq, self.tk, self.h, self.hkv = tq, tk, h, hkv
+        self.group = h // hkv
+        self.bq = min(block_q, _round_up(tq, 8))
+        self.bk = min(block_k, _round_up(tk, 8))
+        self.nq, self.nk = -(-tq // self.bq), -(-tk // self.bk)
+        self.tq_pad, self.tk_pad = self.nq * self.bq, self.nk * self.bk
+        self.offset = tk - tq
+
+
+def dcp_block_sizes(tq: int, tk: int, block_q: int = 128, block_k: int = 128) -> tuple[int, int]:
+    """The tile sizes ``dcp_attention`` uses for these lengths (blocks shrink to round_up(T, 8))."""
+    g = _Geom(tq, tk, 1, 1, block_q, block_k)
+    return g.bq, g.bk
+
+
+def _block_lists(live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """From live [B, nq, nk] bool: per query block the live key blocks (ascending) and their count,
+    and per key block the live query blocks; a tile is visited if it is live for any batch row."""
+    any_live = jnp.any(live, axis=0)  # [nq, nk]
+    kv_idx = jnp.argsort(~any_live, axis=1, stable=True).astype(jnp.int32)
+    kv_cnt = jnp.sum(any_live, axis=1).astype(jnp.int32)
+    q_idx = jnp.argsort(~any_live.T, axis=1, stable=True).astype(jnp.int32)
+    q_cnt = jnp.sum(any_live, axis=0).astype(jnp.int32)
+    return kv_idx, kv_cnt, q_idx, q_cnt
+
+
+def _tile_mask(g: _Geom, m, n, seg_q_blk, seg_k_blk, live):
+    """[B, 1, bq, bk] visibility of tile (m, n): causal, in range, same document, tile live for b."""
+    qpos = g.offset + m * g.bq + jnp.arange(g.bq)
+    kpos = n * g.bk + jnp.arange(g.bk)
+    vis = (qpos[:, None] >= kpos[None, :]) & (kpos[None, :] < g.tk) & (qpos[:, None] < g.tk)
+    vis = vis[None, None] & live[:, m, n][:, None, None, None]
+    if seg_q_blk is not None:
+        vis = vis & (seg_q_blk[:, None, :, None] == seg_k_blk[:, None, None, :])
+    return vis
+
+
+def _prep(q, k, v, log_mask, segment_ids, g: _Geom):
+    qp = _pad_to(q, 1, g.tq_pad)
+    kp = _pad_to(k, 1, g.tk_pad)
+    vp = _pad_to(v, 1, g.tk_pad)
+    mp = _pad_to(_pad_to(log_mask, 1, g.tq_pad), 2, g.tk_pad)
+    if segment_ids is not None:
+        seg_q = _pad_to(segment_ids[:, g.offset:], 1, g.tq_pad, value=-1)
+        seg_k = _pad_to(segment_ids, 1, g.tk_pad, value=-2)
+    else:
+        seg_q = seg_k = None
+    return qp, kp, vp, mp, seg_q, seg_k
+
+
+def _sl(x, start, size, axis=1):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+def _scores(g, q_blk, k_blk, m_blk, scale):
+    """scale·q·kᵀ + log I in float32, [B, H, bq, bk]."""
+    if g.group > 1:
+        k_blk = jnp.repeat(k_blk, g.group, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q_blk, k_blk, preferred_element_type=jnp.float32,
+                   precision=_precision(q_blk.dtype))
+    return s * scale + m_blk[:, None]
+
+
+def _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k):
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = _Geom(tq, tk, h, hkv, block_q, block_k)
+    qp, kp, vp, mp, seg_q, seg_k = _prep(q, k, v, log_mask, segment_ids, g)
+    kv_idx, kv_cnt = lists[0], lists[1]
+    prec = _precision(q.dtype)
+
+    def one_query_block(m):
+        q_blk = _sl(qp, m * g.bq, g.bq)
+        m_row = _sl(mp, m * g.bq, g.bq)  # [B, bq, Tk_pad]
+        seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
+
+        def body(i, carry):
+            m_i, l_i, acc = carry
+            n = kv_idx[m, i]
+            k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
+            seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
+            s = _scores(g, q_blk, k_blk, _sl(m_row, n * g.bk, g.bk, axis=2), scale)
+            s = jnp.where(_tile_mask(g, m, n, seg_q_blk, seg_k_blk, live), s, _NEG_INF)
+            m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
+            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
+            p = jnp.exp(s - m_safe[..., None])
+            corr = jnp.exp(m_i - m_safe)
+            v_rep = jnp.repeat(v_blk, g.group, axis=2) if g.group > 1 else v_blk
+            pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), v_rep,
+                            preferred_element_type=jnp.float32, precision=prec)
+            return m_new, l_i * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
+
+        init = (jnp.full((b, h, g.bq), _NEG_INF, jnp.float32), jnp.zeros((b, h, g.bq), jnp.float32),
+                jnp.zeros((b, h, g.bq, d), jnp.float32))
+        m_i, l_i, acc = lax.fori_loop(0, kv_cnt[m], body, init)
+        empty = l_i == 0.0
+        o = acc / jnp.where(empty, 1.0, l_i)[..., None]
+        lse = jnp.where(empty, _NEG_INF, m_i + jnp.log(jnp.where(empty, 1.0, l_i)))
+        return o.transpose(0, 2, 1, 3).astype(q.dtype), lse.transpose(0, 2, 1)
+
+    o, lse = lax.map(one_query_block, jnp.arange(g.nq))  # [nq, B, bq, H, D], [nq, B, bq, H]
+    o = o.transpose(1, 0, 2, 3, 4).reshape(b, g.tq_pad, h, d)[:, :tq]
+    lse = lse.transpose(1, 0, 2, 3).reshape(b, g.tq_pad, h)[:, :tq]
+    return o, lse
+
+
+def _dcp_backward(q, k, v, log_mask, segment_ids, live, lists, o, lse, do, scale, block_q, block_k):
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = _Geom(tq, tk, h, hkv, block_q, block_k)
+    qp, kp, vp, mp, seg_q, seg_k = _prep(q, k, v, log_mask, segment_ids, g)
+    kv_idx, kv_cnt, q_idx, q_cnt = lists
+    prec = _precision(q.dtype)
+    delta = _pad_to(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, g.tq_pad)
+    lse_p = _pad_to(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, g.tq_pad)
+    dop = _pad_to(do, 1, g.tq_pad)
+
+    def tile(m, n, q_blk, k_blk, v_blk, do_blk, m_blk, lse_blk, delta_blk, seg_q_blk, seg_k_blk):
+        """p and dS = p·(dP − δ) of tile (m, n), [B, H, bq, bk] float32."""
+        s = _scores(g, q_blk, k_blk, m_blk, scale)
+        s = jnp.where(_tile_mask(g, m, n, seg_q_blk, seg_k_blk, live), s, _NEG_INF)
+        p = jnp.exp(s - lse_blk.transpose(0, 2, 1)[..., None])
+        v_rep = jnp.repeat(v_blk, g.group, axis=2) if g.group > 1 else v_blk
+        dp = jnp.einsum("bqhd,bkhd->bhqk", do_blk, v_rep, preferred_element_type=jnp.float32,
+                        precision=prec)
+        return p, p * (dp - delta_blk.transpose(0, 2, 1)[..., None])
+
+    # dQ and dlogI: query blocks over their live key blocks ---------------------------------------
+    def dq_block(m):
+        q_blk, do_blk = _sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq)
+        m_row = _sl(mp, m * g.bq, g.bq)
+        lse_blk, delta_blk = _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq)
+        seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
+
+        def body(i, carry):
+            dq, dm_row = carry
+            n = kv_idx[m, i]
+            k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
+            seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
+            _, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_row, n * g.bk, g.bk, axis=2),
+                         lse_blk, delta_blk, seg_q_blk, seg_k_blk)
+            k_rep = jnp.repeat(k_blk, g.group, axis=2) if g.group > 1 else k_blk
+            dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), k_rep,
+                                 preferred_element_type=jnp.float32, precision=prec)
+            dm_row = lax.dynamic_update_slice_in_dim(dm_row, jnp.sum(ds, axis=1), n * g.bk, axis=2)
+            return dq, dm_row
+
+        init = (jnp.zeros((b, g.bq, h, d), jnp.float32), jnp.zeros((b, g.bq, g.tk_pad), jnp.float32))
+        dq, dm_row = lax.fori_loop(0, kv_cnt[m], body, init)
+        return dq * scale, dm_row
+
+    dq, dmask = lax.map(dq_block, jnp.arange(g.nq))
+    dq = dq.transpose(1, 0, 2, 3, 4).reshape(b, g.tq_pad, h, d)[:, :tq]
+    dmask = dmask.transpose(1, 0, 2, 3).reshape(b, g.tq_pad, g.tk_pad)[:, :tq, :tk]
+
+    # dK, dV: key blocks over their live query blocks ----------------------------------------------
+    def dkv_block(n):
+        k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
+        m_col = _sl(mp, n * g.bk, g.bk, axis=2)  # [B, Tq_pad, bk]
+        seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
+
+        def body(i, carry):
+            dk, dv = carry
+            m = q_idx[n, i]
+            q_blk, do_blk = _sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq)
+            seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
+            p, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_col, m * g.bq, g.bq),
+                         _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq), seg_q_blk, seg_k_blk)
+            dv = dv + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), do_blk,
+                                 preferred_element_type=jnp.float32, precision=prec)
+            dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), q_blk,
+                                 preferred_element_type=jnp.float32, precision=prec)
+            return dk, dv
+
+        init = (jnp.zeros((b, g.bk, h, d), jnp.float32), jnp.zeros((b, g.bk, h, d), jnp.float32))
+        dk, dv = lax.fori_loop(0, q_cnt[n], body, init)
+        if g.group > 1:  # GQA: sum the query heads of each key/value head
+            dk = dk.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
+            dv = dv.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
+        return dk * scale, dv
+
+    dk, dv = lax.map(dkv_block, jnp.arange(g.nk))
+    dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, g.tk_pad, hkv, d)[:, :tk]
+    dv = dv.transpose(1, 0, 2, 3, 4).reshape(b, g.tk_pad, hkv, d)[:, :tk]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dmask
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _dcp_blockwise(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k):
+    return _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k)[0]
+
+
+def _dcp_fwd(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k):
+    o, lse = _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k)
+    return o, (q, k, v, log_mask, segment_ids, live, lists, o, lse)
+
+
+def _dcp_bwd(scale, block_q, block_k, res, do):
+    q, k, v, log_mask, segment_ids, live, lists, o, lse = res
+    dq, dk, dv, dmask = _dcp_backward(q, k, v, log_mask, segment_ids, live, lists, o, lse, do,
+                                      scale, block_q, block_k)
+    return dq, dk, dv, dmask, None, None, None
+
+
+_dcp_blockwise.defvjp(_dcp_fwd, _dcp_bwd)
+
+
+def dcp_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    log_mask: jax.Array,
+    *,
+    segment_ids: jax.Array | None = None,
+    sm_scale: float | None = None,
+    block_q: int = 128,
+    block_k: int = 128,
+    skip_dropped: bool = True,
+    floor: float = LOG_FLOOR,
+) -> jax.Array:
+    """Causal attention with the DCP mask shared by all heads, blockwise in pure JAX (specs/dcp.md §1.4).
+
+        o_i = Σ_j softmax_j(sm_scale·q_i·k_j + log I_{i,j}) v_j   over visible j (causal, same document)
+
+    Flash-style: queries in blocks (``lax.map``), an online float32 softmax over the key blocks, a
+    ``jax.custom_vjp`` backward with a dQ/dlogI pass and a dK/dV pass. It never materialises
+    [B, H, Tq, Tk]: per step it holds one [B, H, block_q, block_k] tile; the [B, Tq, Tk] mask (and its
+    gradient) is O(B·T²) — one per layer, shared by the heads, like the reference code's float mask.
+
+    Block skipping (``skip_dropped``): tiles flagged by ``dropped_key_blocks`` (every visible pair at
+    or below ``floor``) are not visited in the forward or backward pass — a tile is visited if it is
+    live for any batch row, and masked out exactly for the rows where it is dropped. Those pairs'
+    weights are ≤ e^floor ≈ 1e-40 relative, so the result equals the dense one to float32 precision
+    (exactly for floor = −inf), and their mask gradient is 0 (it is ~1e-40 in the dense op). A row
+    whose every visible key is at the floor outputs 0 (impossible for masks from
+    ``cumulative_keep_log_mask``, whose diagonal is 0).
+
+    Args:
+      q: [B, Tq, H, D] float32 / bfloat16 / float16.
+      k, v: [B, Tk, Hkv, D], q's dtype; H a multiple of Hkv. Tq ≤ Tk, queries aligned bottom-right
+        (query i at absolute position Tk − Tq + i).
+      log_mask: [B, Tq, Tk] float32 additive mask log I (``cumulative_keep_log_mask``); −inf allowed.
+      segment_ids: optional [B, Tk] int, packed documents (no attention across documents).
+      sm_scale: logit scale, default 1/√D.
+      block_q, block_k: tile sizes (T need not be a multiple; blocks shrink to round_up(T, 8)).
+      skip_dropped: skip fully dropped tiles (else only the causal triangle is skipped).
+      floor: the dropped threshold for the skip.
+
+    Returns:
+      [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_mask (float32 gradient).
+
+    Raises:
+      ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_mask), Tq > Tk, H not a
+        multiple of Hkv, bad block sizes.
+    """
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
+        if x.dtype not in _QKV_DTYPES:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    b, tq, h, d = q.shape
+    _, tk, hkv, _ = k.shape
+    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
+        raise ValueError(f"k and v must be [B={b}, Tk, Hkv, D={d}], got {k.shape} and {v.shape}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if h % hkv:
+        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
+    if tq > tk:
+        raise ValueError(f"query length ({tq}) must not exceed key length ({tk})")
+    if log_mask.shape != (b, tq, tk):
+        raise ValueError(f"log_mask must be [B, Tq, Tk] = {(b, tq, tk)}, got {log_mask.shape}")
+    if log_mask.dtype != jnp.float32:
+        raise ValueError(f"log_mask must be float32, got {log_mask.dtype}")
+    for name, val in (("block_q", block_q), ("block_k", block_k)):
+        if not isinstance(val, int) or val <= 0:
+            raise ValueError(f"{name} must be a positive int, got {val!r}")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, tk) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, "
+                             f"got {segment_ids.dtype}{segment_ids.shape}")
+        segment_ids = segment_ids.astype(jnp.int32)
+    scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    bq, bk = dcp_block_sizes(tq, tk, block_q, block_k)
+    if skip_dropped:
+        flags = dropped_key_blocks(lax.stop_gradient(log_mask), bq, bk, floor=floor,
+                                   segment_ids=segment_ids)
+    else:  # skip only the tiles without any visible pair
+        flags = dropped_key_blocks(jnp.zeros((b, tq, tk), jnp.float32), bq, bk, floor=_NEG_INF,
+                                   segment_ids=segment_ids)
+    live = ~flags
+    lists = _block_lists(live)
+    return _dcp_blockwise(q, k, v, log_mask, segment_ids, live, lists, scale, bq, bk)
