@@ -66,7 +66,7 @@ class GPT2Config:
         the interaction branch, the mask and the logits are float32 in every case.
       attention_impl: ``implementation`` of ``fox_jax.ops.forgetting_attention`` for the dense
         (non-DCP) path ("auto", "xla", "dense", ...).
-      attention_block: tile size of the blockwise attention (both paths).
+      attention_block: tile size of the blockwise DCP attention (``dcp_attention``).
       remat: rematerialise each block in the backward pass.
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
@@ -180,9 +180,9 @@ class GPT2Attention(nn.Module):
             o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
                               block_q=cfg.attention_block, block_k=cfg.attention_block)
         else:
+            # Plain causal softmax attention: the forgetting-attention op without forget gates.
             o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,
-                                     implementation=cfg.attention_impl,
-                                     block_q=cfg.attention_block, block_k=cfg.attention_block)
+                                     implementation=cfg.attention_impl)
         out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))(o.reshape(b, t, d))
         return out, log_mask
 
@@ -298,7 +298,8 @@ def init_gpt2(cfg: GPT2Config, rng: jax.Array) -> dict:
     """Randomly initialised params of ``GPT2(cfg)`` (HF's init: N(0, init_std), scaled c_proj,
     LayerNorm 1/0, zero biases; DCP: q_int/k_int N(0, init_std), β = beta_init)."""
     tokens = jnp.zeros((1, 1), jnp.int32)
-    return GPT2(cfg).init(rng, tokens, alpha=1.0 if cfg.dcp else None)["params"]
+    init = jax.jit(lambda key: GPT2(cfg).init(key, tokens, alpha=1.0 if cfg.dcp else None)["params"])
+    return init(rng)
 
 
 def add_dcp_params(cfg: GPT2Config, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,

@@ -21,7 +21,7 @@ checkpoints, and ``lm_head.weight`` (checked to equal ``wte.weight``: the head i
 DCP parameters (q_int, k_int, β per layer) are not part of HF GPT-2. Decision: ``save_hf_gpt2``
 writes them **separately** to ``dcp_interaction.safetensors`` next to ``model.safetensors``, with
 names ``h.{i}.attn.q_int.weight`` [d, r], ``h.{i}.attn.k_int.weight`` [d, r] (Conv1D layout
-[in, out]) and ``h.{i}.attn.int_bias`` [] (the reference code's name for β), and records r and β₀
+[in, out]) and ``h.{i}.attn.int_bias`` [1] (the reference code's name for β), and records r and β₀
 under the ``"fox_jax_dcp"`` key of ``config.json``. The directory therefore stays a valid HF GPT-2
 checkpoint (``GPT2LMHeadModel.from_pretrained`` loads the dense part and ignores the extra key and
 file), and ``load_hf_gpt2`` restores the DCP model from it. ``dcp="drop"`` omits them with a warning.
@@ -230,7 +230,7 @@ def _dcp_expected_shapes(cfg: GPT2Config) -> dict[str, tuple[tuple[str, ...], tu
         h, fl = f"h.{i}.attn.", f"h_{i}"
         out[h + "q_int.weight"] = ((fl, "attn", "q_int", "kernel"), (d, r))
         out[h + "k_int.weight"] = ((fl, "attn", "k_int", "kernel"), (d, r))
-        out[h + "int_bias"] = ((fl, "attn", "beta"), ())
+        out[h + "int_bias"] = ((fl, "attn", "beta"), (1,))  # stored [1], a scalar in the model
     return out
 
 
@@ -257,7 +257,10 @@ def _fill(params: dict, tensors: dict[str, np.ndarray], expected: dict, source: 
         if tuple(arr.shape) != shape:
             raise ValueError(f"{source}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape} "
                              "from config.json")
-        _set(params, path, jax.numpy.asarray(np.asarray(arr, dtype=np.float32)))
+        arr = np.asarray(arr, dtype=np.float32)
+        if path[-1] == "beta":
+            arr = arr.reshape(())
+        _set(params, path, jax.numpy.asarray(arr))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -375,6 +378,8 @@ def save_hf_gpt2(cfg: GPT2Config, params: dict, path: str | os.PathLike, *, dcp:
                 arr = np.asarray(_get(params, fpath), dtype=np.float32)
             except KeyError:
                 raise ValueError(f"params lack {'/'.join(fpath)} (needed for {name})") from None
+            if fpath[-1] == "beta" and arr.shape == ():
+                arr = arr.reshape(1)
             if arr.shape != shape:
                 raise ValueError(f"params {'/'.join(fpath)} has shape {arr.shape}, expected {shape}")
             out[name] = np.ascontiguousarray(arr)

@@ -1,12 +1,17 @@
 """Pure ops: forgetting attention (public op, dense reference, ACP helpers)."""
 
-from fox_jax.ops import acp
+from fox_jax.ops import acp, context_pruning
+from fox_jax.ops.alpha_sigmoid import alpha_sigmoid, alpha_sigmoid_step, cosine_alpha_schedule
 from fox_jax.ops.forgetting_attention import IMPLEMENTATIONS, forgetting_attention
 from fox_jax.ops.reference import attention_mask, decay_cumsum, forgetting_attention_reference
 
 __all__ = [
     "IMPLEMENTATIONS",
     "acp",
+    "alpha_sigmoid",
+    "alpha_sigmoid_step",
+    "context_pruning",
+    "cosine_alpha_schedule",
     "attention_mask",
     "decay_cumsum",
     "forgetting_attention",

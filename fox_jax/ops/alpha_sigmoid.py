@@ -208,7 +208,8 @@ def alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) -> jax
       alpha: α ≥ 1. A Python float, a concrete scalar, or a *traced* scalar (scheduled during
         training, no recompile per value). ``float('inf')`` selects the inference step function
         (x > 0). For α − 1 < 1e-3 the result is ``jax.nn.sigmoid(x)`` (the α → 1 limit; the error is
-        O(α − 1)).
+        O(α − 1)). A traced alpha cannot be validated: values below 1 give the sigmoid too, NaN
+        gives NaN; with a traced alpha all three branches are computed and one is selected.
       n_iter: bisection iterations; default 30 for float32 (relative precision ~1e-7 in the smaller
         class probability), 64 for float64.
 

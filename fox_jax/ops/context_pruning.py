@@ -577,6 +577,8 @@ def _dcp_bwd(scale, block_q, block_k, res, do):
 
 
 _dcp_blockwise.defvjp(_dcp_fwd, _dcp_bwd)
+# Compiled once per shape/config, also when called eagerly (the loops are costly to re-trace).
+_dcp_blockwise_jit = jax.jit(_dcp_blockwise, static_argnums=(7, 8, 9))
 
 
 def dcp_attention(
@@ -664,4 +666,4 @@ def dcp_attention(
                                    segment_ids=segment_ids)
     live = ~flags
     lists = _block_lists(live)
-    return _dcp_blockwise(q, k, v, log_mask, segment_ids, live, lists, scale, bq, bk)
+    return _dcp_blockwise_jit(q, k, v, log_mask, segment_ids, live, lists, scale, bq, bk)

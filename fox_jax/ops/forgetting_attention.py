@@ -11,7 +11,7 @@ from fox_jax.ops import acp as acp_lib
 from fox_jax.ops.blockwise import blockwise_attention, block_sizes
 from fox_jax.ops.reference import decay_cumsum, forgetting_attention_reference
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense", "cudnn")
 _QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -48,11 +48,23 @@ def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids):
             f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, got {segment_ids.dtype}{segment_ids.shape}")
 
 
-def _resolve_impl(implementation: str) -> str:
+def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold) -> bool:
+    """cuDNN flash attention covers plain causal attention only (no gates, masks or pruning)."""
+    return (log_fgate is None and seq_start is None and segment_ids is None and adaptive_threshold is None
+            and q.shape[1] == k.shape[1] and q.dtype in (jnp.bfloat16, jnp.float16))
+
+
+def _resolve_impl(implementation: str, cudnn_ok: bool) -> str:
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and _pallas_available() else "xla"
+        if jax.default_backend() != "gpu":
+            return "xla"
+        return "cudnn" if cudnn_ok else ("pallas" if _pallas_available() else "xla")
+    if implementation == "cudnn" and not cudnn_ok:
+        raise NotImplementedError(
+            "implementation='cudnn' is plain causal attention: it needs log_fgate=None, no seq_start, "
+            "segment_ids or adaptive_threshold, Tq == Tk and bf16/fp16 inputs")
     return implementation
 
 
@@ -100,8 +112,9 @@ def forgetting_attention(
         below δ are skipped; with the auto threshold the skipped weight per query is ≤ exp(log_epsilon).
       log_epsilon: log ε of the auto threshold (default −10).
       implementation: ``"xla"`` (blockwise pure JAX), ``"pallas"`` (pallas_call kernel; interpret mode
-        off-GPU), ``"mosaic"`` (Hopper kernel), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]) or
-        ``"auto"`` (the fastest available for the backend).
+        off-GPU), ``"mosaic"`` (Hopper kernel), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]),
+        ``"cudnn"`` (``jax.nn.dot_product_attention``; plain causal attention only, the Transformer
+        baseline) or ``"auto"`` (cuDNN when eligible on GPU, else Pallas on GPU, else XLA).
       block_q, block_k: tile sizes of the blockwise implementations.
 
     Returns:
@@ -113,10 +126,13 @@ def forgetting_attention(
       NotImplementedError: an implementation not available for these inputs.
     """
     _check_inputs(q, k, v, log_fgate, seq_start, segment_ids)
-    impl = _resolve_impl(implementation)
+    impl = _resolve_impl(implementation,
+                         _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold))
     b, tq, h, d = q.shape
     tk = k.shape[1]
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    if impl == "cudnn":
+        return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
     if log_fgate is None:
         log_fgate = jnp.zeros((b, tk, h), jnp.float32)
     delta = acp_lib.resolve_threshold(adaptive_threshold, q, k, scale, log_epsilon)

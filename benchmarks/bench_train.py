@@ -1,0 +1,130 @@
+"""Training-throughput benchmark: tokens/s, TFLOP/s and MFU of full training steps.
+
+For each (arch, size, context, ACP on/off) it jits the real train step (AdamW, clipping, bf16 compute,
+float32 master weights) on synthetic tokens, runs ``--warmup`` steps, then times ``--steps`` steps
+(median of per-step wall times, synchronised). FLOPs are dense-equivalent, from the spec's formula
+(3 × (2N + 2·n_layer·H·D·L) per token), so ACP shows up as higher TFLOP/s at equal work. MFU divides by
+the device's dense bf16 peak (``train.metrics.PEAK_FLOPS``; 989 TFLOP/s on H100/H200).
+
+    python benchmarks/bench_train.py --configs fox-pro:125M:2048 transformer-pro:125M:2048 --acp both \
+        --batch-tokens 65536 --out results.json
+    python benchmarks/bench_train.py --quick      # CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fox_jax.config import preset
+from fox_jax.sharding import batch_sharding, make_mesh, state_shardings
+from train import config as config_lib
+from train.metrics import device_peak_flops
+from train.trainer import init_state, make_optimizer, make_train_step
+from fox_jax.models import LanguageModel
+
+
+def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype):
+    overrides = dict(dtype=dtype, remat=remat, adaptive_threshold="auto" if acp else None)
+    if size == "tiny":
+        overrides["vocab_size"] = 257
+    model_cfg = preset(size, arch, **overrides)
+    mesh = make_mesh(mesh_spec)
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    batch = max(n_batch, batch_tokens // seq_len // n_batch * n_batch)
+    cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=batch)
+    optimizer = make_optimizer(cfg)
+    rng = jax.random.PRNGKey(0)
+    abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
+    shard = state_shardings(mesh, abstract)
+    state = jax.jit(lambda: init_state(cfg, rng, optimizer), out_shardings=shard)()
+    step = jax.jit(make_train_step(LanguageModel(model_cfg), optimizer, 1, collect_acp=acp),
+                   in_shardings=(shard, batch_sharding(mesh)), donate_argnums=(0,))
+    tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
+    data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+            "segment_ids": np.ones((batch, seq_len), np.int32)}
+    data = jax.device_put(data, batch_sharding(mesh))
+    t0 = time.perf_counter()
+    state, m = step(state, data)
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    for _ in range(warmup):
+        state, m = step(state, data)
+    jax.block_until_ready(m)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        state, m = step(state, data)
+        jax.block_until_ready(m)
+        times.append(time.perf_counter() - t)
+    dt = statistics.median(times)
+    tok_s = batch * seq_len / dt
+    flops = 3 * model_cfg.flops_per_token(seq_len) * batch * seq_len
+    peak = device_peak_flops(dtype)
+    n_dev = jax.device_count()
+    row = dict(arch=arch, size=size, seq_len=seq_len, acp=acp, batch=batch, remat=remat, mesh=mesh_spec or "",
+               devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
+               mfu=(flops / dt / (peak * n_dev)) if peak else None, compile_s=compile_s,
+               loss=float(m["loss"]), params=model_cfg.param_count())
+    if acp:
+        row["acp_fraction_skipped"] = float(m["acp_fraction_skipped"])
+    return row
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--configs", nargs="+", default=["fox-pro:125M:2048", "transformer-pro:125M:2048"],
+                   help="arch:size:seq_len entries")
+    p.add_argument("--acp", choices=["off", "on", "both"], default="off")
+    p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per step (global)")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--remat", default="none")
+    p.add_argument("--mesh", default=None)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--out", default=None)
+    p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.configs, args.batch_tokens, args.steps, args.warmup, args.dtype = (
+            ["fox-pro:tiny:128", "transformer-pro:tiny:128"], 1024, 2, 1, "float32")
+    acps = {"off": [False], "on": [True], "both": [False, True]}[args.acp]
+    rows = []
+    for entry in args.configs:
+        arch, size, seq = entry.split(":")
+        for acp in acps:
+            if acp and not arch.startswith("fox"):
+                continue
+            try:
+                row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
+                                args.remat, args.mesh, args.dtype)
+            except Exception as e:  # OOM or unsupported: record and go on
+                row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp, error=f"{type(e).__name__}: {str(e)[:200]}")
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| arch | size | ctx | ACP | batch | step ms | tokens/s | TFLOP/s/dev | MFU | pruned |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {r['acp']} | – | {r['error'][:40]} | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "–"
+        pruned = f"{100 * r['acp_fraction_skipped']:.0f}%" if "acp_fraction_skipped" in r else ""
+        print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} | {r['batch']} | "
+              f"{r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | {pruned} |")
+    if args.out:
+        meta = dict(device=jax.devices()[0].device_kind, n_devices=jax.device_count(), jax=jax.__version__,
+                    python=platform.python_version(), peak_flops=device_peak_flops(args.dtype), dtype=args.dtype)
+        with open(args.out, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,389 @@
+"""DCP interaction mask, sparsity loss/metric, block flags and masked attention (specs/dcp.md §1, §3)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.ops.alpha_sigmoid import alpha_sigmoid
+from fox_jax.ops.context_pruning import (
+    LOG_FLOOR,
+    cumulative_keep_log_mask,
+    dcp_attention,
+    dcp_attention_reference,
+    dcp_block_sizes,
+    dropped_key_blocks,
+    keep_logits,
+    sparsity,
+    sparsity_loss,
+)
+
+
+def x64():
+    if hasattr(jax, "enable_x64"):
+        return jax.enable_x64(True)
+    from jax.experimental import enable_x64
+
+    return enable_x64()
+
+
+def random_keep(rng, b, t, p_zero=0.15, p_one=0.15):
+    """Keep probabilities with exact zeros and ones mixed in."""
+    keep = rng.uniform(0.2, 1.0, (b, t, t))
+    u = rng.uniform(size=(b, t, t))
+    keep[u < p_zero] = 0.0
+    keep[u > 1 - p_one] = 1.0
+    return keep
+
+
+def cumprod_log_reference(keep):
+    """float64 log(cumprod over queries of Ī with Ī ≡ 1 on and above the diagonal)."""
+    t = keep.shape[-1]
+    lower = np.tril(np.ones((t, t), bool), -1)
+    masked = np.where(lower, keep, 1.0)
+    with np.errstate(divide="ignore"):
+        return np.log(np.cumprod(masked, axis=1))
+
+
+# ---------------------------------------------------------------------------------------------
+# Keep logits and the cumulative mask
+# ---------------------------------------------------------------------------------------------
+
+def test_keep_logits():
+    rng = np.random.default_rng(0)
+    qi, ki = rng.normal(size=(2, 7, 8)), rng.normal(size=(2, 9, 8))
+    z = keep_logits(jnp.asarray(qi, jnp.bfloat16), jnp.asarray(ki, jnp.bfloat16), 2.0)
+    assert z.shape == (2, 7, 9) and z.dtype == jnp.float32
+    qb = np.asarray(jnp.asarray(qi, jnp.bfloat16).astype(jnp.float32))
+    kb = np.asarray(jnp.asarray(ki, jnp.bfloat16).astype(jnp.float32))
+    np.testing.assert_allclose(z, np.einsum("bkr,bjr->bkj", qb, kb) / math.sqrt(8) + 2.0, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="beta"):
+        keep_logits(jnp.zeros((1, 3, 4)), jnp.zeros((1, 3, 4)), jnp.zeros(2))
+    with pytest.raises(ValueError, match="share"):
+        keep_logits(jnp.zeros((1, 3, 4)), jnp.zeros((1, 3, 5)), 0.0)
+
+
+def test_log_mask_equals_log_cumprod():
+    rng = np.random.default_rng(1)
+    keep = random_keep(rng, 3, 29)
+    ref = cumprod_log_reference(keep)
+    got = np.asarray(cumulative_keep_log_mask(jnp.asarray(keep, jnp.float32)))
+    assert got.dtype == np.float32 and got.shape == keep.shape
+    alive = ref > LOG_FLOOR + 1.0
+    np.testing.assert_allclose(got[alive], ref[alive], atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(got[ref <= LOG_FLOOR], np.float32(LOG_FLOOR))
+    assert np.all(got >= np.float32(LOG_FLOOR)) and np.all(got <= 0)
+    # Irreversible: once dropped, a key stays dropped for every later query.
+    dropped = got <= LOG_FLOOR
+    assert np.all(dropped[:, 1:] >= dropped[:, :-1])
+
+
+def test_log_mask_from_logits_matches_probabilities():
+    rng = np.random.default_rng(2)
+    z = jnp.asarray(rng.normal(1.0, 1.5, (2, 23, 23)), jnp.float32)
+    for alpha in (1.0, 1.028, 1.5, 2.0, 8.0):
+        from_logits = np.asarray(cumulative_keep_log_mask(z, alpha))
+        ref = cumprod_log_reference(np.asarray(alpha_sigmoid(z, alpha), np.float64))
+        alive = ref > LOG_FLOOR + 1.0
+        np.testing.assert_allclose(from_logits[alive], ref[alive], atol=5e-5, rtol=1e-5)
+        np.testing.assert_array_equal(from_logits[ref < LOG_FLOOR - 1.0], np.float32(LOG_FLOOR))
+    step = np.asarray(cumulative_keep_log_mask(z, float("inf")))
+    ref = cumprod_log_reference((np.asarray(z) > 0).astype(np.float64))
+    np.testing.assert_array_equal(step, np.where(np.isneginf(ref), np.float32(LOG_FLOOR), 0.0))
+    exact = np.asarray(cumulative_keep_log_mask(z, float("inf"), floor=-np.inf))
+    np.testing.assert_array_equal(exact, ref.astype(np.float32))  # eval mode: 0 / −inf
+
+
+def test_self_and_future_never_dropped():
+    keep = jnp.zeros((2, 11, 11))  # every token votes to drop everything
+    lm = np.asarray(cumulative_keep_log_mask(keep))
+    t = 11
+    np.testing.assert_array_equal(lm[:, np.triu(np.ones((t, t), bool))], 0.0)  # diagonal and above
+    np.testing.assert_array_equal(lm[:, np.tril(np.ones((t, t), bool), -1)], np.float32(LOG_FLOOR))
+    z = jnp.full((1, 5, 5), -100.0)
+    np.testing.assert_array_equal(np.diagonal(np.asarray(cumulative_keep_log_mask(z, 2.0)), axis1=1, axis2=2), 0.0)
+
+
+def test_log_mask_gradients_finite_everywhere():
+    rng = np.random.default_rng(3)
+    keep = jnp.asarray(random_keep(rng, 2, 17, p_zero=0.3, p_one=0.3), jnp.float32)
+    keep = keep.at[:, 5, :].set(0.0).at[:, :, 3].set(1e-42)  # exact zeros and subnormals
+    w = jnp.asarray(rng.normal(size=(2, 17, 17)), jnp.float32)
+    g = jax.grad(lambda p: jnp.sum(w * cumulative_keep_log_mask(p)))(keep)
+    assert np.all(np.isfinite(np.asarray(g)))
+    z = jnp.asarray(rng.normal(0.0, 3.0, (2, 17, 17)), jnp.float32)
+    z = z.at[:, 4, :].set(-1.0).at[:, :, 6].set(1.0)  # exactly at the α = 2 support edges
+    for alpha in (1.0, 1.01, 1.5, 2.0, 8.0, float("inf")):
+        g = jax.grad(lambda x: jnp.sum(w * cumulative_keep_log_mask(x, alpha)))(z)
+        assert np.all(np.isfinite(np.asarray(g))), alpha
+    # Traced alpha inside jit as in training.
+    f = jax.jit(jax.grad(lambda x, a: jnp.sum(w * cumulative_keep_log_mask(x, a))))
+    for alpha in (1.0, 1.5, float("inf")):
+        assert np.all(np.isfinite(np.asarray(f(z, jnp.float32(alpha)))))
+
+
+def test_log_mask_gradient_matches_finite_differences():
+    rng = np.random.default_rng(4)
+    with x64():
+        keep = jnp.asarray(rng.uniform(0.3, 1.0, (1, 9, 9)))
+        w = jnp.asarray(rng.normal(size=(1, 9, 9)))
+        f = lambda p: jnp.sum(w * cumulative_keep_log_mask(p))  # noqa: E731
+        g = np.asarray(jax.grad(f)(keep))
+        # Analytic: d/dĪ_{n,j} Σ_k w_{k,j} log I_{k,j} = Σ_{k≥n} w_{k,j} / Ī_{n,j} for j < n.
+        wk = np.asarray(w)[0]
+        want = np.zeros((9, 9))
+        for n in range(9):
+            for j in range(n):
+                want[n, j] = wk[n:, j].sum() / float(keep[0, n, j])
+        np.testing.assert_allclose(g[0], want, rtol=1e-6, atol=1e-9)
+        z = jnp.asarray(rng.normal(0.0, 0.5, (1, 9, 9)))
+        fz = lambda x: jnp.sum(w * cumulative_keep_log_mask(x, 1.5))  # noqa: E731
+        gz = np.asarray(jax.grad(fz)(z))
+        eps = 1e-6
+        for (n, j) in [(3, 1), (8, 0), (5, 4), (1, 0)]:
+            dz = jnp.zeros_like(z).at[0, n, j].set(eps)
+            fd = (fz(z + dz) - fz(z - dz)) / (2 * eps)
+            np.testing.assert_allclose(gz[0, n, j], float(fd), rtol=1e-5, atol=1e-8)
+
+
+def test_mask_errors():
+    with pytest.raises(ValueError, match="square"):
+        cumulative_keep_log_mask(jnp.zeros((1, 3, 4)))
+    with pytest.raises(ValueError, match="floating"):
+        cumulative_keep_log_mask(jnp.zeros((1, 3, 3), jnp.int32))
+    with pytest.raises(ValueError, match="floor"):
+        cumulative_keep_log_mask(jnp.zeros((1, 3, 3)), floor=0.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparsity metric and loss
+# ---------------------------------------------------------------------------------------------
+
+def test_sparsity_on_handcrafted_mask():
+    t = 4
+    keep0 = np.ones((1, t, t))
+    keep0[0, 2, 0] = 0.0  # token 2 drops token 0 -> (2, 0) and (3, 0) are dropped
+    keep1 = np.ones((1, t, t))  # layer 1 keeps everything
+    lm = jnp.stack([cumulative_keep_log_mask(jnp.asarray(k, jnp.float32)) for k in (keep0, keep1)])
+    assert lm.shape == (2, 1, t, t)
+    per_layer, overall = sparsity(lm)
+    np.testing.assert_allclose(per_layer, [2 / 6, 0.0], rtol=1e-6)
+    assert float(overall) == pytest.approx(1 / 6)
+    # One layer as [B, T, T].
+    np.testing.assert_allclose(sparsity(lm[0])[0], [2 / 6], rtol=1e-6)
+    # Documents [0, 0, 1, 1]: only (1, 0) and (3, 2) are same-document causal pairs; neither dropped.
+    seg = jnp.asarray([[0, 0, 1, 1]])
+    np.testing.assert_allclose(sparsity(lm, segment_ids=seg)[0], [0.0, 0.0])
+    keep2 = np.ones((1, t, t))
+    keep2[0, 3, 2] = 0.0
+    np.testing.assert_allclose(sparsity(cumulative_keep_log_mask(jnp.asarray(keep2, jnp.float32)),
+                                        segment_ids=seg)[0], [0.5])
+    # Soft version: 1 − mean I over causal pairs.
+    keep3 = np.ones((1, t, t))
+    keep3[0, 1, 0] = 0.5  # I[1,0] = I[2,0] = I[3,0] = 0.5
+    soft = sparsity(cumulative_keep_log_mask(jnp.asarray(keep3, jnp.float32)), soft=True)[0]
+    np.testing.assert_allclose(soft, [1.5 / 6], rtol=1e-6)
+    assert float(sparsity(cumulative_keep_log_mask(jnp.asarray(keep3, jnp.float32)))[1]) == 0.0
+    # Eval-mode masks with −inf count as dropped too.
+    exact = cumulative_keep_log_mask(jnp.asarray(keep0, jnp.float32), floor=-np.inf)
+    np.testing.assert_allclose(sparsity(exact)[0], [2 / 6])
+
+
+def test_sparsity_loss_normalisations():
+    rng = np.random.default_rng(5)
+    L, B, T = 2, 3, 10
+    keep = rng.uniform(0.0, 1.0, (L * B, T, T))
+    lm = cumulative_keep_log_mask(jnp.asarray(keep, jnp.float32)).reshape(L, B, T, T)
+    masks = np.exp(np.asarray(lm, np.float64))
+    # "causal": mean over j < k for query rows k = 0..T-2.
+    pairs = [(k, j) for k in range(T - 1) for j in range(k)]
+    assert len(pairs) == (T - 1) * (T - 2) // 2
+    causal_mean = np.mean([masks[:, :, k, j] for k, j in pairs])
+    assert float(sparsity_loss(lm, 0.3)) == pytest.approx(0.3 * causal_mean, rel=1e-5)
+    # "code": the reference code's γ·mean(I[..., :-1, :]) including the constant upper triangle.
+    code = float(sparsity_loss(lm, 0.3, normalization="code"))
+    assert code == pytest.approx(0.3 * masks[..., :-1, :].mean(), rel=1e-5)
+    assert code == pytest.approx(0.3 * ((T - 2) / (2 * T) * causal_mean + (T + 2) / (2 * T)), rel=1e-5)
+    # Gradients (into the keep probabilities): code == causal with γ_eff = γ (T−2)/(2T).
+    def through_mask(fn):
+        return jax.grad(lambda p: fn(cumulative_keep_log_mask(p).reshape(L, B, T, T)))(
+            jnp.asarray(keep, jnp.float32))
+
+    g_code = through_mask(lambda x: sparsity_loss(x, 0.3, normalization="code"))
+    g_causal = through_mask(lambda x: sparsity_loss(x, 0.3 * (T - 2) / (2 * T)))
+    np.testing.assert_allclose(g_code, g_causal, rtol=1e-4, atol=1e-9)
+    # One layer [B, T, T]; documents restrict the pairs.
+    assert float(sparsity_loss(lm[0], 1.0)) == pytest.approx(
+        np.mean([masks[0, :, k, j] for k, j in pairs]), rel=1e-5)
+    seg = jnp.asarray(np.repeat([[0] * 5 + [1] * 5], B, axis=0))
+    same = [(k, j) for k, j in pairs if (k < 5) == (j < 5)]
+    assert float(sparsity_loss(lm, 1.0, segment_ids=seg)) == pytest.approx(
+        np.mean([masks[:, :, k, j] for k, j in same]), rel=1e-5)
+    with pytest.raises(ValueError, match="normalization"):
+        sparsity_loss(lm, 1.0, normalization="paper")
+    with pytest.raises(ValueError, match="segment_ids"):
+        sparsity_loss(lm, 1.0, normalization="code", segment_ids=seg)
+    with pytest.raises(ValueError, match="T >= 3"):
+        sparsity_loss(jnp.zeros((1, 2, 2)), 1.0)
+    with pytest.raises(ValueError, match="log_masks"):
+        sparsity_loss(jnp.zeros((2, 3)), 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Block flags
+# ---------------------------------------------------------------------------------------------
+
+def dense_block_flags(lm, bq, bk, seg=None):
+    b, tq, tk = lm.shape
+    off = tk - tq
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    out = np.ones((b, nq, nk), bool)
+    for bi in range(b):
+        for i in range(tq):
+            for j in range(tk):
+                visible = off + i >= j and (seg is None or seg[bi, off + i] == seg[bi, j])
+                if visible and lm[bi, i, j] > LOG_FLOOR:
+                    out[bi, i // bq, j // bk] = False
+    return out
+
+
+def heavy_drop_mask(rng, b, t, beta=-1.0, alpha=2.0, r=8):
+    qi = jnp.asarray(rng.normal(size=(b, t, r)), jnp.float32)
+    ki = jnp.asarray(rng.normal(size=(b, t, r)), jnp.float32)
+    z = keep_logits(qi, ki, beta)
+    return z, cumulative_keep_log_mask(z, alpha)
+
+
+def test_dropped_key_blocks_matches_dense_check():
+    rng = np.random.default_rng(6)
+    _, lm = heavy_drop_mask(rng, 2, 37)
+    lm_np = np.asarray(lm)
+    for bq, bk in [(8, 8), (16, 8), (5, 7), (64, 64)]:
+        got = np.asarray(dropped_key_blocks(lm, bq, bk))
+        np.testing.assert_array_equal(got, dense_block_flags(lm_np, bq, bk))
+    assert dense_block_flags(lm_np, 8, 8)[:, np.tril_indices(5, -1)[0], np.tril_indices(5, -1)[1]].any()
+    seg = np.repeat(np.arange(37)[None] // 12, 2, axis=0)
+    got = np.asarray(dropped_key_blocks(lm, 8, 8, segment_ids=jnp.asarray(seg)))
+    np.testing.assert_array_equal(got, dense_block_flags(lm_np, 8, 8, seg))
+    # Tq < Tk (bottom-right aligned queries).
+    sub = lm_np[:, 20:, :]
+    np.testing.assert_array_equal(np.asarray(dropped_key_blocks(jnp.asarray(sub), 8, 8)),
+                                  dense_block_flags(sub, 8, 8))
+    with pytest.raises(ValueError, match="block_q"):
+        dropped_key_blocks(lm, 0, 8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention
+# ---------------------------------------------------------------------------------------------
+
+def qkv(rng, b, tq, tk, h, hkv, d, dtype=jnp.float32):
+    q = jnp.asarray(rng.normal(size=(b, tq, h, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype)
+    return q, k, v
+
+
+def out_and_grads(fn, args, argnums):
+    """(fn(*args), grads of Σ w·fn(*args)) from one jitted call; w a fixed pseudo-random weight."""
+    def loss(*a):
+        o = fn(*a)
+        w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
+        return jnp.sum(w * o), o
+
+    (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
+    return o, g
+
+
+def assert_grads_close(g, g_ref, names):
+    for name, a, ref in zip(names, g, g_ref):
+        assert np.all(np.isfinite(np.asarray(a))), name
+        np.testing.assert_allclose(a, ref, atol=5e-5 * (1 + float(jnp.abs(ref).max())), rtol=1e-4,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("beta,alpha", [(1.0, 1.5), (-1.0, 2.0)])
+def test_dcp_attention_matches_dense_with_gradients(beta, alpha):
+    # Awkward T (not a multiple of either block); gradients into q, k, v and the mask logits z.
+    rng = np.random.default_rng(7)
+    b, t, h, d, r = 2, 37, 3, 16, 8
+    q, k, v = qkv(rng, b, t, t, h, h, d)
+    z = keep_logits(jnp.asarray(rng.normal(size=(b, t, r)), jnp.float32),
+                    jnp.asarray(rng.normal(size=(b, t, r)), jnp.float32), beta)
+
+    def run(attn):
+        return out_and_grads(lambda q, k, v, z: attn(q, k, v, cumulative_keep_log_mask(z, alpha)),
+                             (q, k, v, z), range(4))
+
+    o, g = run(lambda q, k, v, m: dcp_attention(q, k, v, m, block_q=16, block_k=8))
+    o_ref, g_ref = run(dcp_attention_reference)
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5)
+    assert_grads_close(g, g_ref, ("q", "k", "v", "z"))
+    assert float(jnp.abs(g_ref[3]).max()) > 1e-3  # the mask gradient is exercised
+
+
+def test_dcp_attention_skips_dropped_blocks_exactly():
+    rng = np.random.default_rng(8)
+    b, t, h, d = 2, 45, 2, 8
+    q, k, v = qkv(rng, b, t, t, h, h, d)
+    _, lm = heavy_drop_mask(rng, b, t, beta=-2.0)
+    bq, bk = dcp_block_sizes(t, t, 8, 8)
+    flags = np.asarray(dropped_key_blocks(lm, bq, bk))
+    causal = np.tril(np.ones(flags.shape[1:], bool))
+    assert (flags & causal).all(axis=0).any(), "the test mask must have skippable causal tiles"
+    attn = jax.jit(lambda q, k, v, m: dcp_attention(q, k, v, m, block_q=8, block_k=8))
+    o_skip = attn(q, k, v, lm)
+    o_full = dcp_attention(q, k, v, lm, block_q=8, block_k=8, skip_dropped=False)
+    np.testing.assert_allclose(o_skip, o_full, atol=1e-6)
+    np.testing.assert_allclose(o_skip, dcp_attention_reference(q, k, v, lm), atol=2e-5)
+    # Eval-mode mask with −inf entries: same result, no NaN in values or gradients.
+    lm_inf = jnp.where(lm <= LOG_FLOOR, -jnp.inf, lm)
+    o_inf, g = out_and_grads(attn, (q, k, v, lm_inf), (0, 3))
+    np.testing.assert_allclose(o_inf, o_skip, atol=1e-6)
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
+
+
+def test_dcp_attention_gqa_segments_and_decoding_alignment():
+    rng = np.random.default_rng(9)
+    b, t, h, hkv, d = 2, 30, 4, 2, 8
+    q, k, v = qkv(rng, b, t, t, h, hkv, d)
+    _, lm = heavy_drop_mask(rng, b, t, beta=0.0)
+    seg = jnp.asarray(np.stack([np.arange(t) // 11, np.arange(t) // 7]))
+    o, g = out_and_grads(lambda q, k, v, m: dcp_attention(q, k, v, m, segment_ids=seg, block_q=8, block_k=16),
+                         (q, k, v, lm), range(4))
+    o_ref, g_ref = out_and_grads(lambda q, k, v, m: dcp_attention_reference(q, k, v, m, segment_ids=seg),
+                                 (q, k, v, lm), range(4))
+    np.testing.assert_allclose(o, o_ref, atol=2e-5)
+    assert_grads_close(g, g_ref, ("q", "k", "v", "log_mask"))
+    # Tq < Tk: the last 9 queries over all keys.
+    tq = 9
+    out = dcp_attention(q[:, -tq:], k, v, lm[:, -tq:], block_q=8, block_k=8)
+    np.testing.assert_allclose(out, dcp_attention_reference(q[:, -tq:], k, v, lm[:, -tq:]), atol=2e-5)
+
+
+def test_dcp_attention_bfloat16_and_jit():
+    rng = np.random.default_rng(10)
+    q, k, v = qkv(rng, 1, 19, 19, 2, 2, 16, jnp.bfloat16)
+    _, lm = heavy_drop_mask(rng, 1, 19, beta=0.5)
+    out = jax.jit(lambda q, k, v, m: dcp_attention(q, k, v, m, block_q=8, block_k=8))(q, k, v, lm)
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), dcp_attention_reference(q, k, v, lm), atol=3e-2)
+
+
+def test_dcp_attention_errors():
+    q = jnp.zeros((1, 8, 2, 4))
+    lm = jnp.zeros((1, 8, 8))
+    with pytest.raises(ValueError, match="float32"):
+        dcp_attention(q, q, q, lm.astype(jnp.bfloat16))
+    with pytest.raises(ValueError, match="log_mask"):
+        dcp_attention(q, q, q, jnp.zeros((1, 8, 7)))
+    with pytest.raises(ValueError, match="multiple"):
+        dcp_attention(q, jnp.zeros((1, 8, 3, 4)), jnp.zeros((1, 8, 3, 4)), lm)
+    with pytest.raises(ValueError, match="exceed"):
+        dcp_attention(jnp.zeros((1, 9, 2, 4)), q, q, jnp.zeros((1, 9, 8)))
+    with pytest.raises(ValueError, match="segment_ids"):
+        dcp_attention(q, q, q, lm, segment_ids=jnp.zeros((1, 8)))
+    with pytest.raises(ValueError, match="block_k"):
+        dcp_attention(q, q, q, lm, block_k=0)
