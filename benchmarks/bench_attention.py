@@ -1,0 +1,508 @@
+"""Forgetting-attention speed: fwd, bwd and fwd+bwd ms (median) and TFLOP/s, side by side.
+
+Implementations (all bf16 q/k/v, float32 log forget gates):
+  cudnn         jax.nn.dot_product_attention(implementation="cudnn", is_causal=True) — plain causal
+                attention, no gates (the speed bar)
+  xla-dense     fox_jax forgetting_attention(implementation="dense"): materialises [B, H, T, T]
+  xla-blockwise fox_jax forgetting_attention(implementation="xla")
+  pallas        fox_jax forgetting_attention(implementation="pallas")
+  pallas-acp    same with adaptive_threshold="auto"
+  fla           fla-core's PyTorch/Triton parallel_forgetting_attn (if importable), same process
+
+Inputs follow specs/anchors_h200.md: per-head forget-gate logits ~ N(μ_h, 1), μ_h evenly spaced in
+[0, 6] across heads; q/k rows normalised to L2 norm √D (as with QK-norm), so the ACP auto bound holds.
+FLOPs: fwd = 2·B·H·T²·D (causal half of 4·B·H·T²·D), fwd+bwd = 3.5 × fwd, bwd = 2.5 × fwd. For ACP the
+dense-equivalent TFLOP/s count skipped work too; "executed" TFLOP/s scale by the tiles actually run.
+bwd time = (fwd+bwd) − fwd.
+
+Usage:
+  python benchmarks/bench_attention.py --out results.json            # GPU, the four anchor shapes
+  python benchmarks/bench_attention.py --quick --out /tmp/q.json     # CPU smoke run (interpret mode)
+  python benchmarks/bench_attention.py --sweep ...                    # first tune the Pallas tiles
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from fox_jax.ops import forgetting_attention  # noqa: E402
+from fox_jax.ops import acp as acp_lib  # noqa: E402
+from fox_jax.ops import pallas as fpallas  # noqa: E402
+from fox_jax.ops.reference import decay_cumsum  # noqa: E402
+from kernels import forgetting_attention as fk  # noqa: E402
+from kernels.forgetting_attention import KernelConfig, TileConfig  # noqa: E402
+
+ANCHOR_SHAPES = [  # (B, T, H, D)
+    (4, 4096, 32, 64),
+    (8, 2048, 16, 128),
+    (2, 8192, 16, 128),
+    (1, 16384, 16, 128),
+]
+QUICK_SHAPES = [(1, 64, 2, 32), (1, 96, 2, 64)]
+IMPLS = ["cudnn", "xla-dense", "xla-blockwise", "pallas", "pallas-acp", "fla"]
+# grid-order variants (KernelConfig.interleave_heads), for tuning runs
+VARIANTS = {"pallas-heads": ("pallas", True), "pallas-acp-blocks": ("pallas-acp", False)}
+
+# Tile candidates for --sweep: (block_q, block_k, num_warps, num_stages); all compile without
+# exceeding shared memory for sm_90 (checked offline with Triton 3.6; see benchmarks/NOTES.md).
+SWEEP = {  # round 2 (round 1 and its results: benchmarks/NOTES.md); the first entry is the default
+    64: {
+        "fwd": [(128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 3)],
+        "dq": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 3), (128, 64, 4, 3)],
+        "dkv": [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 4, 3)],
+    },
+    128: {
+        "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 32, 4, 3)],
+        "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 4)],
+        "dkv": [(64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 4), (64, 64, 4, 2)],
+    },
+}
+SWEEP_SHAPES = {64: (4, 4096, 32, 64), 128: (2, 8192, 16, 128)}
+
+
+def log(*a):
+    print(*a, flush=True)
+
+
+def fwd_flops(b, t, h, d):
+    return 2.0 * b * h * t * t * d
+
+
+# --------------------------------------------------------------------------------------------------
+# inputs and timing
+# --------------------------------------------------------------------------------------------------
+
+
+def make_inputs(b, t, h, d, seed=0, dtype=jnp.bfloat16):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, h, d), jnp.float32)
+    k = jax.random.normal(ks[1], (b, t, h, d), jnp.float32)
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) * math.sqrt(d)
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True) * math.sqrt(d)
+    v = jax.random.normal(ks[2], (b, t, h, d), jnp.float32)
+    mu = jnp.linspace(0.0, 6.0, h)
+    lf = jax.nn.log_sigmoid(mu[None, None, :] + jax.random.normal(ks[3], (b, t, h)))
+    do = jax.random.normal(ks[4], (b, t, h, d), jnp.float32)
+    cast = lambda x: x.astype(dtype)  # noqa: E731
+    return cast(q), cast(k), cast(v), lf.astype(jnp.float32), cast(do)
+
+
+def _block(x):
+    jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+    return x
+
+
+def time_jax(fn, args, target_s=0.4, max_reps=30, min_reps=3):
+    """Median wall time (ms) of fn(*args) over reps; each rep dispatches n_inner calls asynchronously."""
+    _block(fn(*args))
+    t0 = time.perf_counter()
+    _block(fn(*args))
+    single = time.perf_counter() - t0
+    n_inner = max(1, min(20, int(0.02 / max(single, 1e-6))))
+    reps = int(max(min_reps, min(max_reps, target_s / max(single * n_inner, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(n_inner):
+            out = fn(*args)
+        _block(out)
+        times.append((time.perf_counter() - t0) / n_inner)
+    return 1e3 * float(np.median(times))
+
+
+def is_oom(e: BaseException) -> bool:
+    s = f"{type(e).__name__}: {e}"
+    return any(x in s for x in ("RESOURCE_EXHAUSTED", "out of memory", "OutOfMemory", "Out of memory"))
+
+
+# --------------------------------------------------------------------------------------------------
+# JAX implementations
+# --------------------------------------------------------------------------------------------------
+
+
+def jax_fns(impl, d, config=None):
+    """(fwd(q, k, v, lf), fwd_bwd(q, k, v, lf, do)) for one implementation."""
+    scale = d ** -0.5
+    if impl in VARIANTS:
+        impl, inter = VARIANTS[impl]
+        base = config if config is not None else fpallas.resolve_config(d, 16384, 16384)
+        config = dataclasses.replace(base, interleave_heads=inter)
+    if impl == "cudnn":
+        def f(q, k, v, lf):
+            del lf
+            return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
+        argnums = (0, 1, 2)
+    else:
+        kw = {"dense": dict(implementation="dense"), "xla-dense": dict(implementation="dense"),
+              "xla-blockwise": dict(implementation="xla"), "pallas": dict(implementation="pallas"),
+              "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto")}[impl]
+        if impl.startswith("pallas") and config is not None:
+            def f(q, k, v, lf, _kw=kw):
+                lam = decay_cumsum(lf)
+                delta = None
+                if "adaptive_threshold" in _kw:
+                    delta = acp_lib.resolve_threshold("auto", q, k, scale)
+                return fpallas.attention(q, k, v, lam, None, None, delta, scale=scale, config=config)
+        else:
+            def f(q, k, v, lf, _kw=kw):
+                return forgetting_attention(q, k, v, lf, sm_scale=scale, **_kw)
+        argnums = (0, 1, 2, 3)
+
+    def fwd_bwd(q, k, v, lf, do):
+        args = (q, k, v, lf)
+        diff = [args[i] for i in argnums]
+
+        def g(*dargs):
+            full = list(args)
+            for i, a in zip(argnums, dargs):
+                full[i] = a
+            return f(*full)
+
+        _, vjp = jax.vjp(g, *diff)
+        return vjp(do)
+
+    return jax.jit(f), jax.jit(fwd_bwd)
+
+
+def compile_all(jobs, workers):
+    """jobs: {key: (jitted_fn, args)} → {key: compiled or exception}; compiles concurrently."""
+    def one(item):
+        key, (fn, args) = item
+        try:
+            return key, fn.lower(*args).compile()
+        except Exception as e:  # noqa: BLE001 - recorded per implementation
+            return key, e
+    with cf.ThreadPoolExecutor(max_workers=workers) as ex:
+        return dict(ex.map(one, jobs.items()))
+
+
+# --------------------------------------------------------------------------------------------------
+# fla-core (PyTorch / Triton)
+# --------------------------------------------------------------------------------------------------
+
+
+def fla_available():
+    try:
+        import torch
+        from fla.ops.forgetting_attn import parallel_forgetting_attn  # noqa: F401
+        return torch.cuda.is_available()
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def bench_fla(arrays, d):
+    import torch
+    import triton
+    from fla.ops.forgetting_attn import parallel_forgetting_attn
+
+    q, k, v, lf, do = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda() for x in arrays)
+    q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
+    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), lf.requires_grad_(True)
+    scale = d ** -0.5
+    res = {}
+    try:
+        fwd = lambda: parallel_forgetting_attn(q, k, v, lf, scale=scale)  # noqa: E731
+        res["fwd"] = float(triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median"))
+
+        def fwd_bwd():
+            o = parallel_forgetting_attn(q, k, v, lf, scale=scale)
+            return torch.autograd.grad(o, (q, k, v, lf), do)
+        res["fwd_bwd"] = float(triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median"))
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    del q, k, v, lf, do
+    torch.cuda.empty_cache()
+    return res
+
+
+# --------------------------------------------------------------------------------------------------
+# tile sweep
+# --------------------------------------------------------------------------------------------------
+
+
+def sweep_tiles(workers, quick=False):
+    """Time each kernel alone over SWEEP's candidates; returns {D: KernelConfig of the fastest}."""
+    best, table = {}, []
+    interpret = jax.default_backend() != "gpu"
+    for d, cands in SWEEP.items():
+        b, t, h, _ = (1, 64, 2, d) if quick else SWEEP_SHAPES[d]
+        q, k, v, lf, do = make_inputs(b, t, h, d, seed=1)
+        lam = decay_cumsum(lf)
+        scale = d ** -0.5
+        ref_cfg = fpallas.resolve_config(d, t, t, None, interpret)
+        o, lse = jax.jit(lambda q, k, v, lam: fk.attention_forward(
+            q, k, v, lam, jnp.zeros((b,), jnp.int32), None, None, scale=scale, config=ref_cfg,
+            interpret=interpret))(q, k, v, lam)
+        lam_bh = lam.transpose(0, 2, 1)
+        ss = jnp.zeros((b,), jnp.int32)
+        lse2 = lse * fk.LOG2E
+        delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), -1).transpose(0, 2, 1)
+        jobs = {}
+        for kind, lst in cands.items():
+            for c in (lst[:2] if quick else lst):
+                tile = TileConfig(*c)
+                tile = dataclasses.replace(tile, block_q=min(tile.block_q, t), block_k=min(tile.block_k, t))
+                common = dict(tq=t, tk=t, scale=scale, tile=tile, interpret=interpret)
+                if kind == "fwd":
+                    fn = jax.jit(lambda q, k, v, _c=common: fk.flash_forward(
+                        q, k, v, lam_bh, lam_bh, ss, None, None, None, **_c))
+                    args = (q, k, v)
+                elif kind == "dq":
+                    fn = jax.jit(lambda q, k, v, do, _c=common: fk.flash_backward_dq(
+                        q, k, v, do, lam_bh, lam_bh, lse2, delta, ss, None, None, None, **_c))
+                    args = (q, k, v, do)
+                else:
+                    fn = jax.jit(lambda q, k, v, do, _c=common: fk.flash_backward_dkv(
+                        q, k, v, do, lam_bh, lam_bh, lse2, delta, ss, None, None, None, **_c))
+                    args = (q, k, v, do)
+                jobs[(kind, c)] = (fn, args)
+        t0 = time.perf_counter()
+        compiled = compile_all(jobs, workers)
+        log(f"[sweep] D={d}: compiled {len(jobs)} variants in {time.perf_counter() - t0:.1f}s")
+        chosen = {}
+        for (kind, c), exe in compiled.items():
+            args = jobs[(kind, c)][1]
+            if isinstance(exe, Exception):
+                ms, err = None, f"{type(exe).__name__}: {str(exe)[:160]}"
+            else:
+                try:
+                    ms, err = time_jax(exe, args, target_s=0.25), None
+                except Exception as e:  # noqa: BLE001
+                    ms, err = None, f"{type(e).__name__}: {str(e)[:160]}"
+            flops = fwd_flops(b, t, h, d) * (1.0 if kind == "fwd" else 1.25)  # bwd 2.5× split in two
+            row = dict(d=d, kernel=kind, tile=list(c), ms=ms, tflops=None if ms is None else flops / ms / 1e9,
+                       error=err)
+            table.append(row)
+            log(f"[sweep] D={d} {kind:4s} {c}: " + (f"{ms:.3f} ms" if ms is not None else f"FAILED {err}"))
+            if ms is not None and (kind not in chosen or ms < chosen[kind][1]):
+                chosen[kind] = (c, ms)
+        if all(kk in chosen for kk in ("fwd", "dq", "dkv")):
+            best[d] = KernelConfig(*(TileConfig(*chosen[kk][0]) for kk in ("fwd", "dq", "dkv")))
+            log(f"[sweep] D={d} best: {best[d]}")
+    return best, table
+
+
+# --------------------------------------------------------------------------------------------------
+# main benchmark
+# --------------------------------------------------------------------------------------------------
+
+
+@jax.jit
+def ideal_prunable_fraction(lam, delta):
+    """Fraction of causal (i, j) pairs with Λ_i − Λ_j < δ (element-level ACP, as in the anchors).
+
+    Λ is non-increasing, so the pruned keys of row i are a prefix: #{j : −Λ_j < δ − Λ_i}, found by a
+    binary search per row (O(T log T), no T×T array). lam: [B, T, H]; delta: [B, H]."""
+    t = lam.shape[1]
+    neg = -lam.transpose(0, 2, 1)  # [B, H, T], non-decreasing
+    thr = delta[:, :, None] - lam.transpose(0, 2, 1)  # prune j iff −Λ_j < δ − Λ_i
+    count = jax.vmap(jax.vmap(lambda a, v: jnp.searchsorted(a, v, side="left")))(neg, thr)
+    count = jnp.minimum(count, jnp.arange(1, t + 1))
+    return jnp.sum(count) / (lam.shape[0] * lam.shape[2] * t * (t + 1) / 2)
+
+
+def _max_err(a, b):
+    return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+def run(shapes, impls, workers, configs, skip_dense_bwd_above):
+    results = []
+    for (b, t, h, d) in shapes:
+        log(f"== B{b} T{t} H{h} D{d}")
+        arrays = make_inputs(b, t, h, d)
+        q, k, v, lf, do = arrays
+        fl = fwd_flops(b, t, h, d)
+        interpret = jax.default_backend() != "gpu"
+        # sweep results are keyed by head-dim bound (64, 128): use the smallest bound ≥ D
+        config = next((configs[key] for key in sorted(configs) if d <= key), None) if configs else None
+        cfg = fpallas.resolve_config(d, t, t, config, interpret)
+        delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5)
+        stats = jax.device_get(fpallas.acp_stats(decay_cumsum(lf), delta, t, head_dim=d, config=cfg,
+                                                 interpret=interpret))
+        ideal = float(ideal_prunable_fraction(decay_cumsum(lf), delta))
+        frac = {kk: float(s["fraction_skipped"]) for kk, s in stats.items()}
+        shape_res = dict(shape=dict(B=b, T=t, H=h, D=d), flops_fwd=fl, acp_fraction_skipped=frac,
+                         acp_ideal_prunable=ideal, pallas_config=dataclasses.asdict(cfg), impls={})
+        jobs = {}
+        for impl in impls:
+            if impl == "fla":
+                continue
+            if impl == "cudnn" and jax.default_backend() != "gpu":
+                shape_res["impls"][impl] = dict(error="cuDNN needs a GPU")
+                continue
+            f, fb = jax_fns(impl, d, config)
+            jobs[(impl, "fwd")] = (f, (q, k, v, lf))
+            if not (impl == "xla-dense" and t > skip_dense_bwd_above):
+                jobs[(impl, "fwd_bwd")] = (fb, (q, k, v, lf, do))
+        t0 = time.perf_counter()
+        compiled = compile_all(jobs, workers)
+        log(f"   compiled {len(jobs)} functions in {time.perf_counter() - t0:.1f}s")
+        outs = {}
+        for (impl, mode), exe in compiled.items():
+            r = shape_res["impls"].setdefault(impl, {})
+            if isinstance(exe, Exception):
+                r[mode] = None
+                r[f"{mode}_error"] = ("OOM" if is_oom(exe) else f"{type(exe).__name__}: {str(exe)[:200]}")
+                log(f"   {impl:14s} {mode:8s} FAILED {r[f'{mode}_error']}")
+                continue
+            args = jobs[(impl, mode)][1]
+            try:
+                slow = impl in ("xla-dense", "xla-blockwise")
+                ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
+                r[mode] = ms
+                if impl in ("pallas", "pallas-acp", "xla-blockwise", *VARIANTS):
+                    outs[(impl, mode)] = exe(*args)
+                log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
+            except Exception as e:  # noqa: BLE001
+                r[mode] = None
+                r[f"{mode}_error"] = "OOM" if is_oom(e) else f"{type(e).__name__}: {str(e)[:200]}"
+                log(f"   {impl:14s} {mode:8s} FAILED {r[f'{mode}_error']}")
+            del exe
+        # cross-checks on the benchmark shapes: pallas vs XLA blockwise (same algorithm)
+        checks = {}
+        for mode in ("fwd", "fwd_bwd"):
+            if ("pallas", mode) in outs and ("xla-blockwise", mode) in outs:
+                a, bb = outs[("pallas", mode)], outs[("xla-blockwise", mode)]
+                checks[f"pallas_vs_xla_{mode}_max_abs"] = max(
+                    _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
+            if ("pallas", mode) in outs and ("pallas-acp", mode) in outs:
+                a, bb = outs[("pallas", mode)], outs[("pallas-acp", mode)]
+                checks[f"pallas_acp_vs_dense_{mode}_max_abs"] = max(
+                    _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
+            for var, (base, _) in VARIANTS.items():
+                if (var, mode) in outs and (base, mode) in outs:
+                    a, bb = outs[(var, mode)], outs[(base, mode)]
+                    checks[f"{var}_vs_{base}_{mode}_max_abs"] = max(_max_err(x, y) for x, y in zip(
+                        jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
+            nonfinite = [impl for (impl, m), o in outs.items() if m == mode and not all(
+                bool(jnp.all(jnp.isfinite(x.astype(jnp.float32)))) for x in jax.tree_util.tree_leaves(o))]
+            if nonfinite:
+                checks[f"nonfinite_{mode}"] = nonfinite
+        shape_res["checks"] = checks
+        if checks:
+            log(f"   checks: {checks}")
+        del outs
+        if "fla" in impls:
+            if fla_available():
+                shape_res["impls"]["fla"] = bench_fla(arrays, d)
+                log(f"   fla            {shape_res['impls']['fla']}")
+            else:
+                shape_res["impls"]["fla"] = dict(error="fla-core / torch CUDA not importable")
+        for impl, r in shape_res["impls"].items():
+            fwd, fb = r.get("fwd"), r.get("fwd_bwd")
+            r["bwd"] = None if fwd is None or fb is None else fb - fwd
+            r["tflops_fwd"] = None if fwd is None else fl / fwd / 1e9
+            r["tflops_fwd_bwd"] = None if fb is None else 3.5 * fl / fb / 1e9
+            r["tflops_bwd"] = None if r["bwd"] is None or r["bwd"] <= 0 else 2.5 * fl / r["bwd"] / 1e9
+            if impl.startswith("pallas-acp"):
+                ex_f = 1.0 - frac["fwd"]
+                ex_b = 1.0 - 0.5 * (frac["dq"] + frac["dkv"])
+                r["executed_tflops_fwd"] = None if fwd is None else r["tflops_fwd"] * ex_f
+                r["executed_tflops_fwd_bwd"] = None if fb is None else 3.5 * fl * (ex_f + 2.5 * ex_b) / 3.5 / fb / 1e9
+        results.append(shape_res)
+    return results
+
+
+def fmt(ms, tf):
+    return "–" if ms is None else f"{ms:.3f} ({tf:.1f})"
+
+
+def markdown(results, impls):
+    lines = []
+    heads = [f"B{r['shape']['B']} T{r['shape']['T']} H{r['shape']['H']} D{r['shape']['D']}" for r in results]
+    for mode, tkey in (("fwd", "tflops_fwd"), ("bwd", "tflops_bwd"), ("fwd_bwd", "tflops_fwd_bwd")):
+        lines.append(f"\n### {mode}: ms (TFLOP/s{', dense-equivalent for ACP' if mode != 'bwd' else ''})\n")
+        lines.append("| implementation | " + " | ".join(heads) + " |")
+        lines.append("|---|" + "---|" * len(heads))
+        for impl in impls:
+            cells = []
+            for r in results:
+                x = r["impls"].get(impl, {})
+                cells.append(fmt(x.get(mode), x.get(tkey) or 0.0))
+            lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+    lines.append("\nACP tiles skipped (fwd / dq / dkv): " + "; ".join(
+        f"T{r['shape']['T']}: " + "/".join(f"{r['acp_fraction_skipped'][kk]:.3f}" for kk in ("fwd", "dq", "dkv"))
+        + f" (ideal element-level {r['acp_ideal_prunable']:.3f})" for r in results))
+    return "\n".join(lines)
+
+
+def versions():
+    v = dict(python=platform.python_version(), jax=jax.__version__, backend=jax.default_backend(),
+             device=str(jax.devices()[0].device_kind))
+    try:
+        import jaxlib
+        v["jaxlib"] = jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        pass
+    for mod in ("torch", "triton", "fla"):
+        try:
+            m = __import__(mod)
+            v[mod] = getattr(m, "__version__", "?")
+        except Exception:  # noqa: BLE001
+            v[mod] = None
+    return v
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run, interpret mode)")
+    ap.add_argument("--sweep", action="store_true", help="tune the Pallas tiles first and use the best")
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--shapes", default=None, help="e.g. 4x4096x32x64,2x8192x16x128")
+    ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--skip-dense-bwd-above", type=int, default=8192,
+                    help="skip xla-dense fwd+bwd above this T (its logits do not fit)")
+    args = ap.parse_args(argv)
+    impls = [x for x in args.impls.split(",") if x]
+    if args.shapes:
+        shapes = [tuple(int(y) for y in s.split("x")) for s in args.shapes.split(",")]
+    else:
+        shapes = QUICK_SHAPES if args.quick else ANCHOR_SHAPES
+    info = versions()
+    log(json.dumps(info))
+    out = dict(versions=info, flop_convention="fwd = 2·B·H·T²·D (causal); fwd+bwd = 3.5×fwd; bwd = 2.5×fwd",
+               timing="median wall time of async-dispatched jitted calls; bwd = (fwd+bwd) − fwd; "
+                      "fla via triton.testing.do_bench (median)")
+    configs = {}
+    if args.sweep:
+        try:
+            configs, table = sweep_tiles(args.workers, quick=args.quick)
+            out["sweep"] = table
+            out["sweep_best"] = {str(d): dataclasses.asdict(c) for d, c in configs.items()}
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            out["sweep_error"] = traceback.format_exc()[-2000:]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    results = []
+    for shape in shapes:  # write the JSON after every shape so a timeout keeps what was measured
+        try:
+            results += run([shape], impls, args.workers, configs, args.skip_dense_bwd_above)
+        except Exception:  # noqa: BLE001
+            traceback.print_exc()
+            out.setdefault("errors", []).append(dict(shape=shape, error=traceback.format_exc()[-2000:]))
+        out["results"] = results
+        out["markdown"] = markdown(results, impls)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    log(out["markdown"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,691 @@
+"""Portable Pallas kernels for forgetting attention (FoX) with block-level ACP skipping.
+
+Three ``pl.pallas_call`` kernels written against the Triton lowering (``pltriton.CompilerParams``) on
+GPU and run with ``interpret=True`` elsewhere. They import nothing from ``fox_jax``: they take arrays
+and block ranges and return arrays (DESIGN.md, "Layout").
+
+Math (specs/fox_acp.md §1, §4): with Λ the float32 cumulative log forget gate,
+
+    s_ij = scale · q_i·k_j + (Λ_i − Λ_j),   o_i = Σ_j softmax_j(s_ij) v_j   (visible j only)
+
+* forward  — grid (query block, head, batch); online softmax in float32, exponentials in base 2
+  (``exp2(s·log2 e − m·log2 e)``), the decay Λ_i − Λ_j added in float32 *before* the base change (it is
+  formed exactly as the dense reference forms it). Saves lse in natural log. Rows with no visible key
+  give o = 0 and lse = −inf, never NaN.
+* dQ       — grid (query block, head, batch); recomputes P from lse; dq = scale·Σ_j dS_ij k_j and the
+  query-side decay gradient Σ_j dS_ij (float32).
+* dK/dV    — grid (key block, head, batch), one program per *query* head (GQA: the wrapper sums the
+  group in float32); dk = scale·Σ_i dS_ij q_i, dv = Σ_i P_ij do_i and the key-side decay gradient
+  −Σ_i dS_ij (float32). Scores are formed transposed ([key, query]) so no register tile is transposed.
+
+No atomics, nothing T×T in memory. Skipping is done with loop bounds, never with masking:
+
+* causal: query block m visits key blocks [lo, causal_end(m)); key block n visits query blocks
+  [causal_start(n), hi);
+* left padding: key blocks entirely before ``seq_start[b]`` are never visited (lo = seq_start // bk;
+  such key blocks run an empty query loop in dK/dV and write zeros);
+* ACP (arXiv 2504.06949): forward and dQ take ``kv_start[b, h, m]`` (first key block to visit) and
+  dK/dV takes ``q_end[b, h, n]`` (one past the last query block), int32, computed by the caller with
+  each kernel's own block sizes. Tiles outside are never loaded.
+
+Element masks (causal diagonal, key padding, seq_start boundary, segment ids) are applied only on the
+tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part
+(with segment ids every tile is masked).
+
+Layouts: q/o/do ``[B, Tq_pad, H, D]``, k/v ``[B, Tk_pad, Hkv, D]`` (the model's layout, no transposes),
+per-row float32 vectors ``[B, H, T_pad]``. ``attention_forward`` / ``attention_backward`` below do the
+padding (any length, any head dim ≤ 256) and call the kernels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+LOG2E = math.log2(math.e)
+_NEG_INF = float("-inf")
+_POS_INF = float("inf")
+MAX_HEAD_DIM = 256
+MIN_BLOCK = 16  # tl.dot needs every matmul dimension ≥ 16
+
+
+# ---------------------------------------------------------------------------------------------------
+# Configuration
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tiling of one kernel: ``block_q`` query rows × ``block_k`` key columns per tile (powers of two,
+    ≥ 16), and the Triton launch knobs."""
+
+    block_q: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k"):
+            val = getattr(self, name)
+            if val < MIN_BLOCK or val & (val - 1):
+                raise ValueError(f"{name} must be a power of two ≥ {MIN_BLOCK}, got {val}")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Tilings of the forward, dQ and dK/dV kernels (hashable: usable as a static argument).
+
+    ``interleave_heads``: grid order (see ``_spec_factory``); None = interleave exactly when ACP
+    ranges are given (per-head work then differs a lot and the heavy heads must not all run last).
+    """
+
+    fwd: TileConfig
+    dq: TileConfig
+    dkv: TileConfig
+    interleave_heads: bool | None = None
+
+
+# Tuned on one H200 (jax 0.11.2, Triton lowering) by two sweeps of benchmarks/bench_attention.py
+# starting from the official FoX kernel's H100/H200 table (specs/fox_acp.md §4.4); see
+# benchmarks/NOTES.md. 4-warp 64-row tiles win for the backward; 3 pipeline stages. D=256 is only
+# compile-checked (sm_90, no spills in fwd/dQ). Keys: head dim upper bound.
+_GPU_CONFIGS = {
+    64: KernelConfig(fwd=TileConfig(128, 64, 4, 3), dq=TileConfig(128, 64, 4, 3),
+                     dkv=TileConfig(64, 64, 4, 3)),
+    128: KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(64, 64, 4, 2),
+                      dkv=TileConfig(64, 128, 8, 3)),
+    256: KernelConfig(fwd=TileConfig(64, 64, 8, 2), dq=TileConfig(64, 32, 8, 2),
+                      dkv=TileConfig(32, 64, 8, 2)),
+}
+
+# Interpret mode (CPU): small, deliberately different tiles per kernel so that the CPU tests exercise
+# multi-block loops, boundary tiles and kernel-specific ACP ranges on short sequences.
+_INTERPRET_CONFIG = KernelConfig(fwd=TileConfig(32, 16), dq=TileConfig(16, 32), dkv=TileConfig(32, 16))
+
+
+def default_config(head_dim: int, *, interpret: bool = False) -> KernelConfig:
+    """The default tiling for a (padded) head dim; ``interpret`` selects the small CPU tiling."""
+    if interpret:
+        return _INTERPRET_CONFIG
+    for bound in sorted(_GPU_CONFIGS):
+        if head_dim <= bound:
+            return _GPU_CONFIGS[bound]
+    raise ValueError(f"head_dim must be ≤ {MAX_HEAD_DIM}, got {head_dim}")
+
+
+def padded_head_dim(head_dim: int) -> int:
+    """Head dim the kernels run at: the next power of two ≥ 16 (zero padding is exact)."""
+    if head_dim < 1 or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}] for the Pallas kernels, got {head_dim}")
+    return max(MIN_BLOCK, pl.next_power_of_2(head_dim))
+
+
+def _fit(block: int, length: int) -> int:
+    return min(block, max(MIN_BLOCK, pl.next_power_of_2(length)))
+
+
+def resolve_tiles(config: KernelConfig, tq: int, tk: int) -> KernelConfig:
+    """Clamp each kernel's blocks to the sequence lengths (short sequences use smaller tiles).
+
+    Callers that compute ACP ranges must use the blocks of the *resolved* config."""
+    def one(t: TileConfig) -> TileConfig:
+        return dataclasses.replace(t, block_q=_fit(t.block_q, tq), block_k=_fit(t.block_k, tk))
+    return dataclasses.replace(config, fwd=one(config.fwd), dq=one(config.dq), dkv=one(config.dkv))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def _compiler_params(t: TileConfig, interpret: bool):
+    if interpret:
+        return None
+    return pltriton.CompilerParams(num_warps=t.num_warps, num_stages=t.num_stages)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    """Static geometry shared by the kernels of one call."""
+
+    tq: int  # real query length
+    tk: int  # real key length
+    h: int
+    group: int  # H // Hkv
+    scale: float
+    has_seg: bool
+    has_acp: bool
+
+    @property
+    def offset(self) -> int:  # bottom-right alignment: query i sits at absolute position offset + i
+        return self.tk - self.tq
+
+
+def _dot(a, b, contract_a: int = 1, contract_b: int = 0):
+    return lax.dot_general(a, b, (((contract_a,), (contract_b,)), ((), ())),
+                           preferred_element_type=jnp.float32)
+
+
+def _kv_head(h, group: int):
+    return h if group == 1 else lax.div(h, group)
+
+
+def _spec_factory(interleave_heads: bool):
+    """BlockSpec builder over index maps written as fn(block, head, batch).
+
+    Grid order (blocks, heads, batch) — consecutive programs are the blocks of one head (K/V or Q/dO
+    shared in L2) — or, with ``interleave_heads``, (heads, blocks, batch): consecutive programs are
+    the heads of one block, which balances the load when per-head work differs (ACP)."""
+    def spec(block_shape, fn):
+        if interleave_heads:
+            return pl.BlockSpec(block_shape, lambda j, i, z: fn(i, j, z))
+        return pl.BlockSpec(block_shape, fn)
+    return spec
+
+
+def _grid(n_blocks: int, h: int, b: int, interleave_heads: bool):
+    return (h, n_blocks, b) if interleave_heads else (n_blocks, h, b)
+
+
+def _block_id(interleave_heads: bool):
+    return pl.program_id(1 if interleave_heads else 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Forward kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo):
+    """Key-block loop pieces for query block m: (lo, lo_full, mid, hi).
+
+    Blocks [lo, min(lo_full, mid)) and [max(mid, lo), hi) need element masks, [lo_full, mid) not:
+    lo skips blocks before seq_start (and ACP-pruned ones), lo_full = lo + 1 when block lo straddles
+    seq_start, mid is the first block that crosses the causal diagonal of the block's first row, hi is
+    one past the block holding the last visible column.
+    """
+    r0 = g.offset + m * bq  # first (absolute) row of the block; always < tk
+    r_last = jnp.minimum(r0 + (bq - 1), g.tk - 1)
+    hi = lax.div(r_last, bk) + 1
+    lo = lax.div(ss, bk)
+    if acp_lo is not None:
+        lo = jnp.maximum(lo, acp_lo)
+    lo = jnp.minimum(lo, hi)
+    lo_full = lo + (lo * bk < ss).astype(jnp.int32)
+    mid = lax.div(r0 + 1, bk)
+    return lo, lo_full, mid, hi
+
+
+def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, lq_ref, lk_ref, ss_ref = refs[:6]
+    rest = refs[6:]
+    lo_ref = rest.pop(0) if g.has_acp else None
+    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    o_ref, lse_ref = rest
+
+    m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
+    d = q_ref.shape[-1]
+    q = q_ref[...]
+    lq = lq_ref[...]
+    ss = ss_ref[()]
+    sq = sq_ref[...] if g.has_seg else None
+    r0 = g.offset + m * bq
+    qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    lo, lo_full, mid, hi = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()])
+
+    def step(n, carry, masked):
+        acc, m_i, l_i = carry
+        start = pl.multiple_of(n * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        lk = lk_ref[pl.ds(start, bk)]
+        s = _dot(q, k, 1, 1) * g.scale + (lq[:, None] - lk[None, :])
+        if masked:
+            kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+            if g.has_seg:
+                mask = mask & (sq[:, None] == sk_ref[pl.ds(start, bk)][None, :])
+            s = jnp.where(mask, s, _NEG_INF)
+        m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
+        m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
+        m_base = m_base * LOG2E
+        alpha = jnp.exp2(m_i * LOG2E - m_base)
+        p = jnp.exp2(s * LOG2E - m_base[:, None])
+        l_new = l_i * alpha + jnp.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+        return acc, m_new, l_new
+
+    carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
+             jnp.zeros((bq,), jnp.float32))
+    masked_step = functools.partial(step, masked=True)
+    if g.has_seg:
+        carry = lax.fori_loop(lo, hi, masked_step, carry)
+    else:
+        carry = lax.fori_loop(lo, jnp.minimum(lo_full, mid), masked_step, carry)
+        carry = lax.fori_loop(lo_full, mid, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(jnp.maximum(mid, lo), hi, masked_step, carry)
+    acc, m_i, l_i = carry
+    empty = l_i == 0.0
+    l_safe = jnp.where(empty, 1.0, l_i)
+    o_ref[...] = (acc * (1.0 / l_safe)[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log(l_safe))
+
+
+def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, tq: int, tk: int,
+                  scale: float, tile: TileConfig, interpret: bool,
+                  interleave_heads: bool = False):
+    """Forward kernel on padded inputs.
+
+    Args:
+      q: [B, Tq_pad, H, D]; k, v: [B, Tk_pad, Hkv, D] (D a power of two ≥ 16; Tq_pad, Tk_pad multiples
+        of the tile's blocks); lam_q: [B, H, Tq_pad] float32 Λ at the query rows; lam_k: [B, H, Tk_pad];
+        seq_start: [B] int32; kv_start: [B, H, ceil(tq/block_q)] int32 or None (ACP);
+        seg_q: [B, Tq_pad] / seg_k: [B, Tk_pad] int32 or None.
+      tq, tk: real lengths; scale: logit scale.
+    Returns:
+      o [B, Tq_pad, H, D] in q.dtype and lse [B, H, Tq_pad] float32 (natural log; −inf for empty rows).
+      Rows ≥ ceil(tq/block_q)·block_q are not written.
+    """
+    b, tq_pad, h, d = q.shape
+    tk_pad, hkv = k.shape[1], k.shape[2]
+    bq, bk = tile.block_q, tile.block_k
+    nq = _cdiv(tq, bq)
+    g = _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, kv_start is not None)
+    grp = g.group
+    spec = _spec_factory(interleave_heads)
+
+    def qblk(i):
+        return nq - 1 - i
+
+    in_specs = [
+        spec((None, bq, None, d), lambda i, j, z: (z, qblk(i), j, 0)),
+        spec((None, tk_pad, None, d), lambda i, j, z: (z, 0, _kv_head(j, grp), 0)),
+        spec((None, tk_pad, None, d), lambda i, j, z: (z, 0, _kv_head(j, grp), 0)),
+        spec((None, None, bq), lambda i, j, z: (z, j, qblk(i))),
+        spec((None, None, tk_pad), lambda i, j, z: (z, j, 0)),
+        spec((None,), lambda i, j, z: (z,)),
+    ]
+    args = [q, k, v, lam_q, lam_k, seq_start]
+    if kv_start is not None:
+        in_specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
+        args.append(kv_start)
+    if seg_q is not None:
+        in_specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))),
+                     spec((None, tk_pad), lambda i, j, z: (z, 0))]
+        args += [seg_q, seg_k]
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, g=g, bq=bq, bk=bk, nq=nq, interleave=interleave_heads),
+        grid=_grid(nq, h, b, interleave_heads),
+        in_specs=in_specs,
+        out_specs=[spec((None, bq, None, d), lambda i, j, z: (z, qblk(i), j, 0)),
+                   spec((None, None, bq), lambda i, j, z: (z, j, qblk(i)))],
+        out_shape=[jax.ShapeDtypeStruct((b, tq_pad, h, d), q.dtype),
+                   jax.ShapeDtypeStruct((b, h, tq_pad), jnp.float32)],
+        compiler_params=_compiler_params(tile, interpret),
+        interpret=interpret,
+        name="fox_attention_fwd",
+    )(*args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dQ kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
+    rest = refs[9:]
+    lo_ref = rest.pop(0) if g.has_acp else None
+    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    dq_ref, dlq_ref = rest
+
+    m = nq - 1 - _block_id(interleave)
+    d = q_ref.shape[-1]
+    q = q_ref[...]
+    do = do_ref[...]
+    lq = lq_ref[...]
+    lse2 = lse_ref[...]  # base-2 lse; +inf for rows with no visible key (P = 0 there)
+    delta = dl_ref[...]
+    ss = ss_ref[()]
+    sq = sq_ref[...] if g.has_seg else None
+    r0 = g.offset + m * bq
+    qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    lo, lo_full, mid, hi = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()])
+
+    def step(n, carry, masked):
+        dq, dlq = carry
+        start = pl.multiple_of(n * bk, bk)
+        k = k_ref[pl.ds(start, bk), :]
+        v = v_ref[pl.ds(start, bk), :]
+        lk = lk_ref[pl.ds(start, bk)]
+        s = _dot(q, k, 1, 1) * g.scale + (lq[:, None] - lk[None, :])
+        if masked:
+            kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+            if g.has_seg:
+                mask = mask & (sq[:, None] == sk_ref[pl.ds(start, bk)][None, :])
+            s = jnp.where(mask, s, _NEG_INF)
+        p = jnp.exp2(s * LOG2E - lse2[:, None])
+        dp = _dot(do, v, 1, 1)
+        ds = p * (dp - delta[:, None])
+        dq = dq + _dot(ds.astype(k.dtype), k)
+        return dq, dlq + jnp.sum(ds, axis=1)
+
+    carry = (jnp.zeros((bq, d), jnp.float32), jnp.zeros((bq,), jnp.float32))
+    masked_step = functools.partial(step, masked=True)
+    if g.has_seg:
+        carry = lax.fori_loop(lo, hi, masked_step, carry)
+    else:
+        carry = lax.fori_loop(lo, jnp.minimum(lo_full, mid), masked_step, carry)
+        carry = lax.fori_loop(lo_full, mid, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(jnp.maximum(mid, lo), hi, masked_step, carry)
+    dq, dlq = carry
+    dq_ref[...] = (dq * g.scale).astype(dq_ref.dtype)
+    dlq_ref[...] = dlq
+
+
+def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_start, seg_q, seg_k, *,
+                      tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
+                      interleave_heads: bool = False):
+    """dQ kernel on padded inputs (shapes as in ``flash_forward``; do like q).
+
+    Args:
+      lse2: [B, H, Tq_pad] float32 lse·log2(e), +inf for empty and padded rows.
+      delta: [B, H, Tq_pad] float32 rowsum(o·do), 0 on padded rows.
+      kv_start: [B, H, ceil(tq/block_q)] int32 or None (ACP, computed with this tile's blocks).
+    Returns:
+      dq [B, Tq_pad, H, D] in q.dtype and the query-side decay gradient Σ_j dS_ij [B, H, Tq_pad] f32.
+    """
+    b, tq_pad, h, d = q.shape
+    tk_pad, hkv = k.shape[1], k.shape[2]
+    bq, bk = tile.block_q, tile.block_k
+    nq = _cdiv(tq, bq)
+    g = _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, kv_start is not None)
+    grp = g.group
+    spec = _spec_factory(interleave_heads)
+
+    def qblk(i):
+        return nq - 1 - i
+
+    qspec = spec((None, bq, None, d), lambda i, j, z: (z, qblk(i), j, 0))
+    kvspec = spec((None, tk_pad, None, d), lambda i, j, z: (z, 0, _kv_head(j, grp), 0))
+    rowspec = spec((None, None, bq), lambda i, j, z: (z, j, qblk(i)))
+    in_specs = [qspec, kvspec, kvspec, qspec, rowspec,
+                spec((None, None, tk_pad), lambda i, j, z: (z, j, 0)),
+                rowspec, rowspec, spec((None,), lambda i, j, z: (z,))]
+    args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
+    if kv_start is not None:
+        in_specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
+        args.append(kv_start)
+    if seg_q is not None:
+        in_specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))),
+                     spec((None, tk_pad), lambda i, j, z: (z, 0))]
+        args += [seg_q, seg_k]
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, g=g, bq=bq, bk=bk, nq=nq, interleave=interleave_heads),
+        grid=_grid(nq, h, b, interleave_heads),
+        in_specs=in_specs,
+        out_specs=[qspec, rowspec],
+        out_shape=[jax.ShapeDtypeStruct((b, tq_pad, h, d), q.dtype),
+                   jax.ShapeDtypeStruct((b, h, tq_pad), jnp.float32)],
+        compiler_params=_compiler_params(tile, interpret),
+        interpret=interpret,
+        name="fox_attention_bwd_dq",
+    )(*args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# dK/dV kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
+    rest = refs[9:]
+    hi_ref = rest.pop(0) if g.has_acp else None
+    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    dk_ref, dv_ref, dlk_ref = rest
+
+    n = _block_id(interleave)
+    d = k_ref.shape[-1]
+    nq = _cdiv(g.tq, bq)
+    k = k_ref[...]
+    v = v_ref[...]
+    lk = lk_ref[...]
+    ss = ss_ref[()]
+    sk = sk_ref[...] if g.has_seg else None
+    c0 = n * bk
+    c_last = c0 + (bk - 1)
+    kpos = c0 + lax.broadcasted_iota(jnp.int32, (bk, 1), 0)
+
+    lo = lax.div(jnp.maximum(c0 - g.offset, 0), bq)  # first query block that sees column c0
+    hi = jnp.int32(nq) if hi_ref is None else jnp.minimum(hi_ref[()], nq)
+    hi = jnp.where(c0 + bk <= ss, lo, hi)  # key block entirely before seq_start: nothing to do
+    hi = jnp.maximum(hi, lo)
+    # query blocks [lo, mid) cross the diagonal of this key block; all blocks are boundary blocks
+    # when the key block straddles seq_start or the end of the keys
+    mid = lax.div(jnp.maximum(c_last - g.offset, 0) + (bq - 1), bq)
+    mid = jnp.where((c0 < ss) | (c_last >= g.tk), hi, jnp.minimum(mid, hi))
+
+    def step(mi, carry, masked):
+        dk, dv, dlk = carry
+        start = pl.multiple_of(mi * bq, bq)
+        q = q_ref[pl.ds(start, bq), :]
+        do = do_ref[pl.ds(start, bq), :]
+        lq = lq_ref[pl.ds(start, bq)]
+        lse2 = lse_ref[pl.ds(start, bq)]
+        delta = dl_ref[pl.ds(start, bq)]
+        st = _dot(k, q, 1, 1) * g.scale + (lq[None, :] - lk[:, None])  # [bk, bq]
+        if masked:
+            qpos = g.offset + start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
+            mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+            if g.has_seg:
+                mask = mask & (sk[:, None] == sq_ref[pl.ds(start, bq)][None, :])
+            st = jnp.where(mask, st, _NEG_INF)
+        pt = jnp.exp2(st * LOG2E - lse2[None, :])
+        dv = dv + _dot(pt.astype(do.dtype), do)
+        dpt = _dot(v, do, 1, 1)
+        dst = pt * (dpt - delta[None, :])
+        dk = dk + _dot(dst.astype(q.dtype), q)
+        return dk, dv, dlk - jnp.sum(dst, axis=1)
+
+    carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32),
+             jnp.zeros((bk,), jnp.float32))
+    masked_step = functools.partial(step, masked=True)
+    if g.has_seg:
+        carry = lax.fori_loop(lo, hi, masked_step, carry)
+    else:
+        carry = lax.fori_loop(lo, mid, masked_step, carry)
+        carry = lax.fori_loop(jnp.maximum(mid, lo), hi, functools.partial(step, masked=False), carry)
+    dk, dv, dlk = carry
+    dk_ref[...] = (dk * g.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+    dlk_ref[...] = dlk
+
+
+def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end, seg_q, seg_k, *,
+                       tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
+                       interleave_heads: bool = False):
+    """dK/dV kernel on padded inputs (shapes as in ``flash_backward_dq``).
+
+    Args:
+      q_end: [B, H, ceil(tk/block_k)] int32 or None (ACP): one past the last query block each key
+        block visits, computed with this tile's blocks.
+    Returns:
+      dk, dv [B, Tk_pad, H, D] per *query* head (in k.dtype without GQA, float32 with GQA, for the
+      caller's group sum) and the key-side decay gradient −Σ_i dS_ij [B, H, Tk_pad] float32.
+    """
+    b, tq_pad, h, d = q.shape
+    tk_pad, hkv = k.shape[1], k.shape[2]
+    bq, bk = tile.block_q, tile.block_k
+    nk = _cdiv(tk, bk)
+    g = _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, q_end is not None)
+    grp = g.group
+    spec = _spec_factory(interleave_heads)
+
+    qspec = spec((None, tq_pad, None, d), lambda i, j, z: (z, 0, j, 0))
+    kvspec = spec((None, bk, None, d), lambda i, j, z: (z, i, _kv_head(j, grp), 0))
+    qrow = spec((None, None, tq_pad), lambda i, j, z: (z, j, 0))
+    krow = spec((None, None, bk), lambda i, j, z: (z, j, i))
+    in_specs = [qspec, kvspec, kvspec, qspec, qrow, krow, qrow, qrow,
+                spec((None,), lambda i, j, z: (z,))]
+    args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
+    if q_end is not None:
+        in_specs.append(spec((None, None, None), lambda i, j, z: (z, j, i)))
+        args.append(q_end)
+    if seg_q is not None:
+        in_specs += [spec((None, tq_pad), lambda i, j, z: (z, 0)),
+                     spec((None, bk), lambda i, j, z: (z, i))]
+        args += [seg_q, seg_k]
+    out_dtype = k.dtype if grp == 1 else jnp.float32
+    out_kv = spec((None, bk, None, d), lambda i, j, z: (z, i, j, 0))
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, g=g, bq=bq, bk=bk, interleave=interleave_heads),
+        grid=_grid(nk, h, b, interleave_heads),
+        in_specs=in_specs,
+        out_specs=[out_kv, out_kv, krow],
+        out_shape=[jax.ShapeDtypeStruct((b, tk_pad, h, d), out_dtype),
+                   jax.ShapeDtypeStruct((b, tk_pad, h, d), out_dtype),
+                   jax.ShapeDtypeStruct((b, h, tk_pad), jnp.float32)],
+        compiler_params=_compiler_params(tile, interpret),
+        interpret=interpret,
+        name="fox_attention_bwd_dkv",
+    )(*args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Padding wrappers
+# ---------------------------------------------------------------------------------------------------
+
+
+def _pad_to(x, axis: int, new_len: int, mode: str = "constant", value=0):
+    pad = new_len - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    if mode == "edge":
+        return jnp.pad(x, widths, mode="edge")
+    return jnp.pad(x, widths, constant_values=value)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Padded:
+    tq: int
+    tk: int
+    tq_pad: int
+    tk_pad: int
+    d: int
+    d_pad: int
+
+
+def _plan(q, k, config: KernelConfig) -> _Padded:
+    tq, d = q.shape[1], q.shape[3]
+    tk = k.shape[1]
+    tiles = (config.fwd, config.dq, config.dkv)
+    tq_pad = _round_up(tq, max(t.block_q for t in tiles))
+    tk_pad = _round_up(tk, max(t.block_k for t in tiles))
+    return _Padded(tq, tk, tq_pad, tk_pad, d, padded_head_dim(d))
+
+
+def _pad_inputs(q, k, v, lam, segment_ids, p: _Padded):
+    """Pad to the kernels' layouts; Λ goes to [B, H, T] (float32)."""
+    q = _pad_to(_pad_to(q, 3, p.d_pad), 1, p.tq_pad)
+    k = _pad_to(_pad_to(k, 3, p.d_pad), 1, p.tk_pad)
+    v = _pad_to(_pad_to(v, 3, p.d_pad), 1, p.tk_pad)
+    lam_bh = lam.astype(jnp.float32).transpose(0, 2, 1)  # [B, H, Tk]
+    lam_q = _pad_to(lam_bh[:, :, p.tk - p.tq:], 2, p.tq_pad, mode="edge")
+    lam_k = _pad_to(lam_bh, 2, p.tk_pad, mode="edge")
+    if segment_ids is None:
+        seg_q = seg_k = None
+    else:
+        seg_q = _pad_to(segment_ids[:, p.tk - p.tq:].astype(jnp.int32), 1, p.tq_pad, value=-1)
+        seg_k = _pad_to(segment_ids.astype(jnp.int32), 1, p.tk_pad, value=-2)
+    return q, k, v, lam_q, lam_k, seg_q, seg_k
+
+
+def _interleave(config: KernelConfig, ranges) -> bool:
+    return (ranges is not None) if config.interleave_heads is None else bool(config.interleave_heads)
+
+
+def _check_config(config: KernelConfig, tq: int, tk: int):
+    resolved = resolve_tiles(config, tq, tk)
+    if resolved != config:
+        raise ValueError("pass a config resolved with resolve_tiles(config, tq, tk)")
+
+
+def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: float,
+                      config: KernelConfig, interpret: bool):
+    """Forgetting-attention forward on unpadded arrays.
+
+    Args:
+      q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D] (Tq ≤ Tk, bottom-right aligned; D ≤ 256, zero-padded to
+        a power of two ≥ 16); lam: [B, Tk, H] float32 Λ (already masked before seq_start and
+        cumsummed); seq_start: [B] int32; segment_ids: [B, Tk] int32 or None;
+        kv_start: [B, H, ceil(Tq/config.fwd.block_q)] int32 or None (ACP);
+        config: a config already passed through ``resolve_tiles``.
+    Returns:
+      o [B, Tq, H, D] in q.dtype, lse [B, H, Tq] float32 (natural log, −inf for empty rows).
+    """
+    _check_config(config, q.shape[1], k.shape[1])
+    p = _plan(q, k, config)
+    qp, kp, vp, lam_q, lam_k, seg_q, seg_k = _pad_inputs(q, k, v, lam, segment_ids, p)
+    o, lse = flash_forward(qp, kp, vp, lam_q, lam_k, seq_start.astype(jnp.int32), kv_start, seg_q,
+                           seg_k, tq=p.tq, tk=p.tk, scale=scale, tile=config.fwd, interpret=interpret,
+                           interleave_heads=_interleave(config, kv_start))
+    return o[:, :p.tq, :, :p.d], lse[:, :, :p.tq]
+
+
+def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_dkv, o, lse, do, *,
+                       scale: float, config: KernelConfig, interpret: bool):
+    """Gradients of ``attention_forward``'s o with respect to q, k, v and Λ.
+
+    Args:
+      as ``attention_forward``, plus o [B, Tq, H, D] and lse [B, H, Tq] from it, the cotangent
+      do [B, Tq, H, D], kv_start_dq [B, H, ceil(Tq/config.dq.block_q)] and
+      q_end_dkv [B, H, ceil(Tk/config.dkv.block_k)] (ACP ranges for the dQ and dK/dV tilings, or None).
+    Returns:
+      dq [B, Tq, H, D], dk, dv [B, Tk, Hkv, D] (input dtypes) and dΛ [B, Tk, H] float32
+      (= Σ_j dS_tj − Σ_i dS_it; the caller's cumsum turns it into d log f by a reverse cumsum).
+    """
+    _check_config(config, q.shape[1], k.shape[1])
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    p = _plan(q, k, config)
+    qp, kp, vp, lam_q, lam_k, seg_q, seg_k = _pad_inputs(q, k, v, lam, segment_ids, p)
+    dop = _pad_to(_pad_to(do.astype(q.dtype), 3, p.d_pad), 1, p.tq_pad)
+    # δ_i = Σ_d o·do from the rounded output (as the official kernel does), 0 on padded rows
+    delta = jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1).transpose(0, 2, 1)
+    delta = _pad_to(delta, 2, p.tq_pad)
+    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, _POS_INF)  # empty rows: P = 2^(s − ∞) = 0
+    lse2 = _pad_to(lse2, 2, p.tq_pad, value=_POS_INF)
+    ss = seq_start.astype(jnp.int32)
+    common = dict(tq=p.tq, tk=p.tk, scale=scale, interpret=interpret)
+    dq, dlam_q = flash_backward_dq(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, kv_start_dq,
+                                   seg_q, seg_k, tile=config.dq,
+                                   interleave_heads=_interleave(config, kv_start_dq), **common)
+    dk, dv, dlam_k = flash_backward_dkv(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, q_end_dkv,
+                                        seg_q, seg_k, tile=config.dkv,
+                                        interleave_heads=_interleave(config, q_end_dkv), **common)
+    dq = dq[:, :tq, :, :d]
+    dk = dk[:, :p.tk, :, :d]
+    dv = dv[:, :p.tk, :, :d]
+    if h != hkv:  # GQA: sum the query heads of each key/value head in float32
+        dk = dk.reshape(b, p.tk, hkv, h // hkv, d).sum(axis=3)
+        dv = dv.reshape(b, p.tk, hkv, h // hkv, d).sum(axis=3)
+    dlam = dlam_k[:, :, :p.tk]
+    dlam = dlam.at[:, :, p.tk - tq:].add(dlam_q[:, :, :tq])
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dlam.transpose(0, 2, 1)

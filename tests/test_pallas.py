@@ -1,0 +1,340 @@
+"""Tests of the portable Pallas forgetting-attention kernels (``implementation="pallas"``).
+
+On CPU the kernels run in interpret mode with small, per-kernel different tiles (fwd 32×16, dQ 16×32,
+dK/dV 32×16; kernels.forgetting_attention._INTERPRET_CONFIG), so short awkward lengths still exercise
+multi-block loops, boundary tiles, padding and kernel-specific ACP ranges. ``-m gpu`` runs the real
+Triton-lowered kernels on larger shapes.
+
+Tolerances (max abs error, relative to the reference's max magnitude ``scale``):
+* float32 inputs: the kernels compute in float32 like the dense float32 oracle; only the summation
+  order differs → 2e-5·scale + 1e-5 (measured ~1e-7 relative).
+* bfloat16 / float16 inputs: compared against the oracle run in float32 on the *same rounded inputs*;
+  the kernels round P and dS to the input dtype before the tensor-core matmuls (as FlashAttention
+  and the official FoX kernel do), i.e. relative errors of ~2^-8 (bf16) / 2^-11 (fp16) per term →
+  2e-2·scale (bf16) and 1e-2·scale (fp16) for the output, 3e-2·scale / 1.5e-2·scale for gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.ops import acp as acp_lib
+from fox_jax.ops import forgetting_attention, forgetting_attention_reference
+from fox_jax.ops import pallas as fpallas
+from fox_jax.ops.blockwise import blockwise_attention
+from fox_jax.ops.reference import decay_cumsum
+from kernels.forgetting_attention import KernelConfig, TileConfig
+
+_TOL = {  # (output, gradients), relative to the reference's max magnitude
+    jnp.float32: (2e-5, 2e-5),
+    jnp.bfloat16: (2e-2, 3e-2),
+    jnp.float16: (1e-2, 1.5e-2),
+}
+
+
+def _inputs(b, tq, tk, h, hkv, d, dtype, seed=0, gate_lo=0.0, gate_hi=5.0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, tq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, tk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, tk, hkv, d), jnp.float32).astype(dtype)
+    logits = jax.random.uniform(ks[3], (b, tk, h), minval=gate_lo, maxval=gate_hi)
+    lf = jax.nn.log_sigmoid(logits)  # float32
+    w = jax.random.normal(ks[4], (b, tq, h, d), jnp.float32)  # cotangent weights of the loss
+    return q, k, v, lf, w
+
+
+def _value_and_grads(fn, q, k, v, lf, w):
+    def loss(q, k, v, lf):
+        o = fn(q, k, v, lf)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, lf)
+    return o, grads
+
+
+def _assert_close(name, got, want, tol):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    scale = max(float(np.max(np.abs(want))), 1e-3)
+    err = float(np.max(np.abs(got - want)))
+    assert err <= tol * scale + 1e-5, f"{name}: max err {err:.3e} > {tol:.1e} × {scale:.3e}"
+
+
+# b, tq, tk, h, hkv, d, dtype, seq_start, segments
+_CASES = [
+    pytest.param(2, 37, 37, 2, 2, 32, jnp.float32, None, False, id="f32-d32-odd-len"),
+    pytest.param(2, 45, 70, 4, 2, 64, jnp.float32, (0, 19), True, id="f32-d64-tq<tk-gqa-seqstart-seg"),
+    pytest.param(1, 20, 40, 2, 2, 32, jnp.float32, (25,), False, id="f32-empty-rows"),
+    pytest.param(1, 1, 29, 2, 1, 32, jnp.float32, None, False, id="f32-decode-tq1-gqa"),
+    pytest.param(1, 33, 33, 1, 1, 128, jnp.float32, (3,), False, id="f32-d128"),
+    pytest.param(1, 30, 30, 2, 2, 48, jnp.float32, None, True, id="f32-d48-padded-headdim"),
+    pytest.param(2, 50, 50, 4, 2, 64, jnp.bfloat16, (0, 9), False, id="bf16-gqa-seqstart"),
+    pytest.param(2, 40, 47, 2, 2, 32, jnp.float16, None, True, id="fp16-tq<tk-seg"),
+]
+
+
+@pytest.mark.parametrize("b,tq,tk,h,hkv,d,dtype,seq_start,segments", _CASES)
+def test_matches_dense_reference(b, tq, tk, h, hkv, d, dtype, seq_start, segments):
+    q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, dtype, seed=tq + d)
+    ss = None if seq_start is None else jnp.asarray(seq_start, jnp.int32)
+    seg = None
+    if segments:  # three packed documents per row, boundaries differ across the batch
+        t = jnp.arange(tk)
+        seg = jnp.stack([(t >= tk // 3 + 2 * i).astype(jnp.int32) + (t >= (2 * tk) // 3 - i) for i in range(b)])
+    kw = dict(seq_start=ss, segment_ids=seg)
+    o, grads = _value_and_grads(
+        lambda *a: forgetting_attention(*a, implementation="pallas", **kw), q, k, v, lf, w)
+    # oracle in float32 on the same (rounded) inputs
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(
+        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw),
+        f32(q), f32(k), f32(v), lf, w)
+    assert o.dtype == dtype and o.shape == (b, tq, h, d)
+    tol_o, tol_g = _TOL[dtype]
+    _assert_close("o", o, o_ref, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, tol_g)
+    if ss is not None:  # keys before seq_start get exactly zero gradient; empty rows output 0
+        for g in grads[1:3]:
+            for i, s in enumerate(seq_start):
+                assert not np.any(np.asarray(g[i, :s], np.float32))
+        qpos = (tk - tq) + np.arange(tq)
+        for i, s in enumerate(seq_start):
+            assert not np.any(np.asarray(o[i, qpos < s], np.float32))
+
+
+def _acp_inputs(b=1, t=256, h=4, d=32, seed=3):
+    """Synthetic gates as in specs/anchors_h200.md: per-head gate logits ~ N(μ_h, 1), μ_h evenly spaced
+    in [0, 3]; q/k rows normalised to norm √D (so U = scale·√D·√D and the auto bound is valid)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, t, h, d))
+    k = jax.random.normal(ks[1], (b, t, h, d))
+    q = q / jnp.linalg.norm(q, axis=-1, keepdims=True) * d ** 0.5
+    k = k / jnp.linalg.norm(k, axis=-1, keepdims=True) * d ** 0.5
+    v = jax.random.normal(ks[2], (b, t, h, d))
+    mu = jnp.linspace(0.0, 3.0, h)
+    lf = jax.nn.log_sigmoid(mu[None, None, :] + jax.random.normal(ks[3], (b, t, h)))
+    w = jax.random.normal(ks[4], (b, t, h, d))
+    return q, k, v, lf, w
+
+
+def test_acp_minus_inf_threshold_is_bit_identical():
+    q, k, v, lf, w = _inputs(2, 41, 41, 2, 2, 32, jnp.bfloat16, seed=7)
+    ss = jnp.array([0, 5], jnp.int32)
+    base = _value_and_grads(lambda *a: forgetting_attention(*a, seq_start=ss, implementation="pallas"),
+                            q, k, v, lf, w)
+    inf = _value_and_grads(lambda *a: forgetting_attention(
+        *a, seq_start=ss, adaptive_threshold=-jnp.inf, implementation="pallas"), q, k, v, lf, w)
+    for a, b in zip(jax.tree_util.tree_leaves(base), jax.tree_util.tree_leaves(inf)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_acp_auto_threshold_within_epsilon_bound():
+    q, k, v, lf, w = _acp_inputs()
+    t = q.shape[1]
+    o_dense, g_dense = _value_and_grads(
+        lambda *a: forgetting_attention(*a, implementation="pallas"), q, k, v, lf, w)
+    o_acp, g_acp = _value_and_grads(
+        lambda *a: forgetting_attention(*a, adaptive_threshold="auto", implementation="pallas"),
+        q, k, v, lf, w)
+    # some tiles really were skipped
+    delta = acp_lib.resolve_threshold("auto", q, k, q.shape[-1] ** -0.5)
+    stats = fpallas.acp_stats(decay_cumsum(lf), delta, t, head_dim=q.shape[-1])
+    for kernel in ("fwd", "dq", "dkv"):
+        assert float(stats[kernel]["fraction_skipped"]) > 0.2, stats
+    # |o_acp − o_dense| ≤ 2ε·max|v| per row (pruned weight ≤ ε; ε = e^-10), plus float32 noise
+    eps = np.exp(acp_lib.DEFAULT_LOG_EPSILON)
+    vmax = np.max(np.abs(np.asarray(v)), axis=(1, 3))  # [B, H]
+    err = np.max(np.abs(np.asarray(o_acp) - np.asarray(o_dense)), axis=-1)  # [B, T, H]
+    assert np.all(err <= 2 * eps * vmax[:, None, :] + 1e-5), float(np.max(err))
+    # gradients: the pruned tiles carry ≤ ε of the attention weight
+    for name, a, b in zip(("dq", "dk", "dv", "dlog_fgate"), g_acp, g_dense):
+        _assert_close(name, a, b, 1e-3)
+
+
+def test_acp_fixed_threshold_matches_xla_blockwise():
+    """Aggressive δ: the same tiles are skipped by both implementations when the blocks are equal."""
+    q, k, v, lf, w = _inputs(2, 70, 90, 4, 2, 32, jnp.float32, seed=11, gate_lo=-1.0, gate_hi=2.0)
+    ss = jnp.array([0, 13], jnp.int32)
+    bq, bk = 16, 32
+    tile = TileConfig(bq, bk)
+    cfg = KernelConfig(fwd=tile, dq=tile, dkv=tile)
+    delta = jnp.full((2, 4), -3.0, jnp.float32)
+    scale = 32 ** -0.5
+
+    def pallas_fn(q, k, v, lf):
+        lam = decay_cumsum(lf, ss)
+        return fpallas.attention(q, k, v, lam, ss, None, delta, scale=scale, config=cfg)
+
+    def xla_fn(q, k, v, lf):
+        return forgetting_attention(q, k, v, lf, seq_start=ss, adaptive_threshold=-3.0, implementation="xla",
+                                    block_q=bq, block_k=bk)
+
+    o_p, g_p = _value_and_grads(pallas_fn, q, k, v, lf, w)
+    o_x, g_x = _value_and_grads(xla_fn, q, k, v, lf, w)
+    o_dense = forgetting_attention_reference(q, k, v, lf, seq_start=ss)
+    assert float(jnp.max(jnp.abs(o_p - o_dense))) > 1e-3  # the threshold really prunes
+    _assert_close("o", o_p, o_x, 2e-5)
+    for name, a, b in zip(("dq", "dk", "dv", "dlog_fgate"), g_p, g_x):
+        _assert_close(name, a, b, 2e-5)
+
+
+def test_grid_order_does_not_change_results():
+    """Interleaving heads in the grid (the default with ACP) only reorders programs."""
+    q, k, v, lf, w = _inputs(2, 50, 50, 4, 2, 32, jnp.bfloat16, seed=13)
+    ss = jnp.array([3, 0], jnp.int32)
+    lam = decay_cumsum(lf, ss)
+    delta = jnp.full((2, 4), -6.0)
+    base = fpallas.resolve_config(32, 50, 50)
+    outs = []
+    for inter in (False, True):
+        cfg = dataclasses.replace(base, interleave_heads=inter)
+        outs.append(_value_and_grads(lambda q_, k_, v_, lam_: fpallas.attention(
+            q_, k_, v_, lam_, ss, None, delta, scale=0.2, config=cfg), q, k, v, lam, w))
+    for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_vmap_jit_grad():
+    q, k, v, lf, w = _inputs(2, 24, 24, 2, 2, 32, jnp.float32, seed=5)
+    lam = decay_cumsum(lf)
+    ss = jnp.zeros((2,), jnp.int32)
+    delta = jnp.full((2, 2), -4.0)
+    scale = 0.2
+
+    def one(q, k, v, lam, ss, delta):  # unbatched over a leading "layer" axis via vmap
+        return fpallas.attention(q, k, v, lam, ss, None, delta, scale=scale)
+
+    stack = lambda x: jnp.stack([x, x[::-1] * 0.5])  # noqa: E731
+    args = (stack(q), stack(k), stack(v), stack(lam), stack(ss), stack(delta))
+    loss = lambda *a: jnp.sum(jax.vmap(one)(*a) ** 2)  # noqa: E731
+    val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(*args)
+    for i in range(2):
+        sl = [x[i] for x in args]
+        val_i, grads_i = jax.value_and_grad(lambda *a: jnp.sum(one(*a) ** 2), argnums=(0, 1, 2, 3))(*sl)
+        for a, b in zip(grads, grads_i):
+            np.testing.assert_allclose(np.asarray(a[i]), np.asarray(b), rtol=1e-5, atol=1e-5)
+    assert np.isfinite(float(val))
+
+
+def test_acp_stats_and_errors():
+    _, _, _, lf, _ = _acp_inputs(t=128)
+    lam = decay_cumsum(lf)
+    stats = fpallas.acp_stats(lam, -20.0, 128, head_dim=32)
+    for kernel, s in stats.items():
+        f = float(s["fraction_skipped"])
+        assert 0.0 < f < 1.0, (kernel, f)
+        assert float(s["blocks_skipped"]) <= float(s["blocks_total"])
+    none = fpallas.acp_stats(lam, -jnp.inf, 128, head_dim=32)
+    assert all(float(s["blocks_skipped"]) == 0.0 for s in none.values())
+
+    q, k, v, lf, _ = _inputs(1, 16, 16, 1, 1, 320, jnp.float32)
+    with pytest.raises(ValueError, match="head_dim"):
+        forgetting_attention(q, k, v, lf, implementation="pallas")
+    with pytest.raises(NotImplementedError):
+        forgetting_attention(q[..., :32], k[..., :32], v[..., :32], lf, implementation="mosaic")
+    with pytest.raises(ValueError, match="power of two"):
+        TileConfig(24, 32)
+
+
+_SHARDED_SCRIPT = textwrap.dedent("""
+    import json, os
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import Mesh
+    from fox_jax.ops import forgetting_attention
+    from fox_jax.ops.pallas import sharded_attention
+    assert len(jax.devices()) == 4, jax.devices()
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
+    ks = jax.random.split(jax.random.PRNGKey(0), 4)
+    b, t, h, hkv, d = 2, 24, 4, 2, 32
+    q = jax.random.normal(ks[0], (b, t, h, d)); k = jax.random.normal(ks[1], (b, t, hkv, d))
+    v = jax.random.normal(ks[2], (b, t, hkv, d))
+    lf = jax.nn.log_sigmoid(jax.random.uniform(ks[3], (b, t, h), minval=0.0, maxval=4.0))
+    ss = jnp.array([0, 3], jnp.int32)
+    fn = sharded_attention(mesh, "data", "tensor", adaptive_threshold="auto")
+    loss = lambda f: (lambda q, k, v, lf: jnp.sum(f(q, k, v, lf) ** 2))
+    sharded = jax.jit(jax.value_and_grad(loss(lambda *a: fn(*a, seq_start=ss)), argnums=(0, 1, 2, 3)))
+    plain = jax.jit(jax.value_and_grad(loss(lambda *a: forgetting_attention(
+        *a, seq_start=ss, adaptive_threshold="auto", implementation="pallas")), argnums=(0, 1, 2, 3)))
+    (v1, g1), (v2, g2) = sharded(q, k, v, lf), plain(q, k, v, lf)
+    out = fn(q, k, v, lf, seq_start=ss)
+    errs = [float(abs(v1 - v2) / abs(v2))] + [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+            for a, b in zip(g1, g2)]
+    print(json.dumps({"errs": errs, "n_shards": len(out.sharding.device_set)}))
+""")
+
+
+def test_sharded_attention_subprocess():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    res = subprocess.run([sys.executable, "-c", _SHARDED_SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["n_shards"] == 4
+    assert max(out["errs"]) < 1e-5, out  # relative: loss, then dq, dk, dv, dlog_fgate
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the real Triton-lowered kernels (run on the H200 with `pytest -m gpu`)
+# --------------------------------------------------------------------------------------------------
+
+_GPU_CASES = [
+    pytest.param(1, 2048, 2048, 4, 4, 64, None, False, id="T2048-D64"),
+    pytest.param(1, 4096, 4096, 2, 2, 128, None, False, id="T4096-D128"),
+    pytest.param(2, 1000, 1500, 4, 2, 128, (0, 333), True, id="T1500-D128-gqa-seqstart-seg"),
+    pytest.param(2, 777, 777, 4, 4, 64, (100, 0), False, id="T777-D64-seqstart"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,tq,tk,h,hkv,d,seq_start,segments", _GPU_CASES)
+def test_gpu_kernels_match_reference(b, tq, tk, h, hkv, d, seq_start, segments):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    dtype = jnp.bfloat16
+    q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, dtype, seed=tk + d)
+    ss = None if seq_start is None else jnp.asarray(seq_start, jnp.int32)
+    seg = None
+    if segments:
+        t = jnp.arange(tk)
+        seg = jnp.broadcast_to(((t >= 500).astype(jnp.int32) + (t >= 1200)), (b, tk))
+    kw = dict(seq_start=ss, segment_ids=seg)
+    o, grads = _value_and_grads(
+        lambda *a: forgetting_attention(*a, implementation="pallas", **kw), q, k, v, lf, w)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(
+        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw),
+        f32(q), f32(k), f32(v), lf, w)
+    tol_o, tol_g = _TOL[dtype]
+    _assert_close("o", o, o_ref, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, tol_g)
+
+
+@pytest.mark.gpu
+def test_gpu_acp_auto_and_minus_inf():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, lf, w = _acp_inputs(b=1, t=4096, h=8, d=128)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    run = lambda thr: _value_and_grads(lambda *a: forgetting_attention(  # noqa: E731
+        *a, adaptive_threshold=thr, implementation="pallas"), q, k, v, lf, w)
+    base, minus_inf, auto = run(None), run(-jnp.inf), run("auto")
+    for a, b in zip(jax.tree_util.tree_leaves(base), jax.tree_util.tree_leaves(minus_inf)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+    _assert_close("o", auto[0], base[0], 2e-2)
+    for name, a, b in zip(("dq", "dk", "dv", "dlog_fgate"), auto[1], base[1]):
+        _assert_close(name, a, b, 3e-2)
