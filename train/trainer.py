@@ -231,7 +231,8 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
         start_step = int(state.step)
         _log(f"resumed from {ckpt_dir} at step {start_step}")
     else:
-        state = jax.jit(lambda: init_state(cfg, rng, optimizer), out_shardings=state_sharding)()
+        # eager init, then placement: XLA compiles a jitted init of a 100M+ model's RNG very slowly on GPU
+        state = jax.device_put(init_state(cfg, rng, optimizer), state_sharding)
 
     n_params = count_params(state.params)
     collect_acp = cfg.model.adaptive_threshold is not None and cfg.model.use_fgate
