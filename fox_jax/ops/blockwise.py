@@ -25,24 +25,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fox_jax.ops._common import dot_precision as _dot_precision, pad_axis as _pad_axis, round_up as _round_up
+
 _NEG_INF = float("-inf")
-
-
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_axis(x, axis, new_len, value=0):
-    pad = new_len - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _dot_precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
 
 
 class _Geometry:

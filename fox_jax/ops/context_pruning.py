@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fox_jax.ops._common import check_qkv, check_segment_ids
+from fox_jax.ops._common import dot_precision as _precision, pad_axis as _pad_to, round_up as _round_up
 from fox_jax.ops.alpha_sigmoid import log_alpha_sigmoid
 
 LOG_FLOOR = math.log(1e-40)
@@ -36,7 +38,6 @@ LOG_FLOOR = math.log(1e-40)
 
 NORMALIZATIONS = ("causal", "code")
 _NEG_INF = float("-inf")
-_QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -351,23 +352,6 @@ def dcp_attention_reference(
     return jnp.einsum("bhij,bjhd->bihd", p, vf, precision=lax.Precision.HIGHEST)
 
 
-def _round_up(x: int, m: int) -> int:
-    return -(-x // m) * m
-
-
-def _pad_to(x, axis, new_len, value=0):
-    pad = new_len - x.shape[axis]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _precision(dtype):
-    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
-
-
 class _Geom:
     """Static tile geometry of one dcp_attention call."""
 
@@ -629,21 +613,9 @@ def dcp_attention(
       ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_mask), Tq > Tk, H not a
         multiple of Hkv, bad block sizes.
     """
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
-        if x.dtype not in _QKV_DTYPES:
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
+    check_qkv(q, k, v)
     b, tq, h, d = q.shape
-    _, tk, hkv, _ = k.shape
-    if k.shape != v.shape or k.shape[0] != b or k.shape[3] != d:
-        raise ValueError(f"k and v must be [B={b}, Tk, Hkv, D={d}], got {k.shape} and {v.shape}")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
-    if tq > tk:
-        raise ValueError(f"query length ({tq}) must not exceed key length ({tk})")
+    tk = k.shape[1]
     if log_mask.shape != (b, tq, tk):
         raise ValueError(f"log_mask must be [B, Tq, Tk] = {(b, tq, tk)}, got {log_mask.shape}")
     if log_mask.dtype != jnp.float32:
@@ -651,10 +623,8 @@ def dcp_attention(
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
+    check_segment_ids(segment_ids, b, tk)
     if segment_ids is not None:
-        if segment_ids.shape != (b, tk) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, "
-                             f"got {segment_ids.dtype}{segment_ids.shape}")
         segment_ids = segment_ids.astype(jnp.int32)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     bq, bk = dcp_block_sizes(tq, tk, block_q, block_k)

@@ -8,31 +8,15 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.ops import acp as acp_lib
+from fox_jax.ops._common import check_qkv, check_segment_ids
 from fox_jax.ops.blockwise import blockwise_attention, block_sizes
 from fox_jax.ops.reference import decay_cumsum, forgetting_attention_reference
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense", "cudnn")
-_QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
 def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids):
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape {x.shape}")
-        if x.dtype not in _QKV_DTYPES:
-            raise ValueError(f"{name} must be float32, bfloat16 or float16, got {x.dtype}")
-    b, tq, h, d = q.shape
-    _, tk, hkv, dk = k.shape
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-    if k.shape[0] != b or dk != d:
-        raise ValueError(f"k/v must be [B={b}, Tk, Hkv, D={d}] to match q {q.shape}, got {k.shape}")
-    if h % hkv:
-        raise ValueError(f"q heads ({h}) must be a multiple of k/v heads ({hkv})")
-    if tq > tk:
-        raise ValueError(f"query length ({tq}) must not exceed key length ({tk}); queries are the last Tq keys")
-    if q.dtype != k.dtype or q.dtype != v.dtype:
-        raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    check_qkv(q, k, v)
+    b, tq, h, _ = q.shape
+    tk = k.shape[1]
     if log_fgate is not None:
         if log_fgate.shape != (b, tk, h):
             raise ValueError(f"log_fgate must be [B, Tk, H] = {(b, tk, h)}, got {log_fgate.shape}")
@@ -42,10 +26,7 @@ def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids):
                 f"got {log_fgate.dtype}")
     if seq_start is not None and (seq_start.shape != (b,) or not jnp.issubdtype(seq_start.dtype, jnp.integer)):
         raise ValueError(f"seq_start must be an int array of shape [B] = ({b},), got {seq_start.dtype}{seq_start.shape}")
-    if segment_ids is not None and (
-            segment_ids.shape != (b, tk) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-        raise ValueError(
-            f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, got {segment_ids.dtype}{segment_ids.shape}")
+    check_segment_ids(segment_ids, b, tk)
 
 
 def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold) -> bool:
