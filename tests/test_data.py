@@ -12,8 +12,8 @@ import pytest
 
 from train.config import DataConfig
 from train.data import (
-    default_corpus_files, doc_starts, document_windows, iterator_state_to_json, load_corpus, make_train_iterator,
-    make_val_batches, pack_windows, prepare_tokens, read_documents, resolve_paths, restore_iterator_state,
+    default_corpus_files, doc_starts, document_windows, load_corpus, make_train_iterator,
+    make_val_batches, pack_windows, prepare_tokens, read_documents, resolve_paths,
 )
 from train.tokenizers import ByteTokenizer, load_tokenizer
 
@@ -292,14 +292,13 @@ def test_train_iterator_epochs_cover_windows_and_reshuffle(corpus):
 def test_resume_gives_the_same_batches(corpus):
     it = make_train_iterator(corpus, 4)
     take(it, 7)
-    state = iterator_state_to_json(it)
-    json.loads(state)
+    state = json.loads(json.dumps(it.get_state()))  # stored as JSON in the checkpoint
     expected = take(it, 6)
     restored = make_train_iterator(corpus, 4)
-    restore_iterator_state(restored, state)
+    restored.set_state(state)
     assert_same_batches(take(restored, 6), expected)
     with pytest.raises(ValueError, match="batch_size=4 \\(now 8\\)"):
-        restore_iterator_state(make_train_iterator(corpus, 8), state)
+        make_train_iterator(corpus, 8).set_state(state)
     for i in (it, restored):
         i.close()
 

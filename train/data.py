@@ -15,7 +15,6 @@ which is cheap once the token cache exists, so pass the ``Corpus`` when you have
 - ``make_val_batches(data, batch_size, num_batches, *, tokenizer=None, process_index=0, process_count=1)
   -> list[Batch]``
 - ``document_windows(data, num_docs, *, tokenizer=None) -> dict[str, np.ndarray]`` (per-position loss)
-- ``iterator_state_to_json(it) -> str`` / ``restore_iterator_state(it, state_json)``
 - ``prepare_tokens(data_cfg, out_dir) -> Path`` (also ``python -m train.data OUT_DIR --data ... --tokenizer ...``)
 - building blocks: ``resolve_paths``, ``read_documents``, ``default_corpus_files``, ``tokenize_documents``,
   ``doc_starts``, ``pack_windows``, ``token_dtype``.
@@ -49,8 +48,8 @@ is reported with a ``RuntimeWarning`` and rebuilt, never used.
 
 Iterator state: ``TrainIterator.get_state()`` is a small JSON-serialisable dict (grain's position plus the
 pipeline parameters); ``set_state`` refuses a state written for a different pipeline (seed, seq_len, batch
-size, process count, data). ``iterator_state_to_json`` / ``restore_iterator_state`` wrap them for storing
-the state as JSON in a checkpoint.
+size, process count, data). The trainer stores the state with orbax's ``JsonSave`` next to the
+model state.
 """
 
 from __future__ import annotations
@@ -565,16 +564,6 @@ def make_train_iterator(data: Corpus | DataConfig, batch_size: int, *, tokenizer
                 "process_count": process_count, "num_windows": corpus.num_train_windows,
                 "num_tokens": len(corpus.train_tokens)}
     return TrainIterator(ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)), pipeline)
-
-
-def iterator_state_to_json(it: TrainIterator) -> str:
-    """``it.get_state()`` as a JSON string (store it in the checkpoint, e.g. with ``ocp.args.JsonSave``)."""
-    return json.dumps(it.get_state(), sort_keys=True)
-
-
-def restore_iterator_state(it: TrainIterator, state_json: str) -> None:
-    """Move ``it`` to the position saved by ``iterator_state_to_json``; raises ``ValueError`` on a mismatch."""
-    it.set_state(json.loads(state_json))
 
 
 def make_val_batches(data: Corpus | DataConfig, batch_size: int, num_batches: int, *,

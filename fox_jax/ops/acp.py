@@ -175,9 +175,10 @@ def pruning_stats(kv_start: jax.Array, *, tq: int, tk: int, block_q: int, block_
     Args:
       kv_start: [B, H, nq] from ``kv_block_start``.
     Returns:
-      dict with ``blocks_total`` (causal tiles over all batch rows and heads), ``blocks_skipped``,
-      ``fraction_skipped`` and ``flops_saved`` (skipped tiles × 4·block_q·block_k·D is the FLOP
-      count; here as the fraction of causal-tile FLOPs, a float32 scalar).
+      dict of float32 scalars: ``blocks_total`` (causal tiles over all batch rows and heads),
+      ``blocks_skipped`` and ``fraction_skipped``. Every tile costs the same (4·block_q·block_k·D
+      FLOPs forward), so ``fraction_skipped`` is also the fraction of attention FLOPs saved. Tiles
+      skipped because of ``seq_start`` are not counted.
     """
     _, end = causal_block_counts(tq, tk, block_q, block_k)
     skipped = jnp.minimum(kv_start, end[None, None, :]).astype(jnp.float32)

@@ -71,6 +71,7 @@ def forgetting_attention(
     implementation: str = "auto",
     block_q: int = 128,
     block_k: int = 128,
+    kernel_config: Any = None,
 ) -> jax.Array:
     """Forgetting attention (FoX, arXiv 2503.02130 Eq. 4–6; specs/fox_acp.md §1).
 
@@ -96,7 +97,9 @@ def forgetting_attention(
         off-GPU), ``"mosaic"`` (Hopper kernel), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]),
         ``"cudnn"`` (``jax.nn.dot_product_attention``; plain causal attention only, the Transformer
         baseline) or ``"auto"`` (cuDNN when eligible on GPU, else Pallas on GPU, else XLA).
-      block_q, block_k: tile sizes of the blockwise implementations.
+      block_q, block_k: tile sizes of the XLA blockwise implementation.
+      kernel_config: tiles of the Pallas kernels (``kernels.KernelConfig``: forward, dQ and dK/dV tiles,
+        warps, stages); default: tuned per head dim.
 
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_fgate.
@@ -143,5 +146,5 @@ def forgetting_attention(
         except ImportError as e:  # pragma: no cover - depends on the install
             raise NotImplementedError(f"implementation={impl!r} is not available: {e}") from e
         return pallas_impl.attention(q, k, v, lam, seq_start, segment_ids, delta, scale=scale,
-                                     implementation=impl)
+                                     implementation=impl, config=kernel_config)
     raise AssertionError(impl)
