@@ -222,7 +222,7 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
     total = sum(len(d) for d in docs)
     pieces = []
     with tqdm(total=total, unit="char", unit_scale=True, desc="tokenizing",
-              disable=total < _PROGRESS_MIN_CHARS) as bar:
+              disable=True if total < _PROGRESS_MIN_CHARS else None) as bar:
         for chunk in _chunks(docs, _CHUNK_CHARS):
             for ids in tokenizer.encode_batch(chunk):
                 piece = np.empty(len(ids) + 1, dtype)

@@ -1,6 +1,15 @@
 """``fox-jax eval``: validation loss / perplexity and per-token loss by position (FoX paper Fig. 2).
 
-Writes ``<workdir>/eval/step_<N>.json`` (summary + per-position loss) and ``per_position_loss_<N>.png``.
+Two views of the validation text:
+
+* ``val_loss`` / ``val_ppl``: mean next-token loss over packed validation windows of ``seq_len`` tokens
+  (the same batches as during training; windows start anywhere inside documents).
+* per-position loss: one window per validation document, starting at the document's first token, so
+  position i means "the i-th token of a document" (its mean differs from ``val_loss``, which mixes
+  positions). Longer ``--seq-len`` than in training measures length extrapolation.
+
+Writes ``<workdir>/eval/step_<N>_len_<L>.json`` (summary + per-position loss) and
+``per_position_loss_step_<N>_len_<L>.png``.
 """
 
 from __future__ import annotations
@@ -56,21 +65,39 @@ def per_position_loss(model, params, windows: dict, batch_size: int):
     return total / np.maximum(count, 1), count
 
 
-def plot_per_position(path: str, mean: np.ndarray, count: np.ndarray, title: str) -> None:
+def log_binned(mean: np.ndarray, count: np.ndarray, bins_per_decade: int = 12):
+    """Token-weighted mean loss in log-spaced position bins: (bin centre positions, bin means)."""
+    pos = np.arange(1, len(mean) + 1)
+    edges = np.unique(np.round(np.logspace(0, np.log10(len(mean) + 1),
+                                           int(bins_per_decade * np.log10(len(mean) + 1)) + 2)).astype(int))
+    centres, values = [], []
+    for lo, hi in zip(edges[:-1], edges[1:]):
+        sel = (pos >= lo) & (pos < hi) & (count > 0)
+        if sel.any():
+            w = count[sel]
+            centres.append(float(np.exp(np.mean(np.log(pos[sel])))))
+            values.append(float(np.sum(mean[sel] * w) / np.sum(w)))
+    return np.asarray(centres), np.asarray(values)
+
+
+def plot_per_position(path: str, mean: np.ndarray, count: np.ndarray, title: str,
+                      train_len: int | None = None) -> None:
+    """Per-token loss against position (log axis), raw and averaged in log-spaced bins; a dashed line
+    marks the training length when the evaluation is longer (length extrapolation, FoX paper Fig. 2)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     pos = np.arange(1, len(mean) + 1)
     valid = count > 0
-    window = max(1, min(101, len(mean) // 20))
-    smooth = np.convolve(np.where(valid, mean, 0), np.ones(window), "same") / np.maximum(
-        np.convolve(valid.astype(float), np.ones(window), "same"), 1e-9)
+    centres, binned = log_binned(mean, count)
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(pos[valid], mean[valid], alpha=0.3, lw=0.8, label="per position")
-    ax.plot(pos[valid], smooth[valid], lw=2, label=f"moving average ({window})")
+    ax.plot(centres, binned, "o-", lw=2, ms=3, label="mean over log-spaced bins")
+    if train_len is not None and train_len < len(mean):
+        ax.axvline(train_len, ls="--", color="gray", lw=1, label=f"training length {train_len}")
     ax.set_xscale("log")
-    ax.set_xlabel("token position")
+    ax.set_xlabel("token position in the document")
     ax.set_ylabel("loss (nats)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
@@ -90,7 +117,12 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     cfg_path = os.path.join(workdir, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{cfg_path} not found; --workdir must be a directory written by 'fox-jax train'")
+    model_overrides = [o for o in overrides or [] if o.startswith("model.")]
+    if model_overrides:
+        raise ValueError(f"eval cannot change the model ({', '.join(model_overrides)}): the checkpoint fixes it; "
+                         "only data.* and batch settings may be overridden")
     cfg = config_lib.load_json(cfg_path)
+    train_len = cfg.data.seq_len
     cfg = config_lib.apply_overrides(cfg, overrides or [])
     params, ckpt_step = load_params(workdir, cfg, step)
     corpus = data_lib.load_corpus(cfg.data)
@@ -113,11 +145,13 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
         "per_position_loss": [float(x) if c > 0 else None for x, c in zip(mean, count)],
         "per_position_count": count.astype(int).tolist(),
     }
-    json_path = os.path.join(out_dir, f"step_{ckpt_step}.json")
-    png_path = os.path.join(out_dir, f"per_position_loss_{ckpt_step}.png")
+    stem = f"step_{ckpt_step}_len_{cfg.data.seq_len}"
+    json_path = os.path.join(out_dir, f"{stem}.json")
+    png_path = os.path.join(out_dir, f"per_position_loss_{stem}.png")
     with open(json_path, "w") as f:
         json.dump(report, f)
     plot_per_position(png_path, mean, count,
-                      f"{cfg.model.arch} step {ckpt_step}: per-token loss ({report['num_docs']} documents)")
+                      f"{cfg.model.arch}, step {ckpt_step}: loss by position\n"
+                      f"(first {cfg.data.seq_len} tokens of {report['num_docs']} validation documents)", train_len)
     report.update(per_position_json=json_path, per_position_png=png_path)
     return report

@@ -36,14 +36,22 @@ class MetricWriter:
     Only process 0 writes. TensorBoard is optional: without tensorboardX installed only JSON is written.
     """
 
-    def __init__(self, workdir: str, enabled: bool = True):
+    def __init__(self, workdir: str, enabled: bool = True, truncate_after: int | None = None):
+        """``truncate_after``: on a resume from step N, drop rows of steps > N written by the run that
+        died after its last checkpoint, so the file holds each step once."""
         self.enabled = enabled and jax.process_index() == 0
         self._jsonl = None
         self._tb = None
         if not self.enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a", buffering=1)
+        path = os.path.join(workdir, "metrics.jsonl")
+        if truncate_after is not None and os.path.exists(path):
+            with open(path) as f:
+                rows = [line for line in f if line.strip() and json.loads(line)["step"] <= truncate_after]
+            with open(path, "w") as f:
+                f.writelines(rows)
+        self._jsonl = open(path, "a", buffering=1)
         try:
             from tensorboardX import SummaryWriter
         except ImportError:  # pragma: no cover - tensorboardX is a dependency

@@ -192,6 +192,8 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     if has_ckpt and not resume:
         raise FileExistsError(
             f"{workdir} already holds checkpoints; pass --resume to continue that run, or choose another --workdir")
+    if resume and not has_ckpt:
+        _log(f"--resume: no checkpoint in {ckpt_dir}; starting a new run")
     if has_ckpt and os.path.exists(cfg_path):
         saved = config_lib.load_json(cfg_path)
         _check_resume_config(saved, cfg)
@@ -200,16 +202,17 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     cfg.validate()
     corpus = data_lib.load_corpus(cfg.data)
     cfg = resolve_vocab(cfg, corpus.tokenizer, explicit_vocab or has_ckpt)
-    os.makedirs(workdir, exist_ok=True)
-    if jax.process_index() == 0:
-        config_lib.save_json(cfg, cfg_path)
-
     mesh = make_mesh(cfg.mesh or None)
     n_data = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % (n_data * cfg.grad_accum):
         raise ValueError(
             f"batch_size ({cfg.batch_size}) must be divisible by grad_accum ({cfg.grad_accum}) x data-parallel "
             f"devices ({n_data})")
+    val_batches = data_lib.make_val_batches(corpus, cfg.batch_size, cfg.eval_batches,
+                                            process_index=jax.process_index(), process_count=jax.process_count())
+    os.makedirs(workdir, exist_ok=True)
+    if jax.process_index() == 0:  # written once the config is known to work
+        config_lib.save_json(cfg, cfg_path)
 
     model = LanguageModel(cfg.model)
     optimizer = make_optimizer(cfg)
@@ -240,8 +243,6 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
                       in_shardings=(state_sharding, data_sharding), out_shardings=(state_sharding, None),
                       donate_argnums=(0,))
     eval_fn = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params, data_sharding))
-    val_batches = data_lib.make_val_batches(corpus, cfg.batch_size, cfg.eval_batches,
-                                            process_index=jax.process_index(), process_count=jax.process_count())
 
     tokens_per_step = cfg.batch_size * cfg.data.seq_len
     flops_per_step = 3.0 * cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step
@@ -252,11 +253,12 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
          f"data: {corpus.summary()}; "
          f"{n_dev} x {jax.devices()[0].device_kind}; workdir {workdir}")
 
-    writer = MetricWriter(workdir)
+    writer = MetricWriter(workdir, truncate_after=start_step if has_ckpt else -1)
     losses: dict[int, float] = {}
     val_loss = None
     pending: list[tuple[int, dict]] = []
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not progress or jax.process_index() != 0,
+    # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
+    bar = tqdm(total=cfg.steps, initial=start_step, disable=None if progress and jax.process_index() == 0 else True,
                desc="train", unit="step", dynamic_ncols=True)
     step = start_step
     try:
@@ -304,8 +306,7 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
                     t_last = time.perf_counter()  # evaluation time is not training throughput
                 writer.write(step, last)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
-                bar.write(format_log_line(step, cfg.steps, last)) if progress else _log(
-                    format_log_line(step, cfg.steps, last))
+                _log(format_log_line(step, cfg.steps, last))
             bar.update(1)
             if cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0 and step != cfg.steps:
                 ckpt.save(step, state, train_iter.get_state())
