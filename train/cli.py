@@ -54,6 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-batches", type=int, default=None, help="validation batches (default: eval_batches)")
     e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss")
     _add_common(e)
+
+    from train import finetune_dcp, zeroshot  # their handlers: cmd_finetune_dcp, cmd_zeroshot
+    finetune_dcp.add_subparser(sub)
+    zeroshot.add_subparser(sub)
     return parser
 
 
@@ -89,7 +93,9 @@ def cmd_train(args) -> int:
 
     overrides = _explicit_overrides(args)
     cfg_path = os.path.join(args.workdir, "config.json")
-    if args.resume and os.path.exists(cfg_path):
+    ckpt_dir = os.path.join(args.workdir, "checkpoints")
+    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    if args.resume and has_ckpt and os.path.exists(cfg_path):
         cfg = config_lib.load_json(cfg_path)  # the saved run; flags given now override it
     else:
         if args.preset not in ("tiny", "125M", "360M", "760M"):
@@ -113,8 +119,8 @@ def cmd_eval(args) -> int:
 
     report = evaluate.evaluate_run(args.workdir, overrides=_explicit_overrides(args), step=args.step,
                                    num_batches=args.num_batches, num_docs=args.num_docs)
-    print(f"step {report['step']}: val_loss {report['val_loss']:.4f} | val_ppl {report['val_ppl']:.2f} | "
-          f"{report['val_tokens']} tokens")
+    print(f"step {report['step']}, seq_len {report['seq_len']}: val_loss {report['val_loss']:.4f} | "
+          f"val_ppl {report['val_ppl']:.2f} | {report['val_tokens']} tokens")
     print(f"per-position loss: {report['per_position_json']} and {report['per_position_png']}")
     return 0
 
@@ -150,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         init_distributed(args)
         if args.command == "train":
             return cmd_train(args)
+        if hasattr(args, "handler"):  # finetune-dcp, zeroshot
+            return args.handler(args)
         return cmd_eval(args)
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as e:
         print(f"fox-jax {args.command}: error: {e}", file=sys.stderr)

@@ -36,6 +36,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fox_jax.decoding.cache import cache_columns, cached_attention
+from fox_jax.decoding.packed_cache import PackedKVCache, packed_attention
 from fox_jax.ops.context_pruning import (
     cumulative_keep_log_mask,
     dcp_attention,
@@ -157,34 +159,46 @@ class GPT2Attention(nn.Module):
     """Causal multi-head self-attention, optionally with the DCP interaction mask.
 
     Input [B, T, d] (LayerNorm'd, compute dtype); returns ([B, T, d], log I [B, T, T] float32 or None).
+    With a ``cache`` (decoding, see ``GPT2``) returns ([B, T, d], the updated cache): a
+    ``fox_jax.decoding.PackedKVCache`` prunes with the step mask (DCP models only); a dense
+    ``fox_jax.decoding.LayerKVCache`` attends to every token, also for a DCP model (the dense baseline).
     """
 
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x, alpha, segment_ids):
+    def __call__(self, x, alpha, segment_ids, cache=None):
         cfg = self.config
         b, t, d = x.shape
         h, dh = cfg.n_head, cfg.head_dim
+        packed = isinstance(cache, PackedKVCache)
+        if packed and not cfg.dcp:
+            raise ValueError("a PackedKVCache (pruned decoding) needs a DCP model (config.dcp=True)")
         qkv = _dense(cfg, 3 * d, "c_attn")(x)
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
         log_mask = None
-        if cfg.dcp:
+        if cfg.dcp and (cache is None or packed):
             xf = x.astype(jnp.float32)
             q_int = _dense(cfg, cfg.interaction_dim, "q_int", use_bias=False, dtype=jnp.float32)(xf)
             k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.beta_init), (), jnp.float32)
-            z = keep_logits(q_int, k_int, beta)                     # [B, T, T] float32
-            log_mask = cumulative_keep_log_mask(z, alpha)           # once per layer, all heads
-            o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
-                              block_q=cfg.attention_block, block_k=cfg.attention_block)
-        else:
+            if packed:
+                o, cache = packed_attention(cache, q, k, v, q_int, k_int, beta, block=cfg.attention_block)
+            else:
+                z = keep_logits(q_int, k_int, beta)                     # [B, T, T] float32
+                log_mask = cumulative_keep_log_mask(z, alpha)           # once per layer, all heads
+                o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
+                                  block_q=cfg.attention_block, block_k=cfg.attention_block)
+        elif cache is None:
             # Plain causal softmax attention: the forgetting-attention op without forget gates.
             o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,
                                      implementation=cfg.attention_impl)
+        else:
+            o, cache = cached_attention(cache, q, k, v, None, implementation=cfg.attention_impl,
+                                        block=cfg.attention_block)
         out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))(o.reshape(b, t, d))
-        return out, log_mask
+        return out, (log_mask if cache is None else cache)
 
 
 class GPT2MLP(nn.Module):
@@ -201,25 +215,26 @@ class GPT2MLP(nn.Module):
 
 
 class GPT2Block(nn.Module):
-    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Returns (x, log I or None)."""
+    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Returns (x, log I or None), or
+    (x, updated cache) when a decoding ``cache`` is given."""
 
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, x, alpha, segment_ids):
+    def __call__(self, x, alpha, segment_ids, cache=None):
         cfg = self.config
         dtype = _DTYPES[cfg.dtype]
-        a, log_mask = GPT2Attention(cfg, name="attn")(
-            _layer_norm(cfg, "ln_1")(x).astype(dtype), alpha, segment_ids)
+        a, aux = GPT2Attention(cfg, name="attn")(
+            _layer_norm(cfg, "ln_1")(x).astype(dtype), alpha, segment_ids, cache)
         x = x + a.astype(x.dtype)
         x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2")(x).astype(dtype)).astype(x.dtype)
-        return x, log_mask
+        return x, aux
 
 
 class GPT2(nn.Module):
     """GPT-2 language model (``GPT2LMHeadModel``) with optional DCP.
 
-    ``apply({'params': p}, tokens, alpha=None, positions=None, segment_ids=None)``
+    ``apply({'params': p}, tokens, alpha=None, positions=None, segment_ids=None, cache=None)``
 
     Args:
       tokens: [B, T] int token ids, T ≤ n_positions.
@@ -229,6 +244,11 @@ class GPT2(nn.Module):
       positions: optional [B, T] int positions (default 0..T−1; give per-document positions for
         packed sequences).
       segment_ids: optional [B, T] int, packed documents: no attention across documents.
+      cache: optional tuple of ``n_layer`` decoding caches (``fox_jax.decoding.generation``):
+        ``PackedKVCache`` (DCP pruning with the step mask, α = ∞) or dense ``LayerKVCache`` (no
+        pruning). T > 1 tokens are a prefill that restarts the cache; T = 1 is one decode step.
+        Positions come from the cache (column − seq_start, pads clamped to 0); positions and
+        segment_ids must be None and alpha None or inf.
 
     Returns:
       (logits, aux): logits [B, T, vocab_size] float32; aux is ``{}`` without DCP, else
@@ -238,16 +258,18 @@ class GPT2(nn.Module):
                            segment_ids=...)`` (0 when T < 3); multiply by γ and add to the CE. For
                            the reference code's normalisation call ``sparsity_loss`` on
                            ``log_masks`` with ``normalization="code"``.
+      With a cache: (logits [B, T, vocab_size] float32, the updated tuple of caches).
 
     Raises:
       ValueError: tokens not [B, T] int, T > n_positions, positions/segment_ids of the wrong shape,
-        DCP on without alpha.
+        DCP on without alpha; with a cache: the wrong number of layers, positions/segment_ids given,
+        a finite alpha, a packed cache on a non-DCP model.
     """
 
     config: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens, *, alpha=None, positions=None, segment_ids=None):
+    def __call__(self, tokens, *, alpha=None, positions=None, segment_ids=None, cache=None):
         cfg = self.config
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -256,7 +278,15 @@ class GPT2(nn.Module):
         if t > cfg.n_positions:
             raise ValueError(f"sequence length {t} exceeds n_positions={cfg.n_positions} "
                              "(GPT-2 has learned absolute positions)")
-        if positions is None:
+        if cache is not None:
+            if positions is not None or segment_ids is not None:
+                raise ValueError("with a cache, positions and segment_ids must be None (they come from the cache)")
+            if len(cache) != cfg.n_layer:
+                raise ValueError(f"cache must hold one cache per layer ({cfg.n_layer}), got {len(cache)}")
+            if alpha is not None and not (isinstance(alpha, (int, float)) and math.isinf(alpha)):
+                raise ValueError(f"decoding uses the step mask: alpha must be None or inf, got {alpha!r}")
+            positions = jnp.maximum(cache_columns(cache[0], t)[None, :] - cache[0].seq_start[:, None], 0)
+        elif positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         elif positions.shape != (b, t) or not jnp.issubdtype(positions.dtype, jnp.integer):
             raise ValueError(f"positions must be an int array [B, T] = {(b, t)}, got {positions.dtype}{positions.shape}")
@@ -264,7 +294,7 @@ class GPT2(nn.Module):
                                         or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
             raise ValueError(f"segment_ids must be an int array [B, T] = {(b, t)}, "
                              f"got {segment_ids.dtype}{segment_ids.shape}")
-        if cfg.dcp and alpha is None:
+        if cfg.dcp and alpha is None and cache is None:
             raise ValueError("alpha is required when config.dcp is True (use float('inf') for inference)")
 
         dtype = _DTYPES[cfg.dtype]
@@ -276,17 +306,20 @@ class GPT2(nn.Module):
         # The residual stream is kept in float32; sublayers compute in cfg.dtype.
         x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
 
-        block_cls = nn.remat(GPT2Block) if cfg.remat else GPT2Block
-        log_masks = []
+        block_cls = nn.remat(GPT2Block) if cfg.remat and cache is None else GPT2Block
+        per_layer = []  # log I per layer, or the updated caches
         for i in range(cfg.n_layer):
-            x, log_mask = block_cls(cfg, name=f"h_{i}")(x, alpha, segment_ids)
-            log_masks.append(log_mask)
+            block = block_cls(cfg, name=f"h_{i}")
+            x, aux_i = block(x, alpha, segment_ids) if cache is None else block(x, alpha, segment_ids, cache[i])
+            per_layer.append(aux_i)
         x = _layer_norm(cfg, "ln_f")(x)
         logits = wte.attend(x.astype(dtype)).astype(jnp.float32)
+        if cache is not None:
+            return logits, tuple(per_layer)
 
         aux: dict[str, Any] = {}
         if cfg.dcp:
-            stacked = jnp.stack(log_masks)
+            stacked = jnp.stack(per_layer)
             aux["log_masks"] = stacked
             aux["sparsity"] = jax.lax.stop_gradient(sparsity(stacked, segment_ids=segment_ids)[0])
             aux["sparsity_loss"] = (sparsity_loss(stacked, 1.0, segment_ids=segment_ids)

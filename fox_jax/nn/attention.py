@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ModelConfig
+from fox_jax.decoding.cache import cache_columns, cached_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention
 
@@ -26,19 +27,37 @@ class ForgettingAttentionLayer(nn.Module):
       x: [B, T, d] normed hidden states (compute dtype).
       segment_ids: [B, T] int or None (packed documents).
       positions: [B, T] int positions inside each document (RoPE only), default arange.
+      cache: optional ``fox_jax.decoding.LayerKVCache`` (incremental decoding; then ``segment_ids``
+        and ``positions`` must be None). T > 1 tokens are a prefill that restarts the cache at
+        column 0; T = 1 is a decode step appended at column ``cache.length``. Positions are the
+        cache columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real
+        token sees zeros and a decode step's shift continues from the cached state.
     Returns:
-      [B, T, d] in the compute dtype. With ACP on, sows ``acp_fraction_skipped`` (a float32 scalar,
-      fraction of causal tiles skipped) into the ``intermediates`` collection.
+      [B, T, d] in the compute dtype, or ([B, T, d], updated cache) when a cache is given. With ACP
+      on (and no cache), sows ``acp_fraction_skipped`` (a float32 scalar, fraction of causal tiles
+      skipped) into the ``intermediates`` collection.
+    Raises:
+      ValueError: a cache together with segment_ids or positions.
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, positions=None):
+    def __call__(self, x, segment_ids=None, positions=None, cache=None):
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
         b, t, _ = x.shape
         h, hkv, dh = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
+        shift_segments = segment_ids
+        k_state = v_state = None  # KV-shift carry: the cached states in (decode step), the new ones out
+        if cache is not None:
+            if segment_ids is not None or positions is not None:
+                raise ValueError("with a cache, segment_ids and positions must be None "
+                                 "(positions come from the cache columns and seq_start)")
+            positions = cache_columns(cache, t)[None, :] - cache.seq_start[:, None]
+            shift_segments = (positions >= 0).astype(jnp.int32)  # the shift never reads a pad
+            if t == 1:
+                k_state, v_state = cache.k_shift, cache.v_shift
         dense = lambda n, name, bias=False, dt=dtype: nn.Dense(
             n, use_bias=bias, dtype=dt, param_dtype=jnp.float32, kernel_init=normal_init(cfg.init_std), name=name)
         q = dense(h * dh, "q_proj")(x).reshape(b, t, h, dh)
@@ -48,8 +67,8 @@ class ForgettingAttentionLayer(nn.Module):
             xf = x.astype(jnp.float32)
             alpha_k = jax.nn.sigmoid(dense(hkv, "k_shift_proj", dt=jnp.float32)(xf))
             alpha_v = jax.nn.sigmoid(dense(hkv, "v_shift_proj", dt=jnp.float32)(xf))
-            k, _ = kv_shift(k, alpha_k, segment_ids=segment_ids)
-            v, _ = kv_shift(v, alpha_v, segment_ids=segment_ids)
+            k, k_state = kv_shift(k, alpha_k, state=k_state, segment_ids=shift_segments)
+            v, v_state = kv_shift(v, alpha_v, state=v_state, segment_ids=shift_segments)
         threshold = cfg.adaptive_threshold
         if cfg.qk_norm:
             q_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="q_norm")
@@ -70,16 +89,22 @@ class ForgettingAttentionLayer(nn.Module):
         if cfg.use_fgate:
             logits = dense(h, "fgate_proj", bias=True, dt=jnp.float32)(x.astype(jnp.float32))
             log_fgate = jax.nn.log_sigmoid(logits)  # [B, T, H] float32
-        o = forgetting_attention(
-            q, k, v, log_fgate, segment_ids=segment_ids, adaptive_threshold=threshold,
-            implementation=cfg.attention_impl, block_q=cfg.attention_block, block_k=cfg.attention_block)
-        if threshold is not None and log_fgate is not None:
-            self._sow_pruning(q, k, log_fgate, threshold)
+        if cache is None:
+            o = forgetting_attention(
+                q, k, v, log_fgate, segment_ids=segment_ids, adaptive_threshold=threshold,
+                implementation=cfg.attention_impl, block_q=cfg.attention_block, block_k=cfg.attention_block)
+            if threshold is not None and log_fgate is not None:
+                self._sow_pruning(q, k, log_fgate, threshold)
+        else:
+            o, cache = cached_attention(cache, q, k, v, log_fgate, k_shift=k_state, v_shift=v_state,
+                                        adaptive_threshold=threshold, implementation=cfg.attention_impl,
+                                        block=cfg.attention_block)
         if cfg.output_norm:
             o = HeadRMSNorm(cfg.norm_eps, False, dtype, name="o_norm")(o)
         if cfg.output_gate:
             o = o * jax.nn.sigmoid(dense(h * dh, "ogate_proj")(x).reshape(b, t, h, dh))
-        return dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh))
+        out = dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh))
+        return out if cache is None else (out, cache)
 
     def _sow_pruning(self, q, k, log_fgate, threshold):
         cfg = self.cfg
