@@ -226,6 +226,23 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo):
     return lo, lo_full, mid, hi
 
 
+def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: int, masked: bool, k=None):
+    """Scores of one query block against key block [start, start + bk) (forward and dQ kernels):
+    scale·q·kᵀ + (Λ_i − Λ_j) in float32, and on boundary tiles (``masked``) −inf outside the causal,
+    length, seq_start and segment masks."""
+    if k is None:
+        k = k_ref[pl.ds(start, bk), :]
+    lk = lk_ref[pl.ds(start, bk)]
+    s = _dot(q, k, 1, 1) * g.scale + (lq[:, None] - lk[None, :])
+    if masked:
+        kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+        if g.has_seg:
+            mask = mask & (sq[:, None] == sk_ref[pl.ds(start, bk)][None, :])
+        s = jnp.where(mask, s, _NEG_INF)
+    return s
+
+
 def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, lq_ref, lk_ref, ss_ref = refs[:6]
@@ -247,16 +264,8 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     def step(n, carry, masked):
         acc, m_i, l_i = carry
         start = pl.multiple_of(n * bk, bk)
-        k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        lk = lk_ref[pl.ds(start, bk)]
-        s = _dot(q, k, 1, 1) * g.scale + (lq[:, None] - lk[None, :])
-        if masked:
-            kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
-            if g.has_seg:
-                mask = mask & (sq[:, None] == sk_ref[pl.ds(start, bk)][None, :])
-            s = jnp.where(mask, s, _NEG_INF)
+        s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
         m_base = m_base * LOG2E
@@ -369,14 +378,7 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
         start = pl.multiple_of(n * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        lk = lk_ref[pl.ds(start, bk)]
-        s = _dot(q, k, 1, 1) * g.scale + (lq[:, None] - lk[None, :])
-        if masked:
-            kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
-            if g.has_seg:
-                mask = mask & (sq[:, None] == sk_ref[pl.ds(start, bk)][None, :])
-            s = jnp.where(mask, s, _NEG_INF)
+        s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked, k=k)
         p = jnp.exp2(s * LOG2E - lse2[:, None])
         dp = _dot(do, v, 1, 1)
         ds = p * (dp - delta[:, None])
