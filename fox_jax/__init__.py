@@ -1,9 +1,15 @@
-"""fox_jax: the Forgetting Transformer (FoX) in JAX/Flax, with Adaptive Computation Pruning.
+"""fox_jax: the Forgetting Transformer (FoX) in JAX/Flax, with Adaptive Computation Pruning (ACP)
+and Dynamic Context Pruning (DCP).
 
 Public surface:
-  fox_jax.ops.forgetting_attention   the attention op (xla / pallas / dense implementations)
-  fox_jax.config.ModelConfig, preset the model configuration and the paper's sizes
-  fox_jax.models.LanguageModel       FoX / Transformer language models (Flax Linen)
+  fox_jax.ops.forgetting_attention    the attention op (xla / pallas / cudnn / dense implementations)
+  fox_jax.ops.acp                     ACP thresholds, block ranges, pruning statistics
+  fox_jax.ops.alpha_sigmoid, fox_jax.ops.context_pruning   DCP building blocks
+  fox_jax.config.ModelConfig, preset  model configuration and the paper's sizes
+  fox_jax.models.LanguageModel        FoX / Transformer (LLaMA, Pro) language models (Flax Linen)
+  fox_jax.models.GPT2, load_hf_gpt2   GPT-2 (optionally with DCP) and Hugging Face import/export
+  fox_jax.decoding                    KV caches (dense, packed DCP) and generate()
+  fox_jax.sharding                    device meshes and logical-axis rules
 """
 
 __version__ = "0.1.0"
