@@ -89,3 +89,22 @@ def _check_shapes(abstract, restored, step, directory):
         if getattr(a, "shape", None) != getattr(r, "shape", None):
             raise CheckpointError(
                 f"checkpoint step {step} in {directory} has shape {r.shape} where the model expects {a.shape}")
+
+
+def restore_run(workdir: str, abstract_state: Any, step: int | None = None) -> Any:
+    """Read the train state of ``<workdir>/checkpoints`` (latest, or ``step``) without changing it.
+
+    Raises:
+      CheckpointError: no checkpoints directory, no such step, or an unreadable / mismatched checkpoint.
+    """
+    ckpt_dir = os.path.join(workdir, "checkpoints")
+    if not os.path.isdir(ckpt_dir):
+        raise CheckpointError(f"{workdir} has no checkpoints/ directory; train first or pass the right --workdir")
+    ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
+    try:
+        if step is not None and step not in ckpt.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; available: {ckpt.all_steps()}")
+        state, _ = ckpt.restore(step, abstract_state)
+    finally:
+        ckpt.close()
+    return state

@@ -25,7 +25,7 @@ import numpy as np
 from fox_jax.models import LanguageModel
 from train import config as config_lib
 from train import data as data_lib
-from train.checkpoints import Checkpointer, CheckpointError
+from train.checkpoints import restore_run
 from train.trainer import evaluate_loss, init_state, make_eval_step, make_optimizer, token_losses
 
 
@@ -35,18 +35,9 @@ def load_params(workdir: str, cfg: config_lib.ExperimentConfig, step: int | None
     Raises:
       CheckpointError: no checkpoint there, or one that does not match ``cfg``.
     """
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"{workdir} has no checkpoints/ directory; train first or pass the right --workdir")
-    ckpt = Checkpointer(ckpt_dir, keep=cfg.keep_checkpoints, async_save=False, create=False)
-    try:
-        if step is not None and step not in ckpt.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; available: {ckpt.all_steps()}")
-        optimizer = make_optimizer(cfg)
-        abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer))
-        state, _ = ckpt.restore(step, abstract)
-    finally:
-        ckpt.close()
+    optimizer = make_optimizer(cfg)
+    abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer))
+    state = restore_run(workdir, abstract, step)
     return state.params, int(state.step)
 
 

@@ -66,7 +66,7 @@ from fox_jax.models.gpt2 import GPT2, GPT2Config, init_gpt2
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from train import data as data_lib
-from train.checkpoints import Checkpointer
+from train.checkpoints import Checkpointer, restore_run
 from train.config import DataConfig
 from train.metrics import MetricWriter
 from train.trainer import TrainState, weight_decay_mask
@@ -525,25 +525,14 @@ def load_finetuned(workdir: str, *, step: int | None = None,
     Raises:
       FileNotFoundError: not a finetune-dcp run. CheckpointError: no / bad checkpoint.
     """
-    from train.checkpoints import CheckpointError
-
     cfg = load_config(workdir)
     model_cfg = load_model_config(workdir).replace(remat=False)
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"{workdir} has no checkpoints/ directory")
-    ckpt = Checkpointer(ckpt_dir, keep=cfg.keep_checkpoints, async_save=False, create=False)
-    try:
-        if step is not None and step not in ckpt.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; available: {ckpt.all_steps()}")
-        abstract_params = jax.eval_shape(lambda: init_gpt2(model_cfg, jax.random.PRNGKey(0)))
-        optimizer = make_optimizer(cfg, abstract_params)
-        abstract = jax.eval_shape(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                                       opt_state=optimizer.init(p), rng=jax.random.PRNGKey(0)),
-                                  abstract_params)
-        state, _ = ckpt.restore(step, abstract)
-    finally:
-        ckpt.close()
+    abstract_params = jax.eval_shape(lambda: init_gpt2(model_cfg, jax.random.PRNGKey(0)))
+    optimizer = make_optimizer(cfg, abstract_params)
+    abstract = jax.eval_shape(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                                   opt_state=optimizer.init(p), rng=jax.random.PRNGKey(0)),
+                              abstract_params)
+    state = restore_run(workdir, abstract, step)
     params = state.params
     if not dcp:
         model_cfg = model_cfg.replace(dcp=False)
