@@ -291,6 +291,20 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     lse_ref[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log(l_safe))
 
 
+def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_q, seg_k):
+    """BlockSpecs and arrays of the optional inputs of the query-block kernels (forward and dQ), in the
+    order the kernels pop them: the ACP key-block start of each query block, then the query and key
+    segment ids."""
+    specs, args = [], []
+    if kv_start is not None:
+        specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
+        args.append(kv_start)
+    if seg_q is not None:
+        specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))), spec((None, tk_pad), lambda i, j, z: (z, 0))]
+        args += [seg_q, seg_k]
+    return specs, args
+
+
 def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, tq: int, tk: int,
                   scale: float, tile: TileConfig, interpret: bool,
                   interleave_heads: bool = False):
@@ -326,13 +340,9 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
         spec((None,), lambda i, j, z: (z,)),
     ]
     args = [q, k, v, lam_q, lam_k, seq_start]
-    if kv_start is not None:
-        in_specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
-        args.append(kv_start)
-    if seg_q is not None:
-        in_specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))),
-                     spec((None, tk_pad), lambda i, j, z: (z, 0))]
-        args += [seg_q, seg_k]
+    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_q, seg_k)
+    in_specs += extra_specs
+    args += extra_args
     return pl.pallas_call(
         functools.partial(_fwd_kernel, g=g, bq=bq, bk=bk, nq=nq, interleave=interleave_heads),
         grid=_grid(nq, h, b, interleave_heads),
@@ -428,13 +438,9 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
                 spec((None, None, tk_pad), lambda i, j, z: (z, j, 0)),
                 rowspec, rowspec, spec((None,), lambda i, j, z: (z,))]
     args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
-    if kv_start is not None:
-        in_specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
-        args.append(kv_start)
-    if seg_q is not None:
-        in_specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))),
-                     spec((None, tk_pad), lambda i, j, z: (z, 0))]
-        args += [seg_q, seg_k]
+    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_q, seg_k)
+    in_specs += extra_specs
+    args += extra_args
     return pl.pallas_call(
         functools.partial(_dq_kernel, g=g, bq=bq, bk=bk, nq=nq, interleave=interleave_heads),
         grid=_grid(nq, h, b, interleave_heads),
