@@ -7,6 +7,7 @@ Implementations (all bf16 q/k/v, float32 log forget gates):
   xla-blockwise fox_jax forgetting_attention(implementation="xla")
   pallas        fox_jax forgetting_attention(implementation="pallas")
   pallas-acp    same with adaptive_threshold="auto"
+  pallas-acp-trained  same, on the log forget gates of a trained FoX (--gates-from RUN_DIR; TrainedGates)
   fla           fla-core's PyTorch/Triton parallel_forgetting_attn (if importable), same process
 
 Inputs follow specs/anchors_h200.md: per-head forget-gate logits ~ N(μ_h, 1), μ_h evenly spaced in
@@ -19,6 +20,8 @@ Usage:
   python benchmarks/bench_attention.py --out results.json            # GPU, the four anchor shapes
   python benchmarks/bench_attention.py --quick --out /tmp/q.json     # CPU smoke run (interpret mode)
   python benchmarks/bench_attention.py --sweep ...                    # first tune the Pallas tiles
+  python benchmarks/bench_attention.py --bwd-sweep --out bwd.json     # backward grid order / stages
+  python benchmarks/bench_attention.py --gates-from RUN_DIR ...       # + gates of a trained FoX
 """
 
 from __future__ import annotations
@@ -54,7 +57,7 @@ ANCHOR_SHAPES = [  # (B, T, H, D)
     (1, 16384, 16, 128),
 ]
 QUICK_SHAPES = [(1, 64, 2, 32), (1, 96, 2, 64)]
-IMPLS = ["cudnn", "xla-dense", "xla-blockwise", "pallas", "pallas-acp", "fla"]
+IMPLS = ["cudnn", "xla-dense", "xla-blockwise", "pallas", "pallas-acp", "fla"]  # + "pallas-acp-trained"
 # grid-order variants (KernelConfig.interleave_heads), for tuning runs
 VARIANTS = {"pallas-heads": ("pallas", True), "pallas-acp-blocks": ("pallas-acp", False)}
 
@@ -151,7 +154,8 @@ def jax_fns(impl, d, config=None):
     else:
         kw = {"dense": dict(implementation="dense"), "xla-dense": dict(implementation="dense"),
               "xla-blockwise": dict(implementation="xla"), "pallas": dict(implementation="pallas"),
-              "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto")}[impl]
+              "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto"),
+              "pallas-acp-trained": dict(implementation="pallas", adaptive_threshold="auto")}[impl]
         if impl.startswith("pallas") and config is not None:
             def f(q, k, v, lf, _kw=kw):
                 lam = decay_cumsum(lf)
@@ -299,6 +303,217 @@ def sweep_tiles(workers, quick=False):
 
 
 # --------------------------------------------------------------------------------------------------
+# gates from a trained FoX (--gates-from RUN_DIR)
+# --------------------------------------------------------------------------------------------------
+
+
+class TrainedGates:
+    """Per-token log forget gates of a trained FoX run, for the benchmark's shapes.
+
+    Restores the run like ``fox-jax eval`` (``RUN_DIR/config.json`` + the latest checkpoint, or
+    ``step``), takes the first ``T + 1`` tokens of its validation stream as one packed window
+    (``train.data.pack_windows``: segment ids and positions as in validation), runs the model once and
+    captures every layer's forget-gate logits (flax ``capture_intermediates`` on the ``fgate_proj``
+    modules; log f = log_sigmoid(logit), float32, exactly as the attention layer forms it).
+
+    * Validation text shorter than T + 1 tokens is repeated (``np.resize``); ``info["tiled"]`` says so.
+    * T may exceed the run's training length: FoX has no positional encoding and the gates are
+      per-token, so the model just runs at length T (the gates then show length extrapolation).
+    * The model runs with ``remat="none"`` and ``attention_impl`` = "pallas" on GPU, "xla"
+      elsewhere (parameters unchanged; other implementations only differ by float rounding).
+    * Mapping to the benchmark's [B, T, H]: the trained model's (layer, head) pairs are flattened
+      layer-major, p = layer·H_model + head, and cycled over the benchmark's flattened (batch row,
+      head) slots: slot (b, h) gets pair (b·H + h) mod (L·H_model). All batch rows use the same token
+      window. q/k/v stay the synthetic √D-normalised ones (the auto ACP bound is then the anchors').
+
+    Raises:
+      FileNotFoundError: no RUN_DIR/config.json; ValueError: the run's model has no forget gate.
+    """
+
+    def __init__(self, run_dir: str, step: int | None = None):
+        from fox_jax.models import LanguageModel
+        from train import config as config_lib
+        from train import data as data_lib
+        from train.evaluate import load_params
+
+        cfg_path = os.path.join(run_dir, "config.json")
+        if not os.path.exists(cfg_path):
+            raise FileNotFoundError(f"{cfg_path} not found: --gates-from needs a directory written by 'fox-jax train'")
+        cfg = config_lib.load_json(cfg_path)
+        if not cfg.model.use_fgate:
+            raise ValueError(f"{run_dir}: arch {cfg.model.arch!r} has no forget gate")
+        self.params, self.step = load_params(run_dir, cfg, step)
+        self.corpus = data_lib.load_corpus(cfg.data)
+        impl = "pallas" if jax.default_backend() == "gpu" else "xla"
+        self.model_cfg = dataclasses.replace(cfg.model, remat="none", attention_impl=impl)
+        self.model = LanguageModel(self.model_cfg)
+        self.pack = data_lib.pack_windows
+        self.run_dir, self.train_len = run_dir, cfg.data.seq_len
+        self._cache = {}
+
+    def window(self, t: int):
+        """(packed batch of one window of length t as numpy [1, t] arrays, tiled?)."""
+        val = np.asarray(self.corpus.val_tokens)
+        tiled = len(val) < t + 1
+        tokens = np.resize(val, t + 1) if tiled else val[:t + 1]
+        batch = self.pack(tokens, [0], seq_len=t, eot_id=self.corpus.tokenizer.eot_id)
+        return batch, tiled
+
+    def layer_gates(self, t: int):
+        """[L, t, H_model] float32 log forget gates of the validation window of length t."""
+        if t not in self._cache:
+            batch, tiled = self.window(t)
+
+            def capture(tokens, seg, pos):
+                _, state = self.model.apply(
+                    {"params": self.params}, tokens, seg, pos, mutable=["intermediates"],
+                    capture_intermediates=lambda mdl, method: mdl.name == "fgate_proj" and method == "__call__")
+                inter = state["intermediates"]
+                logits = [inter[f"layers_{i}"]["attn"]["fgate_proj"]["__call__"][0][0]
+                          for i in range(self.model_cfg.n_layers)]
+                return jax.nn.log_sigmoid(jnp.stack(logits).astype(jnp.float32))  # [L, t, H_model]
+
+            gates = jax.jit(capture)(*(jnp.asarray(batch[kk]) for kk in ("inputs", "segment_ids", "positions")))
+            self._cache[t] = (gates, dict(tiled=bool(tiled), n_documents=int(batch["segment_ids"].max())))
+        return self._cache[t]
+
+    def gates(self, b: int, t: int, h: int):
+        """([b, t, h] float32 log forget gates, info dict) for a benchmark shape (mapping: class doc)."""
+        g, win = self.layer_gates(t)
+        n_layers, _, hm = g.shape
+        pairs = [((bb * h + hh) % (n_layers * hm)) for bb in range(b) for hh in range(h)]
+        idx = np.asarray(pairs).reshape(b, h)
+        flat = jnp.moveaxis(g, 1, -1).reshape(n_layers * hm, t)  # row l·H_model + head
+        out = flat[jnp.asarray(idx)].transpose(0, 2, 1)  # [b, h, t] → [b, t, h]
+        info = dict(run_dir=self.run_dir, step=self.step, train_seq_len=self.train_len, T=t,
+                    model_layers=n_layers, model_heads=hm, **win,
+                    slots=[[int(p // hm), int(p % hm)] for p in idx.reshape(-1)],
+                    mean_log_fgate=float(jnp.mean(out)))
+        return out, info
+
+
+# --------------------------------------------------------------------------------------------------
+# backward grid-order / pipeline-stage sweep (dense pallas, fwd+bwd) with a determinism check
+# --------------------------------------------------------------------------------------------------
+
+
+def _bwd_interleaved(cfg):
+    return dataclasses.replace(cfg, dq=dataclasses.replace(cfg.dq, interleave_heads=True),
+                               dkv=dataclasses.replace(cfg.dkv, interleave_heads=True))
+
+
+def _dkv_4stage(cfg):
+    return dataclasses.replace(cfg, dkv=dataclasses.replace(cfg.dkv, num_stages=4))
+
+
+BWD_VARIANTS = {  # name → KernelConfig transform of the default (dense: every kernel block-major)
+    "a-defaults": lambda c: c,
+    "b-bwd-interleaved": _bwd_interleaved,
+    "c-dkv-4stage": _dkv_4stage,
+    "d-both": lambda c: _dkv_4stage(_bwd_interleaved(c)),
+}
+BWD_SWEEP_SHAPES = [s for s in ANCHOR_SHAPES if s[3] == 128]
+BWD_SWEEP_QUICK = [(1, 64, 2, 128)]
+
+
+def _leaves_equal(a, b):
+    """(bitwise equal, max |a − b|) over all leaves (compared as float32; bit patterns via uint)."""
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    equal = all(bool(jnp.array_equal(jax.lax.bitcast_convert_type(x, jnp.uint16 if x.dtype.itemsize == 2
+                                                                    else jnp.uint32),
+                                      jax.lax.bitcast_convert_type(y, jnp.uint16 if y.dtype.itemsize == 2
+                                                                   else jnp.uint32)))
+                for x, y in zip(la, lb))
+    return equal, max(_max_err(x, y) for x, y in zip(la, lb))
+
+
+def bwd_sweep(shapes, workers, repeats=3, rounds=2):
+    """Dense pallas fwd+bwd under BWD_VARIANTS (default tiles otherwise), per shape.
+
+    Times each variant ``rounds`` times, alternating variants (median per round, best round kept), and
+    checks determinism: every variant's output (o-cotangent gradients dq, dk, dv, dlog_fgate) is compared
+    bitwise with variant (a), and "c-dkv-4stage" and "d-both" are re-run ``repeats`` − 1 more times on
+    the same inputs and compared bitwise with their first run (a moving result is a race).
+    Returns a list of per-shape dicts (JSON-ready)."""
+    interpret = jax.default_backend() != "gpu"
+    out = []
+    for (b, t, h, d) in shapes:
+        log(f"== bwd-sweep B{b} T{t} H{h} D{d}")
+        q, k, v, lf, do = make_inputs(b, t, h, d)
+        base = fpallas.resolve_config(d, t, t, None, interpret)
+        jobs, cfgs = {}, {}
+        for name, tr in BWD_VARIANTS.items():
+            cfgs[name] = tr(base)
+            f, fb = jax_fns("pallas", d, cfgs[name])
+            jobs[(name, "fwd_bwd")] = (fb, (q, k, v, lf, do))
+            if name == "a-defaults":
+                jobs[(name, "fwd")] = (f, (q, k, v, lf))
+        t0 = time.perf_counter()
+        compiled = compile_all(jobs, workers)
+        log(f"   compiled {len(jobs)} functions in {time.perf_counter() - t0:.1f}s")
+        res = dict(shape=dict(B=b, T=t, H=h, D=d), variants={}, checks={})
+        errors = {key: f"{type(e).__name__}: {str(e)[:300]}" for key, e in compiled.items()
+                  if isinstance(e, Exception)}
+        for key, err in errors.items():
+            log(f"   {key} FAILED {err}")
+            res["variants"].setdefault(key[0], {})[f"{key[1]}_error"] = err
+        ok = {key: exe for key, exe in compiled.items() if key not in errors}
+        times = {key: [] for key in ok}
+        for _ in range(rounds):
+            for key, exe in ok.items():
+                times[key].append(time_jax(exe, jobs[key][1], target_s=0.4, min_reps=5))
+        fwd_ms = min(times[("a-defaults", "fwd")]) if ("a-defaults", "fwd") in times else None
+        res["fwd_ms_defaults"] = fwd_ms
+        first = {}
+        for name in BWD_VARIANTS:
+            key = (name, "fwd_bwd")
+            if key not in ok:
+                continue
+            ms = min(times[key])
+            r = res["variants"].setdefault(name, {})
+            r.update(config=dataclasses.asdict(cfgs[name]), fwd_bwd_ms=ms, fwd_bwd_ms_rounds=times[key],
+                     bwd_ms=None if fwd_ms is None else ms - fwd_ms)
+            first[name] = jax.device_get(ok[key](*jobs[key][1]))
+            if name in ("c-dkv-4stage", "d-both"):
+                same = []
+                for _ in range(repeats - 1):
+                    again = jax.device_get(ok[key](*jobs[key][1]))
+                    same.append(_leaves_equal(first[name], again)[0])
+                res["checks"][f"{name}_repeat_bitwise_equal"] = same
+        if "a-defaults" in first:
+            ref = res["variants"]["a-defaults"]["fwd_bwd_ms"]
+            for name, grads in first.items():
+                eq, err = _leaves_equal(first["a-defaults"], grads)
+                res["checks"][f"{name}_vs_a_bitwise_equal"] = eq
+                res["checks"][f"{name}_vs_a_max_abs"] = err
+                res["variants"][name]["speedup_vs_a"] = ref / res["variants"][name]["fwd_bwd_ms"]
+        for name, r in res["variants"].items():
+            if "fwd_bwd_ms" in r:
+                log(f"   {name:18s} fwd+bwd {r['fwd_bwd_ms']:8.3f} ms  bwd {r['bwd_ms'] or 0:8.3f} ms  "
+                    f"×{r.get('speedup_vs_a', 1.0):.3f} vs a")
+        log(f"   checks: {res['checks']}")
+        out.append(res)
+    return out
+
+
+def bwd_sweep_markdown(results):
+    names = list(BWD_VARIANTS)
+    lines = ["| variant | " + " | ".join(f"B{r['shape']['B']} T{r['shape']['T']}" for r in results) + " |",
+             "|---|" + "---|" * len(results)]
+    for name in names:
+        cells = []
+        for r in results:
+            x = r["variants"].get(name, {})
+            cells.append("–" if "fwd_bwd_ms" not in x else
+                         f"{x['fwd_bwd_ms']:.3f} (bwd {x['bwd_ms'] or 0:.3f}, ×{x.get('speedup_vs_a', 1):.3f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    lines.append("\nfwd+bwd ms (bwd = fwd+bwd − fwd of the defaults; speed-up vs a). Determinism: " + "; ".join(
+        f"T{r['shape']['T']}: " + ", ".join(f"{k}={v}" for k, v in r["checks"].items() if "bitwise" in k)
+        for r in results))
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------------
 # main benchmark
 # --------------------------------------------------------------------------------------------------
 
@@ -321,7 +536,9 @@ def _max_err(a, b):
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
 
-def run(shapes, impls, workers, configs, skip_dense_bwd_above):
+def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
+    """Benchmark ``impls`` on ``shapes``; ``trained`` (a ``TrainedGates``) enables "pallas-acp-trained"
+    (ACP "auto" on the trained model's gates instead of the synthetic ones)."""
     results = []
     for (b, t, h, d) in shapes:
         log(f"== B{b} T{t} H{h} D{d}")
@@ -339,17 +556,33 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above):
         frac = {kk: float(s["fraction_skipped"]) for kk, s in stats.items()}
         shape_res = dict(shape=dict(B=b, T=t, H=h, D=d), flops_fwd=fl, acp_fraction_skipped=frac,
                          acp_ideal_prunable=ideal, pallas_config=dataclasses.asdict(cfg), impls={})
+        lf_tr, frac_tr = None, None
+        if trained is not None and "pallas-acp-trained" in impls:
+            lf_tr, info = trained.gates(b, t, h)
+            lam_tr = decay_cumsum(lf_tr)
+            st = jax.device_get(fpallas.acp_stats(lam_tr, delta, t, head_dim=d, config=cfg, interpret=interpret))
+            frac_tr = {kk: float(s["fraction_skipped"]) for kk, s in st.items()}
+            shape_res.update(acp_trained_fraction_skipped=frac_tr,
+                             acp_trained_ideal_prunable=float(ideal_prunable_fraction(lam_tr, delta)),
+                             trained_gates=info)
+            log(f"   trained gates ({info['model_layers']}×{info['model_heads']} (layer, head) pairs, "
+                f"{'tiled' if info['tiled'] else 'one'} validation window): ACP skips {frac_tr} "
+                f"(synthetic {frac})")
         jobs = {}
         for impl in impls:
             if impl == "fla":
+                continue
+            if impl == "pallas-acp-trained" and lf_tr is None:
+                shape_res["impls"][impl] = dict(error="needs --gates-from RUN_DIR")
                 continue
             if impl == "cudnn" and jax.default_backend() != "gpu":
                 shape_res["impls"][impl] = dict(error="cuDNN needs a GPU")
                 continue
             f, fb = jax_fns(impl, d, config)
-            jobs[(impl, "fwd")] = (f, (q, k, v, lf))
+            gates = lf_tr if impl == "pallas-acp-trained" else lf
+            jobs[(impl, "fwd")] = (f, (q, k, v, gates))
             if not (impl == "xla-dense" and t > skip_dense_bwd_above):
-                jobs[(impl, "fwd_bwd")] = (fb, (q, k, v, lf, do))
+                jobs[(impl, "fwd_bwd")] = (fb, (q, k, v, gates, do))
         t0 = time.perf_counter()
         compiled = compile_all(jobs, workers)
         log(f"   compiled {len(jobs)} functions in {time.perf_counter() - t0:.1f}s")
@@ -366,7 +599,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above):
                 slow = impl in ("xla-dense", "xla-blockwise")
                 ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
                 r[mode] = ms
-                if impl in ("pallas", "pallas-acp", "xla-blockwise", *VARIANTS):
+                if impl in ("pallas", "pallas-acp", "pallas-acp-trained", "xla-blockwise", *VARIANTS):
                     outs[(impl, mode)] = exe(*args)
                 log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
             except Exception as e:  # noqa: BLE001
@@ -411,8 +644,11 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above):
             r["tflops_fwd_bwd"] = None if fb is None else 3.5 * fl / fb / 1e9
             r["tflops_bwd"] = None if r["bwd"] is None or r["bwd"] <= 0 else 2.5 * fl / r["bwd"] / 1e9
             if impl.startswith("pallas-acp"):
-                ex_f = 1.0 - frac["fwd"]
-                ex_b = 1.0 - 0.5 * (frac["dq"] + frac["dkv"])
+                fr = frac_tr if impl == "pallas-acp-trained" else frac
+                if fr is None:
+                    continue
+                ex_f = 1.0 - fr["fwd"]
+                ex_b = 1.0 - 0.5 * (fr["dq"] + fr["dkv"])
                 r["executed_tflops_fwd"] = None if fwd is None else r["tflops_fwd"] * ex_f
                 r["executed_tflops_fwd_bwd"] = None if fb is None else 3.5 * fl * (ex_f + 2.5 * ex_b) / 3.5 / fb / 1e9
         results.append(shape_res)
@@ -439,6 +675,17 @@ def markdown(results, impls):
     lines.append("\nACP tiles skipped (fwd / dq / dkv): " + "; ".join(
         f"T{r['shape']['T']}: " + "/".join(f"{r['acp_fraction_skipped'][kk]:.3f}" for kk in ("fwd", "dq", "dkv"))
         + f" (ideal element-level {r['acp_ideal_prunable']:.3f})" for r in results))
+    trained = [r for r in results if "acp_trained_fraction_skipped" in r]
+    if trained:
+        info = trained[0]["trained_gates"]
+        lines.append(
+            f"\nACP tiles skipped with gates from the trained FoX {info['run_dir']} (step {info['step']}, "
+            f"trained at T={info['train_seq_len']}, {info['model_layers']} layers × {info['model_heads']} heads cycled "
+            f"over the benchmark's (batch, head) slots; one validation window"
+            f"{', tiled' if any(r['trained_gates']['tiled'] for r in trained) else ''}) (fwd / dq / dkv): "
+            + "; ".join(f"T{r['shape']['T']}: " + "/".join(
+                f"{r['acp_trained_fraction_skipped'][kk]:.3f}" for kk in ("fwd", "dq", "dkv"))
+                + f" (ideal element-level {r['acp_trained_ideal_prunable']:.3f})" for r in trained))
     return "\n".join(lines)
 
 
@@ -464,9 +711,18 @@ def main(argv=None):
     ap.add_argument("--out", required=True, help="JSON output path")
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run, interpret mode)")
     ap.add_argument("--sweep", action="store_true", help="tune the Pallas tiles first and use the best")
+    ap.add_argument("--bwd-sweep", action="store_true",
+                    help="only compare the dense backward variants (BWD_VARIANTS: defaults, interleaved "
+                         "backward grid, 4-stage dK/dV, both) at the D=128 anchor shapes (or --shapes), with "
+                         "bitwise determinism checks; then exit")
+    ap.add_argument("--repeats", type=int, default=3, help="--bwd-sweep: runs of the 4-stage variants compared bitwise")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--shapes", default=None, help="e.g. 4x4096x32x64,2x8192x16x128")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
+    ap.add_argument("--gates-from", default=None, metavar="RUN_DIR",
+                    help="a training run (fox-jax train workdir): add the row pallas-acp-trained, ACP 'auto' "
+                         "on that model's log forget gates of one validation window (see TrainedGates)")
+    ap.add_argument("--gates-step", type=int, default=None, help="checkpoint step for --gates-from (latest)")
     ap.add_argument("--skip-dense-bwd-above", type=int, default=8192,
                     help="skip xla-dense fwd+bwd above this T (its logits do not fit)")
     args = ap.parse_args(argv)
@@ -480,6 +736,29 @@ def main(argv=None):
     out = dict(versions=info, flop_convention="fwd = 2·B·H·T²·D (causal); fwd+bwd = 3.5×fwd; bwd = 2.5×fwd",
                timing="median wall time of async-dispatched jitted calls; bwd = (fwd+bwd) − fwd; "
                       "fla via triton.testing.do_bench (median)")
+    if args.bwd_sweep:
+        if not args.shapes:
+            shapes = BWD_SWEEP_QUICK if args.quick else BWD_SWEEP_SHAPES
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        t0 = time.perf_counter()
+        out["bwd_sweep"] = []
+        for shape in shapes:  # write the JSON after every shape so a timeout keeps what was measured
+            try:
+                out["bwd_sweep"] += bwd_sweep([shape], args.workers, repeats=args.repeats)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+                out.setdefault("errors", []).append(dict(shape=shape, error=traceback.format_exc()[-2000:]))
+            out["markdown"] = bwd_sweep_markdown(out["bwd_sweep"])
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1, default=str)
+        log(out["markdown"])
+        log(f"bwd sweep done in {time.perf_counter() - t0:.1f}s")
+        return
+    trained = None
+    if args.gates_from:
+        trained = TrainedGates(args.gates_from, args.gates_step)
+        if "pallas-acp-trained" not in impls:
+            impls.append("pallas-acp-trained")
     configs = {}
     if args.sweep:
         try:
@@ -493,7 +772,7 @@ def main(argv=None):
     results = []
     for shape in shapes:  # write the JSON after every shape so a timeout keeps what was measured
         try:
-            results += run([shape], impls, args.workers, configs, args.skip_dense_bwd_above)
+            results += run([shape], impls, args.workers, configs, args.skip_dense_bwd_above, trained)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             out.setdefault("errors", []).append(dict(shape=shape, error=traceback.format_exc()[-2000:]))

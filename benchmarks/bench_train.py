@@ -46,7 +46,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     shard = state_shardings(mesh, abstract)
     state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # eager init: see train/trainer.py
     step = jax.jit(make_train_step(LanguageModel(model_cfg), optimizer, 1, collect_acp=acp),
-                   in_shardings=(shard, batch_sharding(mesh)), donate_argnums=(0,))
+                   in_shardings=(shard, batch_sharding(mesh)), out_shardings=(shard, None), donate_argnums=(0,))
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.ones((batch, seq_len), np.int32)}

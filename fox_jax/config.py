@@ -55,6 +55,13 @@ class ModelConfig:
       adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float).
       remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
         or ``"dots"`` (save matmul outputs, recompute the rest).
+      dcp: Dynamic Context Pruning (specs/dcp.md §1): every attention layer gets bias-free float32
+        interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
+        ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).
+        A DCP model's ``apply`` needs ``alpha`` and returns ``(logits, aux)`` (see ``LanguageModel``).
+        Not combinable with ``adaptive_threshold`` (ACP); decoding with caches is not implemented.
+      interaction_dim: r, width of the interaction queries/keys (64, the paper's recipe, §1.1).
+      dcp_beta_init: initial β of every layer (2.0, the reference train.py default, §1.1).
     """
 
     arch: str = "fox-llama"
@@ -82,6 +89,9 @@ class ModelConfig:
     attention_block: int = 128
     adaptive_threshold: Any = None
     remat: str = "none"
+    dcp: bool = False
+    interaction_dim: int = 64
+    dcp_beta_init: float = 2.0
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -103,6 +113,18 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.remat must be one of {REMAT_POLICIES}, got {self.remat!r}")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if not isinstance(self.dcp, bool):
+            raise ValueError(f"ModelConfig.dcp must be a bool, got {self.dcp!r}")
+        if (not isinstance(self.interaction_dim, int) or isinstance(self.interaction_dim, bool)
+                or self.interaction_dim <= 0):
+            raise ValueError(f"ModelConfig.interaction_dim must be a positive int, got {self.interaction_dim!r}")
+        if (isinstance(self.dcp_beta_init, bool) or not isinstance(self.dcp_beta_init, (int, float))
+                or not math.isfinite(self.dcp_beta_init)):
+            raise ValueError(f"ModelConfig.dcp_beta_init must be a finite float, got {self.dcp_beta_init!r}")
+        if self.dcp and self.adaptive_threshold is not None:
+            raise ValueError("ModelConfig.adaptive_threshold (ACP) cannot be combined with dcp=True: DCP "
+                             "attention (dcp_attention) does not implement ACP block pruning; set "
+                             "adaptive_threshold=None")
 
     # Derived quantities -----------------------------------------------------------------------
     @property
@@ -136,6 +158,8 @@ class ModelConfig:
             attn += h * dh
         if self.kv_shift:
             attn += 2 * d * hkv
+        if self.dcp:
+            attn += 2 * d * self.interaction_dim + 1  # q_int, k_int [d, r] and β
         mlp = d * 2 * f + f * d
         per_layer = attn + mlp + 2 * d
         n = self.n_layers * per_layer + d  # + final norm
@@ -150,12 +174,16 @@ class ModelConfig:
 
         N counts every matmul parameter (non-embedding params plus the LM head); the attention
         term uses the causal average context L/2 for both QK^T and PV (= 2 * n_layer * H*D * L).
-        Training costs 3x this (forward + backward).
+        Training costs 3x this (forward + backward). With ``dcp`` the q_int/k_int projections are in N
+        and the keep logits q_int·k_intᵀ add n_layer·r·L (causal average, no P·V analogue).
         """
         n = self.param_count(include_embedding=False, include_head=True)
         if self.tie_embeddings:
             n += self.vocab_size * self.d_model
-        return 2.0 * n + 2.0 * self.n_layers * self.n_heads * self.dim_per_head * seq_len
+        flops = 2.0 * n + 2.0 * self.n_layers * self.n_heads * self.dim_per_head * seq_len
+        if self.dcp:
+            flops += float(self.n_layers * self.interaction_dim * seq_len)
+        return flops
 
 
 _SIZES = {

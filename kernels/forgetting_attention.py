@@ -30,7 +30,8 @@ No atomics, nothing T×T in memory. Skipping is done with loop bounds, never wit
 
 Element masks (causal diagonal, key padding, seq_start boundary, segment ids) are applied only on the
 tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part
-(with segment ids every tile is masked).
+(with segment ids every tile is masked, but document-aware skipping — per-block segment id ranges,
+``seg_bounds`` — drops the tiles before the first and after the last block that shares an id).
 
 Layouts: q/o/do ``[B, Tq_pad, H, D]``, k/v ``[B, Tk_pad, Hkv, D]`` (the model's layout, no transposes),
 per-row float32 vectors ``[B, H, T_pad]``. ``attention_forward`` / ``attention_backward`` below do the
@@ -64,12 +65,18 @@ MIN_BLOCK = 16  # tl.dot needs every matmul dimension ≥ 16
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
     """Tiling of one kernel: ``block_q`` query rows × ``block_k`` key columns per tile (powers of two,
-    ≥ 16), and the Triton launch knobs."""
+    ≥ 16), and the Triton launch knobs.
+
+    ``interleave_heads``: this kernel's grid order (see ``_spec_factory``); None = inherit
+    ``KernelConfig.interleave_heads`` (whose None means: interleave exactly when ACP ranges are given).
+    Grid order only reorders programs: results are bit-identical either way.
+    """
 
     block_q: int
     block_k: int
     num_warps: int = 4
     num_stages: int = 2
+    interleave_heads: bool | None = None
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -82,8 +89,11 @@ class TileConfig:
 class KernelConfig:
     """Tilings of the forward, dQ and dK/dV kernels (hashable: usable as a static argument).
 
-    ``interleave_heads``: grid order (see ``_spec_factory``); None = interleave exactly when ACP
-    ranges are given (per-head work then differs a lot and the heavy heads must not all run last).
+    ``interleave_heads``: grid order of all three kernels (see ``_spec_factory``); None = interleave
+    exactly when ACP ranges are given (per-head work then differs a lot and the heavy heads must not
+    all run last). A kernel's own ``TileConfig.interleave_heads`` (when not None) overrides it, e.g.
+    block-major forward with an interleaved dense backward:
+    ``KernelConfig(fwd, replace(dq, interleave_heads=True), replace(dkv, interleave_heads=True))``.
     """
 
     fwd: TileConfig
@@ -165,10 +175,18 @@ class _Geom:
     scale: float
     has_seg: bool
     has_acp: bool
+    has_sb: bool = False  # document-aware block bounds given (segment ids only)
 
     @property
     def offset(self) -> int:  # bottom-right alignment: query i sits at absolute position offset + i
         return self.tk - self.tq
+
+
+def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds) -> _Geom:
+    if seg_bounds is not None and seg_q is None:
+        raise ValueError("seg_bounds (document-aware skipping) need segment ids")
+    return _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, ranges is not None,
+                 seg_bounds is not None)
 
 
 def _dot(a, b, contract_a: int = 1, contract_b: int = 0):
@@ -206,13 +224,14 @@ def _block_id(interleave_heads: bool):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo):
+def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo, seg_lo=None, seg_hi=None):
     """Key-block loop pieces for query block m: (lo, lo_full, mid, hi).
 
     Blocks [lo, min(lo_full, mid)) and [max(mid, lo), hi) need element masks, [lo_full, mid) not:
     lo skips blocks before seq_start (and ACP-pruned ones), lo_full = lo + 1 when block lo straddles
     seq_start, mid is the first block that crosses the causal diagonal of the block's first row, hi is
-    one past the block holding the last visible column.
+    one past the block holding the last visible column. ``seg_lo``/``seg_hi`` (document-aware
+    skipping, segment ids only: then every block is masked and only [lo, hi) matters) narrow [lo, hi).
     """
     r0 = g.offset + m * bq  # first (absolute) row of the block; always < tk
     r_last = jnp.minimum(r0 + (bq - 1), g.tk - 1)
@@ -220,6 +239,9 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo):
     lo = lax.div(ss, bk)
     if acp_lo is not None:
         lo = jnp.maximum(lo, acp_lo)
+    if seg_lo is not None:
+        lo = jnp.maximum(lo, seg_lo)
+        hi = jnp.minimum(hi, seg_hi)
     lo = jnp.minimum(lo, hi)
     lo_full = lo + (lo * bk < ss).astype(jnp.int32)
     mid = lax.div(r0 + 1, bk)
@@ -248,6 +270,7 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     q_ref, k_ref, v_ref, lq_ref, lk_ref, ss_ref = refs[:6]
     rest = refs[6:]
     lo_ref = rest.pop(0) if g.has_acp else None
+    slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
     o_ref, lse_ref = rest
 
@@ -259,7 +282,9 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     sq = sq_ref[...] if g.has_seg else None
     r0 = g.offset + m * bq
     qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    lo, lo_full, mid, hi = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()])
+    lo, lo_full, mid, hi = _key_loop_bounds(
+        g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
+        None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
 
     def step(n, carry, masked):
         acc, m_i, l_i = carry
@@ -291,14 +316,17 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     lse_ref[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log(l_safe))
 
 
-def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_q, seg_k):
+def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_bounds, seg_q, seg_k):
     """BlockSpecs and arrays of the optional inputs of the query-block kernels (forward and dQ), in the
-    order the kernels pop them: the ACP key-block start of each query block, then the query and key
-    segment ids."""
+    order the kernels pop them: the ACP key-block start of each query block, the document-aware key
+    block range (lo, hi) of each query block, then the query and key segment ids."""
     specs, args = [], []
     if kv_start is not None:
         specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
         args.append(kv_start)
+    if seg_bounds is not None:
+        specs += [spec((None, None), lambda i, j, z: (z, qblk(i)))] * 2
+        args += list(seg_bounds)
     if seg_q is not None:
         specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))), spec((None, tk_pad), lambda i, j, z: (z, 0))]
         args += [seg_q, seg_k]
@@ -307,14 +335,16 @@ def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_
 
 def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, tq: int, tk: int,
                   scale: float, tile: TileConfig, interpret: bool,
-                  interleave_heads: bool = False):
+                  interleave_heads: bool = False, seg_bounds=None):
     """Forward kernel on padded inputs.
 
     Args:
       q: [B, Tq_pad, H, D]; k, v: [B, Tk_pad, Hkv, D] (D a power of two ≥ 16; Tq_pad, Tk_pad multiples
         of the tile's blocks); lam_q: [B, H, Tq_pad] float32 Λ at the query rows; lam_k: [B, H, Tk_pad];
         seq_start: [B] int32; kv_start: [B, H, ceil(tq/block_q)] int32 or None (ACP);
-        seg_q: [B, Tq_pad] / seg_k: [B, Tk_pad] int32 or None.
+        seg_q: [B, Tq_pad] / seg_k: [B, Tk_pad] int32 or None;
+        seg_bounds: None or (kv_lo, kv_hi), each [B, ceil(tq/block_q)] int32 — document-aware skipping
+        (``fox_jax.ops.acp.segment_block_bounds`` with this tile's blocks); only with segment ids.
       tq, tk: real lengths; scale: logit scale.
     Returns:
       o [B, Tq_pad, H, D] in q.dtype and lse [B, H, Tq_pad] float32 (natural log; −inf for empty rows).
@@ -324,7 +354,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, kv_start is not None)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -340,7 +370,8 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
         spec((None,), lambda i, j, z: (z,)),
     ]
     args = [q, k, v, lam_q, lam_k, seq_start]
-    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_q, seg_k)
+    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
+                                                          seg_q, seg_k)
     in_specs += extra_specs
     args += extra_args
     return pl.pallas_call(
@@ -367,6 +398,7 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
     rest = refs[9:]
     lo_ref = rest.pop(0) if g.has_acp else None
+    slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
     dq_ref, dlq_ref = rest
 
@@ -381,7 +413,9 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     sq = sq_ref[...] if g.has_seg else None
     r0 = g.offset + m * bq
     qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    lo, lo_full, mid, hi = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()])
+    lo, lo_full, mid, hi = _key_loop_bounds(
+        g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
+        None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
 
     def step(n, carry, masked):
         dq, dlq = carry
@@ -410,13 +444,14 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
 
 def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_start, seg_q, seg_k, *,
                       tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                      interleave_heads: bool = False):
+                      interleave_heads: bool = False, seg_bounds=None):
     """dQ kernel on padded inputs (shapes as in ``flash_forward``; do like q).
 
     Args:
       lse2: [B, H, Tq_pad] float32 lse·log2(e), +inf for empty and padded rows.
       delta: [B, H, Tq_pad] float32 rowsum(o·do), 0 on padded rows.
       kv_start: [B, H, ceil(tq/block_q)] int32 or None (ACP, computed with this tile's blocks).
+      seg_bounds: None or (kv_lo, kv_hi) [B, ceil(tq/block_q)] int32 (as in ``flash_forward``).
     Returns:
       dq [B, Tq_pad, H, D] in q.dtype and the query-side decay gradient Σ_j dS_ij [B, H, Tq_pad] f32.
     """
@@ -424,7 +459,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, kv_start is not None)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -438,7 +473,8 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
                 spec((None, None, tk_pad), lambda i, j, z: (z, j, 0)),
                 rowspec, rowspec, spec((None,), lambda i, j, z: (z,))]
     args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
-    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_q, seg_k)
+    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
+                                                          seg_q, seg_k)
     in_specs += extra_specs
     args += extra_args
     return pl.pallas_call(
@@ -464,6 +500,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
     rest = refs[9:]
     hi_ref = rest.pop(0) if g.has_acp else None
+    slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
     dk_ref, dv_ref, dlk_ref = rest
 
@@ -481,6 +518,9 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
     lo = lax.div(jnp.maximum(c0 - g.offset, 0), bq)  # first query block that sees column c0
     hi = jnp.int32(nq) if hi_ref is None else jnp.minimum(hi_ref[()], nq)
+    if slo_ref is not None:  # document-aware skipping (all tiles are masked with segment ids)
+        lo = jnp.maximum(lo, slo_ref[()])
+        hi = jnp.minimum(hi, shi_ref[()])
     hi = jnp.where(c0 + bk <= ss, lo, hi)  # key block entirely before seq_start: nothing to do
     hi = jnp.maximum(hi, lo)
     # query blocks [lo, mid) cross the diagonal of this key block; all blocks are boundary blocks
@@ -526,12 +566,14 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
 def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end, seg_q, seg_k, *,
                        tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                       interleave_heads: bool = False):
+                       interleave_heads: bool = False, seg_bounds=None):
     """dK/dV kernel on padded inputs (shapes as in ``flash_backward_dq``).
 
     Args:
       q_end: [B, H, ceil(tk/block_k)] int32 or None (ACP): one past the last query block each key
         block visits, computed with this tile's blocks.
+      seg_bounds: None or (q_lo, q_hi), each [B, ceil(tk/block_k)] int32: document-aware query-block
+        range of each key block (``segment_block_bounds`` with this tile's blocks; segment ids only).
     Returns:
       dk, dv [B, Tk_pad, H, D] per *query* head (in k.dtype without GQA, float32 with GQA, for the
       caller's group sum) and the key-side decay gradient −Σ_i dS_ij [B, H, Tk_pad] float32.
@@ -540,7 +582,7 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nk = _cdiv(tk, bk)
-    g = _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, q_end is not None)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -554,6 +596,9 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
     if q_end is not None:
         in_specs.append(spec((None, None, None), lambda i, j, z: (z, j, i)))
         args.append(q_end)
+    if seg_bounds is not None:
+        in_specs += [spec((None, None), lambda i, j, z: (z, i))] * 2
+        args += list(seg_bounds)
     if seg_q is not None:
         in_specs += [spec((None, tq_pad), lambda i, j, z: (z, 0)),
                      spec((None, bk), lambda i, j, z: (z, i))]
@@ -625,7 +670,10 @@ def _pad_inputs(q, k, v, lam, segment_ids, p: _Padded):
     return q, k, v, lam_q, lam_k, seg_q, seg_k
 
 
-def _interleave(config: KernelConfig, ranges) -> bool:
+def _interleave(config: KernelConfig, tile: TileConfig, ranges) -> bool:
+    """Grid order of one kernel: its tile's setting, else the config's, else "iff ACP ranges"."""
+    if tile.interleave_heads is not None:
+        return bool(tile.interleave_heads)
     return (ranges is not None) if config.interleave_heads is None else bool(config.interleave_heads)
 
 
@@ -636,7 +684,7 @@ def _check_config(config: KernelConfig, tq: int, tk: int):
 
 
 def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: float,
-                      config: KernelConfig, interpret: bool):
+                      config: KernelConfig, interpret: bool, seg_bounds=None):
     """Forgetting-attention forward on unpadded arrays.
 
     Args:
@@ -644,7 +692,10 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
         a power of two ≥ 16); lam: [B, Tk, H] float32 Λ (already masked before seq_start and
         cumsummed); seq_start: [B] int32; segment_ids: [B, Tk] int32 or None;
         kv_start: [B, H, ceil(Tq/config.fwd.block_q)] int32 or None (ACP);
-        config: a config already passed through ``resolve_tiles``.
+        config: a config already passed through ``resolve_tiles``;
+        seg_bounds: None or (kv_lo, kv_hi) [B, ceil(Tq/config.fwd.block_q)] int32, document-aware
+        block skipping (``fox_jax.ops.acp.segment_block_bounds`` for the forward tiling); needs
+        segment_ids. Without it, segment ids are handled by masking alone.
     Returns:
       o [B, Tq, H, D] in q.dtype, lse [B, H, Tq] float32 (natural log, −inf for empty rows).
     """
@@ -653,18 +704,22 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
     qp, kp, vp, lam_q, lam_k, seg_q, seg_k = _pad_inputs(q, k, v, lam, segment_ids, p)
     o, lse = flash_forward(qp, kp, vp, lam_q, lam_k, seq_start.astype(jnp.int32), kv_start, seg_q,
                            seg_k, tq=p.tq, tk=p.tk, scale=scale, tile=config.fwd, interpret=interpret,
-                           interleave_heads=_interleave(config, kv_start))
+                           interleave_heads=_interleave(config, config.fwd, kv_start), seg_bounds=seg_bounds)
     return o[:, :p.tq, :, :p.d], lse[:, :, :p.tq]
 
 
 def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_dkv, o, lse, do, *,
-                       scale: float, config: KernelConfig, interpret: bool):
+                       scale: float, config: KernelConfig, interpret: bool, seg_bounds_dq=None,
+                       seg_bounds_dkv=None):
     """Gradients of ``attention_forward``'s o with respect to q, k, v and Λ.
 
     Args:
       as ``attention_forward``, plus o [B, Tq, H, D] and lse [B, H, Tq] from it, the cotangent
       do [B, Tq, H, D], kv_start_dq [B, H, ceil(Tq/config.dq.block_q)] and
-      q_end_dkv [B, H, ceil(Tk/config.dkv.block_k)] (ACP ranges for the dQ and dK/dV tilings, or None).
+      q_end_dkv [B, H, ceil(Tk/config.dkv.block_k)] (ACP ranges for the dQ and dK/dV tilings, or None);
+      seg_bounds_dq = (kv_lo, kv_hi) [B, ceil(Tq/config.dq.block_q)] and
+      seg_bounds_dkv = (q_lo, q_hi) [B, ceil(Tk/config.dkv.block_k)] int32 or None (document-aware
+      skipping for the dQ / dK/dV tilings, ``segment_block_bounds``; need segment_ids).
     Returns:
       dq [B, Tq, H, D], dk, dv [B, Tk, Hkv, D] (input dtypes) and dΛ [B, Tk, H] float32
       (= Σ_j dS_tj − Σ_i dS_it; the caller's cumsum turns it into d log f by a reverse cumsum).
@@ -684,10 +739,12 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
     common = dict(tq=p.tq, tk=p.tk, scale=scale, interpret=interpret)
     dq, dlam_q = flash_backward_dq(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, kv_start_dq,
                                    seg_q, seg_k, tile=config.dq,
-                                   interleave_heads=_interleave(config, kv_start_dq), **common)
+                                   interleave_heads=_interleave(config, config.dq, kv_start_dq),
+                                   seg_bounds=seg_bounds_dq, **common)
     dk, dv, dlam_k = flash_backward_dkv(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, q_end_dkv,
                                         seg_q, seg_k, tile=config.dkv,
-                                        interleave_heads=_interleave(config, q_end_dkv), **common)
+                                        interleave_heads=_interleave(config, config.dkv, q_end_dkv),
+                                        seg_bounds=seg_bounds_dkv, **common)
     dq = dq[:, :tq, :, :d]
     dk = dk[:, :p.tk, :, :d]
     dv = dv[:, :p.tk, :, :d]

@@ -387,3 +387,116 @@ def test_dcp_attention_errors():
         dcp_attention(q, q, q, lm, segment_ids=jnp.zeros((1, 8)))
     with pytest.raises(ValueError, match="block_k"):
         dcp_attention(q, q, q, lm, block_k=0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Attention with forget gates (FoX): the mask plus the decay bias Λ_i − Λ_j
+# ---------------------------------------------------------------------------------------------
+# Tolerances. Both sides are float32 with HIGHEST-precision matmuls on CPU; they differ only in the
+# summation order (online softmax over key tiles vs one dense softmax) and in where Λ_i − Λ_j is
+# formed, i.e. a few float32 ulps (~1e-7 relative) per accumulated term. Observed max errors are
+# ~1e-6 on outputs and ~2e-6 on gradients whose magnitude is O(1); the checks use
+# 2e-5 (outputs) and 5e-5·(1 + max|ref|) + 1e-4 relative (gradients, ``assert_grads_close``), ~10×
+# headroom. dlog_fgate is a reverse cumsum over ≤ 40 steps of row/column sums, which adds at most
+# ~40 ulps of the largest partial sum and stays inside the same bound.
+
+def random_log_fgate(rng, b, t, h):
+    """float32 log σ(x) with x ~ N(1, 2²): gates from ~0.05 to ~1, a realistic FoX spread."""
+    return jax.nn.log_sigmoid(jnp.asarray(rng.normal(1.0, 2.0, size=(b, t, h)), jnp.float32))
+
+
+@pytest.mark.parametrize("case", ["mha_awkward", "gqa_segments", "decode_alignment"])
+def test_dcp_attention_fgate_matches_dense_with_gradients(case):
+    rng = np.random.default_rng(11)
+    b, tk, h, hkv, d, tq, seg = 2, 37, 3, 3, 16, 37, None
+    if case == "gqa_segments":
+        tk = tq = 30
+        h, hkv = 4, 2
+        seg = jnp.asarray(np.stack([np.arange(tk) // 11, np.arange(tk) // 7]))
+    elif case == "decode_alignment":
+        tq, h, hkv = 13, 4, 2  # Tq < Tk, bottom-right aligned
+    q, k, v = qkv(rng, b, tq, tk, h, hkv, d)
+    lf = random_log_fgate(rng, b, tk, h)
+    _, lm = heavy_drop_mask(rng, b, tk, beta=0.5, alpha=1.5)
+    lm = lm[:, tk - tq:]
+
+    def fast(q, k, v, lf, m):
+        return dcp_attention(q, k, v, m, lf, segment_ids=seg, block_q=16, block_k=8)
+
+    def ref(q, k, v, lf, m):
+        return dcp_attention_reference(q, k, v, m, lf, segment_ids=seg)
+
+    o, g = out_and_grads(fast, (q, k, v, lf, lm), range(5))
+    o_ref, g_ref = out_and_grads(ref, (q, k, v, lf, lm), range(5))
+    assert o.dtype == jnp.float32 and g[3].dtype == jnp.float32 and g[3].shape == lf.shape
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5)
+    assert_grads_close(g, g_ref, ("q", "k", "v", "log_fgate", "log_mask"))
+    assert float(jnp.abs(g_ref[3]).max()) > 1e-2  # the gate gradient is exercised
+
+
+def test_dcp_attention_reference_is_forgetting_attention_plus_mask():
+    # Ties the oracle to reference.py's: with log I = 0 the DCP oracle is forgetting attention, and the
+    # blockwise op then equals the public forgetting_attention op too (Tq < Tk, GQA).
+    from fox_jax.ops import forgetting_attention
+    from fox_jax.ops.reference import forgetting_attention_reference
+
+    rng = np.random.default_rng(12)
+    b, tq, tk, h, hkv, d = 2, 11, 26, 4, 2, 8
+    q, k, v = qkv(rng, b, tq, tk, h, hkv, d)
+    lf = random_log_fgate(rng, b, tk, h)
+    zero = jnp.zeros((b, tq, tk), jnp.float32)
+    want = forgetting_attention_reference(q, k, v, lf)
+    np.testing.assert_allclose(dcp_attention_reference(q, k, v, zero, lf), want, atol=1e-6)
+    np.testing.assert_allclose(dcp_attention(q, k, v, zero, lf, block_q=8, block_k=8), want, atol=2e-5)
+    np.testing.assert_allclose(forgetting_attention(q, k, v, lf, implementation="xla"), want, atol=2e-5)
+
+
+def test_dcp_attention_fgate_zero_gates_equal_ungated_and_skip_is_exact():
+    rng = np.random.default_rng(13)
+    b, t, h, d = 2, 45, 2, 8
+    q, k, v = qkv(rng, b, t, t, h, h, d)
+    _, lm = heavy_drop_mask(rng, b, t, beta=-2.0)
+    attn = jax.jit(lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, block_q=8, block_k=8))
+    # log f ≡ 0 adds exactly 0 to every logit: bit-identical to the log_fgate=None path.
+    np.testing.assert_array_equal(attn(q, k, v, lm, jnp.zeros((b, t, h), jnp.float32)),
+                                  dcp_attention(q, k, v, lm, block_q=8, block_k=8))
+    # Skipping fully dropped tiles stays exact with the decay (it only lowers skipped logits).
+    lf = random_log_fgate(rng, b, t, h)
+    o_skip = attn(q, k, v, lm, lf)
+    o_full = dcp_attention(q, k, v, lm, lf, block_q=8, block_k=8, skip_dropped=False)
+    np.testing.assert_allclose(o_skip, o_full, atol=1e-6)
+    np.testing.assert_allclose(o_skip, dcp_attention_reference(q, k, v, lm, lf), atol=2e-5)
+
+
+def test_dcp_attention_fgate_bfloat16():
+    # bf16 q/k/v (float32 gates and mask). The reference sees the same bf16-rounded inputs in float32;
+    # the op casts P to bf16 before P·V and dS to bf16 before dS·K / dSᵀ·Q (8-bit mantissa, relative
+    # 2⁻⁹ ≈ 2e-3 per rounding, summed over ≤ 19 keys of O(1) values), and returns bf16 outputs and
+    # q/k/v gradients (another 2⁻⁹ relative). Observed: 5e-3 (output), ≤ 1.3e-2 (gradients of max ~2);
+    # bounds 3e-2 for the output, 5e-2·(1 + max|ref|) for the gradients (≥ 5× headroom). dlog_fgate and dlog_mask are float32 sums of the
+    # same bf16-derived dS and use the same bound.
+    rng = np.random.default_rng(14)
+    b, t, h, hkv, d = 1, 19, 4, 2, 16
+    q, k, v = qkv(rng, b, t, t, h, hkv, d, jnp.bfloat16)
+    lf = random_log_fgate(rng, b, t, h)
+    _, lm = heavy_drop_mask(rng, b, t, beta=0.5)
+    o, g = out_and_grads(lambda q, k, v, lf, m: dcp_attention(q, k, v, m, lf, block_q=8, block_k=8),
+                         (q, k, v, lf, lm), range(5))
+    assert o.dtype == jnp.bfloat16 and g[0].dtype == jnp.bfloat16 and g[3].dtype == jnp.float32
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    o_ref, g_ref = out_and_grads(lambda q, k, v, lf, m: dcp_attention_reference(q, k, v, m, lf),
+                                 (*f32, lf, lm), range(5))
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, atol=3e-2)
+    for name, a, r in zip(("q", "k", "v", "log_fgate", "log_mask"), g, g_ref):
+        a = np.asarray(a, np.float32)
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, r, atol=5e-2 * (1 + float(jnp.abs(r).max())), err_msg=name)
+
+
+def test_dcp_attention_fgate_errors():
+    q = jnp.zeros((1, 8, 2, 4))
+    lm = jnp.zeros((1, 8, 8))
+    with pytest.raises(ValueError, match="log_fgate"):
+        dcp_attention(q, q, q, lm, jnp.zeros((1, 8, 1)))
+    with pytest.raises(ValueError, match="log_fgate must be float32"):
+        dcp_attention(q, q, q, lm, jnp.zeros((1, 8, 2), jnp.bfloat16))

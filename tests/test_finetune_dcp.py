@@ -180,3 +180,29 @@ def test_zeroshot_on_the_finetuned_run(full_run, capsys):
         report = json.loads((full_run / "eval" / name).read_text())
         assert report["step"] == STEPS and report["results"]["piqa"]["n"] == 2
         assert ("sparsity" in report["results"]["piqa"]) == bool(extra)
+
+
+def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(corpus, tmp_path):
+    """``fox-jax pretrain-gpt2``: random init of the requested shape, dense (no interaction params), the
+    loss falls, the LR follows warmup + cosine to 10 %, and the HF export is what finetune-dcp loads."""
+    from fox_jax.models.hf_gpt2 import load_hf_gpt2
+
+    workdir = tmp_path / "pre"
+    steps = 12
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--n-layer", "2", "--n-embd", "64", "--n-head", "4",
+                     "--n-positions", "64", "--data", str(corpus / "train"), "--val-data", str(corpus / "val"),
+                     "--tokenizer", str(GPT2_TOKENIZER), "--steps", str(steps), "--batch-size", "4",
+                     "--warmup-steps", "2", "--lr", "3e-3", "--log-every", "1", "--eval-every", "0",
+                     "--eval-batches", "2", "--no-progress"]) == 0
+    rows = read_rows(workdir)
+    lrs = [rows[s]["lr"] for s in range(1, steps + 1)]                 # row s used lr(s - 1)
+    assert lrs[:3] == pytest.approx([0.0, 1.5e-3, 3e-3], rel=1e-5)     # linear warmup over 2 steps
+    assert 3e-4 < lrs[-1] < 4e-4                                       # cosine, ending at 0.1·lr at `steps`
+    assert all(a > b for a, b in zip(lrs[2:], lrs[3:]))                # decreasing after the warmup
+    assert rows[steps]["loss"] < rows[1]["loss"] - 0.5                 # it learns (10.8 → ~7 nats)
+    assert rows[steps]["sparsity"] == 0.0 and "val_loss" in rows[steps]
+    cfg, params = load_hf_gpt2(workdir / "hf")
+    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_positions, cfg.dcp) == (2, 64, 4, 64, False)
+    assert "q_int" not in params["h_0"]["attn"]
+    saved = json.loads((workdir / "finetune_config.json").read_text())
+    assert saved["dcp"] is False and saved["init_config"]["n_embd"] == 64 and saved["lr_decay"] == "cosine"

@@ -198,12 +198,21 @@ def test_grid_order_does_not_change_results():
     delta = jnp.full((2, 4), -6.0)
     base = fpallas.resolve_config(32, 50, 50)
     outs = []
-    for inter in (False, True):
-        cfg = dataclasses.replace(base, interleave_heads=inter)
+    per_kernel = dataclasses.replace(  # forward block-major, backward interleaved (per-kernel order)
+        base, interleave_heads=False, dq=dataclasses.replace(base.dq, interleave_heads=True),
+        dkv=dataclasses.replace(base.dkv, interleave_heads=True))
+    for cfg in (dataclasses.replace(base, interleave_heads=False), dataclasses.replace(base, interleave_heads=True),
+                per_kernel):
         outs.append(_value_and_grads(lambda q_, k_, v_, lam_: fpallas.attention(
             q_, k_, v_, lam_, ss, None, delta, scale=0.2, config=cfg), q, k, v, lam, w))
-    for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(outs[1])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    for other in outs[1:]:
+        for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(other)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # the per-kernel setting wins over the config-wide one
+    from kernels.forgetting_attention import _interleave
+    assert [_interleave(per_kernel, t, None) for t in (per_kernel.fwd, per_kernel.dq, per_kernel.dkv)] == [
+        False, True, True]
+    assert _interleave(base, base.fwd, object()) and not _interleave(base, base.fwd, None)
 
 
 def test_vmap_jit_grad():
@@ -246,6 +255,165 @@ def test_acp_stats_and_errors():
         forgetting_attention(q[..., :32], k[..., :32], v[..., :32], lf, implementation="mosaic")
     with pytest.raises(ValueError, match="power of two"):
         TileConfig(24, 32)
+
+
+def _packed_segments(lengths_per_row):
+    """[B, T] int32 segment ids of packed documents (non-decreasing) from per-row document lengths."""
+    return jnp.asarray(np.stack([np.repeat(np.arange(len(ls)), ls) for ls in lengths_per_row]), jnp.int32)
+
+
+# documents per row (awkward lengths, several per tile and tiles inside one document), Tq < Tk, GQA
+_DOC_CASES = [
+    pytest.param(None, id="dense"),
+    pytest.param(-10.0, id="acp"),
+]
+
+
+@pytest.mark.parametrize("threshold", _DOC_CASES)
+def test_document_skipping_matches_reference(threshold):
+    b, tq, tk, h, hkv, d = 2, 70, 101, 4, 2, 32
+    q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, jnp.float32, seed=21, gate_lo=-1.0, gate_hi=3.0)
+    seg = _packed_segments([[5, 27, 3, 1, 40, 25], [60, 9, 32]])
+    ss = jnp.array([0, 4], jnp.int32)
+    kw = dict(seq_start=ss, segment_ids=seg, adaptive_threshold=threshold)
+    counts = fpallas.tile_counts(b, h, tq, tk, segment_ids=seg, head_dim=d)
+    for kernel, c in counts.items():  # the documents really remove tiles
+        assert float(c["visited"]) < float(c["causal"]), (kernel, c)
+    o, grads = _value_and_grads(lambda *a: forgetting_attention(*a, implementation="pallas", **kw),
+                                q, k, v, lf, w)
+    if threshold is None:  # the dense float32 oracle
+        o_ref, grads_ref = _value_and_grads(
+            lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg), q, k, v, lf, w)
+        assert float(jnp.max(jnp.abs(o))) > 0.1
+    else:  # ACP changes the result: compare with the same kernels without document skipping (the
+        # skipped tiles are fully masked, so bit-identical) and with the XLA path on the same tiles
+        scale = d ** -0.5
+        lam = decay_cumsum(lf, ss)
+        delta = jnp.full((b, h), threshold, jnp.float32)
+        tile = TileConfig(16, 32)
+        cfg = KernelConfig(fwd=tile, dq=tile, dkv=tile)
+        run = lambda skip: _value_and_grads(lambda q_, k_, v_, lam_: fpallas.attention(  # noqa: E731
+            q_, k_, v_, lam_, ss, seg, delta, scale=scale, config=cfg, segment_skipping=skip), q, k, v, lam, w)
+        with_skip, without = run(True), run(False)
+        for a, c in zip(jax.tree_util.tree_leaves(with_skip), jax.tree_util.tree_leaves(without)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c))
+        acp_counts = fpallas.tile_counts(b, h, tq, tk, lam=lam, delta=delta, segment_ids=seg, head_dim=d,
+                                         config=cfg)
+        acp_only = fpallas.tile_counts(b, h, tq, tk, lam=lam, delta=delta, head_dim=d, config=cfg)
+        for kernel in ("fwd", "dq", "dkv"):  # ACP and documents combine (max of starts, min of ends)
+            assert float(acp_counts[kernel]["visited"]) < float(acp_only[kernel]["visited"])
+        o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention(
+            *a, implementation="xla", block_q=16, block_k=32, **kw), q, k, v, lf, w)
+    _assert_close("o", o, o_ref, 2e-5)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, 2e-5)
+
+
+def test_document_skipping_never_loads_skipped_tiles():
+    """Keys of a document that no query belongs to (Tq < Tk) are poisoned with NaN: with document
+    skipping their tiles are never loaded (finite results equal to the clean oracle, zero dk/dv);
+    masking alone would multiply NaN by 0. Also: arbitrary (non-monotone) ids stay exact."""
+    b, tq, tk, h, d = 1, 40, 96, 2, 32
+    q, k, v, lf, w = _inputs(b, tq, tk, h, h, d, jnp.float32, seed=23)
+    seg = _packed_segments([[32, 20, 17, 27]])  # doc 0 = keys [0, 32): block-aligned for every tiling
+    poison = jnp.arange(tk)[None, :, None, None] < 32
+    kp, vp = jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v)
+    o, grads = _value_and_grads(lambda *a: forgetting_attention(*a, segment_ids=seg, implementation="pallas"),
+                                q, kp, vp, lf, w)
+    o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg),
+                                        q, k, v, lf, w)
+    _assert_close("o", o, o_ref, 2e-5)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, 2e-5)
+    assert not np.any(np.asarray(grads[1][:, :32])) and not np.any(np.asarray(grads[2][:, :32]))
+    # non-monotone ids (a document that resumes later): skipping is still exact
+    seg2 = jnp.asarray(np.concatenate([np.zeros(30), np.ones(25), np.zeros(20), 2 * np.ones(21)])[None],
+                       jnp.int32)
+    o2, grads2 = _value_and_grads(lambda *a: forgetting_attention(
+        *a, segment_ids=seg2, implementation="pallas"), q, k, v, lf, w)
+    o2_ref, grads2_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg2),
+                                          q, k, v, lf, w)
+    _assert_close("o", o2, o2_ref, 2e-5)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads2, grads2_ref):
+        _assert_close(name, g, gr, 2e-5)
+
+
+def test_segment_block_bounds():
+    """The document-aware ranges against a brute-force tile test (any ids, Tq < Tk, ragged blocks)."""
+    rng = np.random.default_rng(0)
+    packed = np.repeat(np.arange(6), [7, 1, 13, 20, 2, 17])[None]
+    shuffled = rng.integers(0, 4, size=(1, 60))
+    for ids in (packed, shuffled):
+        tk = ids.shape[1]
+        for tq, bq, bk in ((tk, 16, 8), (37, 8, 16)):
+            kv_lo, kv_hi, q_lo, q_hi = (np.asarray(x) for x in acp_lib.segment_block_bounds(
+                jnp.asarray(ids, jnp.int32), tq=tq, block_q=bq, block_k=bk))
+            qi = ids[0, tk - tq:]
+            nq, nk = -(-tq // bq), -(-tk // bk)
+            share = np.array([[bool(set(qi[m * bq:(m + 1) * bq]) & set(ids[0, n * bk:(n + 1) * bk]))
+                               for n in range(nk)] for m in range(nq)])
+            for m in range(nq):  # every tile with a shared id lies inside the ranges
+                for n in range(nk):
+                    if share[m, n]:
+                        assert kv_lo[0, m] <= n < kv_hi[0, m] and q_lo[0, n] <= m < q_hi[0, n]
+            if ids is packed:  # tight for packed documents: the ranges hold only sharing tiles
+                assert all(share[m, kv_lo[0, m]:kv_hi[0, m]].all() for m in range(nq))
+                assert all(share[q_lo[0, n]:q_hi[0, n], n].all() for n in range(nk))
+
+
+def test_bench_gates_from_trained_run(tmp_path):
+    """bench_attention.py --gates-from: a tiny FoX trained here (T=32), gates captured at the quick
+    shapes' longer T; slot (0, 0) equals layer 0 / head 0's log_fgate computed by hand."""
+    from pathlib import Path
+
+    from fox_jax.models import LanguageModel  # noqa: F401  (model import before the bench)
+    from fox_jax.nn.layers import RMSNorm
+    from train import config as config_lib, trainer
+
+    root = Path(__file__).resolve().parents[1]
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i, f in enumerate(sorted(root.glob("fox_jax/**/*.py"))[:24]):
+        (corpus / f"doc{i:03d}.txt").write_text(f.read_text())
+    cfg = config_lib.apply_overrides(config_lib.preset("tiny"), [
+        f"data.train={corpus}", "data.seq_len=32", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
+        "model.attention_block=16", "steps=2", "batch_size=2", "log_every=1", "eval_every=2", "ckpt_every=2",
+        "eval_batches=1", "optim.warmup_steps=1"])
+    run_dir = tmp_path / "run"
+    trainer.train(cfg, str(run_dir), progress=False)
+
+    sys.path.insert(0, str(root / "benchmarks"))
+    try:
+        import bench_attention as bench
+    finally:
+        sys.path.pop(0)
+    tg = bench.TrainedGates(str(run_dir))
+    b, t, h = 2, 64, 3  # 6 slots cycle over the 2 × 2 (layer, head) pairs
+    gates, info = tg.gates(b, t, h)
+    assert gates.shape == (b, t, h) and gates.dtype == jnp.float32
+    assert info["slots"][:5] == [[0, 0], [0, 1], [1, 0], [1, 1], [0, 0]] and not info["tiled"]
+    assert bool(jnp.all(gates < 0))
+    # by hand: layer 0's gate = log_sigmoid(fgate_proj(attn_norm(embed(tokens))))
+    batch, _ = tg.window(t)
+    p = tg.params
+    x = p["embed"]["embedding"][jnp.asarray(batch["inputs"])].astype(jnp.dtype(tg.model_cfg.dtype))
+    x = RMSNorm(tg.model_cfg.norm_eps, jnp.dtype(tg.model_cfg.dtype)).apply(
+        {"params": p["layers_0"]["attn_norm"]}, x)
+    fg = p["layers_0"]["attn"]["fgate_proj"]
+    want = jax.nn.log_sigmoid(x.astype(jnp.float32) @ fg["kernel"] + fg["bias"])[0]  # [T, H_model]
+    np.testing.assert_allclose(np.asarray(gates[0, :, 0]), np.asarray(want[:, 0]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(gates[1, :, 1]), np.asarray(want[:, 0]), rtol=1e-5, atol=1e-6)
+    assert tg.window(len(tg.corpus.val_tokens) + 5)[1]  # short validation text is tiled
+
+    out = tmp_path / "bench.json"
+    bench.main(["--quick", "--impls", "pallas-acp", "--gates-from", str(run_dir), "--out", str(out),
+                "--shapes", "1x64x2x32", "--workers", "1"])
+    res = json.loads(out.read_text())
+    r = res["results"][0]
+    assert set(r["acp_trained_fraction_skipped"]) == {"fwd", "dq", "dkv"}
+    assert r["trained_gates"]["train_seq_len"] == 32 and r["trained_gates"]["T"] == 64
+    assert r["impls"]["pallas-acp-trained"]["fwd_bwd"] > 0
+    assert "pallas-acp-trained" in res["markdown"] and "trained FoX" in res["markdown"]
 
 
 _SHARDED_SCRIPT = textwrap.dedent("""

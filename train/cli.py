@@ -55,9 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss")
     _add_common(e)
 
-    from train import finetune_dcp, zeroshot  # their handlers: cmd_finetune_dcp, cmd_zeroshot
+    from train import dcp_eval, finetune_dcp, zeroshot  # handlers: cmd_finetune_dcp, cmd_zeroshot, cmd_dcp_eval
     finetune_dcp.add_subparser(sub)
     zeroshot.add_subparser(sub)
+    dcp_eval.add_subparser(sub)
     return parser
 
 

@@ -62,7 +62,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from fox_jax.models.gpt2 import GPT2, GPT2Config, init_gpt2
+from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from train import data as data_lib
@@ -75,6 +75,7 @@ CONFIG_NAME = "finetune_config.json"
 MODEL_CONFIG_NAME = "model_config.json"
 INTERACTION_PARAMS = ("q_int", "k_int", "beta")
 GAMMA_NORMALIZATIONS = ("code", "causal")
+LR_DECAYS = ("constant", "cosine")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +126,9 @@ class FinetuneConfig:
     ckpt_every: int = 1000
     keep_checkpoints: int = 3
     async_checkpoints: bool = True
+    dcp: bool = True
+    init_config: dict | None = None
+    lr_decay: str = "constant"
 
     def resolved(self) -> "FinetuneConfig":
         """Fill ``warmup_steps`` and ``alpha_steps`` from ``steps`` (stored, so a resume with more steps
@@ -153,6 +157,9 @@ class FinetuneConfig:
              f"alpha_init and alpha_final must be >= 1, got {self.alpha_init}, {self.alpha_final}"),
             (self.alpha_steps is None or self.alpha_steps > 0, f"alpha_steps must be positive, got {self.alpha_steps}"),
             (self.clip_norm >= 0, f"clip_norm must be >= 0 (0 = off), got {self.clip_norm}"),
+            (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
+            (self.init_config is None or isinstance(self.init_config, dict),
+             f"init_config must be None or a dict of GPT2Config fields, got {self.init_config!r}"),
             (self.data.seq_len == 0 or self.data.seq_len >= 3,
              f"seq_len must be at least 3 (the sparsity loss needs causal pairs), got {self.data.seq_len}"),
         ]
@@ -218,7 +225,12 @@ def effective_gamma(cfg: FinetuneConfig, seq_len: int) -> float:
 
 
 def make_lr_schedule(cfg: FinetuneConfig) -> optax.Schedule:
-    """Linear warmup 0 → lr over ``warmup_steps``, then constant (the code's recipe)."""
+    """Linear warmup 0 → lr over ``warmup_steps``, then constant (the code's recipe), or with
+    ``lr_decay="cosine"`` a cosine decay to 0.1·lr at ``steps`` (pretraining)."""
+    if cfg.lr_decay == "cosine":
+        return optax.warmup_cosine_decay_schedule(0.0, cfg.lr, max(cfg.warmup_steps or 0, 1),
+                                                  max(cfg.steps, (cfg.warmup_steps or 0) + 1),
+                                                  end_value=0.1 * cfg.lr)
     if not cfg.warmup_steps:
         return optax.constant_schedule(cfg.lr)
     return optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
@@ -263,6 +275,9 @@ def make_train_step(model: GPT2, optimizer, gamma_eff: float):
     def loss_fn(params, batch, alpha):
         logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+        if not model.config.dcp:  # dense pretraining: no mask, nothing dropped
+            zero = jnp.zeros((), jnp.float32)
+            return ce, (ce, zero, jnp.ones((), jnp.float32), jnp.zeros((model.config.n_layer,), jnp.float32))
         keep_mean = aux["sparsity_loss"]
         sp_loss = gamma_eff * keep_mean
         return ce + sp_loss, (ce, sp_loss, keep_mean, aux["sparsity"])
@@ -273,7 +288,7 @@ def make_train_step(model: GPT2, optimizer, gamma_eff: float):
         (loss, (ce, sp_loss, keep_mean, sp_layers)), grads = grad_fn(state.params, batch, alpha)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        betas = [params[f"h_{i}"]["attn"]["beta"] for i in range(model.config.n_layer)]
+        betas = [params[f"h_{i}"]["attn"].get("beta", jnp.full((), jnp.nan)) for i in range(model.config.n_layer)]
         metrics = {"loss": loss, "ce": ce, "sparsity_loss": sp_loss, "keep_mean": keep_mean,
                    "sparsity": jnp.mean(sp_layers), "sparsity_layers": sp_layers,
                    "grad_norm": optax.tree.norm(grads), "beta_mean": jnp.mean(jnp.stack(betas))}
@@ -286,9 +301,11 @@ def make_eval_step(model: GPT2):
     """``(params, batch) -> (CE sum, tokens, per-layer sparsity [L])`` with the step mask α = ∞."""
 
     def eval_fn(params, batch):
-        logits, aux = model.apply({"params": params}, batch["inputs"], alpha=float("inf"), **_model_inputs(batch))
+        alpha = float("inf") if model.config.dcp else None
+        logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32), aux["sparsity"]
+        sp = aux["sparsity"] if model.config.dcp else jnp.zeros((model.config.n_layer,), jnp.float32)
+        return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32), sp
 
     return eval_fn
 
@@ -311,14 +328,18 @@ def evaluate(eval_fn, params, batches) -> dict[str, float]:
 def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
     """``step 10/100 | loss 3.41 | ce 3.30 | sp_loss 0.110 | sparsity 12.3% | α 2.50 | lr 1.00e-04 | ...``."""
     parts = [f"step {step}/{total}"]
-    if "loss" in m:
+    if "loss" in m and math.isnan(m.get("beta_mean", 0.0)):  # dense training (pretrain-gpt2)
+        parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}", f"gnorm {m['grad_norm']:.3f}"]
+    elif "loss" in m:
         parts += [f"loss {m['loss']:.4f}", f"ce {m['ce']:.4f}", f"sp_loss {m['sparsity_loss']:.4f}",
                   f"sparsity {100 * m['sparsity']:.1f}%", f"α {m['alpha']:.3f}", f"β̄ {m['beta_mean']:.3f}",
                   f"lr {m['lr']:.2e}", f"gnorm {m['grad_norm']:.3f}"]
     if m.get("tokens_per_sec") is not None:
         rate = m["tokens_per_sec"]
         parts.append(f"{rate / 1e3:.1f}k tok/s" if rate >= 1e3 else f"{rate:.0f} tok/s")
-    if "val_loss" in m:
+    if "val_loss" in m and "beta_mean" in m and math.isnan(m["beta_mean"]):
+        parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})")
+    elif "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}, sparsity {100 * m['val_sparsity']:.1f}% "
                      "at α=∞)")
     return " | ".join(parts)
@@ -373,11 +394,16 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
         params = None
     else:
         cfg = cfg.validate().resolved()
-        if not cfg.hf_gpt2:
+        if cfg.init_config is not None:
+            model_cfg = GPT2Config(**{**cfg.init_config, "dcp": cfg.dcp, "interaction_dim": cfg.interaction_dim,
+                                      "beta_init": cfg.beta_init, "dtype": cfg.dtype, "remat": cfg.remat})
+            params = init_gpt2(model_cfg, jax.random.PRNGKey(cfg.seed))
+        elif not cfg.hf_gpt2:
             raise ValueError("--hf-gpt2 is required: the pretrained GPT-2 directory to fine-tune")
-        model_cfg, params = load_hf_gpt2(cfg.hf_gpt2, dcp=True, rng=jax.random.PRNGKey(cfg.seed),
-                                         interaction_dim=cfg.interaction_dim, beta_init=cfg.beta_init,
-                                         dtype=cfg.dtype, remat=cfg.remat)
+        else:
+            model_cfg, params = load_hf_gpt2(cfg.hf_gpt2, dcp=cfg.dcp, rng=jax.random.PRNGKey(cfg.seed),
+                                             interaction_dim=cfg.interaction_dim, beta_init=cfg.beta_init,
+                                             dtype=cfg.dtype, remat=cfg.remat)
     cfg.validate()
     if cfg.data.seq_len == 0:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=model_cfg.n_positions))
@@ -423,11 +449,13 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
     eval_fn = jax.jit(make_eval_step(model))
     val_batches = data_lib.make_val_batches(corpus, cfg.batch_size, cfg.eval_batches)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
-    _log(f"DCP fine-tuning of {cfg.hf_gpt2}: {model_cfg.n_layer} layers, d={model_cfg.n_embd}, "
-         f"r={model_cfg.interaction_dim}, "
-         f"{n_params / 1e6:.2f}M parameters; γ={cfg.gamma} ({cfg.gamma_normalization}; γ_eff={gamma_eff:.4f} on the "
-         f"causal mean); α {cfg.alpha_init}→{cfg.alpha_final} over {cfg.alpha_steps} steps; lr {cfg.lr:g}, warmup "
-         f"{cfg.warmup_steps}; seq_len {seq_len}, batch {cfg.batch_size}; data: {corpus.summary()}; workdir {workdir}")
+    what = (f"DCP fine-tuning of {cfg.hf_gpt2 or 'a random init'}" if cfg.dcp
+            else f"dense training of {cfg.hf_gpt2 or 'a random init'}")
+    dcp_desc = (f"r={model_cfg.interaction_dim}, γ={cfg.gamma} ({cfg.gamma_normalization}; γ_eff={gamma_eff:.4f} on "
+                f"the causal mean); α {cfg.alpha_init}→{cfg.alpha_final} over {cfg.alpha_steps} steps; " if cfg.dcp else "")
+    _log(f"{what}: {model_cfg.n_layer} layers, d={model_cfg.n_embd}, {n_params / 1e6:.2f}M parameters; {dcp_desc}"
+         f"lr {cfg.lr:g} ({cfg.lr_decay}), warmup {cfg.warmup_steps}; seq_len {seq_len}, batch {cfg.batch_size}; "
+         f"data: {corpus.summary()}; workdir {workdir}")
 
     writer = MetricWriter(workdir)
     tokens_per_step = cfg.batch_size * seq_len
@@ -486,7 +514,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
         writer.close()
 
     hf_dir = export_hf(workdir, model_cfg, state.params, corpus.tokenizer)
-    _log(f"exported the fine-tuned model to {hf_dir}")
+    _log(f"exported the model to {hf_dir} (Hugging Face GPT-2 format)")
     return FinetuneResult(workdir, step, val, hf_dir)
 
 
@@ -554,12 +582,9 @@ def _log(msg: str) -> None:
 
 # Command line ---------------------------------------------------------------------------------------
 
-def add_subparser(sub) -> None:
-    """Register ``fox-jax finetune-dcp`` (handler: ``cmd_finetune_dcp``)."""
-    d = FinetuneConfig()
-    f = sub.add_parser("finetune-dcp", help="Dynamic Context Pruning fine-tuning of a Hugging Face GPT-2")
+def _add_run_flags(f, d: FinetuneConfig) -> None:
+    """Flags shared by ``finetune-dcp`` and ``pretrain-gpt2`` (data, optimizer, loop)."""
     f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl, hf/)")
-    f.add_argument("--hf-gpt2", help="pretrained HF GPT-2 directory (config.json + model.safetensors)")
     f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl/.npy)")
     f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data)")
     f.add_argument("--tokenizer", help="GPT-2 tokenizer: a directory with vocab.json + merges.txt "
@@ -568,11 +593,35 @@ def add_subparser(sub) -> None:
     f.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
     f.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     f.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr:g})")
-    f.add_argument("--interaction-lr", type=float, help="learning rate of q_int, k_int, β (default: --lr)")
-    f.add_argument("--warmup-steps", type=int, help="linear warmup, then constant (default min(2000, 8%% of steps))")
+    f.add_argument("--warmup-steps", type=int, help="linear warmup steps (default min(2000, 8%% of steps))")
     f.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay:g})")
     f.add_argument("--clip-norm", type=float,
                    help=f"gradient clipping by global norm, 0 = off (default {d.clip_norm:g})")
+    f.add_argument("--dtype", choices=("float32", "bfloat16"), help=f"compute dtype of the trunk (default {d.dtype})")
+    f.add_argument("--remat", action="store_true", default=None, help="rematerialise blocks (saves memory)")
+    f.add_argument("--seed", type=int, help=f"seed of the parameter init (default {d.seed})")
+    f.add_argument("--data-seed", type=int, help="seed of the data order and split (default 0)")
+    f.add_argument("--log-every", type=int, help=f"default {d.log_every}")
+    f.add_argument("--eval-every", type=int, help=f"validation interval, 0 = only at the end (default {d.eval_every})")
+    f.add_argument("--eval-batches", type=int, help=f"validation batches (default {d.eval_batches})")
+    f.add_argument("--ckpt-every", type=int, help=f"checkpoint interval (default {d.ckpt_every})")
+    f.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+    f.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
+
+
+# ``fox-jax pretrain-gpt2``: the same loop, dense, from a random init, with pretraining defaults.
+PRETRAIN_DEFAULTS = dict(dcp=False, lr=6e-4, weight_decay=0.1, b2=0.95, lr_decay="cosine", batch_size=8,
+                         steps=5000, eval_every=500, ckpt_every=500)
+
+
+def add_subparser(sub) -> None:
+    """Register ``fox-jax finetune-dcp`` (handler ``cmd_finetune_dcp``) and ``fox-jax pretrain-gpt2``
+    (handler ``cmd_pretrain_gpt2``)."""
+    d = FinetuneConfig()
+    f = sub.add_parser("finetune-dcp", help="Dynamic Context Pruning fine-tuning of a Hugging Face GPT-2")
+    f.add_argument("--hf-gpt2", help="pretrained HF GPT-2 directory (config.json + model.safetensors)")
+    _add_run_flags(f, d)
+    f.add_argument("--interaction-lr", type=float, help="learning rate of q_int, k_int, β (default: --lr)")
     f.add_argument("--gamma", type=float, help=f"sparsity strength γ (default {d.gamma:g})")
     f.add_argument("--gamma-normalization", choices=GAMMA_NORMALIZATIONS,
                    help="'code': γ as in the reference code (mean over the (T-1)xT slice, γ_eff≈γ/2); "
@@ -582,17 +631,17 @@ def add_subparser(sub) -> None:
     f.add_argument("--alpha-init", type=float, help=f"α at step 0 (default {d.alpha_init:g})")
     f.add_argument("--alpha-final", type=float, help=f"final α (default {d.alpha_final:g})")
     f.add_argument("--alpha-steps", type=int, help="length of the cosine α ramp (default: --steps)")
-    f.add_argument("--dtype", choices=("float32", "bfloat16"), help="compute dtype of the trunk (default float32)")
-    f.add_argument("--remat", action="store_true", default=None, help="rematerialise blocks (saves memory)")
-    f.add_argument("--seed", type=int, help=f"seed of the interaction-param init (default {d.seed})")
-    f.add_argument("--data-seed", type=int, help="seed of the data order and split (default 0)")
-    f.add_argument("--log-every", type=int, help=f"default {d.log_every}")
-    f.add_argument("--eval-every", type=int, help=f"validation interval, 0 = only at the end (default {d.eval_every})")
-    f.add_argument("--eval-batches", type=int, help=f"validation batches (default {d.eval_batches})")
-    f.add_argument("--ckpt-every", type=int, help=f"checkpoint interval (default {d.ckpt_every})")
-    f.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
-    f.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
     f.set_defaults(handler=cmd_finetune_dcp, distributed=False, coordinator=None, num_processes=None, process_id=None)
+
+    p = dataclasses.replace(d, **PRETRAIN_DEFAULTS)
+    g = sub.add_parser("pretrain-gpt2", help="train a dense GPT-2 from a random init (the base model for DCP)")
+    _add_run_flags(g, p)
+    g.add_argument("--size", default="gpt2", help="released GPT-2 shape to start from: "
+                   "gpt2 | gpt2-medium | gpt2-large | gpt2-xl (default gpt2); the flags below override it")
+    for name in ("n_layer", "n_head", "n_embd", "n_positions"):
+        g.add_argument("--" + name.replace("_", "-"), type=int, help=f"GPT2Config.{name}")
+    g.set_defaults(handler=cmd_pretrain_gpt2, distributed=False, coordinator=None, num_processes=None,
+                   process_id=None, hf_gpt2=None)
 
 
 _FLAG_FIELDS = ("steps", "batch_size", "lr", "interaction_lr", "warmup_steps", "weight_decay", "clip_norm", "gamma",
@@ -609,7 +658,7 @@ def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig
     """
     cfg = base or FinetuneConfig()
     kw = {k: getattr(args, k) for k in _FLAG_FIELDS if getattr(args, k, None) is not None}
-    if args.hf_gpt2:
+    if getattr(args, "hf_gpt2", None):
         kw["hf_gpt2"] = os.path.abspath(args.hf_gpt2)
     data = cfg.data
     for flag, paths in (("--data", args.data), ("--val-data", args.val_data)):
@@ -635,6 +684,30 @@ def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig
             raise ValueError("--tokenizer is required (a directory with GPT-2 vocab.json + merges.txt); "
                              "--hf-gpt2 holds none")
     return dataclasses.replace(cfg, data=dataclasses.replace(data, **dkw), **kw)
+
+
+def cmd_pretrain_gpt2(args) -> int:
+    """The ``fox-jax pretrain-gpt2`` handler: a dense GPT-2 of ``--size`` (+ overrides) from a random init,
+    AdamW (lr 6e-4, β₂ 0.95, weight decay 0.1 on kernels/embeddings), warmup + cosine to 10 %; the final
+    model is exported as a Hugging Face directory (``<workdir>/hf``), the input of ``finetune-dcp``."""
+    cfg_path = os.path.join(args.workdir, CONFIG_NAME)
+    if args.resume and os.path.exists(cfg_path):
+        cfg = config_from_args(args, base=load_config(args.workdir))
+    else:
+        if not args.tokenizer:
+            raise ValueError("--tokenizer is required (a directory with GPT-2 vocab.json + merges.txt)")
+        shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions")
+                 if getattr(args, k) is not None}
+        init_config = dataclasses.asdict(gpt2_preset(args.size, **shape))
+        for k in ("dcp", "interaction_dim", "beta_init", "dtype", "remat"):  # set by the run config
+            init_config.pop(k)
+        cfg = config_from_args(args, base=FinetuneConfig(**PRETRAIN_DEFAULTS, init_config=init_config))
+    result = finetune(cfg, args.workdir, resume=args.resume, progress=not args.no_progress)
+    msg = f"done: {result.final_step} steps in {result.workdir}; model exported to {result.hf_dir}"
+    if result.val:
+        msg += f"; val_loss {result.val['val_loss']:.4f}, val_ppl {result.val['val_ppl']:.2f}"
+    print(msg)
+    return 0
 
 
 def cmd_finetune_dcp(args) -> int:

@@ -18,6 +18,21 @@ With ``config.dcp`` each layer computes, from the same LayerNorm'd input as ``c_
 keep logits z = q_int·k_intᵀ/√r + β, the cumulative keep mask log I (α-sigmoid with the ``alpha``
 passed to ``apply``) once per layer, and adds it to every head's logits (``dcp_attention``).
 
+With ``config.sparse_pattern`` (a dense, non-DCP model) every layer instead adds a **fixed** 0/−inf
+log-mask — the local-window and strided baselines of the DCP paper (specs/dcp.md §4 "baselines in
+paper", §6 attention.png) — through the same ``dcp_attention``, so fully dropped tiles are skipped:
+
+    "local:W"    query i sees keys j with i − W < j ≤ i (its last W keys, itself included)
+    "strided:S"  query i sees keys j ≤ i with i − j < S (a local window of S) **or** j ≡ S − 1 (mod S)
+                 (every S-th key is a "summary" column visible to all later queries): the local part of
+                 Child et al. 2019's "strided" pattern plus the one-column summary (c = 1) of their
+                 "fixed" pattern, with summary positions counted from the start of the sequence.
+
+Positions are indices in the sequence (0..T−1). Both patterns are monotone in the query (a key that
+leaves a query's view never comes back), so like DCP they correspond to a KV cache that frees
+entries. ``sparse_pattern_sparsity`` gives the exact fraction of causal pairs dropped and
+``match_sparse_pattern`` the window/stride closest to a target sparsity.
+
 Usage (pure functional)::
 
     model = GPT2(cfg)
@@ -35,6 +50,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fox_jax.decoding.cache import cache_columns, cached_attention
 from fox_jax.decoding.packed_cache import PackedKVCache, packed_attention
@@ -73,6 +89,11 @@ class GPT2Config:
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
       beta_init: initial β of every layer (2.0, the reference train.py default).
+      sparse_pattern: ``None`` (default: full causal attention), or a fixed sparse attention pattern
+        for a dense model: ``"local:W"`` or ``"strided:S"`` with W, S positive ints (see the module
+        docstring and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
+        prefill only (no decoding cache). Not stored in HF checkpoints: pass it as an override
+        (``load_hf_gpt2(path, sparse_pattern="local:256")``).
     """
 
     n_layer: int = 12
@@ -90,6 +111,7 @@ class GPT2Config:
     dcp: bool = False
     interaction_dim: int = 64
     beta_init: float = 2.0
+    sparse_pattern: str | None = None
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "attention_block",
@@ -103,6 +125,11 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.n_inner must be None or a positive int, got {self.n_inner!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPT2Config.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.sparse_pattern is not None:
+            parse_sparse_pattern(self.sparse_pattern, name="GPT2Config.sparse_pattern")
+            if self.dcp:
+                raise ValueError(f"GPT2Config.sparse_pattern={self.sparse_pattern!r} needs dcp=False: a fixed "
+                                 "pattern replaces the learned DCP mask (use one or the other)")
 
     @property
     def head_dim(self) -> int:
@@ -122,6 +149,158 @@ class GPT2Config:
         if self.dcp:
             per_layer += 2 * d * self.interaction_dim + 1
         return (self.vocab_size + self.n_positions) * d + n * per_layer + 2 * d
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed sparse attention patterns (the local-window and strided baselines of DCP, specs/dcp.md §4)
+# ---------------------------------------------------------------------------------------------
+
+SPARSE_PATTERNS = ("local", "strided")
+
+
+def parse_sparse_pattern(pattern: str, *, name: str = "sparse_pattern") -> tuple[str, int]:
+    """``"local:W"`` / ``"strided:S"`` -> ``(kind, size)``.
+
+    Args:
+      pattern: the pattern string: a kind of ``SPARSE_PATTERNS``, a colon, a positive int.
+      name: the argument name used in error messages.
+
+    Returns:
+      (kind, size): kind "local" or "strided", size the window W or stride S (int ≥ 1).
+
+    Raises:
+      ValueError: not a string of that form (names ``name`` and the expected form).
+    """
+    expected = "expected 'local:W' or 'strided:S' with a positive int W/S (e.g. 'local:256', 'strided:64')"
+    if not isinstance(pattern, str) or pattern.count(":") != 1:
+        raise ValueError(f"{name} must be a string; {expected}; got {pattern!r}")
+    kind, size = pattern.split(":")
+    kind = kind.strip()
+    if kind not in SPARSE_PATTERNS:
+        raise ValueError(f"{name}: unknown pattern kind {kind!r}; {expected}; got {pattern!r}")
+    try:
+        value = int(size)
+    except ValueError:
+        raise ValueError(f"{name}: {size!r} is not an int; {expected}; got {pattern!r}") from None
+    if value < 1:
+        raise ValueError(f"{name}: the window/stride must be >= 1; {expected}; got {pattern!r}")
+    return kind, value
+
+
+def sparse_pattern_keep(pattern: str, seq_len: int, *, xp=jnp):
+    """Which causal (query i, key j) pairs a fixed pattern keeps (module docstring for the rules).
+
+    Args:
+      pattern: ``"local:W"`` (keep i − W < j ≤ i) or ``"strided:S"`` (keep j ≤ i with i − j < S or
+        j mod S = S − 1).
+      seq_len: T, positions 0..T−1 (queries and keys of one sequence).
+      xp: ``jax.numpy`` (default, traceable: no [T, T] constant is embedded) or ``numpy``.
+
+    Returns:
+      [T, T] bool (queries on axis 0, keys on axis 1); False above the diagonal, True on it.
+
+    Raises:
+      ValueError: bad pattern or seq_len < 1.
+    """
+    kind, size = parse_sparse_pattern(pattern)
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    i = xp.arange(seq_len)[:, None]
+    j = xp.arange(seq_len)[None, :]
+    keep = (j <= i) & (i - j < size)
+    if kind == "strided":
+        keep = keep | ((j <= i) & (j % size == size - 1))
+    return keep
+
+
+def sparse_pattern_log_mask(pattern: str, seq_len: int) -> jax.Array:
+    """The additive log-mask of a fixed pattern, in the form ``dcp_attention`` takes (specs/dcp.md §1.4).
+
+    Args:
+      pattern: ``"local:W"`` or ``"strided:S"`` (``sparse_pattern_keep``).
+      seq_len: T.
+
+    Returns:
+      [T, T] float32: 0 for kept causal pairs and on/above the diagonal (the causal mask is added by
+      the attention op), −inf for dropped pairs — exactly like an eval-mode DCP mask log I.
+
+    Raises:
+      ValueError: bad pattern or seq_len.
+    """
+    keep = sparse_pattern_keep(pattern, seq_len)
+    upper = jnp.arange(seq_len)[None, :] >= jnp.arange(seq_len)[:, None]
+    return jnp.where(keep | upper, 0.0, -jnp.inf).astype(jnp.float32)
+
+
+def _kept_pairs(kind: str, size: int, seq_len: int) -> int:
+    """Strictly causal pairs (j < i) a pattern keeps, in closed form per query row (exact, int)."""
+    i = np.arange(seq_len, dtype=np.int64)
+    kept = np.minimum(i, size - 1)                                   # the window j ∈ [i−size+1, i−1]
+    if kind == "strided":                                            # columns j ≤ i−S with j ≡ S−1 (mod S)
+        kept = kept + np.maximum((i + 1) // size - 1, 0)
+    return int(kept.sum())
+
+
+def sparse_pattern_sparsity(pattern: str, seq_len: int) -> float:
+    """Exact fraction of strictly causal (query, key) pairs a fixed pattern drops (specs/dcp.md §3.2).
+
+        sparsity = 1 − kept / (T(T−1)/2),   kept = Σ_i #{j < i kept for query i}
+
+    the same definition as ``fox_jax.ops.context_pruning.sparsity`` (one sequence, no documents).
+    Closed form: local W keeps min(i, W−1) keys before query i; strided S keeps min(i, S−1) window keys
+    plus max(⌊(i+1)/S⌋ − 1, 0) summary columns.
+
+    Args:
+      pattern: ``"local:W"`` or ``"strided:S"``.
+      seq_len: T ≥ 1 (0 is returned for T = 1: no causal pair).
+
+    Returns:
+      float in [0, 1].
+
+    Raises:
+      ValueError: bad pattern or seq_len.
+    """
+    kind, size = parse_sparse_pattern(pattern)
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
+    pairs = seq_len * (seq_len - 1) // 2
+    return 0.0 if pairs == 0 else 1.0 - _kept_pairs(kind, size, seq_len) / pairs
+
+
+def match_sparse_pattern(kind: str, target: float, seq_len: int) -> tuple[str, float]:
+    """The window/stride of ``kind`` whose exact sparsity at length T is closest to ``target``.
+
+    Exhaustive over sizes 1..T (``sparse_pattern_sparsity``, O(T²) integer work): local sparsity falls
+    monotonically from 1 at W = 1 (only the token itself) to 0 at W = T, so the result is within one
+    window step of the target; strided sparsity is 0 at S = 1 (every key is a summary column),
+    peaks near S ≈ √(T/2) (≈ 91% at T = 1024) and falls to 0 at S = T, so targets above the peak get
+    the sparsest stride. Ties go to the larger size (the denser, more local pattern).
+
+    Args:
+      kind: "local" or "strided".
+      target: the sparsity to match, in [0, 1] (e.g. a DCP model's measured sparsity).
+      seq_len: T ≥ 2.
+
+    Returns:
+      (pattern string, its exact sparsity).
+
+    Raises:
+      ValueError: unknown kind, target outside [0, 1] or not finite, seq_len < 2.
+    """
+    if kind not in SPARSE_PATTERNS:
+        raise ValueError(f"kind must be one of {SPARSE_PATTERNS}, got {kind!r}")
+    if not isinstance(target, (int, float, np.floating)) or not 0.0 <= float(target) <= 1.0:
+        raise ValueError(f"target must be a sparsity in [0, 1], got {target!r}")
+    if not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
+        raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
+    pairs = seq_len * (seq_len - 1) // 2
+    best = None
+    for size in range(1, seq_len + 1):
+        sp = 1.0 - _kept_pairs(kind, size, seq_len) / pairs
+        err = abs(sp - float(target))
+        if best is None or err <= best[0]:
+            best = (err, size, sp)
+    return f"{kind}:{best[1]}", best[2]
 
 
 GPT2_SIZES = {
@@ -158,7 +337,8 @@ def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = Non
 class GPT2Attention(nn.Module):
     """Causal multi-head self-attention, optionally with the DCP interaction mask.
 
-    Input [B, T, d] (LayerNorm'd, compute dtype); returns ([B, T, d], log I [B, T, T] float32 or None).
+    Input [B, T, d] (LayerNorm'd, compute dtype); returns ([B, T, d], log I [B, T, T] float32 or None);
+    with ``config.sparse_pattern`` the fixed 0/−inf pattern mask [B, T, T] takes log I's place.
     With a ``cache`` (decoding, see ``GPT2``) returns ([B, T, d], the updated cache): a
     ``fox_jax.decoding.PackedKVCache`` prunes with the step mask (DCP models only); a dense
     ``fox_jax.decoding.LayerKVCache`` attends to every token, also for a DCP model (the dense baseline).
@@ -190,6 +370,11 @@ class GPT2Attention(nn.Module):
                 log_mask = cumulative_keep_log_mask(z, alpha)           # once per layer, all heads
                 o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
                                   block_q=cfg.attention_block, block_k=cfg.attention_block)
+        elif cache is None and cfg.sparse_pattern is not None:
+            # A fixed local/strided pattern as a 0/−inf additive mask; dropped tiles are skipped.
+            log_mask = jnp.broadcast_to(sparse_pattern_log_mask(cfg.sparse_pattern, t)[None], (b, t, t))
+            o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
+                              block_q=cfg.attention_block, block_k=cfg.attention_block)
         elif cache is None:
             # Plain causal softmax attention: the forgetting-attention op without forget gates.
             o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,
@@ -251,7 +436,9 @@ class GPT2(nn.Module):
         segment_ids must be None and alpha None or inf.
 
     Returns:
-      (logits, aux): logits [B, T, vocab_size] float32; aux is ``{}`` without DCP, else
+      (logits, aux): logits [B, T, vocab_size] float32; aux is ``{}`` without DCP or a sparse pattern.
+        With ``config.sparse_pattern``: ``log_masks`` [n_layer, B, T, T] (the fixed 0/−inf mask,
+        the same in every layer) and ``sparsity`` [n_layer] (as below; no ``sparsity_loss``). With DCP:
         ``log_masks``      [n_layer, B, T, T] float32 log I per layer (0 kept, ≈ −92.1 dropped),
         ``sparsity``       [n_layer] float32 fraction of causal pairs dropped (no gradient),
         ``sparsity_loss``  float32 scalar: ``sparsity_loss(log_masks, 1.0, normalization="causal",
@@ -263,7 +450,7 @@ class GPT2(nn.Module):
     Raises:
       ValueError: tokens not [B, T] int, T > n_positions, positions/segment_ids of the wrong shape,
         DCP on without alpha; with a cache: the wrong number of layers, positions/segment_ids given,
-        a finite alpha, a packed cache on a non-DCP model.
+        a finite alpha, a packed cache on a non-DCP model, a cache with ``config.sparse_pattern``.
     """
 
     config: GPT2Config
@@ -281,6 +468,9 @@ class GPT2(nn.Module):
         if cache is not None:
             if positions is not None or segment_ids is not None:
                 raise ValueError("with a cache, positions and segment_ids must be None (they come from the cache)")
+            if cfg.sparse_pattern is not None:
+                raise ValueError(f"config.sparse_pattern={cfg.sparse_pattern!r} is not supported with a decoding "
+                                 "cache (fixed patterns are for training/evaluation forward passes)")
             if len(cache) != cfg.n_layer:
                 raise ValueError(f"cache must hold one cache per layer ({cfg.n_layer}), got {len(cache)}")
             if alpha is not None and not (isinstance(alpha, (int, float)) and math.isinf(alpha)):
@@ -324,6 +514,10 @@ class GPT2(nn.Module):
             aux["sparsity"] = jax.lax.stop_gradient(sparsity(stacked, segment_ids=segment_ids)[0])
             aux["sparsity_loss"] = (sparsity_loss(stacked, 1.0, segment_ids=segment_ids)
                                     if t >= 3 else jnp.zeros((), jnp.float32))
+        elif cfg.sparse_pattern is not None:
+            stacked = jnp.stack(per_layer)
+            aux["log_masks"] = stacked
+            aux["sparsity"] = jax.lax.stop_gradient(sparsity(stacked, segment_ids=segment_ids)[0])
         return logits, aux
 
 

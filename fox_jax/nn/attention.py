@@ -1,4 +1,5 @@
-"""The attention layer of FoX and of the Transformer baselines (specs/fox_acp.md §2.1–2.4)."""
+"""The attention layer of FoX and of the Transformer baselines (specs/fox_acp.md §2.1–2.4), with
+optional Dynamic Context Pruning (specs/dcp.md §1)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from fox_jax.config import ModelConfig
 from fox_jax.decoding.cache import cache_columns, cached_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention
+from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 
 
 class ForgettingAttentionLayer(nn.Module):
@@ -23,6 +25,15 @@ class ForgettingAttentionLayer(nn.Module):
     σ(``ogate_proj`` x). With QK-norm and ``adaptive_threshold="auto"`` the ACP threshold comes from the
     QK-norm weights (per head, spec §5.2) rather than from the activations.
 
+    DCP (``cfg.dcp``, specs/dcp.md §1.1–1.4): from the same normed input x, in float32, bias-free
+    ``q_int``/``k_int`` (d → r, N(0, init_std)) and a scalar ``beta`` (init ``cfg.dcp_beta_init``) give
+    the keep logits z = q_int·k_intᵀ/√r + β [B, T, T] and the cumulative keep log-mask
+    log I = ``cumulative_keep_log_mask(z, alpha)`` (once per layer, shared by all heads), which
+    ``dcp_attention`` adds to the logits, together with the forget-gate decay for FoX archs
+    (``log_fgate``; None for Transformer archs). RoPE, QK-norm, KV-shift and the output gate/norm
+    are unchanged; ``cfg.attention_impl`` is not used on this path (``dcp_attention`` is blockwise
+    XLA with tiles of ``cfg.attention_block``).
+
     Call args:
       x: [B, T, d] normed hidden states (compute dtype).
       segment_ids: [B, T] int or None (packed documents).
@@ -32,19 +43,30 @@ class ForgettingAttentionLayer(nn.Module):
         column 0; T = 1 is a decode step appended at column ``cache.length``. Positions are the
         cache columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real
         token sees zeros and a decode step's shift continues from the cached state.
+      alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
+        a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
     Returns:
       [B, T, d] in the compute dtype, or ([B, T, d], updated cache) when a cache is given. With ACP
       on (and no cache), sows ``acp_fraction_skipped`` (a float32 scalar, fraction of causal tiles
-      skipped) into the ``intermediates`` collection.
+      skipped) into the ``intermediates`` collection. With DCP: ([B, T, d], log I [B, T, T] float32,
+      0 = kept, ``LOG_FLOOR`` ≈ −92.1 = dropped).
     Raises:
-      ValueError: a cache together with segment_ids or positions.
+      ValueError: a cache together with segment_ids or positions; DCP without ``alpha``.
+      NotImplementedError: DCP with a cache (decoding a DCP LanguageModel is not implemented).
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, positions=None, cache=None):
+    def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None):
         cfg = self.cfg
+        if cfg.dcp:
+            if cache is not None:
+                raise NotImplementedError("decoding with a cache is not implemented for DCP models "
+                                          "(ModelConfig.dcp=True); run the full sequence without a cache")
+            if alpha is None:
+                raise ValueError("alpha is required when ModelConfig.dcp is True "
+                                 "(use float('inf') for inference)")
         dtype = jnp.dtype(cfg.dtype)
         b, t, _ = x.shape
         h, hkv, dh = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
@@ -89,7 +111,17 @@ class ForgettingAttentionLayer(nn.Module):
         if cfg.use_fgate:
             logits = dense(h, "fgate_proj", bias=True, dt=jnp.float32)(x.astype(jnp.float32))
             log_fgate = jax.nn.log_sigmoid(logits)  # [B, T, H] float32
-        if cache is None:
+        log_mask = None
+        if cfg.dcp:
+            xf = x.astype(jnp.float32)
+            q_int = dense(cfg.interaction_dim, "q_int", dt=jnp.float32)(xf)  # [B, T, r] float32
+            k_int = dense(cfg.interaction_dim, "k_int", dt=jnp.float32)(xf)
+            beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
+            z = keep_logits(q_int, k_int, beta)                   # [B, T, T] float32, dcp.md §1.2
+            log_mask = cumulative_keep_log_mask(z, alpha)          # §1.3, §1.5: once per layer
+            o = dcp_attention(q, k, v, log_mask, log_fgate, segment_ids=segment_ids,
+                              block_q=cfg.attention_block, block_k=cfg.attention_block)
+        elif cache is None:
             o = forgetting_attention(
                 q, k, v, log_fgate, segment_ids=segment_ids, adaptive_threshold=threshold,
                 implementation=cfg.attention_impl, block_q=cfg.attention_block, block_k=cfg.attention_block)
@@ -104,6 +136,8 @@ class ForgettingAttentionLayer(nn.Module):
         if cfg.output_gate:
             o = o * jax.nn.sigmoid(dense(h * dh, "ogate_proj")(x).reshape(b, t, h, dh))
         out = dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh))
+        if cfg.dcp:
+            return out, log_mask
         return out if cache is None else (out, cache)
 
     def _sow_pruning(self, q, k, log_fgate, threshold):

@@ -189,3 +189,67 @@ def pruning_stats(kv_start: jax.Array, *, tq: int, tk: int, block_q: int, block_
         "blocks_skipped": n_skipped,
         "fraction_skipped": n_skipped / jnp.maximum(total, 1.0),
     }
+
+
+# ---------------------------------------------------------------------------------------------------
+# Document-aware block skipping (segment ids)
+# ---------------------------------------------------------------------------------------------------
+
+_I32_MAX = 2 ** 31 - 1
+_I32_MIN = -(2 ** 31)
+
+
+def _block_min_max(ids: jax.Array, block: int) -> tuple[jax.Array, jax.Array]:
+    """Per-block min and max of ``ids`` [B, T] over blocks of ``block`` positions → [B, ceil(T/block)]
+    each (the ragged last block only over its real positions)."""
+    b, t = ids.shape
+    n = -(-t // block)
+    pad = n * block - t
+    lo = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=_I32_MAX).reshape(b, n, block)
+    hi = jnp.pad(ids, ((0, 0), (0, pad)), constant_values=_I32_MIN).reshape(b, n, block)
+    return jnp.min(lo, axis=-1), jnp.max(hi, axis=-1)
+
+
+def segment_block_bounds(segment_ids: jax.Array, *, tq: int, block_q: int, block_k: int):
+    """Block ranges that document-aware skipping may restrict each kernel's loop to.
+
+    A (query block, key block) tile can hold a visible pair only if some query and some key of it
+    carry the same segment id, which requires the id ranges [min, max] of the two blocks to
+    intersect. Tiles whose ranges do not intersect hold no visible pair and may be skipped. The loops
+    are contiguous, so only the non-intersecting tiles *before the first* and *after the last*
+    intersecting tile of each row/column of blocks are skipped; non-intersecting tiles in between are
+    computed (fully masked: exact, just not skipped).
+
+    * Valid for **any** int segment ids (masking stays exact; skipping only removes tiles with no
+      shared id).
+    * Tight for packed documents (ids non-decreasing along the sequence, the trainer's layout): the
+      intersecting key blocks of a query block are then exactly one contiguous run, so every tile
+      without a visible pair outside the causal range is skipped. Ids that are not monotone (e.g.
+      alternating documents) skip less but are never wrong.
+
+    Args:
+      segment_ids: [B, Tk] int32 (queries are the last ``tq`` positions, bottom-right aligned).
+      tq: number of queries; block_q, block_k: the kernel's tile (any positive ints).
+    Returns:
+      (kv_lo [B, nq], kv_hi [B, nq], q_lo [B, nk], q_hi [B, nk]) int32, nq = ceil(tq/block_q),
+      nk = ceil(Tk/block_k): query block m needs key blocks [kv_lo[m], kv_hi[m]) only, key block n
+      needs query blocks [q_lo[n], q_hi[n]) only. A block that intersects nothing gets an empty range
+      (lo = the block count, hi = 0): intersect it with the causal / ACP range with max/min and
+      clamp hi ≥ lo.
+    """
+    ids = jax.lax.stop_gradient(segment_ids).astype(jnp.int32)
+    tk = ids.shape[1]
+    qmin, qmax = _block_min_max(ids[:, tk - tq:], block_q)  # [B, nq]
+    kmin, kmax = _block_min_max(ids, block_k)  # [B, nk]
+    nq, nk = qmin.shape[1], kmin.shape[1]
+    meet = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])  # [B, nq, nk]
+
+    def first_last(m, size):  # first True index (size if none) and one past the last (0 if none)
+        idx = jnp.arange(size, dtype=jnp.int32)
+        first = jnp.min(jnp.where(m, idx, size), axis=-1)
+        last = jnp.max(jnp.where(m, idx + 1, 0), axis=-1)
+        return first.astype(jnp.int32), last.astype(jnp.int32)
+
+    kv_lo, kv_hi = first_last(meet, nk)
+    q_lo, q_hi = first_last(meet.transpose(0, 2, 1), nq)
+    return kv_lo, kv_hi, q_lo, q_hi

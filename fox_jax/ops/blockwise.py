@@ -13,6 +13,9 @@ runs everywhere and CPU CI covers the block logic:
 * ACP: ``kv_start`` [B, H, nq] / ``q_end`` [B, H, nk] (fox_jax.ops.acp) skip the pruned tiles. The loop
   bounds are shared by the batch and heads of one block (min/max over them); tiles pruned for a
   particular (b, h) are masked out exactly, so the result equals a kernel that does not compute them.
+* segment ids: document-aware skipping with the Pallas kernels' rule (``acp.segment_block_bounds``:
+  tiles before the first / after the last block whose segment-id range meets the query (key) block's
+  are not visited; min/max over the batch as for ACP). Valid for any ids, tight for packed documents.
 
 Rows with no visible key output 0 and carry lse = −inf; no NaN or inf enters a matmul.
 """
@@ -25,6 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fox_jax.ops import acp as _acp
 from fox_jax.ops._common import dot_precision as _dot_precision, pad_axis as _pad_axis, round_up as _round_up
 
 _NEG_INF = float("-inf")
@@ -99,6 +103,13 @@ def _prepare(q, k, v, lam, segment_ids, g: _Geometry):
     return qp, kp, vp, lam_qp, lam_kp, seg_q, seg_k
 
 
+def _segment_bounds(segment_ids, g: _Geometry):
+    """(kv_lo, kv_hi [B, nq], q_lo, q_hi [B, nk]) int32 document-aware block ranges, or None."""
+    if segment_ids is None:
+        return None
+    return _acp.segment_block_bounds(segment_ids, tq=g.tq, block_q=g.bq, block_k=g.bk)
+
+
 def _forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale, block_q, block_k):
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -106,6 +117,7 @@ def _forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale, block_q, blo
     qp, kp, vp, lam_qp, lam_kp, seg_q, seg_k = _prepare(q, k, v, lam, segment_ids, g)
     prec = _dot_precision(q.dtype)
     min_seq_block = jnp.min(seq_start) // g.bk
+    sb = _segment_bounds(segment_ids, g)
 
     def one_query_block(m):
         q_blk = _slice(qp, m * g.bq, g.bq)
@@ -114,6 +126,9 @@ def _forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale, block_q, blo
         start_bh = None if kv_start is None else kv_start[:, :, m]
         lo = min_seq_block if start_bh is None else jnp.maximum(min_seq_block, jnp.min(start_bh))
         hi = g.causal_end(m)
+        if sb is not None:
+            lo = jnp.maximum(lo, jnp.min(sb[0][:, m]))
+            hi = jnp.minimum(hi, jnp.max(sb[1][:, m]))
 
         def body(n, carry):
             m_i, l_i, acc = carry
@@ -160,6 +175,7 @@ def _backward(q, k, v, lam, seq_start, segment_ids, kv_start, q_end, o, lse, do,
     lse_safe = _pad_axis(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, tq_pad)
     dop = _pad_axis(do, 1, tq_pad)
     min_seq_block = jnp.min(seq_start) // g.bk
+    sb = _segment_bounds(segment_ids, g)
 
     def probs(m, n, q_blk, k_blk, lam_q_blk, lam_k_blk, lse_blk, seg_q_blk, seg_k_blk, start_bh, end_bh):
         s = _scores(q_blk, k_blk, lam_q_blk, lam_k_blk, scale, g.group)
@@ -177,6 +193,10 @@ def _backward(q, k, v, lam, seq_start, segment_ids, kv_start, q_end, o, lse, do,
         seg_q_blk = None if seg_q is None else _slice(seg_q, m * g.bq, g.bq)
         start_bh = None if kv_start is None else kv_start[:, :, m]
         lo = min_seq_block if start_bh is None else jnp.maximum(min_seq_block, jnp.min(start_bh))
+        hi = g.causal_end(m)
+        if sb is not None:
+            lo = jnp.maximum(lo, jnp.min(sb[0][:, m]))
+            hi = jnp.minimum(hi, jnp.max(sb[1][:, m]))
 
         def body(n, carry):
             dq, dlam = carry
@@ -195,7 +215,7 @@ def _backward(q, k, v, lam, seq_start, segment_ids, kv_start, q_end, o, lse, do,
             return dq, dlam + jnp.sum(ds, axis=-1)
 
         init = (jnp.zeros((b, g.bq, h, d), jnp.float32), jnp.zeros((b, h, g.bq), jnp.float32))
-        dq, dlam = lax.fori_loop(lo, g.causal_end(m), body, init)
+        dq, dlam = lax.fori_loop(lo, hi, body, init)
         return dq * scale, dlam.transpose(0, 2, 1)
 
     dq, dlam_q = lax.map(dq_block, jnp.arange(g.nq))
@@ -212,6 +232,10 @@ def _backward(q, k, v, lam, seq_start, segment_ids, kv_start, q_end, o, lse, do,
         hi = g.nq if end_bh is None else jnp.max(end_bh)
         # key blocks entirely before every row's seq_start see no query: an empty loop
         hi = jnp.where(n < min_seq_block, 0, hi)
+        lo = g.causal_q_start(n)
+        if sb is not None:
+            lo = jnp.maximum(lo, jnp.min(sb[2][:, n]))
+            hi = jnp.minimum(hi, jnp.max(sb[3][:, n]))
 
         def body(m, carry):
             dk, dv, dlam = carry
@@ -234,7 +258,7 @@ def _backward(q, k, v, lam, seq_start, segment_ids, kv_start, q_end, o, lse, do,
 
         init = (jnp.zeros((b, g.bk, h, d), jnp.float32), jnp.zeros((b, g.bk, h, d), jnp.float32),
                 jnp.zeros((b, h, g.bk), jnp.float32))
-        dk, dv, dlam = lax.fori_loop(g.causal_q_start(n), hi, body, init)
+        dk, dv, dlam = lax.fori_loop(lo, hi, body, init)
         if g.group > 1:  # GQA: sum the query heads of each key/value head, in float32
             dk = dk.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
             dv = dv.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)

@@ -17,6 +17,10 @@ double-``where`` logs so values *and* gradients stay finite for exact zeros. One
 layer is computed once and shared by every head; ``dcp_attention`` consumes it blockwise and never
 materialises [B, H, T, T]. The mask itself is O(B·T²) per layer (as in the reference code, whose float
 mask rules out FlashAttention), which is why T stays ≤ 1024 for GPT-2.
+
+``dcp_attention`` also takes FoX forget gates (``log_fgate``): the logits then get the decay bias
+Λ_i − Λ_j of forgetting attention (specs/fox_acp.md §1.1) on top of log I, so the same op serves
+GPT-2, the Transformer baselines (no gate) and FoX (``fox_jax.nn.attention``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from jax import lax
 from fox_jax.ops._common import check_qkv, check_segment_ids
 from fox_jax.ops._common import dot_precision as _precision, pad_axis as _pad_to, round_up as _round_up
 from fox_jax.ops.alpha_sigmoid import log_alpha_sigmoid
+from fox_jax.ops.reference import decay_cumsum
 
 LOG_FLOOR = math.log(1e-40)
 """≈ −92.103: log of the reference code's 1e-40; a fully dropped (query, key) pair gets this bias."""
@@ -329,14 +334,17 @@ def dcp_attention_reference(
     k: jax.Array,
     v: jax.Array,
     log_mask: jax.Array,
+    log_fgate: jax.Array | None = None,
     *,
     segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
 ) -> jax.Array:
-    """Dense float32 oracle: softmax(scale·QKᵀ + log I + causal)·V with log I shared by the heads.
+    """Dense float32 oracle: softmax(scale·QKᵀ + log I [+ Λ_i − Λ_j] + causal)·V, log I shared by heads.
 
     Materialises [B, H, Tq, Tk]; for tests and tiny problems. Shapes and alignment as in
-    ``dcp_attention``. Returns [B, Tq, H, D] float32; rows with no visible key are 0.
+    ``dcp_attention``; the decay term with ``log_fgate`` [B, Tk, H] is built exactly as in
+    ``fox_jax.ops.reference.forgetting_attention_reference`` (float32 ``decay_cumsum``, specs/fox_acp.md
+    §1.7). Returns [B, Tq, H, D] float32; rows with no visible key are 0.
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -345,7 +353,11 @@ def dcp_attention_reference(
     kf = jnp.repeat(k.astype(jnp.float32), group, axis=2)
     vf = jnp.repeat(v.astype(jnp.float32), group, axis=2)
     s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), kf, precision=lax.Precision.HIGHEST)
-    s = s * scale + log_mask.astype(jnp.float32)[:, None]
+    s = s * scale
+    if log_fgate is not None:
+        lam = decay_cumsum(log_fgate).transpose(0, 2, 1)  # [B, H, Tk] float32
+        s = s + (lam[:, :, tk - tq:, None] - lam[:, :, None, :])
+    s = s + log_mask.astype(jnp.float32)[:, None]
     vis = _visible(tq, tk, segment_ids)[:, None]
     s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1) * vis
@@ -394,6 +406,7 @@ def _tile_mask(g: _Geom, m, n, seg_q_blk, seg_k_blk, live):
 
 
 def _prep(q, k, v, log_mask, segment_ids, g: _Geom):
+    """Pad q/k/v/mask/segments to whole tiles (padded queries and keys are masked out later)."""
     qp = _pad_to(q, 1, g.tq_pad)
     kp = _pad_to(k, 1, g.tk_pad)
     vp = _pad_to(v, 1, g.tk_pad)
@@ -406,24 +419,39 @@ def _prep(q, k, v, log_mask, segment_ids, g: _Geom):
     return qp, kp, vp, mp, seg_q, seg_k
 
 
+def _prep_lam(lam, g: _Geom):
+    """Λ [B, Tk, H] float32 -> (Λ of the queries [B, H, Tq_pad], Λ of the keys [B, H, Tk_pad]), or
+    (None, None) without forget gates. Padded entries are 0 (their pairs are masked out anyway)."""
+    if lam is None:
+        return None, None
+    lam_t = lam.transpose(0, 2, 1)  # [B, H, Tk]
+    return _pad_to(lam_t[:, :, g.offset:], 2, g.tq_pad), _pad_to(lam_t, 2, g.tk_pad)
+
+
 def _sl(x, start, size, axis=1):
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _scores(g, q_blk, k_blk, m_blk, scale):
-    """scale·q·kᵀ + log I in float32, [B, H, bq, bk]."""
+def _scores(g, q_blk, k_blk, m_blk, scale, lq_blk=None, lk_blk=None):
+    """scale·q·kᵀ + log I (+ Λ_i − Λ_j with forget gates) in float32, [B, H, bq, bk].
+
+    lq_blk [B, H, bq], lk_blk [B, H, bk]: float32 Λ of the tile's queries and keys, or None."""
     if g.group > 1:
         k_blk = jnp.repeat(k_blk, g.group, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q_blk, k_blk, preferred_element_type=jnp.float32,
                    precision=_precision(q_blk.dtype))
-    return s * scale + m_blk[:, None]
+    s = s * scale + m_blk[:, None]
+    if lq_blk is not None:
+        s = s + (lq_blk[..., :, None] - lk_blk[..., None, :])
+    return s
 
 
-def _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k):
+def _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k):
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = _Geom(tq, tk, h, hkv, block_q, block_k)
     qp, kp, vp, mp, seg_q, seg_k = _prep(q, k, v, log_mask, segment_ids, g)
+    lam_q, lam_k = _prep_lam(lam, g)
     kv_idx, kv_cnt = lists[0], lists[1]
     prec = _precision(q.dtype)
 
@@ -431,13 +459,15 @@ def _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, bl
         q_blk = _sl(qp, m * g.bq, g.bq)
         m_row = _sl(mp, m * g.bq, g.bq)  # [B, bq, Tk_pad]
         seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
+        lq_blk = None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2)
 
         def body(i, carry):
             m_i, l_i, acc = carry
             n = kv_idx[m, i]
             k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
             seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
-            s = _scores(g, q_blk, k_blk, _sl(m_row, n * g.bk, g.bk, axis=2), scale)
+            lk_blk = None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2)
+            s = _scores(g, q_blk, k_blk, _sl(m_row, n * g.bk, g.bk, axis=2), scale, lq_blk, lk_blk)
             s = jnp.where(_tile_mask(g, m, n, seg_q_blk, seg_k_blk, live), s, _NEG_INF)
             m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
             m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
@@ -462,20 +492,25 @@ def _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, bl
     return o, lse
 
 
-def _dcp_backward(q, k, v, log_mask, segment_ids, live, lists, o, lse, do, scale, block_q, block_k):
+def _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do, scale, block_q, block_k):
+    """(dq, dk, dv, dlog_mask, dΛ or None); dΛ_t = Σ_j dS_tj (t as a query) − Σ_i dS_it (t as a key),
+    float32 [B, Tk, H] (specs/fox_acp.md §1.6)."""
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = _Geom(tq, tk, h, hkv, block_q, block_k)
     qp, kp, vp, mp, seg_q, seg_k = _prep(q, k, v, log_mask, segment_ids, g)
+    lam_q, lam_k = _prep_lam(lam, g)
+    gated = lam is not None
     kv_idx, kv_cnt, q_idx, q_cnt = lists
     prec = _precision(q.dtype)
     delta = _pad_to(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, g.tq_pad)
     lse_p = _pad_to(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, g.tq_pad)
     dop = _pad_to(do, 1, g.tq_pad)
 
-    def tile(m, n, q_blk, k_blk, v_blk, do_blk, m_blk, lse_blk, delta_blk, seg_q_blk, seg_k_blk):
+    def tile(m, n, q_blk, k_blk, v_blk, do_blk, m_blk, lse_blk, delta_blk, seg_q_blk, seg_k_blk,
+             lq_blk=None, lk_blk=None):
         """p and dS = p·(dP − δ) of tile (m, n), [B, H, bq, bk] float32."""
-        s = _scores(g, q_blk, k_blk, m_blk, scale)
+        s = _scores(g, q_blk, k_blk, m_blk, scale, lq_blk, lk_blk)
         s = jnp.where(_tile_mask(g, m, n, seg_q_blk, seg_k_blk, live), s, _NEG_INF)
         p = jnp.exp(s - lse_blk.transpose(0, 2, 1)[..., None])
         v_rep = jnp.repeat(v_blk, g.group, axis=2) if g.group > 1 else v_blk
@@ -489,25 +524,32 @@ def _dcp_backward(q, k, v, log_mask, segment_ids, live, lists, o, lse, do, scale
         m_row = _sl(mp, m * g.bq, g.bq)
         lse_blk, delta_blk = _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq)
         seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
+        lq_blk = None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2)
 
         def body(i, carry):
-            dq, dm_row = carry
+            dq, dm_row = carry[0], carry[1]
             n = kv_idx[m, i]
             k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
             seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
+            lk_blk = None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2)
             _, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_row, n * g.bk, g.bk, axis=2),
-                         lse_blk, delta_blk, seg_q_blk, seg_k_blk)
+                         lse_blk, delta_blk, seg_q_blk, seg_k_blk, lq_blk, lk_blk)
             k_rep = jnp.repeat(k_blk, g.group, axis=2) if g.group > 1 else k_blk
             dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), k_rep,
                                  preferred_element_type=jnp.float32, precision=prec)
             dm_row = lax.dynamic_update_slice_in_dim(dm_row, jnp.sum(ds, axis=1), n * g.bk, axis=2)
+            if gated:  # Λ_i as a query: row sums of dS
+                return dq, dm_row, carry[2] + jnp.sum(ds, axis=-1)
             return dq, dm_row
 
         init = (jnp.zeros((b, g.bq, h, d), jnp.float32), jnp.zeros((b, g.bq, g.tk_pad), jnp.float32))
-        dq, dm_row = lax.fori_loop(0, kv_cnt[m], body, init)
-        return dq * scale, dm_row
+        if gated:
+            init = init + (jnp.zeros((b, h, g.bq), jnp.float32),)
+        out = lax.fori_loop(0, kv_cnt[m], body, init)
+        return (out[0] * scale,) + tuple(out[1:])
 
-    dq, dmask = lax.map(dq_block, jnp.arange(g.nq))
+    dq_out = lax.map(dq_block, jnp.arange(g.nq))
+    dq, dmask = dq_out[0], dq_out[1]
     dq = dq.transpose(1, 0, 2, 3, 4).reshape(b, g.tq_pad, h, d)[:, :tq]
     dmask = dmask.transpose(1, 0, 2, 3).reshape(b, g.tq_pad, g.tk_pad)[:, :tq, :tk]
 
@@ -516,53 +558,67 @@ def _dcp_backward(q, k, v, log_mask, segment_ids, live, lists, o, lse, do, scale
         k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
         m_col = _sl(mp, n * g.bk, g.bk, axis=2)  # [B, Tq_pad, bk]
         seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
+        lk_blk = None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2)
 
         def body(i, carry):
-            dk, dv = carry
+            dk, dv = carry[0], carry[1]
             m = q_idx[n, i]
             q_blk, do_blk = _sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq)
             seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
+            lq_blk = None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2)
             p, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_col, m * g.bq, g.bq),
-                         _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq), seg_q_blk, seg_k_blk)
+                         _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq), seg_q_blk, seg_k_blk,
+                         lq_blk, lk_blk)
             dv = dv + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), do_blk,
                                  preferred_element_type=jnp.float32, precision=prec)
             dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), q_blk,
                                  preferred_element_type=jnp.float32, precision=prec)
+            if gated:  # Λ_j as a key: column sums of dS (subtracted below)
+                return dk, dv, carry[2] + jnp.sum(ds, axis=2)
             return dk, dv
 
         init = (jnp.zeros((b, g.bk, h, d), jnp.float32), jnp.zeros((b, g.bk, h, d), jnp.float32))
-        dk, dv = lax.fori_loop(0, q_cnt[n], body, init)
+        if gated:
+            init = init + (jnp.zeros((b, h, g.bk), jnp.float32),)
+        out = lax.fori_loop(0, q_cnt[n], body, init)
+        dk, dv = out[0], out[1]
         if g.group > 1:  # GQA: sum the query heads of each key/value head
             dk = dk.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
             dv = dv.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
-        return dk * scale, dv
+        return (dk * scale, dv) + tuple(out[2:])
 
-    dk, dv = lax.map(dkv_block, jnp.arange(g.nk))
+    dkv_out = lax.map(dkv_block, jnp.arange(g.nk))
+    dk, dv = dkv_out[0], dkv_out[1]
     dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, g.tk_pad, hkv, d)[:, :tk]
     dv = dv.transpose(1, 0, 2, 3, 4).reshape(b, g.tk_pad, hkv, d)[:, :tk]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dmask
+    dlam = None
+    if gated:
+        row = dq_out[2].transpose(1, 0, 3, 2).reshape(b, g.tq_pad, h)[:, :tq]   # Σ_j dS_ij
+        col = dkv_out[2].transpose(1, 0, 3, 2).reshape(b, g.tk_pad, h)[:, :tk]  # Σ_i dS_ij
+        dlam = (-col).at[:, g.offset:].add(row)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dmask, dlam
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _dcp_blockwise(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k):
-    return _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _dcp_blockwise(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k):
+    return _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k)[0]
 
 
-def _dcp_fwd(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k):
-    o, lse = _dcp_forward(q, k, v, log_mask, segment_ids, live, lists, scale, block_q, block_k)
-    return o, (q, k, v, log_mask, segment_ids, live, lists, o, lse)
+def _dcp_fwd(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k):
+    o, lse = _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k)
+    return o, (q, k, v, log_mask, lam, segment_ids, live, lists, o, lse)
 
 
 def _dcp_bwd(scale, block_q, block_k, res, do):
-    q, k, v, log_mask, segment_ids, live, lists, o, lse = res
-    dq, dk, dv, dmask = _dcp_backward(q, k, v, log_mask, segment_ids, live, lists, o, lse, do,
-                                      scale, block_q, block_k)
-    return dq, dk, dv, dmask, None, None, None
+    q, k, v, log_mask, lam, segment_ids, live, lists, o, lse = res
+    dq, dk, dv, dmask, dlam = _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do,
+                                            scale, block_q, block_k)
+    return dq, dk, dv, dmask, dlam, None, None, None
 
 
 _dcp_blockwise.defvjp(_dcp_fwd, _dcp_bwd)
 # Compiled once per shape/config, also when called eagerly (the loops are costly to re-trace).
-_dcp_blockwise_jit = jax.jit(_dcp_blockwise, static_argnums=(7, 8, 9))
+_dcp_blockwise_jit = jax.jit(_dcp_blockwise, static_argnums=(8, 9, 10))
 
 
 def dcp_attention(
@@ -570,6 +626,7 @@ def dcp_attention(
     k: jax.Array,
     v: jax.Array,
     log_mask: jax.Array,
+    log_fgate: jax.Array | None = None,
     *,
     segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
@@ -580,7 +637,12 @@ def dcp_attention(
 ) -> jax.Array:
     """Causal attention with the DCP mask shared by all heads, blockwise in pure JAX (specs/dcp.md §1.4).
 
-        o_i = Σ_j softmax_j(sm_scale·q_i·k_j + log I_{i,j}) v_j   over visible j (causal, same document)
+        o_i = Σ_j softmax_j(sm_scale·q_i·k_j + log I_{i,j} [+ Λ_i − Λ_j]) v_j   over visible j
+
+    (visible: causal, same document). With ``log_fgate`` (FoX) the forgetting-attention decay bias
+    Λ_i − Λ_j, Λ = float32 cumsum over time of log f (specs/fox_acp.md §1.1), is added per head exactly
+    as in ``forgetting_attention``; ``log_fgate=None`` is plain softmax attention plus the mask (GPT-2,
+    Transformer baselines) and runs the very same computation as before the gate was supported.
 
     Flash-style: queries in blocks (``lax.map``), an online float32 softmax over the key blocks, a
     ``jax.custom_vjp`` backward with a dQ/dlogI pass and a dK/dV pass. It never materialises
@@ -593,13 +655,19 @@ def dcp_attention(
     weights are ≤ e^floor ≈ 1e-40 relative, so the result equals the dense one to float32 precision
     (exactly for floor = −inf), and their mask gradient is 0 (it is ~1e-40 in the dense op). A row
     whose every visible key is at the floor outputs 0 (impossible for masks from
-    ``cumulative_keep_log_mask``, whose diagonal is 0).
+    ``cumulative_keep_log_mask``, whose diagonal is 0). The forget-gate decay Λ_i − Λ_j ≤ 0 (log f ≤ 0)
+    only lowers a skipped pair's logit further, so the same bound holds with ``log_fgate``.
 
     Args:
       q: [B, Tq, H, D] float32 / bfloat16 / float16.
       k, v: [B, Tk, Hkv, D], q's dtype; H a multiple of Hkv. Tq ≤ Tk, queries aligned bottom-right
         (query i at absolute position Tk − Tq + i).
       log_mask: [B, Tq, Tk] float32 additive mask log I (``cumulative_keep_log_mask``); −inf allowed.
+      log_fgate: optional [B, Tk, H] float32 log forget gates (≤ 0), one per *query* head, in nats;
+        Λ = cumsum(log_fgate) over all Tk keys, query i uses Λ at absolute position Tk − Tq + i.
+        Gradient (specs/fox_acp.md §1.6): the custom backward returns dΛ_t = Σ_j dS_tj − Σ_i dS_it
+        (row sums minus column sums of dS, float32), and autodiff of the float32 ``jnp.cumsum``
+        turns it into dlog f_s = Σ_{t≥s} dΛ_t (a float32 reverse cumsum, no "total minus cumsum").
       segment_ids: optional [B, Tk] int, packed documents (no attention across documents).
       sm_scale: logit scale, default 1/√D.
       block_q, block_k: tile sizes (T need not be a multiple; blocks shrink to round_up(T, 8)).
@@ -607,11 +675,12 @@ def dcp_attention(
       floor: the dropped threshold for the skip.
 
     Returns:
-      [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_mask (float32 gradient).
+      [B, Tq, H, D] in q's dtype. Differentiable in q, k, v, log_mask and log_fgate (float32
+      gradients for the last two).
 
     Raises:
-      ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_mask), Tq > Tk, H not a
-        multiple of Hkv, bad block sizes.
+      ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_mask or log_fgate), Tq > Tk,
+        H not a multiple of Hkv, bad block sizes.
     """
     check_qkv(q, k, v)
     b, tq, h, d = q.shape
@@ -624,6 +693,15 @@ def dcp_attention(
         if not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
     check_segment_ids(segment_ids, b, tk)
+    lam = None
+    if log_fgate is not None:
+        if log_fgate.shape != (b, tk, h):
+            raise ValueError(f"log_fgate must be [B, Tk, H] = {(b, tk, h)} (one gate per query head), "
+                             f"got {log_fgate.shape}")
+        if log_fgate.dtype != jnp.float32:
+            raise ValueError(f"log_fgate must be float32 (cast the gate logits before log_sigmoid), "
+                             f"got {log_fgate.dtype}")
+        lam = jnp.cumsum(log_fgate, axis=1)  # Λ [B, Tk, H] float32; its VJP is a reverse cumsum
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
@@ -636,4 +714,4 @@ def dcp_attention(
                                    segment_ids=segment_ids)
     live = ~flags
     lists = _block_lists(live)
-    return _dcp_blockwise_jit(q, k, v, log_mask, segment_ids, live, lists, scale, bq, bk)
+    return _dcp_blockwise_jit(q, k, v, log_mask, lam, segment_ids, live, lists, scale, bq, bk)

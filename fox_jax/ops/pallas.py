@@ -29,6 +29,8 @@ __all__ = [
     "attention",
     "default_config",
     "resolve_config",
+    "segment_ranges",
+    "tile_counts",
     "sharded_attention",
 ]
 
@@ -75,28 +77,47 @@ def acp_ranges(lam: jax.Array, delta: jax.Array, tq: int, config: KernelConfig):
             acp_lib.q_block_end(lam, delta, tq=tq, block_q=kv.block_q, block_k=kv.block_k))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _attention(q, k, v, lam, seq_start, segment_ids, ranges, scale, config, interpret):
+def segment_ranges(segment_ids: jax.Array, tq: int, config: KernelConfig):
+    """Document-aware block ranges for each kernel's tiling (``acp.segment_block_bounds``).
+
+    Args:
+      segment_ids: [B, Tk] int32; tq: query length; config: a resolved config.
+    Returns:
+      ((kv_lo, kv_hi) for the forward tiling, (kv_lo, kv_hi) for the dQ tiling — [B, nq] each —,
+      (q_lo, q_hi) for the dK/dV tiling — [B, nk] each), int32.
+    """
+    f, q, kv = config.fwd, config.dq, config.dkv
+    fwd = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=f.block_q, block_k=f.block_k)[:2]
+    dq = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=q.block_q, block_k=q.block_k)[:2]
+    dkv = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=kv.block_q, block_k=kv.block_k)[2:]
+    return fwd, dq, dkv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _attention(q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, scale, config, interpret):
     kv_start = None if ranges is None else ranges[0]
     o, _ = fa_kernels.attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale=scale,
-                                        config=config, interpret=interpret)
+                                        config=config, interpret=interpret,
+                                        seg_bounds=None if seg_ranges is None else seg_ranges[0])
     return o
 
 
-def _attention_fwd(q, k, v, lam, seq_start, segment_ids, ranges, scale, config, interpret):
+def _attention_fwd(q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, scale, config, interpret):
     kv_start = None if ranges is None else ranges[0]
     o, lse = fa_kernels.attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale=scale,
-                                          config=config, interpret=interpret)
-    return o, (q, k, v, lam, seq_start, segment_ids, ranges, o, lse)
+                                          config=config, interpret=interpret,
+                                          seg_bounds=None if seg_ranges is None else seg_ranges[0])
+    return o, (q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, o, lse)
 
 
 def _attention_bwd(scale, config, interpret, res, do):
-    q, k, v, lam, seq_start, segment_ids, ranges, o, lse = res
+    q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, o, lse = res
     kv_start_dq, q_end = (None, None) if ranges is None else ranges[1:]
+    sb_dq, sb_dkv = (None, None) if seg_ranges is None else seg_ranges[1:]
     dq, dk, dv, dlam = fa_kernels.attention_backward(
         q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end, o, lse, do, scale=scale,
-        config=config, interpret=interpret)
-    return dq, dk, dv, dlam, None, None, None
+        config=config, interpret=interpret, seg_bounds_dq=sb_dq, seg_bounds_dkv=sb_dkv)
+    return dq, dk, dv, dlam, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -115,6 +136,7 @@ def attention(
     implementation: str = "pallas",
     config: KernelConfig | None = None,
     interpret: bool | None = None,
+    segment_skipping: bool = True,
 ) -> jax.Array:
     """Forgetting attention on a precomputed decay Λ with the Pallas kernels.
 
@@ -130,6 +152,9 @@ def attention(
       implementation: ``"pallas"``; ``"mosaic"`` raises NotImplementedError (no Hopper kernel here).
       config: tiling (``KernelConfig``); default per head dim and backend.
       interpret: run the kernels in interpret mode; default: when the backend is not GPU.
+      segment_skipping: with segment_ids, skip the tiles outside each block's document-aware range
+        (``acp.segment_block_bounds``: valid for any ids, tight for packed documents with
+        non-decreasing ids). False = mask only (same result, for comparisons).
 
     Returns:
       [B, Tq, H, D] in q's dtype; differentiable in q, k, v and lam (custom VJP; works under jit,
@@ -161,7 +186,11 @@ def attention(
     if delta is not None:
         delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (b, h))
         ranges = acp_ranges(lam, delta, tq, cfg)
-    return _attention(q, k, v, lam, seq_start, segment_ids, ranges, float(scale), cfg, bool(interpret))
+    seg_ranges = None
+    if segment_ids is not None and segment_skipping:
+        seg_ranges = segment_ranges(segment_ids, tq, cfg)
+    return _attention(q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, float(scale), cfg,
+                      bool(interpret))
 
 
 def acp_stats(
@@ -205,6 +234,66 @@ def acp_stats(
     out["dkv"] = {"blocks_total": total, "blocks_skipped": skipped,
                   "fraction_skipped": skipped / jnp.maximum(total, 1.0)}
     return out
+
+
+def tile_counts(
+    batch: int,
+    heads: int,
+    tq: int,
+    tk: int,
+    *,
+    lam: jax.Array | None = None,
+    delta: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
+    head_dim: int = 128,
+    config: KernelConfig | None = None,
+    interpret: bool | None = None,
+) -> dict[str, dict[str, jax.Array]]:
+    """Tiles each Pallas kernel visits for one call, with ACP and document-aware skipping.
+
+    Mirrors the kernels' loop bounds (seq_start skipping is not counted).
+
+    Args:
+      batch, heads, tq, tk: B, H, Tq, Tk.
+      lam: [B, Tk, H] float32 Λ and delta: [B, H] (broadcastable) threshold — ACP; both or neither.
+      segment_ids: [B, Tk] int or None (document-aware skipping as ``attention`` does it).
+      head_dim, config, interpret: select the tiling as ``attention`` would.
+    Returns:
+      {"fwd" | "dq" | "dkv": {"causal": tiles in the causal range, "visited": tiles the kernel runs,
+      "fraction_skipped": 1 − visited / causal}} of float32 scalars (summed over batch and heads).
+    """
+    cfg = resolve_config(head_dim, tq, tk, config, interpret)
+    ranges = None
+    if lam is not None:
+        delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (batch, heads))
+        ranges = acp_ranges(lam.astype(jnp.float32), delta, tq, cfg)
+    seg = None if segment_ids is None else segment_ranges(segment_ids.astype(jnp.int32), tq, cfg)
+    out = {}
+    for i, (name, t) in enumerate((("fwd", cfg.fwd), ("dq", cfg.dq))):
+        _, end = acp_lib.causal_block_counts(tq, tk, t.block_q, t.block_k)  # [nq]
+        lo = jnp.zeros((batch, heads, end.shape[0]), jnp.int32)
+        hi = jnp.broadcast_to(end, lo.shape)
+        if ranges is not None:
+            lo = jnp.maximum(lo, ranges[i])
+        if seg is not None:
+            lo = jnp.maximum(lo, seg[i][0][:, None, :])
+            hi = jnp.minimum(hi, seg[i][1][:, None, :])
+        out[name] = (jnp.sum(end).astype(jnp.float32) * batch * heads,
+                     jnp.sum(jnp.maximum(hi - lo, 0)).astype(jnp.float32))
+    bq, bk = cfg.dkv.block_q, cfg.dkv.block_k
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    lo = jnp.clip((jnp.arange(nk) * bk - (tk - tq)) // bq, 0, nq).astype(jnp.int32)  # causal start
+    lo = jnp.broadcast_to(lo, (batch, heads, nk))
+    hi = jnp.full_like(lo, nq)
+    if ranges is not None:
+        hi = jnp.minimum(hi, ranges[2])
+    causal = jnp.sum(nq - lo).astype(jnp.float32)
+    if seg is not None:
+        lo = jnp.maximum(lo, seg[2][0][:, None, :])
+        hi = jnp.minimum(hi, seg[2][1][:, None, :])
+    out["dkv"] = (causal, jnp.sum(jnp.maximum(hi - lo, 0)).astype(jnp.float32))
+    return {k: {"causal": c, "visited": v, "fraction_skipped": 1.0 - v / jnp.maximum(c, 1.0)}
+            for k, (c, v) in out.items()}
 
 
 def _shard_map(f, mesh, in_specs, out_specs):
