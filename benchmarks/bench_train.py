@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import preset
-from fox_jax.sharding import batch_sharding, make_mesh, state_shardings
+from fox_jax.sharding import batch_sharding, make_mesh, state_shardings, under_mesh
 from train import config as config_lib
 from train.metrics import device_peak_flops
 from train.trainer import init_state, make_optimizer, make_train_step
@@ -45,11 +45,14 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
     shard = state_shardings(mesh, abstract)
     state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # eager init: see train/trainer.py
-    step = jax.jit(make_train_step(LanguageModel(model_cfg), optimizer, 1, collect_acp=acp),
-                   in_shardings=(shard, batch_sharding(mesh)), out_shardings=(shard, None), donate_argnums=(0,))
+    step = under_mesh(mesh, jax.jit(make_train_step(LanguageModel(model_cfg), optimizer, 1, collect_acp=acp),
+                                    in_shardings=(shard, batch_sharding(mesh)), out_shardings=(shard, None),
+                                    donate_argnums=(0,)))
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
-            "segment_ids": np.ones((batch, seq_len), np.int32)}
+            "segment_ids": np.ones((batch, seq_len), np.int32),
+            # real batches carry positions; a constant arange would let XLA constant-fold RoPE (minutes)
+            "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()}
     data = jax.device_put(data, batch_sharding(mesh))
     t0 = time.perf_counter()
     state, m = step(state, data)

@@ -121,5 +121,23 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, logical_to_spec(("batch",)))
 
 
+def under_mesh(mesh: Mesh, fn):
+    """``fn`` called (and so traced) under ``jax.set_mesh(mesh)``.
+
+    The attention op reads the ambient mesh: with several devices, its Pallas kernels (opaque to the SPMD
+    partitioner, which would otherwise all-gather q/k/v and compute every shard on every device) run in
+    a ``shard_map`` with the batch over ``data``/``fsdp`` and heads over ``tensor``. Wrap jitted steps
+    with this so their trace sees the mesh.
+    """
+    if mesh.size <= 1:
+        return fn
+
+    def wrapped(*args, **kwargs):
+        with jax.set_mesh(mesh):
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())

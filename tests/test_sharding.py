@@ -56,3 +56,19 @@ def test_checkpoint_restores_onto_another_mesh(sharded_results):
     assert sorted(map(int, remesh)) == [4, 5, 6]  # steps after the resume
     for step, loss in remesh.items():
         assert loss == pytest.approx(ref[step], rel=2e-5), step
+
+
+def test_pallas_attention_runs_per_shard_under_a_mesh():
+    """Under ``jax.set_mesh`` the Pallas op is wrapped in a shard_map (batch over data/fsdp, heads over
+    tensor; with tensor=4 and Hkv=2 nothing divides, so it is left to XLA), and its values and
+    gradients equal the unsharded XLA path; a model traced under the mesh contains the shard_map. Tolerance: float32, different tiling and
+    summation order only (observed ~1e-5 on O(10) gradients); 1e-4."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_attention.py")], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads([x for x in proc.stdout.splitlines() if x.startswith("RESULT ")][-1][len("RESULT "):])
+    assert res.pop("model") == {"inside": True, "outside": False}
+    for case, r in res.items():
+        assert r["max_err"] < 1e-4, (case, r)
+        assert r["shard_map"] == (not case.startswith("tensor=4")), case

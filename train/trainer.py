@@ -19,7 +19,7 @@ import optax
 from tqdm.auto import tqdm
 
 from fox_jax.models import LanguageModel, count_params, init_params
-from fox_jax.sharding import batch_sharding, make_mesh, state_shardings
+from fox_jax.sharding import batch_sharding, make_mesh, state_shardings, under_mesh
 from train import config as config_lib
 from train import data as data_lib
 from train.checkpoints import Checkpointer, CheckpointError
@@ -239,10 +239,10 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
 
     n_params = count_params(state.params)
     collect_acp = cfg.model.adaptive_threshold is not None and cfg.model.use_fgate
-    step_fn = jax.jit(make_train_step(model, optimizer, cfg.grad_accum, collect_acp),
-                      in_shardings=(state_sharding, data_sharding), out_shardings=(state_sharding, None),
-                      donate_argnums=(0,))
-    eval_fn = jax.jit(make_eval_step(model), in_shardings=(state_sharding.params, data_sharding))
+    step_fn = under_mesh(mesh, jax.jit(make_train_step(model, optimizer, cfg.grad_accum, collect_acp),
+                                       in_shardings=(state_sharding, data_sharding),
+                                       out_shardings=(state_sharding, None), donate_argnums=(0,)))
+    eval_fn = under_mesh(mesh, jax.jit(make_eval_step(model), in_shardings=(state_sharding.params, data_sharding)))
 
     tokens_per_step = cfg.batch_size * cfg.data.seq_len
     flops_per_step = 3.0 * cfg.model.flops_per_token(cfg.data.seq_len) * tokens_per_step

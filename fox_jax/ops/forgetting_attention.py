@@ -57,6 +57,68 @@ def _pallas_available() -> bool:
     return True
 
 
+BATCH_MESH_AXES = ("data", "fsdp")
+HEAD_MESH_AXES = ("tensor",)
+
+
+def _ambient_mesh():
+    """The mesh set with ``jax.set_mesh`` when it spans several devices and we are not already inside a
+    ``shard_map`` (manual axes); else None."""
+    get = getattr(jax.sharding, "get_abstract_mesh", None)
+    mesh = get() if get is not None else None
+    if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
+        return None
+    manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
+    if manual is not None and any(t == manual for t in getattr(mesh, "axis_types", ())):
+        return None
+    return mesh
+
+
+def _mesh_axes(mesh, names, *dims) -> tuple[str, ...] | None:
+    """The axes of ``names`` present in ``mesh`` with size > 1, if their product divides every dim."""
+    axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    if not axes or any(n % size for n in dims):
+        return None
+    return axes
+
+
+def _per_shard(mesh, q, k, v, log_fgate, kwargs):
+    """Run the op in a ``shard_map``: batch over the mesh's data/fsdp axes, heads over tensor (each only
+    where it divides B, resp. H and Hkv; otherwise that dimension is replicated). Every shard computes
+    its own rows and heads; nothing is communicated (the auto ACP threshold reduces over T and D)."""
+    from jax.sharding import PartitionSpec as P
+
+    from fox_jax.ops.pallas import _shard_map
+
+    b, tk, h = q.shape[0], k.shape[1], q.shape[2]
+    bax = _mesh_axes(mesh, BATCH_MESH_AXES, b)
+    hax = _mesh_axes(mesh, HEAD_MESH_AXES, h, k.shape[2])
+    if bax is None and hax is None:
+        return _attention(q, k, v, log_fgate, **kwargs)  # nothing divides: XLA replicates the call
+    if log_fgate is None:
+        log_fgate = jnp.zeros((b, tk, h), jnp.float32)
+    thr = kwargs.pop("adaptive_threshold")
+    arrays = dict(log_fgate=(log_fgate, P(bax, None, hax)))
+    if thr is not None and not isinstance(thr, (str, float, int)):
+        arrays["adaptive_threshold"] = (jnp.broadcast_to(jnp.asarray(thr, jnp.float32), (b, h)), P(bax, hax))
+    else:
+        kwargs["adaptive_threshold"] = thr
+    for name, spec in (("seq_start", P(bax)), ("segment_ids", P(bax, None))):
+        if kwargs[name] is not None:
+            arrays[name] = (kwargs.pop(name), spec)
+    names = tuple(arrays)
+    qkv = P(bax, None, hax, None)
+
+    def local(q, k, v, *rest):
+        return _attention(q, k, v, **dict(zip(names, rest)), **kwargs)
+
+    fn = _shard_map(local, mesh, (qkv, qkv, qkv) + tuple(spec for _, spec in arrays.values()), qkv)
+    return fn(q, k, v, *(a for a, _ in arrays.values()))
+
+
 def forgetting_attention(
     q: jax.Array,
     k: jax.Array,
@@ -101,6 +163,13 @@ def forgetting_attention(
       kernel_config: tiles of the Pallas kernels (``kernels.KernelConfig``: forward, dQ and dK/dV tiles,
         warps, stages); default: tuned per head dim.
 
+    Sharding: under ``jax.set_mesh(mesh)`` with several devices (``fox_jax.sharding.under_mesh``), the
+    Pallas kernels run in a ``shard_map`` — batch over the mesh axes ``data``/``fsdp``, heads over
+    ``tensor`` (each where it divides B, resp. H and Hkv) — since a ``pallas_call`` is opaque to the SPMD
+    partitioner, which would all-gather its inputs and compute every shard on every device. The other
+    implementations are partitioned by XLA. ``fox_jax.ops.pallas.sharded_attention`` does the same for an
+    explicit mesh and axis names.
+
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_fgate.
 
@@ -112,6 +181,18 @@ def forgetting_attention(
     _check_inputs(q, k, v, log_fgate, seq_start, segment_ids)
     impl = _resolve_impl(implementation,
                          _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold))
+    kwargs = dict(sm_scale=sm_scale, seq_start=seq_start, segment_ids=segment_ids,
+                  adaptive_threshold=adaptive_threshold, log_epsilon=log_epsilon, impl=impl, block_q=block_q,
+                  block_k=block_k, kernel_config=kernel_config)
+    mesh = _ambient_mesh() if impl in ("pallas", "mosaic") else None
+    if mesh is not None:  # kernels are opaque to the SPMD partitioner: run them per shard
+        return _per_shard(mesh, q, k, v, log_fgate, kwargs)
+    return _attention(q, k, v, log_fgate, **kwargs)
+
+
+def _attention(q, k, v, log_fgate, *, sm_scale, seq_start, segment_ids, adaptive_threshold, log_epsilon, impl,
+               block_q, block_k, kernel_config):
+    """The op on checked inputs with a resolved implementation (no mesh handling)."""
     b, tq, h, d = q.shape
     tk = k.shape[1]
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)

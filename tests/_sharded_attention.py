@@ -1,0 +1,60 @@
+"""Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas op under an ambient mesh
+runs per shard (a shard_map in the trace) and matches the unsharded XLA path, values and gradients."""
+
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fox_jax.config import preset
+from fox_jax.models import LanguageModel
+from fox_jax.ops import forgetting_attention
+from fox_jax.sharding import make_mesh, under_mesh
+
+
+def op_case(mesh_spec, threshold, with_seq_start):
+    r = np.random.default_rng(0)
+    b, t, h, hkv, d = 4, 40, 4, 2, 32
+    q = jnp.asarray(r.standard_normal((b, t, h, d)), jnp.float32)
+    k, v = (jnp.asarray(r.standard_normal((b, t, hkv, d)), jnp.float32) for _ in range(2))
+    lf = jnp.asarray(-r.uniform(0, 0.3, (b, t, h)), jnp.float32)
+    seg = jnp.asarray(np.repeat(np.array([[0] * 17 + [1] * 23]), b, 0), jnp.int32)
+    ss = jnp.asarray([0, 3, 0, 5], jnp.int32) if with_seq_start else None
+    thr = jnp.asarray(r.uniform(-12, -6, (b, h)), jnp.float32) if threshold == "array" else threshold
+
+    def loss(q, k, v, lf, impl):
+        o = forgetting_attention(q, k, v, lf, segment_ids=seg, seq_start=ss, adaptive_threshold=thr,
+                                 implementation=impl)
+        return jnp.sum(o * jnp.cos(o))
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3))
+    ref = jax.jit(grad, static_argnums=4)(q, k, v, lf, "xla")
+    f = under_mesh(make_mesh(mesh_spec), jax.jit(grad, static_argnums=4))
+    with jax.set_mesh(make_mesh(mesh_spec)):
+        traced = "shard_map" in str(jax.jit(grad, static_argnums=4).trace(q, k, v, lf, "pallas").jaxpr)
+    out = f(q, k, v, lf, "pallas")
+    errs = [float(jnp.max(jnp.abs(a - b_))) for a, b_ in zip((out[0],) + out[1], (ref[0],) + ref[1])]
+    return dict(shard_map=traced, max_err=max(errs))
+
+
+def model_case():
+    cfg = preset("tiny", "fox-pro", vocab_size=64, attention_impl="pallas", dtype="float32")
+    model = LanguageModel(cfg)
+    tokens = jnp.zeros((4, 16), jnp.int32)
+    params = model.init(jax.random.PRNGKey(0), tokens)["params"]
+    fn = jax.jit(lambda p, x: model.apply({"params": p}, x))
+    with jax.set_mesh(make_mesh("data=2,tensor=2")):
+        inside = "shard_map" in str(fn.trace(params, tokens).jaxpr)
+    outside = "shard_map" in str(fn.trace(params, tokens).jaxpr)
+    return dict(inside=inside, outside=outside)
+
+
+if __name__ == "__main__":
+    out = {f"{m}|{t}|{s}": op_case(m, t, s) for m, t, s in
+           (("data=2,tensor=2", None, False), ("fsdp=4", "auto", True), ("data=4", "array", True),
+            ("tensor=4", None, False))}
+    out["model"] = model_case()
+    print("RESULT " + json.dumps(out))
+    sys.stdout.flush()
