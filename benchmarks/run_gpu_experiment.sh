@@ -4,6 +4,7 @@
 #            trained FoX (Pro)'s gates; GPU 1 — FoX (LLaMA), then Transformer (Pro), then the GPU kernel tests;
 #   phase 2 (both GPUs): 760M FoX (Pro) at 16k on data=2 and fsdp=2 (scaling; the 1-GPU rows come from
 #            run_gpu_bench_train.sh), written straight to $OUT.
+# ONE_GPU=1 runs the same in sequence on the visible GPU (EXTRA_CMD: one more command before the gates benchmark).
 # Every model: the same small shape (d 512, 8 layers, 8 heads of 64; GPT-2 vocabulary), the same
 # batches (data seed 0) of Gutenberg with the GPT-2 tokenizer, STEPS x 32 x 2048 tokens; then
 # `fox-jax eval` for the per-position loss. Everything lands in $OUT/experiment.tar.gz.
@@ -27,20 +28,26 @@ train() {  # name arch extra-overrides...
   mkdir -p "$R/$name"; cp $RUNS/$name/metrics.jsonl $RUNS/$name/config.json "$R/$name/" 2>/dev/null
   cp $RUNS/$name/eval/*.json "$R/$name/" 2>/dev/null; true
 }
-(
-  export CUDA_VISIBLE_DEVICES=0
+gates_bench() {
+  timeout ${GATES_LIMIT:-120} python3 benchmarks/bench_attention.py --impls pallas,pallas-acp --gates-from $RUNS/fox-pro \
+    ${BENCH_EXTRA:-} --out "$R/attention_trained_gates.json" > "$R/attention_trained_gates.log" 2>&1
+}
+gpu_tests() {
+  [ "${SKIP_GPU_TESTS:-0}" = 1 ] || timeout 120 python3 -m pytest -q -m gpu tests/test_pallas.py -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
+}
+if [ "${ONE_GPU:-0}" = 1 ]; then  # everything in sequence on the visible GPU
   train fox-pro fox-pro
   train fox-pro-acp fox-pro model.adaptive_threshold=auto
-  timeout 120 python3 benchmarks/bench_attention.py --impls pallas,pallas-acp --gates-from $RUNS/fox-pro \
-    ${BENCH_EXTRA:-} --out "$R/attention_trained_gates.json" > "$R/attention_trained_gates.log" 2>&1
-) &
-(
-  export CUDA_VISIBLE_DEVICES=1
-  train fox-llama fox-llama
   train transformer-pro transformer-pro
-  [ "${SKIP_GPU_TESTS:-0}" = 1 ] || timeout 120 python3 -m pytest -q -m gpu tests/test_pallas.py -p no:cacheprovider > "$R/gpu_tests.log" 2>&1
-) &
-wait
+  train fox-llama fox-llama
+  [ -n "${EXTRA_CMD:-}" ] && timeout ${EXTRA_LIMIT:-150} bash -c "$EXTRA_CMD" > "$R/extra.log" 2>&1
+  gates_bench; gpu_tests
+else
+  ( export CUDA_VISIBLE_DEVICES=0; train fox-pro fox-pro; train fox-pro-acp fox-pro model.adaptive_threshold=auto
+    gates_bench ) &
+  ( export CUDA_VISIBLE_DEVICES=1; train fox-llama fox-llama; train transformer-pro transformer-pro; gpu_tests ) &
+  wait
+fi
 tail -n 3 "$R"/*.log
 tar -czf "$OUT/experiment.tar.gz" -C "$OUT" exp && rm -rf "$R"
 if [ "${SKIP_SCALING:-0}" != 1 ]; then

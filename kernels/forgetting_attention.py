@@ -100,17 +100,23 @@ class KernelConfig:
     dq: TileConfig
     dkv: TileConfig
     interleave_heads: bool | None = None
+    interleave_bwd_from: int | None = None
+
+    # interleave_bwd_from: when the grid order is otherwise unset, the dense dQ and dK/dV kernels
+    # interleave heads for Tk ≥ this length (None: never). Measured at D=128 on an H200: −6 % backward
+    # at T=16384, but +1–4 % at T ≤ 8192 (benchmarks/NOTES.md, "Backward sweep").
 
 
 # Tuned on one H200 (jax 0.11.2, Triton lowering) by two sweeps of benchmarks/bench_attention.py
 # starting from the official FoX kernel's H100/H200 table (specs/fox_acp.md §4.4); see
-# benchmarks/NOTES.md. 4-warp 64-row tiles win for the backward; 3 pipeline stages. D=256 is only
+# benchmarks/NOTES.md. 4-warp 64-row tiles win for the backward; 3 pipeline stages (4 for the D=128
+# dK/dV: −4 % at T=8192, bitwise deterministic over repeats). D=256 is only
 # compile-checked (sm_90, no spills in fwd/dQ). Keys: head dim upper bound.
 _GPU_CONFIGS = {
     64: KernelConfig(fwd=TileConfig(128, 64, 4, 3), dq=TileConfig(128, 64, 4, 3),
                      dkv=TileConfig(64, 64, 4, 3)),
     128: KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(64, 64, 4, 2),
-                      dkv=TileConfig(64, 128, 8, 3)),
+                      dkv=TileConfig(64, 128, 8, 4), interleave_bwd_from=16384),
     256: KernelConfig(fwd=TileConfig(64, 64, 8, 2), dq=TileConfig(64, 32, 8, 2),
                       dkv=TileConfig(32, 64, 8, 2)),
 }
@@ -670,11 +676,16 @@ def _pad_inputs(q, k, v, lam, segment_ids, p: _Padded):
     return q, k, v, lam_q, lam_k, seg_q, seg_k
 
 
-def _interleave(config: KernelConfig, tile: TileConfig, ranges) -> bool:
-    """Grid order of one kernel: its tile's setting, else the config's, else "iff ACP ranges"."""
+def _interleave(config: KernelConfig, tile: TileConfig, ranges, *, backward: bool = False, tk: int = 0) -> bool:
+    """Grid order of one kernel: its tile's setting, else the config's, else interleaved iff ACP ranges
+    are given or (backward kernels) Tk ≥ ``config.interleave_bwd_from``."""
     if tile.interleave_heads is not None:
         return bool(tile.interleave_heads)
-    return (ranges is not None) if config.interleave_heads is None else bool(config.interleave_heads)
+    if config.interleave_heads is not None:
+        return bool(config.interleave_heads)
+    if ranges is not None:
+        return True
+    return backward and config.interleave_bwd_from is not None and tk >= config.interleave_bwd_from
 
 
 def _check_config(config: KernelConfig, tq: int, tk: int):
@@ -739,11 +750,13 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
     common = dict(tq=p.tq, tk=p.tk, scale=scale, interpret=interpret)
     dq, dlam_q = flash_backward_dq(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, kv_start_dq,
                                    seg_q, seg_k, tile=config.dq,
-                                   interleave_heads=_interleave(config, config.dq, kv_start_dq),
+                                   interleave_heads=_interleave(config, config.dq, kv_start_dq, backward=True,
+                                                                tk=p.tk),
                                    seg_bounds=seg_bounds_dq, **common)
     dk, dv, dlam_k = flash_backward_dkv(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, q_end_dkv,
                                         seg_q, seg_k, tile=config.dkv,
-                                        interleave_heads=_interleave(config, config.dkv, q_end_dkv),
+                                        interleave_heads=_interleave(config, config.dkv, q_end_dkv,
+                                                                     backward=True, tk=p.tk),
                                         seg_bounds=seg_bounds_dkv, **common)
     dq = dq[:, :tq, :, :d]
     dk = dk[:, :p.tk, :, :d]

@@ -2,6 +2,7 @@
 runs per shard (a shard_map in the trace) and matches the unsharded XLA path, values and gradients."""
 
 import json
+import os
 import sys
 
 import jax
@@ -56,5 +57,7 @@ if __name__ == "__main__":
            (("data=2,tensor=2", None, False), ("fsdp=4", "auto", True), ("data=4", "array", True),
             ("tensor=4", None, False))}
     out["model"] = model_case()
+    os.environ["FOX_JAX_SHARD_KERNELS"] = "0"  # switched off (the GPU default): XLA replicates the kernels
+    out["off|data=2,tensor=2"] = op_case("data=2,tensor=2", None, False)
     print("RESULT " + json.dumps(out))
     sys.stdout.flush()

@@ -64,6 +64,7 @@ def test_pallas_attention_runs_per_shard_under_a_mesh():
     gradients equal the unsharded XLA path; a model traced under the mesh contains the shard_map. Tolerance: float32, different tiling and
     summation order only (observed ~1e-5 on O(10) gradients); 1e-4."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env.pop("FOX_JAX_SHARD_KERNELS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_attention.py")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -71,4 +72,4 @@ def test_pallas_attention_runs_per_shard_under_a_mesh():
     assert res.pop("model") == {"inside": True, "outside": False}
     for case, r in res.items():
         assert r["max_err"] < 1e-4, (case, r)
-        assert r["shard_map"] == (not case.startswith("tensor=4")), case
+        assert r["shard_map"] == (not case.startswith(("tensor=4", "off|"))), case

@@ -201,16 +201,23 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentCo
     Raises:
       ValueError: malformed override, unknown field, or a value of the wrong type.
     """
+    updates: dict = {}
     for item in overrides:
         if "=" not in item:
             raise ValueError(f"override {item!r} is not of the form key=value (e.g. model.n_layers=6)")
         key, text = item.split("=", 1)
-        path = key.strip().split(".")
-        cfg = _set_path(cfg, path, text, key)
-    return cfg
+        _set_path(cfg, key.strip().split("."), text, key, updates)
+    # one rebuild per section, so fields validated together (d_model / n_heads) may change together
+    return _rebuild(cfg, updates)
 
 
-def _set_path(obj, path, text, full_key):
+def _rebuild(obj, updates: dict):
+    return dataclasses.replace(obj, **{k: _rebuild(getattr(obj, k), v) if isinstance(v, dict)
+                                       and dataclasses.is_dataclass(getattr(obj, k)) else v
+                                       for k, v in updates.items()})
+
+
+def _set_path(obj, path, text, full_key, updates: dict) -> None:
     name = path[0]
     fields = {f.name: f for f in dataclasses.fields(obj)}
     if name not in fields:
@@ -220,7 +227,8 @@ def _set_path(obj, path, text, full_key):
     if len(path) > 1:
         if not dataclasses.is_dataclass(current):
             raise ValueError(f"config field {full_key!r}: {name} is not a section")
-        return dataclasses.replace(obj, **{name: _set_path(current, path[1:], text, full_key)})
+        _set_path(current, path[1:], text, full_key, updates.setdefault(name, {}))
+        return
     if dataclasses.is_dataclass(current):
         raise ValueError(f"config field {full_key!r} is a section; set one of its fields, e.g. {name}.<field>=...")
     hint = typing.get_type_hints(type(obj))[name]
@@ -228,4 +236,4 @@ def _set_path(obj, path, text, full_key):
         value = _parse_value(text, current, hint)
     except ValueError as e:
         raise ValueError(f"bad value for {full_key!r}: {e}") from None
-    return dataclasses.replace(obj, **{name: value})
+    updates[name] = value

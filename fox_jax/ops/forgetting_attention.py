@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from typing import Any
 
 import jax
@@ -57,13 +59,42 @@ def _pallas_available() -> bool:
     return True
 
 
+def _no_forgetting(b: int, tk: int, h: int) -> jax.Array:
+    """log f = 0 (no gates, the Transformer baseline) behind an optimization barrier: as a literal
+    constant, XLA constant-folds Λ = cumsum(0) and the block bounds derived from it, which took minutes
+    of compile time at T = 2048 on the GPU."""
+    return jax.lax.optimization_barrier(jnp.zeros((b, tk, h), jnp.float32))
+
+
 BATCH_MESH_AXES = ("data", "fsdp")
 HEAD_MESH_AXES = ("tensor",)
 
 
+SHARD_KERNELS_ENV = "FOX_JAX_SHARD_KERNELS"
+
+
+def kernel_sharding_enabled() -> bool:
+    """Whether the Pallas kernels run per shard under an ambient mesh (see ``forgetting_attention``).
+
+    ``FOX_JAX_SHARD_KERNELS=1`` / ``0`` forces it on / off. Default: on, except on GPU backends, where
+    XLA (jax 0.11.2) crashes with a segmentation fault while compiling the *backward* Triton kernels
+    inside a ``shard_map`` on 2 H200s (the forward compiles and runs; benchmarks/NOTES.md, "Multi-GPU").
+    Off, a multi-device step is still correct: XLA all-gathers around the kernels and every device
+    computes all rows (760M FoX (Pro) at 16k: 64 % weak-scaling efficiency on 2 H200s).
+    """
+    flag = os.environ.get(SHARD_KERNELS_ENV)
+    if flag is not None and flag.strip() != "":
+        if flag.strip() not in ("0", "1"):
+            raise ValueError(f"{SHARD_KERNELS_ENV} must be 0 or 1, got {flag!r}")
+        return flag.strip() == "1"
+    return jax.default_backend() != "gpu"
+
+
 def _ambient_mesh():
-    """The mesh set with ``jax.set_mesh`` when it spans several devices and we are not already inside a
-    ``shard_map`` (manual axes); else None."""
+    """The mesh set with ``jax.set_mesh`` when it spans several devices, kernel sharding is enabled and
+    we are not already inside a ``shard_map`` (manual axes); else None."""
+    if not kernel_sharding_enabled():
+        return None
     get = getattr(jax.sharding, "get_abstract_mesh", None)
     mesh = get() if get is not None else None
     if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
@@ -99,7 +130,7 @@ def _per_shard(mesh, q, k, v, log_fgate, kwargs):
     if bax is None and hax is None:
         return _attention(q, k, v, log_fgate, **kwargs)  # nothing divides: XLA replicates the call
     if log_fgate is None:
-        log_fgate = jnp.zeros((b, tk, h), jnp.float32)
+        log_fgate = _no_forgetting(b, tk, h)
     thr = kwargs.pop("adaptive_threshold")
     arrays = dict(log_fgate=(log_fgate, P(bax, None, hax)))
     if thr is not None and not isinstance(thr, (str, float, int)):
@@ -168,7 +199,8 @@ def forgetting_attention(
     ``tensor`` (each where it divides B, resp. H and Hkv) — since a ``pallas_call`` is opaque to the SPMD
     partitioner, which would all-gather its inputs and compute every shard on every device. The other
     implementations are partitioned by XLA. ``fox_jax.ops.pallas.sharded_attention`` does the same for an
-    explicit mesh and axis names.
+    explicit mesh and axis names. Off by default on GPU (an XLA crash compiling the backward kernels
+    under ``shard_map``): see ``kernel_sharding_enabled``.
 
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_fgate.
@@ -199,7 +231,7 @@ def _attention(q, k, v, log_fgate, *, sm_scale, seq_start, segment_ids, adaptive
     if impl == "cudnn":
         return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
     if log_fgate is None:
-        log_fgate = jnp.zeros((b, tk, h), jnp.float32)
+        log_fgate = _no_forgetting(b, tk, h)
     delta = acp_lib.resolve_threshold(adaptive_threshold, q, k, scale, log_epsilon)
     if seq_start is not None:
         seq_start = seq_start.astype(jnp.int32)
