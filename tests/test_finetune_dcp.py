@@ -206,3 +206,147 @@ def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(corpus, tmp_
     assert "q_int" not in params["h_0"]["attn"]
     saved = json.loads((workdir / "finetune_config.json").read_text())
     assert saved["dcp"] is False and saved["init_config"]["n_embd"] == 64 and saved["lr_decay"] == "cosine"
+
+
+# --from-run: a FoX run of ``fox-jax train`` as the pretrained model ----------------------------------------
+
+LM_STEPS = 6
+LM_SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def fox_run(corpus, tmp_path_factory):
+    """A tiny FoX (LLaMA) run of the trainer (byte tokenizer, 2 steps) on the corpus fixture's text; ACP on
+    (a float threshold) so that the conversion must turn it off."""
+    from train import config as config_lib, trainer
+
+    cfg = config_lib.apply_overrides(config_lib.preset("tiny"), [
+        f"data.train={corpus / 'train'}", f"data.val={corpus / 'val'}", f"data.seq_len={LM_SEQ}",
+        "model.n_layers=2", "model.d_model=32", "model.n_heads=2", "model.attention_block=16",
+        "model.adaptive_threshold=-30.0", "steps=2", "batch_size=4", "log_every=1", "eval_every=0",
+        "ckpt_every=0", "eval_batches=1", "optim.warmup_steps=1", "async_checkpoints=false"])
+    workdir = tmp_path_factory.mktemp("fox") / "run"
+    trainer.train(cfg, str(workdir), progress=False)
+    return workdir
+
+
+def lm_argv(run, workdir, *extra):
+    # no --data / --tokenizer / --seq-len: the run's text, byte tokenizer and seq_len
+    return ["finetune-dcp", "--workdir", str(workdir), "--from-run", str(run), "--batch-size", "4", "--log-every",
+            "1", "--eval-every", "3", "--eval-batches", "2", "--gamma", "5", "--interaction-lr", "0.3",
+            "--interaction-dim", "16", "--alpha-steps", str(LM_STEPS), "--warmup-steps", "1", "--no-progress",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def lm_full_run(fox_run, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("runs") / "lm_full"
+    assert cli.main(lm_argv(fox_run, workdir, "--steps", str(LM_STEPS))) == 0
+    return workdir
+
+
+def test_from_run_metrics_and_sparsity(lm_full_run, fox_run):
+    rows = read_rows(lm_full_run)
+    assert sorted(rows) == list(range(LM_STEPS + 1))
+    assert [s for s in rows if "val_loss" in rows[s]] == [0, 3, 6]
+    assert rows[0]["val_sparsity"] == 0.0  # β = 2 keeps every pair at the start
+    schedule = cosine_alpha_schedule(1.0, 8.0, LM_STEPS)
+    for s in range(1, LM_STEPS + 1):
+        r = rows[s]
+        assert {"loss", "ce", "sparsity_loss", "sparsity", "sparsity_layer_0", "sparsity_layer_1", "alpha",
+                "lr", "grad_norm", "beta_mean"} <= set(r)
+        assert all(np.isfinite(r[k]) for k in ("loss", "ce", "sparsity", "alpha", "beta_mean", "grad_norm")), r
+        assert r["alpha"] == pytest.approx(float(schedule(s - 1)))
+        assert r["loss"] == pytest.approx(r["ce"] + r["sparsity_loss"], rel=1e-5)
+    assert rows[1]["beta_mean"] == pytest.approx(2.0)  # the update of step 1 has lr 0 (warmup)
+    assert rows[LM_STEPS]["beta_mean"] < rows[1]["beta_mean"]
+    assert rows[LM_STEPS]["sparsity"] > 0.05 and rows[LM_STEPS]["val_sparsity"] > 0.05
+    saved = json.loads((lm_full_run / "finetune_config.json").read_text())
+    assert saved["from_run"] == str(fox_run) and saved["from_step"] == 2 and saved["hf_gpt2"] == ""
+    assert saved["data"]["seq_len"] == LM_SEQ and saved["data"]["tokenizer"] == "bytes"  # the run's
+    model_cfg = json.loads((lm_full_run / "model_config.json").read_text())
+    assert model_cfg["model_type"] == "lm" and model_cfg["dcp"] is True
+    assert model_cfg["adaptive_threshold"] is None and model_cfg["interaction_dim"] == 16
+    assert not (lm_full_run / "hf").exists()  # no HF export for FoX/Transformer
+
+
+def _flat(tree):
+    return {jax.tree_util.keystr(k): np.asarray(v) for k, v in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, tmp_path, capsys):
+    from fox_jax.config import ModelConfig
+    from train import config as config_lib
+    from train.evaluate import load_params
+
+    exp = config_lib.load_json(fox_run / "config.json")
+    src, src_step = load_params(str(fox_run), exp)
+    assert src_step == 2
+    workdir = tmp_path / "lm_resumed"
+    assert cli.main(lm_argv(fox_run, workdir, "--steps", "1")) == 0
+    # step 1 ran with lr 0 (warmup from 0): its checkpoint holds the fine-tuning's initial params
+    cfg, params, step, ft = finetune_dcp.load_finetuned(str(workdir))
+    assert isinstance(cfg, ModelConfig) and cfg.dcp and step == 1 and ft.from_run == str(fox_run)
+    flat = _flat(params)
+    dense = {k: v for k, v in flat.items() if not any(n in k for n in finetune_dcp.INTERACTION_PARAMS)}
+    src_flat = _flat(src)
+    assert dense.keys() == src_flat.keys()
+    for k, v in src_flat.items():
+        np.testing.assert_array_equal(dense[k], v, err_msg=k)
+    assert flat["['layers_1']['attn']['q_int']['kernel']"].shape == (32, 16)
+    assert float(flat["['layers_0']['attn']['beta']"]) == 2.0
+    dense_cfg, dense_params, _, _ = finetune_dcp.load_finetuned(str(workdir), dcp=False)
+    assert not dense_cfg.dcp and _flat(dense_params).keys() == src_flat.keys()
+    assert "no Hugging Face export" in capsys.readouterr().out
+    # continue to the end: the same losses as the uninterrupted run
+    assert cli.main(["finetune-dcp", "--workdir", str(workdir), "--resume", "--steps", str(LM_STEPS),
+                     "--no-progress"]) == 0
+    full, resumed = read_rows(lm_full_run), read_rows(workdir)
+    assert sorted(resumed) == sorted(full)
+    for s in range(1, LM_STEPS + 1):
+        assert resumed[s]["loss"] == full[s]["loss"] and resumed[s]["beta_mean"] == full[s]["beta_mean"], s
+    assert resumed[LM_STEPS]["val_loss"] == full[LM_STEPS]["val_loss"]
+
+
+def test_from_run_cli_errors(fox_run, tmp_path, capsys):
+    hf_dir = tmp_path / "hf"  # never read: both errors come before it is opened
+    with pytest.raises(SystemExit) as e:  # argparse's mutually exclusive group
+        cli.main(["finetune-dcp", "--workdir", str(tmp_path / "a"), "--hf-gpt2", str(hf_dir), "--from-run",
+                  str(fox_run)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--from-run" in err and "--hf-gpt2" in err and "not allowed" in err
+    cases = [
+        (lm_argv(fox_run, tmp_path / "b", "--tokenizer", str(GPT2_TOKENIZER)), "--tokenizer"),
+        (lm_argv(tmp_path / "nope", tmp_path / "c"), "--from-run"),
+        (lm_argv(fox_run, tmp_path / "d", "--from-step", "7"), "--from-step 7"),
+        (["finetune-dcp", "--workdir", str(tmp_path / "e"), "--hf-gpt2", str(hf_dir), "--from-step", "1"],
+         "--from-step"),
+    ]
+    for args, needle in cases:
+        assert cli.main(args) == 2, args
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err, err
+    with pytest.raises(ValueError, match="mutually exclusive"):
+        finetune_dcp.FinetuneConfig(hf_gpt2="x", from_run="y").validate()
+
+
+def test_zeroshot_on_a_from_run_model(lm_full_run):
+    eval_dir = SHARED / "eval"
+    if not eval_dir.is_dir():
+        pytest.skip("../shared/data/eval is absent")
+    for extra, name in (([], "zeroshot.json"), (["--dcp"], "zeroshot_dcp.json")):
+        assert cli.main(["zeroshot", "--workdir", str(lm_full_run), "--tasks", "copa", "--limit", "2",
+                         "--eval-dir", str(eval_dir), "--no-progress", "--batch-size", "4", *extra]) == 0
+        report = json.loads((lm_full_run / "eval" / name).read_text())
+        assert report["model"] == "fox-llama" and report["step"] == LM_STEPS and report["max_length"] == LM_SEQ
+        assert report["results"]["copa"]["n"] == 2 and report["dcp"] is bool(extra)
+        assert ("sparsity" in report["results"]["copa"]) == bool(extra)
+
+
+def test_dcp_eval_refuses_a_from_run_model_clearly(lm_full_run):
+    """dcp-eval's fixed-pattern baselines are GPT-2 only: a FoX fine-tuning run gets a one-line reason."""
+    from train import dcp_eval
+
+    with pytest.raises(ValueError, match="from-run"):
+        dcp_eval.load_run(str(lm_full_run))

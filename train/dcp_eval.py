@@ -152,6 +152,11 @@ def load_run(path: str, *, dtype: str = "float32") -> EvalModel:
     name = os.path.basename(path.rstrip(os.sep))
     hf_sub = os.path.join(path, "hf")
     if os.path.isfile(os.path.join(path, finetune_dcp.CONFIG_NAME)):       # a finetune-dcp run
+        if (os.path.isfile(os.path.join(path, finetune_dcp.MODEL_CONFIG_NAME))
+                and finetune_dcp.model_type(finetune_dcp.load_model_config(path)) != "gpt2"):
+            raise ValueError(f"--runs {path}: a DCP fine-tuning of a FoX/Transformer run (--from-run); dcp-eval "
+                             "compares GPT-2 models against their fixed-pattern baselines only — score it with "
+                             "'fox-jax zeroshot --workdir RUN --dcp' or its own validation in metrics.jsonl")
         info = _run_info(path)
         if _is_hf_dir(hf_sub) and os.path.isfile(os.path.join(hf_sub, DCP_NAME)):
             cfg, params = load_hf_gpt2(hf_sub, dcp=True, dtype=dtype)

@@ -1,9 +1,24 @@
-"""``fox-jax finetune-dcp``: Dynamic Context Pruning fine-tuning of a pretrained Hugging Face GPT-2.
+"""``fox-jax finetune-dcp``: Dynamic Context Pruning fine-tuning of a pretrained GPT-2 or FoX/Transformer.
+
+Two sources of the pretrained model (exactly one):
+
+* ``--hf-gpt2 DIR``: a Hugging Face GPT-2 directory (``fox_jax.models.gpt2.GPT2``; the reference setup).
+* ``--from-run RUN_DIR`` (optional ``--from-step N``, default the latest checkpoint): a run of
+  ``fox-jax train`` (``config.json`` + orbax checkpoints): FoX or Transformer, any arch
+  (``fox_jax.models.lm.LanguageModel``). Its params are restored, ``fox_jax.models.lm.add_dcp_params``
+  adds the interaction params, and ACP (``adaptive_threshold``) is turned off (DCP cannot be combined
+  with it; logged). The data use the run's tokenizer unless ``--tokenizer`` is given, and by default the
+  run's training / validation text and ``seq_len``. There is no Hugging Face export: the fine-tuned model
+  lives in ``<workdir>/checkpoints`` (read it with ``load_finetuned``; the source run is not modified).
+
+Everything else (loss, α schedule, optimizer, metrics, evaluation, checkpoints, exact resume) is the same
+for both.
 
 The recipe of the reference code (specs/dcp.md §4), as defaults:
 
-* model: the HF GPT-2 of ``--hf-gpt2`` plus fresh interaction parameters per layer (q_int, k_int
-  [d, r] ~ N(0, 0.02), β = 2.0; r = 64). **All** parameters train; dropout 0; float32.
+* model: the pretrained model plus fresh interaction parameters per layer (q_int, k_int
+  [d, r] ~ N(0, 0.02), β = 2.0; r = 64). **All** parameters train; dropout 0; float32 (``--dtype``
+  sets the compute dtype of the trunk, also for ``--from-run`` models).
 * loss: CE + γ·(sparsity term). γ = 0.3 in the **reference code's normalisation**
   (``--gamma-normalization code``, the default): the code takes γ·mean(I) over the whole (T−1)×T slice,
   whose diagonal and upper triangle are constant ones, so it equals γ·[(T−2)/(2T)·m + const] where m is
@@ -21,9 +36,10 @@ The recipe of the reference code (specs/dcp.md §4), as defaults:
   ones). Gradient clipping at global norm 1.0 (the code's default is no clipping: pass
   ``--clip-norm 0`` for that). ``--interaction-lr`` optionally gives q_int, k_int and β their own
   learning rate (the update of those leaves is scaled by interaction_lr / lr).
-* data: the grain pipeline of ``train.data`` (``--data``, ``--val-data``, a GPT-2 ``--tokenizer``),
-  packed windows of ``seq_len`` ≤ n_positions tokens (default n_positions) with per-document positions
-  and segment ids; batch 6 (the README's).
+* data: the grain pipeline of ``train.data`` (``--data``, ``--val-data``, ``--tokenizer``: GPT-2's for
+  ``--hf-gpt2``, the run's by default for ``--from-run``), packed windows of ``seq_len`` tokens with
+  per-document positions and segment ids (GPT-2: ≤ n_positions, default n_positions; ``--from-run``:
+  default the run's seq_len); batch 6 (the README's).
 
 Validation (every ``eval_every`` steps and at the end): cross-entropy / perplexity with the **inference
 step mask α = ∞**, and the pair sparsity it produces (fraction of causal pairs dropped, specs/dcp.md §3.2)
@@ -32,14 +48,16 @@ floor, ≈ 0 while α ≈ 1).
 
 Run directory::
 
-    finetune_config.json   the FinetuneConfig (resolved warmup / alpha_steps)
-    model_config.json      the GPT2Config with DCP (rebuilds the parameter structure on resume)
+    finetune_config.json   the FinetuneConfig (resolved warmup / alpha_steps / from_step)
+    model_config.json      the model config with DCP plus ``model_type``: "gpt2" (a GPT2Config) or "lm"
+                           (a ModelConfig); rebuilds the parameter structure on resume (files written
+                           before ``model_type`` existed are GPT-2)
     checkpoints/<step>/    orbax: TrainState (step, params, AdamW state, rng) + data-iterator position
     metrics.jsonl, tb/     per step: loss, ce, sparsity_loss, sparsity, sparsity_layer_{i}, alpha, lr,
                            grad_norm, beta_mean, tokens_per_sec; at evaluations val_loss, val_ppl,
                            val_sparsity, val_sparsity_layer_{i}
-    hf/                    the final model: save_hf_gpt2 (model.safetensors + dcp_interaction.safetensors)
-                           plus the tokenizer files
+    hf/                    GPT-2 only: the final model, save_hf_gpt2 (model.safetensors +
+                           dcp_interaction.safetensors) plus the tokenizer files
 
 ``--resume`` continues exactly (same batches, same optimizer state); only ``steps`` and the
 logging / evaluation / checkpoint intervals may change.
@@ -62,11 +80,13 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from fox_jax.config import ModelConfig
 from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
+from fox_jax.models.lm import LanguageModel, add_dcp_params, init_params
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from train import data as data_lib
-from train.checkpoints import Checkpointer, restore_run
+from train.checkpoints import Checkpointer, CheckpointError, restore_run
 from train.config import DataConfig
 from train.metrics import MetricWriter
 from train.trainer import TrainState, weight_decay_mask
@@ -75,6 +95,7 @@ CONFIG_NAME = "finetune_config.json"
 MODEL_CONFIG_NAME = "model_config.json"
 INTERACTION_PARAMS = ("q_int", "k_int", "beta")
 GAMMA_NORMALIZATIONS = ("code", "causal")
+MODEL_TYPES = ("gpt2", "lm")  # model_config.json's model_type: GPT2Config / GPT2, ModelConfig / LanguageModel
 LR_DECAYS = ("constant", "cosine")
 
 
@@ -83,8 +104,13 @@ class FinetuneConfig:
     """A DCP fine-tuning run (defaults: the reference recipe, specs/dcp.md §4; see the module docstring).
 
     Attributes:
-      hf_gpt2: the pretrained HF GPT-2 directory.
-      data: ``DataConfig`` (tokenizer must be GPT-2's; ``seq_len`` 0 = the model's n_positions).
+      hf_gpt2: the pretrained HF GPT-2 directory (exclusive with ``from_run``).
+      from_run: a ``fox-jax train`` run directory (FoX / Transformer ``LanguageModel``) to start from
+        (exclusive with ``hf_gpt2``).
+      from_step: checkpoint step of ``from_run`` (None = its latest; the step used is stored here).
+      data: ``DataConfig`` (``--hf-gpt2``: the tokenizer must be GPT-2's; ``--from-run``: a tokenizer of at
+        most the run's vocabulary, "" = the run's). ``seq_len`` 0 = the model's n_positions (GPT-2) or
+        the run's seq_len (``from_run``).
       steps, batch_size: optimizer steps and sequences per step.
       lr, warmup_steps (None = min(2000, ceil(0.08·steps))), weight_decay, b1, b2, eps, clip_norm
         (0 = off): AdamW, linear warmup then constant.
@@ -92,13 +118,16 @@ class FinetuneConfig:
       gamma, gamma_normalization: sparsity strength and its normalisation ("code" or "causal").
       interaction_dim, beta_init: r and β₀ of the fresh interaction parameters.
       alpha_init, alpha_final, alpha_steps (None = steps): the cosine α schedule.
-      dtype: compute dtype of the GPT-2 trunk ("float32" as the code; the mask is float32 always).
-      remat: rematerialise blocks in the backward pass.
+      dtype: compute dtype of the trunk ("float32" as the code; the mask is float32 always).
+      remat: rematerialise blocks in the backward pass (``from_run``: remat "full"; False keeps the
+        run's own policy).
       seed: seed of the interaction-parameter init (the data order has its own ``data.seed``).
       log_every, eval_every, eval_batches, ckpt_every, keep_checkpoints, async_checkpoints: the loop.
     """
 
     hf_gpt2: str = ""
+    from_run: str = ""
+    from_step: int | None = None
     data: DataConfig = DataConfig(seq_len=0)
     steps: int = 25000
     batch_size: int = 6
@@ -160,6 +189,14 @@ class FinetuneConfig:
             (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
             (self.init_config is None or isinstance(self.init_config, dict),
              f"init_config must be None or a dict of GPT2Config fields, got {self.init_config!r}"),
+            (not (self.hf_gpt2 and self.from_run),
+             "--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model"),
+            (not (self.init_config is not None and self.from_run),
+             "--from-run cannot be combined with a random init (init_config)"),
+            (self.from_step is None or self.from_run,
+             "--from-step needs --from-run (the checkpoint step of that run)"),
+            (self.from_step is None or self.from_step >= 0, f"--from-step must be >= 0, got {self.from_step}"),
+            (self.from_run == "" or self.dcp, "--from-run is for DCP fine-tuning (dcp=True)"),
             (self.data.seq_len == 0 or self.data.seq_len >= 3,
              f"seq_len must be at least 3 (the sparsity loss needs causal pairs), got {self.data.seq_len}"),
         ]
@@ -206,13 +243,138 @@ def _write_json(obj: dict, path: str) -> None:
         f.write("\n")
 
 
-def load_model_config(workdir: str) -> GPT2Config:
-    """The ``GPT2Config`` (with DCP) saved in a run. Raises FileNotFoundError when absent."""
+def load_model_config(workdir: str) -> GPT2Config | ModelConfig:
+    """The model config (with DCP) saved in a run: a ``GPT2Config`` (``model_type`` "gpt2", or no
+    ``model_type``: files written before it existed) or a ``ModelConfig`` (``model_type`` "lm").
+
+    Raises:
+      FileNotFoundError: no ``model_config.json``. ValueError: an unknown ``model_type`` or bad fields.
+    """
     path = os.path.join(workdir, MODEL_CONFIG_NAME)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
     with open(path) as f:
-        return GPT2Config(**json.load(f))
+        d = json.load(f)
+    model_type = d.pop("model_type", "gpt2")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"{path}: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
+    return GPT2Config(**d) if model_type == "gpt2" else ModelConfig(**d)
+
+
+def save_model_config(model_cfg: GPT2Config | ModelConfig, workdir: str) -> None:
+    """Write ``model_config.json``: the config's fields plus ``model_type`` ("gpt2" / "lm")."""
+    _write_json({"model_type": model_type(model_cfg), **dataclasses.asdict(model_cfg)},
+                os.path.join(workdir, MODEL_CONFIG_NAME))
+
+
+# The two model families -----------------------------------------------------------------------------
+# GPT2Config / GPT2 (params h_{i}/attn/..., n_layer, n_embd, n_positions, remat: bool) and
+# ModelConfig / LanguageModel (params layers_{i}/attn/..., n_layers, d_model, no position limit,
+# remat: "none" | "full" | "dots"). Both keep q_int, k_int and beta under <layer>/attn.
+
+def model_type(model_cfg: GPT2Config | ModelConfig) -> str:
+    """"lm" for a ``ModelConfig``, "gpt2" for a ``GPT2Config``."""
+    return "lm" if isinstance(model_cfg, ModelConfig) else "gpt2"
+
+
+def n_layers(model_cfg: GPT2Config | ModelConfig) -> int:
+    """Number of attention layers."""
+    return model_cfg.n_layers if isinstance(model_cfg, ModelConfig) else model_cfg.n_layer
+
+
+def layer_name(model_cfg: GPT2Config | ModelConfig, i: int) -> str:
+    """The params key of layer ``i``: ``layers_{i}`` (LanguageModel) or ``h_{i}`` (GPT-2)."""
+    return f"layers_{i}" if isinstance(model_cfg, ModelConfig) else f"h_{i}"
+
+
+def build_model(model_cfg: GPT2Config | ModelConfig):
+    """``LanguageModel(model_cfg)`` or ``GPT2(model_cfg)``."""
+    return LanguageModel(model_cfg) if isinstance(model_cfg, ModelConfig) else GPT2(model_cfg)
+
+
+def init_model_params(model_cfg: GPT2Config | ModelConfig, rng: jax.Array):
+    """Fresh float32 params of either family (used under ``jax.eval_shape`` for restore targets)."""
+    if isinstance(model_cfg, ModelConfig):
+        return init_params(model_cfg, rng)
+    return init_gpt2(model_cfg, rng)
+
+
+def without_remat(model_cfg: GPT2Config | ModelConfig):
+    """The config with rematerialisation off (inference / export)."""
+    return model_cfg.replace(remat="none" if isinstance(model_cfg, ModelConfig) else False)
+
+
+def _config_of(model) -> GPT2Config | ModelConfig:
+    return model.cfg if isinstance(model, LanguageModel) else model.config
+
+
+def check_source_run(run_dir: str) -> str:
+    """The ``config.json`` path of a ``fox-jax train`` run directory.
+
+    Raises:
+      FileNotFoundError: no such directory, or no ``config.json`` in it.
+      ValueError: a finetune-dcp run directory.
+    """
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"--from-run {run_dir}: no such directory")
+    if os.path.isfile(os.path.join(run_dir, CONFIG_NAME)):
+        raise ValueError(f"--from-run {run_dir} is a 'fox-jax finetune-dcp' run; --from-run takes a 'fox-jax train' "
+                         "run (continue a finetune-dcp run with --workdir DIR --resume)")
+    cfg_path = os.path.join(run_dir, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise FileNotFoundError(f"--from-run {run_dir}: no config.json; expected a run directory written by "
+                                "'fox-jax train' (for a Hugging Face GPT-2 use --hf-gpt2)")
+    return cfg_path
+
+
+def load_source_run(run_dir: str, step: int | None = None):
+    """Restore the params of a ``fox-jax train`` run (FoX / Transformer ``LanguageModel``).
+
+    Args:
+      run_dir: the run directory (``config.json`` + ``checkpoints/``).
+      step: checkpoint step (None: the latest).
+
+    Returns:
+      (ExperimentConfig of the run, float32 params pytree ``layers_{i}/...``, the restored step).
+
+    Raises:
+      FileNotFoundError: no such directory, or no ``config.json`` in it.
+      ValueError: a finetune-dcp run, or a model that already has DCP.
+      CheckpointError: no checkpoint (for ``step``), or an unreadable / mismatched one.
+    """
+    from train import config as config_lib
+    from train.evaluate import load_params
+
+    exp = config_lib.load_json(check_source_run(run_dir))
+    if exp.model.dcp:
+        raise ValueError(f"--from-run {run_dir}: the run's model already has DCP (model.dcp=True); "
+                         "finetune-dcp adds DCP to a dense FoX/Transformer run")
+    try:
+        params, restored = load_params(run_dir, exp, step)
+    except CheckpointError as e:
+        flag = "--from-run" if step is None else f"--from-run/--from-step {step}"
+        raise CheckpointError(f"{flag}: {e}") from None
+    return exp, params, restored
+
+
+def convert_to_dcp(model_cfg: ModelConfig, params, cfg: "FinetuneConfig") -> tuple[ModelConfig, Any]:
+    """A dense ``LanguageModel`` (config, params) → its DCP version for fine-tuning.
+
+    ACP is turned off (``adaptive_threshold=None``, logged), the compute dtype becomes ``cfg.dtype``,
+    remat becomes "full" when ``cfg.remat`` (else the run's own policy), and ``add_dcp_params`` adds
+    q_int, k_int [d, r] float32 ~ N(0, init_std) and β = ``cfg.beta_init`` to every layer (r =
+    ``cfg.interaction_dim``, PRNG key ``cfg.seed``). The dense params are kept unchanged.
+
+    Raises:
+      ValueError: via ``add_dcp_params`` / ``ModelConfig`` (bad r or β₀).
+    """
+    if model_cfg.adaptive_threshold is not None:
+        _log(f"--from-run: turning ACP off (adaptive_threshold={model_cfg.adaptive_threshold!r} -> None): "
+             "DCP cannot be combined with ACP block pruning")
+        model_cfg = model_cfg.replace(adaptive_threshold=None)
+    model_cfg = model_cfg.replace(dtype=cfg.dtype, remat="full" if cfg.remat else model_cfg.remat)
+    return add_dcp_params(model_cfg, params, jax.random.PRNGKey(cfg.seed), interaction_dim=cfg.interaction_dim,
+                          beta_init=cfg.beta_init)
 
 
 # Loss, optimizer, steps ---------------------------------------------------------------------------
@@ -265,19 +427,25 @@ def _model_inputs(batch):
     return dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
 
 
-def make_train_step(model: GPT2, optimizer, gamma_eff: float):
+def make_train_step(model: GPT2 | LanguageModel, optimizer, gamma_eff: float):
     """``(state, batch, alpha) -> (state, metrics)``; ``alpha`` a float32 scalar (traced: no recompile).
+
+    ``model``: a ``GPT2`` or a ``LanguageModel`` (both return ``(logits, aux)`` with DCP).
 
     metrics: loss, ce, sparsity_loss (γ_eff·mean causal keep probability), keep_mean, sparsity (mean of
     the per-layer floored-pair fraction), sparsity_layers [L], grad_norm, beta_mean.
     """
 
+    model_cfg = _config_of(model)
+    dcp, n_layer = model_cfg.dcp, n_layers(model_cfg)
+    layer_names = [layer_name(model_cfg, i) for i in range(n_layer)]
+
     def loss_fn(params, batch, alpha):
         logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
-        if not model.config.dcp:  # dense pretraining: no mask, nothing dropped
+        if not dcp:  # dense pretraining: no mask, nothing dropped
             zero = jnp.zeros((), jnp.float32)
-            return ce, (ce, zero, jnp.ones((), jnp.float32), jnp.zeros((model.config.n_layer,), jnp.float32))
+            return ce, (ce, zero, jnp.ones((), jnp.float32), jnp.zeros((n_layer,), jnp.float32))
         keep_mean = aux["sparsity_loss"]
         sp_loss = gamma_eff * keep_mean
         return ce + sp_loss, (ce, sp_loss, keep_mean, aux["sparsity"])
@@ -288,7 +456,7 @@ def make_train_step(model: GPT2, optimizer, gamma_eff: float):
         (loss, (ce, sp_loss, keep_mean, sp_layers)), grads = grad_fn(state.params, batch, alpha)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        betas = [params[f"h_{i}"]["attn"].get("beta", jnp.full((), jnp.nan)) for i in range(model.config.n_layer)]
+        betas = [params[name]["attn"].get("beta", jnp.full((), jnp.nan)) for name in layer_names]
         metrics = {"loss": loss, "ce": ce, "sparsity_loss": sp_loss, "keep_mean": keep_mean,
                    "sparsity": jnp.mean(sp_layers), "sparsity_layers": sp_layers,
                    "grad_norm": optax.tree.norm(grads), "beta_mean": jnp.mean(jnp.stack(betas))}
@@ -297,14 +465,17 @@ def make_train_step(model: GPT2, optimizer, gamma_eff: float):
     return step_fn
 
 
-def make_eval_step(model: GPT2):
-    """``(params, batch) -> (CE sum, tokens, per-layer sparsity [L])`` with the step mask α = ∞."""
+def make_eval_step(model: GPT2 | LanguageModel):
+    """``(params, batch) -> (CE sum, tokens, per-layer sparsity [L])`` with the step mask α = ∞
+    (``model``: ``GPT2``, or a DCP ``LanguageModel``)."""
+    model_cfg = _config_of(model)
+    dcp, n_layer = model_cfg.dcp, n_layers(model_cfg)
 
     def eval_fn(params, batch):
-        alpha = float("inf") if model.config.dcp else None
+        alpha = float("inf") if dcp else None
         logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
         losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        sp = aux["sparsity"] if model.config.dcp else jnp.zeros((model.config.n_layer,), jnp.float32)
+        sp = aux["sparsity"] if dcp else jnp.zeros((n_layer,), jnp.float32)
         return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32), sp
 
     return eval_fn
@@ -349,10 +520,22 @@ def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
 
 @dataclasses.dataclass
 class FinetuneResult:
+    """What ``finetune`` returns.
+
+    Attributes:
+      workdir: the run directory.
+      final_step: the last optimizer step.
+      val: the final validation metrics (None when no evaluation ran).
+      hf_dir: the Hugging Face export (GPT-2), or None for a ``--from-run`` LanguageModel, whose
+        fine-tuned model lives in ``<workdir>/checkpoints`` (``load_finetuned``).
+      model_type: "gpt2" or "lm".
+    """
+
     workdir: str
     final_step: int
     val: dict[str, float] | None
-    hf_dir: str
+    hf_dir: str | None
+    model_type: str = "gpt2"
 
 
 def _check_resume(saved: FinetuneConfig, given: FinetuneConfig) -> None:
@@ -364,16 +547,20 @@ def _check_resume(saved: FinetuneConfig, given: FinetuneConfig) -> None:
 
 
 def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progress: bool = True) -> FinetuneResult:
-    """DCP fine-tuning of ``cfg.hf_gpt2`` in ``workdir`` (see the module docstring).
+    """DCP fine-tuning of ``cfg.hf_gpt2`` (GPT-2) or ``cfg.from_run`` (a FoX / Transformer run of
+    ``fox-jax train``) in ``workdir`` (see the module docstring).
 
     A workdir with checkpoints is only continued with ``resume=True``; the saved config then wins except
     for ``RESUMABLE`` fields, which are taken from ``cfg``. ``cfg`` may leave ``warmup_steps`` /
-    ``alpha_steps`` None; they are resolved from ``steps`` on a fresh start.
+    ``alpha_steps`` None; they are resolved from ``steps`` on a fresh start, as ``from_step`` (the
+    run's latest checkpoint) and, for ``from_run``, ``data.seq_len`` 0 (the run's seq_len) and
+    ``data.tokenizer`` "" (the run's tokenizer).
 
     Raises:
       FileExistsError: checkpoints exist and ``resume`` is False.
-      FileNotFoundError / ValueError: bad HF directory, data or config (seq_len > n_positions, a
-        tokenizer larger than the model's vocabulary, a resume with changed settings).
+      FileNotFoundError / ValueError: bad HF directory or run directory, data or config (seq_len >
+        n_positions, a tokenizer larger than the model's vocabulary, both or neither of hf_gpt2 /
+        from_run, a resume with changed settings).
       CheckpointError: an unreadable or mismatched checkpoint.
       FloatingPointError: the loss became NaN/inf.
     """
@@ -387,42 +574,58 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
         saved = load_config(workdir)
         given = dataclasses.replace(cfg, warmup_steps=cfg.warmup_steps if cfg.warmup_steps is not None
                                     else saved.warmup_steps,
-                                    alpha_steps=cfg.alpha_steps if cfg.alpha_steps is not None else saved.alpha_steps)
+                                    alpha_steps=cfg.alpha_steps if cfg.alpha_steps is not None else saved.alpha_steps,
+                                    from_step=cfg.from_step if cfg.from_step is not None else saved.from_step)
         _check_resume(saved, given)
         cfg = dataclasses.replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE})
         model_cfg = load_model_config(workdir)
         params = None
     else:
         cfg = cfg.validate().resolved()
-        if cfg.init_config is not None:
+        if cfg.from_run:
+            exp, src_params, src_step = load_source_run(cfg.from_run, cfg.from_step)
+            _log(f"restored {cfg.from_run} at step {src_step} ({exp.model.arch}, {exp.model.n_layers} layers, "
+                 f"d={exp.model.d_model}, vocab {exp.model.vocab_size}, tokenizer {exp.data.tokenizer})")
+            data = cfg.data
+            if not data.tokenizer:
+                data = dataclasses.replace(data, tokenizer=exp.data.tokenizer)
+            if data.seq_len == 0:
+                data = dataclasses.replace(data, seq_len=exp.data.seq_len)
+            cfg = dataclasses.replace(cfg, from_step=src_step, data=data)
+            model_cfg, params = convert_to_dcp(exp.model, src_params, cfg)
+        elif cfg.init_config is not None:
             model_cfg = GPT2Config(**{**cfg.init_config, "dcp": cfg.dcp, "interaction_dim": cfg.interaction_dim,
                                       "beta_init": cfg.beta_init, "dtype": cfg.dtype, "remat": cfg.remat})
             params = init_gpt2(model_cfg, jax.random.PRNGKey(cfg.seed))
         elif not cfg.hf_gpt2:
-            raise ValueError("--hf-gpt2 is required: the pretrained GPT-2 directory to fine-tune")
+            raise ValueError("--hf-gpt2 or --from-run is required: the pretrained model to fine-tune")
         else:
             model_cfg, params = load_hf_gpt2(cfg.hf_gpt2, dcp=cfg.dcp, rng=jax.random.PRNGKey(cfg.seed),
                                              interaction_dim=cfg.interaction_dim, beta_init=cfg.beta_init,
                                              dtype=cfg.dtype, remat=cfg.remat)
     cfg.validate()
-    if cfg.data.seq_len == 0:
+    is_lm = isinstance(model_cfg, ModelConfig)
+    if cfg.data.seq_len == 0:  # GPT-2 only: a from_run seq_len was resolved above
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=model_cfg.n_positions))
     seq_len = cfg.data.seq_len
-    if seq_len > model_cfg.n_positions:
+    if not is_lm and seq_len > model_cfg.n_positions:
         raise ValueError(f"seq_len {seq_len} exceeds the model's n_positions={model_cfg.n_positions} "
                          "(GPT-2 has learned absolute positions)")
 
     corpus = data_lib.load_corpus(cfg.data)
     if corpus.tokenizer.vocab_size > model_cfg.vocab_size:
+        if is_lm:
+            raise ValueError(f"--tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} ids but the "
+                             f"--from-run model only {model_cfg.vocab_size}; drop --tokenizer to use the run's own")
         raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only "
                          f"{model_cfg.vocab_size}; pass the GPT-2 --tokenizer")
     os.makedirs(workdir, exist_ok=True)
     _write_json(config_to_dict(cfg), os.path.join(workdir, CONFIG_NAME))
-    _write_json(dataclasses.asdict(model_cfg), os.path.join(workdir, MODEL_CONFIG_NAME))
+    save_model_config(model_cfg, workdir)
 
-    model = GPT2(model_cfg)
+    model = build_model(model_cfg)
     if params is None:
-        params = jax.eval_shape(lambda: init_gpt2(model_cfg, jax.random.PRNGKey(0)))
+        params = jax.eval_shape(lambda: init_model_params(model_cfg, jax.random.PRNGKey(0)))
     optimizer = make_optimizer(cfg, params)
     lr_schedule = make_lr_schedule(cfg)
     alpha_schedule = cosine_alpha_schedule(cfg.alpha_init, cfg.alpha_final, cfg.alpha_steps)
@@ -449,11 +652,13 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
     eval_fn = jax.jit(make_eval_step(model))
     val_batches = data_lib.make_val_batches(corpus, cfg.batch_size, cfg.eval_batches)
     n_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(state.params))
-    what = (f"DCP fine-tuning of {cfg.hf_gpt2 or 'a random init'}" if cfg.dcp
-            else f"dense training of {cfg.hf_gpt2 or 'a random init'}")
+    source = (f"{cfg.from_run} (step {cfg.from_step}, {model_cfg.arch})" if cfg.from_run
+              else cfg.hf_gpt2 or "a random init")
+    what = f"DCP fine-tuning of {source}" if cfg.dcp else f"dense training of {source}"
     dcp_desc = (f"r={model_cfg.interaction_dim}, γ={cfg.gamma} ({cfg.gamma_normalization}; γ_eff={gamma_eff:.4f} on "
                 f"the causal mean); α {cfg.alpha_init}→{cfg.alpha_final} over {cfg.alpha_steps} steps; " if cfg.dcp else "")
-    _log(f"{what}: {model_cfg.n_layer} layers, d={model_cfg.n_embd}, {n_params / 1e6:.2f}M parameters; {dcp_desc}"
+    width = model_cfg.d_model if is_lm else model_cfg.n_embd
+    _log(f"{what}: {n_layers(model_cfg)} layers, d={width}, {n_params / 1e6:.2f}M parameters; {dcp_desc}"
          f"lr {cfg.lr:g} ({cfg.lr_decay}), warmup {cfg.warmup_steps}; seq_len {seq_len}, batch {cfg.batch_size}; "
          f"data: {corpus.summary()}; workdir {workdir}")
 
@@ -513,9 +718,13 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
         ckpt.close()
         writer.close()
 
+    if is_lm:
+        _log(f"the fine-tuned {model_cfg.arch} model (DCP) is in {ckpt_dir} (step {step}); there is no Hugging "
+             "Face export for FoX/Transformer models: load it with train.finetune_dcp.load_finetuned")
+        return FinetuneResult(workdir, step, val, None, "lm")
     hf_dir = export_hf(workdir, model_cfg, state.params, corpus.tokenizer)
     _log(f"exported the model to {hf_dir} (Hugging Face GPT-2 format)")
-    return FinetuneResult(workdir, step, val, hf_dir)
+    return FinetuneResult(workdir, step, val, hf_dir, "gpt2")
 
 
 def _row(m: dict, alpha: float, lr: float, rate) -> dict[str, float]:
@@ -539,23 +748,26 @@ def export_hf(workdir: str, model_cfg: GPT2Config, params, tokenizer) -> str:
 
 
 def load_finetuned(workdir: str, *, step: int | None = None,
-                   dcp: bool = True) -> tuple[GPT2Config, Any, int, FinetuneConfig]:
+                   dcp: bool = True) -> tuple[GPT2Config | ModelConfig, Any, int, FinetuneConfig]:
     """Params of a finetune-dcp run's checkpoint (latest or ``step``).
 
     Args:
       workdir: the run directory.
       step: checkpoint step (None: latest).
-      dcp: keep the DCP parameters (False: the dense GPT-2 part, config with dcp=False).
+      dcp: keep the DCP parameters (False: the dense part, config with dcp=False).
 
     Returns:
-      (GPT2Config, params, step, FinetuneConfig).
+      (model config, float32 params, step, FinetuneConfig). The model config is a ``GPT2Config``
+      (remat False) for GPT-2 runs (``--hf-gpt2`` / ``pretrain-gpt2``; ``GPT2(cfg)``) and a
+      ``ModelConfig`` (remat "none") for ``--from-run`` runs (``LanguageModel(cfg)``, params
+      ``layers_{i}/...``); ``model_type(cfg)`` tells which.
 
     Raises:
       FileNotFoundError: not a finetune-dcp run. CheckpointError: no / bad checkpoint.
     """
     cfg = load_config(workdir)
-    model_cfg = load_model_config(workdir).replace(remat=False)
-    abstract_params = jax.eval_shape(lambda: init_gpt2(model_cfg, jax.random.PRNGKey(0)))
+    model_cfg = without_remat(load_model_config(workdir))
+    abstract_params = jax.eval_shape(lambda: init_model_params(model_cfg, jax.random.PRNGKey(0)))
     optimizer = make_optimizer(cfg, abstract_params)
     abstract = jax.eval_shape(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
                                                    opt_state=optimizer.init(p), rng=jax.random.PRNGKey(0)),
@@ -564,8 +776,9 @@ def load_finetuned(workdir: str, *, step: int | None = None,
     params = state.params
     if not dcp:
         model_cfg = model_cfg.replace(dcp=False)
+        prefix = "layers_" if isinstance(model_cfg, ModelConfig) else "h_"
         params = {k: ({**v, "attn": {n: w for n, w in v["attn"].items() if n not in INTERACTION_PARAMS}}
-                      if k.startswith("h_") else v) for k, v in params.items()}
+                      if k.startswith(prefix) else v) for k, v in params.items()}
     return model_cfg, params, int(state.step), cfg
 
 
@@ -584,12 +797,16 @@ def _log(msg: str) -> None:
 
 def _add_run_flags(f, d: FinetuneConfig) -> None:
     """Flags shared by ``finetune-dcp`` and ``pretrain-gpt2`` (data, optimizer, loop)."""
-    f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl, hf/)")
-    f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl/.npy)")
-    f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data)")
+    f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl; hf/ for GPT-2)")
+    f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl/.npy) "
+                   "(default for --from-run: the run's training text)")
+    f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data; "
+                   "for --from-run without --data: the run's validation text)")
     f.add_argument("--tokenizer", help="GPT-2 tokenizer: a directory with vocab.json + merges.txt "
-                   "(default: --hf-gpt2 if it holds them)")
-    f.add_argument("--seq-len", type=int, help="tokens per sequence (default: n_positions)")
+                   "(default: --hf-gpt2 if it holds them; for --from-run: the run's tokenizer, and any other "
+                   "must fit the run's vocabulary)")
+    f.add_argument("--seq-len", type=int, help="tokens per sequence (default: n_positions; for --from-run: the "
+                   "run's seq_len)")
     f.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
     f.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     f.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr:g})")
@@ -618,8 +835,16 @@ def add_subparser(sub) -> None:
     """Register ``fox-jax finetune-dcp`` (handler ``cmd_finetune_dcp``) and ``fox-jax pretrain-gpt2``
     (handler ``cmd_pretrain_gpt2``)."""
     d = FinetuneConfig()
-    f = sub.add_parser("finetune-dcp", help="Dynamic Context Pruning fine-tuning of a Hugging Face GPT-2")
-    f.add_argument("--hf-gpt2", help="pretrained HF GPT-2 directory (config.json + model.safetensors)")
+    f = sub.add_parser("finetune-dcp", help="Dynamic Context Pruning fine-tuning of a Hugging Face GPT-2 or of "
+                       "a FoX/Transformer run", description="Dynamic Context Pruning fine-tuning of a pretrained "
+                       "model: a Hugging Face GPT-2 (--hf-gpt2; the final model is exported to <workdir>/hf) or a "
+                       "FoX/Transformer run of 'fox-jax train' (--from-run; the fine-tuned model stays in "
+                       "<workdir>/checkpoints). Continue a run with --workdir DIR --resume.")
+    src = f.add_mutually_exclusive_group()
+    src.add_argument("--hf-gpt2", help="pretrained HF GPT-2 directory (config.json + model.safetensors)")
+    src.add_argument("--from-run", help="a 'fox-jax train' run directory (config.json + checkpoints/; FoX or "
+                     "Transformer, any arch) to add DCP to; ACP is turned off")
+    f.add_argument("--from-step", type=int, help="checkpoint step of --from-run (default: its latest)")
     _add_run_flags(f, d)
     f.add_argument("--interaction-lr", type=float, help="learning rate of q_int, k_int, β (default: --lr)")
     f.add_argument("--gamma", type=float, help=f"sparsity strength γ (default {d.gamma:g})")
@@ -641,7 +866,7 @@ def add_subparser(sub) -> None:
     for name in ("n_layer", "n_head", "n_embd", "n_positions"):
         g.add_argument("--" + name.replace("_", "-"), type=int, help=f"GPT2Config.{name}")
     g.set_defaults(handler=cmd_pretrain_gpt2, distributed=False, coordinator=None, num_processes=None,
-                   process_id=None, hf_gpt2=None)
+                   process_id=None, hf_gpt2=None, from_run=None, from_step=None)
 
 
 _FLAG_FIELDS = ("steps", "batch_size", "lr", "interaction_lr", "warmup_steps", "weight_decay", "clip_norm", "gamma",
@@ -652,20 +877,35 @@ _FLAG_FIELDS = ("steps", "batch_size", "lr", "interaction_lr", "warmup_steps", "
 def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig:
     """A ``FinetuneConfig`` from the CLI flags given (others from ``base`` or the defaults).
 
+    With ``--from-run`` (fresh start) the data default to the run's: its tokenizer (``DataConfig.tokenizer``
+    "" = resolved by ``finetune``), its training / validation text when no --data is given, and its
+    seq_len (``seq_len`` 0).
+
     Raises:
-      FileNotFoundError: a --data / --val-data path does not exist.
+      FileNotFoundError: a --data / --val-data / --from-run path does not exist.
       ValueError: no --tokenizer and none in --hf-gpt2.
     """
     cfg = base or FinetuneConfig()
     kw = {k: getattr(args, k) for k in _FLAG_FIELDS if getattr(args, k, None) is not None}
     if getattr(args, "hf_gpt2", None):
         kw["hf_gpt2"] = os.path.abspath(args.hf_gpt2)
+    if getattr(args, "from_run", None):
+        kw["from_run"] = os.path.abspath(args.from_run)
+    if getattr(args, "from_step", None) is not None:
+        kw["from_step"] = args.from_step
     data = cfg.data
     for flag, paths in (("--data", args.data), ("--val-data", args.val_data)):
         for p in paths or ():
             if not any(ch in p for ch in "*?[") and not os.path.exists(p):
                 raise FileNotFoundError(f"{flag}: {p} does not exist; give a file, directory or glob of text")
     dkw = {}
+    from_run = kw.get("from_run") if base is None else None
+    if from_run and not args.data:  # the run's own text
+        from train import config as config_lib
+
+        run_data = config_lib.load_json(os.path.join(from_run, "config.json")).data
+        dkw.update({k: getattr(run_data, k) for k in ("train", "val", "separator", "text_field", "val_fraction",
+                                                      "max_docs")})
     if args.data:
         dkw["train"] = tuple(os.path.abspath(p) for p in args.data)
     if args.val_data:
@@ -676,6 +916,8 @@ def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig
         dkw["seed"] = args.data_seed
     if args.tokenizer:
         dkw["tokenizer"] = args.tokenizer if args.tokenizer == "bytes" else os.path.abspath(args.tokenizer)
+    elif from_run:
+        dkw["tokenizer"] = ""  # the run's (finetune resolves it)
     elif base is None:
         hf = kw.get("hf_gpt2")
         if hf and os.path.isfile(os.path.join(hf, "vocab.json")) and os.path.isfile(os.path.join(hf, "merges.txt")):
@@ -711,18 +953,29 @@ def cmd_pretrain_gpt2(args) -> int:
 
 
 def cmd_finetune_dcp(args) -> int:
-    """The ``fox-jax finetune-dcp`` handler."""
+    """The ``fox-jax finetune-dcp`` handler (``--hf-gpt2`` or ``--from-run``; ``--resume``)."""
     cfg_path = os.path.join(args.workdir, CONFIG_NAME)
+    if args.hf_gpt2 and args.from_run:  # argparse's group already refuses this; kept for direct callers
+        raise ValueError("--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model")
     if args.resume and os.path.exists(cfg_path):
         cfg = config_from_args(args, base=load_config(args.workdir))
     else:
-        if not args.hf_gpt2:
-            raise ValueError("--hf-gpt2 is required: the pretrained GPT-2 directory to fine-tune")
-        if not os.path.isdir(args.hf_gpt2):
+        if args.from_step is not None and not args.from_run:
+            raise ValueError("--from-step needs --from-run (the checkpoint step of that run)")
+        if args.from_run:
+            check_source_run(args.from_run)
+        elif not args.hf_gpt2:
+            raise ValueError("--hf-gpt2 or --from-run is required: the pretrained model to fine-tune "
+                             "(a Hugging Face GPT-2 directory or a 'fox-jax train' run)")
+        elif not os.path.isdir(args.hf_gpt2):
             raise FileNotFoundError(f"--hf-gpt2 {args.hf_gpt2}: no such directory")
         cfg = config_from_args(args)
     result = finetune(cfg, args.workdir, resume=args.resume, progress=not args.no_progress)
-    msg = f"done: {result.final_step} steps in {result.workdir}; model exported to {result.hf_dir}"
+    if result.hf_dir is None:
+        msg = (f"done: {result.final_step} steps in {result.workdir}; the fine-tuned model is in its checkpoints/ "
+               "(no Hugging Face export for FoX/Transformer)")
+    else:
+        msg = f"done: {result.final_step} steps in {result.workdir}; model exported to {result.hf_dir}"
     if result.val:
         msg += (f"; val_loss {result.val['val_loss']:.4f}, val_ppl {result.val['val_ppl']:.2f}, "
                 f"sparsity {100 * result.val['val_sparsity']:.1f}% at α=∞")

@@ -11,9 +11,9 @@ Every model in the library is scored through one small protocol, a **scorer**::
 The model is run on ``tokens[:, :-1]`` (so T − 1 ≤ its context), exactly as lm-eval feeds
 ``(context + continuation)[:-1]``. Right padding is harmless because every model here is causal.
 Adapters: ``LanguageModelScorer`` (FoX / Transformer, ``fox_jax.models.LanguageModel``) and
-``GPT2Scorer`` (``fox_jax.models.GPT2``: dense, or DCP with the inference step mask α = ∞, which also
-measures the pair sparsity of the scored text). Any function with the signature above works too (a fake
-one is used in the tests).
+``GPT2Scorer`` (``fox_jax.models.GPT2``); both run a DCP model (a ``fox-jax finetune-dcp`` run, with
+``--dcp``) with the inference step mask α = ∞, which also measures the pair sparsity of the scored text.
+Any function with the signature above works too (a fake one is used in the tests).
 
 Tasks and prompts follow lm-evaluation-harness (the files are in ``../shared/data/eval``; see its
 PROVENANCE.md):
@@ -470,33 +470,89 @@ def _next_token_scores(logits, targets):
     return picked - lse, jnp.argmax(logits, axis=-1) == targets
 
 
-class LanguageModelScorer:
-    """Scorer for ``fox_jax.models.LanguageModel`` (FoX / Transformer) params.
+def _dropped_pairs(log_masks, lengths):
+    """DCP pair counts of right-padded rows (specs/dcp.md §3.2).
+
+    Args:
+      log_masks: [L, B, T, T] float32 log I of every layer (the model's ``aux["log_masks"]``).
+      lengths: [B] int32 real tokens per row of the scored ``tokens`` (the inputs hold lengths − 1).
+
+    Returns:
+      (dropped [L] float32: causal pairs of real inputs whose log I is at the floor, per layer;
+      pairs: float32 scalar, the number of such causal pairs per layer).
+    """
+    import jax.numpy as jnp
+
+    from fox_jax.ops.context_pruning import LOG_FLOOR
+
+    t = log_masks.shape[-1]
+    valid = jnp.arange(t)[None, :] < (lengths - 1)[:, None]                  # [B, T] real inputs
+    pairs = (jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
+             & valid[:, :, None] & valid[:, None, :])                           # [B, T, T]
+    dropped = jnp.sum((log_masks <= LOG_FLOOR) & pairs[None], axis=(1, 2, 3))
+    return dropped.astype(jnp.float32), jnp.sum(pairs).astype(jnp.float32)
+
+
+class _SparsityStats:
+    """``reset_stats()`` / ``stats()`` of a DCP scorer (needs ``self.dcp`` and ``self.n_layer``)."""
+
+    def reset_stats(self) -> None:
+        self._dropped = np.zeros(self.n_layer, np.float64)
+        self._pairs = 0.0
+
+    def stats(self) -> dict[str, float]:
+        if not self.dcp:
+            return {}
+        per_layer = self._dropped / max(self._pairs, 1.0)
+        out = {"sparsity": float(per_layer.mean())}
+        out.update({f"sparsity_layer_{i}": float(v) for i, v in enumerate(per_layer)})
+        return out
+
+    def _add(self, dropped, pairs) -> None:
+        self._dropped += np.asarray(dropped, np.float64)
+        self._pairs += float(pairs)
+
+
+class LanguageModelScorer(_SparsityStats):
+    """Scorer for ``fox_jax.models.LanguageModel`` (FoX / Transformer) params: dense, or DCP
+    (``cfg.dcp``, a ``fox-jax finetune-dcp --from-run`` model) with a fixed α (default ∞, the inference
+    step mask), whose ``stats()`` give the pair sparsity as ``GPT2Scorer``'s.
 
     Args:
       cfg: its ``fox_jax.config.ModelConfig``.
       params: the params pytree.
+      alpha: α for DCP models (ignored when ``cfg.dcp`` is False).
     """
 
-    def __init__(self, cfg, params):
+    def __init__(self, cfg, params, *, alpha: float = float("inf")):
         import jax
+        import jax.numpy as jnp
 
         from fox_jax.models import LanguageModel
 
         model = LanguageModel(cfg)
+        self.dcp = cfg.dcp
+        self.n_layer = cfg.n_layers
 
-        def fn(p, tokens):
-            return _next_token_scores(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
+        def fn(p, tokens, lengths):
+            if not cfg.dcp:
+                lp, greedy = _next_token_scores(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
+                return lp, greedy, jnp.zeros((cfg.n_layers,), jnp.float32), jnp.zeros((), jnp.float32)
+            logits, aux = model.apply({"params": p}, tokens[:, :-1], alpha=alpha)
+            lp, greedy = _next_token_scores(logits, tokens[:, 1:])
+            return (lp, greedy, *_dropped_pairs(aux["log_masks"], lengths))
 
         self._fn = jax.jit(fn)
         self.params = params
+        self.reset_stats()
 
     def __call__(self, tokens: np.ndarray, lengths: np.ndarray):
-        lp, greedy = self._fn(self.params, tokens)
+        lp, greedy, dropped, pairs = self._fn(self.params, tokens, np.asarray(lengths, np.int32))
+        self._add(dropped, pairs)
         return np.asarray(lp), np.asarray(greedy)
 
 
-class GPT2Scorer:
+class GPT2Scorer(_SparsityStats):
     """Scorer for ``fox_jax.models.GPT2`` params: dense, or DCP with a fixed α (default ∞, the inference
     step mask of specs/dcp.md §2.5).
 
@@ -515,7 +571,6 @@ class GPT2Scorer:
         import jax.numpy as jnp
 
         from fox_jax.models.gpt2 import GPT2
-        from fox_jax.ops.context_pruning import LOG_FLOOR
 
         model = GPT2(cfg)
         self.dcp = cfg.dcp
@@ -527,33 +582,15 @@ class GPT2Scorer:
             lp, greedy = _next_token_scores(logits, tokens[:, 1:])
             if not cfg.dcp:
                 return lp, greedy, jnp.zeros((cfg.n_layer,), jnp.float32), jnp.zeros((), jnp.float32)
-            t = inputs.shape[1]
-            valid = jnp.arange(t)[None, :] < (lengths - 1)[:, None]                  # [B, T] real inputs
-            pairs = (jnp.tril(jnp.ones((t, t), bool), k=-1)[None]
-                     & valid[:, :, None] & valid[:, None, :])                           # [B, T, T]
-            dropped = jnp.sum((aux["log_masks"] <= LOG_FLOOR) & pairs[None], axis=(1, 2, 3))
-            return lp, greedy, dropped.astype(jnp.float32), jnp.sum(pairs).astype(jnp.float32)
+            return (lp, greedy, *_dropped_pairs(aux["log_masks"], lengths))
 
         self._fn = jax.jit(fn)
         self.params = params
         self.reset_stats()
 
-    def reset_stats(self) -> None:
-        self._dropped = np.zeros(self.n_layer, np.float64)
-        self._pairs = 0.0
-
-    def stats(self) -> dict[str, float]:
-        if not self.dcp:
-            return {}
-        per_layer = self._dropped / max(self._pairs, 1.0)
-        out = {"sparsity": float(per_layer.mean())}
-        out.update({f"sparsity_layer_{i}": float(v) for i, v in enumerate(per_layer)})
-        return out
-
     def __call__(self, tokens: np.ndarray, lengths: np.ndarray):
         lp, greedy, dropped, pairs = self._fn(self.params, tokens, lengths)
-        self._dropped += np.asarray(dropped, np.float64)
-        self._pairs += float(pairs)
+        self._add(dropped, pairs)
         return np.asarray(lp), np.asarray(greedy)
 
 
@@ -575,8 +612,9 @@ def add_subparser(sub) -> None:
     src = z.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="a run of 'fox-jax train' (FoX/Transformer) or 'fox-jax finetune-dcp'")
     src.add_argument("--hf-gpt2", help="a Hugging Face GPT-2 directory (config.json + model.safetensors)")
-    z.add_argument("--dcp", action="store_true", help="GPT-2 with its DCP interaction params and the α=∞ step "
-                   "mask (default: dense attention, DCP params ignored)")
+    z.add_argument("--dcp", action="store_true", help="a DCP model (GPT-2, or a FoX/Transformer finetune-dcp "
+                   "--from-run run) with its interaction params and the α=∞ step mask (default: dense "
+                   "attention, DCP params ignored)")
     z.add_argument("--step", type=int, help="checkpoint step for --workdir (default: latest)")
     z.add_argument("--tasks", default="all", help=f"comma-separated: {','.join(TASKS)} (default all)")
     z.add_argument("--limit", type=int, help="score only the first N examples of each task")
@@ -625,14 +663,20 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
 
             cfg, params, step, ft = finetune_dcp.load_finetuned(str(workdir), step=args.step, dcp=bool(args.dcp))
             tokenizer_spec = tokenizer_spec or ft.data.tokenizer
-            scorer = GPT2Scorer(cfg, params)
-            max_length = hard_max = cfg.n_positions
             vocab = cfg.vocab_size
-            desc = {"model": "gpt2", "source": str(workdir), "step": step, "dcp": cfg.dcp}
+            if finetune_dcp.model_type(cfg) == "lm":  # a --from-run FoX/Transformer with DCP
+                scorer = LanguageModelScorer(cfg, params)
+                max_length, hard_max = ft.data.seq_len, None
+                desc = {"model": cfg.arch, "source": str(workdir), "step": step, "dcp": cfg.dcp}
+            else:
+                scorer = GPT2Scorer(cfg, params)
+                max_length = hard_max = cfg.n_positions
+                desc = {"model": "gpt2", "source": str(workdir), "step": step, "dcp": cfg.dcp}
         else:
             if args.dcp:
-                raise ValueError("--dcp needs a GPT-2 model (--hf-gpt2 or a finetune-dcp --workdir); "
-                                 "LanguageModel has no DCP")
+                raise ValueError("--dcp needs a DCP model (--hf-gpt2 or a finetune-dcp --workdir); this 'fox-jax "
+                                 "train' LanguageModel has no DCP params (add them with 'fox-jax finetune-dcp "
+                                 "--from-run')")
             from train import config as config_lib
             from train.evaluate import load_params
 
