@@ -499,7 +499,7 @@ def evaluate(eval_fn, params, batches) -> dict[str, float]:
 def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
     """``step 10/100 | loss 3.41 | ce 3.30 | sp_loss 0.110 | sparsity 12.3% | α 2.50 | lr 1.00e-04 | ...``."""
     parts = [f"step {step}/{total}"]
-    if "loss" in m and math.isnan(m.get("beta_mean", 0.0)):  # dense training (pretrain-gpt2)
+    if "loss" in m and "beta_mean" not in m:  # dense training (pretrain-gpt2)
         parts += [f"loss {m['loss']:.4f}", f"lr {m['lr']:.2e}", f"gnorm {m['grad_norm']:.3f}"]
     elif "loss" in m:
         parts += [f"loss {m['loss']:.4f}", f"ce {m['ce']:.4f}", f"sp_loss {m['sparsity_loss']:.4f}",
@@ -508,7 +508,7 @@ def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
     if m.get("tokens_per_sec") is not None:
         rate = m["tokens_per_sec"]
         parts.append(f"{rate / 1e3:.1f}k tok/s" if rate >= 1e3 else f"{rate:.0f} tok/s")
-    if "val_loss" in m and "beta_mean" in m and math.isnan(m["beta_mean"]):
+    if "val_loss" in m and "loss" in m and "beta_mean" not in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})")
     elif "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}, sparsity {100 * m['val_sparsity']:.1f}% "
@@ -704,8 +704,10 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
                     row.update(val)
                     t_last = time.perf_counter()  # evaluation time is not training throughput
                 writer.write(step, row)
-                bar.set_postfix(ce=f"{row['ce']:.3f}", sparsity=f"{100 * row['sparsity']:.1f}%",
-                                alpha=f"{row['alpha']:.2f}", refresh=False)
+                postfix = dict(ce=f"{row['ce']:.3f}")
+                if "alpha" in row:
+                    postfix.update(sparsity=f"{100 * row['sparsity']:.1f}%", alpha=f"{row['alpha']:.2f}")
+                bar.set_postfix(**postfix, refresh=False)
                 _emit(bar, progress, format_log_line(step, cfg.steps, row))
             bar.update(1)
             if cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0 and step != cfg.steps:
@@ -727,11 +729,18 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
     return FinetuneResult(workdir, step, val, hf_dir, "gpt2")
 
 
+DCP_ONLY_METRICS = ("beta_mean", "keep_mean", "sparsity_loss", "sparsity")
+
+
 def _row(m: dict, alpha: float, lr: float, rate) -> dict[str, float]:
     """One metrics.jsonl row: the step's metrics, per-layer sparsity, the α and lr it used, tokens/s."""
     row = {k: float(v) for k, v in m.items() if k != "sparsity_layers"}
-    row.update({f"sparsity_layer_{i}": float(v) for i, v in enumerate(np.asarray(m["sparsity_layers"]))})
-    row["alpha"] = alpha
+    if math.isnan(row["beta_mean"]):  # dense training (pretrain-gpt2): no mask, no α, no β (and no NaN in JSON)
+        for k in DCP_ONLY_METRICS:
+            row.pop(k, None)
+    else:
+        row.update({f"sparsity_layer_{i}": float(v) for i, v in enumerate(np.asarray(m["sparsity_layers"]))})
+        row["alpha"] = alpha
     row["lr"] = lr
     row["tokens_per_sec"] = rate
     return row
