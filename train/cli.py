@@ -18,10 +18,11 @@ import sys
 from train import config as config_lib
 
 
-def _add_common(p: argparse.ArgumentParser) -> None:
+def _add_common(p: argparse.ArgumentParser, *, evaluating: bool = False) -> None:
     p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/, metrics.jsonl, tb/)")
-    p.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt, .jsonl, or a "
-                   "pre-tokenized .npy); default: the Python standard library source")
+    p.add_argument("--data", nargs="+", help="text: files, directories or globs of .txt/.jsonl, or a directory "
+                   "written by 'python -m train.data' (its tokenizer/ is then the default --tokenizer); default: "
+                   + ("the run's data" if evaluating else "the Python standard library source"))
     p.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data)")
     p.add_argument("--tokenizer", help="'bytes', a dir with GPT-2 vocab.json + merges.txt, or a tokenizer.json")
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
@@ -33,7 +34,9 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     d.add_argument("--coordinator", help="HOST:PORT of process 0 (instead of auto-detection)")
     d.add_argument("--num-processes", type=int, help="number of processes (with --coordinator)")
     d.add_argument("--process-id", type=int, help="this process's id (with --coordinator)")
-    p.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. model.n_layers=6")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help=("overrides of data.* and batch settings, e.g. data.seq_len=4096 (the model is fixed by "
+                         "the checkpoint)") if evaluating else "config overrides, e.g. model.n_layers=6 optim.lr=1e-3")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     e.add_argument("--num-batches", type=int, default=None, help="validation batches (default: eval_batches)")
     e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss")
-    _add_common(e)
+    e.add_argument("--no-progress", action="store_true", help="accepted like in the other commands (eval prints no bars)")
+    _add_common(e, evaluating=True)
 
     from train import dcp_eval, finetune_dcp, zeroshot  # handlers: cmd_finetune_dcp, cmd_zeroshot, cmd_dcp_eval
     finetune_dcp.add_subparser(sub)
@@ -71,6 +75,9 @@ def _explicit_overrides(args) -> list[str]:
         out.append("data.val=" + ",".join(args.val_data))
     if args.tokenizer:
         out.append(f"data.tokenizer={args.tokenizer}")
+    elif args.data and len(args.data) == 1 and os.path.isfile(os.path.join(args.data[0], "meta.json")) \
+            and os.path.isdir(os.path.join(args.data[0], "tokenizer")):
+        out.append(f"data.tokenizer={os.path.join(args.data[0], 'tokenizer')}")  # a pre-tokenized directory
     if args.seq_len is not None:
         out.append(f"data.seq_len={args.seq_len}")
     if args.batch_size is not None:

@@ -350,7 +350,7 @@ def _read_split(specs: Sequence[str], split: str, tokenizer: Tokenizer, cfg: Dat
     arg_name = "--data" if split == "train" else "--val-data"
     if len(specs) == 1 and (meta := _prepared_meta(Path(specs[0]).expanduser())) is not None:
         if meta["tokenizer"] != tokenizer.name:
-            raise ValueError(f"{arg_name} {specs[0]!r} was tokenized with {meta['tokenizer']!r}, but the tokenizer "
+            raise ValueError(f"{arg_name} {specs[0]!r} was tokenized with {meta['tokenizer']!r}, but --tokenizer "
                              f"{cfg.tokenizer!r} is {tokenizer.name!r}; pass --tokenizer {specs[0]}/tokenizer "
                              f"(or 'bytes' if that is what it was made with)")
         return _load_token_file(Path(specs[0]).expanduser() / f"{split}.npy", tokenizer, arg_name)

@@ -112,6 +112,10 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     if model_overrides:
         raise ValueError(f"eval cannot change the model ({', '.join(model_overrides)}): the checkpoint fixes it; "
                          "only data.* and batch settings may be overridden")
+    ignored = [o for o in overrides or [] if not o.startswith(("data.", "batch_size=", "eval_batches=", "mesh="))]
+    if ignored:
+        raise ValueError(f"eval takes only data.*, batch_size, eval_batches and mesh overrides; "
+                         f"{', '.join(ignored)} would have no effect")
     cfg = config_lib.load_json(cfg_path)
     train_len = cfg.data.seq_len
     cfg = config_lib.apply_overrides(cfg, overrides or [])

@@ -508,7 +508,7 @@ def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
     if m.get("tokens_per_sec") is not None:
         rate = m["tokens_per_sec"]
         parts.append(f"{rate / 1e3:.1f}k tok/s" if rate >= 1e3 else f"{rate:.0f} tok/s")
-    if "val_loss" in m and "loss" in m and "beta_mean" not in m:
+    if "val_loss" in m and "val_sparsity" not in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})")
     elif "val_loss" in m:
         parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}, sparsity {100 * m['val_sparsity']:.1f}% "
@@ -671,7 +671,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
     pending: list[tuple[int, float, dict]] = []
     try:
         if start_step == 0 and cfg.eval_every > 0:
-            val = evaluate(eval_fn, state.params, val_batches)
+            val = _dense_val(evaluate(eval_fn, state.params, val_batches), cfg.dcp)
             writer.write(0, val)
             _emit(bar, progress, format_log_line(0, cfg.steps, val))
         t_last, step_last, first_rate = time.perf_counter(), start_step, None
@@ -700,7 +700,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
                         writer.write(s, row)
                 pending = []
                 if is_eval:
-                    val = evaluate(eval_fn, state.params, val_batches)
+                    val = _dense_val(evaluate(eval_fn, state.params, val_batches), cfg.dcp)
                     row.update(val)
                     t_last = time.perf_counter()  # evaluation time is not training throughput
                 writer.write(step, row)
@@ -730,6 +730,11 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
 
 
 DCP_ONLY_METRICS = ("beta_mean", "keep_mean", "sparsity_loss", "sparsity")
+
+
+def _dense_val(val: dict, dcp: bool) -> dict:
+    """Validation metrics without the (all-zero) sparsity entries when training a dense model."""
+    return val if dcp else {k: v for k, v in val.items() if not k.startswith("val_sparsity")}
 
 
 def _row(m: dict, alpha: float, lr: float, rate) -> dict[str, float]:
@@ -804,18 +809,19 @@ def _log(msg: str) -> None:
 
 # Command line ---------------------------------------------------------------------------------------
 
-def _add_run_flags(f, d: FinetuneConfig) -> None:
+def _add_run_flags(f, d: FinetuneConfig, *, pretrain: bool = False) -> None:
     """Flags shared by ``finetune-dcp`` and ``pretrain-gpt2`` (data, optimizer, loop)."""
     f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl; hf/ for GPT-2)")
-    f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl/.npy) "
-                   "(default for --from-run: the run's training text)")
-    f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data; "
-                   "for --from-run without --data: the run's validation text)")
-    f.add_argument("--tokenizer", help="GPT-2 tokenizer: a directory with vocab.json + merges.txt "
-                   "(default: --hf-gpt2 if it holds them; for --from-run: the run's tokenizer, and any other "
-                   "must fit the run's vocabulary)")
-    f.add_argument("--seq-len", type=int, help="tokens per sequence (default: n_positions; for --from-run: the "
-                   "run's seq_len)")
+    f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl), or a "
+                   "directory written by 'python -m train.data'"
+                   + ("" if pretrain else " (default for --from-run: the run's training text)"))
+    f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data"
+                   + (")" if pretrain else "; for --from-run without --data: the run's validation text)"))
+    f.add_argument("--tokenizer", help="GPT-2 tokenizer: a directory with vocab.json + merges.txt" + (
+        " (required)" if pretrain else " (default: --hf-gpt2 if it holds them; for --from-run: the run's "
+        "tokenizer, and any other must fit the run's vocabulary)"))
+    f.add_argument("--seq-len", type=int, help="tokens per sequence (default: n_positions"
+                   + (")" if pretrain else "; for --from-run: the run's seq_len)"))
     f.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
     f.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     f.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr:g})")
@@ -869,7 +875,7 @@ def add_subparser(sub) -> None:
 
     p = dataclasses.replace(d, **PRETRAIN_DEFAULTS)
     g = sub.add_parser("pretrain-gpt2", help="train a dense GPT-2 from a random init (the base model for DCP)")
-    _add_run_flags(g, p)
+    _add_run_flags(g, p, pretrain=True)
     g.add_argument("--size", default="gpt2", help="released GPT-2 shape to start from: "
                    "gpt2 | gpt2-medium | gpt2-large | gpt2-xl (default gpt2); the flags below override it")
     for name in ("n_layer", "n_head", "n_embd", "n_positions"):
