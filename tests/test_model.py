@@ -195,3 +195,30 @@ def test_weight_decay_mask_excludes_norms_and_biases():
     assert attn["q_proj"]["kernel"] and attn["fgate_proj"]["kernel"] and mask["embed"]["embedding"]
     assert not attn["q_norm"]["scale"] and not attn["o_norm"]["scale"] and not attn["fgate_proj"]["bias"]
     assert not mask["layers_0"]["attn_norm"]["scale"] and not mask["final_norm"]["scale"]
+
+
+def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
+    """The sown ``acp_fraction_skipped`` uses the Pallas forward kernel's tiling when the layer runs the
+    kernel, and ``attention_block`` tiles on the XLA path (the two tilings skip different fractions)."""
+    from fox_jax.ops import acp, pallas as pallas_ops
+    cfg = preset("tiny", "fox-llama", vocab_size=61, adaptive_threshold=-8.0, attention_block=64)
+    params = init_params(cfg, jax.random.PRNGKey(0))
+    params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -3.0)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 96), 0, 61)
+    fractions = {}
+    for impl in ("pallas", "xla"):
+        _, inter = LanguageModel(cfg.replace(attention_impl=impl)).apply({"params": params}, tokens,
+                                                                         mutable=["intermediates"])
+        fractions[impl] = float(inter["intermediates"]["layers_0"]["attn"]["acp_fraction_skipped"][0])
+    # the layer's Λ from its own fgate logits (layer 0 input = RMSNorm(embedding))
+    _, state = LanguageModel(cfg).apply({"params": params}, tokens, capture_intermediates=True,
+                                        mutable=["intermediates"])
+    logits = state["intermediates"]["layers_0"]["attn"]["fgate_proj"]["__call__"][0]
+    lam = jnp.cumsum(jax.nn.log_sigmoid(logits), axis=1)
+    delta = jnp.full((1, cfg.n_heads), -8.0)
+    want_pallas = pallas_ops.acp_stats(lam, delta, 96, head_dim=cfg.dim_per_head)["fwd"]["fraction_skipped"]
+    starts = acp.kv_block_start(lam, delta, tq=96, block_q=64, block_k=64)
+    want_xla = acp.pruning_stats(starts, tq=96, tk=96, block_q=64, block_k=64)["fraction_skipped"]
+    assert fractions["pallas"] == pytest.approx(float(want_pallas), abs=1e-6)
+    assert fractions["xla"] == pytest.approx(float(want_xla), abs=1e-6)
+    assert fractions["pallas"] != fractions["xla"]

@@ -141,11 +141,21 @@ class ForgettingAttentionLayer(nn.Module):
         return out if cache is None else (out, cache)
 
     def _sow_pruning(self, q, k, log_fgate, threshold):
+        """Sow the fraction of causal attention tiles ACP skips, at the tiling of the implementation
+        that runs: the Pallas forward kernel's tiles, or ``attention_block`` for the XLA path."""
+        from fox_jax.ops.forgetting_attention import _resolve_impl
+
         cfg = self.cfg
         t = q.shape[1]
-        bq = bk = min(cfg.attention_block, -(-t // 8) * 8)
         lam = jax.lax.stop_gradient(jnp.cumsum(log_fgate, axis=1))
         delta = acp.resolve_threshold(threshold, q, k, cfg.dim_per_head ** -0.5)
-        starts = acp.kv_block_start(lam, delta, tq=t, block_q=bq, block_k=bk)
-        stats = acp.pruning_stats(starts, tq=t, tk=t, block_q=bq, block_k=bk)
+        if _resolve_impl(cfg.attention_impl, False) in ("pallas", "mosaic"):
+            from fox_jax.ops import pallas as pallas_ops
+
+            delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), lam.shape[:1] + lam.shape[2:])
+            stats = pallas_ops.acp_stats(lam, delta, t, head_dim=cfg.dim_per_head)["fwd"]
+        else:
+            bq = bk = min(cfg.attention_block, -(-t // 8) * 8)
+            starts = acp.kv_block_start(lam, delta, tq=t, block_q=bq, block_k=bk)
+            stats = acp.pruning_stats(starts, tq=t, tk=t, block_q=bq, block_k=bk)
         self.sow("intermediates", "acp_fraction_skipped", stats["fraction_skipped"])
