@@ -271,26 +271,44 @@ def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: 
     return s
 
 
+def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interleave: bool, q_ref, lq_ref, ss_ref):
+    """Shared prologue of the forward and dQ kernels (one query block against a loop over key blocks).
+
+    Pops the optional inputs (ACP start, document bounds, segment ids) from ``rest`` in the order
+    ``_query_side_optional_inputs`` passes them, leaving the outputs there, and returns
+    (q, lq, ss, sq, sk_ref, qpos, bounds) with bounds = ``_key_loop_bounds`` of this block.
+    """
+    lo_ref = rest.pop(0) if g.has_acp else None
+    slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
+    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
+    ss = ss_ref[()]
+    sq = sq_ref[...] if g.has_seg else None
+    qpos = g.offset + m * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    bounds = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
+                              None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
+    return q_ref[...], lq_ref[...], ss, sq, sk_ref, qpos, bounds
+
+
+def _run_key_loops(g: _Geom, step, carry, bounds):
+    """The key-block loops of a query block: masked [lo, min(lo_full, mid)), unmasked [lo_full, mid),
+    masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids."""
+    lo, lo_full, mid, hi = bounds
+    masked_step = functools.partial(step, masked=True)
+    if g.has_seg:
+        return lax.fori_loop(lo, hi, masked_step, carry)
+    carry = lax.fori_loop(lo, jnp.minimum(lo_full, mid), masked_step, carry)
+    carry = lax.fori_loop(lo_full, mid, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(jnp.maximum(mid, lo), hi, masked_step, carry)
+
+
 def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, lq_ref, lk_ref, ss_ref = refs[:6]
     rest = refs[6:]
-    lo_ref = rest.pop(0) if g.has_acp else None
-    slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
-    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    q, lq, ss, sq, sk_ref, qpos, bounds = _query_block_setup(g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
     o_ref, lse_ref = rest
-
-    m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
-    d = q_ref.shape[-1]
-    q = q_ref[...]
-    lq = lq_ref[...]
-    ss = ss_ref[()]
-    sq = sq_ref[...] if g.has_seg else None
-    r0 = g.offset + m * bq
-    qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    lo, lo_full, mid, hi = _key_loop_bounds(
-        g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
-        None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
+    d = q.shape[-1]
 
     def step(n, carry, masked):
         acc, m_i, l_i = carry
@@ -308,14 +326,7 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
 
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    masked_step = functools.partial(step, masked=True)
-    if g.has_seg:
-        carry = lax.fori_loop(lo, hi, masked_step, carry)
-    else:
-        carry = lax.fori_loop(lo, jnp.minimum(lo_full, mid), masked_step, carry)
-        carry = lax.fori_loop(lo_full, mid, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(jnp.maximum(mid, lo), hi, masked_step, carry)
-    acc, m_i, l_i = carry
+    acc, m_i, l_i = _run_key_loops(g, step, carry, bounds)
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     o_ref[...] = (acc * (1.0 / l_safe)[:, None]).astype(o_ref.dtype)
@@ -403,25 +414,12 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
     rest = refs[9:]
-    lo_ref = rest.pop(0) if g.has_acp else None
-    slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
-    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    q, lq, ss, sq, sk_ref, qpos, bounds = _query_block_setup(g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
     dq_ref, dlq_ref = rest
-
-    m = nq - 1 - _block_id(interleave)
-    d = q_ref.shape[-1]
-    q = q_ref[...]
+    d = q.shape[-1]
     do = do_ref[...]
-    lq = lq_ref[...]
     lse2 = lse_ref[...]  # base-2 lse; +inf for rows with no visible key (P = 0 there)
     delta = dl_ref[...]
-    ss = ss_ref[()]
-    sq = sq_ref[...] if g.has_seg else None
-    r0 = g.offset + m * bq
-    qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
-    lo, lo_full, mid, hi = _key_loop_bounds(
-        g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
-        None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
 
     def step(n, carry, masked):
         dq, dlq = carry
@@ -435,15 +433,7 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
         dq = dq + _dot(ds.astype(k.dtype), k)
         return dq, dlq + jnp.sum(ds, axis=1)
 
-    carry = (jnp.zeros((bq, d), jnp.float32), jnp.zeros((bq,), jnp.float32))
-    masked_step = functools.partial(step, masked=True)
-    if g.has_seg:
-        carry = lax.fori_loop(lo, hi, masked_step, carry)
-    else:
-        carry = lax.fori_loop(lo, jnp.minimum(lo_full, mid), masked_step, carry)
-        carry = lax.fori_loop(lo_full, mid, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(jnp.maximum(mid, lo), hi, masked_step, carry)
-    dq, dlq = carry
+    dq, dlq = _run_key_loops(g, step, (jnp.zeros((bq, d), jnp.float32), jnp.zeros((bq,), jnp.float32)), bounds)
     dq_ref[...] = (dq * g.scale).astype(dq_ref.dtype)
     dlq_ref[...] = dlq
 
