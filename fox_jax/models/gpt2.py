@@ -60,6 +60,7 @@ from fox_jax.ops.context_pruning import (
     keep_logits,
     sparsity,
     sparsity_loss,
+    with_interaction_params,
 )
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
@@ -553,18 +554,7 @@ def add_dcp_params(cfg: GPT2Config, params: dict, rng: jax.Array, *, interaction
     new_cfg = cfg.replace(dcp=True,
                           interaction_dim=interaction_dim if interaction_dim is not None else cfg.interaction_dim,
                           beta_init=beta_init if beta_init is not None else cfg.beta_init)
-    d, r = new_cfg.n_embd, new_cfg.interaction_dim
-    out = jax.tree_util.tree_map(lambda x: x, dict(params))
-    keys = jax.random.split(rng, 2 * new_cfg.n_layer)
-    for i in range(new_cfg.n_layer):
-        name = f"h_{i}"
-        if name not in out or "attn" not in out[name]:
-            raise ValueError(f"add_dcp_params: params have no layer {name}/attn")
-        layer = dict(out[name])
-        attn = dict(layer["attn"])
-        attn["q_int"] = {"kernel": new_cfg.init_std * jax.random.normal(keys[2 * i], (d, r), jnp.float32)}
-        attn["k_int"] = {"kernel": new_cfg.init_std * jax.random.normal(keys[2 * i + 1], (d, r), jnp.float32)}
-        attn["beta"] = jnp.asarray(new_cfg.beta_init, jnp.float32)
-        layer["attn"] = attn
-        out[name] = layer
+    out = with_interaction_params(params, [f"h_{i}" for i in range(new_cfg.n_layer)], d_model=new_cfg.n_embd,
+                                  interaction_dim=new_cfg.interaction_dim, init_std=new_cfg.init_std,
+                                  beta_init=new_cfg.beta_init, rng=rng)
     return new_cfg, out

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from fox_jax.config import ModelConfig
 from fox_jax.nn.attention import ForgettingAttentionLayer
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
-from fox_jax.ops.context_pruning import sparsity, sparsity_loss
+from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
 
 
 class Block(nn.Module):
@@ -177,20 +177,9 @@ def add_dcp_params(cfg: ModelConfig, params: dict, rng: jax.Array, *, interactio
         dcp=True,
         interaction_dim=cfg.interaction_dim if interaction_dim is None else interaction_dim,
         dcp_beta_init=cfg.dcp_beta_init if beta_init is None else beta_init)
-    d, r = new_cfg.d_model, new_cfg.interaction_dim
-    out = dict(params)
-    keys = jax.random.split(rng, 2 * new_cfg.n_layers)
-    for i in range(new_cfg.n_layers):
-        name = f"layers_{i}"
-        if name not in out or "attn" not in out[name]:
-            raise ValueError(f"add_dcp_params: params have no layer {name}/attn")
-        layer = dict(out[name])
-        attn = dict(layer["attn"])
-        attn["q_int"] = {"kernel": new_cfg.init_std * jax.random.normal(keys[2 * i], (d, r), jnp.float32)}
-        attn["k_int"] = {"kernel": new_cfg.init_std * jax.random.normal(keys[2 * i + 1], (d, r), jnp.float32)}
-        attn["beta"] = jnp.asarray(new_cfg.dcp_beta_init, jnp.float32)
-        layer["attn"] = attn
-        out[name] = layer
+    out = with_interaction_params(params, [f"layers_{i}" for i in range(new_cfg.n_layers)],
+                                  d_model=new_cfg.d_model, interaction_dim=new_cfg.interaction_dim,
+                                  init_std=new_cfg.init_std, beta_init=new_cfg.dcp_beta_init, rng=rng)
     return new_cfg, out
 
 

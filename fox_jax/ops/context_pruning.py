@@ -49,6 +49,30 @@ _NEG_INF = float("-inf")
 # The interaction mask
 # ---------------------------------------------------------------------------------------------
 
+def with_interaction_params(params: dict, layer_names, *, d_model: int, interaction_dim: int, init_std: float,
+                            beta_init: float, rng: jax.Array) -> dict:
+    """``params`` with fresh DCP interaction parameters in every ``<layer>/attn`` (specs/dcp.md §1.1, §4):
+    ``q_int/kernel`` and ``k_int/kernel`` [d_model, interaction_dim] float32 ~ N(0, init_std) and the
+    scalar ``beta`` = beta_init. Shared by the models' ``add_dcp_params``; the input is not modified.
+
+    Raises:
+      ValueError: a layer name without an ``attn`` sub-tree in ``params``.
+    """
+    out = dict(params)
+    layer_names = list(layer_names)
+    keys = jax.random.split(rng, 2 * len(layer_names))
+    for i, name in enumerate(layer_names):
+        if name not in out or "attn" not in out[name]:
+            raise ValueError(f"add_dcp_params: params have no layer {name}/attn")
+        attn = dict(out[name]["attn"])
+        shape = (d_model, interaction_dim)
+        attn["q_int"] = {"kernel": init_std * jax.random.normal(keys[2 * i], shape, jnp.float32)}
+        attn["k_int"] = {"kernel": init_std * jax.random.normal(keys[2 * i + 1], shape, jnp.float32)}
+        attn["beta"] = jnp.asarray(beta_init, jnp.float32)
+        out[name] = {**out[name], "attn": attn}
+    return out
+
+
 def keep_logits(q_int: jax.Array, k_int: jax.Array, beta: Any) -> jax.Array:
     """Keep logits z_{k,j} = ⟨q_int_k, k_int_j⟩/√r + β (specs/dcp.md §1.2), in float32.
 
@@ -518,20 +542,26 @@ def _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do, 
                         precision=prec)
         return p, p * (dp - delta_blk.transpose(0, 2, 1)[..., None])
 
+    def query_side(m):  # query block m of q, dO, the segment ids and Λ
+        return (_sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq),
+                None if seg_q is None else _sl(seg_q, m * g.bq, g.bq),
+                None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2))
+
+    def key_side(n):  # key block n of k, v, the segment ids and Λ
+        return (_sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk),
+                None if seg_k is None else _sl(seg_k, n * g.bk, g.bk),
+                None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2))
+
     # dQ and dlogI: query blocks over their live key blocks ---------------------------------------
     def dq_block(m):
-        q_blk, do_blk = _sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq)
+        q_blk, do_blk, seg_q_blk, lq_blk = query_side(m)
         m_row = _sl(mp, m * g.bq, g.bq)
         lse_blk, delta_blk = _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq)
-        seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
-        lq_blk = None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2)
 
         def body(i, carry):
             dq, dm_row = carry[0], carry[1]
             n = kv_idx[m, i]
-            k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
-            seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
-            lk_blk = None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2)
+            k_blk, v_blk, seg_k_blk, lk_blk = key_side(n)
             _, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_row, n * g.bk, g.bk, axis=2),
                          lse_blk, delta_blk, seg_q_blk, seg_k_blk, lq_blk, lk_blk)
             k_rep = jnp.repeat(k_blk, g.group, axis=2) if g.group > 1 else k_blk
@@ -555,17 +585,13 @@ def _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do, 
 
     # dK, dV: key blocks over their live query blocks ----------------------------------------------
     def dkv_block(n):
-        k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
+        k_blk, v_blk, seg_k_blk, lk_blk = key_side(n)
         m_col = _sl(mp, n * g.bk, g.bk, axis=2)  # [B, Tq_pad, bk]
-        seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
-        lk_blk = None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2)
 
         def body(i, carry):
             dk, dv = carry[0], carry[1]
             m = q_idx[n, i]
-            q_blk, do_blk = _sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq)
-            seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
-            lq_blk = None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2)
+            q_blk, do_blk, seg_q_blk, lq_blk = query_side(m)
             p, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_col, m * g.bq, g.bq),
                          _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq), seg_q_blk, seg_k_blk,
                          lq_blk, lk_blk)
