@@ -61,57 +61,48 @@ def _tokens(run, step):
     return step * run["tokens_per_step"] / 1e6 if run["tokens_per_step"] else step
 
 
-def plot(runs: list[dict], out: str) -> list[str]:
-    os.makedirs(out, exist_ok=True)
-    written = []
-    xlabel = "training tokens (M)" if all(r["tokens_per_step"] for r in runs) else "step"
-
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for r in runs:
-        pts = sorted((s, v["val_loss"]) for s, v in r["rows"].items() if "val_loss" in v and s > 0)
-        if pts:
-            ax.plot([_tokens(r, s) for s, _ in pts], [v for _, v in pts], marker="o", ms=3, label=r["name"])
+def _figure(curves, path: str, xlabel: str, ylabel: str, *, height: float = 4.0, logx: bool = False,
+            **style) -> str:
+    """One line plot of ``curves`` = [(label, xs, ys)] written to ``path``."""
+    fig, ax = plt.subplots(figsize=(6.5, height))
+    for label, xs, ys in curves:
+        ax.plot(xs, ys, label=label, **style)
+    if logx:
+        ax.set_xscale("log")
     ax.set_xlabel(xlabel)
-    ax.set_ylabel("validation loss (nats/token)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    written.append(os.path.join(out, "val_loss.png"))
-    fig.savefig(written[-1], dpi=120)
+    fig.savefig(path, dpi=120)
     plt.close(fig)
+    return path
 
-    acp_runs = [r for r in runs if any("acp_fraction_skipped" in v for v in r["rows"].values())]
-    if acp_runs:
-        fig, ax = plt.subplots(figsize=(6.5, 3.2))
-        for r in acp_runs:
-            pts = sorted((s, v["acp_fraction_skipped"]) for s, v in r["rows"].items() if "acp_fraction_skipped" in v)
-            ax.plot([_tokens(r, s) for s, _ in pts], [100 * v for _, v in pts], label=r["name"])
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("attention tiles pruned (%)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        written.append(os.path.join(out, "acp.png"))
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
 
-    pp_runs = [r for r in runs if r["per_position"]]
-    if pp_runs:
-        fig, ax = plt.subplots(figsize=(6.5, 4))
-        for r in pp_runs:
-            loss = r["per_position"]["per_position_loss"]
-            xs = [i + 1 for i, v in enumerate(loss) if v is not None and math.isfinite(v)]
-            ys = [v for v in loss if v is not None and math.isfinite(v)]
-            ax.plot(xs, ys, lw=0.8, label=r["name"])
-        ax.set_xscale("log")
-        ax.set_xlabel("token position")
-        ax.set_ylabel("validation loss (nats/token)")
-        ax.grid(alpha=0.3)
-        ax.legend()
-        fig.tight_layout()
-        written.append(os.path.join(out, "per_position.png"))
-        fig.savefig(written[-1], dpi=120)
-        plt.close(fig)
+def _series(run: dict, key: str, scale: float = 1.0):
+    """(tokens or steps, values) of the rows that have ``key`` (step 0 excluded)."""
+    pts = sorted((s, v[key]) for s, v in run["rows"].items() if key in v and s > 0)
+    return [_tokens(run, s) for s, _ in pts], [scale * v for _, v in pts]
+
+
+def plot(runs: list[dict], out: str) -> list[str]:
+    os.makedirs(out, exist_ok=True)
+    xlabel = "training tokens (M)" if all(r["tokens_per_step"] for r in runs) else "step"
+    written = [_figure([(r["name"], *_series(r, "val_loss")) for r in runs if _series(r, "val_loss")[0]],
+                       os.path.join(out, "val_loss.png"), xlabel, "validation loss (nats/token)", marker="o", ms=3)]
+    acp = [(r["name"], *_series(r, "acp_fraction_skipped", 100.0)) for r in runs]
+    acp = [c for c in acp if c[1]]
+    if acp:
+        written.append(_figure(acp, os.path.join(out, "acp.png"), xlabel, "attention tiles pruned (%)", height=3.2))
+    per_pos = []
+    for r in runs:
+        if r["per_position"]:
+            pts = [(i + 1, v) for i, v in enumerate(r["per_position"]["per_position_loss"])
+                   if v is not None and math.isfinite(v)]
+            per_pos.append((r["name"], [x for x, _ in pts], [y for _, y in pts]))
+    if per_pos:
+        written.append(_figure(per_pos, os.path.join(out, "per_position.png"), "token position",
+                               "validation loss (nats/token)", logx=True, lw=0.8))
     return written
 
 
@@ -120,14 +111,14 @@ def table(runs: list[dict]) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in runs:
         evals = sorted(s for s, v in r["rows"].items() if "val_loss" in v)
-        last = evals[-1] if evals else None
+        last = evals[-1] if evals else 0
+        vl = r["rows"][last]["val_loss"] if evals else float("nan")
         rates = [v["tokens_per_sec"] for s, v in r["rows"].items() if s > 1 and v.get("tokens_per_sec")]
         pruned = [v["acp_fraction_skipped"] for v in r["rows"].values() if "acp_fraction_skipped" in v]
-        vl = r["rows"][last]["val_loss"] if last is not None else float("nan")
-        lines.append(f"| {r['name']} | {last} | {_tokens(r, last or 0):.1f} | {vl:.4f} | {math.exp(min(vl, 50)):.1f} | "
-                     f"{statistics.median(rates):,.0f} | "
-                     f"{(f'{100 * pruned[-1]:.1f}%' if pruned else '–')} |" if rates else
-                     f"| {r['name']} | {last} | – | {vl:.4f} | {math.exp(min(vl, 50)):.1f} | – | – |")
+        rate = f"{statistics.median(rates):,.0f}" if rates else "–"
+        tokens = f"{_tokens(r, last):.1f}" if rates else "–"
+        lines.append(f"| {r['name']} | {last} | {tokens} | {vl:.4f} | {math.exp(min(vl, 50)):.1f} | {rate} | "
+                     f"{f'{100 * pruned[-1]:.1f}%' if pruned else '–'} |")
     return "\n".join(lines)
 
 
