@@ -493,8 +493,28 @@ def _dropped_pairs(log_masks, lengths):
     return dropped.astype(jnp.float32), jnp.sum(pairs).astype(jnp.float32)
 
 
-class _SparsityStats:
-    """``reset_stats()`` / ``stats()`` of a DCP scorer (needs ``self.dcp`` and ``self.n_layer``)."""
+class _Scorer:
+    """A jitted ``(tokens [N, L], lengths [N]) -> (log p of each next token, greedy hit)`` scorer over a
+    model's ``forward(params, inputs) -> (logits, log masks [L, N, T, T] or None)``. For DCP models
+    ``stats()`` gives the pair sparsity (specs/dcp.md §3.2) of the text scored since the last
+    ``reset_stats()``: the fraction of causal (query, key) pairs of real (non-padding) input tokens that
+    the mask drops, overall (``sparsity``, mean over layers) and per layer (``sparsity_layer_{i}``)."""
+
+    def __init__(self, forward, params, *, dcp: bool, n_layer: int):
+        import jax
+        import jax.numpy as jnp
+
+        self.dcp, self.n_layer, self.params = dcp, n_layer, params
+
+        def fn(p, tokens, lengths):
+            logits, log_masks = forward(p, tokens[:, :-1])
+            lp, greedy = _next_token_scores(logits, tokens[:, 1:])
+            if log_masks is None:
+                return lp, greedy, jnp.zeros((n_layer,), jnp.float32), jnp.zeros((), jnp.float32)
+            return (lp, greedy, *_dropped_pairs(log_masks, lengths))
+
+        self._fn = jax.jit(fn)
+        self.reset_stats()
 
     def reset_stats(self) -> None:
         self._dropped = np.zeros(self.n_layer, np.float64)
@@ -508,15 +528,17 @@ class _SparsityStats:
         out.update({f"sparsity_layer_{i}": float(v) for i, v in enumerate(per_layer)})
         return out
 
-    def _add(self, dropped, pairs) -> None:
+    def __call__(self, tokens: np.ndarray, lengths: np.ndarray):
+        lp, greedy, dropped, pairs = self._fn(self.params, tokens, np.asarray(lengths, np.int32))
         self._dropped += np.asarray(dropped, np.float64)
         self._pairs += float(pairs)
+        return np.asarray(lp), np.asarray(greedy)
 
 
-class LanguageModelScorer(_SparsityStats):
+class LanguageModelScorer(_Scorer):
     """Scorer for ``fox_jax.models.LanguageModel`` (FoX / Transformer) params: dense, or DCP
     (``cfg.dcp``, a ``fox-jax finetune-dcp --from-run`` model) with a fixed α (default ∞, the inference
-    step mask), whose ``stats()`` give the pair sparsity as ``GPT2Scorer``'s.
+    step mask); see ``_Scorer`` for ``stats()``.
 
     Args:
       cfg: its ``fox_jax.config.ModelConfig``.
@@ -525,40 +547,22 @@ class LanguageModelScorer(_SparsityStats):
     """
 
     def __init__(self, cfg, params, *, alpha: float = float("inf")):
-        import jax
-        import jax.numpy as jnp
-
         from fox_jax.models import LanguageModel
 
         model = LanguageModel(cfg)
-        self.dcp = cfg.dcp
-        self.n_layer = cfg.n_layers
 
-        def fn(p, tokens, lengths):
+        def forward(p, inputs):
             if not cfg.dcp:
-                lp, greedy = _next_token_scores(model.apply({"params": p}, tokens[:, :-1]), tokens[:, 1:])
-                return lp, greedy, jnp.zeros((cfg.n_layers,), jnp.float32), jnp.zeros((), jnp.float32)
-            logits, aux = model.apply({"params": p}, tokens[:, :-1], alpha=alpha)
-            lp, greedy = _next_token_scores(logits, tokens[:, 1:])
-            return (lp, greedy, *_dropped_pairs(aux["log_masks"], lengths))
+                return model.apply({"params": p}, inputs), None
+            logits, aux = model.apply({"params": p}, inputs, alpha=alpha)
+            return logits, aux["log_masks"]
 
-        self._fn = jax.jit(fn)
-        self.params = params
-        self.reset_stats()
-
-    def __call__(self, tokens: np.ndarray, lengths: np.ndarray):
-        lp, greedy, dropped, pairs = self._fn(self.params, tokens, np.asarray(lengths, np.int32))
-        self._add(dropped, pairs)
-        return np.asarray(lp), np.asarray(greedy)
+        super().__init__(forward, params, dcp=cfg.dcp, n_layer=cfg.n_layers)
 
 
-class GPT2Scorer(_SparsityStats):
+class GPT2Scorer(_Scorer):
     """Scorer for ``fox_jax.models.GPT2`` params: dense, or DCP with a fixed α (default ∞, the inference
-    step mask of specs/dcp.md §2.5).
-
-    With DCP, ``stats()`` gives the pair sparsity (specs/dcp.md §3.2) of the text scored since the last
-    ``reset_stats()``: the fraction of causal (query, key) pairs of real (non-padding) input tokens that
-    the mask drops, overall (``sparsity``, mean over layers) and per layer (``sparsity_layer_{i}``).
+    step mask of specs/dcp.md §2.5); see ``_Scorer`` for ``stats()``.
 
     Args:
       cfg: ``GPT2Config``.
@@ -567,31 +571,15 @@ class GPT2Scorer(_SparsityStats):
     """
 
     def __init__(self, cfg, params, *, alpha: float = float("inf")):
-        import jax
-        import jax.numpy as jnp
-
         from fox_jax.models.gpt2 import GPT2
 
         model = GPT2(cfg)
-        self.dcp = cfg.dcp
-        self.n_layer = cfg.n_layer
 
-        def fn(p, tokens, lengths):
-            inputs = tokens[:, :-1]
+        def forward(p, inputs):
             logits, aux = model.apply({"params": p}, inputs, alpha=alpha if cfg.dcp else None)
-            lp, greedy = _next_token_scores(logits, tokens[:, 1:])
-            if not cfg.dcp:
-                return lp, greedy, jnp.zeros((cfg.n_layer,), jnp.float32), jnp.zeros((), jnp.float32)
-            return (lp, greedy, *_dropped_pairs(aux["log_masks"], lengths))
+            return logits, (aux["log_masks"] if cfg.dcp else None)
 
-        self._fn = jax.jit(fn)
-        self.params = params
-        self.reset_stats()
-
-    def __call__(self, tokens: np.ndarray, lengths: np.ndarray):
-        lp, greedy, dropped, pairs = self._fn(self.params, tokens, lengths)
-        self._add(dropped, pairs)
-        return np.asarray(lp), np.asarray(greedy)
+        super().__init__(forward, params, dcp=cfg.dcp, n_layer=cfg.n_layer)
 
 
 # ---------------------------------------------------------------------------------------------
