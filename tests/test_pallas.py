@@ -53,6 +53,20 @@ def _inputs(b, tq, tk, h, hkv, d, dtype, seed=0, gate_lo=0.0, gate_hi=5.0):
     return q, k, v, lf, w
 
 
+def _check_pallas_against_reference(q, k, v, lf, w, dtype, **kw):
+    """Pallas output and q/k/v/log_fgate gradients vs the float32 oracle on the same (rounded) inputs,
+    within ``_TOL[dtype]``; returns the Pallas (o, grads)."""
+    o, grads = _value_and_grads(lambda *a: forgetting_attention(*a, implementation="pallas", **kw), q, k, v, lf, w)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(
+        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw), f32(q), f32(k), f32(v), lf, w)
+    tol_o, tol_g = _TOL[dtype]
+    _assert_close("o", o, o_ref, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, tol_g)
+    return o, grads
+
+
 def _value_and_grads(fn, q, k, v, lf, w):
     def loss(q, k, v, lf):
         o = fn(q, k, v, lf)
@@ -92,19 +106,8 @@ def test_matches_dense_reference(b, tq, tk, h, hkv, d, dtype, seq_start, segment
     if segments:  # three packed documents per row, boundaries differ across the batch
         t = jnp.arange(tk)
         seg = jnp.stack([(t >= tk // 3 + 2 * i).astype(jnp.int32) + (t >= (2 * tk) // 3 - i) for i in range(b)])
-    kw = dict(seq_start=ss, segment_ids=seg)
-    o, grads = _value_and_grads(
-        lambda *a: forgetting_attention(*a, implementation="pallas", **kw), q, k, v, lf, w)
-    # oracle in float32 on the same (rounded) inputs
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o_ref, grads_ref = _value_and_grads(
-        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw),
-        f32(q), f32(k), f32(v), lf, w)
+    o, grads = _check_pallas_against_reference(q, k, v, lf, w, dtype, seq_start=ss, segment_ids=seg)
     assert o.dtype == dtype and o.shape == (b, tq, h, d)
-    tol_o, tol_g = _TOL[dtype]
-    _assert_close("o", o, o_ref, tol_o)
-    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
-        _assert_close(name, g, gr, tol_g)
     if ss is not None:  # keys before seq_start get exactly zero gradient; empty rows output 0
         for g in grads[1:3]:
             for i, s in enumerate(seq_start):
@@ -479,17 +482,7 @@ def test_gpu_kernels_match_reference(b, tq, tk, h, hkv, d, seq_start, segments):
     if segments:
         t = jnp.arange(tk)
         seg = jnp.broadcast_to(((t >= 500).astype(jnp.int32) + (t >= 1200)), (b, tk))
-    kw = dict(seq_start=ss, segment_ids=seg)
-    o, grads = _value_and_grads(
-        lambda *a: forgetting_attention(*a, implementation="pallas", **kw), q, k, v, lf, w)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o_ref, grads_ref = _value_and_grads(
-        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw),
-        f32(q), f32(k), f32(v), lf, w)
-    tol_o, tol_g = _TOL[dtype]
-    _assert_close("o", o, o_ref, tol_o)
-    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
-        _assert_close(name, g, gr, tol_g)
+    _check_pallas_against_reference(q, k, v, lf, w, dtype, seq_start=ss, segment_ids=seg)
 
 
 @pytest.mark.gpu
