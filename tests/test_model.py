@@ -77,16 +77,21 @@ def test_causality_and_segments(tiny):
     np.testing.assert_allclose(packed[0, 25:], alone[0], atol=1e-4)
 
 
+def _assert_second_document_as_if_alone(model, params, vocab: int, first: int, length: int = 30):
+    """Two packed documents (segment ids, positions restarting): the second one's logits equal those of
+    running it alone (no attention, RoPE offset or KV-shift carry across the boundary)."""
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, vocab)
+    seg = jnp.concatenate([jnp.ones((1, first), jnp.int32), 2 * jnp.ones((1, length - first), jnp.int32)], 1)
+    pos = jnp.concatenate([jnp.arange(first), jnp.arange(length - first)])[None]
+    packed = model.apply({"params": params}, tokens, seg, pos)
+    alone = model.apply({"params": params}, tokens[:, first:])
+    np.testing.assert_allclose(packed[0, first:], alone[0], atol=1e-4)
+
+
 def test_transformer_rope_positions_reset_per_segment():
     cfg = preset("tiny", "transformer-llama", vocab_size=50)
     params = init_params(cfg, jax.random.PRNGKey(0))
-    model = LanguageModel(cfg)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 30), 0, 50)
-    seg = jnp.concatenate([jnp.ones((1, 12), jnp.int32), 2 * jnp.ones((1, 18), jnp.int32)], 1)
-    pos = jnp.concatenate([jnp.arange(12), jnp.arange(18)])[None]
-    packed = model.apply({"params": params}, tokens, seg, pos)
-    alone = model.apply({"params": params}, tokens[:, 12:])
-    np.testing.assert_allclose(packed[0, 12:], alone[0], atol=1e-4)
+    _assert_second_document_as_if_alone(LanguageModel(cfg), params, 50, 12)
 
 
 def test_xla_and_dense_attention_agree(tiny):
@@ -161,13 +166,7 @@ def test_pro_models_run_and_respect_segments(arch):
     attn = params["layers_0"]["attn"]
     assert {"q_norm", "k_norm", "o_norm", "ogate_proj", "k_shift_proj", "v_shift_proj"} <= set(attn)
     assert ("fgate_proj" in attn) == (arch == "fox-pro")
-    model = LanguageModel(cfg)
-    tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 30), 0, 61)
-    seg = jnp.concatenate([jnp.ones((1, 10), jnp.int32), 2 * jnp.ones((1, 20), jnp.int32)], 1)
-    pos = jnp.concatenate([jnp.arange(10), jnp.arange(20)])[None]
-    packed = model.apply({"params": params}, tokens, seg, pos)
-    alone = model.apply({"params": params}, tokens[:, 10:])
-    np.testing.assert_allclose(packed[0, 10:], alone[0], atol=1e-4)
+    _assert_second_document_as_if_alone(LanguageModel(cfg), params, 61, 10)
 
 
 def test_pro_acp_threshold_comes_from_qk_norm_weights():
