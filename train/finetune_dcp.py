@@ -432,8 +432,9 @@ def make_train_step(model: GPT2 | LanguageModel, optimizer, gamma_eff: float):
 
     ``model``: a ``GPT2`` or a ``LanguageModel`` (both return ``(logits, aux)`` with DCP).
 
-    metrics: loss, ce, sparsity_loss (γ_eff·mean causal keep probability), keep_mean, sparsity (mean of
-    the per-layer floored-pair fraction), sparsity_layers [L], grad_norm, beta_mean.
+    metrics: loss, ce, grad_norm and, for DCP models, sparsity_loss (γ_eff·mean causal keep
+    probability), keep_mean, sparsity (mean of the per-layer floored-pair fraction), sparsity_layers [L],
+    beta_mean.
     """
 
     model_cfg = _config_of(model)
@@ -444,22 +445,21 @@ def make_train_step(model: GPT2 | LanguageModel, optimizer, gamma_eff: float):
         logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
         ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
         if not dcp:  # dense pretraining: no mask, nothing dropped
-            zero = jnp.zeros((), jnp.float32)
-            return ce, (ce, zero, jnp.ones((), jnp.float32), jnp.zeros((n_layer,), jnp.float32))
+            return ce, {"ce": ce}
         keep_mean = aux["sparsity_loss"]
         sp_loss = gamma_eff * keep_mean
-        return ce + sp_loss, (ce, sp_loss, keep_mean, aux["sparsity"])
+        return ce + sp_loss, {"ce": ce, "sparsity_loss": sp_loss, "keep_mean": keep_mean,
+                              "sparsity": jnp.mean(aux["sparsity"]), "sparsity_layers": aux["sparsity"]}
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
 
     def step_fn(state: TrainState, batch, alpha):
-        (loss, (ce, sp_loss, keep_mean, sp_layers)), grads = grad_fn(state.params, batch, alpha)
+        (loss, metrics), grads = grad_fn(state.params, batch, alpha)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        betas = [params[name]["attn"].get("beta", jnp.full((), jnp.nan)) for name in layer_names]
-        metrics = {"loss": loss, "ce": ce, "sparsity_loss": sp_loss, "keep_mean": keep_mean,
-                   "sparsity": jnp.mean(sp_layers), "sparsity_layers": sp_layers,
-                   "grad_norm": optax.tree.norm(grads), "beta_mean": jnp.mean(jnp.stack(betas))}
+        metrics = {**metrics, "loss": loss, "grad_norm": optax.tree.norm(grads)}
+        if dcp:
+            metrics["beta_mean"] = jnp.mean(jnp.stack([params[name]["attn"]["beta"] for name in layer_names]))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     return step_fn
@@ -729,9 +729,6 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
     return FinetuneResult(workdir, step, val, hf_dir, "gpt2")
 
 
-DCP_ONLY_METRICS = ("beta_mean", "keep_mean", "sparsity_loss", "sparsity")
-
-
 def _dense_val(val: dict, dcp: bool) -> dict:
     """Validation metrics without the (all-zero) sparsity entries when training a dense model."""
     return val if dcp else {k: v for k, v in val.items() if not k.startswith("val_sparsity")}
@@ -740,10 +737,7 @@ def _dense_val(val: dict, dcp: bool) -> dict:
 def _row(m: dict, alpha: float, lr: float, rate) -> dict[str, float]:
     """One metrics.jsonl row: the step's metrics, per-layer sparsity, the α and lr it used, tokens/s."""
     row = {k: float(v) for k, v in m.items() if k != "sparsity_layers"}
-    if math.isnan(row["beta_mean"]):  # dense training (pretrain-gpt2): no mask, no α, no β (and no NaN in JSON)
-        for k in DCP_ONLY_METRICS:
-            row.pop(k, None)
-    else:
+    if "sparsity_layers" in m:  # DCP (dense pretraining rows have no mask, α or β)
         row.update({f"sparsity_layer_{i}": float(v) for i, v in enumerate(np.asarray(m["sparsity_layers"]))})
         row["alpha"] = alpha
     row["lr"] = lr

@@ -150,12 +150,12 @@ class ForgettingAttentionLayer(nn.Module):
         lam = jax.lax.stop_gradient(jnp.cumsum(log_fgate, axis=1))
         delta = acp.resolve_threshold(threshold, q, k, cfg.dim_per_head ** -0.5)
         if _resolve_impl(cfg.attention_impl, False) in ("pallas", "mosaic"):
-            from fox_jax.ops import pallas as pallas_ops
+            from fox_jax.ops.pallas import resolve_config
 
-            delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), lam.shape[:1] + lam.shape[2:])
-            stats = pallas_ops.acp_stats(lam, delta, t, head_dim=cfg.dim_per_head)["fwd"]
+            fwd = resolve_config(cfg.dim_per_head, t, t).fwd
+            bq, bk = fwd.block_q, fwd.block_k
         else:
             bq = bk = min(cfg.attention_block, -(-t // 8) * 8)
-            starts = acp.kv_block_start(lam, delta, tq=t, block_q=bq, block_k=bk)
-            stats = acp.pruning_stats(starts, tq=t, tk=t, block_q=bq, block_k=bk)
+        starts = acp.kv_block_start(lam, delta, tq=t, block_q=bq, block_k=bk)
+        stats = acp.pruning_stats(starts, tq=t, tk=t, block_q=bq, block_k=bk)
         self.sow("intermediates", "acp_fraction_skipped", stats["fraction_skipped"])
