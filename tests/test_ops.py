@@ -238,3 +238,12 @@ def test_qk_norm_threshold_matches_formula():
     expected = -(2 * 8.0 + math.log(16384)) - 10.0  # spec §5.1 example: U = √64 = 8 → δ = −35.7
     np.testing.assert_allclose(delta[0], expected, rtol=1e-6)
     np.testing.assert_allclose(delta[1], -(2 * 16.0 + math.log(16384)) - 10.0, rtol=1e-6)
+
+
+def test_no_gate_path_keeps_lambda_out_of_constant_folding():
+    """Without gates (Transformer) the Pallas path must not hand XLA a literal all-zero Λ: on the GPU it
+    constant-folded cumsum(0) and the block bounds for minutes. The zeros sit behind an optimization
+    barrier, visible in the lowered program."""
+    q = jnp.zeros((1, 64, 2, 16), jnp.float32)
+    text = jax.jit(lambda q: forgetting_attention(q, q, q, None, implementation="pallas")).lower(q).as_text()
+    assert "optimization_barrier" in text
