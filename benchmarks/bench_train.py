@@ -24,19 +24,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import preset
-from fox_jax.sharding import batch_sharding, make_mesh, state_shardings, under_mesh
+from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from train import config as config_lib
 from train.metrics import device_peak_flops
 from train.trainer import init_state, make_optimizer, make_train_step
 from fox_jax.models import LanguageModel
+from fox_jax.ops.forgetting_attention import kernel_sharding_enabled
 
 
-def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype):
+def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto"):
     overrides = dict(dtype=dtype, remat=remat, adaptive_threshold="auto" if acp else None)
     if size == "tiny":
         overrides["vocab_size"] = 257
     model_cfg = preset(size, arch, **overrides)
     mesh = make_mesh(mesh_spec)
+    partitioner = select_partitioner(mesh, partitioner)
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = max(n_batch, batch_tokens // seq_len // n_batch * n_batch)
     cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=batch)
@@ -73,7 +75,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     peak = device_peak_flops(dtype)
     n_dev = jax.device_count()
     row = dict(arch=arch, size=size, seq_len=seq_len, acp=acp, batch=batch, remat=remat, mesh=mesh_spec or "",
-               devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
+               partitioner=partitioner, kernels_sharded=kernel_sharding_enabled() and mesh.size > 1, devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
                mfu=(flops / dt / (peak * n_dev)) if peak else None, compile_s=compile_s,
                loss=float(m["loss"]), params=model_cfg.param_count())
     if acp:
@@ -91,6 +93,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--remat", default="none")
     p.add_argument("--mesh", default=None)
+    p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"), default="auto",
+                   help="XLA SPMD partitioner (fox_jax.sharding.select_partitioner)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
@@ -107,7 +111,7 @@ def main(argv=None):
                 continue
             try:
                 row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
-                                args.remat, args.mesh, args.dtype)
+                                args.remat, args.mesh, args.dtype, args.partitioner)
             except Exception as e:  # OOM or unsupported: record and go on
                 row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp, error=f"{type(e).__name__}: {str(e)[:200]}")
             rows.append(row)

@@ -7,6 +7,8 @@ split over ``data`` and ``fsdp`` together.
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -119,6 +121,38 @@ def state_shardings(mesh: Mesh, tree):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data × fsdp, the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",)))
+
+
+PARTITIONERS = ("auto", "shardy", "gspmd")
+
+
+def select_partitioner(mesh: Mesh, partitioner: str = "auto") -> str:
+    """Choose XLA's SPMD partitioner for the steps traced under ``mesh`` (a process-wide JAX setting,
+    ``jax_use_shardy_partitioner``; call it before tracing them).
+
+    Args:
+      mesh: the training mesh.
+      partitioner: ``"shardy"`` or ``"gspmd"`` to force one; ``"auto"``: GSPMD when the mesh spans
+        several GPU devices and the attention kernels run per shard
+        (``FOX_JAX_SHARD_KERNELS`` not 0), else JAX's default. Reason: with jax 0.11.2, Shardy
+        segfaults partitioning the backward of the Pallas kernels' ``shard_map`` on GPUs
+        (``fox_jax.ops.forgetting_attention.kernel_sharding_enabled``); GSPMD compiles it.
+    Returns:
+      ``"shardy"`` or ``"gspmd"``: the partitioner now in effect.
+    Raises:
+      ValueError: an unknown ``partitioner``.
+    """
+    if partitioner not in PARTITIONERS:
+        raise ValueError(f"partitioner must be one of {PARTITIONERS}, got {partitioner!r}")
+    current = "shardy" if getattr(jax.config, "jax_use_shardy_partitioner", False) else "gspmd"
+    if partitioner == "auto":
+        from fox_jax.ops.forgetting_attention import SHARD_KERNELS_ENV
+
+        wants_kernels = os.environ.get(SHARD_KERNELS_ENV, "").strip() != "0"
+        partitioner = "gspmd" if (mesh.size > 1 and jax.default_backend() == "gpu" and wants_kernels) else current
+    if partitioner != current:
+        jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+    return partitioner
 
 
 def under_mesh(mesh: Mesh, fn):

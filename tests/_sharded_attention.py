@@ -1,5 +1,6 @@
 """Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas op under an ambient mesh
-runs per shard (a shard_map in the trace) and matches the unsharded XLA path, values and gradients."""
+runs per shard (a shard_map in the trace) and matches the unsharded XLA path, values and gradients,
+under the Shardy and the GSPMD partitioner."""
 
 import json
 import os
@@ -57,6 +58,10 @@ if __name__ == "__main__":
            (("data=2,tensor=2", None, False), ("fsdp=4", "auto", True), ("data=4", "array", True),
             ("tensor=4", None, False))}
     out["model"] = model_case()
+    # the partitioner picked for multi-GPU meshes (fox_jax.sharding.select_partitioner): same results
+    jax.config.update("jax_use_shardy_partitioner", False)
+    out["gspmd|data=2,tensor=2"] = op_case("data=2,tensor=2", "auto", True)
+    jax.config.update("jax_use_shardy_partitioner", True)
     os.environ["FOX_JAX_SHARD_KERNELS"] = "0"  # switched off (the GPU default): XLA replicates the kernels
     out["off|data=2,tensor=2"] = op_case("data=2,tensor=2", None, False)
     print("RESULT " + json.dumps(out))

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fox_jax.sharding import parse_mesh
+import jax
+
+from fox_jax.sharding import make_mesh, parse_mesh, select_partitioner
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +26,20 @@ def test_parse_mesh_errors():
         parse_mesh("model=2")
     with pytest.raises(ValueError, match="devices"):
         parse_mesh("data=3")
+
+
+def test_select_partitioner():
+    """auto keeps JAX's default off GPU (one CPU device here); explicit choices set the JAX flag."""
+    before = jax.config.jax_use_shardy_partitioner
+    mesh = make_mesh(None)
+    try:
+        with pytest.raises(ValueError, match="partitioner must be one of"):
+            select_partitioner(mesh, "xla")
+        assert select_partitioner(mesh, "auto") == ("shardy" if before else "gspmd")
+        assert select_partitioner(mesh, "gspmd") == "gspmd" and not jax.config.jax_use_shardy_partitioner
+        assert select_partitioner(mesh, "shardy") == "shardy" and jax.config.jax_use_shardy_partitioner
+    finally:
+        jax.config.update("jax_use_shardy_partitioner", before)
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,8 @@ def _add_common(p: argparse.ArgumentParser, *, evaluating: bool = False) -> None
     p.add_argument("--seq-len", type=int, help="tokens per sequence")
     p.add_argument("--batch-size", type=int, help="sequences per step (global)")
     p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=1 (default: all devices on data)")
+    p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"),
+                   help="XLA SPMD partitioner (default auto: GSPMD on multi-GPU meshes, see README 'Multi-GPU')")
     d = p.add_argument_group("multi-host (one process per host; see README)")
     d.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (auto-detects SLURM / Open MPI / cloud TPU env)")
@@ -84,6 +86,8 @@ def _explicit_overrides(args) -> list[str]:
         out.append(f"batch_size={args.batch_size}")
     if args.mesh:
         out.append(f"mesh={args.mesh}")
+    if getattr(args, "partitioner", None):
+        out.append(f"partitioner={args.partitioner}")
     if getattr(args, "steps", None) is not None:
         out.append(f"steps={args.steps}")
     return out

@@ -78,6 +78,9 @@ class ExperimentConfig:
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoints: save in the background (waits for the last save before exit).
       mesh: device mesh, e.g. ``"data=2,fsdp=2"`` (default: all devices on ``data``).
+      partitioner: XLA's SPMD partitioner, ``"auto"`` / ``"shardy"`` / ``"gspmd"``
+        (``fox_jax.sharding.select_partitioner``; auto = GSPMD on multi-GPU meshes, where Shardy
+        crashes compiling the sharded attention kernels' backward with jax 0.11.2).
     """
 
     model: ModelConfig = ModelConfig()
@@ -94,6 +97,7 @@ class ExperimentConfig:
     keep_checkpoints: int = 3
     async_checkpoints: bool = True
     mesh: str = ""
+    partitioner: str = "auto"
 
     def validate(self) -> "ExperimentConfig":
         if self.steps <= 0:
@@ -101,6 +105,8 @@ class ExperimentConfig:
         if self.batch_size <= 0 or self.grad_accum <= 0 or self.batch_size % self.grad_accum:
             raise ValueError(
                 f"batch_size ({self.batch_size}) must be a positive multiple of grad_accum ({self.grad_accum})")
+        if self.partitioner not in ("auto", "shardy", "gspmd"):
+            raise ValueError(f"partitioner must be auto, shardy or gspmd, got {self.partitioner!r}")
         if self.data.seq_len < 2:
             raise ValueError(f"seq_len must be at least 2, got {self.data.seq_len}")
         return self

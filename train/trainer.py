@@ -19,7 +19,7 @@ import optax
 from tqdm.auto import tqdm
 
 from fox_jax.models import LanguageModel, count_params, init_params
-from fox_jax.sharding import batch_sharding, make_mesh, state_shardings, under_mesh
+from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from train import config as config_lib
 from train import data as data_lib
 from train.checkpoints import Checkpointer, CheckpointError
@@ -203,6 +203,7 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     corpus = data_lib.load_corpus(cfg.data)
     cfg = resolve_vocab(cfg, corpus.tokenizer, explicit_vocab or has_ckpt)
     mesh = make_mesh(cfg.mesh or None)
+    partitioner = select_partitioner(mesh, cfg.partitioner)
     n_data = mesh.shape["data"] * mesh.shape["fsdp"]
     if cfg.batch_size % (n_data * cfg.grad_accum):
         raise ValueError(
@@ -251,7 +252,9 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     _log(f"model {cfg.model.arch}: {n_params / 1e6:.2f}M parameters "
          f"({cfg.model.param_count(include_head=False) / 1e6:.2f}M excluding the LM head); "
          f"data: {corpus.summary()}; "
-         f"{n_dev} x {jax.devices()[0].device_kind}; workdir {workdir}")
+         f"{n_dev} x {jax.devices()[0].device_kind}"
+         + (f" (mesh {dict(mesh.shape)}, {partitioner} partitioner)" if mesh.size > 1 else "")
+         + f"; workdir {workdir}")
 
     writer = MetricWriter(workdir, truncate_after=start_step if has_ckpt else -1)
     losses: dict[int, float] = {}
@@ -331,7 +334,7 @@ def evaluate_loss(eval_fn, params, batches, sharding) -> float:
 
 
 _RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "eval_batches",
-                      "async_checkpoints", "mesh")
+                      "async_checkpoints", "mesh", "partitioner")
 
 
 def _check_resume_config(saved: config_lib.ExperimentConfig, given: config_lib.ExperimentConfig) -> None:

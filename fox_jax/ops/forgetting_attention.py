@@ -76,18 +76,23 @@ SHARD_KERNELS_ENV = "FOX_JAX_SHARD_KERNELS"
 def kernel_sharding_enabled() -> bool:
     """Whether the Pallas kernels run per shard under an ambient mesh (see ``forgetting_attention``).
 
-    ``FOX_JAX_SHARD_KERNELS=1`` / ``0`` forces it on / off. Default: on, except on GPU backends, where
-    XLA (jax 0.11.2) crashes with a segmentation fault while compiling the *backward* Triton kernels
-    inside a ``shard_map`` on 2 H200s (the forward compiles and runs; benchmarks/NOTES.md, "Multi-GPU").
-    Off, a multi-device step is still correct: XLA all-gathers around the kernels and every device
-    computes all rows (760M FoX (Pro) at 16k: 64 % weak-scaling efficiency on 2 H200s).
+    ``FOX_JAX_SHARD_KERNELS=1`` / ``0`` forces it on / off. Default: on, except on GPU backends while
+    JAX's Shardy partitioner is selected: with jax 0.11.2 it segfaults (in its ``shardy-xla`` pass)
+    partitioning the *backward* of the kernels' ``shard_map`` on 2 H200s — also with both backward kernels
+    replaced by zeros, so the glue, not the Triton compile — while the GSPMD partitioner compiles and
+    runs it (benchmarks/NOTES.md, "Multi-GPU"). ``fox_jax.sharding.select_partitioner`` picks GSPMD for
+    multi-GPU meshes. Off, a multi-device step is still correct: XLA all-gathers around the kernels and
+    every device computes all rows (760M FoX (Pro) at 16k: 64 % weak-scaling efficiency on 2 H200s).
+
+    Raises:
+      ValueError: ``FOX_JAX_SHARD_KERNELS`` set to something other than 0 or 1.
     """
     flag = os.environ.get(SHARD_KERNELS_ENV)
     if flag is not None and flag.strip() != "":
         if flag.strip() not in ("0", "1"):
             raise ValueError(f"{SHARD_KERNELS_ENV} must be 0 or 1, got {flag!r}")
         return flag.strip() == "1"
-    return jax.default_backend() != "gpu"
+    return jax.default_backend() != "gpu" or not getattr(jax.config, "jax_use_shardy_partitioner", False)
 
 
 def _ambient_mesh():
@@ -199,8 +204,8 @@ def forgetting_attention(
     ``tensor`` (each where it divides B, resp. H and Hkv) — since a ``pallas_call`` is opaque to the SPMD
     partitioner, which would all-gather its inputs and compute every shard on every device. The other
     implementations are partitioned by XLA. ``fox_jax.ops.pallas.sharded_attention`` does the same for an
-    explicit mesh and axis names. Off by default on GPU (an XLA crash compiling the backward kernels
-    under ``shard_map``): see ``kernel_sharding_enabled``.
+    explicit mesh and axis names. On GPU only while JAX uses the GSPMD partitioner (Shardy crashes on
+    the backward with jax 0.11.2): see ``kernel_sharding_enabled``.
 
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_fgate.

@@ -314,8 +314,9 @@ def sharded_attention(mesh: jax.sharding.Mesh, batch_axis: Any = "data", head_ax
     Pallas calls are opaque to the SPMD partitioner (specs/pallas_gpu.md §3): without an explicit
     boundary XLA would all-gather around them. Each device runs the kernels on its local batch rows and
     heads; nothing is communicated (the auto ACP threshold reduces over time and head_dim only).
-    Caveat: with jax 0.11.2 on 2 H200s, XLA segfaults compiling the *backward* kernels inside the
-    shard_map (the forward is fine) — see ``fox_jax.ops.forgetting_attention.kernel_sharding_enabled``.
+    Caveat: with jax 0.11.2 on GPUs, the Shardy partitioner segfaults partitioning the backward of this
+    shard_map; trace it with GSPMD (``fox_jax.sharding.select_partitioner``, or
+    ``JAX_USE_SHARDY_PARTITIONER=false``) — see ``fox_jax.ops.forgetting_attention.kernel_sharding_enabled``.
 
     Args:
       mesh: the device mesh; batch_axis / head_axis: mesh axis names (or tuples, or None) for the batch
