@@ -60,19 +60,27 @@ QUICK_SHAPES = [(1, 64, 2, 32), (1, 96, 2, 64)]
 IMPLS = ["cudnn", "xla-dense", "xla-blockwise", "pallas", "pallas-acp", "fla"]  # + "pallas-acp-trained"
 # grid-order variants (KernelConfig.interleave_heads), for tuning runs
 VARIANTS = {"pallas-heads": ("pallas", True), "pallas-acp-blocks": ("pallas-acp", False)}
+# "pallas-default": the library's default tiles even when --sweep picked others (side-by-side check);
+# "pallas-prev": the previous (round 2) D=128 defaults, to compare against the current ones in one run
+PREV_D128 = KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(64, 64, 4, 2),
+                         dkv=TileConfig(64, 128, 8, 4), interleave_bwd_from=16384)
 
 # Tile candidates for --sweep: (block_q, block_k, num_warps, num_stages); all compile without
 # exceeding shared memory for sm_90 (checked offline with Triton 3.6; see benchmarks/NOTES.md).
-SWEEP = {  # round 2 (round 1 and its results: benchmarks/NOTES.md); the first entry is the default
+SWEEP = {  # rounds 1–3 and their results: benchmarks/NOTES.md; the first entry is the default
     64: {
         "fwd": [(128, 64, 4, 3), (128, 64, 4, 4), (64, 64, 4, 4), (64, 128, 4, 3), (64, 32, 4, 3)],
         "dq": [(64, 64, 4, 3), (64, 64, 4, 4), (64, 32, 4, 3), (32, 64, 4, 3), (128, 64, 4, 3)],
         "dkv": [(64, 64, 4, 3), (64, 64, 4, 4), (32, 64, 4, 3), (64, 64, 8, 3), (32, 128, 4, 3)],
     },
     128: {
-        "fwd": [(128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 32, 4, 3)],
-        "dq": [(64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3), (64, 32, 4, 4)],
-        "dkv": [(64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 4), (64, 64, 4, 2)],
+        # round 3 appended larger tiles for the short, wide B8 T2048 shape (--sweep-shapes)
+        "fwd": [(64, 64, 4, 3), (128, 64, 8, 3), (64, 64, 4, 4), (128, 64, 8, 4), (64, 32, 4, 3),
+                (128, 128, 8, 2), (128, 64, 4, 3), (128, 32, 4, 3)],
+        "dq": [(128, 64, 8, 3), (64, 64, 4, 2), (64, 64, 4, 3), (64, 32, 4, 3), (32, 64, 4, 3),
+               (64, 32, 4, 4), (64, 128, 8, 3), (128, 32, 8, 3)],
+        "dkv": [(64, 128, 8, 4), (64, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 4), (64, 64, 4, 2),
+                (128, 64, 8, 2), (64, 64, 4, 3)],
     },
 }
 SWEEP_SHAPES = {64: (4, 4096, 32, 64), 128: (2, 8192, 16, 128)}
@@ -142,6 +150,10 @@ def is_oom(e: BaseException) -> bool:
 def jax_fns(impl, d, config=None):
     """(fwd(q, k, v, lf), fwd_bwd(q, k, v, lf, do)) for one implementation."""
     scale = d ** -0.5
+    if impl == "pallas-default":
+        impl, config = "pallas", None
+    if impl == "pallas-prev":
+        impl, config = "pallas", (PREV_D128 if 64 < d <= 128 else None)
     if impl in VARIANTS:
         impl, inter = VARIANTS[impl]
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384)
@@ -240,12 +252,15 @@ def bench_fla(arrays, d):
 # --------------------------------------------------------------------------------------------------
 
 
-def sweep_tiles(workers, quick=False):
-    """Time each kernel alone over SWEEP's candidates; returns {D: KernelConfig of the fastest}."""
+def sweep_tiles(workers, quick=False, shapes=None):
+    """Time each kernel alone over SWEEP's candidates at ``shapes`` ({D: (B, T, H, D)}, default
+    SWEEP_SHAPES; only these Ds are swept when given); returns {D: KernelConfig of the fastest}."""
     best, table = {}, []
     interpret = jax.default_backend() != "gpu"
     for d, cands in SWEEP.items():
-        b, t, h, _ = (1, 64, 2, d) if quick else SWEEP_SHAPES[d]
+        if shapes is not None and d not in shapes:
+            continue
+        b, t, h, _ = (1, 64, 2, d) if quick else (shapes or SWEEP_SHAPES)[d]
         q, k, v, lf, do = make_inputs(b, t, h, d, seed=1)
         lam = decay_cumsum(lf)
         scale = d ** -0.5
@@ -290,7 +305,7 @@ def sweep_tiles(workers, quick=False):
                 except Exception as e:  # noqa: BLE001
                     ms, err = None, f"{type(e).__name__}: {str(e)[:160]}"
             flops = fwd_flops(b, t, h, d) * (1.0 if kind == "fwd" else 1.25)  # bwd 2.5× split in two
-            row = dict(d=d, kernel=kind, tile=list(c), ms=ms, tflops=None if ms is None else flops / ms / 1e9,
+            row = dict(d=d, shape=[b, t, h, d], kernel=kind, tile=list(c), ms=ms, tflops=None if ms is None else flops / ms / 1e9,
                        error=err)
             table.append(row)
             log(f"[sweep] D={d} {kind:4s} {c}: " + (f"{ms:.3f} ms" if ms is not None else f"FAILED {err}"))
@@ -599,7 +614,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
                 slow = impl in ("xla-dense", "xla-blockwise")
                 ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
                 r[mode] = ms
-                if impl in ("pallas", "pallas-acp", "pallas-acp-trained", "xla-blockwise", *VARIANTS):
+                if impl in ("pallas", "pallas-default", "pallas-prev", "pallas-acp", "pallas-acp-trained", "xla-blockwise", *VARIANTS):
                     outs[(impl, mode)] = exe(*args)
                 log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
             except Exception as e:  # noqa: BLE001
@@ -617,6 +632,10 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
             if ("pallas", mode) in outs and ("pallas-acp", mode) in outs:
                 a, bb = outs[("pallas", mode)], outs[("pallas-acp", mode)]
                 checks[f"pallas_acp_vs_dense_{mode}_max_abs"] = max(
+                    _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
+            if ("pallas", mode) in outs and ("pallas-prev", mode) in outs:
+                a, bb = outs[("pallas", mode)], outs[("pallas-prev", mode)]
+                checks[f"pallas_vs_prev_tiles_{mode}_max_abs"] = max(
                     _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
             for var, (base, _) in VARIANTS.items():
                 if (var, mode) in outs and (base, mode) in outs:
@@ -716,6 +735,8 @@ def main(argv=None):
                          "backward grid, 4-stage dK/dV, both) at the D=128 anchor shapes (or --shapes), with "
                          "bitwise determinism checks; then exit")
     ap.add_argument("--repeats", type=int, default=3, help="--bwd-sweep: runs of the 4-stage variants compared bitwise")
+    ap.add_argument("--sweep-shapes", default=None, metavar="BxTxHxD,...",
+                    help="--sweep at these shapes (one per head dim) instead of SWEEP_SHAPES")
     ap.add_argument("--impls", default=",".join(IMPLS))
     ap.add_argument("--shapes", default=None, help="e.g. 4x4096x32x64,2x8192x16x128")
     ap.add_argument("--workers", type=int, default=min(8, os.cpu_count() or 1))
@@ -762,7 +783,13 @@ def main(argv=None):
     configs = {}
     if args.sweep:
         try:
-            configs, table = sweep_tiles(args.workers, quick=args.quick)
+            sweep_shapes = None
+            if args.sweep_shapes:
+                sweep_shapes = {}
+                for spec in args.sweep_shapes.split(","):
+                    bb, tt, hh, dd = (int(y) for y in spec.split("x"))
+                    sweep_shapes[dd] = (bb, tt, hh, dd)
+            configs, table = sweep_tiles(args.workers, quick=args.quick, shapes=sweep_shapes)
             out["sweep"] = table
             out["sweep_best"] = {str(d): dataclasses.asdict(c) for d, c in configs.items()}
         except Exception:  # noqa: BLE001

@@ -107,15 +107,16 @@ class KernelConfig:
     # at T=16384, but +1–4 % at T ≤ 8192 (benchmarks/NOTES.md, "Backward sweep").
 
 
-# Tuned on one H200 (jax 0.11.2, Triton lowering) by two sweeps of benchmarks/bench_attention.py
+# Tuned on one H200 (jax 0.11.2, Triton lowering) by three sweeps of benchmarks/bench_attention.py
 # starting from the official FoX kernel's H100/H200 table (specs/fox_acp.md §4.4); see
-# benchmarks/NOTES.md. 4-warp 64-row tiles win for the backward; 3 pipeline stages (4 for the D=128
-# dK/dV: −4 % at T=8192, bitwise deterministic over repeats). D=256 is only
-# compile-checked (sm_90, no spills in fwd/dQ). Keys: head dim upper bound.
+# benchmarks/NOTES.md. D=64: 4-warp tiles, 3 pipeline stages. D=128 (round 3, swept at B8 T2048 and
+# B2 T8192): a 64×64 forward tile (−6 % forward at T=2048), 128-row 8-warp dQ tiles (−6 % dQ at
+# T=8192), dK/dV 64×128 with 4 stages (−4 % at T=8192, bitwise deterministic over repeats). D=256 is
+# only compile-checked (sm_90, no spills in fwd/dQ). Keys: head dim upper bound.
 _GPU_CONFIGS = {
     64: KernelConfig(fwd=TileConfig(128, 64, 4, 3), dq=TileConfig(128, 64, 4, 3),
                      dkv=TileConfig(64, 64, 4, 3)),
-    128: KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(64, 64, 4, 2),
+    128: KernelConfig(fwd=TileConfig(64, 64, 4, 3), dq=TileConfig(128, 64, 8, 3),
                       dkv=TileConfig(64, 128, 8, 4), interleave_bwd_from=16384),
     256: KernelConfig(fwd=TileConfig(64, 64, 8, 2), dq=TileConfig(64, 32, 8, 2),
                       dkv=TileConfig(32, 64, 8, 2)),
