@@ -5,10 +5,12 @@ Reads each run's ``metrics.jsonl`` (and, when present, the per-position loss JSO
 
 * ``<out>/val_loss.png``: validation loss against training tokens, one curve per run;
 * ``<out>/acp.png``: for runs with ACP, the fraction of attention tiles pruned against tokens;
-* ``<out>/per_position.png``: per-position validation loss of the runs that have it;
+* ``<out>/per_position.png``: per-position validation loss of the runs that have it (log-spaced bins);
+* ``<out>/per_position_vs_<REF>.png`` (``--reference REF``): the same minus run REF's curve;
 * a markdown table on stdout (last validation loss / perplexity, median tokens/s, ACP pruned).
 
-    python benchmarks/plot_experiment.py benchmarks/results/experiment_small/* --out benchmarks/results/experiment_small
+    python benchmarks/plot_experiment.py benchmarks/results/experiment_small/*/ --out benchmarks/results/experiment_small \
+        --reference transformer-pro
 """
 
 from __future__ import annotations
@@ -85,7 +87,29 @@ def _series(run: dict, key: str, scale: float = 1.0):
     return [_tokens(run, s) for s, _ in pts], [scale * v for _, v in pts]
 
 
-def plot(runs: list[dict], out: str) -> list[str]:
+def binned_per_position(per_position: dict, n_bins: int = 32) -> tuple[list[float], list[float]]:
+    """Per-position loss averaged over log-spaced position bins (weighted by each position's token
+    count): a validation set of a few documents gives ~16 tokens per position, far too noisy raw.
+
+    Returns:
+      (geometric bin centres, 1-based positions; mean loss per bin in nats), empty bins dropped.
+    """
+    loss, count = per_position["per_position_loss"], per_position.get("per_position_count")
+    count = count or [1] * len(loss)
+    n = len(loss)
+    edges = sorted({int(round(n ** (i / n_bins))) for i in range(n_bins + 1)} | {1, n + 1})
+    xs, ys = [], []
+    for lo, hi in zip(edges[:-1], edges[1:]):  # positions lo .. hi-1 (1-based)
+        pairs = [(loss[p - 1], count[p - 1]) for p in range(lo, hi)
+                 if loss[p - 1] is not None and math.isfinite(loss[p - 1]) and count[p - 1]]
+        weight = sum(c for _, c in pairs)
+        if weight:
+            xs.append(math.sqrt(lo * (hi - 1)))
+            ys.append(sum(v * c for v, c in pairs) / weight)
+    return xs, ys
+
+
+def plot(runs: list[dict], out: str, reference: str | None = None) -> list[str]:
     os.makedirs(out, exist_ok=True)
     xlabel = "training tokens (M)" if all(r["tokens_per_step"] for r in runs) else "step"
     written = [_figure([(r["name"], *_series(r, "val_loss")) for r in runs if _series(r, "val_loss")[0]],
@@ -94,15 +118,15 @@ def plot(runs: list[dict], out: str) -> list[str]:
     acp = [c for c in acp if c[1]]
     if acp:
         written.append(_figure(acp, os.path.join(out, "acp.png"), xlabel, "attention tiles pruned (%)", height=3.2))
-    per_pos = []
-    for r in runs:
-        if r["per_position"]:
-            pts = [(i + 1, v) for i, v in enumerate(r["per_position"]["per_position_loss"])
-                   if v is not None and math.isfinite(v)]
-            per_pos.append((r["name"], [x for x, _ in pts], [y for _, y in pts]))
+    per_pos = [(r["name"], *binned_per_position(r["per_position"])) for r in runs if r["per_position"]]
     if per_pos:
         written.append(_figure(per_pos, os.path.join(out, "per_position.png"), "token position",
-                               "validation loss (nats/token)", logx=True, lw=0.8))
+                               "validation loss (nats/token), log-spaced bins", logx=True, marker="o", ms=2))
+    ref = next((c for c in per_pos if c[0] == reference), None)
+    if ref is not None:  # the documents' own difficulty cancels in the difference
+        diff = [(name, xs, [y - r for y, r in zip(ys, ref[2])]) for name, xs, ys in per_pos if name != reference]
+        written.append(_figure(diff, os.path.join(out, f"per_position_vs_{reference}.png"), "token position",
+                               f"loss − {reference} loss (nats/token)", logx=True, marker="o", ms=2))
     return written
 
 
@@ -126,9 +150,11 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="run directories (metrics.jsonl, config.json, optional eval JSON)")
     p.add_argument("--out", required=True, help="directory for the PNGs")
+    p.add_argument("--reference", default=None, metavar="RUN_NAME",
+                   help="also plot every run's binned per-position loss minus this run's")
     args = p.parse_args(argv)
     runs = [read_run(r) for r in args.runs if os.path.isdir(r)]
-    for path in plot(runs, args.out):
+    for path in plot(runs, args.out, args.reference):
         print("wrote", path)
     print(table(runs))
     return 0

@@ -17,9 +17,21 @@ def _module():
 def test_plots_and_table_from_run_directories(tmp_path, capsys):
     mod = _module()
     runs = [str(RUNS / n) for n in ("fox-pro", "fox-pro-acp", "fox-llama", "transformer-pro")]
-    assert mod.main(runs + ["--out", str(tmp_path)]) == 0
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["acp.png", "per_position.png", "val_loss.png"]
+    assert mod.main(runs + ["--out", str(tmp_path), "--reference", "transformer-pro"]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "acp.png", "per_position.png", "per_position_vs_transformer-pro.png", "val_loss.png"]
     lines = capsys.readouterr().out.splitlines()
     row = next(line for line in lines if line.startswith("| fox-pro-acp "))
-    assert "| 250 | 16.4 | 4.6040 | 99.9 |" in row and row.endswith("| 64.5% |")     # from metrics.jsonl
-    assert next(line for line in lines if line.startswith("| transformer-pro ")).endswith("| – | – |")
+    assert "| 300 | 19.7 | 4.4647 | 86.9 |" in row and row.endswith("| 68.1% |")     # from metrics.jsonl
+    assert next(line for line in lines if line.startswith("| transformer-pro ")).endswith("| – |")
+
+
+def test_binned_per_position_weights_by_count():
+    mod = _module()
+    n = 100
+    xs, ys = mod.binned_per_position(dict(per_position_loss=[2.0] * n, per_position_count=[3] * n), n_bins=8)
+    assert xs == sorted(xs) and xs[0] == 1.0 and len(xs) <= 9 and all(y == 2.0 for y in ys)
+    # one bin holding positions with losses 1 and 4 and counts 3 and 1 → (3·1 + 1·4) / 4
+    loss = [1.0, 4.0] + [float("nan")] * 2
+    xs, ys = mod.binned_per_position(dict(per_position_loss=loss, per_position_count=[3, 1, 0, 0]), n_bins=1)
+    assert ys == [1.75]
