@@ -821,6 +821,9 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
         "curves": curves,
     }
 
+    # written now and again at the end, so a run killed during the plots keeps its perplexity tables
+    _write_report(report, out_dir)
+
     # 2. drop plots and 3. context switch ------------------------------------------------------------
     sample = sample_tokens(corpus, t, text_file)
     sample_text, sample_cls = _token_texts(corpus.tokenizer, sample)
@@ -854,13 +857,18 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
                          "plot": "ppl_vs_sparsity.png", "table": "dcp_eval.md"}
     report["context_switch_summary"] = {k: {"cross_dropped": v["cross_dropped"], "within_dropped": v["within_dropped"]}
                                         for k, v in switches.items()}
+    report["tables"] = _write_report(report, out_dir)
+    return report
+
+
+def _write_report(report: dict, out_dir: str) -> str:
+    """dcp_eval.json, ppl_vs_sparsity.png and dcp_eval.md from ``report``; returns the markdown tables."""
     _write_json(report, os.path.join(out_dir, "dcp_eval.json"))
     plot_ppl_vs_sparsity(report, os.path.join(out_dir, "ppl_vs_sparsity.png"))
     tables = format_tables(report)
     with open(os.path.join(out_dir, "dcp_eval.md"), "w") as f:
         f.write("# DCP evaluation\n\n" + tables + "\n")
-    report["tables"] = tables
-    return report
+    return tables
 
 
 def _write_json(obj: dict, path: str) -> None:
