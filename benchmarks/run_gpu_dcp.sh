@@ -4,16 +4,17 @@
 # (ppl vs sparsity against local/strided baselines at matched sparsity, drop plots, context switch) and
 # fox-jax zeroshot for the dense and a pruned model. Results in $R (default $OUT/dcp). Each stage has its
 # own time limit, so a slow stage costs only itself; pretraining checkpoints every 100 steps and a cut run
-# is exported from its last checkpoint. H200 timing (8 x 512, T=1024, bf16): ~510k tokens/s, i.e. 500 steps
-# of 32 x 1024 tokens ≈ 32 s plus ~40 s compile and evaluations — a 150 s limit cut it at step 480.
+# is exported from its last checkpoint. H200 timing (8 x 512, T=1024, bf16): pretraining 430–510k tokens/s
+# (1000 steps of 32 x 1024 tokens in < 170 s incl. compile), fine-tuning ~105k tokens/s (< 70 s per γ),
+# zero-shot < 40 s per model; dcp-eval needs more than 90 s (it was cut there once; limit now 240 s).
 # Needs: the pre-tokenized Gutenberg ($DATA, see run_gpu_train.sh) and the eval sets ($EVAL_DIR).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; R=${R:-$OUT/dcp}; mkdir -p "$R"
 DATA=${DATA:-$PWD/.gpu/gutenberg}; EVAL_DIR=${EVAL_DIR:-$PWD/../shared/data/eval}; RUNS=${RUNS:-/tmp/dcp_runs}
 SHAPE=${SHAPE:-"--n-layer 8 --n-embd 512 --n-head 8 --n-positions 1024"}; SEQ=${SEQ:-1024}
-PRE_STEPS=${PRE_STEPS:-600}; PRE_BATCH=${PRE_BATCH:-32}; FT_STEPS=${FT_STEPS:-200}; FT_BATCH=${FT_BATCH:-8}
+PRE_STEPS=${PRE_STEPS:-1000}; PRE_BATCH=${PRE_BATCH:-32}; FT_STEPS=${FT_STEPS:-200}; FT_BATCH=${FT_BATCH:-8}
 GAMMAS=${GAMMAS:-"0.1 0.3 1.0"}; DTYPE=${DTYPE:-bfloat16}; ZS_LIMIT=${ZS_LIMIT:-500}
-T_PRE=${T_PRE:-200}; T_FT=${T_FT:-80}; T_EVAL=${T_EVAL:-80}; T_ZS=${T_ZS:-50}
+T_PRE=${T_PRE:-200}; T_FT=${T_FT:-80}; T_EVAL=${T_EVAL:-240}; T_ZS=${T_ZS:-50}
 export PYTHONUNBUFFERED=1
 timeout $T_PRE python3 -m train.cli pretrain-gpt2 --workdir $RUNS/gpt2 $SHAPE --data $DATA --tokenizer $DATA/tokenizer \
   --seq-len $SEQ --batch-size $PRE_BATCH --steps $PRE_STEPS --warmup-steps 60 --lr 1e-3 --dtype $DTYPE \
