@@ -62,6 +62,8 @@ class ModelConfig:
         Not combinable with ``adaptive_threshold`` (ACP); decoding with caches is not implemented.
       interaction_dim: r, width of the interaction queries/keys (64, the paper's recipe, §1.1).
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default, §1.1).
+      dcp_impl: ``implementation`` of ``dcp_attention``: ``"xla"`` (blockwise, default) or ``"pallas"``
+        (the Pallas kernels with the mask; interpret mode off GPU; not yet timed on a GPU).
     """
 
     arch: str = "fox-llama"
@@ -92,6 +94,7 @@ class ModelConfig:
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
+    dcp_impl: str = "xla"
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -121,6 +124,8 @@ class ModelConfig:
         if (isinstance(self.dcp_beta_init, bool) or not isinstance(self.dcp_beta_init, (int, float))
                 or not math.isfinite(self.dcp_beta_init)):
             raise ValueError(f"ModelConfig.dcp_beta_init must be a finite float, got {self.dcp_beta_init!r}")
+        if self.dcp_impl not in ("xla", "pallas"):
+            raise ValueError(f"ModelConfig.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
         if self.dcp and self.adaptive_threshold is not None:
             raise ValueError("ModelConfig.adaptive_threshold (ACP) cannot be combined with dcp=True: DCP "
                              "attention (dcp_attention) does not implement ACP block pruning; set "

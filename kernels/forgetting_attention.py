@@ -1,8 +1,8 @@
 """Portable Pallas kernels for forgetting attention (FoX) with block-level ACP skipping.
 
-Three ``pl.pallas_call`` kernels written against the Triton lowering (``pltriton.CompilerParams``) on
-GPU and run with ``interpret=True`` elsewhere. They import nothing from ``fox_jax``: they take arrays
-and block ranges and return arrays (DESIGN.md, "Layout").
+Three ``pl.pallas_call`` kernels (four with DCP) written against the Triton lowering
+(``pltriton.CompilerParams``) on GPU and run with ``interpret=True`` elsewhere. They import nothing
+from ``fox_jax``: they take arrays and block ranges and return arrays (DESIGN.md, "Layout").
 
 Math (specs/fox_acp.md §1, §4): with Λ the float32 cumulative log forget gate,
 
@@ -32,6 +32,13 @@ Element masks (causal diagonal, key padding, seq_start boundary, segment ids) ar
 tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part
 (with segment ids every tile is masked, but document-aware skipping — per-block segment id ranges,
 ``seg_bounds`` — drops the tiles before the first and after the last block that shares an id).
+
+DCP (Dynamic Context Pruning, specs/dcp.md §1.4): all three kernels optionally add a log mask shared by
+the heads, ``log_mask[b, i, j]`` (float32, natural log, [B, Tq_pad, Tk_pad]; the dK/dV kernel reads its
+transpose), to the scores, and skip tiles whose ``live`` flag is 0 (every visible pair dropped: computed
+by the caller per kernel tiling). A fourth kernel, dlogI (grid (query block, key block, batch), heads
+looped inside), writes the mask gradient Σ_h dS[b, h, i, j] one tile at a time: O(B·T²) like the mask
+itself, never per head.
 
 Layouts: q/o/do ``[B, Tq_pad, H, D]``, k/v ``[B, Tk_pad, Hkv, D]`` (the model's layout, no transposes),
 per-row float32 vectors ``[B, H, T_pad]``. ``attention_forward`` / ``attention_backward`` below do the
@@ -183,17 +190,20 @@ class _Geom:
     has_seg: bool
     has_acp: bool
     has_sb: bool = False  # document-aware block bounds given (segment ids only)
+    has_mask: bool = False  # DCP log mask (+ per-tile live flags) given
 
     @property
     def offset(self) -> int:  # bottom-right alignment: query i sits at absolute position offset + i
         return self.tk - self.tq
 
 
-def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds) -> _Geom:
+def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds, log_mask=None, live=None) -> _Geom:
     if seg_bounds is not None and seg_q is None:
         raise ValueError("seg_bounds (document-aware skipping) need segment ids")
+    if (log_mask is None) != (live is None):
+        raise ValueError("log_mask and live (per-tile flags) go together")
     return _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, ranges is not None,
-                 seg_bounds is not None)
+                 seg_bounds is not None, log_mask is not None)
 
 
 def _dot(a, b, contract_a: int = 1, contract_b: int = 0):
@@ -255,14 +265,17 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo, seg_lo=None, seg
     return lo, lo_full, mid, hi
 
 
-def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: int, masked: bool, k=None):
+def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: int, masked: bool, k=None,
+                      mask_ref=None):
     """Scores of one query block against key block [start, start + bk) (forward and dQ kernels):
-    scale·q·kᵀ + (Λ_i − Λ_j) in float32, and on boundary tiles (``masked``) −inf outside the causal,
-    length, seq_start and segment masks."""
+    scale·q·kᵀ + (Λ_i − Λ_j) [+ log I_ij, DCP] in float32, and on boundary tiles (``masked``) −inf
+    outside the causal, length, seq_start and segment masks."""
     if k is None:
         k = k_ref[pl.ds(start, bk), :]
     lk = lk_ref[pl.ds(start, bk)]
     s = _dot(q, k, 1, 1) * g.scale + (lq[:, None] - lk[None, :])
+    if mask_ref is not None:
+        s = s + mask_ref[:, pl.ds(start, bk)]
     if masked:
         kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
@@ -275,26 +288,40 @@ def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: 
 def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interleave: bool, q_ref, lq_ref, ss_ref):
     """Shared prologue of the forward and dQ kernels (one query block against a loop over key blocks).
 
-    Pops the optional inputs (ACP start, document bounds, segment ids) from ``rest`` in the order
-    ``_query_side_optional_inputs`` passes them, leaving the outputs there, and returns
-    (q, lq, ss, sq, sk_ref, qpos, bounds) with bounds = ``_key_loop_bounds`` of this block.
+    Pops the optional inputs (ACP start, document bounds, segment ids, DCP mask and live flags) from
+    ``rest`` in the order ``_query_side_optional_inputs`` passes them, leaving the outputs there, and
+    returns (q, lq, ss, sq, sk_ref, qpos, bounds, dcp) with bounds = ``_key_loop_bounds`` of this block
+    and dcp = (mask_ref [bq, Tk_pad], live_ref [nk_pow2]) or (None, None).
     """
     lo_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    dcp = (rest.pop(0), rest.pop(0)) if g.has_mask else (None, None)
     m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
     ss = ss_ref[()]
     sq = sq_ref[...] if g.has_seg else None
     qpos = g.offset + m * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     bounds = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
                               None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
-    return q_ref[...], lq_ref[...], ss, sq, sk_ref, qpos, bounds
+    return q_ref[...], lq_ref[...], ss, sq, sk_ref, qpos, bounds, dcp
 
 
-def _run_key_loops(g: _Geom, step, carry, bounds):
+def _when_live(step, live_ref):
+    """``step`` run only on tiles whose DCP live flag is set (else the carry passes through)."""
+    if live_ref is None:
+        return step
+
+    def guarded(n, carry, masked):
+        return lax.cond(live_ref[n] != 0, lambda c: step(n, c, masked=masked), lambda c: c, carry)
+    return guarded
+
+
+def _run_key_loops(g: _Geom, step, carry, bounds, live_ref=None):
     """The key-block loops of a query block: masked [lo, min(lo_full, mid)), unmasked [lo_full, mid),
-    masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids."""
+    masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids. With ``live_ref``
+    (DCP), tiles whose flag is 0 are skipped."""
     lo, lo_full, mid, hi = bounds
+    step = _when_live(step, live_ref)
     masked_step = functools.partial(step, masked=True)
     if g.has_seg:
         return lax.fori_loop(lo, hi, masked_step, carry)
@@ -307,7 +334,8 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, lq_ref, lk_ref, ss_ref = refs[:6]
     rest = refs[6:]
-    q, lq, ss, sq, sk_ref, qpos, bounds = _query_block_setup(g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
+    q, lq, ss, sq, sk_ref, qpos, bounds, (mask_ref, live_ref) = _query_block_setup(
+        g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
     o_ref, lse_ref = rest
     d = q.shape[-1]
 
@@ -315,7 +343,7 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
         acc, m_i, l_i = carry
         start = pl.multiple_of(n * bk, bk)
         v = v_ref[pl.ds(start, bk), :]
-        s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked)
+        s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked, mask_ref=mask_ref)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
         m_base = m_base * LOG2E
@@ -327,17 +355,19 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
 
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    acc, m_i, l_i = _run_key_loops(g, step, carry, bounds)
+    acc, m_i, l_i = _run_key_loops(g, step, carry, bounds, live_ref)
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     o_ref[...] = (acc * (1.0 / l_safe)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log(l_safe))
 
 
-def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_bounds, seg_q, seg_k):
+def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_bounds, seg_q, seg_k,
+                                log_mask=None, live=None):
     """BlockSpecs and arrays of the optional inputs of the query-block kernels (forward and dQ), in the
     order the kernels pop them: the ACP key-block start of each query block, the document-aware key
-    block range (lo, hi) of each query block, then the query and key segment ids."""
+    block range (lo, hi) of each query block, the query and key segment ids, then the DCP log mask
+    [B, Tq_pad, Tk_pad] and live flags [B, nq, nk_pow2]."""
     specs, args = [], []
     if kv_start is not None:
         specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
@@ -348,12 +378,16 @@ def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_
     if seg_q is not None:
         specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))), spec((None, tk_pad), lambda i, j, z: (z, 0))]
         args += [seg_q, seg_k]
+    if log_mask is not None:
+        specs += [spec((None, bq, tk_pad), lambda i, j, z: (z, qblk(i), 0)),
+                  spec((None, None, live.shape[-1]), lambda i, j, z: (z, qblk(i), 0))]
+        args += [log_mask, live]
     return specs, args
 
 
 def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, tq: int, tk: int,
                   scale: float, tile: TileConfig, interpret: bool,
-                  interleave_heads: bool = False, seg_bounds=None):
+                  interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None):
     """Forward kernel on padded inputs.
 
     Args:
@@ -363,6 +397,9 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
         seg_q: [B, Tq_pad] / seg_k: [B, Tk_pad] int32 or None;
         seg_bounds: None or (kv_lo, kv_hi), each [B, ceil(tq/block_q)] int32 — document-aware skipping
         (``fox_jax.ops.acp.segment_block_bounds`` with this tile's blocks); only with segment ids.
+        log_mask: None or [B, Tq_pad, Tk_pad] float32 DCP log mask (finite), added to every head's
+        scores; live: [B, ceil(tq/block_q), nk_pow2] int32 per-tile flags for this tile's blocks (0:
+        skip the tile), nk_pow2 a power of two ≥ ceil(tk/block_k). Both or neither.
       tq, tk: real lengths; scale: logit scale.
     Returns:
       o [B, Tq_pad, H, D] in q.dtype and lse [B, H, Tq_pad] float32 (natural log; −inf for empty rows).
@@ -372,7 +409,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -389,7 +426,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
     ]
     args = [q, k, v, lam_q, lam_k, seq_start]
     extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
-                                                          seg_q, seg_k)
+                                                          seg_q, seg_k, log_mask, live)
     in_specs += extra_specs
     args += extra_args
     return pl.pallas_call(
@@ -415,7 +452,8 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
     rest = refs[9:]
-    q, lq, ss, sq, sk_ref, qpos, bounds = _query_block_setup(g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
+    q, lq, ss, sq, sk_ref, qpos, bounds, (mask_ref, live_ref) = _query_block_setup(
+        g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
     dq_ref, dlq_ref = rest
     d = q.shape[-1]
     do = do_ref[...]
@@ -427,21 +465,23 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
         start = pl.multiple_of(n * bk, bk)
         k = k_ref[pl.ds(start, bk), :]
         v = v_ref[pl.ds(start, bk), :]
-        s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked, k=k)
+        s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked, k=k,
+                              mask_ref=mask_ref)
         p = jnp.exp2(s * LOG2E - lse2[:, None])
         dp = _dot(do, v, 1, 1)
         ds = p * (dp - delta[:, None])
         dq = dq + _dot(ds.astype(k.dtype), k)
         return dq, dlq + jnp.sum(ds, axis=1)
 
-    dq, dlq = _run_key_loops(g, step, (jnp.zeros((bq, d), jnp.float32), jnp.zeros((bq,), jnp.float32)), bounds)
+    dq, dlq = _run_key_loops(g, step, (jnp.zeros((bq, d), jnp.float32), jnp.zeros((bq,), jnp.float32)), bounds,
+                             live_ref)
     dq_ref[...] = (dq * g.scale).astype(dq_ref.dtype)
     dlq_ref[...] = dlq
 
 
 def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_start, seg_q, seg_k, *,
                       tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                      interleave_heads: bool = False, seg_bounds=None):
+                      interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None):
     """dQ kernel on padded inputs (shapes as in ``flash_forward``; do like q).
 
     Args:
@@ -449,6 +489,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
       delta: [B, H, Tq_pad] float32 rowsum(o·do), 0 on padded rows.
       kv_start: [B, H, ceil(tq/block_q)] int32 or None (ACP, computed with this tile's blocks).
       seg_bounds: None or (kv_lo, kv_hi) [B, ceil(tq/block_q)] int32 (as in ``flash_forward``).
+      log_mask, live: DCP mask and this tile's live flags (as in ``flash_forward``).
     Returns:
       dq [B, Tq_pad, H, D] in q.dtype and the query-side decay gradient Σ_j dS_ij [B, H, Tq_pad] f32.
     """
@@ -456,7 +497,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -471,7 +512,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
                 rowspec, rowspec, spec((None,), lambda i, j, z: (z,))]
     args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
     extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
-                                                          seg_q, seg_k)
+                                                          seg_q, seg_k, log_mask, live)
     in_specs += extra_specs
     args += extra_args
     return pl.pallas_call(
@@ -499,6 +540,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     hi_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    mask_t_ref, live_ref = (rest.pop(0), rest.pop(0)) if g.has_mask else (None, None)
     dk_ref, dv_ref, dlk_ref = rest
 
     n = _block_id(interleave)
@@ -534,6 +576,8 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
         lse2 = lse_ref[pl.ds(start, bq)]
         delta = dl_ref[pl.ds(start, bq)]
         st = _dot(k, q, 1, 1) * g.scale + (lq[None, :] - lk[:, None])  # [bk, bq]
+        if mask_t_ref is not None:
+            st = st + mask_t_ref[:, pl.ds(start, bq)]
         if masked:
             qpos = g.offset + start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
             mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
@@ -549,6 +593,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
     carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32),
              jnp.zeros((bk,), jnp.float32))
+    step = _when_live(step, live_ref)
     masked_step = functools.partial(step, masked=True)
     if g.has_seg:
         carry = lax.fori_loop(lo, hi, masked_step, carry)
@@ -563,7 +608,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
 def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end, seg_q, seg_k, *,
                        tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                       interleave_heads: bool = False, seg_bounds=None):
+                       interleave_heads: bool = False, seg_bounds=None, log_mask_t=None, live_t=None):
     """dK/dV kernel on padded inputs (shapes as in ``flash_backward_dq``).
 
     Args:
@@ -571,6 +616,8 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
         block visits, computed with this tile's blocks.
       seg_bounds: None or (q_lo, q_hi), each [B, ceil(tk/block_k)] int32: document-aware query-block
         range of each key block (``segment_block_bounds`` with this tile's blocks; segment ids only).
+      log_mask_t: None or [B, Tk_pad, Tq_pad] float32, the DCP log mask transposed; live_t:
+        [B, ceil(tk/block_k), nq_pow2] int32 per-tile flags for this tile's blocks, key-block major.
     Returns:
       dk, dv [B, Tk_pad, H, D] per *query* head (in k.dtype without GQA, float32 with GQA, for the
       caller's group sum) and the key-side decay gradient −Σ_i dS_ij [B, H, Tk_pad] float32.
@@ -579,7 +626,7 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nk = _cdiv(tk, bk)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds, log_mask_t, live_t)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -600,6 +647,10 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
         in_specs += [spec((None, tq_pad), lambda i, j, z: (z, 0)),
                      spec((None, bk), lambda i, j, z: (z, i))]
         args += [seg_q, seg_k]
+    if log_mask_t is not None:
+        in_specs += [spec((None, bk, tq_pad), lambda i, j, z: (z, i, 0)),
+                     spec((None, None, live_t.shape[-1]), lambda i, j, z: (z, i, 0))]
+        args += [log_mask_t, live_t]
     out_dtype = k.dtype if grp == 1 else jnp.float32
     out_kv = spec((None, bk, None, d), lambda i, j, z: (z, i, j, 0))
     return pl.pallas_call(
@@ -613,6 +664,99 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
         compiler_params=_compiler_params(tile, interpret),
         interpret=interpret,
         name="fox_attention_bwd_dkv",
+    )(*args)
+
+
+# ---------------------------------------------------------------------------------------------------
+# DCP mask-gradient kernel
+# ---------------------------------------------------------------------------------------------------
+
+
+def _dmask_kernel(*refs, g: _Geom, bq: int, bk: int):
+    refs = list(refs)
+    q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref, mask_ref, live_ref = refs[:11]
+    rest = refs[11:]
+    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    (dm_ref,) = rest
+    m, n = pl.program_id(0), pl.program_id(1)
+    ss = ss_ref[()]
+    r0 = g.offset + m * bq
+    qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
+    kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+    vis = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+    if g.has_seg:
+        vis = vis & (sq_ref[...][:, None] == sk_ref[...][None, :])
+    r_last = jnp.minimum(r0 + (bq - 1), g.tk - 1)
+    run = (live_ref[()] != 0) & (n * bk <= r_last) & ((n + 1) * bk > ss)
+    log_mask = mask_ref[...]
+
+    def head(hh, acc):
+        kh = _kv_head(hh, g.group)
+        q, do = q_ref[:, hh, :], do_ref[:, hh, :]
+        k, v = k_ref[:, kh, :], v_ref[:, kh, :]
+        s = _dot(q, k, 1, 1) * g.scale + (lq_ref[hh, :][:, None] - lk_ref[hh, :][None, :]) + log_mask
+        s = jnp.where(vis, s, _NEG_INF)
+        p = jnp.exp2(s * LOG2E - lse_ref[hh, :][:, None])
+        dp = _dot(do, v, 1, 1)
+        return acc + p * (dp - dl_ref[hh, :][:, None])
+
+    zeros = jnp.zeros((bq, bk), jnp.float32)
+    dm_ref[...] = lax.cond(run, lambda: lax.fori_loop(0, g.h, head, zeros), lambda: zeros)
+
+
+def dmask_tile(config: KernelConfig) -> TileConfig:
+    """Tiling of the DCP mask-gradient kernel: at most 64×64 (dividing the dQ tile, hence the padded
+    lengths), 4 warps, 2 stages. Its loop over heads pipelines q, do, k and v tiles; with the dQ tile
+    (128×64, 3 stages) it needed 288 KB of shared memory at D=128 (Triton 3.6, sm_90 — over the 227 KB
+    limit), with this one 128 KB (benchmarks/NOTES.md, "DCP kernels")."""
+    return TileConfig(min(config.dq.block_q, 64), min(config.dq.block_k, 64), num_warps=4, num_stages=2)
+
+
+def flash_backward_dmask(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, seg_q, seg_k, log_mask, live, *,
+                         tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool):
+    """Gradient of the DCP log mask on padded inputs: dlogI[b, i, j] = Σ_h dS[b, h, i, j].
+
+    Grid (query block, key block, batch); each program loops over the heads and writes one float32
+    tile (zeros for tiles that are above the diagonal, before seq_start or not live), so the result is
+    O(B·T²), like the mask, never per head.
+
+    Args:
+      as ``flash_backward_dq`` (q/do [B, Tq_pad, H, D], k/v [B, Tk_pad, Hkv, D], lam_q/lse2/delta
+      [B, H, Tq_pad], lam_k [B, H, Tk_pad], seq_start [B], seg_q/seg_k or None); log_mask
+      [B, Tq_pad, Tk_pad] float32; live [B, ≥ceil(tq/block_q), ≥ceil(tk/block_k)] int32 per-tile flags
+      of this tile's blocks.
+    Returns:
+      [B, Tq_pad, Tk_pad] float32.
+    """
+    b, tq_pad, h, d = q.shape
+    tk_pad, hkv = k.shape[1], k.shape[2]
+    bq, bk = tile.block_q, tile.block_k
+    g = _geom(tq, tk, h, hkv, scale, seg_q, None, None, log_mask, live)
+    in_specs = [pl.BlockSpec((None, bq, h, d), lambda m, n, z: (z, m, 0, 0)),
+                pl.BlockSpec((None, bk, hkv, d), lambda m, n, z: (z, n, 0, 0)),
+                pl.BlockSpec((None, bk, hkv, d), lambda m, n, z: (z, n, 0, 0)),
+                pl.BlockSpec((None, bq, h, d), lambda m, n, z: (z, m, 0, 0)),
+                pl.BlockSpec((None, h, bq), lambda m, n, z: (z, 0, m)),
+                pl.BlockSpec((None, h, bk), lambda m, n, z: (z, 0, n)),
+                pl.BlockSpec((None, h, bq), lambda m, n, z: (z, 0, m)),
+                pl.BlockSpec((None, h, bq), lambda m, n, z: (z, 0, m)),
+                pl.BlockSpec((None,), lambda m, n, z: (z,)),
+                pl.BlockSpec((None, bq, bk), lambda m, n, z: (z, m, n)),
+                pl.BlockSpec((None, None, None), lambda m, n, z: (z, m, n))]
+    args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, log_mask, live]
+    if seg_q is not None:
+        in_specs += [pl.BlockSpec((None, bq), lambda m, n, z: (z, m)),
+                     pl.BlockSpec((None, bk), lambda m, n, z: (z, n))]
+        args += [seg_q, seg_k]
+    return pl.pallas_call(
+        functools.partial(_dmask_kernel, g=g, bq=bq, bk=bk),
+        grid=(_cdiv(tq, bq), _cdiv(tk, bk), b),
+        in_specs=in_specs,
+        out_specs=pl.BlockSpec((None, bq, bk), lambda m, n, z: (z, m, n)),
+        out_shape=jax.ShapeDtypeStruct((b, tq_pad, tk_pad), jnp.float32),
+        compiler_params=_compiler_params(tile, interpret),
+        interpret=interpret,
+        name="fox_attention_bwd_dlogi",
     )(*args)
 
 
@@ -679,6 +823,16 @@ def _interleave(config: KernelConfig, tile: TileConfig, ranges, *, backward: boo
     return backward and config.interleave_bwd_from is not None and tk >= config.interleave_bwd_from
 
 
+def _pow2_cols(live):
+    """[B, n, m] flags as int32 with the last axis zero-padded to a power of two (kernel row loads)."""
+    m = live.shape[-1]
+    return _pad_to(live.astype(jnp.int32), 2, 1 << max(m - 1, 0).bit_length())
+
+
+def _pad_mask(log_mask, p: _Padded):
+    return _pad_to(_pad_to(log_mask.astype(jnp.float32), 1, p.tq_pad), 2, p.tk_pad)
+
+
 def _check_config(config: KernelConfig, tq: int, tk: int):
     resolved = resolve_tiles(config, tq, tk)
     if resolved != config:
@@ -686,7 +840,7 @@ def _check_config(config: KernelConfig, tq: int, tk: int):
 
 
 def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: float,
-                      config: KernelConfig, interpret: bool, seg_bounds=None):
+                      config: KernelConfig, interpret: bool, seg_bounds=None, log_mask=None, live=None):
     """Forgetting-attention forward on unpadded arrays.
 
     Args:
@@ -698,21 +852,26 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
         seg_bounds: None or (kv_lo, kv_hi) [B, ceil(Tq/config.fwd.block_q)] int32, document-aware
         block skipping (``fox_jax.ops.acp.segment_block_bounds`` for the forward tiling); needs
         segment_ids. Without it, segment ids are handled by masking alone.
+        log_mask: None or [B, Tq, Tk] float32 DCP log mask (finite; shared by the heads);
+        live: with it, [B, ceil(Tq/config.fwd.block_q), ceil(Tk/config.fwd.block_k)] bool/int — tiles
+        to visit (``fox_jax.ops.context_pruning.dropped_key_blocks`` negated, forward tiling).
     Returns:
       o [B, Tq, H, D] in q.dtype, lse [B, H, Tq] float32 (natural log, −inf for empty rows).
     """
     _check_config(config, q.shape[1], k.shape[1])
     p = _plan(q, k, config)
     qp, kp, vp, lam_q, lam_k, seg_q, seg_k = _pad_inputs(q, k, v, lam, segment_ids, p)
+    mask = None if log_mask is None else _pad_mask(log_mask, p)
     o, lse = flash_forward(qp, kp, vp, lam_q, lam_k, seq_start.astype(jnp.int32), kv_start, seg_q,
                            seg_k, tq=p.tq, tk=p.tk, scale=scale, tile=config.fwd, interpret=interpret,
-                           interleave_heads=_interleave(config, config.fwd, kv_start), seg_bounds=seg_bounds)
+                           interleave_heads=_interleave(config, config.fwd, kv_start), seg_bounds=seg_bounds,
+                           log_mask=mask, live=None if live is None else _pow2_cols(live))
     return o[:, :p.tq, :, :p.d], lse[:, :, :p.tq]
 
 
 def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_dkv, o, lse, do, *,
                        scale: float, config: KernelConfig, interpret: bool, seg_bounds_dq=None,
-                       seg_bounds_dkv=None):
+                       seg_bounds_dkv=None, log_mask=None, live_dq=None, live_dkv=None, live_dmask=None):
     """Gradients of ``attention_forward``'s o with respect to q, k, v and Λ.
 
     Args:
@@ -721,10 +880,13 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
       q_end_dkv [B, H, ceil(Tk/config.dkv.block_k)] (ACP ranges for the dQ and dK/dV tilings, or None);
       seg_bounds_dq = (kv_lo, kv_hi) [B, ceil(Tq/config.dq.block_q)] and
       seg_bounds_dkv = (q_lo, q_hi) [B, ceil(Tk/config.dkv.block_k)] int32 or None (document-aware
-      skipping for the dQ / dK/dV tilings, ``segment_block_bounds``; need segment_ids).
+      skipping for the dQ / dK/dV tilings, ``segment_block_bounds``; need segment_ids);
+      log_mask [B, Tq, Tk] (DCP) with live_dq / live_dkv / live_dmask, the tiles to visit for the dQ,
+      dK/dV and mask-gradient (``dmask_tile``) tilings, each [B, n_query_blocks, n_key_blocks].
     Returns:
       dq [B, Tq, H, D], dk, dv [B, Tk, Hkv, D] (input dtypes) and dΛ [B, Tk, H] float32
-      (= Σ_j dS_tj − Σ_i dS_it; the caller's cumsum turns it into d log f by a reverse cumsum).
+      (= Σ_j dS_tj − Σ_i dS_it; the caller's cumsum turns it into d log f by a reverse cumsum); with
+      ``log_mask`` also d log_mask [B, Tq, Tk] float32 (= Σ_h dS).
     """
     _check_config(config, q.shape[1], k.shape[1])
     b, tq, h, d = q.shape
@@ -739,16 +901,23 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
     lse2 = _pad_to(lse2, 2, p.tq_pad, value=_POS_INF)
     ss = seq_start.astype(jnp.int32)
     common = dict(tq=p.tq, tk=p.tk, scale=scale, interpret=interpret)
+    mask = mask_t = None
+    if log_mask is not None:
+        mask = _pad_mask(log_mask, p)
+        mask_t = jnp.swapaxes(mask, 1, 2)
     dq, dlam_q = flash_backward_dq(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, kv_start_dq,
                                    seg_q, seg_k, tile=config.dq,
                                    interleave_heads=_interleave(config, config.dq, kv_start_dq, backward=True,
                                                                 tk=p.tk),
-                                   seg_bounds=seg_bounds_dq, **common)
+                                   seg_bounds=seg_bounds_dq, log_mask=mask,
+                                   live=None if mask is None else _pow2_cols(live_dq), **common)
     dk, dv, dlam_k = flash_backward_dkv(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, q_end_dkv,
                                         seg_q, seg_k, tile=config.dkv,
                                         interleave_heads=_interleave(config, config.dkv, q_end_dkv,
                                                                      backward=True, tk=p.tk),
-                                        seg_bounds=seg_bounds_dkv, **common)
+                                        seg_bounds=seg_bounds_dkv, log_mask_t=mask_t,
+                                        live_t=None if mask is None else _pow2_cols(jnp.swapaxes(live_dkv, 1, 2)),
+                                        **common)
     dq = dq[:, :tq, :, :d]
     dk = dk[:, :p.tk, :, :d]
     dv = dv[:, :p.tk, :, :d]
@@ -757,4 +926,9 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
         dv = dv.reshape(b, p.tk, hkv, h // hkv, d).sum(axis=3)
     dlam = dlam_k[:, :, :p.tk]
     dlam = dlam.at[:, :, p.tk - tq:].add(dlam_q[:, :, :tq])
-    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dlam.transpose(0, 2, 1)
+    grads = (dq, dk.astype(k.dtype), dv.astype(v.dtype), dlam.transpose(0, 2, 1))
+    if mask is None:
+        return grads
+    dmask = flash_backward_dmask(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, seg_q, seg_k, mask,
+                                 live_dmask.astype(jnp.int32), tile=dmask_tile(config), **common)
+    return grads + (dmask[:, :tq, :p.tk],)

@@ -214,7 +214,6 @@ def test_dtypes_and_errors():
 
 @pytest.mark.parametrize("alpha", [1.0011, 1.01, 1.028, 1.5, 2.0, 3.0, 8.0, 32.0])
 def test_gradient_matches_finite_differences_float64(alpha):
-    e = 1.0 / (alpha - 1.0)
     with x64():
         z = jnp.asarray(interior(alpha, 23, 0.95, cap=30.0), jnp.float64)
         slope = jax.vmap(jax.grad(lambda x: alpha_sigmoid(x, alpha)))(z)

@@ -31,7 +31,6 @@ import pytest
 from fox_jax.ops import acp as acp_lib
 from fox_jax.ops import forgetting_attention, forgetting_attention_reference
 from fox_jax.ops import pallas as fpallas
-from fox_jax.ops.blockwise import blockwise_attention
 from fox_jax.ops.reference import decay_cumsum
 from kernels.forgetting_attention import KernelConfig, TileConfig
 

@@ -123,6 +123,7 @@ class FinetuneConfig:
         run's own policy).
       seed: seed of the interaction-parameter init (the data order has its own ``data.seed``).
       log_every, eval_every, eval_batches, ckpt_every, keep_checkpoints, async_checkpoints: the loop.
+      dcp_impl: ``dcp_attention`` implementation, "xla" (blockwise) or "pallas" (kernels).
     """
 
     hf_gpt2: str = ""
@@ -158,6 +159,7 @@ class FinetuneConfig:
     dcp: bool = True
     init_config: dict | None = None
     lr_decay: str = "constant"
+    dcp_impl: str = "xla"
 
     def resolved(self) -> "FinetuneConfig":
         """Fill ``warmup_steps`` and ``alpha_steps`` from ``steps`` (stored, so a resume with more steps
@@ -187,6 +189,7 @@ class FinetuneConfig:
             (self.alpha_steps is None or self.alpha_steps > 0, f"alpha_steps must be positive, got {self.alpha_steps}"),
             (self.clip_norm >= 0, f"clip_norm must be >= 0 (0 = off), got {self.clip_norm}"),
             (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
+            (self.dcp_impl in ("xla", "pallas"), f"dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}"),
             (self.init_config is None or isinstance(self.init_config, dict),
              f"init_config must be None or a dict of GPT2Config fields, got {self.init_config!r}"),
             (not (self.hf_gpt2 and self.from_run),
@@ -604,6 +607,8 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
                                              interaction_dim=cfg.interaction_dim, beta_init=cfg.beta_init,
                                              dtype=cfg.dtype, remat=cfg.remat)
     cfg.validate()
+    if cfg.dcp:
+        model_cfg = dataclasses.replace(model_cfg, dcp_impl=cfg.dcp_impl)
     is_lm = isinstance(model_cfg, ModelConfig)
     if cfg.data.seq_len == 0:  # GPT-2 only: a from_run seq_len was resolved above
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=model_cfg.n_positions))
@@ -865,6 +870,8 @@ def add_subparser(sub) -> None:
     f.add_argument("--alpha-init", type=float, help=f"α at step 0 (default {d.alpha_init:g})")
     f.add_argument("--alpha-final", type=float, help=f"final α (default {d.alpha_final:g})")
     f.add_argument("--alpha-steps", type=int, help="length of the cosine α ramp (default: --steps)")
+    f.add_argument("--dcp-impl", choices=("xla", "pallas"),
+                   help="DCP attention: blockwise XLA (default) or the Pallas kernels (not yet timed on a GPU)")
     f.set_defaults(handler=cmd_finetune_dcp, distributed=False, coordinator=None, num_processes=None, process_id=None)
 
     p = dataclasses.replace(d, **PRETRAIN_DEFAULTS)
@@ -880,7 +887,7 @@ def add_subparser(sub) -> None:
 
 _FLAG_FIELDS = ("steps", "batch_size", "lr", "interaction_lr", "warmup_steps", "weight_decay", "clip_norm", "gamma",
                 "gamma_normalization", "interaction_dim", "beta_init", "alpha_init", "alpha_final", "alpha_steps",
-                "dtype", "remat", "seed", "log_every", "eval_every", "eval_batches", "ckpt_every")
+                "dtype", "remat", "seed", "log_every", "eval_every", "eval_batches", "ckpt_every", "dcp_impl")
 
 
 def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig:
@@ -950,7 +957,7 @@ def cmd_pretrain_gpt2(args) -> int:
         shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions")
                  if getattr(args, k) is not None}
         init_config = dataclasses.asdict(gpt2_preset(args.size, **shape))
-        for k in ("dcp", "interaction_dim", "beta_init", "dtype", "remat"):  # set by the run config
+        for k in ("dcp", "interaction_dim", "beta_init", "dtype", "remat", "dcp_impl"):  # set by the run config
             init_config.pop(k)
         cfg = config_from_args(args, base=FinetuneConfig(**PRETRAIN_DEFAULTS, init_config=init_config))
     result = finetune(cfg, args.workdir, resume=args.resume, progress=not args.no_progress)

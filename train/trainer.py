@@ -11,7 +11,6 @@ import time
 from typing import Any
 
 import flax
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,7 +21,7 @@ from fox_jax.models import LanguageModel, count_params, init_params
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from train import config as config_lib
 from train import data as data_lib
-from train.checkpoints import Checkpointer, CheckpointError
+from train.checkpoints import Checkpointer
 from train.metrics import MetricWriter, device_peak_flops, format_log_line
 
 

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.decoding.cache import LayerKVCache, check_room, check_seq_start, new_layer_cache
+from fox_jax.decoding.cache import check_room, check_seq_start, new_layer_cache
 from fox_jax.decoding.packed_cache import (
     PackedKVCache,
     check_packed_room,

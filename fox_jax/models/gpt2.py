@@ -90,6 +90,8 @@ class GPT2Config:
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
       beta_init: initial β of every layer (2.0, the reference train.py default).
+      dcp_impl: ``implementation`` of ``dcp_attention`` for the DCP and sparse-pattern paths:
+        ``"xla"`` (blockwise, default) or ``"pallas"`` (kernels; interpret mode off GPU).
       sparse_pattern: ``None`` (default: full causal attention), or a fixed sparse attention pattern
         for a dense model: ``"local:W"`` or ``"strided:S"`` with W, S positive ints (see the module
         docstring and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
@@ -113,6 +115,7 @@ class GPT2Config:
     interaction_dim: int = 64
     beta_init: float = 2.0
     sparse_pattern: str | None = None
+    dcp_impl: str = "xla"
 
     def __post_init__(self):
         for name in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "attention_block",
@@ -128,6 +131,8 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
         if self.sparse_pattern is not None:
             parse_sparse_pattern(self.sparse_pattern, name="GPT2Config.sparse_pattern")
+        if self.dcp_impl not in ("xla", "pallas"):
+            raise ValueError(f"GPT2Config.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
             if self.dcp:
                 raise ValueError(f"GPT2Config.sparse_pattern={self.sparse_pattern!r} needs dcp=False: a fixed "
                                  "pattern replaces the learned DCP mask (use one or the other)")
@@ -370,12 +375,14 @@ class GPT2Attention(nn.Module):
                 z = keep_logits(q_int, k_int, beta)                     # [B, T, T] float32
                 log_mask = cumulative_keep_log_mask(z, alpha)           # once per layer, all heads
                 o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
-                                  block_q=cfg.attention_block, block_k=cfg.attention_block)
+                                  block_q=cfg.attention_block, block_k=cfg.attention_block,
+                                  implementation=cfg.dcp_impl)
         elif cache is None and cfg.sparse_pattern is not None:
             # A fixed local/strided pattern as a 0/−inf additive mask; dropped tiles are skipped.
             log_mask = jnp.broadcast_to(sparse_pattern_log_mask(cfg.sparse_pattern, t)[None], (b, t, t))
             o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
-                              block_q=cfg.attention_block, block_k=cfg.attention_block)
+                              block_q=cfg.attention_block, block_k=cfg.attention_block,
+                              implementation=cfg.dcp_impl)
         elif cache is None:
             # Plain causal softmax attention: the forgetting-attention op without forget gates.
             o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,

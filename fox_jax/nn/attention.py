@@ -120,7 +120,8 @@ class ForgettingAttentionLayer(nn.Module):
             z = keep_logits(q_int, k_int, beta)                   # [B, T, T] float32, dcp.md §1.2
             log_mask = cumulative_keep_log_mask(z, alpha)          # §1.3, §1.5: once per layer
             o = dcp_attention(q, k, v, log_mask, log_fgate, segment_ids=segment_ids,
-                              block_q=cfg.attention_block, block_k=cfg.attention_block)
+                              block_q=cfg.attention_block, block_k=cfg.attention_block,
+                              implementation=cfg.dcp_impl)
         elif cache is None:
             o = forgetting_attention(
                 q, k, v, log_fgate, segment_ids=segment_ids, adaptive_threshold=threshold,

@@ -660,8 +660,9 @@ def dcp_attention(
     block_k: int = 128,
     skip_dropped: bool = True,
     floor: float = LOG_FLOOR,
+    implementation: str = "xla",
 ) -> jax.Array:
-    """Causal attention with the DCP mask shared by all heads, blockwise in pure JAX (specs/dcp.md §1.4).
+    """Causal attention with the DCP mask shared by all heads, blockwise (specs/dcp.md §1.4).
 
         o_i = Σ_j softmax_j(sm_scale·q_i·k_j + log I_{i,j} [+ Λ_i − Λ_j]) v_j   over visible j
 
@@ -699,6 +700,11 @@ def dcp_attention(
       block_q, block_k: tile sizes (T need not be a multiple; blocks shrink to round_up(T, 8)).
       skip_dropped: skip fully dropped tiles (else only the causal triangle is skipped).
       floor: the dropped threshold for the skip.
+      implementation: ``"xla"`` (this blockwise pure-JAX code; ``block_q``/``block_k`` apply) or
+        ``"pallas"`` (the forgetting-attention Pallas kernels with the mask added to every head's
+        scores, dropped tiles skipped in the forward, dQ and dK/dV kernels, and a fourth kernel for the
+        mask gradient; tiles from ``kernels.forgetting_attention.default_config``; interpret mode off
+        GPU; log I is clamped at ``floor``, which must then be finite). Not yet timed on a GPU.
 
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v, log_mask and log_fgate (float32
@@ -706,8 +712,11 @@ def dcp_attention(
 
     Raises:
       ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_mask or log_fgate), Tq > Tk,
-        H not a multiple of Hkv, bad block sizes.
+        H not a multiple of Hkv, bad block sizes, an unknown implementation, a non-finite floor with
+        "pallas".
     """
+    if implementation not in ("xla", "pallas"):
+        raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
     check_qkv(q, k, v)
     b, tq, h, d = q.shape
     tk = k.shape[1]
@@ -731,6 +740,11 @@ def dcp_attention(
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+    if implementation == "pallas":
+        from fox_jax.ops import pallas as pallas_impl
+
+        return pallas_impl.dcp_attention(q, k, v, log_mask, lam, segment_ids, scale=scale, floor=floor,
+                                         skip_dropped=skip_dropped)
     bq, bk = dcp_block_sizes(tq, tk, block_q, block_k)
     if skip_dropped:
         flags = dropped_key_blocks(lax.stop_gradient(log_mask), bq, bk, floor=floor,

@@ -27,6 +27,7 @@ __all__ = [
     "acp_ranges",
     "acp_stats",
     "attention",
+    "dcp_attention",
     "default_config",
     "resolve_config",
     "segment_ranges",
@@ -121,6 +122,89 @@ def _attention_bwd(scale, config, interpret, res, do):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _dcp(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret):
+    return _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret)[0]
+
+
+def _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret):
+    ss = jnp.zeros((q.shape[0],), jnp.int32)
+    o, lse = fa_kernels.attention_forward(q, k, v, lam, ss, segment_ids, None, scale=scale, config=config,
+                                          interpret=interpret, log_mask=log_mask, live=lives[0])
+    return o, (q, k, v, lam, log_mask, segment_ids, lives, o, lse)
+
+
+def _dcp_bwd(scale, config, interpret, res, do):
+    q, k, v, lam, log_mask, segment_ids, lives, o, lse = res
+    ss = jnp.zeros((q.shape[0],), jnp.int32)
+    dq, dk, dv, dlam, dmask = fa_kernels.attention_backward(
+        q, k, v, lam, ss, segment_ids, None, None, o, lse, do, scale=scale, config=config,
+        interpret=interpret, log_mask=log_mask, live_dq=lives[1], live_dkv=lives[2], live_dmask=lives[3])
+    return dq, dk, dv, dlam, dmask, None, None
+
+
+_dcp.defvjp(_dcp_fwd, _dcp_bwd)
+
+
+def dcp_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    log_mask: jax.Array,
+    lam: jax.Array | None,
+    segment_ids: jax.Array | None,
+    *,
+    scale: float,
+    floor: float,
+    skip_dropped: bool = True,
+    config: KernelConfig | None = None,
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Attention with a DCP log mask shared by the heads, on the Pallas kernels (specs/dcp.md §1.4).
+
+        o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + log I_ij [+ Λ_i − Λ_j]) v_j
+
+    The public entry is ``fox_jax.ops.dcp_attention(..., implementation="pallas")``, which checks the
+    inputs. log I is clamped at ``floor`` (finite; pairs there weigh ≤ e^floor relative, as in the
+    XLA path's skipping) and, with ``skip_dropped``, every kernel skips its tiles whose visible pairs
+    are all at the floor (``context_pruning.dropped_key_blocks`` on each kernel's tiling). The mask
+    gradient Σ_h dS comes from a fourth kernel, one float32 tile at a time.
+
+    Args:
+      q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D] (Tq ≤ Tk, bottom-right aligned; D ≤ 256).
+      log_mask: [B, Tq, Tk] float32; lam: [B, Tk, H] float32 Λ (FoX) or None (no decay);
+      segment_ids: [B, Tk] int32 or None.
+      scale: logit scale; floor: finite clamp / skip threshold of log I.
+      skip_dropped: False visits every causal tile (same result up to ~e^floor).
+      config, interpret: as ``attention``.
+    Returns:
+      [B, Tq, H, D] in q's dtype; differentiable in q, k, v, log_mask and lam.
+    Raises:
+      ValueError: a non-finite ``floor``; D > 256.
+    """
+    import math
+
+    from fox_jax.ops.context_pruning import dropped_key_blocks
+
+    if not math.isfinite(floor):
+        raise ValueError(f"implementation='pallas' clamps log_mask at a finite floor, got floor={floor}")
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    if interpret is None:
+        interpret = _interpret_default()
+    config = resolve_config(d, tq, tk, config, interpret)
+    if lam is None:  # behind a barrier: a literal zero Λ would be constant-folded (see forgetting_attention)
+        lam = jax.lax.optimization_barrier(jnp.zeros((b, tk, h), jnp.float32))
+    log_mask = jnp.maximum(log_mask, floor)
+    flags = jax.lax.stop_gradient(log_mask) if skip_dropped else jnp.zeros_like(log_mask)
+
+    def live(t: TileConfig):
+        return ~dropped_key_blocks(flags, t.block_q, t.block_k, floor=floor if skip_dropped else -jnp.inf,
+                                   segment_ids=segment_ids)
+    lives = (live(config.fwd), live(config.dq), live(config.dkv), live(fa_kernels.dmask_tile(config)))
+    return _dcp(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret)
 
 
 def attention(

@@ -1,0 +1,125 @@
+"""DCP attention speed: ``dcp_attention`` blockwise XLA vs the Pallas kernels, at several mask sparsities.
+
+For each shape and target sparsity, a DCP mask is built the way the models build it
+(``cumulative_keep_log_mask(keep_logits(q_int, k_int, β), α=∞)``, r = 64) with β found by bisection
+so that the fraction of causal pairs dropped is near the target; then fwd and fwd+bwd (gradients into
+q, k, v, the mask and the gates) of both implementations are timed side by side, with dense Pallas
+forgetting attention (no mask) as the reference point. Prints a table, writes JSON (device, versions,
+shapes, achieved sparsity, fraction of the causal tiles each Pallas kernel skips).
+
+    python benchmarks/bench_dcp.py --out benchmarks/results/h200_dcp_attention.json
+    python benchmarks/bench_dcp.py --quick --out /tmp/dcp.json      # CPU smoke run (interpret mode)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_attention import fmt, fwd_flops, log, time_jax, versions  # noqa: E402
+from fox_jax.ops import forgetting_attention  # noqa: E402
+from fox_jax.ops import pallas as fpallas  # noqa: E402
+from fox_jax.ops.context_pruning import (  # noqa: E402
+    cumulative_keep_log_mask,
+    dcp_attention,
+    dropped_key_blocks,
+    keep_logits,
+    sparsity,
+)
+from kernels.forgetting_attention import dmask_tile  # noqa: E402
+
+SHAPES = [(8, 1024, 12, 64), (4, 2048, 16, 128), (1, 8192, 16, 128)]
+QUICK_SHAPES = [(1, 64, 2, 32)]
+SPARSITIES = [0.5, 0.9]
+
+
+def make_mask(b: int, t: int, target: float, seed: int = 0):
+    """(log_mask [b, t, t] float32 at α=∞, achieved sparsity) for a β bisected towards ``target``."""
+    rng = np.random.default_rng(seed)
+    qi = jnp.asarray(rng.normal(size=(b, t, 64)) / 8.0, jnp.float32)
+    ki = jnp.asarray(rng.normal(size=(b, t, 64)) / 8.0, jnp.float32)
+    build = jax.jit(lambda beta: cumulative_keep_log_mask(keep_logits(qi, ki, beta), float("inf")))
+    lo, hi = -10.0, 10.0  # sparsity decreases with β
+    for _ in range(30):
+        mid = 0.5 * (lo + hi)
+        s = float(sparsity(build(mid))[1])
+        lo, hi = (mid, hi) if s > target else (lo, mid)
+    lm = build(0.5 * (lo + hi))
+    return lm, float(sparsity(lm)[1])
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="JSON output path")
+    ap.add_argument("--quick", action="store_true", help="one tiny shape (CPU, interpret mode)")
+    ap.add_argument("--shapes", default=None, help="e.g. 8x1024x12x64,4x2048x16x128")
+    ap.add_argument("--sparsities", default=None, help="comma-separated targets, default 0.5,0.9")
+    args = ap.parse_args(argv)
+    shapes = ([tuple(int(y) for y in s.split("x")) for s in args.shapes.split(",")] if args.shapes
+              else QUICK_SHAPES if args.quick else SHAPES)
+    targets = [float(x) for x in args.sparsities.split(",")] if args.sparsities else SPARSITIES
+    info = versions()
+    log(json.dumps(info))
+    rows = []
+    for b, t, h, d in shapes:
+        rng = np.random.default_rng(1)
+        q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16) for _ in range(3))
+        lf = jax.nn.log_sigmoid(jnp.asarray(rng.normal(3.0, 1.0, size=(b, t, h)), jnp.float32))
+        do = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16)
+        dense = lambda q, k, v, m, lf: forgetting_attention(q, k, v, lf, implementation="pallas")  # noqa: E731
+        impls = {"xla": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf),
+                 "pallas": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas"),
+                 "dense pallas (no mask)": dense}
+        for target in targets:
+            lm, achieved = make_mask(b, t, target)
+            cfg = fpallas.resolve_config(d, t, t)
+            skipped = {}
+            for name, tile in (("fwd", cfg.fwd), ("dq", cfg.dq), ("dkv", cfg.dkv), ("dlogI", dmask_tile(cfg))):
+                flagged = dropped_key_blocks(lm, tile.block_q, tile.block_k)
+                causal = ~dropped_key_blocks(jnp.zeros_like(lm), tile.block_q, tile.block_k, floor=-jnp.inf)
+                skipped[name] = float(jnp.sum(flagged & causal) / jnp.sum(causal))
+            row = dict(shape=dict(B=b, T=t, H=h, D=d), target_sparsity=target, sparsity=achieved,
+                       causal_tiles_skipped=skipped, flops_fwd_dense=fwd_flops(b, t, h, d), ms={})
+            for name, fn in impls.items():
+                fwd = jax.jit(fn)
+
+                def fwd_bwd(q, k, v, m, lf, _fn=fn):
+                    out, vjp = jax.vjp(_fn, q, k, v, m, lf)
+                    return vjp(do)
+                for mode, f in (("fwd", fwd), ("fwd_bwd", jax.jit(fwd_bwd))):
+                    try:
+                        row["ms"][f"{name}|{mode}"] = time_jax(f, (q, k, v, lm, lf), target_s=0.3, min_reps=3)
+                    except Exception as e:  # noqa: BLE001 - OOM or unsupported: record and go on
+                        row["ms"][f"{name}|{mode}"] = None
+                        row.setdefault("errors", {})[f"{name}|{mode}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            log(json.dumps(row))
+            rows.append(row)
+    lines = ["| B×T×H×D | sparsity | " + " | ".join(f"{n} {m}" for n in impls for m in ("fwd", "fwd+bwd")) + " |",
+             "|---" * (2 + 2 * len(impls)) + "|"]
+    for r in rows:
+        s = r["shape"]
+        fl = r["flops_fwd_dense"]
+        cells = [fmt(r["ms"].get(f"{n}|{m}"), None if r["ms"].get(f"{n}|{m}") is None else
+                     fl * (1.0 if m == "fwd" else 3.5) / r["ms"][f"{n}|{m}"] / 1e9)
+                 for n in impls for m in ("fwd", "fwd_bwd")]
+        shape = f"{s['B']}×{s['T']}×{s['H']}×{s['D']}"
+        lines.append(f"| {shape} | {100 * r['sparsity']:.0f}% | " + " | ".join(cells) + " |")
+    table = "\n".join(lines)
+    log("\nms (dense-equivalent TFLOP/s: the dense causal FLOPs, whatever the mask drops)\n" + table)
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(dict(versions=info, rows=rows, markdown=table), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

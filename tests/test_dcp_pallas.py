@@ -1,0 +1,177 @@
+"""DCP attention on the Pallas kernels (``dcp_attention(..., implementation="pallas")``), interpret mode
+on CPU: outputs and the gradients into q, k, v, the log mask and the forget gates against the dense
+float32 oracle, tile skipping, and the CUDA (Triton) lowering of all four kernels.
+
+Tolerances: as tests/test_context_pruning.py (float32 on both sides, different summation order and tile
+order): 2e-5 on outputs, 5e-5·(1 + max|ref|) absolute + 1e-4 relative on gradients; bfloat16 inputs
+3e-2 on O(1) outputs (bf16 has 8 mantissa bits; P is rounded to bf16 before P·V as on the GPU).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.ops import pallas as fpallas
+from fox_jax.ops.context_pruning import (
+    LOG_FLOOR,
+    cumulative_keep_log_mask,
+    dcp_attention,
+    dcp_attention_reference,
+    dropped_key_blocks,
+    keep_logits,
+)
+from kernels.forgetting_attention import default_config
+
+
+def _inputs(rng, b, tq, tk, h, hkv, d, dtype=jnp.float32, beta=0.5, alpha=1.5):
+    q = jnp.asarray(rng.normal(size=(b, tq, h, d)), dtype)
+    k = jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype)
+    v = jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype)
+    z = keep_logits(jnp.asarray(rng.normal(size=(b, tk, 8)), jnp.float32),
+                    jnp.asarray(rng.normal(size=(b, tk, 8)), jnp.float32), beta)
+    log_mask = cumulative_keep_log_mask(z, alpha)[:, tk - tq:]
+    log_fgate = jax.nn.log_sigmoid(jnp.asarray(rng.normal(1.0, 2.0, size=(b, tk, h)), jnp.float32))
+    return q, k, v, log_mask, log_fgate
+
+
+def _out_and_grads(fn, args):
+    def loss(*a):
+        o = fn(*a)
+        w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
+        return jnp.sum(w * o.astype(jnp.float32)), o
+
+    (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True))(*args)
+    return o, g
+
+
+CASES = {  # b, tq, tk, h, hkv, d, gates, segments
+    "mha_awkward_gated": (2, 37, 37, 3, 3, 16, True, False),
+    "gqa_segments": (2, 30, 30, 4, 2, 8, False, True),
+    "decode_alignment_gated": (2, 13, 37, 4, 2, 16, True, False),
+    "d64_gated_segments": (1, 50, 50, 2, 1, 64, True, True),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_pallas_dcp_matches_dense_with_gradients(case):
+    b, tq, tk, h, hkv, d, gated, segmented = CASES[case]
+    rng = np.random.default_rng(21)
+    q, k, v, lm, lf = _inputs(rng, b, tq, tk, h, hkv, d)
+    seg = jnp.asarray(np.stack([np.arange(tk) // 11, np.arange(tk) // 7])[:b]) if segmented else None
+    args = (q, k, v, lm) + ((lf,) if gated else ())
+
+    def fast(q, k, v, m, *lf):
+        return dcp_attention(q, k, v, m, *lf, segment_ids=seg, implementation="pallas")
+
+    def ref(q, k, v, m, *lf):
+        return dcp_attention_reference(q, k, v, m, *lf, segment_ids=seg)
+
+    o, g = _out_and_grads(fast, args)
+    o_ref, g_ref = _out_and_grads(ref, args)
+    assert o.shape == q.shape and o.dtype == q.dtype
+    np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5)
+    for name, a, r in zip(("q", "k", "v", "log_mask", "log_fgate"), g, g_ref):
+        assert np.all(np.isfinite(np.asarray(a))), name
+        np.testing.assert_allclose(a, r, atol=5e-5 * (1 + float(jnp.abs(r).max())), rtol=1e-4, err_msg=name)
+    assert float(jnp.abs(g_ref[3]).max()) > 1e-3  # the mask gradient is exercised
+
+
+def test_pallas_dcp_equals_xla_blockwise_and_bfloat16():
+    rng = np.random.default_rng(22)
+    q, k, v, lm, lf = _inputs(rng, 2, 41, 41, 2, 2, 32)
+    xla = dcp_attention(q, k, v, lm, lf, block_q=16, block_k=8)
+    pal = jax.jit(lambda *a: dcp_attention(*a, implementation="pallas"))(q, k, v, lm, lf)
+    np.testing.assert_allclose(pal, xla, atol=2e-5)
+    qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
+    out = dcp_attention(qb, kb, vb, lm, lf, implementation="pallas")
+    assert out.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(out, np.float32), dcp_attention_reference(qb, kb, vb, lm, lf), atol=3e-2)
+
+
+def test_pallas_dcp_never_loads_dropped_tiles():
+    """Keys of a tile every kernel flags as dropped are poisoned with NaN: rows of that query block stay
+    finite with skipping (the tile is never loaded) and turn NaN without it (the test can fail)."""
+    rng = np.random.default_rng(23)
+    b, t, h, d = 1, 96, 2, 16
+    q, k, v, lm, _ = _inputs(rng, b, t, t, h, h, d, beta=-2.0, alpha=2.0)
+    cfg = fpallas.resolve_config(d, t, t)
+    fwd = cfg.fwd
+    flags = np.asarray(dropped_key_blocks(lm, fwd.block_q, fwd.block_k))[0]
+    m, n = next((m, n) for m in range(flags.shape[0]) for n in range(m * fwd.block_q // fwd.block_k)
+                if flags[m, n])  # a causal, fully dropped tile of the forward tiling
+    keys = slice(n * fwd.block_k, (n + 1) * fwd.block_k)
+    rows = slice(m * fwd.block_q, min((m + 1) * fwd.block_q, t))
+    v_bad = v.at[:, keys].set(jnp.nan)
+    o_skip = dcp_attention(q, k, v_bad, lm, implementation="pallas")
+    o_full = dcp_attention(q, k, v_bad, lm, implementation="pallas", skip_dropped=False)
+    assert np.all(np.isfinite(np.asarray(o_skip[:, rows])))
+    assert np.any(np.isnan(np.asarray(o_full[:, rows])))
+    np.testing.assert_allclose(o_skip[:, rows], dcp_attention_reference(q, k, v, lm)[:, rows], atol=2e-5)
+
+
+def test_pallas_dcp_errors():
+    q = jnp.zeros((1, 8, 2, 16))
+    with pytest.raises(ValueError, match="implementation"):
+        dcp_attention(q, q, q, jnp.zeros((1, 8, 8)), implementation="cudnn")
+    with pytest.raises(ValueError, match="finite floor"):
+        dcp_attention(q, q, q, jnp.zeros((1, 8, 8)), implementation="pallas", floor=-jnp.inf)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_pallas_dcp_lowers_to_triton(d):
+    """The GPU path (default tiles, interpret=False) lowers for CUDA on this CPU machine: four Triton
+    kernels (forward, dQ, dK/dV, dlogI) in the gradient of a packed, gated, GQA call."""
+    b, t, h, hkv = 2, 1000, 8, 4
+
+    def loss(q, k, v, m, lam, seg):
+        o = fpallas.dcp_attention(q, k, v, m, lam, seg, scale=d ** -0.5, floor=LOG_FLOOR, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    shapes = [((b, t, h, d), jnp.bfloat16), ((b, t, hkv, d), jnp.bfloat16), ((b, t, hkv, d), jnp.bfloat16),
+              ((b, t, t), jnp.float32), ((b, t, h), jnp.float32), ((b, t), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4
+    assert default_config(d).fwd.block_q >= 16
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", [64, 128])
+def test_gpu_pallas_dcp_matches_xla(d):
+    """On the GPU (Triton lowering, default tiles): bf16 inputs, gated, packed; outputs and gradients
+    of the Pallas path against the blockwise XLA path on the same inputs. Tolerance: both round P to
+    bf16 before P·V, in different tile orders: 2e-2 on O(1) outputs, 2e-2·(1 + max|ref|) on gradients.
+    Not yet run on a GPU (written in session 3, after the last device call)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(d)
+    b, t, h, hkv = 2, 1000, 4, 2
+    q, k, v, lm, lf = _inputs(rng, b, t, t, h, hkv, d, jnp.bfloat16, beta=-0.5, alpha=4.0)
+    seg = jnp.asarray(np.repeat((np.arange(t) >= 600).astype(np.int32)[None], b, 0))
+    args = (q, k, v, lm, lf)
+    got = _out_and_grads(lambda *a: dcp_attention(*a, segment_ids=seg, implementation="pallas"), args)
+    want = _out_and_grads(lambda *a: dcp_attention(*a, segment_ids=seg), args)
+    for name, a, r in zip(("o", "q", "k", "v", "log_mask", "log_fgate"), (got[0], *got[1]), (want[0], *want[1])):
+        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, r, atol=2e-2 * (1 + np.abs(r).max()), err_msg=name)
+
+
+def test_bench_dcp_quick(tmp_path):
+    """benchmarks/bench_dcp.py --quick runs both implementations on CPU and writes its JSON."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dcp.py"
+    spec = importlib.util.spec_from_file_location("bench_dcp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "dcp.json"
+    assert mod.main(["--quick", "--sparsities", "0.9", "--out", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert 0.8 < row["sparsity"] < 1.0
+    assert set(row["ms"]) == {f"{n}|{m}" for n in ("xla", "pallas", "dense pallas (no mask)")
+                              for m in ("fwd", "fwd_bwd")}
+    assert all(ms is not None and ms > 0 for ms in row["ms"].values())
