@@ -66,6 +66,8 @@ def test_pattern_errors():
         GPT2Config(**TINY, sparse_pattern="window:4")
     with pytest.raises(ValueError, match="dcp=False"):
         GPT2Config(**TINY, dcp=True, sparse_pattern="local:4")
+    with pytest.raises(ValueError, match="dcp_impl"):
+        GPT2Config(**TINY, dcp_impl="cudnn")
     with pytest.raises(ValueError, match="seq_len"):
         sparse_pattern_sparsity("local:4", 0)
     with pytest.raises(ValueError, match="kind"):

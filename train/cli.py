@@ -29,7 +29,7 @@ def _add_common(p: argparse.ArgumentParser, *, evaluating: bool = False) -> None
     p.add_argument("--batch-size", type=int, help="sequences per step (global)")
     p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=1 (default: all devices on data)")
     p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"),
-                   help="XLA SPMD partitioner (default auto: GSPMD on multi-GPU meshes, see README 'Multi-GPU')")
+                   help="XLA SPMD partitioner (default auto: GSPMD on multi-GPU meshes; README, 'Several GPUs and hosts')")
     d = p.add_argument_group("multi-host (one process per host; see README)")
     d.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (auto-detects SLURM / Open MPI / cloud TPU env)")

@@ -63,6 +63,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 import sysconfig
 import time
 import warnings
@@ -221,6 +222,9 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
     dtype = token_dtype(tokenizer.vocab_size)
     total = sum(len(d) for d in docs)
     pieces = []
+    if total >= _PROGRESS_MIN_CHARS and not sys.stderr.isatty():  # no bar in logs: say why it is quiet
+        print(f"tokenizing {total / 1e6:.0f} M characters (about a minute per 100 MB; cached afterwards)",
+              file=sys.stderr, flush=True)
     with tqdm(total=total, unit="char", unit_scale=True, desc="tokenizing",
               disable=True if total < _PROGRESS_MIN_CHARS else None) as bar:
         for chunk in _chunks(docs, _CHUNK_CHARS):

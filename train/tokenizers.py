@@ -112,7 +112,8 @@ class HFTokenizer:
         spec = _read_json(path)
         model = spec.get("model") if isinstance(spec, dict) else None
         if not isinstance(model, dict) or "vocab" not in model:
-            raise ValueError(f"{path}: not a tokenizers 'tokenizer.json' (no model.vocab)")
+            raise ValueError(f"{path}: not a tokenizers 'tokenizer.json' (no model.vocab); for GPT-2's "
+                             "vocab.json + merges.txt pass the directory that holds them")
         # BPE/WordPiece/WordLevel store {token: id}; Unigram stores [[piece, score], ...] with id = index.
         vocab = model["vocab"]
         ids = dict(vocab) if isinstance(vocab, dict) else {piece: i for i, (piece, _score) in enumerate(vocab)}

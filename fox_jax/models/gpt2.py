@@ -131,11 +131,11 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
         if self.sparse_pattern is not None:
             parse_sparse_pattern(self.sparse_pattern, name="GPT2Config.sparse_pattern")
-        if self.dcp_impl not in ("xla", "pallas"):
-            raise ValueError(f"GPT2Config.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
             if self.dcp:
                 raise ValueError(f"GPT2Config.sparse_pattern={self.sparse_pattern!r} needs dcp=False: a fixed "
                                  "pattern replaces the learned DCP mask (use one or the other)")
+        if self.dcp_impl not in ("xla", "pallas"):
+            raise ValueError(f"GPT2Config.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
 
     @property
     def head_dim(self) -> int:
