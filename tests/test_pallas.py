@@ -516,3 +516,21 @@ def test_grid_order_rule_of_the_default_configs():
     assert not _interleave(dataclasses.replace(c, interleave_heads=False), c.dkv, None, backward=True, tk=16384)
     assert _interleave(c, dataclasses.replace(c.fwd, interleave_heads=True), None)
     assert default_config(64).interleave_bwd_from is None
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_kernels_lower_to_triton_for_cuda(d):
+    """The GPU path (default tiles, interpret=False) lowers for CUDA on this CPU machine — Pallas →
+    Triton IR of the forward, dQ and dK/dV kernels with ACP ranges, seq_start and document skipping —
+    so a change that breaks the Triton lowering fails here, not first on the GPU."""
+    b, t, h, hkv = 2, 1000, 4, 2
+
+    def loss(q, k, v, lam, ss, seg, delta):
+        o = fpallas.attention(q, k, v, lam, ss, seg, delta, scale=d ** -0.5, interpret=False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    shapes = [((b, t, h, d), jnp.bfloat16), ((b, t, hkv, d), jnp.bfloat16), ((b, t, hkv, d), jnp.bfloat16),
+              ((b, t, h), jnp.float32), ((b,), jnp.int32), ((b, t), jnp.int32), ((b, h), jnp.float32)]
+    args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",))
+    assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
