@@ -12,6 +12,7 @@ it prints a warning there). Elsewhere they run with ``interpret=True`` (slow; fo
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
@@ -184,9 +185,7 @@ def dcp_attention(
     Raises:
       ValueError: a non-finite ``floor``; D > 256.
     """
-    import math
-
-    from fox_jax.ops.context_pruning import dropped_key_blocks
+    from fox_jax.ops.context_pruning import dropped_key_blocks  # it imports this module lazily too
 
     if not math.isfinite(floor):
         raise ValueError(f"implementation='pallas' clamps log_mask at a finite floor, got floor={floor}")
