@@ -151,7 +151,14 @@ def select_partitioner(mesh: Mesh, partitioner: str = "auto") -> str:
         wants_kernels = os.environ.get(SHARD_KERNELS_ENV, "").strip() != "0"
         partitioner = "gspmd" if (mesh.size > 1 and jax.default_backend() == "gpu" and wants_kernels) else current
     if partitioner != current:
-        jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+        try:
+            jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+        except (AttributeError, KeyError, ValueError) as e:  # a JAX without the switch (GSPMD removed)
+            import warnings
+
+            warnings.warn(f"cannot select the {partitioner} partitioner ({e}); keeping {current}: the "
+                          "attention kernels then run replicated on GPUs", stacklevel=2)
+            return current
     return partitioner
 
 

@@ -59,8 +59,8 @@ Run directory::
     hf/                    GPT-2 only: the final model, save_hf_gpt2 (model.safetensors +
                            dcp_interaction.safetensors) plus the tokenizer files
 
-``--resume`` continues exactly (same batches, same optimizer state); only ``steps`` and the
-logging / evaluation / checkpoint intervals may change.
+``--resume`` continues exactly (same batches, same optimizer state); only ``steps``, the
+logging / evaluation / checkpoint intervals and ``--dcp-impl`` (same math, other kernels) may change.
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ class FinetuneConfig:
 
 
 RESUMABLE = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-             "async_checkpoints")
+             "async_checkpoints", "dcp_impl")
 
 
 def config_to_dict(cfg: FinetuneConfig) -> dict:
