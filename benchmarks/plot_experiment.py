@@ -21,11 +21,15 @@ import json
 import math
 import os
 import statistics
+import sys
 
 import matplotlib
+import numpy as np
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # train/ when run as a script
 
 
 def read_run(path: str) -> dict:
@@ -87,26 +91,22 @@ def _series(run: dict, key: str, scale: float = 1.0):
     return [_tokens(run, s) for s, _ in pts], [scale * v for _, v in pts]
 
 
-def binned_per_position(per_position: dict, n_bins: int = 32) -> tuple[list[float], list[float]]:
-    """Per-position loss averaged over log-spaced position bins (weighted by each position's token
-    count): a validation set of a few documents gives ~16 tokens per position, far too noisy raw.
+def binned_per_position(per_position: dict) -> tuple[list[float], list[float]]:
+    """Per-position loss of a ``fox-jax eval`` JSON averaged over log-spaced position bins, weighted by
+    each position's token count (``train.evaluate.log_binned``, the binning of eval's own plot): a
+    validation set of a few documents gives ~16 tokens per position, far too noisy raw. Positions with
+    no tokens or a missing (None / non-finite) loss are left out.
 
     Returns:
-      (geometric bin centres, 1-based positions; mean loss per bin in nats), empty bins dropped.
+      (bin centres as 1-based positions, mean loss per bin in nats).
     """
-    loss, count = per_position["per_position_loss"], per_position.get("per_position_count")
-    count = count or [1] * len(loss)
-    n = len(loss)
-    edges = sorted({int(round(n ** (i / n_bins))) for i in range(n_bins + 1)} | {1, n + 1})
-    xs, ys = [], []
-    for lo, hi in zip(edges[:-1], edges[1:]):  # positions lo .. hi-1 (1-based)
-        pairs = [(loss[p - 1], count[p - 1]) for p in range(lo, hi)
-                 if loss[p - 1] is not None and math.isfinite(loss[p - 1]) and count[p - 1]]
-        weight = sum(c for _, c in pairs)
-        if weight:
-            xs.append(math.sqrt(lo * (hi - 1)))
-            ys.append(sum(v * c for v, c in pairs) / weight)
-    return xs, ys
+    from train.evaluate import log_binned
+
+    loss = np.asarray([np.nan if v is None else v for v in per_position["per_position_loss"]], np.float64)
+    count = np.asarray(per_position.get("per_position_count") or np.ones(len(loss)), np.float64)
+    count = np.where(np.isfinite(loss), count, 0.0)
+    centres, values = log_binned(np.nan_to_num(loss), count)
+    return centres.tolist(), values.tolist()
 
 
 def plot(runs: list[dict], out: str, reference: str | None = None) -> list[str]:

@@ -21,7 +21,6 @@ from fox_jax.ops.context_pruning import (
     dropped_key_blocks,
     keep_logits,
 )
-from kernels.forgetting_attention import default_config
 
 
 def _inputs(rng, b, tq, tk, h, hkv, d, dtype=jnp.float32, beta=0.5, alpha=1.5):
@@ -133,7 +132,6 @@ def test_pallas_dcp_lowers_to_triton(d):
     args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 4
-    assert default_config(d).fwd.block_q >= 16
 
 
 @pytest.mark.gpu

@@ -29,9 +29,13 @@ def test_plots_and_table_from_run_directories(tmp_path, capsys):
 def test_binned_per_position_weights_by_count():
     mod = _module()
     n = 100
-    xs, ys = mod.binned_per_position(dict(per_position_loss=[2.0] * n, per_position_count=[3] * n), n_bins=8)
-    assert xs == sorted(xs) and xs[0] == 1.0 and len(xs) <= 9 and all(y == 2.0 for y in ys)
-    # one bin holding positions with losses 1 and 4 and counts 3 and 1 → (3·1 + 1·4) / 4
-    loss = [1.0, 4.0] + [float("nan")] * 2
-    xs, ys = mod.binned_per_position(dict(per_position_loss=loss, per_position_count=[3, 1, 0, 0]), n_bins=1)
-    assert ys == [1.75]
+    xs, ys = mod.binned_per_position(dict(per_position_loss=[2.0] * n, per_position_count=[3] * n))
+    assert xs == sorted(xs) and xs[0] == 1.0 and len(xs) < n and all(y == 2.0 for y in ys)
+    # the last bin (several positions, among them the last) is dominated by the last position's count;
+    # a missing (None) and a NaN loss are left out even with huge counts (else the mean would be ~3.5)
+    loss, count = [1.0] * n, [1] * n
+    loss[-1], count[-1] = 7.0, 10**6
+    loss[-2], count[-2] = None, 10**6
+    loss[-3], count[-3] = float("nan"), 10**6
+    xs, ys = mod.binned_per_position(dict(per_position_loss=loss, per_position_count=count))
+    assert 7.0 - 1e-3 < ys[-1] < 7.0 and xs[-1] < n  # a weighted mean of several positions, not position n alone
