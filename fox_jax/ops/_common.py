@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -38,6 +40,48 @@ def check_segment_ids(segment_ids, b: int, tk: int) -> None:
             segment_ids.shape != (b, tk) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
         raise ValueError(
             f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, got {segment_ids.dtype}{segment_ids.shape}")
+
+
+def check_seq_start(seq_start, batch: int, seq_len: int | None = None) -> jax.Array:
+    """Validate left-padding offsets and bring them into range: int32 [B] (zeros for None).
+
+    ``seq_start[b]`` is the number of left pads of row b: keys j < seq_start[b] are invisible. With
+    the key length T (``seq_len``) known, the valid range is [0, T): every row keeps at least its
+    last key (a row of T pads has no key at all and could only output zeros, which downstream code
+    cannot tell from a real output). Concrete values outside the range raise. Traced values (under
+    ``jit``, ``vmap``, ``shard_map``) cannot be checked: they are clamped into [0, T − 1], so a value
+    below 0 acts as 0 (no padding) and one ≥ T as T − 1 (only the last key visible), the same for
+    every consumer since they all read the clamped array.
+
+    Args:
+      seq_start: None or [B] int array (or anything ``jnp.asarray`` takes).
+      batch: B.
+      seq_len: T, the key (prompt) length, or None: then only seq_start ≥ 0 is checked and nothing
+        is clamped.
+    Returns:
+      [B] int32.
+    Raises:
+      ValueError: wrong shape or a non-integer dtype; a concrete value < 0 or ≥ seq_len (the message
+        names the offending rows and values).
+    """
+    if seq_start is None:
+        return jnp.zeros((batch,), jnp.int32)
+    seq_start = jnp.asarray(seq_start)
+    if seq_start.shape != (batch,) or not jnp.issubdtype(seq_start.dtype, jnp.integer):
+        raise ValueError(f"seq_start must be an int array of shape [B] = ({batch},), "
+                         f"got {seq_start.dtype}{seq_start.shape}")
+    if not isinstance(seq_start, jax.core.Tracer):
+        values = np.asarray(seq_start).astype(np.int64)
+        bad = (values < 0) if seq_len is None else ((values < 0) | (values >= seq_len))
+        if bad.any():
+            rows = np.flatnonzero(bad)
+            shown = ", ".join(f"seq_start[{i}] = {values[i]}" for i in rows[:8]) + (" ..." if len(rows) > 8 else "")
+            valid = "≥ 0" if seq_len is None else f"in [0, {seq_len - 1}] (T = {seq_len} keys; every row needs one)"
+            raise ValueError(f"seq_start values must be {valid}, got {shown}")
+    seq_start = seq_start.astype(jnp.int32)
+    if seq_len is not None:
+        seq_start = jnp.clip(seq_start, 0, seq_len - 1)
+    return seq_start
 
 
 def round_up(x: int, m: int) -> int:

@@ -5,10 +5,18 @@ D_ij = Λ_i − Λ_j is below
 
     δ = −(2U + log N) + log ε                                                   (§5.1)
 
-removes at most ε of the attention weight of any query (N = key length). Because Λ is non-increasing,
-the largest decay of a (query block, key block) tile sits at (its first query row r, its last key
-column c'), so a tile is skipped iff Λ_r − Λ_c' < δ (§5.3). The skipped tiles form a staircase in the
-lower-left of the causal triangle:
+removes at most ε of the attention weight of any query (N = key length). The bound holds for any set
+of dropped pairs with D < δ, so a (query block, key block) tile may be skipped only if *every* decay
+in it is below δ. The tile test bounds the largest decay with monotone envelopes of Λ,
+
+    Λ⁺_i = max_{i' ≥ i} Λ_i'  (non-increasing, ≥ Λ_i),   Λ⁻_j = min_{j' ≤ j} Λ_j'  (non-increasing, ≤ Λ_j),
+
+so that max over the tile of Λ_i − Λ_j ≤ Λ⁺_r − Λ⁻_c' (r its first query row, c' its last key
+column) and a tile is skipped iff Λ⁺_r − Λ⁻_c' < δ. This is valid for *any* gates. With log f ≤ 0
+(the contract: Λ non-increasing) both envelopes equal Λ and the test is the official kernel's
+Λ_r − Λ_c' < δ (§5.3), tile for tile; with positive gates it only prunes less. Both envelopes are
+non-increasing, so the skipped tiles always form a staircase in the lower-left of the causal
+triangle:
 
 * forward / dQ: query block m visits key blocks ``[kv_start[m], causal_end[m])``;
 * dK/dV: key block n visits query blocks ``[causal_start[n], q_end[n])``.
@@ -23,6 +31,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 DEFAULT_LOG_EPSILON = -10.0
 
@@ -76,6 +85,46 @@ def qk_norm_threshold(
     return threshold_from_bound(scale * d * wq * wk, key_len, log_epsilon)
 
 
+THRESHOLD_FORMS = "None, 'auto', a float or an array broadcastable to [B, H]"
+
+
+def check_threshold(adaptive_threshold: Any, batch: int, heads: int) -> None:
+    """Validate the op's ``adaptive_threshold`` argument (see ``resolve_threshold`` for its meaning).
+
+    Concrete values are checked for NaN; traced values (under ``jit``, ``vmap``, ``shard_map``) only
+    for their shape, and a traced NaN prunes nothing (``resolve_threshold``).
+
+    Raises:
+      ValueError: an unknown string; a non-numeric value; an array that does not broadcast to
+        [B, H]; a concrete NaN (δ = NaN would compare false everywhere and silently prune nothing).
+    """
+    if adaptive_threshold is None:
+        return
+    if isinstance(adaptive_threshold, str):
+        if adaptive_threshold != "auto":
+            raise ValueError(f"adaptive_threshold must be {THRESHOLD_FORMS}; got the string {adaptive_threshold!r}")
+        return
+    try:
+        delta = jnp.asarray(adaptive_threshold)
+    except TypeError:
+        raise ValueError(f"adaptive_threshold must be {THRESHOLD_FORMS}; got {adaptive_threshold!r}") from None
+    if not (jnp.issubdtype(delta.dtype, jnp.floating) or jnp.issubdtype(delta.dtype, jnp.integer)):
+        raise ValueError(f"adaptive_threshold must be real numbers ({THRESHOLD_FORMS}); got dtype {delta.dtype}")
+    try:
+        fits = jnp.broadcast_shapes(delta.shape, (batch, heads)) == (batch, heads)
+    except ValueError:
+        fits = False
+    if not fits:
+        raise ValueError(
+            f"adaptive_threshold of shape {delta.shape} does not broadcast to [B, H] = {(batch, heads)}")
+    if not isinstance(delta, jax.core.Tracer):
+        nan = np.isnan(np.asarray(delta, np.float32))
+        if nan.any():
+            where = "" if delta.ndim == 0 else f" at index {tuple(int(i) for i in np.argwhere(nan)[0])}"
+            raise ValueError(f"adaptive_threshold must not be NaN (got NaN{where}); use None or -inf to prune "
+                             f"nothing")
+
+
 def resolve_threshold(
     adaptive_threshold: Any,
     q: jax.Array,
@@ -85,29 +134,28 @@ def resolve_threshold(
 ) -> jax.Array | None:
     """Turn the op's ``adaptive_threshold`` argument into a [B, H] float32 δ ≤ 0 (or None).
 
-    Accepts None, ``"auto"``, a Python float, or an array broadcastable to [B, H]. δ is clipped to
-    ≤ 0 so that tiles touching the diagonal (decay 0) are never pruned.
+    Accepts None (no pruning), ``"auto"`` (``auto_threshold``), a Python float, or an array
+    broadcastable to [B, H]. A tile is skipped iff every decay in it is below δ (module docstring), so:
+
+    * δ is clipped to ≤ 0: tiles holding a pair of decay 0 (the diagonal) are never pruned, and any
+      δ ≥ 0, +inf included, is the most aggressive setting δ = 0;
+    * δ = −inf prunes nothing (bit-identical to None);
+    * a NaN raises for concrete values (``check_threshold``); a traced NaN (under ``jit``), or an auto
+      threshold made NaN by non-finite q or k, is replaced by −inf: it prunes nothing.
 
     Raises:
-      ValueError: an unknown string or an array that does not broadcast to [B, H].
+      ValueError: as ``check_threshold``.
     """
     if adaptive_threshold is None:
         return None
     b, h = q.shape[0], q.shape[2]
+    check_threshold(adaptive_threshold, b, h)
     if isinstance(adaptive_threshold, str):
-        if adaptive_threshold != "auto":
-            raise ValueError(
-                f"adaptive_threshold must be None, 'auto', a float or an array broadcastable to [B, H]; "
-                f"got the string {adaptive_threshold!r}")
         delta = auto_threshold(q, k, sm_scale, log_epsilon)
     else:
-        delta = jnp.asarray(adaptive_threshold, jnp.float32)
-        try:
-            delta = jnp.broadcast_to(delta, (b, h))
-        except ValueError:
-            raise ValueError(
-                f"adaptive_threshold of shape {delta.shape} does not broadcast to [B, H] = {(b, h)}") from None
-    return jnp.minimum(jax.lax.stop_gradient(delta), 0.0)
+        delta = jnp.broadcast_to(jnp.asarray(adaptive_threshold, jnp.float32), (b, h))
+    delta = jax.lax.stop_gradient(delta)
+    return jnp.minimum(jnp.where(jnp.isnan(delta), -jnp.inf, delta), 0.0)
 
 
 def _row_starts(tq: int, tk: int, block_q: int) -> jax.Array:
@@ -121,21 +169,33 @@ def _col_ends(tk: int, block_k: int) -> jax.Array:
     return jnp.minimum(jnp.arange(nk) * block_k + block_k - 1, tk - 1)
 
 
+def _tile_envelopes(lam: jax.Array, tq: int, block_q: int, block_k: int) -> tuple[jax.Array, jax.Array]:
+    """(Λ⁺ at each query block's first row [B, H, nq], Λ⁻ at each key block's last column [B, H, nk]).
+
+    Λ⁺_i = max_{i' ≥ i} Λ_i' and Λ⁻_j = min_{j' ≤ j} Λ_j' (module docstring): Λ⁺_r − Λ⁻_c' bounds every
+    decay of tile (m, n) for any Λ, and both are non-increasing along their blocks. For a
+    non-increasing Λ they are Λ itself, bit for bit.
+    """
+    tk = lam.shape[1]
+    lam_bh = lam.transpose(0, 2, 1)  # [B, H, Tk]
+    upper = jax.lax.cummax(lam_bh, axis=2, reverse=True)
+    lower = jax.lax.cummin(lam_bh, axis=2)
+    return upper[:, :, _row_starts(tq, tk, block_q)], lower[:, :, _col_ends(tk, block_k)]
+
+
 def kv_block_start(lam: jax.Array, delta: jax.Array, *, tq: int, block_q: int, block_k: int) -> jax.Array:
     """First key block each query block must visit (forward and dQ).
 
     Args:
-      lam: [B, Tk, H] float32 Λ.
+      lam: [B, Tk, H] float32 Λ (any values; non-increasing when log f ≤ 0).
       delta: [B, H] float32 threshold (≤ 0).
       tq: number of queries (queries are the last tq positions).
     Returns:
-      [B, H, nq] int32, nq = ceil(tq / block_q): the number of leading key blocks whose tile
-      decay Λ_r − Λ_c' is below δ (a prefix, because the decay grows with the key block).
+      [B, H, nq] int32, nq = ceil(tq / block_q): the number of leading key blocks whose tile test
+      Λ⁺_r − Λ⁻_c' < δ holds, i.e. whose every decay is below δ (a prefix, because the bound grows
+      with the key block).
     """
-    tk = lam.shape[1]
-    lam_bh = lam.transpose(0, 2, 1)  # [B, H, Tk]
-    lam_r = lam_bh[:, :, _row_starts(tq, tk, block_q)]  # [B, H, nq]
-    lam_c = lam_bh[:, :, _col_ends(tk, block_k)]  # [B, H, nk]
+    lam_r, lam_c = _tile_envelopes(lam, tq, block_q, block_k)
     pruned = (lam_r[..., :, None] - lam_c[..., None, :]) < delta[..., None, None]
     return jnp.sum(pruned, axis=-1, dtype=jnp.int32)
 
@@ -144,15 +204,12 @@ def q_block_end(lam: jax.Array, delta: jax.Array, *, tq: int, block_q: int, bloc
     """One past the last query block each key block must visit (dK/dV).
 
     Uses the same tile test as ``kv_block_start`` (tile (m, n) is computed iff
-    Λ_{r_m} − Λ_{c'_n} ≥ δ), so with equal block sizes both backward passes see the same tiles.
+    Λ⁺_{r_m} − Λ⁻_{c'_n} ≥ δ), so with equal block sizes both backward passes see the same tiles.
 
     Returns:
       [B, H, nk] int32 in [0, nq].
     """
-    tk = lam.shape[1]
-    lam_bh = lam.transpose(0, 2, 1)
-    lam_r = lam_bh[:, :, _row_starts(tq, tk, block_q)]  # [B, H, nq]
-    lam_c = lam_bh[:, :, _col_ends(tk, block_k)]  # [B, H, nk]
+    lam_r, lam_c = _tile_envelopes(lam, tq, block_q, block_k)
     kept = (lam_r[..., None, :] - lam_c[..., :, None]) >= delta[..., None, None]  # [B, H, nk, nq]
     return jnp.sum(kept, axis=-1, dtype=jnp.int32)
 

@@ -10,12 +10,13 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.ops import acp as acp_lib
-from fox_jax.ops._common import check_qkv, check_segment_ids
+from fox_jax.ops._common import check_qkv, check_segment_ids, check_seq_start
 from fox_jax.ops.blockwise import blockwise_attention, block_sizes
 from fox_jax.ops.reference import decay_cumsum, forgetting_attention_reference
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense", "cudnn")
-def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids):
+def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold):
+    """Raise on bad inputs; return ``seq_start`` as int32 [B] clamped into [0, Tk − 1] (or None)."""
     check_qkv(q, k, v)
     b, tq, h, _ = q.shape
     tk = k.shape[1]
@@ -26,9 +27,9 @@ def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids):
             raise ValueError(
                 f"log_fgate must be float32 (cast the gate logits to float32 before log_sigmoid), "
                 f"got {log_fgate.dtype}")
-    if seq_start is not None and (seq_start.shape != (b,) or not jnp.issubdtype(seq_start.dtype, jnp.integer)):
-        raise ValueError(f"seq_start must be an int array of shape [B] = ({b},), got {seq_start.dtype}{seq_start.shape}")
     check_segment_ids(segment_ids, b, tk)
+    acp_lib.check_threshold(adaptive_threshold, b, h)
+    return None if seq_start is None else check_seq_start(seq_start, b, tk)
 
 
 def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold) -> bool:
@@ -181,15 +182,23 @@ def forgetting_attention(
     Args:
       q: [B, Tq, H, D] float32 / bfloat16 / float16.
       k, v: [B, Tk, Hkv, D], same dtype as q; H must be a multiple of Hkv (GQA).
-      log_fgate: [B, Tk, H] float32 log forget gates (≤ 0), one per *query* head; ``None`` means no
-        forgetting (plain causal softmax attention, the Transformer baseline).
+      log_fgate: [B, Tk, H] float32 log forget gates, one per *query* head; ``None`` means no
+        forgetting (plain causal softmax attention, the Transformer baseline). A forget gate gives
+        log f ≤ 0, but the op is defined, and ACP stays safe, for any finite values (log f > 0
+        amplifies older keys): positive entries are not an error and are not clipped.
       sm_scale: logit scale, default 1/√D.
       seq_start: [B] int, left padding: keys j < seq_start[b] are invisible and their gates are
-        zeroed before the cumsum; rows with no visible key output 0.
+        zeroed before the cumsum; query rows with no visible key output 0. Valid values lie in
+        [0, Tk − 1] (every row keeps at least its last key); concrete values outside raise. Traced
+        values (under ``jit``) are clamped into [0, Tk − 1] before any implementation sees them
+        (``_common.check_seq_start``): < 0 acts as 0, ≥ Tk as Tk − 1.
       segment_ids: [B, Tk] int, packed documents: query i sees key j only if their ids are equal.
       adaptive_threshold: ACP (arXiv 2504.06949): None (off), ``"auto"`` (U from the actual maximum
-        norms of q and k), a float δ, or an array broadcastable to [B, H]. Tiles whose largest decay is
-        below δ are skipped; with the auto threshold the skipped weight per query is ≤ exp(log_epsilon).
+        norms of q and k), a float δ, or an array broadcastable to [B, H]. Tiles whose every decay
+        Λ_i − Λ_j is below δ are skipped (a bound valid for any gates, ``fox_jax.ops.acp``); with
+        the auto threshold the skipped weight per query is ≤ exp(log_epsilon). δ is clipped to ≤ 0
+        (+inf acts as 0, the most pruning); −inf prunes nothing; NaN raises (a traced NaN prunes
+        nothing). See ``acp.resolve_threshold``.
       log_epsilon: log ε of the auto threshold (default −10).
       implementation: ``"xla"`` (blockwise pure JAX), ``"pallas"`` (pallas_call kernel; interpret mode
         off-GPU), ``"mosaic"`` (Hopper kernel), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]),
@@ -212,10 +221,11 @@ def forgetting_attention(
 
     Raises:
       ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_fgate), Tq > Tk, H not a
-        multiple of Hkv, an unknown implementation or threshold.
+        multiple of Hkv, an unknown implementation or threshold, a concrete ``seq_start`` outside
+        [0, Tk − 1], a concrete NaN ``adaptive_threshold``.
       NotImplementedError: an implementation not available for these inputs.
     """
-    _check_inputs(q, k, v, log_fgate, seq_start, segment_ids)
+    seq_start = _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold)
     impl = _resolve_impl(implementation,
                          _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold))
     kwargs = dict(sm_scale=sm_scale, seq_start=seq_start, segment_ids=segment_ids,
