@@ -2,16 +2,18 @@
 
 Both model families take the same decoding protocol: ``model.apply({"params": p}, tokens,
 cache=caches)`` returns ``(logits, caches)``, where ``caches`` is a tuple with one cache per layer
-(``LayerKVCache`` or, for DCP GPT-2, ``PackedKVCache``). A chunk of T > 1 tokens is a prefill that
-(re)starts the caches; T = 1 is one decode step. Prompts are **left-padded**: ``seq_start[b]`` pads
-precede row b's first real token, which gets position 0.
+(``LayerKVCache`` or, for DCP GPT-2, ``PackedKVCache``). The call appends a chunk of T ≥ 1 tokens to
+the caches: a prefill on fresh caches (``prefill``), a chunk of a chunked prefill or the next turn of a
+conversation (``extend``), one decode step (``decode_step``); any split of a sequence gives the logits
+of one forward pass over it. Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first
+real token, which gets position 0.
 
 Cache capacity (the decision for a full cache):
 
 * **dense** caches are allocated once with C = ``cache_capacity`` columns (default: exactly
   T + max_new_tokens − 1, all the tokens that are ever fed). They never grow; a request that would
   overflow raises ``ValueError`` before anything runs (``generate`` checks statically,
-  ``decode_step`` reads the length back).
+  ``extend`` and ``decode_step`` read the length back).
 * **packed** (DCP) caches are sized on the host between chunks of ``chunk_size`` decode steps: the
   live slots are compacted and C is set to the power-of-two bucket (≥ 64) of max live + chunk, so
   a chunk can never overflow, memory follows the live count, and each bucket compiles once.
@@ -119,7 +121,7 @@ def cache_bytes(caches) -> dict:
 
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(model, params, tokens, caches):
-    """(float32 logits, caches) of one chunk: a prefill for T > 1, a decode step for T = 1."""
+    """(float32 logits, caches) of one chunk of T ≥ 1 tokens appended to the caches."""
     logits, caches = model.apply({"params": params}, tokens, cache=caches)
     return logits.astype(jnp.float32), caches
 
@@ -166,11 +168,45 @@ def _check_positions(model, caches, n_tokens: int) -> None:
             raise ValueError(f"GPT-2 has {model.config.n_positions} positions; decoding would reach position {last}")
 
 
+def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
+    """Append a chunk of T ≥ 1 tokens per row to live caches (jitted; compiled once per T and cache shape).
+
+    Chunked prefill and multi-turn continuation: the chunk attends over everything cached and itself,
+    so prefilling a sequence in any split gives the logits of one forward pass over it. Checks on the
+    host that the caches have room (one device sync).
+
+    Args:
+      model, params: the model and params the caches were filled with.
+      caches: the per-layer caches from ``prefill``, ``init_cache`` or a previous call.
+      tokens: [B, T] int, the next tokens of each row (left pads only while a row has not reached
+        its ``seq_start``).
+
+    Returns:
+      (logits [B, T, V] float32, updated caches).
+
+    Raises:
+      ValueError: tokens not [B, T] int; a dense cache without T free columns, a packed cache
+        whose live count + T exceeds its capacity (resize it first); GPT-2 positions exhausted.
+    """
+    tokens = _check_tokens(tokens, "tokens")
+    b, t = tokens.shape
+    if b != caches[0].seq_start.shape[0]:
+        raise ValueError(f"tokens must be [B, T] with B = {caches[0].seq_start.shape[0]} (the caches' batch), "
+                         f"got {tokens.shape}")
+    if isinstance(caches[0], PackedKVCache):
+        check_packed_room(caches, t)
+    else:
+        check_room(caches, t)
+    _check_positions(model, caches, t)
+    return _forward(model, params, tokens, caches)
+
+
 def decode_step(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     """Feed one token per row (jitted; compiled once per cache shape, not per step).
 
-    Checks on the host that the caches have room (one device sync); inside ``jit``/loops call the
-    model directly (``model.apply(..., tokens[:, None], cache=caches)``) after sizing the caches.
+    ``extend`` with T = 1. Checks on the host that the caches have room (one device sync); inside
+    ``jit``/loops call the model directly (``model.apply(..., tokens[:, None], cache=caches)``) after
+    sizing the caches.
 
     Args:
       model, params: the model and params the caches were filled with.
@@ -188,12 +224,7 @@ def decode_step(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     b = caches[0].seq_start.shape[0]
     if tokens.shape != (b,) or not jnp.issubdtype(tokens.dtype, jnp.integer):
         raise ValueError(f"tokens must be an int array [B] = ({b},), got {tokens.dtype}{tokens.shape}")
-    if isinstance(caches[0], PackedKVCache):
-        check_packed_room(caches)
-    else:
-        check_room(caches)
-    _check_positions(model, caches, 1)
-    logits, caches = _forward(model, params, tokens[:, None].astype(jnp.int32), caches)
+    logits, caches = extend(model, params, caches, tokens[:, None])
     return logits[:, 0], caches
 
 

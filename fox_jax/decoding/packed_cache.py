@@ -2,21 +2,28 @@
 
 Per layer a ``PackedKVCache`` holds C slots in no particular order; a slot is live iff ``occupied``.
 GPT-2's positions are learned and added to the input, so attention does not care where a token sits
-and a freed slot can be recycled by the next token (spec §5.1). Decoding follows spec §5.2 with the
-inference-time step mask (α = ∞):
+and a freed slot can be recycled by a later token (spec §5.1). Decoding follows spec §5.2 with the
+inference-time step mask (α = ∞), I[i, j] = Π_{n = j+1..i} step(z_{n, j}), z = q_int·k_intᵀ/√r + β:
+a key dropped by one query is dropped for every later one, so the cache keeps exactly the keys the
+newest query still sees, {j : I[last, j] = 1}.
 
-* **prefill** (T prompt tokens, left padding hidden by ``seq_start``): the dense step mask
-  I = cumprod(step(z)) over the prompt, attention with log I (exactly the training path), then only
-  the survivors of the last row, {j : I[T−1, j] = 1}, are stored, compacted into slots 0..n−1 in
-  token order (spec §5.3);
-* **decode step** (one token): append (k, v, k_int) into the first free slot, keep =
+A call appends a **chunk** of T ≥ 1 tokens (columns ``length`` .. ``length`` + T − 1; a prefill is the
+first chunk of a fresh cache), so that any split of a sequence keeps what one pass over it keeps:
+
+* T > 1: the chunk's queries see the live slots that every chunk query up to them keeps, and the
+  chunk's own keys through the cumulative step mask among the chunk; attention with that mask
+  (``dcp_attention``, −inf for dropped pairs, left pads hidden); then the cached slots the last query
+  dropped are freed and the chunk's survivors written into the slots that were free before the
+  chunk, lowest first, in token order (a fresh cache: compacted into slots 0..n−1, spec §5.3);
+* T = 1 (decode step): append (k, v, k_int) into the first free slot, keep =
   (q_int·K_intᵀ/√r + β > 0) ∧ occupied, with the new token's own slot always kept, attend over the
   slots with the boolean mask keep, then free every slot not kept, irreversibly and per layer.
 
-Since a token goes to the *first* free slot, its slot index is at most the number of live tokens
-before it; C ≥ (max live count) + 1 therefore suffices, and no consolidation is ever needed while
-decoding. The cache does not grow by itself: the host sizes it between chunks of decode steps
-(``resize_packed_cache``, used by ``fox_jax.decoding.generation.generate``).
+A chunk of T tokens writes its survivors into the slots free before it, so it needs live count + T ≤ C
+(``check_packed_room``); in particular a token's slot index is at most the number of live tokens before
+it and no consolidation is ever needed while decoding. The cache does not grow by itself: the host
+sizes it between chunks of decode steps (``resize_packed_cache``, used by
+``fox_jax.decoding.generation.generate``).
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fox_jax.decoding.cache import check_seq_start, decode_attention
+from fox_jax.decoding.cache import cache_columns, check_seq_start, decode_attention
 from fox_jax.ops._common import pad_axis
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 
@@ -88,23 +95,33 @@ def _take_slots(x: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take_along_axis(x, index.reshape(index.shape + (1,) * (x.ndim - 2)), axis=1)
 
 
-def _prefill(cache: PackedKVCache, q, k, v, q_int, k_int, beta, block: int):
+def _chunk(cache: PackedKVCache, q, k, v, q_int, k_int, beta, block: int):
     b, t = q.shape[:2]
-    if t > cache.capacity:
-        raise ValueError(f"the prompt ({t} tokens) does not fit the packed cache capacity {cache.capacity}")
-    cols = jnp.arange(t, dtype=jnp.int32)
-    real = cols[None, :] >= cache.seq_start[:, None]                       # [B, T]
-    log_mask = cumulative_keep_log_mask(keep_logits(q_int, k_int, beta), jnp.inf)
-    o = dcp_attention(q, k, v, log_mask, segment_ids=real.astype(jnp.int32), block_q=block, block_k=block)
-    # With the step mask log I is exactly 0 (kept) or the floor (dropped).
-    alive = (log_mask[:, -1, :] == 0.0) & real                            # I[T−1, j] = 1
-    order = jnp.argsort(~alive, axis=1, stable=True)                      # survivors first, in order
-    slots = cols[None, :] < jnp.sum(alive, axis=1, keepdims=True)         # [B, T] slot is live
-    pack = lambda x, fill=0: pad_axis(_take_slots(x, order), 1, cache.capacity, fill)
-    positions = jnp.where(slots, order - cache.seq_start[:, None], -1).astype(jnp.int32)
-    new = cache._replace(k=pack(k), v=pack(v), k_int=pack(k_int.astype(jnp.float32)),
-                         occupied=pad_axis(slots, 1, cache.capacity, False),
-                         positions=pad_axis(positions, 1, cache.capacity, -1), length=jnp.asarray(t, jnp.int32))
+    c = cache.capacity
+    rows = jnp.arange(b)[:, None]
+    cols = cache_columns(cache, t)
+    real = cols[None, :] >= cache.seq_start[:, None]                       # [B, T] not a left pad
+    z = keep_logits(q_int, jnp.concatenate([cache.k_int, k_int.astype(jnp.float32)], axis=1), beta)
+    # a live slot is kept by chunk query i iff every chunk query up to i keeps it (step(z) = z > 0)
+    keep_slots = cache.occupied[:, None, :] & (jnp.cumsum(z[:, :, :c] <= 0, axis=1) == 0)
+    keep_chunk = (cumulative_keep_log_mask(z[:, :, c:], jnp.inf) == 0.0) & real[:, None, :]
+    keep = jnp.concatenate([keep_slots, keep_chunk], axis=2)               # [B, T, C + T]
+    o = dcp_attention(q, jnp.concatenate([cache.k, k.astype(cache.k.dtype)], axis=1),
+                      jnp.concatenate([cache.v, v.astype(cache.v.dtype)], axis=1),
+                      jnp.where(keep, 0.0, -jnp.inf), block_q=block, block_k=block)
+    survives, new_survives = keep[:, -1, :c], keep[:, -1, c:]              # I[last, j] = 1
+    # the chunk's survivors go, in token order, to the slots free before the chunk, lowest first
+    free = jnp.argsort(cache.occupied, axis=1, stable=True)               # [B, C] free slots first
+    rank = jnp.cumsum(new_survives, axis=1) - 1
+    n_free = c - jnp.sum(cache.occupied, axis=1, keepdims=True)
+    slot = jnp.where(new_survives & (rank < n_free), _take_slots(free, jnp.clip(rank, 0, c - 1)), c)
+    put = lambda buf, new: buf.at[rows, slot].set(new.astype(buf.dtype), mode="drop")
+    new = PackedKVCache(
+        k=put(cache.k, k), v=put(cache.v, v), k_int=put(cache.k_int, k_int),
+        occupied=put(survives, jnp.ones_like(new_survives)),
+        positions=put(jnp.where(survives, cache.positions, -1),
+                      jnp.broadcast_to(cols[None, :] - cache.seq_start[:, None], (b, t))),
+        length=cache.length + t, seq_start=cache.seq_start)
     return o, new
 
 
@@ -112,7 +129,8 @@ def _decode(cache: PackedKVCache, q, k, v, q_int, k_int, beta):
     b = q.shape[0]
     rows = jnp.arange(b)
     slot = jnp.argmax(~cache.occupied, axis=1)                            # first free slot (must exist)
-    occupied = cache.occupied.at[rows, slot].set(True)
+    is_real = cache.length >= cache.seq_start                             # [B] not a left pad
+    occupied = cache.occupied.at[rows, slot].set(is_real)
     k_all = cache.k.at[rows, slot].set(k[:, 0])
     v_all = cache.v.at[rows, slot].set(v[:, 0])
     k_int_all = cache.k_int.at[rows, slot].set(k_int[:, 0].astype(jnp.float32))
@@ -128,43 +146,53 @@ def _decode(cache: PackedKVCache, q, k, v, q_int, k_int, beta):
 
 def packed_attention(cache: PackedKVCache, q: jax.Array, k: jax.Array, v: jax.Array, q_int: jax.Array,
                      k_int: jax.Array, beta, *, block: int = 128) -> tuple[jax.Array, PackedKVCache]:
-    """DCP attention of a chunk with the packed cache: prefill for T > 1, one decode step for T = 1.
+    """DCP attention of a chunk of T ≥ 1 tokens appended to the packed cache (module docstring).
 
-    A prefill restarts the cache (whatever it held is dropped). A decode step needs a free slot in
-    every row (live count < C); callers check it on the host (``check_packed_room``), since a traced
-    scatter cannot raise.
+    The chunk needs live count + T ≤ C in every row (``check_packed_room``: T ≤ C always, the live
+    count when the cache is concrete; inside ``jit`` callers check it on the host, since a traced
+    scatter cannot raise).
 
     Args:
       cache: the layer's ``PackedKVCache``.
       q, k, v: [B, T, H, D] the chunk's heads (compute dtype).
       q_int, k_int: [B, T, r] interaction queries and keys (float32).
       beta: the layer's scalar β.
-      block: tile size of the prefill's ``dcp_attention``.
+      block: tile size of a chunk's ``dcp_attention``.
 
     Returns:
-      (o [B, T, H, D] in q's dtype, the updated cache). The prefill's output equals the training path
-      at α = ∞; a decode step drops the pruned tokens exactly (weight 0).
+      (o [B, T, H, D] in q's dtype, the updated cache). Outputs and the kept set equal the training
+      path at α = ∞ over the whole sequence; pruned tokens get weight exactly 0.
 
     Raises:
-      ValueError: a prompt longer than the capacity.
+      ValueError: the chunk may not fit the capacity.
     """
+    check_packed_room(cache, q.shape[1])
     if q.shape[1] > 1:
-        return _prefill(cache, q, k, v, q_int, k_int, beta, block)
+        return _chunk(cache, q, k, v, q_int, k_int, beta, block)
     return _decode(cache, q, k, v, q_int, k_int, beta)
 
 
-def check_packed_room(caches, n_steps: int = 1) -> None:
-    """Raise unless every layer and row can take ``n_steps`` more tokens without pruning anything.
+def check_packed_room(caches, n_tokens: int = 1) -> None:
+    """Raise unless every layer and row can take ``n_tokens`` more tokens without pruning anything.
 
-    Reads the live counts back to the host (one device sync).
+    ``n_tokens`` ≤ C is checked always; the live counts when they are concrete (read back to the
+    host, one device sync; nothing while tracing).
+
+    Args:
+      caches: one ``PackedKVCache`` or a sequence of them.
+      n_tokens: tokens about to be appended (one chunk or single steps).
 
     Raises:
-      ValueError: max live count + n_steps > capacity.
+      ValueError: max live count + n_tokens > capacity (the message names the capacity).
     """
-    live = int(max(jnp.max(c.live_count()) for c in caches))
-    if live + n_steps > caches[0].capacity:
-        raise ValueError(f"the packed KV cache may overflow: {live} of {caches[0].capacity} slots live, "
-                         f"{n_steps} more steps requested; resize it (resize_packed_cache)")
+    caches = (caches,) if isinstance(caches, PackedKVCache) else tuple(caches)
+    capacity = caches[0].capacity
+    live = None
+    if not any(isinstance(c.occupied, jax.core.Tracer) for c in caches):
+        live = int(max(jnp.max(c.live_count()) for c in caches))
+    if n_tokens > capacity or (live is not None and live + n_tokens > capacity):
+        raise ValueError(f"the packed KV cache may overflow: {'?' if live is None else live} live slots of "
+                         f"capacity {capacity}, {n_tokens} more tokens requested; resize it (resize_packed_cache)")
 
 
 def resize_packed_cache(cache: PackedKVCache, capacity: int) -> PackedKVCache:

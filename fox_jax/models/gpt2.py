@@ -439,7 +439,8 @@ class GPT2(nn.Module):
       segment_ids: optional [B, T] int, packed documents: no attention across documents.
       cache: optional tuple of ``n_layer`` decoding caches (``fox_jax.decoding.generation``):
         ``PackedKVCache`` (DCP pruning with the step mask, α = ∞) or dense ``LayerKVCache`` (no
-        pruning). T > 1 tokens are a prefill that restarts the cache; T = 1 is one decode step.
+        pruning). The T ≥ 1 tokens are appended to the cache (a prefill on a fresh cache, a chunk
+        or a decode step on a live one); any split of a sequence gives the logits of one pass.
         Positions come from the cache (column − seq_start, pads clamped to 0); positions and
         segment_ids must be None and alpha None or inf.
 
@@ -458,7 +459,8 @@ class GPT2(nn.Module):
     Raises:
       ValueError: tokens not [B, T] int, T > n_positions, positions/segment_ids of the wrong shape,
         DCP on without alpha; with a cache: the wrong number of layers, positions/segment_ids given,
-        a finite alpha, a packed cache on a non-DCP model, a cache with ``config.sparse_pattern``.
+        a finite alpha, a packed cache on a non-DCP model, a cache with ``config.sparse_pattern``, a
+        chunk that does not fit the cache capacity.
     """
 
     config: GPT2Config

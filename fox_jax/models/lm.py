@@ -57,8 +57,9 @@ class LanguageModel(nn.Module):
       segment_ids: [B, T] int32 or None: packed documents (attention never crosses them).
       positions: [B, T] int32 or None: position inside each document (used by RoPE only).
       cache: optional tuple of ``n_layers`` ``fox_jax.decoding.LayerKVCache`` (incremental decoding,
-        ``fox_jax.decoding.generation``); then segment_ids and positions must be None. T > 1 tokens
-        are a prefill that restarts the cache; T = 1 is one decode step. Not supported with DCP.
+        ``fox_jax.decoding.generation``); then segment_ids and positions must be None. The T ≥ 1
+        tokens are appended to the cache (a prefill on a fresh cache, a chunk or a decode step on a
+        live one); any split of a sequence gives the logits of one pass. Not supported with DCP.
       alpha: keyword-only, DCP only (as ``GPT2``): required when ``cfg.dcp``, ignored otherwise. α of
         the α-sigmoid (specs/dcp.md §2): a Python float ≥ 1, ``float('inf')`` for the inference step
         mask, or a traced float32 scalar (e.g. from ``cosine_alpha_schedule``; no recompile per value).
@@ -72,7 +73,7 @@ class LanguageModel(nn.Module):
                            segment_ids=...)`` (§3.1; 0 when T < 3): multiply by γ and add to the CE.
     Raises:
       ValueError: a cache with the wrong number of layers, or together with segment_ids/positions;
-        DCP without ``alpha``.
+        a chunk that does not fit the cache capacity; DCP without ``alpha``.
       NotImplementedError: a cache with DCP (decoding a DCP LanguageModel is not implemented).
     """
 

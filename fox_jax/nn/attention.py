@@ -39,10 +39,12 @@ class ForgettingAttentionLayer(nn.Module):
       segment_ids: [B, T] int or None (packed documents).
       positions: [B, T] int positions inside each document (RoPE only), default arange.
       cache: optional ``fox_jax.decoding.LayerKVCache`` (incremental decoding; then ``segment_ids``
-        and ``positions`` must be None). T > 1 tokens are a prefill that restarts the cache at
-        column 0; T = 1 is a decode step appended at column ``cache.length``. Positions are the
-        cache columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real
-        token sees zeros and a decode step's shift continues from the cached state.
+        and ``positions`` must be None). The T ≥ 1 tokens are appended at columns ``cache.length`` ..
+        ``cache.length`` + T − 1 and attend over the cached tokens and themselves (a prefill is the
+        first chunk of a fresh cache; see ``fox_jax.decoding.cache``). Positions are the cache
+        columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real token sees
+        zeros and any later chunk's shift continues from the cached state. With the auto ACP
+        threshold of QK-norm models, N is the cache capacity (the most keys a query can see).
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
     Returns:
@@ -51,7 +53,8 @@ class ForgettingAttentionLayer(nn.Module):
       skipped) into the ``intermediates`` collection. With DCP: ([B, T, d], log I [B, T, T] float32,
       0 = kept, ``LOG_FLOOR`` ≈ −92.1 = dropped).
     Raises:
-      ValueError: a cache together with segment_ids or positions; DCP without ``alpha``.
+      ValueError: a cache together with segment_ids or positions; a chunk that does not fit the
+        cache capacity; DCP without ``alpha``.
       NotImplementedError: DCP with a cache (decoding a DCP LanguageModel is not implemented).
     """
 
@@ -78,8 +81,10 @@ class ForgettingAttentionLayer(nn.Module):
                                  "(positions come from the cache columns and seq_start)")
             positions = cache_columns(cache, t)[None, :] - cache.seq_start[:, None]
             shift_segments = (positions >= 0).astype(jnp.int32)  # the shift never reads a pad
-            if t == 1:
-                k_state, v_state = cache.k_shift, cache.v_shift
+            if cfg.kv_shift:  # the cached state is the previous token's, unless that is a pad (or none)
+                after_pad = (positions[:, 0] <= 0)[:, None, None]
+                k_state = jnp.where(after_pad, 0, cache.k_shift)
+                v_state = jnp.where(after_pad, 0, cache.v_shift)
         dense = lambda n, name, bias=False, dt=dtype: nn.Dense(
             n, use_bias=bias, dtype=dt, param_dtype=jnp.float32, kernel_init=normal_init(cfg.init_std), name=name)
         q = dense(h * dh, "q_proj")(x).reshape(b, t, h, dh)
@@ -101,7 +106,8 @@ class ForgettingAttentionLayer(nn.Module):
                 wk = k_norm.variables["params"]["scale"]
                 if not cfg.qk_norm_shared and hkv != h:
                     wk = jnp.repeat(wk, h // hkv, axis=0)
-                threshold = jnp.broadcast_to(acp.qk_norm_threshold(wq, wk, t), (b, h))
+                key_len = t if cache is None else cache.capacity
+                threshold = jnp.broadcast_to(acp.qk_norm_threshold(wq, wk, key_len), (b, h))
         if cfg.use_rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t), (b, t))
