@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fox_jax.ops._common import dot_precision
+from fox_jax.ops._common import check_seq_start, dot_precision
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
 
@@ -83,31 +83,6 @@ class LayerKVCache(NamedTuple):
         """Bytes one cached token takes in this layer (k, v and the two float32 halves of Λ)."""
         gates = 0 if self.lam_hi is None else self.lam_hi.shape[2] * 8
         return 2 * math.prod(self.k.shape[2:]) * self.k.dtype.itemsize + gates
-
-
-def check_seq_start(seq_start, batch: int, seq_len: int | None = None) -> jax.Array:
-    """Validate left-padding offsets and return them as int32 [B] (zeros for None).
-
-    Args:
-      seq_start: None or [B] int, the number of left pads of each row.
-      batch: B.
-      seq_len: the prompt length T, if known: every row needs at least one real token.
-
-    Raises:
-      ValueError: wrong shape/dtype; a concrete value < 0 or ≥ seq_len.
-    """
-    if seq_start is None:
-        return jnp.zeros((batch,), jnp.int32)
-    seq_start = jnp.asarray(seq_start)
-    if seq_start.shape != (batch,) or not jnp.issubdtype(seq_start.dtype, jnp.integer):
-        raise ValueError(f"seq_start must be an int array of shape [B] = ({batch},), "
-                         f"got {seq_start.dtype}{seq_start.shape}")
-    if not isinstance(seq_start, jax.core.Tracer):
-        lo, hi = int(seq_start.min()), int(seq_start.max())
-        if lo < 0 or (seq_len is not None and hi >= seq_len):
-            raise ValueError(f"seq_start values must lie in [0, T) = [0, {seq_len}) so that every row has "
-                             f"a real token, got min {lo}, max {hi}")
-    return seq_start.astype(jnp.int32)
 
 
 def new_layer_cache(batch: int, capacity: int, *, n_heads: int, kv_heads: int, head_dim: int, dtype,

@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.decoding.cache import check_room, check_seq_start, new_layer_cache
+from fox_jax.decoding.cache import check_room, new_layer_cache
+from fox_jax.ops._common import check_seq_start
 from fox_jax.decoding.packed_cache import (
     PackedKVCache,
     check_packed_room,
