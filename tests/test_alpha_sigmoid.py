@@ -280,3 +280,135 @@ def test_cosine_schedule_values():
     with pytest.raises(ValueError):
         cosine_alpha_schedule(init=0.5)
     assert math.isclose(float(cosine_alpha_schedule(2.0, 4.0, 10)(5)), 3.0, rel_tol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every α from 1 to ∞, against an arbitrary-precision reference
+# ---------------------------------------------------------------------------------------------
+
+ALPHA_GRID = [1.0, 1.5, 2.0, 4.0, 10.0, 50.0, 100.0, 128.0, 200.0, 1000.0, 1e4]
+F32_MAX = float(np.finfo(np.float32).max)
+
+
+def decimal_sigma(z: float, alpha: float):
+    """(σ_α(z), log σ_α(z), dσ/dz, d log σ/dz) as floats, in 60-digit decimal arithmetic.
+
+    The smaller class probability q = σ_α(−|z|) is the root of (1−q)^a − q^a = a·|z| (a = α − 1,
+    specs/dcp.md §2.2), found by bisection on log q ∈ [−3000, log ½] (no underflow: decimal exponents
+    reach far below 2^−(α−1) at α = 1e4). Slopes 1/(p^{α−2} + (1−p)^{α−2}) and that over p (§2.2).
+    """
+    import decimal
+
+    ctx = decimal.Context(prec=60, Emin=-10**8, Emax=10**8)
+    D = ctx.create_decimal
+    zd = D(float(z))
+    one = D(1)
+    if alpha == 1.0:
+        p = one / (one + (-zd).exp(ctx))
+        return float(p), float(p.ln(ctx)), float(p * (one - p)), float(one - p)
+    a = D(alpha) - one
+    u = -abs(zd)
+    if u <= -one / a:
+        q = D(0)
+    elif u == 0:
+        q = D("0.5")
+    else:
+        def power(x, y):
+            return (y * x.ln(ctx)).exp(ctx)
+
+        lo, hi = D(-3000), D("0.5").ln(ctx)
+        for _ in range(110):  # bracket width 3000·2^−110 ≈ 2e−30 in log q
+            t = (lo + hi) / 2
+            qq = t.exp(ctx)
+            if power(one - qq, a) - power(qq, a) > -a * u:
+                lo = t  # (1−q)^a − q^a decreases in q: the root is above
+            else:
+                hi = t
+        q = ((lo + hi) / 2).exp(ctx)
+    p = one - q if zd > 0 else q
+    if q == 0:
+        return float(p), (0.0 if p == 1 else -math.inf), 0.0, 0.0
+    slope = one / ((D(alpha) - 2) * p.ln(ctx)).exp(ctx).__add__(((D(alpha) - 2) * (one - p).ln(ctx)).exp(ctx))
+    return float(p), float(p.ln(ctx)), float(slope), float(slope / p)
+
+
+def alpha_grid_points(alpha):
+    """z = 0, ±tiny (float32 normal numbers), ±inside, ±just inside/outside the edge, ±5."""
+    pos = [1e-37, 1e-30, 1e-10]
+    if alpha > 1.0:
+        e = 1.0 / (alpha - 1.0)
+        pos += [1e-3 * e, 0.3 * e, 0.5 * e, 0.9 * e, (1 - 1e-3) * e, (1 + 1e-3) * e]
+    pos += [0.7, 5.0]
+    z = np.array(sorted(set(pos)), np.float32)
+    return np.concatenate([-z[::-1], [0.0], z]).astype(np.float32)
+
+
+@pytest.mark.parametrize("alpha", ALPHA_GRID)
+def test_values_and_slopes_every_alpha(alpha):
+    z = alpha_grid_points(alpha)
+    ref = np.array([decimal_sigma(float(x), alpha) for x in z])  # [n, 4] float64
+    p_ref, lp_ref, dp_ref, dlp_ref = ref.T
+    zj = jnp.asarray(z)
+    p = np.asarray(jax.jit(lambda x: alpha_sigmoid(x, alpha))(zj))
+    lp = np.asarray(jax.jit(lambda x: log_alpha_sigmoid(x, alpha))(zj))
+    dp = np.asarray(jax.jit(jax.vmap(jax.grad(lambda x: alpha_sigmoid(x, alpha))))(zj))
+    dlp = np.asarray(jax.jit(jax.vmap(jax.grad(lambda x: log_alpha_sigmoid(x, alpha))))(zj))
+    # Tolerances (float32 result vs the exact value at the same float32 z):
+    #  p: 1.5e-7 absolute (~1 ulp of 1; the root is solved to ~1 ulp of log q, then p = 1 − q rounds);
+    #  log p: 1e-5 relative (max(1, |log p|)); slopes: 1e-4 relative — the log slope at (1 − 1e-3)·e
+    #  moves by ~6e-5 under the ½-ulp float32 rounding of the support edge 1/(α−1) the code uses.
+    #  Exact slopes above float32's range (z = 0 and |z| < ~1e-37 for α ≳ 130, where σ_α climbs from
+    #  ~0 to ~1) are returned as float32's largest finite value.
+    np.testing.assert_allclose(p, p_ref, atol=1.5e-7, rtol=0)
+    finite = np.isfinite(lp_ref)
+    np.testing.assert_array_equal(np.isfinite(lp), finite)  # −inf exactly where σ_α = 0
+    lp_err = np.abs(lp[finite] - lp_ref[finite]) / np.maximum(1.0, np.abs(lp_ref[finite]))
+    assert lp_err.max() <= 1e-5, (z[finite][np.argmax(lp_err)], lp_err.max())
+    for got, want in ((dp, dp_ref), (dlp, dlp_ref)):
+        assert np.all(np.isfinite(got)) and np.all(got >= 0)
+        np.testing.assert_allclose(got, np.minimum(want, F32_MAX), rtol=1e-4, atol=0)
+    e = 1.0 / (alpha - 1.0) if alpha > 1.0 else np.inf
+    outside = np.abs(z.astype(np.float64)) >= e
+    assert outside.sum() >= (0 if alpha == 1.0 else 4)
+    np.testing.assert_array_equal(p[outside], (z[outside] > 0).astype(np.float32))  # exact 0 / 1
+    np.testing.assert_array_equal(dp[outside], 0.0)
+    np.testing.assert_array_equal(dlp[outside], 0.0)
+    assert p[z == 0] == 0.5
+
+
+@pytest.mark.parametrize("alpha", ALPHA_GRID)
+def test_symmetry_monotone_half_every_alpha(alpha):
+    e = 1.0 / (alpha - 1.0) if alpha > 1.0 else 30.0
+    mag = np.concatenate([np.geomspace(1e-37, 1.2 * e, 300), np.linspace(0.0, 1.2 * e, 301)])
+    z = np.unique(np.concatenate([-mag, mag]).astype(np.float32))
+    f = jax.jit(jax.vmap(lambda x: alpha_sigmoid(x, alpha)))  # jit + vmap
+    p = np.asarray(f(jnp.asarray(z)))
+    assert np.all(np.diff(p) >= 0) and p.min() >= 0 and p.max() <= 1
+    np.testing.assert_allclose(np.asarray(f(jnp.asarray(-z))), 1.0 - p, atol=1.2e-7, rtol=0)  # 1 ulp of 1
+    assert float(alpha_sigmoid(jnp.zeros(()), alpha)) == 0.5
+    lp = np.asarray(jax.jit(lambda x: log_alpha_sigmoid(x, alpha))(jnp.asarray(z)))
+    assert np.all(lp[1:] >= lp[:-1])  # (−inf entries compare fine, unlike their differences)
+
+
+def test_traced_alpha_large_and_infinite():
+    """A schedule to a large α: one traced computation gives the concrete-α values up to α = ∞."""
+    z = jnp.asarray(alpha_grid_points(1000.0))
+    f = jax.jit(lambda x, a: (alpha_sigmoid(x, a), jax.vmap(jax.grad(lambda y: log_alpha_sigmoid(y, a)))(x)))
+    for alpha in (50.0, 128.0, 1000.0, 1e4, float("inf")):
+        p, g = f(z, jnp.float32(alpha))
+        np.testing.assert_allclose(p, alpha_sigmoid(z, alpha), atol=1.2e-7, rtol=0)
+        assert np.all(np.isfinite(np.asarray(g)))
+
+
+def test_alpha_to_infinity_limit():
+    """σ_α(z) → 1[z > 0] for z ≠ 0 (exactly once |z| ≥ 1/(α−1)), σ_α(0) = ½ for every finite α;
+    α = inf is the inference-time step function, which maps z = 0 to 0 (specs/dcp.md §2.5)."""
+    z = jnp.asarray([-5.0, -1e-3, -1e-4, 1e-4, 1e-3, 5.0])
+    step = (np.asarray(z) > 0).astype(np.float32)
+    for alpha in (1e4 + 1, 1e6, 1e30):
+        np.testing.assert_array_equal(alpha_sigmoid(z, alpha), step)
+        assert float(alpha_sigmoid(jnp.zeros(()), alpha)) == 0.5
+        assert np.isfinite(float(jax.grad(lambda x: alpha_sigmoid(x, alpha))(0.0)))
+    np.testing.assert_array_equal(alpha_sigmoid(z, float("inf")), step)
+    assert float(alpha_sigmoid(jnp.zeros(()), float("inf"))) == 0.0
+    np.testing.assert_array_equal(jax.vmap(jax.grad(lambda x: alpha_sigmoid(x, float("inf"))))(z), 0.0)

@@ -500,3 +500,27 @@ def test_dcp_attention_fgate_errors():
         dcp_attention(q, q, q, lm, jnp.zeros((1, 8, 1)))
     with pytest.raises(ValueError, match="log_fgate must be float32"):
         dcp_attention(q, q, q, lm, jnp.zeros((1, 8, 2), jnp.bfloat16))
+
+
+def test_dropped_pairs_weigh_zero_for_every_tiling():
+    """Pairs at the floor weigh exactly 0 and a row with no kept pair outputs 0, for every block size,
+    with and without skipping, also with eval-mode −inf masks (where the last row, which sees every
+    key, has nothing to fall back on). A weakly kept row (its one kept pair at floor + 1, the rest
+    at the floor) attends to that key alone. Tolerances as above."""
+    rng = np.random.default_rng(12)
+    b, t, h, d = 1, 24, 2, 8
+    q, k, v = qkv(rng, b, t, t, h, h, d)
+    lm = np.where(rng.uniform(size=(b, t, t)) < 0.4, LOG_FLOOR, -rng.uniform(0, 2, (b, t, t))).astype(np.float32)
+    lm[:, 4:8] = LOG_FLOOR   # rows without a kept pair: half of an 8-row tile
+    lm[:, t - 1] = LOG_FLOOR
+    lm[:, 17] = LOG_FLOOR
+    lm[:, 17, 3] = LOG_FLOOR + 1.0  # weakly kept: only key 3 counts
+    for mask in (jnp.asarray(lm), jnp.asarray(np.where(lm <= LOG_FLOOR, -np.inf, lm))):
+        o_ref, g_ref = out_and_grads(dcp_attention_reference, (q, k, v, mask), range(4))
+        np.testing.assert_array_equal(np.asarray(o_ref)[:, [4, 5, 6, 7, t - 1]], 0.0)
+        np.testing.assert_allclose(o_ref[:, 17], v[:, 3], atol=1e-6)
+        for kw in (dict(block_q=8, block_k=8), dict(block_q=4, block_k=4), dict(block_q=16, block_k=8),
+                   dict(block_q=8, block_k=8, skip_dropped=False)):
+            o, g = out_and_grads(lambda *a, kw=kw: dcp_attention(*a, **kw), (q, k, v, mask), range(4))
+            np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5, err_msg=str(kw))
+            assert_grads_close(g, g_ref, ("q", "k", "v", "log_mask"))

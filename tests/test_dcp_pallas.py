@@ -173,3 +173,44 @@ def test_bench_dcp_quick(tmp_path):
     assert set(row["ms"]) == {f"{n}|{m}" for n in ("xla", "pallas", "dense pallas (no mask)")
                               for m in ("fwd", "fwd_bwd")}
     assert all(ms is not None and ms > 0 for ms in row["ms"].values())
+
+
+def _mask_with_empty_rows(rng, b, t):
+    """log I with random kept values, random dropped pairs, and query rows whose every visible key is
+    at the floor (diagonal included): rows 8..15 (one whole 8-row tile; half of a 16-row tile), row 21
+    alone (its tiles are partly live for every block size) and the last row."""
+    lm = np.where(rng.uniform(size=(b, t, t)) < 0.3, LOG_FLOOR, -rng.uniform(0.0, 3.0, (b, t, t)))
+    lm[:, 8:16] = LOG_FLOOR
+    lm[:, 21] = LOG_FLOOR
+    lm[:, t - 1] = LOG_FLOOR
+    return jnp.asarray(lm, jnp.float32), np.array(sorted({*range(8, 16), 21, t - 1}))
+
+
+def test_rows_without_kept_pair_agree_across_implementations_and_tilings():
+    """Every implementation and tiling: dropped pairs weigh 0, and a row whose every visible key is at
+    the floor outputs 0 — whether its tiles are wholly dropped (skipped) or only partly (visited) —
+    with all five gradients finite and equal to the dense reference's. Tolerances as the module's."""
+    rng = np.random.default_rng(24)
+    b, t, h, d = 2, 40, 2, 16
+    q, k, v, _, lf = _inputs(rng, b, t, t, h, h, d)
+    lm, empty = _mask_with_empty_rows(rng, b, t)
+    args = (q, k, v, lm, lf)
+    o_ref, g_ref = _out_and_grads(dcp_attention_reference, args)
+    np.testing.assert_array_equal(np.asarray(o_ref)[:, empty], 0.0)
+    np.testing.assert_array_equal(np.asarray(g_ref[0])[:, empty], 0.0)  # dq of the empty rows
+    assert float(jnp.abs(g_ref[3]).max()) > 1e-3 and float(jnp.abs(g_ref[4]).max()) > 1e-3
+    flags = np.asarray(dropped_key_blocks(lm, 8, 8))
+    assert flags[:, 1, :2].all() and not flags[:, 2, :2].all()  # rows 8..15 skipped at 8x8, row 21 not
+    impls = {f"xla {bq}x{bk}": dict(block_q=bq, block_k=bk) for bq, bk in [(8, 8), (16, 8), (8, 16), (32, 32),
+                                                                             (128, 128)]}
+    impls["xla no skipping"] = dict(block_q=8, block_k=8, skip_dropped=False)
+    impls["pallas"] = dict(implementation="pallas")
+    impls["pallas no skipping"] = dict(implementation="pallas", skip_dropped=False)
+    for name, kw in impls.items():
+        o, g = _out_and_grads(lambda *a, kw=kw: dcp_attention(*a, **kw), args)
+        np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5, err_msg=name)
+        np.testing.assert_array_equal(np.asarray(o)[:, empty], 0.0, err_msg=name)
+        for gname, a, r in zip(("q", "k", "v", "log_mask", "log_fgate"), g, g_ref):
+            assert np.all(np.isfinite(np.asarray(a))), (name, gname)
+            np.testing.assert_allclose(a, r, atol=5e-5 * (1 + float(jnp.abs(r).max())), rtol=1e-4,
+                                       err_msg=f"{name} d{gname}")

@@ -11,21 +11,31 @@ Closed description used here (specs/dcp.md §2.2): with a = α − 1 and e = 1/a
 * dp/dz = 1 / (p^{α−2} + (1−p)^{α−2}) inside the support, 0 outside.
 
 Numerics. The root is found by bisection (``lax.fori_loop``, 30 iterations in float32) on s = log q,
-where q = σ_α(−|z|) ≤ ½ is the *smaller* of the two class probabilities, using the form of g that is
-stable near α = 1 (specs/dcp.md §2.6):
+where q = σ_α(−|z|) ≤ ½ is the *smaller* of the two class probabilities, with the comparison
+g(eˢ) < u written in one of two rearranged forms that keep every term's relative precision and stay
+in range for every α (near q = ½ the powers q^{α−1}, (1−q)^{α−1} ≈ 2^{1−α} underflow float32 from
+α ≈ 128 on, so the centre form works in log space):
 
-    h(s) = (expm1(a·s) − expm1(a·log1p(−eˢ))) / a,     s ∈ [log(tiny), log ½],
+    centre (|z| ≤ e/2):  (α−1)·log(1−q) + log(1 − e^{(α−1)·logit q})  vs  log((α−1)·|z|)
+    tail   (|z| > e/2):  (q^{α−1} − expm1((α−1)·log1p(−q)))/(α−1)    vs  e − |z|  (exact, Sterbenz)
 
-evaluated in two rearranged forms (around q = ½ and near the support edge) that keep every term's
-relative precision, and polished by one Newton step. Bisecting on log q instead of p keeps a
-relative (not absolute) precision for tiny keep probabilities, so ``log_alpha_sigmoid`` — what the
-context-pruning mask needs — is accurate far into the tail; p = 1 − q is used for z > 0.
-When α − 1 < 1e-3 (float32(1 + 1e-8) == 1, the fp32 pitfall of the reference schedule, §2.4) the
-bisection is replaced by ``jax.nn.sigmoid``, whose deviation from σ_α is then O(α−1). ``alpha = inf`` gives the inference-time step function z > 0 (§2.5; note σ_∞(0)
-is then 0, "drop", whereas σ_α(0) = ½ for finite α).
+and polished by one Newton step on the same residual. Bisecting on log q keeps a relative (not
+absolute) precision for tiny keep probabilities, so ``log_alpha_sigmoid`` — what the context-pruning
+mask needs — is accurate far into the tail; p = 1 − q is used for z > 0, and σ_α(0) = ½ exactly.
+α = 2 uses the closed form clip((z+1)/2, 0, 1) when α is concrete. When α − 1 < 1e-3
+(float32(1 + 1e-8) == 1, the fp32 pitfall of the reference schedule, §2.4) the bisection is
+replaced by ``jax.nn.sigmoid``, whose deviation from σ_α is then O(α−1).
 
-Gradients come from a ``jax.custom_jvp`` (no differentiation through the loop); no gradient flows to
-α, which is a schedule, not a parameter (as in the reference code).
+Large α and the limit α → ∞. For z ≠ 0, σ_α(z) is exactly 1[z > 0] as soon as |z| ≥ 1/(α−1); σ_α(0)
+= ½ for every finite α; inside the shrinking window σ_α climbs from 0 to 1 ever more steeply (the
+slope at 0 is 2^{α−3}). So the pointwise limit is the step function with value ½ at 0. ``alpha = inf``
+gives the inference-time step function z > 0 of the reference code (§2.5), which maps z = 0 to 0
+("drop") so that the dense mask and the decode cache's keep decision agree exactly.
+
+Gradients come from a ``jax.custom_jvp`` (no differentiation through the loop), evaluated in log
+space; they are exactly 0 outside the support, and where the exact slope exceeds the dtype's range
+(float32: only |z| ≲ 1e-37 for α ≳ 130, including z = 0) it is capped at the dtype's largest finite
+value. No gradient flows to α, which is a schedule, not a parameter (as in the reference code).
 """
 
 from __future__ import annotations
@@ -66,20 +76,27 @@ def _check_alpha(alpha: Any) -> tuple[jax.Array | None, float | None]:
     return alpha, None
 
 
+def _log1mexp(x: jax.Array) -> jax.Array:
+    """log(1 − eˣ) for x ≤ 0, accurate on the whole range (−inf at x = 0)."""
+    return jnp.where(x > -math.log(2.0), jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
 def _bisect_log_smaller(u: jax.Array, a: jax.Array, n_iter: int) -> tuple[jax.Array, jax.Array]:
     """log q with q = σ_α(u), for u ≤ 0 strictly inside the support (u > −1/a), by bisection on log q.
 
-    h(s) = g(eˢ) is increasing in s, h(log ½) = 0 ≥ u and h(−∞) = −1/a < u, so the root lies below
-    log ½. Two algebraically equal forms of the comparison keep every term's relative precision:
+    The root of g(q) = (q^a − (1−q)^a)/a = u lies in s = log q ∈ (−∞, log ½]. Two algebraically equal
+    forms of the comparison "g(eˢ) < u" keep every term's relative precision and stay in range for
+    every a (no term underflows, e.g. (1−q)^a ≈ 2^−a near q = ½ for large α):
 
-    * centre (u ≥ −e/2, e = 1/a):  h(s) = (1−q)^a · expm1(a·(s − log1p(−q))) / a   vs  u
-      (q^a − (1−q)^a as one expm1 of a·logit q; stable near α = 1 and near q = ½ for large α);
-    * tail (u < −e/2):  h(s) + e = (q^a − expm1(a·log1p(−q))) / a   vs  u + e  (exact by Sterbenz),
+    * centre (u ≥ −e/2, e = 1/a), in log space:
+          a·log(1−q) + log(1 − e^{a·logit q})  >  log(−a·u)
+      (stable near α = 1, near q = ½, and for α → ∞, where the a·log(1−q) term is O(a));
+    * tail (u < −e/2):  g + e = (q^a − expm1(a·log1p(−q))) / a  <  u + e  (u + e exact by Sterbenz),
       so q keeps its relative precision right up to the support edge.
 
     The bracket starts at lo, a log below the dtype's smallest subnormal; roots under it (q
     underflows) are reported by the returned ``underflow`` mask. After ``n_iter`` halvings one
-    Newton step (clipped to the final bracket) polishes the root to the dtype's precision.
+    Newton step on the same residual (clipped to the final bracket) polishes the root.
 
     Returns:
       (log q, underflow): same shape as u.
@@ -88,30 +105,37 @@ def _bisect_log_smaller(u: jax.Array, a: jax.Array, n_iter: int) -> tuple[jax.Ar
     lo_value = -105.0 if dtype == jnp.float32 else -746.0  # exp(lo) underflows to 0 in the dtype
     edge = 1.0 / a
     tail = u < -0.5 * edge
-    target = jnp.where(tail, u + edge, u)
+    # Centre target log(−a·u) (−inf at u = 0, where the root is log ½); tail target u + e.
+    target = jnp.where(tail, u + edge, jnp.log(-a * u))
 
-    def h(s):
+    def residual(s):
+        """Increasing in s in both forms; the root is where it crosses 0."""
         l1q = jnp.log1p(-jnp.exp(s))
-        centre = jnp.exp(a * l1q) * jnp.expm1(a * (s - l1q))
-        tail_form = jnp.exp(a * s) - jnp.expm1(a * l1q)
-        return jnp.where(tail, tail_form, centre) / a
+        centre = target - (a * l1q + _log1mexp(a * (s - l1q)))
+        tail_form = (jnp.exp(a * s) - jnp.expm1(a * l1q)) / a - target
+        return jnp.where(tail, tail_form, centre)
 
-    def dh_ds(s):  # q·dg/dq = q^{α−1} + q·(1−q)^{α−2}
-        return jnp.exp(a * s) + jnp.exp(s + (a - 1.0) * jnp.log1p(-jnp.exp(s)))
+    def dresidual_ds(s):
+        q = jnp.exp(s)
+        l1q = jnp.log1p(-q)
+        # centre: (a/(1−q))·(q + 1/expm1(−a·logit q));  tail: q·dg/dq = q^{α−1} + q·(1−q)^{α−2}
+        centre = a / (1.0 - q) * (q + 1.0 / jnp.expm1(-a * (s - l1q)))
+        tail_form = jnp.exp(a * s) + jnp.exp(s + (a - 1.0) * l1q)
+        return jnp.where(tail, tail_form, centre)
 
     lo = jnp.full(u.shape, lo_value, dtype)
     hi = jnp.full(u.shape, -math.log(2.0), dtype)
-    underflow = h(lo) >= target
+    underflow = residual(lo) >= 0
 
     def body(_, bracket):
         lo, hi = bracket
         mid = 0.5 * (lo + hi)
-        below = h(mid) < target  # the root is above mid
+        below = residual(mid) < 0  # the root is above mid
         return jnp.where(below, mid, lo), jnp.where(below, hi, mid)
 
     lo, hi = lax.fori_loop(0, n_iter, body, (lo, hi))
     mid = 0.5 * (lo + hi)
-    newton = mid - (h(mid) - target) / dh_ds(mid)
+    newton = mid - residual(mid) / dresidual_ds(mid)
     return jnp.clip(jnp.where(jnp.isfinite(newton), newton, mid), lo, hi), underflow
 
 
@@ -127,10 +151,13 @@ def _entmax2_parts(x, alpha, n_iter):
     a = (alpha - 1.0).astype(x.dtype)
     edge = 1.0 / a
     u = -jnp.abs(x)
-    inside = u > -edge
-    u_safe = jnp.where(inside, u, jnp.zeros_like(u))  # any interior point; result is discarded
+    centre = u == 0  # σ_α(0) = ½ exactly, by symmetry (also where 1/a underflows)
+    inside = (u > -edge) & ~centre
+    u_safe = jnp.where(inside, u, -0.25 * edge)  # any interior point; result is discarded
     log_q, underflow = _bisect_log_smaller(u_safe, a, n_iter)
     inside = inside & ~underflow  # q below the smallest subnormal: exactly 0, like outside
+    log_q = jnp.where(centre, -math.log(2.0), log_q)
+    inside = inside | centre
     q = jnp.where(inside, jnp.exp(log_q), 0.0)
     log_q = jnp.where(inside, log_q, -jnp.inf)
     log_1mq = jnp.log1p(-q)
@@ -149,11 +176,15 @@ def _entmax2_defjvp(n_iter, primals, tangents):
     lp = jnp.where(inside, logp, -math.log(2.0))
     l1mp = jnp.where(inside, log1mp, -math.log(2.0))
     b = a - 1.0  # α − 2
-    # dp/dz = 1 / (p^{α−2} + (1−p)^{α−2});   d log p/dz = (dp/dz)/p = 1 / (p^{α−1} + p·(1−p)^{α−2}).
-    dp_dz = 1.0 / (jnp.exp(b * lp) + jnp.exp(b * l1mp))
-    dlogp_dz = 1.0 / (jnp.exp(a * lp) + jnp.exp(lp + b * l1mp))
+    # dp/dz = 1 / (p^{α−2} + (1−p)^{α−2});   d log p/dz = (dp/dz)/p = 1 / (p^{α−1} + p·(1−p)^{α−2}),
+    # in log space (the powers underflow for large α) and capped at the dtype's largest finite value
+    # (reached only where σ_α climbs from ~0 to ~1 within |z| ≲ 1e-38, e.g. at z = 0 for α ≳ 130).
+    big = jnp.finfo(x.dtype).max
+    dp_dz = jnp.minimum(jnp.exp(-jnp.logaddexp(b * lp, b * l1mp)), big)
+    dlogp_dz = jnp.minimum(jnp.exp(-jnp.logaddexp(a * lp, lp + b * l1mp)), big)
     zero = jnp.zeros_like(x)
-    return (p, logp), (jnp.where(inside, dp_dz * dx, zero), jnp.where(inside, dlogp_dz * dx, zero))
+    dp_dz, dlogp_dz = jnp.where(inside, dp_dz, zero), jnp.where(inside, dlogp_dz, zero)  # 0 outside
+    return (p, logp), (dp_dz * dx, dlogp_dz * dx)
 
 
 def _alpha_sigmoid_both(x, alpha, n_iter):
@@ -176,11 +207,18 @@ def _alpha_sigmoid_both(x, alpha, n_iter):
     def sigmoid():
         return jax.nn.sigmoid(x), jax.nn.log_sigmoid(x)
 
+    def sparsemax():  # α = 2 closed form clip((x+1)/2, 0, 1); slopes ½ and 1/(x+1) inside, 0 outside
+        inside = jnp.abs(x) < 1.0
+        p = jnp.where(inside, 0.5 * (x + 1.0), jnp.where(x > 0, 1.0, 0.0).astype(dtype))
+        return p, jnp.where(p > 0, jnp.log(jnp.where(p > 0, p, 1.0)), -jnp.inf)
+
     if value is not None:  # concrete alpha: pick one branch at trace time
         if math.isinf(value):
             return step()
         if value - 1.0 < SIGMOID_TOLERANCE:
             return sigmoid()
+        if value == 2.0:
+            return sparsemax()
         return _entmax2(x, jnp.asarray(value, dtype), n_iter)
 
     # Traced alpha (scheduled during training): every branch runs; safe alphas keep them finite.
@@ -216,8 +254,10 @@ def alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) -> jax
     Returns:
       Array of x's shape, float32 (float64 for float64 input), in [0, 1]; values that underflow the
       dtype are exactly 0 (derivative 0).
-      Differentiable in x: dσ/dx = 1/(σ^{α−2} + (1−σ)^{α−2}) inside the support, 0 outside and for
-      the step function. No gradient flows to alpha.
+      Differentiable in x: dσ/dx = 1/(σ^{α−2} + (1−σ)^{α−2}) inside the support (capped at the
+      dtype's largest finite value, reached near z = 0 for α ≳ 130 in float32), 0 outside and for
+      the step function. No gradient flows to alpha. Valid for every α ≥ 1: σ_α(0) = ½ for finite
+      α, and alpha = inf (step, z = 0 → 0) is the α → ∞ limit away from z = 0.
 
     Raises:
       ValueError: x not floating point; alpha concrete and < 1 or NaN; alpha not a scalar;

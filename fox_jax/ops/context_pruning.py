@@ -349,6 +349,18 @@ def dropped_key_blocks(
     return jnp.all(ignorable.reshape(b, nq, block_q, nk, block_k), axis=(2, 4))
 
 
+def exclude_dropped(log_mask: jax.Array, floor: float, dropped_value: float) -> jax.Array:
+    """log_mask with every dropped pair (log I ≤ floor) set to ``dropped_value`` (−inf, or a finite
+    value far below every kept logit for kernels that need finite inputs); zero gradient there."""
+    return jnp.where(log_mask > floor, log_mask, dropped_value)
+
+
+def rows_with_kept_pair(log_mask: jax.Array, floor: float, segment_ids: jax.Array | None = None) -> jax.Array:
+    """[B, Tq] bool: query rows with at least one visible pair log I > floor (the others output 0)."""
+    tq, tk = log_mask.shape[1:]
+    return jnp.any((log_mask > floor) & _visible(tq, tk, segment_ids), axis=-1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Attention with the shared additive mask
 # ---------------------------------------------------------------------------------------------
@@ -362,13 +374,15 @@ def dcp_attention_reference(
     *,
     segment_ids: jax.Array | None = None,
     sm_scale: float | None = None,
+    floor: float = LOG_FLOOR,
 ) -> jax.Array:
     """Dense float32 oracle: softmax(scale·QKᵀ + log I [+ Λ_i − Λ_j] + causal)·V, log I shared by heads.
 
-    Materialises [B, H, Tq, Tk]; for tests and tiny problems. Shapes and alignment as in
-    ``dcp_attention``; the decay term with ``log_fgate`` [B, Tk, H] is built exactly as in
-    ``fox_jax.ops.reference.forgetting_attention_reference`` (float32 ``decay_cumsum``, specs/fox_acp.md
-    §1.7). Returns [B, Tq, H, D] float32; rows with no visible key are 0.
+    Materialises [B, H, Tq, Tk]; for tests and tiny problems. Shapes, alignment and the dropped-pair
+    rule as in ``dcp_attention``: pairs with log I ≤ ``floor`` weigh 0, and rows with no kept visible
+    pair (or no visible key) are 0. The decay term with ``log_fgate`` [B, Tk, H] is built exactly as
+    in ``fox_jax.ops.reference.forgetting_attention_reference`` (float32 ``decay_cumsum``,
+    specs/fox_acp.md §1.7). Returns [B, Tq, H, D] float32.
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -382,7 +396,7 @@ def dcp_attention_reference(
         lam = decay_cumsum(log_fgate).transpose(0, 2, 1)  # [B, H, Tk] float32
         s = s + (lam[:, :, tk - tq:, None] - lam[:, :, None, :])
     s = s + log_mask.astype(jnp.float32)[:, None]
-    vis = _visible(tq, tk, segment_ids)[:, None]
+    vis = (_visible(tq, tk, segment_ids) & (log_mask > floor))[:, None]  # visible and kept
     s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1) * vis
     return jnp.einsum("bhij,bjhd->bihd", p, vf, precision=lax.Precision.HIGHEST)
@@ -676,14 +690,20 @@ def dcp_attention(
     [B, H, Tq, Tk]: per step it holds one [B, H, block_q, block_k] tile; the [B, Tq, Tk] mask (and its
     gradient) is O(B·T²) — one per layer, shared by the heads, like the reference code's float mask.
 
-    Block skipping (``skip_dropped``): tiles flagged by ``dropped_key_blocks`` (every visible pair at
-    or below ``floor``) are not visited in the forward or backward pass — a tile is visited if it is
-    live for any batch row, and masked out exactly for the rows where it is dropped. Those pairs'
-    weights are ≤ e^floor ≈ 1e-40 relative, so the result equals the dense one to float32 precision
-    (exactly for floor = −inf), and their mask gradient is 0 (it is ~1e-40 in the dense op). A row
-    whose every visible key is at the floor outputs 0 (impossible for masks from
-    ``cumulative_keep_log_mask``, whose diagonal is 0). The forget-gate decay Λ_i − Λ_j ≤ 0 (log f ≤ 0)
-    only lowers a skipped pair's logit further, so the same bound holds with ``log_fgate``.
+    Dropped pairs (one definition for every implementation, tiling and ``skip_dropped``): a visible
+    pair with log I ≤ ``floor`` is *dropped* and gets weight exactly 0, as if log I were −inf; its
+    mask gradient is 0. A query row with **no kept visible pair** (every visible log I ≤ floor)
+    outputs 0 and passes zero gradients to q, k, v, log_mask and log_fgate — like a row with no
+    visible key. Masks from ``cumulative_keep_log_mask`` keep the diagonal (log I = 0: a token never
+    drops itself, specs/dcp.md §1.4), so such rows only arise from direct calls. Against the
+    reference code's additive log(I + 1e-40), excluding a dropped pair changes the softmax by its
+    weight relative to the diagonal's, e^{floor + Δ} with Δ the difference of the two pairs' other
+    logit terms (≈ 1e-40 for Δ ≈ 0; the forget-gate decay Λ_i − Λ_j ≤ 0 only lowers it).
+
+    Block skipping (``skip_dropped``): tiles flagged by ``dropped_key_blocks`` (every visible pair
+    dropped) are not visited in the forward or backward pass — a tile is visited if it is live for
+    any batch row, and masked out exactly for the rows where it is dropped. As dropped pairs weigh
+    exactly 0, skipping changes only the speed, not the result.
 
     Args:
       q: [B, Tq, H, D] float32 / bfloat16 / float16.
@@ -698,13 +718,14 @@ def dcp_attention(
       segment_ids: optional [B, Tk] int, packed documents (no attention across documents).
       sm_scale: logit scale, default 1/√D.
       block_q, block_k: tile sizes (T need not be a multiple; blocks shrink to round_up(T, 8)).
-      skip_dropped: skip fully dropped tiles (else only the causal triangle is skipped).
-      floor: the dropped threshold for the skip.
+      skip_dropped: skip fully dropped tiles (else only the causal triangle is skipped); same result.
+      floor: pairs with log I ≤ floor are dropped (weight 0; default log(1e-40), the floor of
+        ``cumulative_keep_log_mask``; −inf drops only the −inf pairs).
       implementation: ``"xla"`` (this blockwise pure-JAX code; ``block_q``/``block_k`` apply) or
         ``"pallas"`` (the forgetting-attention Pallas kernels with the mask added to every head's
         scores, dropped tiles skipped in the forward, dQ and dK/dV kernels, and a fourth kernel for the
         mask gradient; tiles from ``kernels.forgetting_attention.default_config``; interpret mode off
-        GPU; log I is clamped at ``floor``, which must then be finite). Not yet timed on a GPU.
+        GPU; ``floor`` must then be finite). Not yet timed on a GPU.
 
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v, log_mask and log_fgate (float32
@@ -745,6 +766,7 @@ def dcp_attention(
 
         return pallas_impl.dcp_attention(q, k, v, log_mask, lam, segment_ids, scale=scale, floor=floor,
                                          skip_dropped=skip_dropped)
+    log_mask = exclude_dropped(log_mask, floor, _NEG_INF)  # the blockwise code handles −inf exactly
     bq, bk = dcp_block_sizes(tq, tk, block_q, block_k)
     if skip_dropped:
         flags = dropped_key_blocks(lax.stop_gradient(log_mask), bq, bk, floor=floor,

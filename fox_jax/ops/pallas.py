@@ -125,15 +125,19 @@ def _attention_bwd(scale, config, interpret, res, do):
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _dcp(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret):
-    return _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _dcp(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret):
+    return _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret)[0]
 
 
-def _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret):
+def _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret):
     ss = jnp.zeros((q.shape[0],), jnp.int32)
     o, lse = fa_kernels.attention_forward(q, k, v, lam, ss, segment_ids, None, scale=scale, config=config,
                                           interpret=interpret, log_mask=log_mask, live=lives[0])
+    # Rows without a kept pair: output 0, and lse = −inf so that every backward kernel sees P = 0 there
+    # (the forward's lse of such a row covers only the tiles it visited, not the other kernels' tiles).
+    o = jnp.where(kept_rows[:, :, None, None], o, jnp.zeros((), o.dtype))
+    lse = jnp.where(kept_rows[:, None, :], lse, -jnp.inf)
     return o, (q, k, v, lam, log_mask, segment_ids, lives, o, lse)
 
 
@@ -143,7 +147,7 @@ def _dcp_bwd(scale, config, interpret, res, do):
     dq, dk, dv, dlam, dmask = fa_kernels.attention_backward(
         q, k, v, lam, ss, segment_ids, None, None, o, lse, do, scale=scale, config=config,
         interpret=interpret, log_mask=log_mask, live_dq=lives[1], live_dkv=lives[2], live_dmask=lives[3])
-    return dq, dk, dv, dlam, dmask, None, None
+    return dq, dk, dv, dlam, dmask, None, None, None
 
 
 _dcp.defvjp(_dcp_fwd, _dcp_bwd)
@@ -168,27 +172,31 @@ def dcp_attention(
         o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + log I_ij [+ Λ_i − Λ_j]) v_j
 
     The public entry is ``fox_jax.ops.dcp_attention(..., implementation="pallas")``, which checks the
-    inputs. log I is clamped at ``floor`` (finite; pairs there weigh ≤ e^floor relative, as in the
-    XLA path's skipping) and, with ``skip_dropped``, every kernel skips its tiles whose visible pairs
-    are all at the floor (``context_pruning.dropped_key_blocks`` on each kernel's tiling). The mask
-    gradient Σ_h dS comes from a fourth kernel, one float32 tile at a time.
+    inputs. Dropped pairs (log I ≤ ``floor``) weigh exactly 0 and rows with no kept visible pair
+    output 0 with zero gradients, as in the XLA path (``context_pruning.dcp_attention``): the kernels
+    see dropped pairs at floor − 1e30 (finite, so exp underflows to 0 next to any kept pair), and the
+    rows without a kept pair are zeroed here, with lse = −inf for the backward kernels. With ``skip_dropped`` every kernel skips its tiles whose
+    visible pairs are all dropped (``context_pruning.dropped_key_blocks`` on each kernel's tiling).
+    The mask gradient Σ_h dS comes from a fourth kernel, one float32 tile at a time.
 
     Args:
       q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D] (Tq ≤ Tk, bottom-right aligned; D ≤ 256).
       log_mask: [B, Tq, Tk] float32; lam: [B, Tk, H] float32 Λ (FoX) or None (no decay);
       segment_ids: [B, Tk] int32 or None.
-      scale: logit scale; floor: finite clamp / skip threshold of log I.
-      skip_dropped: False visits every causal tile (same result up to ~e^floor).
+      scale: logit scale; floor: finite dropped threshold of log I.
+      skip_dropped: False visits every causal tile (same result).
       config, interpret: as ``attention``.
     Returns:
       [B, Tq, H, D] in q's dtype; differentiable in q, k, v, log_mask and lam.
     Raises:
       ValueError: a non-finite ``floor``; D > 256.
     """
-    from fox_jax.ops.context_pruning import dropped_key_blocks  # it imports this module lazily too
+    # context_pruning imports this module lazily too
+    from fox_jax.ops.context_pruning import dropped_key_blocks, exclude_dropped, rows_with_kept_pair
 
     if not math.isfinite(floor):
-        raise ValueError(f"implementation='pallas' clamps log_mask at a finite floor, got floor={floor}")
+        raise ValueError(f"implementation='pallas' needs a finite floor (the kernels take finite masks), "
+                         f"got floor={floor}")
     b, tq, h, d = q.shape
     tk = k.shape[1]
     if interpret is None:
@@ -196,14 +204,15 @@ def dcp_attention(
     config = resolve_config(d, tq, tk, config, interpret)
     if lam is None:  # behind a barrier: a literal zero Λ would be constant-folded (see forgetting_attention)
         lam = jax.lax.optimization_barrier(jnp.zeros((b, tk, h), jnp.float32))
-    log_mask = jnp.maximum(log_mask, floor)
+    kept_rows = rows_with_kept_pair(jax.lax.stop_gradient(log_mask), floor, segment_ids)
+    log_mask = exclude_dropped(log_mask, floor, floor - 1e30)
     flags = jax.lax.stop_gradient(log_mask) if skip_dropped else jnp.zeros_like(log_mask)
 
     def live(t: TileConfig):
         return ~dropped_key_blocks(flags, t.block_q, t.block_k, floor=floor if skip_dropped else -jnp.inf,
                                    segment_ids=segment_ids)
     lives = (live(config.fwd), live(config.dq), live(config.dkv), live(fa_kernels.dmask_tile(config)))
-    return _dcp(q, k, v, lam, log_mask, segment_ids, lives, scale, config, interpret)
+    return _dcp(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret)
 
 
 def attention(
