@@ -15,12 +15,78 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 ARCHS = ("fox-llama", "transformer-llama", "fox-pro", "transformer-pro")
 SIZES = ("tiny", "125M", "360M", "760M")
 GPT2_VOCAB = 50257
 REMAT_POLICIES = ("none", "full", "dots")
+
+
+# Numeric ranges of config fields ---------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The values a numeric config field accepts.
+
+    Attributes:
+      lo, hi: bounds (None = unbounded); ``lo_open`` / ``hi_open`` exclude them.
+      integer: the value must be an ``int`` (``bool`` is refused); otherwise an int or a finite float.
+      optional: ``None`` is accepted too (a default resolved later).
+    """
+
+    lo: float | None = None
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    integer: bool = False
+    optional: bool = False
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if not math.isfinite(value):
+            return False
+        if self.lo is not None and (value < self.lo or self.lo_open and value == self.lo):
+            return False
+        return self.hi is None or not (value > self.hi or self.hi_open and value == self.hi)
+
+    def describe(self) -> str:
+        kind = "an int" if self.integer else "a finite number"
+        if self.lo is not None and self.hi is not None:
+            text = (f"{kind} in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi:g}"
+                    f"{')' if self.hi_open else ']'}")
+        elif self.lo is not None:
+            text = f"{kind} {'>' if self.lo_open else '>='} {self.lo:g}"
+        elif self.hi is not None:
+            text = f"{kind} {'<' if self.hi_open else '<='} {self.hi:g}"
+        else:
+            text = kind
+        return f"None or {text}" if self.optional else text
+
+
+POSITIVE_INT = Range(1, integer=True)
+NON_NEGATIVE_INT = Range(0, integer=True)
+POSITIVE = Range(0, lo_open=True)
+NON_NEGATIVE = Range(0)
+FINITE = Range()
+
+
+def check_ranges(obj: Any, prefix: str = "") -> None:
+    """Check every field named in ``type(obj).RANGES`` (a dict field name -> ``Range``).
+
+    The config dataclasses call this from ``__post_init__``, so every way of building one (presets,
+    ``key=value`` overrides, flags, saved JSON) is checked once.
+
+    Raises:
+      ValueError: ``"<prefix><field> must be <range>, got <value>"`` for the first field out of range.
+    """
+    for name, allowed in type(obj).RANGES.items():
+        value = getattr(obj, name)
+        if not allowed.accepts(value):
+            raise ValueError(f"{prefix}{name} must be {allowed.describe()}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +118,7 @@ class ModelConfig:
       dtype: compute dtype name (``"float32"`` or ``"bfloat16"``); params are always float32.
       attention_impl: ``implementation`` passed to ``fox_jax.ops.forgetting_attention``.
       attention_block: block size of the blockwise XLA attention.
-      adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float).
+      adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float <= 0).
       remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
         or ``"dots"`` (save matmul outputs, recompute the rest).
       dcp: Dynamic Context Pruning (specs/dcp.md §1): every attention layer gets bias-free float32
@@ -64,6 +130,10 @@ class ModelConfig:
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default, §1.1).
       dcp_impl: ``implementation`` of ``dcp_attention``: ``"xla"`` (blockwise, default) or ``"pallas"``
         (the Pallas kernels with the mask; interpret mode off GPU; not yet timed on a GPU).
+
+    Raises:
+      ValueError: from ``__post_init__``, naming the field: a numeric field outside ``RANGES``, an unknown
+        choice, or an inconsistent combination (e.g. d_model not divisible by n_heads).
     """
 
     arch: str = "fox-llama"
@@ -96,13 +166,22 @@ class ModelConfig:
     dcp_beta_init: float = 2.0
     dcp_impl: str = "xla"
 
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        vocab_size=POSITIVE_INT, d_model=POSITIVE_INT, n_layers=POSITIVE_INT, n_heads=POSITIVE_INT,
+        n_kv_heads=Range(1, integer=True, optional=True), head_dim=Range(1, integer=True, optional=True),
+        hidden_ratio=POSITIVE, mlp_dim=Range(1, integer=True, optional=True), rope_base=Range(1, lo_open=True),
+        norm_eps=POSITIVE, init_std=POSITIVE, attention_block=POSITIVE_INT, interaction_dim=POSITIVE_INT,
+        dcp_beta_init=FINITE)
+
     def __post_init__(self):
         if self.arch not in ARCHS:
             raise ValueError(f"ModelConfig.arch must be one of {ARCHS}, got {self.arch!r}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "attention_block"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+        check_ranges(self, "ModelConfig.")
+        threshold = self.adaptive_threshold
+        if not (threshold is None or threshold == "auto" if isinstance(threshold, (str, type(None)))
+                else Range(hi=0).accepts(threshold)):
+            raise ValueError("ModelConfig.adaptive_threshold must be None, 'auto' or a finite number <= 0 (a log "
+                             f"decay threshold), got {self.adaptive_threshold!r}")
         if self.n_heads % self.kv_heads:
             raise ValueError(
                 f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
@@ -118,12 +197,6 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.dcp, bool):
             raise ValueError(f"ModelConfig.dcp must be a bool, got {self.dcp!r}")
-        if (not isinstance(self.interaction_dim, int) or isinstance(self.interaction_dim, bool)
-                or self.interaction_dim <= 0):
-            raise ValueError(f"ModelConfig.interaction_dim must be a positive int, got {self.interaction_dim!r}")
-        if (isinstance(self.dcp_beta_init, bool) or not isinstance(self.dcp_beta_init, (int, float))
-                or not math.isfinite(self.dcp_beta_init)):
-            raise ValueError(f"ModelConfig.dcp_beta_init must be a finite float, got {self.dcp_beta_init!r}")
         if self.dcp_impl not in ("xla", "pallas"):
             raise ValueError(f"ModelConfig.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
         if self.dcp and self.adaptive_threshold is not None:

@@ -209,6 +209,26 @@ def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(corpus, tmp_
     assert saved["dcp"] is False and saved["init_config"]["n_embd"] == 64 and saved["lr_decay"] == "cosine"
 
 
+def test_pretrain_gpt2_resume_refuses_another_shape(corpus, tmp_path, capsys):
+    workdir = tmp_path / "pre"
+    shape = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-positions", "32"]
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), *shape, "--data", str(corpus / "train"),
+                     "--val-data", str(corpus / "val"), "--tokenizer", str(GPT2_TOKENIZER), "--steps", "2",
+                     "--batch-size", "2", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]) == 0
+    capsys.readouterr()
+    before = sorted(str(p) for p in workdir.rglob("*"))
+    for flags, needle in [(["--n-layer", "3"], "init_config.n_layer"), (["--size", "gpt2-medium"], "init_config.n_embd")]:
+        assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--steps", "4", *flags]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and needle in err and "--resume" in err, err
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--resume-step", "1", "--steps", "4"]) == 2
+    assert "no checkpoint for step 1" in capsys.readouterr().err
+    assert sorted(str(p) for p in workdir.rglob("*")) == before
+    # the same shape is accepted
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", *shape, "--steps", "3",
+                     "--no-progress"]) == 0
+
+
 # --from-run: a FoX run of ``fox-jax train`` as the pretrained model ----------------------------------------
 
 LM_STEPS = 6

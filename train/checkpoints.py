@@ -7,14 +7,39 @@ Layout: ``<workdir>/checkpoints/<step>/{state,data}`` managed by ``ocp.Checkpoin
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, corrupt, or does not match the model being restored."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint step whose files cannot be read (unreadable or truncated metadata or array data), as
+    opposed to a readable checkpoint of another model (a plain ``CheckpointError``).
+
+    Attributes:
+      step: the corrupt step. directory: the checkpoints directory. reason: what could not be read.
+      intact_step: the newest older step whose metadata reads, matches the model and whose files are
+        all there (a cheap check: its arrays are not read), or None.
+    """
+
+    def __init__(self, step: int, directory: str, reason: str, intact_step: int | None):
+        self.step, self.directory, self.reason, self.intact_step = step, directory, reason, intact_step
+        super().__init__(self.describe())
+
+    def describe(self, continue_with: str | None = None) -> str:
+        """One line: the corrupt step, why, and the intact step (``continue_with``: how to use it)."""
+        msg = f"checkpoint step {self.step} in {self.directory} is corrupt ({self.reason})"
+        if self.intact_step is None:
+            return msg + "; no older checkpoint is intact"
+        msg += f"; step {self.intact_step} is intact"
+        return msg + (f": continue from it with {continue_with}" if continue_with else "")
 
 
 class Checkpointer:
@@ -28,7 +53,7 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def all_steps(self) -> list[int]:
-        return list(self.manager.all_steps())
+        return sorted(self.manager.all_steps())
 
     def save(self, step: int, state: Any, data_state: dict | None, *, force: bool = False) -> bool:
         args = ocp.args.Composite(
@@ -41,31 +66,79 @@ class Checkpointer:
         """Restore (state, data_state) at ``step`` (default: latest) onto ``abstract_state``'s
         structure, shapes, dtypes and shardings.
 
+        The step's metadata is read and compared with ``abstract_state`` first: unreadable metadata, or
+        arrays that cannot be read after the metadata matched, are corruption; a readable checkpoint with
+        other parameter names or shapes is a mismatch.
+
         Raises:
-          CheckpointError: no checkpoint, or one that cannot be read or does not match the model.
+          CorruptCheckpointError: the step's files cannot be read (it names the newest intact older step).
+          CheckpointError: no checkpoint (at ``step``), or one that does not match the model.
         """
         if step is None:
             step = self.latest_step()
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
+        if step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
+        try:
+            metadata = self._state_metadata(step)
+        except Exception as e:  # orbax/tensorstore raise a variety of errors for corrupt files
+            raise self._corrupt(step, f"its metadata cannot be read: {_root_cause(e)}", abstract_state) from None
+        mismatch = _mismatch(abstract_state, metadata)
+        if mismatch:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} does not match this model/config: "
+                                  f"{mismatch}")
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=ocp.args.JsonRestore(),
         )
         try:
             restored = self.manager.restore(step, args=args)
-        except FileNotFoundError as e:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} is incomplete: {e}") from None
-        except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} does not match this model/config "
-                f"({type(e).__name__}: {_first_line(e)})") from None
-        except Exception as e:  # orbax/tensorstore raise a variety of errors for corrupt files
-            raise CheckpointError(
-                f"checkpoint step {step} in {self.directory} could not be read "
-                f"({type(e).__name__}: {_first_line(e)})") from None
-        _check_shapes(abstract_state, restored["state"], step, self.directory)
+        except Exception as e:
+            raise self._corrupt(step, f"its arrays cannot be read: {_root_cause(e)}", abstract_state) from None
         return restored["state"], dict(restored["data"] or {})
+
+    def is_intact(self, step: int, abstract_state: Any) -> bool:
+        """Cheap check of a step (no array is read): every file is non-empty, the state metadata reads
+        and matches ``abstract_state``'s names and shapes, and the data-iterator JSON reads."""
+        step_dir = os.path.join(self.directory, str(step))
+        try:
+            files = [os.path.join(root, f) for root, _, names in os.walk(step_dir) for f in names]
+            if not files or any(os.path.getsize(f) == 0 for f in files):
+                return False
+            if _mismatch(abstract_state, self._state_metadata(step)):
+                return False
+            ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "data")
+        except Exception:
+            return False
+        return True
+
+    def set_aside_after(self, step: int, destination: str) -> list[int]:
+        """Move the checkpoints of the steps after ``step`` out of the checkpoints directory into
+        ``destination`` (a resume from an earlier step; nothing is deleted), so the run can save those
+        steps again. Process 0 moves them; every process then reloads the step list. Returns the steps."""
+        steps = [s for s in self.all_steps() if s > step]
+        if not steps:
+            return []
+        for s in steps:
+            target, n = os.path.join(destination, str(s)), 1
+            while os.path.exists(target):
+                target, n = os.path.join(destination, f"{s}.{n}"), n + 1
+            if jax.process_index() == 0:
+                os.makedirs(destination, exist_ok=True)
+                shutil.move(os.path.join(self.directory, str(s)), target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("train.checkpoints.set_aside_after")
+        self.manager.reload()
+        return steps
+
+    def _state_metadata(self, step: int):
+        return ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+
+    def _corrupt(self, step: int, reason: str, abstract_state: Any) -> CorruptCheckpointError:
+        intact = next((s for s in reversed(self.all_steps()) if s < step and self.is_intact(s, abstract_state)), None)
+        return CorruptCheckpointError(step, self.directory, reason, intact)
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
@@ -75,35 +148,53 @@ class Checkpointer:
         self.manager.close()
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return text[0][:300] if text else ""
+def _root_cause(e: BaseException) -> str:
+    """``Type: first line`` of the innermost cause (tensorstore wraps the useful message)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = str(e).split("See full TensorStore details")[0].strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:300] if text else ''}"
 
 
-def _check_shapes(abstract, restored, step, directory):
-    a_leaves, a_tree = jax.tree_util.tree_flatten(abstract)
-    r_leaves, r_tree = jax.tree_util.tree_flatten(restored)
-    if a_tree != r_tree:
-        raise CheckpointError(f"checkpoint step {step} in {directory} has a different parameter structure")
-    for a, r in zip(a_leaves, r_leaves):
-        if getattr(a, "shape", None) != getattr(r, "shape", None):
-            raise CheckpointError(
-                f"checkpoint step {step} in {directory} has shape {r.shape} where the model expects {a.shape}")
+def _leaf_name(path) -> str:
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return ".".join(parts)
+
+
+def _mismatch(abstract: Any, metadata: Any) -> str | None:
+    """The first difference between the arrays ``abstract`` expects and a checkpoint's metadata (names
+    and shapes), or None."""
+    want = {_leaf_name(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
+    have = {_leaf_name(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_flatten_with_path(metadata)[0]}
+    if want.keys() != have.keys():
+        missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+        return (f"a different parameter structure (missing {', '.join(missing[:3]) or 'nothing'}; "
+                f"unexpected {', '.join(extra[:3]) or 'nothing'})")
+    for name, shape in want.items():
+        if have[name] != shape:
+            return f"{name} has shape {have[name]} where the model expects {shape}"
+    return None
 
 
 def restore_run(workdir: str, abstract_state: Any, step: int | None = None) -> Any:
     """Read the train state of ``<workdir>/checkpoints`` (latest, or ``step``) without changing it.
 
     Raises:
-      CheckpointError: no checkpoints directory, no such step, or an unreadable / mismatched checkpoint.
+      CorruptCheckpointError: an unreadable checkpoint (it names the newest intact older step).
+      CheckpointError: no checkpoints directory, no such step, or a mismatched checkpoint.
     """
     ckpt_dir = os.path.join(workdir, "checkpoints")
     if not os.path.isdir(ckpt_dir):
         raise CheckpointError(f"{workdir} has no checkpoints/ directory; train first or pass the right --workdir")
     ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
     try:
-        if step is not None and step not in ckpt.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {ckpt_dir}; available: {ckpt.all_steps()}")
         state, _ = ckpt.restore(step, abstract_state)
     finally:
         ckpt.close()

@@ -5,14 +5,17 @@
     fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
     fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
 
-Any config field can be overridden with ``key=value`` arguments, e.g. ``model.n_layers=6
-optim.lr=1e-3 data.seed=3`` (see ``train/config.py``). Errors are one line that says what to do.
+Any config field can be overridden with ``key=value`` arguments anywhere on the command line, e.g.
+``model.n_layers=6 optim.lr=1e-3 data.seed=3`` (see ``train/config.py``). Errors are one line that
+says what to do.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
+import shlex
 import sys
 
 from train import config as config_lib
@@ -47,10 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train a model")
-    t.add_argument("--preset", default="tiny", help="tiny | 125M | 360M | 760M (default tiny)")
-    t.add_argument("--arch", default="fox-llama", help="fox-llama | transformer-llama | fox-pro | transformer-pro")
+    t.add_argument("--preset", help="tiny | 125M | 360M | 760M (default tiny; on --resume it must describe the "
+                   "saved run's model)")
+    t.add_argument("--arch", help="fox-llama (default) | transformer-llama | fox-pro | transformer-pro")
     t.add_argument("--steps", type=int, help="optimizer steps")
     t.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+    t.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
+                   "the latest (the later checkpoints are moved to <workdir>/checkpoints_set_aside)")
     t.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
     _add_common(t)
 
@@ -107,17 +113,23 @@ def cmd_train(args) -> int:
     cfg_path = os.path.join(args.workdir, "config.json")
     ckpt_dir = os.path.join(args.workdir, "checkpoints")
     has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+    preset, arch = args.preset or "tiny", args.arch or "fox-llama"
+    if preset not in ("tiny", "125M", "360M", "760M"):
+        raise ValueError(f"--preset must be one of tiny, 125M, 360M, 760M; got {preset!r}")
     if args.resume and has_ckpt and os.path.exists(cfg_path):
-        cfg = config_lib.load_json(cfg_path)  # the saved run; flags given now override it
+        cfg = config_lib.apply_overrides(config_lib.load_json(cfg_path), overrides)  # flags given now override it
+        if args.preset is not None or args.arch is not None:  # they must describe the saved run's model
+            asked = config_lib.apply_overrides(config_lib.preset(preset, arch), overrides).model
+            asked = asked.replace(vocab_size=cfg.model.vocab_size)  # resolved from the tokenizer
+            flags = " ".join(f"--{k} {v}" for k, v in (("preset", args.preset), ("arch", args.arch)) if v)
+            config_lib.check_resume({"model": config_lib.to_dict(cfg.model)}, {"model": config_lib.to_dict(asked)},
+                                    trainer.RESUMABLE, what=f"the model of {flags}")
     else:
-        if args.preset not in ("tiny", "125M", "360M", "760M"):
-            raise ValueError(f"--preset must be one of tiny, 125M, 360M, 760M; got {args.preset!r}")
-        cfg = config_lib.preset(args.preset, args.arch)
-    cfg = config_lib.apply_overrides(cfg, overrides)
+        cfg = config_lib.apply_overrides(config_lib.preset(preset, arch), overrides)
     _check_paths(cfg)
     explicit_vocab = any(o.startswith("model.vocab_size=") for o in overrides)
-    result = trainer.train(cfg, args.workdir, resume=args.resume, explicit_vocab=explicit_vocab,
-                           progress=not args.no_progress)
+    result = trainer.train(cfg, args.workdir, resume=args.resume, resume_step=args.resume_step,
+                           explicit_vocab=explicit_vocab, progress=not args.no_progress)
     msg = f"done: {result.final_step} steps in {result.workdir}"
     if result.val_loss is not None:
         import math
@@ -160,22 +172,88 @@ def init_distributed(args) -> None:
     jax.distributed.initialize(**kwargs)
 
 
+_OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*=")
+_STEP_FLAGS = {"train": "--resume-step", "finetune-dcp": "--resume-step", "pretrain-gpt2": "--resume-step",
+               "eval": "--step", "zeroshot": "--step"}  # how each command picks a checkpoint step
+
+
+def _is_override(token: str) -> bool:
+    """``section.field=value`` whose first name is a field of ``ExperimentConfig``."""
+    import dataclasses
+
+    return bool(_OVERRIDE.match(token)) and token.split("=", 1)[0].split(".")[0] in {
+        f.name for f in dataclasses.fields(config_lib.ExperimentConfig)}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    """Parse ``argv``; ``key=value`` overrides may stand anywhere (also between or after flags, or after
+    the values of ``--data`` / ``--val-data``), in the order given.
+
+    Raises:
+      ValueError: a token that is neither a flag of the command nor (for commands that take overrides)
+        a ``key=value`` override.
+    """
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    takes_overrides = hasattr(args, "overrides")
+    found = list(args.overrides or []) if takes_overrides else []
+    if takes_overrides:
+        for name in ("data", "val_data"):  # nargs="+" swallows the overrides that follow the paths
+            values = getattr(args, name)
+            if values:
+                moved = [v for v in values if _is_override(v) and not os.path.exists(v)]
+                setattr(args, name, [v for v in values if v not in moved] or None)
+                found += moved
+        found += [t for t in extra if _is_override(t)]
+        extra = [t for t in extra if not _is_override(t)]
+        position = {t: i for i, t in reversed(list(enumerate(argv)))}
+        args.overrides = sorted(found, key=lambda t: position.get(t, len(argv)))
+    if extra:
+        what = "a flag of this command or a key=value override" if takes_overrides else "a flag of this command"
+        raise ValueError(f"unrecognized argument {extra[0]!r}: not {what} (see fox-jax {args.command} --help)")
+    return args
+
+
+def continue_command(argv: list[str], command: str, step: int) -> str:
+    """``argv`` as a shell command that continues from checkpoint ``step`` (``--resume-step`` with
+    ``--resume`` for the training commands, ``--step`` for eval / zeroshot)."""
+    flag = _STEP_FLAGS[command]
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+        elif token == flag:
+            skip = True
+        elif not token.startswith(flag + "="):
+            out.append(token)
+    if flag == "--resume-step" and "--resume" not in out:
+        out.append("--resume")
+    return "fox-jax " + shlex.join(out + [flag, str(step)])
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    from train.checkpoints import CheckpointError
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), "")
+    from train.checkpoints import CheckpointError, CorruptCheckpointError
 
     try:
+        args = parse_args(argv)
         init_distributed(args)
         if args.command == "train":
             return cmd_train(args)
         if hasattr(args, "handler"):  # finetune-dcp, zeroshot
             return args.handler(args)
         return cmd_eval(args)
+    except CorruptCheckpointError as e:
+        how = (continue_command(argv, command, e.intact_step)
+               if e.intact_step is not None and command in _STEP_FLAGS else None)
+        print(f"fox-jax {command}: error: {e.describe(how)}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as e:
-        print(f"fox-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"fox-jax {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"fox-jax {args.command}: interrupted; the last checkpoint is kept (continue with --resume)",
+        print(f"fox-jax {command}: interrupted; the last checkpoint is kept (continue with --resume)",
               file=sys.stderr)
         return 130
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
-from fox_jax.config import ModelConfig, preset as model_preset
+from fox_jax.config import (NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
+                            check_ranges, preset as model_preset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,12 +25,15 @@ class DataConfig:
       val: separate validation files; empty = hold out ``val_fraction`` of the training documents.
       tokenizer: ``"bytes"`` (built-in byte-level), a directory with GPT-2 ``vocab.json`` + ``merges.txt``,
         or a ``tokenizer.json`` file / a directory containing one.
-      seq_len: tokens per training sequence (inputs; targets are shifted by one).
+      seq_len: tokens per training sequence (inputs; targets are shifted by one); 0 only for
+        ``finetune-dcp`` (= the model's length).
       separator: a line holding only this string separates documents inside a ``.txt`` file.
       text_field: the field of a ``.jsonl`` record that holds the text.
       val_fraction: fraction of documents held out when ``val`` is empty.
       seed: seed of the shuffle of training sequences (the order is a function of this seed only).
       max_docs: use at most this many documents (0 = all), after a seeded shuffle of the documents.
+
+    Every numeric field is checked against ``RANGES`` on construction (ValueError naming ``data.<field>``).
     """
 
     train: tuple[str, ...] = ()
@@ -42,13 +46,21 @@ class DataConfig:
     seed: int = 0
     max_docs: int = 0
 
+    RANGES: ClassVar[dict[str, Range]] = dict(seq_len=NON_NEGATIVE_INT, val_fraction=Range(0, 1, hi_open=True),
+                                              seed=NON_NEGATIVE_INT, max_docs=NON_NEGATIVE_INT)
+
+    def __post_init__(self):
+        check_ranges(self, "data.")
+
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
     """AdamW with linear warmup then cosine decay (specs/fox_acp.md §3).
 
     ``weight_decay`` is not applied to norm weights and biases. ``min_lr_ratio`` is the final
-    learning rate as a fraction of ``lr`` (the paper decays to 0).
+    learning rate as a fraction of ``lr`` (the paper decays to 0). Every field is checked against
+    ``RANGES`` on construction (ValueError naming ``optim.<field>``): lr, eps and clip_norm > 0,
+    warmup_steps >= 0, min_lr_ratio in [0, 1], b1 and b2 in [0, 1), weight_decay >= 0.
     """
 
     lr: float = 2e-3
@@ -59,6 +71,13 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        lr=POSITIVE, warmup_steps=NON_NEGATIVE_INT, min_lr_ratio=Range(0, 1), b1=Range(0, 1, hi_open=True),
+        b2=Range(0, 1, hi_open=True), eps=POSITIVE, weight_decay=NON_NEGATIVE, clip_norm=POSITIVE)
+
+    def __post_init__(self):
+        check_ranges(self, "optim.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +92,8 @@ class ExperimentConfig:
       batch_size: sequences per optimiser step (global, across devices and accumulation).
       grad_accum: micro-batches per step; ``batch_size`` must be a multiple of it.
       seed: parameter-init and dropout RNG seed.
-      log_every / eval_every / ckpt_every: intervals in steps (0 = never, except the final save/eval).
+      log_every: logging interval in steps.
+      eval_every / ckpt_every: intervals in steps (0 = never, except the final save/eval).
       eval_batches: validation batches per evaluation.
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoints: save in the background (waits for the last save before exit).
@@ -81,6 +101,11 @@ class ExperimentConfig:
       partitioner: XLA's SPMD partitioner, ``"auto"`` / ``"shardy"`` / ``"gspmd"``
         (``fox_jax.sharding.select_partitioner``; auto = GSPMD on multi-GPU meshes, where Shardy
         crashes compiling the sharded attention kernels' backward with jax 0.11.2).
+
+    Raises:
+      ValueError: on construction, naming the field: a numeric field outside ``RANGES`` (here and in
+        each section), ``batch_size`` not a multiple of ``grad_accum``, an unknown ``partitioner``, or
+        ``data.seq_len`` < 2.
     """
 
     model: ModelConfig = ModelConfig()
@@ -99,17 +124,19 @@ class ExperimentConfig:
     mesh: str = ""
     partitioner: str = "auto"
 
-    def validate(self) -> "ExperimentConfig":
-        if self.steps <= 0:
-            raise ValueError(f"steps must be positive, got {self.steps}")
-        if self.batch_size <= 0 or self.grad_accum <= 0 or self.batch_size % self.grad_accum:
-            raise ValueError(
-                f"batch_size ({self.batch_size}) must be a positive multiple of grad_accum ({self.grad_accum})")
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        steps=POSITIVE_INT, batch_size=POSITIVE_INT, grad_accum=POSITIVE_INT, seed=NON_NEGATIVE_INT,
+        log_every=POSITIVE_INT, eval_every=NON_NEGATIVE_INT, eval_batches=POSITIVE_INT, ckpt_every=NON_NEGATIVE_INT,
+        keep_checkpoints=POSITIVE_INT)
+
+    def __post_init__(self):
+        check_ranges(self)
+        if self.batch_size % self.grad_accum:
+            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
         if self.partitioner not in ("auto", "shardy", "gspmd"):
             raise ValueError(f"partitioner must be auto, shardy or gspmd, got {self.partitioner!r}")
         if self.data.seq_len < 2:
-            raise ValueError(f"seq_len must be at least 2, got {self.data.seq_len}")
-        return self
+            raise ValueError(f"data.seq_len must be at least 2, got {self.data.seq_len}")
 
 
 # Presets ---------------------------------------------------------------------------------------
@@ -134,6 +161,37 @@ def preset(name: str = "tiny", arch: str = "fox-llama") -> ExperimentConfig:
         optim=OptimConfig(lr=lr, warmup_steps=100),
         steps=1000, batch_size=32, eval_every=250, ckpt_every=250, log_every=10, eval_batches=16,
     )
+
+
+# Resuming ------------------------------------------------------------------------------------------
+
+# The one rule of ``--resume`` (train, finetune-dcp, pretrain-gpt2): only the length of the run and the
+# loop's intervals may change (each command adds the settings that do not change the math, e.g. the mesh).
+RESUMABLE = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
+             "async_checkpoints")
+
+
+def check_resume(saved: dict, given: dict, resumable: tuple[str, ...] = RESUMABLE, *, what: str = "this config") -> None:
+    """Refuse a resume whose config differs from the saved run's outside ``resumable`` (top-level keys).
+
+    ``saved`` / ``given``: nested dicts of the config (``to_dict``); sections are compared field by field.
+
+    Raises:
+      ValueError: one line naming the differing fields (``model.n_layers``, ...) and what may change.
+    """
+    diff = sorted(k for k in _diff_keys(saved, given) if k.split(".")[0] not in resumable)
+    if diff:
+        raise ValueError(f"--resume: {what} differs from the saved run's in {', '.join(diff)}; only "
+                         f"{', '.join(resumable)} may change when resuming (or use a new --workdir)")
+
+
+def _diff_keys(a: dict, b: dict, prefix: str = ""):
+    for k in sorted(set(a) | set(b)):
+        x, y = a.get(k), b.get(k)
+        if isinstance(x, dict) and isinstance(y, dict):
+            yield from _diff_keys(x, y, f"{prefix}{k}.")
+        elif x != y:
+            yield prefix + k
 
 
 # Serialisation and overrides -------------------------------------------------------------------

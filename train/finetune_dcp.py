@@ -72,7 +72,7 @@ import os
 import shutil
 import time
 import typing
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -80,16 +80,17 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from fox_jax.config import ModelConfig
+from fox_jax.config import FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range, check_ranges
 from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from fox_jax.models.lm import LanguageModel, add_dcp_params, init_params
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from train import data as data_lib
 from train.checkpoints import Checkpointer, CheckpointError, restore_run
+from train import config as config_lib
 from train.config import DataConfig
 from train.metrics import MetricWriter
-from train.trainer import TrainState, weight_decay_mask
+from train.trainer import TrainState, set_aside_later, weight_decay_mask
 
 CONFIG_NAME = "finetune_config.json"
 MODEL_CONFIG_NAME = "model_config.json"
@@ -124,6 +125,10 @@ class FinetuneConfig:
       seed: seed of the interaction-parameter init (the data order has its own ``data.seed``).
       log_every, eval_every, eval_batches, ckpt_every, keep_checkpoints, async_checkpoints: the loop.
       dcp_impl: ``dcp_attention`` implementation, "xla" (blockwise) or "pallas" (kernels).
+
+    Every numeric field is checked against ``RANGES`` on construction (ValueError naming the field, e.g.
+    lr > 0, warmup_steps >= 0, b1 and b2 in [0, 1), alpha_init >= 1, intervals >= 0); ``validate``
+    checks the combinations.
     """
 
     hf_gpt2: str = ""
@@ -161,6 +166,18 @@ class FinetuneConfig:
     lr_decay: str = "constant"
     dcp_impl: str = "xla"
 
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        from_step=Range(0, integer=True, optional=True), steps=POSITIVE_INT, batch_size=POSITIVE_INT, lr=POSITIVE,
+        warmup_steps=Range(0, integer=True, optional=True), weight_decay=NON_NEGATIVE,
+        b1=Range(0, 1, hi_open=True), b2=Range(0, 1, hi_open=True), eps=POSITIVE, clip_norm=NON_NEGATIVE,
+        interaction_lr=Range(0, lo_open=True, optional=True), gamma=NON_NEGATIVE, interaction_dim=POSITIVE_INT,
+        beta_init=FINITE, alpha_init=Range(1), alpha_final=Range(1), alpha_steps=Range(1, integer=True, optional=True),
+        seed=NON_NEGATIVE_INT, log_every=POSITIVE_INT, eval_every=NON_NEGATIVE_INT, eval_batches=POSITIVE_INT,
+        ckpt_every=NON_NEGATIVE_INT, keep_checkpoints=POSITIVE_INT)
+
+    def __post_init__(self):
+        check_ranges(self)
+
     def resolved(self) -> "FinetuneConfig":
         """Fill ``warmup_steps`` and ``alpha_steps`` from ``steps`` (stored, so a resume with more steps
         keeps the schedules)."""
@@ -172,22 +189,11 @@ class FinetuneConfig:
         return dataclasses.replace(self, **kw)
 
     def validate(self) -> "FinetuneConfig":
-        """Raises ValueError naming the first bad field."""
+        """The combinations of fields and the choices (the numeric ranges are checked on construction).
+        Raises ValueError naming the first bad field."""
         checks = [
-            (self.steps > 0, f"steps must be positive, got {self.steps}"),
-            (self.batch_size > 0, f"batch_size must be positive, got {self.batch_size}"),
-            (self.lr > 0, f"lr must be positive, got {self.lr}"),
-            (self.interaction_lr is None or self.interaction_lr > 0,
-             f"interaction_lr must be positive, got {self.interaction_lr}"),
-            (self.warmup_steps is None or self.warmup_steps >= 0,
-             f"warmup_steps must be >= 0, got {self.warmup_steps}"),
-            (self.gamma >= 0, f"gamma must be >= 0, got {self.gamma}"),
             (self.gamma_normalization in GAMMA_NORMALIZATIONS,
              f"gamma_normalization must be one of {GAMMA_NORMALIZATIONS}, got {self.gamma_normalization!r}"),
-            (self.alpha_init >= 1 and self.alpha_final >= 1,
-             f"alpha_init and alpha_final must be >= 1, got {self.alpha_init}, {self.alpha_final}"),
-            (self.alpha_steps is None or self.alpha_steps > 0, f"alpha_steps must be positive, got {self.alpha_steps}"),
-            (self.clip_norm >= 0, f"clip_norm must be >= 0 (0 = off), got {self.clip_norm}"),
             (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
             (self.dcp_impl in ("xla", "pallas"), f"dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}"),
             (self.init_config is None or isinstance(self.init_config, dict),
@@ -198,7 +204,6 @@ class FinetuneConfig:
              "--from-run cannot be combined with a random init (init_config)"),
             (self.from_step is None or self.from_run,
              "--from-step needs --from-run (the checkpoint step of that run)"),
-            (self.from_step is None or self.from_step >= 0, f"--from-step must be >= 0, got {self.from_step}"),
             (self.from_run == "" or self.dcp, "--from-run is for DCP fine-tuning (dcp=True)"),
             (self.data.seq_len == 0 or self.data.seq_len >= 3,
              f"seq_len must be at least 3 (the sparsity loss needs causal pairs), got {self.data.seq_len}"),
@@ -209,8 +214,7 @@ class FinetuneConfig:
         return self
 
 
-RESUMABLE = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-             "async_checkpoints", "dcp_impl")
+RESUMABLE = config_lib.RESUMABLE + ("dcp_impl",)  # the same rule as fox-jax train; dcp_impl: same math
 
 
 def config_to_dict(cfg: FinetuneConfig) -> dict:
@@ -542,19 +546,17 @@ class FinetuneResult:
 
 
 def _check_resume(saved: FinetuneConfig, given: FinetuneConfig) -> None:
-    a, b = config_to_dict(saved), config_to_dict(given)
-    diff = sorted(k for k in a if k not in RESUMABLE and a[k] != b.get(k))
-    if diff:
-        raise ValueError(f"--resume: {', '.join(diff)} differ from the saved run's; only {', '.join(RESUMABLE)} "
-                         "may change when resuming (or use a new --workdir)")
+    config_lib.check_resume(config_to_dict(saved), config_to_dict(given), RESUMABLE)
 
 
-def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progress: bool = True) -> FinetuneResult:
+def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_step: int | None = None,
+             progress: bool = True) -> FinetuneResult:
     """DCP fine-tuning of ``cfg.hf_gpt2`` (GPT-2) or ``cfg.from_run`` (a FoX / Transformer run of
     ``fox-jax train``) in ``workdir`` (see the module docstring).
 
     A workdir with checkpoints is only continued with ``resume=True``; the saved config then wins except
-    for ``RESUMABLE`` fields, which are taken from ``cfg``. ``cfg`` may leave ``warmup_steps`` /
+    for ``RESUMABLE`` fields, which are taken from ``cfg``. ``resume_step`` continues from that checkpoint
+    instead of the latest (the later ones are moved to ``<workdir>/checkpoints_set_aside/``). ``cfg`` may leave ``warmup_steps`` /
     ``alpha_steps`` None; they are resolved from ``steps`` on a fresh start, as ``from_step`` (the
     run's latest checkpoint) and, for ``from_run``, ``data.seq_len`` 0 (the run's seq_len) and
     ``data.tokenizer`` "" (the run's tokenizer).
@@ -564,7 +566,8 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
       FileNotFoundError / ValueError: bad HF directory or run directory, data or config (seq_len >
         n_positions, a tokenizer larger than the model's vocabulary, both or neither of hf_gpt2 /
         from_run, a resume with changed settings).
-      CheckpointError: an unreadable or mismatched checkpoint.
+      CorruptCheckpointError: the checkpoint to resume from cannot be read (names an intact older step).
+      CheckpointError: a mismatched checkpoint, or no checkpoint ``resume_step``.
       FloatingPointError: the loss became NaN/inf.
     """
     workdir = os.path.abspath(workdir)
@@ -573,6 +576,8 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
     if has_ckpt and not resume:
         raise FileExistsError(f"{workdir} already holds checkpoints; pass --resume to continue that run, "
                               "or choose another --workdir")
+    if resume_step is not None and not (resume and has_ckpt):
+        raise ValueError(f"--resume-step {resume_step} needs --resume and a run with checkpoints in {ckpt_dir}")
     if has_ckpt:
         saved = load_config(workdir)
         given = dataclasses.replace(cfg, warmup_steps=cfg.warmup_steps if cfg.warmup_steps is not None
@@ -645,8 +650,9 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
         abstract = jax.eval_shape(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
                                                        opt_state=optimizer.init(p), rng=jax.random.PRNGKey(0)),
                                   params)
-        state, data_state = ckpt.restore(None, abstract)
+        state, data_state = ckpt.restore(resume_step, abstract)
         train_iter.set_state(data_state)
+        set_aside_later(ckpt, int(state.step), workdir)
         _log(f"resumed from {ckpt_dir} at step {int(state.step)}")
     else:
         state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
@@ -667,7 +673,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, progres
          f"lr {cfg.lr:g} ({cfg.lr_decay}), warmup {cfg.warmup_steps}; seq_len {seq_len}, batch {cfg.batch_size}; "
          f"data: {corpus.summary()}; workdir {workdir}")
 
-    writer = MetricWriter(workdir)
+    writer = MetricWriter(workdir, truncate_after=start_step if has_ckpt else -1)
     tokens_per_step = cfg.batch_size * seq_len
     val = None
     bar = tqdm(total=cfg.steps, initial=start_step, disable=not progress, desc="finetune-dcp", unit="step",
@@ -837,6 +843,8 @@ def _add_run_flags(f, d: FinetuneConfig, *, pretrain: bool = False) -> None:
     f.add_argument("--eval-batches", type=int, help=f"validation batches (default {d.eval_batches})")
     f.add_argument("--ckpt-every", type=int, help=f"checkpoint interval (default {d.ckpt_every})")
     f.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+    f.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
+                   "the latest (the later checkpoints are moved to <workdir>/checkpoints_set_aside)")
     f.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
 
 
@@ -877,8 +885,8 @@ def add_subparser(sub) -> None:
     p = dataclasses.replace(d, **PRETRAIN_DEFAULTS)
     g = sub.add_parser("pretrain-gpt2", help="train a dense GPT-2 from a random init (the base model for DCP)")
     _add_run_flags(g, p, pretrain=True)
-    g.add_argument("--size", default="gpt2", help="released GPT-2 shape to start from: "
-                   "gpt2 | gpt2-medium | gpt2-large | gpt2-xl (default gpt2); the flags below override it")
+    g.add_argument("--size", help="released GPT-2 shape to start from: gpt2 | gpt2-medium | gpt2-large | gpt2-xl "
+                   "(default gpt2); the flags below override it (on --resume they must describe the saved model)")
     for name in ("n_layer", "n_head", "n_embd", "n_positions"):
         g.add_argument("--" + name.replace("_", "-"), type=int, help=f"GPT2Config.{name}")
     g.set_defaults(handler=cmd_pretrain_gpt2, distributed=False, coordinator=None, num_processes=None,
@@ -949,18 +957,22 @@ def cmd_pretrain_gpt2(args) -> int:
     AdamW (lr 6e-4, β₂ 0.95, weight decay 0.1 on kernels/embeddings), warmup + cosine to 10 %; the final
     model is exported as a Hugging Face directory (``<workdir>/hf``), the input of ``finetune-dcp``."""
     cfg_path = os.path.join(args.workdir, CONFIG_NAME)
-    if args.resume and os.path.exists(cfg_path):
+    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k) is not None}
+    resuming = args.resume and os.path.exists(cfg_path)
+    if resuming and args.size is None and not shape:
         cfg = config_from_args(args, base=load_config(args.workdir))
     else:
-        if not args.tokenizer:
+        if not resuming and not args.tokenizer:
             raise ValueError("--tokenizer is required (a directory with GPT-2 vocab.json + merges.txt)")
-        shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions")
-                 if getattr(args, k) is not None}
-        init_config = dataclasses.asdict(gpt2_preset(args.size, **shape))
+        init_config = dataclasses.asdict(gpt2_preset(args.size or "gpt2", **shape))
         for k in ("dcp", "interaction_dim", "beta_init", "dtype", "remat", "dcp_impl"):  # set by the run config
             init_config.pop(k)
-        cfg = config_from_args(args, base=FinetuneConfig(**PRETRAIN_DEFAULTS, init_config=init_config))
-    result = finetune(cfg, args.workdir, resume=args.resume, progress=not args.no_progress)
+        if resuming:  # the shape flags must describe the saved model: finetune's resume check compares them
+            cfg = config_from_args(args, base=dataclasses.replace(load_config(args.workdir), init_config=init_config))
+        else:
+            cfg = config_from_args(args, base=FinetuneConfig(**PRETRAIN_DEFAULTS, init_config=init_config))
+    result = finetune(cfg, args.workdir, resume=args.resume, resume_step=args.resume_step,
+                      progress=not args.no_progress)
     msg = f"done: {result.final_step} steps in {result.workdir}; model exported to {result.hf_dir}"
     if result.val:
         msg += f"; val_loss {result.val['val_loss']:.4f}, val_ppl {result.val['val_ppl']:.2f}"
@@ -986,7 +998,8 @@ def cmd_finetune_dcp(args) -> int:
         elif not os.path.isdir(args.hf_gpt2):
             raise FileNotFoundError(f"--hf-gpt2 {args.hf_gpt2}: no such directory")
         cfg = config_from_args(args)
-    result = finetune(cfg, args.workdir, resume=args.resume, progress=not args.no_progress)
+    result = finetune(cfg, args.workdir, resume=args.resume, resume_step=args.resume_step,
+                      progress=not args.no_progress)
     if result.hf_dir is None:
         msg = (f"done: {result.final_step} steps in {result.workdir}; the fine-tuned model is in its checkpoints/ "
                "(no Hugging Face export for FoX/Transformer)")

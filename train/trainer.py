@@ -173,15 +173,19 @@ class RunResult:
     state: Any = None  # the final TrainState (params, optimizer state, step, rng)
 
 
-def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = False,
+def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = False, resume_step: int | None = None,
           explicit_vocab: bool = False, progress: bool = True) -> RunResult:
     """Train ``cfg`` in ``workdir``.
 
     A workdir that already holds checkpoints is only continued with ``resume=True``; its saved
-    config then wins (except ``steps`` and the logging/eval/checkpoint intervals, which may change).
+    config then wins (except ``RESUMABLE``: ``steps``, the logging/eval/checkpoint intervals and the
+    mesh, which may change). ``resume_step`` continues from that checkpoint instead of the latest; the
+    checkpoints after it are moved to ``<workdir>/checkpoints_set_aside/`` (nothing is deleted).
 
     Raises:
-      ValueError: bad config or data; CheckpointError: unreadable or mismatched checkpoint.
+      ValueError: bad config or data, a changed config on resume, ``resume_step`` without ``resume``.
+      CorruptCheckpointError: the checkpoint to resume from cannot be read (names an intact older step).
+      CheckpointError: a mismatched checkpoint, or no checkpoint ``resume_step``.
       FileExistsError: checkpoints exist and ``resume`` is False.
     """
     workdir = os.path.abspath(workdir)
@@ -191,6 +195,8 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     if has_ckpt and not resume:
         raise FileExistsError(
             f"{workdir} already holds checkpoints; pass --resume to continue that run, or choose another --workdir")
+    if resume_step is not None and not (resume and has_ckpt):
+        raise ValueError(f"--resume-step {resume_step} needs --resume and a run with checkpoints in {ckpt_dir}")
     if resume and not has_ckpt:
         _log(f"--resume: no checkpoint in {ckpt_dir}; starting a new run")
     if has_ckpt and os.path.exists(cfg_path):
@@ -198,7 +204,6 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
         _check_resume_config(saved, cfg)
         cfg = dataclasses.replace(cfg, model=cfg.model.replace(vocab_size=saved.model.vocab_size))
 
-    cfg.validate()
     corpus = data_lib.load_corpus(cfg.data)
     cfg = resolve_vocab(cfg, corpus.tokenizer, explicit_vocab or has_ckpt)
     mesh = make_mesh(cfg.mesh or None)
@@ -229,9 +234,10 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     if has_ckpt:
         abstract_sharded = jax.tree_util.tree_map(
             lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, state_sharding)
-        state, data_state = ckpt.restore(None, abstract_sharded)
+        state, data_state = ckpt.restore(resume_step, abstract_sharded)
         train_iter.set_state(data_state)
         start_step = int(state.step)
+        set_aside_later(ckpt, start_step, workdir)
         _log(f"resumed from {ckpt_dir} at step {start_step}")
     else:
         # eager init, then placement: XLA compiles a jitted init of a 100M+ model's RNG very slowly on GPU
@@ -323,6 +329,14 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     return RunResult(workdir, step, losses, val_loss, state)
 
 
+def set_aside_later(ckpt: Checkpointer, step: int, workdir: str) -> None:
+    """After a resume from an earlier step, move the later checkpoints out of the way (not deleted)."""
+    destination = os.path.join(workdir, "checkpoints_set_aside")
+    later = ckpt.set_aside_after(step, destination)
+    if later:
+        _log(f"resuming from step {step}: moved the later checkpoint(s) {later} to {destination}")
+
+
 def evaluate_loss(eval_fn, params, batches, sharding) -> float:
     total, count = 0.0, 0.0
     for batch in batches:
@@ -332,30 +346,14 @@ def evaluate_loss(eval_fn, params, batches, sharding) -> float:
     return total / max(count, 1.0)
 
 
-_RESUMABLE_CHANGES = ("steps", "log_every", "eval_every", "ckpt_every", "keep_checkpoints", "eval_batches",
-                      "async_checkpoints", "mesh", "partitioner")
+RESUMABLE = config_lib.RESUMABLE + ("mesh", "partitioner")
 
 
 def _check_resume_config(saved: config_lib.ExperimentConfig, given: config_lib.ExperimentConfig) -> None:
-    """Only ``_RESUMABLE_CHANGES`` may differ between the saved run and the resumed one."""
+    """Only ``RESUMABLE`` may differ between the saved run and the resumed one (``config_lib.check_resume``)."""
     a, b = config_lib.to_dict(saved), config_lib.to_dict(given)
-    for k in _RESUMABLE_CHANGES:
-        a.pop(k), b.pop(k)
-    if a["model"]["vocab_size"] != b["model"]["vocab_size"]:
-        b["model"]["vocab_size"] = a["model"]["vocab_size"]  # resolved from the tokenizer at the start
-    diff = sorted(_diff_keys(a, b))
-    if diff:
-        raise ValueError(
-            f"--resume: this config differs from the saved run's in {', '.join(diff)}; only "
-            f"{', '.join(_RESUMABLE_CHANGES)} may change when resuming (or use a new --workdir)")
-
-
-def _diff_keys(a, b, prefix=""):
-    for k in a:
-        if isinstance(a[k], dict):
-            yield from _diff_keys(a[k], b.get(k, {}), f"{prefix}{k}.")
-        elif a[k] != b.get(k):
-            yield prefix + k
+    b["model"]["vocab_size"] = a["model"]["vocab_size"]  # resolved from the tokenizer at the start
+    config_lib.check_resume(a, b, RESUMABLE)
 
 
 def _log(msg: str) -> None:

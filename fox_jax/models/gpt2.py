@@ -45,13 +45,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fox_jax.config import FINITE, POSITIVE, POSITIVE_INT, Range, check_ranges
 from fox_jax.decoding.cache import cache_columns, cached_attention
 from fox_jax.decoding.packed_cache import PackedKVCache, packed_attention
 from fox_jax.ops.context_pruning import (
@@ -117,16 +118,15 @@ class GPT2Config:
     sparse_pattern: str | None = None
     dcp_impl: str = "xla"
 
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        n_layer=POSITIVE_INT, n_head=POSITIVE_INT, n_embd=POSITIVE_INT, vocab_size=POSITIVE_INT,
+        n_positions=POSITIVE_INT, n_inner=Range(1, integer=True, optional=True), layer_norm_epsilon=POSITIVE,
+        init_std=POSITIVE, attention_block=POSITIVE_INT, interaction_dim=POSITIVE_INT, beta_init=FINITE)
+
     def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "vocab_size", "n_positions", "attention_block",
-                     "interaction_dim"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"GPT2Config.{name} must be a positive int, got {value!r}")
+        check_ranges(self, "GPT2Config.")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPT2Config.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.n_inner is not None and (not isinstance(self.n_inner, int) or self.n_inner <= 0):
-            raise ValueError(f"GPT2Config.n_inner must be None or a positive int, got {self.n_inner!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"GPT2Config.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
         if self.sparse_pattern is not None:

@@ -1,0 +1,160 @@
+"""Bad command-line input and config values: one-line errors naming the field, overrides anywhere on the
+command line, and test collection without the optional test dependencies (CPU, no training)."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fox_jax.config import ARCHS, SIZES, ModelConfig
+from fox_jax.models.gpt2 import GPT2Config, gpt2_preset
+from train import cli, config as config_lib, finetune_dcp
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (override, field named in the error): values that cannot be meant, one per numeric field of ExperimentConfig
+BAD_TRAIN_OVERRIDES = [
+    ("optim.lr=-1", "optim.lr"), ("optim.lr=0", "optim.lr"), ("optim.lr=nan", "optim.lr"),
+    ("optim.warmup_steps=-1", "optim.warmup_steps"), ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio"),
+    ("optim.b1=1", "optim.b1"), ("optim.b2=-0.1", "optim.b2"), ("optim.eps=0", "optim.eps"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"), ("optim.clip_norm=0", "optim.clip_norm"),
+    ("data.seq_len=-4", "data.seq_len"), ("data.val_fraction=1", "data.val_fraction"),
+    ("data.val_fraction=-0.1", "data.val_fraction"), ("data.seed=-1", "data.seed"), ("data.max_docs=-2", "data.max_docs"),
+    ("steps=0", "steps"), ("batch_size=-16", "batch_size"), ("grad_accum=0", "grad_accum"), ("seed=-3", "seed"),
+    ("log_every=0", "log_every"), ("eval_every=-1", "eval_every"), ("eval_batches=0", "eval_batches"),
+    ("ckpt_every=-5", "ckpt_every"), ("keep_checkpoints=0", "keep_checkpoints"),
+    ("model.d_model=-8", "ModelConfig.d_model"), ("model.n_kv_heads=0", "ModelConfig.n_kv_heads"),
+    ("model.hidden_ratio=0", "ModelConfig.hidden_ratio"), ("model.rope_base=1", "ModelConfig.rope_base"),
+    ("model.norm_eps=0", "ModelConfig.norm_eps"), ("model.init_std=-0.02", "ModelConfig.init_std"),
+    ("model.mlp_dim=-1", "ModelConfig.mlp_dim"), ("model.adaptive_threshold=0.5", "ModelConfig.adaptive_threshold"),
+    ("model.dcp_beta_init=inf", "ModelConfig.dcp_beta_init"),
+]
+
+# (flags, field named in the error) for finetune-dcp / pretrain-gpt2
+BAD_FINETUNE_FLAGS = [
+    (["--lr", "-1"], "lr"), (["--lr", "0"], "lr"), (["--warmup-steps", "-1"], "warmup_steps"),
+    (["--weight-decay", "-1"], "weight_decay"), (["--clip-norm", "-1"], "clip_norm"),
+    (["--interaction-lr", "0"], "interaction_lr"), (["--gamma", "-1"], "gamma"),
+    (["--interaction-dim", "0"], "interaction_dim"), (["--beta-init", "nan"], "beta_init"),
+    (["--alpha-init", "0.5"], "alpha_init"), (["--alpha-final", "0"], "alpha_final"),
+    (["--alpha-steps", "0"], "alpha_steps"), (["--steps", "-1"], "steps"), (["--batch-size", "0"], "batch_size"),
+    (["--seed", "-1"], "seed"), (["--data-seed", "-1"], "data.seed"), (["--seq-len", "-3"], "data.seq_len"),
+    (["--log-every", "0"], "log_every"), (["--eval-every", "-1"], "eval_every"),
+    (["--eval-batches", "0"], "eval_batches"), (["--ckpt-every", "-5"], "ckpt_every"),
+]
+
+DCP_FLAGS = {"--interaction-lr", "--gamma", "--interaction-dim", "--beta-init", "--alpha-init", "--alpha-final",
+             "--alpha-steps"}  # finetune-dcp only
+
+
+def _one_line_error(capsys, command: str) -> str:
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"fox-jax {command}: error: "), err
+    return err
+
+
+@pytest.mark.parametrize("override,field", BAD_TRAIN_OVERRIDES, ids=[o for o, _ in BAD_TRAIN_OVERRIDES])
+def test_train_refuses_out_of_range_values(override, field, tmp_path, capsys):
+    # --data names a missing path: even a config that passed would stop before training
+    assert cli.main(["train", "--workdir", str(tmp_path / "run"), "--data", str(tmp_path / "missing"),
+                     "--no-progress", override]) == 2
+    assert f"{field} must be" in _one_line_error(capsys, "train")
+    assert not (tmp_path / "run").exists()  # refused before anything is written
+
+
+@pytest.mark.parametrize("flags,field", BAD_FINETUNE_FLAGS, ids=[" ".join(f) for f, _ in BAD_FINETUNE_FLAGS])
+def test_finetune_and_pretrain_refuse_out_of_range_values(flags, field, tmp_path, capsys):
+    src = tmp_path / "hf"
+    src.mkdir()  # never read: the config is refused first
+    common = ["--workdir", str(tmp_path / "run"), "--tokenizer", str(src), "--no-progress", *flags]
+    assert cli.main(["finetune-dcp", "--hf-gpt2", str(src), *common]) == 2
+    assert f"{field} must be" in _one_line_error(capsys, "finetune-dcp")
+    if flags[0] not in DCP_FLAGS:
+        assert cli.main(["pretrain-gpt2", "--n-layer", "2", "--n-embd", "64", "--n-head", "4", *common]) == 2
+        assert f"{field} must be" in _one_line_error(capsys, "pretrain-gpt2")
+    assert not (tmp_path / "run").exists()
+
+
+def test_eval_refuses_out_of_range_overrides(tmp_path, capsys):
+    config_lib.save_json(config_lib.preset("tiny"), tmp_path / "config.json")
+    for override, field in [("data.val_fraction=2", "data.val_fraction"), ("batch_size=0", "batch_size"),
+                            ("eval_batches=-1", "eval_batches"), ("data.seq_len=-1", "data.seq_len")]:
+        assert cli.main(["eval", "--workdir", str(tmp_path), override]) == 2
+        assert f"{field} must be" in _one_line_error(capsys, "eval")
+
+
+def test_model_configs_refuse_out_of_range_values():
+    for kw, field in [(dict(norm_eps=-1.0), "norm_eps"), (dict(head_dim=0), "head_dim"),
+                      (dict(n_layers=True), "n_layers"), (dict(hidden_ratio=float("nan")), "hidden_ratio")]:
+        with pytest.raises(ValueError, match=f"ModelConfig.{field} must be"):
+            ModelConfig(**kw)
+    for kw, field in [(dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"), (dict(init_std=-1.0), "init_std"),
+                      (dict(beta_init=float("inf")), "beta_init"), (dict(n_inner=0), "n_inner")]:
+        with pytest.raises(ValueError, match=f"GPT2Config.{field} must be"):
+            GPT2Config(**kw)
+
+
+def test_defaults_and_presets_validate():
+    for size in SIZES:
+        for arch in ARCHS:
+            config_lib.from_dict(config_lib.to_dict(config_lib.preset(size, arch)))  # the JSON round trip too
+    ModelConfig(**dataclasses.asdict(ModelConfig()))
+    for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        gpt2_preset(name)
+    finetune_dcp.FinetuneConfig().validate()
+    dataclasses.replace(finetune_dcp.FinetuneConfig(), **finetune_dcp.PRETRAIN_DEFAULTS).resolved().validate()
+    # boundary values that are meant: 0 = never / off / all, None = resolved later
+    config_lib.apply_overrides(config_lib.preset("tiny"), [
+        "eval_every=0", "ckpt_every=0", "optim.warmup_steps=0", "optim.min_lr_ratio=1", "optim.weight_decay=0",
+        "data.val_fraction=0", "data.max_docs=0", "model.adaptive_threshold=auto", "model.adaptive_threshold=-3"])
+    finetune_dcp.FinetuneConfig(clip_norm=0.0, gamma=0.0, eval_every=0, ckpt_every=0, warmup_steps=0,
+                                alpha_init=1.0, alpha_final=1.0)
+
+
+def test_overrides_anywhere_on_the_command_line(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    args = cli.parse_args(["train", "--workdir", "w", "steps=3", "--no-progress", "model.n_layers=2", "--data",
+                           str(corpus), "optim.lr=1e-3", "--steps", "4", "eval_every=0"])
+    assert args.overrides == ["steps=3", "model.n_layers=2", "optim.lr=1e-3", "eval_every=0"]
+    assert args.data == [str(corpus)] and args.steps == 4 and args.no_progress
+    args = cli.parse_args(["eval", "--workdir", "w", "data.seq_len=64", "--num-docs", "2", "batch_size=2"])
+    assert args.overrides == ["data.seq_len=64", "batch_size=2"] and args.num_docs == 2
+    cfg = config_lib.apply_overrides(config_lib.preset("tiny"), cli._explicit_overrides(cli.parse_args(
+        ["train", "--workdir", "w", "model.n_layers=3", "--no-progress", "model.d_model=64"])))
+    assert (cfg.model.n_layers, cfg.model.d_model) == (3, 64)
+
+
+def test_unknown_tokens_are_one_line_errors(tmp_path, capsys):
+    assert cli.main(["train", "--workdir", str(tmp_path / "w"), "a.b=1", "--no-progress", "--bogus", "3"]) == 2
+    err = _one_line_error(capsys, "train")
+    assert "'--bogus'" in err and "key=value" in err
+    assert cli.main(["finetune-dcp", "--workdir", str(tmp_path / "w"), "--hf-gpt2", str(tmp_path), "lr=1"]) == 2
+    assert "'lr=1'" in _one_line_error(capsys, "finetune-dcp")
+    assert not (tmp_path / "w").exists()
+
+
+def test_collection_survives_missing_optional_test_dependencies():
+    """``pytest -m gpu`` on a machine with only the package installed: modules that need nbformat,
+    nbclient, torch, transformers or hypothesis skip instead of breaking the collection of the others."""
+    blocked = ("nbformat", "nbclient", "torch", "transformers", "hypothesis")
+    code = f"""
+import sys
+class Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in {blocked!r}:
+            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
+sys.meta_path.insert(0, Blocker())
+import pytest
+sys.exit(pytest.main(["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "-p", "no:hypothesispytest",
+                      "-p", "no:xdist", {str(ROOT / 'tests')!r}]))
+"""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert not re.search(r"\b\d+ errors?\b|^ERROR", result.stdout, re.M), result.stdout[-3000:]
