@@ -10,7 +10,7 @@ Implementations (all bf16 q/k/v, float32 log forget gates):
   pallas-acp-trained  same, on the log forget gates of a trained FoX (--gates-from RUN_DIR; TrainedGates)
   fla           fla-core's PyTorch/Triton parallel_forgetting_attn (if importable), same process
 
-Inputs follow specs/anchors_h200.md: per-head forget-gate logits ~ N(μ_h, 1), μ_h evenly spaced in
+Inputs follow docs/design/anchors_h200.md: per-head forget-gate logits ~ N(μ_h, 1), μ_h evenly spaced in
 [0, 6] across heads; q/k rows normalised to L2 norm √D (as with QK-norm), so the ACP auto bound holds.
 FLOPs: fwd = 2·B·H·T²·D (causal half of 4·B·H·T²·D), fwd+bwd = 3.5 × fwd, bwd = 2.5 × fwd. For ACP the
 dense-equivalent TFLOP/s count skipped work too; "executed" TFLOP/s scale by the tiles actually run.
@@ -47,8 +47,8 @@ from fox_jax.ops import forgetting_attention  # noqa: E402
 from fox_jax.ops import acp as acp_lib  # noqa: E402
 from fox_jax.ops import pallas as fpallas  # noqa: E402
 from fox_jax.ops.reference import decay_cumsum  # noqa: E402
-from kernels import forgetting_attention as fk  # noqa: E402
-from kernels.forgetting_attention import KernelConfig, TileConfig  # noqa: E402
+from fox_jax.kernels import forgetting_attention as fk  # noqa: E402
+from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig  # noqa: E402
 
 ANCHOR_SHAPES = [  # (B, T, H, D)
     (4, 4096, 32, 64),
@@ -347,9 +347,9 @@ class TrainedGates:
 
     def __init__(self, run_dir: str, step: int | None = None):
         from fox_jax.models import LanguageModel
-        from train import config as config_lib
-        from train import data as data_lib
-        from train.evaluate import load_params
+        from fox_jax.train import config as config_lib
+        from fox_jax.train import data as data_lib
+        from fox_jax.train.evaluate import load_params
 
         cfg_path = os.path.join(run_dir, "config.json")
         if not os.path.exists(cfg_path):

@@ -35,7 +35,7 @@ from fox_jax.ops.context_pruning import (  # noqa: E402
     keep_logits,
     sparsity,
 )
-from kernels.forgetting_attention import dmask_tile  # noqa: E402
+from fox_jax.kernels.forgetting_attention import dmask_tile  # noqa: E402
 
 SHAPES = [(8, 1024, 12, 64), (4, 2048, 16, 128), (1, 8192, 16, 128)]
 QUICK_SHAPES = [(1, 64, 2, 32)]

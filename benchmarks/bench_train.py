@@ -24,9 +24,9 @@ import numpy as np
 
 from fox_jax.config import preset
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
-from train import config as config_lib
-from train.metrics import device_peak_flops
-from train.trainer import init_state, make_optimizer, make_train_step
+from fox_jax.train import config as config_lib
+from fox_jax.train.metrics import device_peak_flops
+from fox_jax.train.trainer import init_state, make_optimizer, make_train_step
 from fox_jax.models import LanguageModel
 from fox_jax.ops.forgetting_attention import kernel_sharding_enabled
 

@@ -29,7 +29,7 @@ import jax._src.pallas.triton.pallas_call_registration as triton_registration  #
 
 from fox_jax.ops import pallas as fpallas  # noqa: E402
 from fox_jax.ops.context_pruning import LOG_FLOOR  # noqa: E402
-from kernels.forgetting_attention import dmask_tile  # noqa: E402
+from fox_jax.kernels.forgetting_attention import dmask_tile  # noqa: E402
 
 
 def capture_ttir(d: int, dcp: bool, b: int = 2, t: int = 2048, h: int = 8) -> list[str]:

@@ -100,7 +100,7 @@ def binned_per_position(per_position: dict) -> tuple[list[float], list[float]]:
     Returns:
       (bin centres as 1-based positions, mean loss per bin in nats).
     """
-    from train.evaluate import log_binned
+    from fox_jax.train.evaluate import log_binned
 
     loss = np.asarray([np.nan if v is None else v for v in per_position["per_position_loss"]], np.float64)
     count = np.asarray(per_position.get("per_position_count") or np.ones(len(loss)), np.float64)

@@ -23,10 +23,10 @@ python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 
 train() {  # name arch extra-overrides...
   local name=$1 arch=$2; shift 2
-  timeout $RUN_LIMIT python3 -m train.cli train --preset $PRESET --arch $arch --data $DATA --tokenizer $DATA/tokenizer \
+  timeout $RUN_LIMIT python3 -m fox_jax.train.cli train --preset $PRESET --arch $arch --data $DATA --tokenizer $DATA/tokenizer \
     --workdir $RUNS/$name --steps $STEPS --seq-len $SEQ --batch-size $BATCH --no-progress \
     $SHAPE eval_every=50 eval_batches=8 log_every=10 ckpt_every=50 optim.warmup_steps=30 "$@" > "$R/$name.log" 2>&1
-  timeout 60 python3 -m train.cli eval --workdir $RUNS/$name --num-docs 32 >> "$R/$name.log" 2>&1
+  timeout 60 python3 -m fox_jax.train.cli eval --workdir $RUNS/$name --num-docs 32 >> "$R/$name.log" 2>&1
   mkdir -p "$R/$name"; cp $RUNS/$name/metrics.jsonl $RUNS/$name/config.json "$R/$name/" 2>/dev/null
   cp $RUNS/$name/eval/*.json "$R/$name/" 2>/dev/null; true
 }

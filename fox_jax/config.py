@@ -1,6 +1,6 @@
 """Model configuration: one frozen dataclass and the paper's size presets.
 
-Architectures (specs/fox_acp.md §2):
+Architectures (docs/design/fox_acp.md §2):
 
 * ``fox-llama``          FoX (LLaMA): forgetting attention, no RoPE, SwiGLU ratio 4.
 * ``transformer-llama``  Transformer (LLaMA): softmax attention with RoPE (base 500000), SwiGLU ratio 4.
@@ -121,7 +121,7 @@ class ModelConfig:
       adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float <= 0).
       remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
         or ``"dots"`` (save matmul outputs, recompute the rest).
-      dcp: Dynamic Context Pruning (specs/dcp.md §1): every attention layer gets bias-free float32
+      dcp: Dynamic Context Pruning (docs/design/dcp.md §1): every attention layer gets bias-free float32
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).
         A DCP model's ``apply`` needs ``alpha`` and returns ``(logits, aux)`` (see ``LanguageModel``).
@@ -274,7 +274,7 @@ _SIZES = {
 
 
 def preset(size: str = "125M", arch: str = "fox-llama", **overrides) -> ModelConfig:
-    """A model config for one of ``SIZES`` and one of ``ARCHS`` (specs/fox_acp.md §2.5).
+    """A model config for one of ``SIZES`` and one of ``ARCHS`` (docs/design/fox_acp.md §2.5).
 
     The 760M Transformer uses 12 heads of dim 128 as in the paper; every other size uses head_dim 64
     (tiny: 4 heads of 32). ``overrides`` replace any field.

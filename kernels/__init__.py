@@ -1,6 +1,6 @@
 """Pallas kernels. They take arrays and block ranges and return arrays; they import nothing from fox_jax."""
 
-from kernels.forgetting_attention import (
+from fox_jax.kernels.forgetting_attention import (
     KernelConfig,
     TileConfig,
     attention_backward,

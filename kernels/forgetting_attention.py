@@ -2,9 +2,9 @@
 
 Three ``pl.pallas_call`` kernels (four with DCP) written against the Triton lowering
 (``pltriton.CompilerParams``) on GPU and run with ``interpret=True`` elsewhere. They import nothing
-from ``fox_jax``: they take arrays and block ranges and return arrays (DESIGN.md, "Layout").
+from ``fox_jax``: they take arrays and block ranges and return arrays (docs/README.md, "Repository layout").
 
-Math (specs/fox_acp.md §1, §4): with Λ the float32 cumulative log forget gate,
+Math (docs/design/fox_acp.md §1, §4): with Λ the float32 cumulative log forget gate,
 
     s_ij = scale · q_i·k_j + (Λ_i − Λ_j),   o_i = Σ_j softmax_j(s_ij) v_j   (visible j only)
 
@@ -33,7 +33,7 @@ tiles that need them: each key loop is split into a masked boundary part and an 
 (with segment ids every tile is masked, but document-aware skipping — per-block segment id ranges,
 ``seg_bounds`` — drops the tiles before the first and after the last block that shares an id).
 
-DCP (Dynamic Context Pruning, specs/dcp.md §1.4): all three kernels optionally add a log mask shared by
+DCP (Dynamic Context Pruning, docs/design/dcp.md §1.4): all three kernels optionally add a log mask shared by
 the heads, ``log_mask[b, i, j]`` (float32, natural log, [B, Tq_pad, Tk_pad]; the dK/dV kernel reads its
 transpose), to the scores, and skip tiles whose ``live`` flag is 0 (every visible pair dropped: computed
 by the caller per kernel tiling). A fourth kernel, dlogI (grid (query block, key block, batch), heads
@@ -115,7 +115,7 @@ class KernelConfig:
 
 
 # Tuned on one H200 (jax 0.11.2, Triton lowering) by three sweeps of benchmarks/bench_attention.py
-# starting from the official FoX kernel's H100/H200 table (specs/fox_acp.md §4.4); see
+# starting from the official FoX kernel's H100/H200 table (docs/design/fox_acp.md §4.4); see
 # benchmarks/NOTES.md. D=64: 4-warp tiles, 3 pipeline stages. D=128 (round 3, swept at B8 T2048 and
 # B2 T8192): a 64×64 forward tile (−6 % forward at T=2048), 128-row 8-warp dQ tiles (−6 % dQ at
 # T=8192), dK/dV 64×128 with 4 stages (−4 % at T=8192, bitwise deterministic over repeats). D=256 is

@@ -5,7 +5,7 @@ import sys
 
 import jax
 
-from train import config as config_lib, data as data_lib, trainer
+from fox_jax.train import config as config_lib, data as data_lib, trainer
 
 
 class _Died(Exception):

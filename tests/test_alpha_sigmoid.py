@@ -1,4 +1,4 @@
-"""α-sigmoid (2-class α-entmax) and the α schedule against independent references (specs/dcp.md §2)."""
+"""α-sigmoid (2-class α-entmax) and the α schedule against independent references (docs/design/dcp.md §2)."""
 
 import math
 
@@ -294,7 +294,7 @@ def decimal_sigma(z: float, alpha: float):
     """(σ_α(z), log σ_α(z), dσ/dz, d log σ/dz) as floats, in 60-digit decimal arithmetic.
 
     The smaller class probability q = σ_α(−|z|) is the root of (1−q)^a − q^a = a·|z| (a = α − 1,
-    specs/dcp.md §2.2), found by bisection on log q ∈ [−3000, log ½] (no underflow: decimal exponents
+    docs/design/dcp.md §2.2), found by bisection on log q ∈ [−3000, log ½] (no underflow: decimal exponents
     reach far below 2^−(α−1) at α = 1e4). Slopes 1/(p^{α−2} + (1−p)^{α−2}) and that over p (§2.2).
     """
     import decimal
@@ -402,7 +402,7 @@ def test_traced_alpha_large_and_infinite():
 
 def test_alpha_to_infinity_limit():
     """σ_α(z) → 1[z > 0] for z ≠ 0 (exactly once |z| ≥ 1/(α−1)), σ_α(0) = ½ for every finite α;
-    α = inf is the inference-time step function, which maps z = 0 to 0 (specs/dcp.md §2.5)."""
+    α = inf is the inference-time step function, which maps z = 0 to 0 (docs/design/dcp.md §2.5)."""
     z = jnp.asarray([-5.0, -1e-3, -1e-4, 1e-4, 1e-3, 5.0])
     step = (np.asarray(z) > 0).astype(np.float32)
     for alpha in (1e4 + 1, 1e6, 1e30):

@@ -12,7 +12,7 @@ import pytest
 
 from fox_jax.config import ARCHS, SIZES, ModelConfig
 from fox_jax.models.gpt2 import GPT2Config, gpt2_preset
-from train import cli, config as config_lib, finetune_dcp
+from fox_jax.train import cli, config as config_lib, finetune_dcp
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""DCP interaction mask, sparsity loss/metric, block flags and masked attention (specs/dcp.md §1, §3)."""
+"""DCP interaction mask, sparsity loss/metric, block flags and masked attention (docs/design/dcp.md §1, §3)."""
 
 import math
 

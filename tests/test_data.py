@@ -10,12 +10,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from train.config import DataConfig
-from train.data import (
+from fox_jax.train.config import DataConfig
+from fox_jax.train.data import (
     default_corpus_files, doc_starts, document_windows, load_corpus, make_train_iterator,
     make_val_batches, pack_windows, prepare_tokens, read_documents, resolve_paths,
 )
-from train.tokenizers import ByteTokenizer, load_tokenizer
+from fox_jax.train.tokenizers import ByteTokenizer, load_tokenizer
 
 SEP = "<|endoftext|>"
 SHARED_DATA = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
@@ -193,7 +193,7 @@ def test_cache_is_used_and_corruption_is_rebuilt(tmp_path, monkeypatch):
     first = load_corpus(cfg).train_tokens
     (cache_file,) = (tmp_path / "cache" / "tokens").glob("*.npy")
 
-    import train.data
+    import fox_jax.train.data
     real_read = train.data.read_documents
     monkeypatch.setattr(train.data, "read_documents", lambda *a, **k: pytest.fail("cache not used"))
     np.testing.assert_array_equal(load_corpus(cfg).train_tokens, first)

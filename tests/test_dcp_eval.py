@@ -16,7 +16,7 @@ from fox_jax.models.gpt2 import (GPT2, GPT2Config, add_dcp_params, init_gpt2, ma
                                  sparse_pattern_sparsity)
 from fox_jax.models.hf_gpt2 import save_hf_gpt2
 from fox_jax.ops.context_pruning import dcp_attention
-from train import cli, dcp_eval, finetune_dcp
+from fox_jax.train import cli, dcp_eval, finetune_dcp
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"

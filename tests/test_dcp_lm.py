@@ -1,5 +1,5 @@
-"""Dynamic Context Pruning in the FoX / Transformer language models (specs/dcp.md §1, §3;
-specs/fox_acp.md §2): config fields, parameters, the layer's mask and attention, the model's aux."""
+"""Dynamic Context Pruning in the FoX / Transformer language models (docs/design/dcp.md §1, §3;
+docs/design/fox_acp.md §2): config fields, parameters, the layer's mask and attention, the model's aux."""
 
 import math
 
@@ -127,7 +127,7 @@ def test_hand_set_interaction_gives_known_mask_and_dense_reference(arch, monkeyp
     # q_int = a·x₀, k_int = b·x₁ (one nonzero weight each), β = 0, a·b/√r = 1: z_{k,j} = x₀[k]·x₁[j].
     # With x₀ ≡ 1 and x₁[j] = ±1, at α = ∞ every later query drops key j iff x₁[j] = −1, so
     #   log I_{k,j} = LOG_FLOOR if j < k and x₁[j] = −1, else 0.
-    # The layer must return that mask and equal the dense oracle (specs/fox_acp.md §1.7 plus the
+    # The layer must return that mask and equal the dense oracle (docs/design/fox_acp.md §1.7 plus the
     # additive mask) applied to the layer's own q, k, v and log f (FoX) / no gate (Transformer).
     cfg = tiny(arch)
     dcp_cfg = cfg.replace(dcp=True)

@@ -12,7 +12,7 @@ import pytest
 
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from fox_jax.ops.context_pruning import sparsity_loss
-from train import cli, finetune_dcp
+from fox_jax.train import cli, finetune_dcp
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
@@ -239,7 +239,7 @@ LM_SEQ = 32
 def fox_run(corpus, tmp_path_factory):
     """A tiny FoX (LLaMA) run of the trainer (byte tokenizer, 2 steps) on the corpus fixture's text; ACP on
     (a float threshold) so that the conversion must turn it off."""
-    from train import config as config_lib, trainer
+    from fox_jax.train import config as config_lib, trainer
 
     cfg = config_lib.apply_overrides(config_lib.preset("tiny"), [
         f"data.train={corpus / 'train'}", f"data.val={corpus / 'val'}", f"data.seq_len={LM_SEQ}",
@@ -297,8 +297,8 @@ def _flat(tree):
 
 def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, tmp_path, capsys):
     from fox_jax.config import ModelConfig
-    from train import config as config_lib
-    from train.evaluate import load_params
+    from fox_jax.train import config as config_lib
+    from fox_jax.train.evaluate import load_params
 
     exp = config_lib.load_json(fox_run / "config.json")
     src, src_step = load_params(str(fox_run), exp)
@@ -367,7 +367,7 @@ def test_zeroshot_on_a_from_run_model(lm_full_run):
 
 def test_dcp_eval_refuses_a_from_run_model_clearly(lm_full_run):
     """dcp-eval's fixed-pattern baselines are GPT-2 only: a FoX fine-tuning run gets a one-line reason."""
-    from train import dcp_eval
+    from fox_jax.train import dcp_eval
 
     with pytest.raises(ValueError, match="from-run"):
         dcp_eval.load_run(str(lm_full_run))

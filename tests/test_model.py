@@ -1,4 +1,4 @@
-"""Model shapes, parameter counts (specs/fox_acp.md §2.5), equivalences, and jit/vmap/grad composability."""
+"""Model shapes, parameter counts (docs/design/fox_acp.md §2.5), equivalences, and jit/vmap/grad composability."""
 
 import jax
 import jax.numpy as jnp
@@ -187,7 +187,7 @@ def test_pro_acp_threshold_comes_from_qk_norm_weights():
 
 
 def test_weight_decay_mask_excludes_norms_and_biases():
-    from train.trainer import weight_decay_mask
+    from fox_jax.train.trainer import weight_decay_mask
     params = init_params(preset("tiny", "fox-pro", vocab_size=61), jax.random.PRNGKey(0))
     mask = weight_decay_mask(params)
     attn = mask["layers_0"]["attn"]

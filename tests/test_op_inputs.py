@@ -80,7 +80,7 @@ def test_acp_block_ranges_prune_only_tiles_below_threshold(block_q, block_k, tq)
                                                       (256, 256, 64, 32)])
 def test_acp_block_ranges_on_nonpositive_gates_are_the_official_tile_test(tq, tk, block_q, block_k):
     """With log f ≤ 0 (Λ non-increasing) the ranges are exactly those of the official kernel's test
-    Λ_r − Λ_c' < δ (specs/fox_acp.md §5.3; r the tile's first query row, c' its last key column):
+    Λ_r − Λ_c' < δ (docs/design/fox_acp.md §5.3; r the tile's first query row, c' its last key column):
     the bound for arbitrary gates costs no pruning on real models."""
     b, h = 2, 4
     logits = jax.random.uniform(jax.random.PRNGKey(tq), (b, tk, h), jnp.float32, 0.0, 10.0)

@@ -32,7 +32,7 @@ from fox_jax.ops import acp as acp_lib
 from fox_jax.ops import forgetting_attention, forgetting_attention_reference
 from fox_jax.ops import pallas as fpallas
 from fox_jax.ops.reference import decay_cumsum
-from kernels.forgetting_attention import KernelConfig, TileConfig
+from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig
 
 _TOL = {  # (output, gradients), relative to the reference's max magnitude
     jnp.float32: (2e-5, 2e-5),
@@ -117,7 +117,7 @@ def test_matches_dense_reference(b, tq, tk, h, hkv, d, dtype, seq_start, segment
 
 
 def _acp_inputs(b=1, t=256, h=4, d=32, seed=3):
-    """Synthetic gates as in specs/anchors_h200.md: per-head gate logits ~ N(μ_h, 1), μ_h evenly spaced
+    """Synthetic gates as in docs/design/anchors_h200.md: per-head gate logits ~ N(μ_h, 1), μ_h evenly spaced
     in [0, 3]; q/k rows normalised to norm √D (so U = scale·√D·√D and the auto bound is valid)."""
     ks = jax.random.split(jax.random.PRNGKey(seed), 5)
     q = jax.random.normal(ks[0], (b, t, h, d))
@@ -211,7 +211,7 @@ def test_grid_order_does_not_change_results():
         for a, b in zip(jax.tree_util.tree_leaves(outs[0]), jax.tree_util.tree_leaves(other)):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     # the per-kernel setting wins over the config-wide one
-    from kernels.forgetting_attention import _interleave
+    from fox_jax.kernels.forgetting_attention import _interleave
     assert [_interleave(per_kernel, t, None) for t in (per_kernel.fwd, per_kernel.dq, per_kernel.dkv)] == [
         False, True, True]
     assert _interleave(base, base.fwd, object()) and not _interleave(base, base.fwd, None)
@@ -370,7 +370,7 @@ def test_bench_gates_from_trained_run(tmp_path):
 
     from fox_jax.models import LanguageModel  # noqa: F401  (model import before the bench)
     from fox_jax.nn.layers import RMSNorm
-    from train import config as config_lib, trainer
+    from fox_jax.train import config as config_lib, trainer
 
     root = Path(__file__).resolve().parents[1]
     corpus = tmp_path / "corpus"
@@ -505,7 +505,7 @@ def test_grid_order_rule_of_the_default_configs():
     below); the forward stays block-major; ACP ranges or explicit settings take precedence."""
     import dataclasses
 
-    from kernels.forgetting_attention import _interleave, default_config
+    from fox_jax.kernels.forgetting_attention import _interleave, default_config
 
     c = default_config(128)
     assert c.interleave_bwd_from == 16384 and c.dkv.num_stages == 4

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from train import cli, config as config_lib, data as data_lib, trainer
-from train.checkpoints import CheckpointError
+from fox_jax.train import cli, config as config_lib, data as data_lib, trainer
+from fox_jax.train.checkpoints import CheckpointError
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -51,7 +51,7 @@ def test_train_eval_and_metrics(corpus_dir, tmp_path):
     assert [r["step"] for r in evals] == [4, 8] and all("val_ppl" in r for r in evals)
     assert result.val_loss == pytest.approx(evals[-1]["val_loss"])
     assert any(p.name.startswith("events") for p in (tmp_path / "run" / "tb").iterdir())
-    from train import evaluate
+    from fox_jax.train import evaluate
     report = evaluate.evaluate_run(str(tmp_path / "run"), num_docs=4)
     assert report["step"] == 8 and report["val_ppl"] > 1
     assert os.path.exists(report["per_position_png"])
@@ -244,7 +244,7 @@ def test_corrupt_latest_checkpoint_names_the_intact_step_and_the_command(cli_run
 def test_shape_mismatch_against_a_readable_checkpoint_is_not_corruption(cli_run):
     import jax
 
-    from train.checkpoints import Checkpointer, CorruptCheckpointError
+    from fox_jax.train.checkpoints import Checkpointer, CorruptCheckpointError
 
     cfg = config_lib.load_json(cli_run / "config.json")
     other = config_lib.apply_overrides(cfg, ["model.d_model=64"])

@@ -10,8 +10,8 @@ import jax
 import numpy as np
 import pytest
 
-from train import cli, zeroshot
-from train.tokenizers import ByteTokenizer
+from fox_jax.train import cli, zeroshot
+from fox_jax.train.tokenizers import ByteTokenizer
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 EVAL_DIR = SHARED / "eval"
@@ -255,8 +255,8 @@ def test_cli_hf_gpt2_limit_4(hf_dir, tmp_path, capsys):
 
 @needs_eval
 def test_cli_workdir_language_model(tmp_path, capsys):
-    from train import config as config_lib, trainer
-    from train.checkpoints import Checkpointer
+    from fox_jax.train import config as config_lib, trainer
+    from fox_jax.train.checkpoints import Checkpointer
 
     cfg = config_lib.apply_overrides(config_lib.preset("tiny"), [
         "data.tokenizer=bytes", "data.seq_len=64", "model.n_layers=1", "model.d_model=32", "model.n_heads=2",

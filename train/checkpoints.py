@@ -129,7 +129,7 @@ class Checkpointer:
                 shutil.move(os.path.join(self.directory, str(s)), target)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
-            multihost_utils.sync_global_devices("train.checkpoints.set_aside_after")
+            multihost_utils.sync_global_devices("fox_jax.train.checkpoints.set_aside_after")
         self.manager.reload()
         return steps
 

@@ -18,13 +18,13 @@ import re
 import shlex
 import sys
 
-from train import config as config_lib
+from fox_jax.train import config as config_lib
 
 
 def _add_common(p: argparse.ArgumentParser, *, evaluating: bool = False) -> None:
     p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/, metrics.jsonl, tb/)")
     p.add_argument("--data", nargs="+", help="text: files, directories or globs of .txt/.jsonl, or a directory "
-                   "written by 'python -m train.data' (its tokenizer/ is then the default --tokenizer); default: "
+                   "written by 'python -m fox_jax.train.data' (its tokenizer/ is then the default --tokenizer); default: "
                    + ("the run's data" if evaluating else "the Python standard library source"))
     p.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data)")
     p.add_argument("--tokenizer", help="'bytes', a dir with GPT-2 vocab.json + merges.txt, or a tokenizer.json")
@@ -67,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="accepted like in the other commands (eval prints no bars)")
     _add_common(e, evaluating=True)
 
-    from train import dcp_eval, finetune_dcp, zeroshot  # handlers: cmd_finetune_dcp, cmd_zeroshot, cmd_dcp_eval
+    from fox_jax.train import dcp_eval, finetune_dcp, zeroshot  # handlers: cmd_finetune_dcp, cmd_zeroshot, cmd_dcp_eval
     finetune_dcp.add_subparser(sub)
     zeroshot.add_subparser(sub)
     dcp_eval.add_subparser(sub)
@@ -107,7 +107,7 @@ def _check_paths(cfg: config_lib.ExperimentConfig) -> None:
 
 
 def cmd_train(args) -> int:
-    from train import trainer
+    from fox_jax.train import trainer
 
     overrides = _explicit_overrides(args)
     cfg_path = os.path.join(args.workdir, "config.json")
@@ -139,7 +139,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from train import evaluate
+    from fox_jax.train import evaluate
 
     report = evaluate.evaluate_run(args.workdir, overrides=_explicit_overrides(args), step=args.step,
                                    num_batches=args.num_batches, num_docs=args.num_docs)
@@ -234,7 +234,7 @@ def continue_command(argv: list[str], command: str, step: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
-    from train.checkpoints import CheckpointError, CorruptCheckpointError
+    from fox_jax.train.checkpoints import CheckpointError, CorruptCheckpointError
 
     try:
         args = parse_args(argv)

@@ -55,7 +55,7 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay (specs/fox_acp.md §3).
+    """AdamW with linear warmup then cosine decay (docs/design/fox_acp.md §3).
 
     ``weight_decay`` is not applied to norm weights and biases. ``min_lr_ratio`` is the final
     learning rate as a fraction of ``lr`` (the paper decays to 0). Every field is checked against

@@ -15,7 +15,7 @@ which is cheap once the token cache exists, so pass the ``Corpus`` when you have
 - ``make_val_batches(data, batch_size, num_batches, *, tokenizer=None, process_index=0, process_count=1)
   -> list[Batch]``
 - ``document_windows(data, num_docs, *, tokenizer=None) -> dict[str, np.ndarray]`` (per-position loss)
-- ``prepare_tokens(data_cfg, out_dir) -> Path`` (also ``python -m train.data OUT_DIR --data ... --tokenizer ...``)
+- ``prepare_tokens(data_cfg, out_dir) -> Path`` (also ``python -m fox_jax.train.data OUT_DIR --data ... --tokenizer ...``)
 - building blocks: ``resolve_paths``, ``read_documents``, ``default_corpus_files``, ``tokenize_documents``,
   ``doc_starts``, ``pack_windows``, ``token_dtype``.
 
@@ -74,8 +74,8 @@ import grain
 import numpy as np
 from tqdm import tqdm
 
-from train.config import DataConfig
-from train.tokenizers import Tokenizer, load_tokenizer
+from fox_jax.train.config import DataConfig
+from fox_jax.train.tokenizers import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -667,9 +667,9 @@ def prepare_tokens(data_cfg: DataConfig, out_dir: str | Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """``python -m train.data OUT_DIR --data ... [--val-data ...] --tokenizer ...``: run ``prepare_tokens``."""
+    """``python -m fox_jax.train.data OUT_DIR --data ... [--val-data ...] --tokenizer ...``: run ``prepare_tokens``."""
     defaults = DataConfig()
-    p = argparse.ArgumentParser(prog="python -m train.data", description=prepare_tokens.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m fox_jax.train.data", description=prepare_tokens.__doc__.splitlines()[0])
     p.add_argument("out_dir")
     p.add_argument("--data", nargs="*", default=[], help="text files/dirs/globs (default: Python stdlib)")
     p.add_argument("--val-data", nargs="*", default=[], help="validation files (default: hold out documents)")

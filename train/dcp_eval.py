@@ -1,11 +1,11 @@
-"""``fox-jax dcp-eval``: the Dynamic Context Pruning evaluation (specs/dcp.md §3.2, §4, §6).
+"""``fox-jax dcp-eval``: the Dynamic Context Pruning evaluation (docs/design/dcp.md §3.2, §4, §6).
 
 For a dense base GPT-2 and one or more DCP fine-tuned runs (``fox-jax finetune-dcp`` run directories, or
 HF directories with ``dcp_interaction.safetensors``), on the **same validation windows** (the first
 ``num_batches × batch_size`` windows of the validation stream, ``train.data.make_val_batches``):
 
 1. **Perplexity vs sparsity.** Validation loss / perplexity and pair sparsity (fraction of causal
-   (query, key) pairs dropped, specs/dcp.md §3.2; overall = mean over layers, and per layer) of the dense
+   (query, key) pairs dropped, docs/design/dcp.md §3.2; overall = mean over layers, and per layer) of the dense
    model and of every DCP run, with the inference step mask α = ∞ (``finetune_dcp.make_eval_step`` /
    ``finetune_dcp.evaluate``: the fine-tuning run's own validation). For every DCP run, the dense model
    with a **fixed local-window** and a **fixed strided** pattern (``GPT2Config.sparse_pattern``) at the
@@ -63,10 +63,10 @@ from tqdm.auto import tqdm
 from fox_jax.models.gpt2 import GPT2, GPT2Config, SPARSE_PATTERNS, match_sparse_pattern, sparse_pattern_log_mask
 from fox_jax.models.hf_gpt2 import CONFIG_NAME as HF_CONFIG_NAME, DCP_NAME, load_hf_gpt2
 from fox_jax.ops.context_pruning import LOG_FLOOR, sparsity
-from train import data as data_lib
-from train import finetune_dcp
-from train.config import DataConfig
-from train.tokenizers import load_tokenizer
+from fox_jax.train import data as data_lib
+from fox_jax.train import finetune_dcp
+from fox_jax.train.config import DataConfig
+from fox_jax.train.tokenizers import load_tokenizer
 
 DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 TOKEN_CLASSES = ("special", "whitespace", "punctuation", "stopword", "other")
@@ -205,7 +205,7 @@ def _display(m: EvalModel) -> str:
 # ---------------------------------------------------------------------------------------------
 
 def pattern_sparsity_on_batches(pattern: str, batches: Sequence[dict]) -> float:
-    """Measured sparsity of a fixed pattern on packed validation batches (specs/dcp.md §3.2).
+    """Measured sparsity of a fixed pattern on packed validation batches (docs/design/dcp.md §3.2).
 
     The pattern mask does not depend on the weights, so this is ``context_pruning.sparsity`` of
     ``sparse_pattern_log_mask`` with each batch's ``segment_ids`` (only pairs inside one document count),
@@ -307,7 +307,7 @@ def token_class(text: str, *, special: bool = False) -> str:
 
 def drop_statistics(dropped: np.ndarray, token_texts: Sequence[str], classes: Sequence[str], *,
                     top: int = 15) -> dict:
-    """Per-layer statistics of a step mask (specs/dcp.md §6).
+    """Per-layer statistics of a step mask (docs/design/dcp.md §6).
 
     Args:
       dropped: [L, T, T] bool from ``step_masks`` (query k, key j).
@@ -813,7 +813,7 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
                    "val_data": list(data_cfg.val) or list(data_cfg.train), "tokenizer": corpus.tokenizer.name,
                    "curve_sparsities": list(curve_sparsities), "alpha": "inf",
                    "sparsity_definition": "fraction of strictly causal (query, key) pairs dropped, within documents, "
-                                          "mean over layers (specs/dcp.md §3.2)",
+                                          "mean over layers (docs/design/dcp.md §3.2)",
                    "baselines": "dense model weights with a fixed GPT2Config.sparse_pattern, not fine-tuned; "
                                 "local:W keeps i-W<j<=i; strided:S keeps i-j<S or j%S==S-1"},
         "dense": {"label": dense.label, "path": dense.path, **dense_res},

@@ -23,10 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.models import LanguageModel
-from train import config as config_lib
-from train import data as data_lib
-from train.checkpoints import restore_run
-from train.trainer import evaluate_loss, init_state, make_eval_step, make_optimizer, token_losses
+from fox_jax.train import config as config_lib
+from fox_jax.train import data as data_lib
+from fox_jax.train.checkpoints import restore_run
+from fox_jax.train.trainer import evaluate_loss, init_state, make_eval_step, make_optimizer, token_losses
 
 
 def load_params(workdir: str, cfg: config_lib.ExperimentConfig, step: int | None = None):

@@ -14,7 +14,7 @@ Two sources of the pretrained model (exactly one):
 Everything else (loss, α schedule, optimizer, metrics, evaluation, checkpoints, exact resume) is the same
 for both.
 
-The recipe of the reference code (specs/dcp.md §4), as defaults:
+The recipe of the reference code (docs/design/dcp.md §4), as defaults:
 
 * model: the pretrained model plus fresh interaction parameters per layer (q_int, k_int
   [d, r] ~ N(0, 0.02), β = 2.0; r = 64). **All** parameters train; dropout 0; float32 (``--dtype``
@@ -42,7 +42,7 @@ The recipe of the reference code (specs/dcp.md §4), as defaults:
   default the run's seq_len); batch 6 (the README's).
 
 Validation (every ``eval_every`` steps and at the end): cross-entropy / perplexity with the **inference
-step mask α = ∞**, and the pair sparsity it produces (fraction of causal pairs dropped, specs/dcp.md §3.2)
+step mask α = ∞**, and the pair sparsity it produces (fraction of causal pairs dropped, docs/design/dcp.md §3.2)
 overall and per layer. Training rows log the sparsity of the current soft mask (pairs whose log I hit the
 floor, ≈ 0 while α ≈ 1).
 
@@ -85,12 +85,12 @@ from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from fox_jax.models.lm import LanguageModel, add_dcp_params, init_params
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
-from train import data as data_lib
-from train.checkpoints import Checkpointer, CheckpointError, restore_run
-from train import config as config_lib
-from train.config import DataConfig
-from train.metrics import MetricWriter
-from train.trainer import TrainState, set_aside_later, weight_decay_mask
+from fox_jax.train import data as data_lib
+from fox_jax.train.checkpoints import Checkpointer, CheckpointError, restore_run
+from fox_jax.train import config as config_lib
+from fox_jax.train.config import DataConfig
+from fox_jax.train.metrics import MetricWriter
+from fox_jax.train.trainer import TrainState, set_aside_later, weight_decay_mask
 
 CONFIG_NAME = "finetune_config.json"
 MODEL_CONFIG_NAME = "model_config.json"
@@ -102,7 +102,7 @@ LR_DECAYS = ("constant", "cosine")
 
 @dataclasses.dataclass(frozen=True)
 class FinetuneConfig:
-    """A DCP fine-tuning run (defaults: the reference recipe, specs/dcp.md §4; see the module docstring).
+    """A DCP fine-tuning run (defaults: the reference recipe, docs/design/dcp.md §4; see the module docstring).
 
     Attributes:
       hf_gpt2: the pretrained HF GPT-2 directory (exclusive with ``from_run``).
@@ -349,8 +349,8 @@ def load_source_run(run_dir: str, step: int | None = None):
       ValueError: a finetune-dcp run, or a model that already has DCP.
       CheckpointError: no checkpoint (for ``step``), or an unreadable / mismatched one.
     """
-    from train import config as config_lib
-    from train.evaluate import load_params
+    from fox_jax.train import config as config_lib
+    from fox_jax.train.evaluate import load_params
 
     exp = config_lib.load_json(check_source_run(run_dir))
     if exp.model.dcp:
@@ -818,7 +818,7 @@ def _add_run_flags(f, d: FinetuneConfig, *, pretrain: bool = False) -> None:
     """Flags shared by ``finetune-dcp`` and ``pretrain-gpt2`` (data, optimizer, loop)."""
     f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl; hf/ for GPT-2)")
     f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl), or a "
-                   "directory written by 'python -m train.data'"
+                   "directory written by 'python -m fox_jax.train.data'"
                    + ("" if pretrain else " (default for --from-run: the run's training text)"))
     f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data"
                    + (")" if pretrain else "; for --from-run without --data: the run's validation text)"))
@@ -925,7 +925,7 @@ def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig
     dkw = {}
     from_run = kw.get("from_run") if base is None else None
     if from_run and not args.data:  # the run's own text
-        from train import config as config_lib
+        from fox_jax.train import config as config_lib
 
         run_data = config_lib.load_json(os.path.join(from_run, "config.json")).data
         dkw.update({k: getattr(run_data, k) for k in ("train", "val", "separator", "text_field", "val_fraction",

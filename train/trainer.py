@@ -19,10 +19,10 @@ from tqdm.auto import tqdm
 
 from fox_jax.models import LanguageModel, count_params, init_params
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
-from train import config as config_lib
-from train import data as data_lib
-from train.checkpoints import Checkpointer
-from train.metrics import MetricWriter, device_peak_flops, format_log_line
+from fox_jax.train import config as config_lib
+from fox_jax.train import data as data_lib
+from fox_jax.train.checkpoints import Checkpointer
+from fox_jax.train.metrics import MetricWriter, device_peak_flops, format_log_line
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -38,7 +38,7 @@ class TrainState(flax.struct.PyTreeNode):
 
 def weight_decay_mask(params) -> Any:
     """True for linear kernels and embeddings; False for every norm scale (block norms, QK-norm,
-    output norm — some are 2-D) and every bias (specs/fox_acp.md §2.3, pitfall 9)."""
+    output norm — some are 2-D) and every bias (docs/design/fox_acp.md §2.3, pitfall 9)."""
     def decays(path, _):
         return getattr(path[-1], "key", None) in ("kernel", "embedding")
     return jax.tree_util.tree_map_with_path(decays, params)

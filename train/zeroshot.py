@@ -471,7 +471,7 @@ def _next_token_scores(logits, targets):
 
 
 def _dropped_pairs(log_masks, lengths):
-    """DCP pair counts of right-padded rows (specs/dcp.md §3.2).
+    """DCP pair counts of right-padded rows (docs/design/dcp.md §3.2).
 
     Args:
       log_masks: [L, B, T, T] float32 log I of every layer (the model's ``aux["log_masks"]``).
@@ -496,7 +496,7 @@ def _dropped_pairs(log_masks, lengths):
 class _Scorer:
     """A jitted ``(tokens [N, L], lengths [N]) -> (log p of each next token, greedy hit)`` scorer over a
     model's ``forward(params, inputs) -> (logits, log masks [L, N, T, T] or None)``. For DCP models
-    ``stats()`` gives the pair sparsity (specs/dcp.md §3.2) of the text scored since the last
+    ``stats()`` gives the pair sparsity (docs/design/dcp.md §3.2) of the text scored since the last
     ``reset_stats()``: the fraction of causal (query, key) pairs of real (non-padding) input tokens that
     the mask drops, overall (``sparsity``, mean over layers) and per layer (``sparsity_layer_{i}``)."""
 
@@ -562,7 +562,7 @@ class LanguageModelScorer(_Scorer):
 
 class GPT2Scorer(_Scorer):
     """Scorer for ``fox_jax.models.GPT2`` params: dense, or DCP with a fixed α (default ∞, the inference
-    step mask of specs/dcp.md §2.5); see ``_Scorer`` for ``stats()``.
+    step mask of docs/design/dcp.md §2.5); see ``_Scorer`` for ``stats()``.
 
     Args:
       cfg: ``GPT2Config``.
@@ -623,7 +623,7 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
       FileNotFoundError / ValueError: a missing directory, config or tokenizer; --dcp for a model without
         DCP; a tokenizer with more ids than the model's vocabulary.
     """
-    from train.tokenizers import load_tokenizer
+    from fox_jax.train.tokenizers import load_tokenizer
 
     tokenizer_spec = args.tokenizer
     if args.hf_gpt2:
@@ -647,7 +647,7 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
     else:
         workdir = Path(args.workdir)
         if (workdir / "finetune_config.json").is_file():
-            from train import finetune_dcp
+            from fox_jax.train import finetune_dcp
 
             cfg, params, step, ft = finetune_dcp.load_finetuned(str(workdir), step=args.step, dcp=bool(args.dcp))
             tokenizer_spec = tokenizer_spec or ft.data.tokenizer
@@ -665,8 +665,8 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
                 raise ValueError("--dcp needs a DCP model (--hf-gpt2 or a finetune-dcp --workdir); this 'fox-jax "
                                  "train' LanguageModel has no DCP params (add them with 'fox-jax finetune-dcp "
                                  "--from-run')")
-            from train import config as config_lib
-            from train.evaluate import load_params
+            from fox_jax.train import config as config_lib
+            from fox_jax.train.evaluate import load_params
 
             cfg_path = workdir / "config.json"
             if not cfg_path.is_file():

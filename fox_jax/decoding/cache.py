@@ -1,4 +1,4 @@
-"""Dense KV caches for incremental decoding (specs/fox_acp.md §2.6, specs/inference.md §4).
+"""Dense KV caches for incremental decoding (docs/design/fox_acp.md §2.6).
 
 One ``LayerKVCache`` per attention layer, a plain pytree (NamedTuple) with a fixed capacity C, so the
 decode step has static shapes: it compiles once and runs inside ``lax.scan`` / ``lax.while_loop``.
@@ -204,7 +204,7 @@ def _pair_add(a: tuple, b: tuple) -> tuple:
 
 
 def accumulate_log_fgate(prev_hi: jax.Array, prev_lo: jax.Array, log_fgate: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Λ of each token of a chunk: Λ_t = Λ_prev + Σ_{n ≤ t} log f_n (specs/fox_acp.md §1.1), as pairs.
+    """Λ of each token of a chunk: Λ_t = Λ_prev + Σ_{n ≤ t} log f_n (docs/design/fox_acp.md §1.1), as pairs.
 
     Args:
       prev_hi, prev_lo: [B, H] float32, Λ of the token before the chunk (zeros for none).

@@ -1,4 +1,4 @@
-"""The packed, pruned KV cache of Dynamic Context Pruning (specs/dcp.md §5).
+"""The packed, pruned KV cache of Dynamic Context Pruning (docs/design/dcp.md §5).
 
 Per layer a ``PackedKVCache`` holds C slots in no particular order; a slot is live iff ``occupied``.
 GPT-2's positions are learned and added to the input, so attention does not care where a token sits

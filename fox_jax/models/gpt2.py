@@ -1,4 +1,4 @@
-"""GPT-2 in Flax Linen, with optional Dynamic Context Pruning (specs/dcp.md §1, §4).
+"""GPT-2 in Flax Linen, with optional Dynamic Context Pruning (docs/design/dcp.md §1, §4).
 
 The architecture is Hugging Face's ``GPT2LMHeadModel`` (Radford et al. 2019): learned absolute
 positions (n_positions = 1024), pre-norm blocks with LayerNorm (ε = 1e-5), fused ``c_attn``
@@ -19,7 +19,7 @@ keep logits z = q_int·k_intᵀ/√r + β, the cumulative keep mask log I (α-si
 passed to ``apply``) once per layer, and adds it to every head's logits (``dcp_attention``).
 
 With ``config.sparse_pattern`` (a dense, non-DCP model) every layer instead adds a **fixed** 0/−inf
-log-mask — the local-window and strided baselines of the DCP paper (specs/dcp.md §4 "baselines in
+log-mask — the local-window and strided baselines of the DCP paper (docs/design/dcp.md §4 "baselines in
 paper", §6 attention.png) — through the same ``dcp_attention``, so fully dropped tiles are skipped:
 
     "local:W"    query i sees keys j with i − W < j ≤ i (its last W keys, itself included)
@@ -158,7 +158,7 @@ class GPT2Config:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixed sparse attention patterns (the local-window and strided baselines of DCP, specs/dcp.md §4)
+# Fixed sparse attention patterns (the local-window and strided baselines of DCP, docs/design/dcp.md §4)
 # ---------------------------------------------------------------------------------------------
 
 SPARSE_PATTERNS = ("local", "strided")
@@ -220,7 +220,7 @@ def sparse_pattern_keep(pattern: str, seq_len: int, *, xp=jnp):
 
 
 def sparse_pattern_log_mask(pattern: str, seq_len: int) -> jax.Array:
-    """The additive log-mask of a fixed pattern, in the form ``dcp_attention`` takes (specs/dcp.md §1.4).
+    """The additive log-mask of a fixed pattern, in the form ``dcp_attention`` takes (docs/design/dcp.md §1.4).
 
     Args:
       pattern: ``"local:W"`` or ``"strided:S"`` (``sparse_pattern_keep``).
@@ -248,7 +248,7 @@ def _kept_pairs(kind: str, size: int, seq_len: int) -> int:
 
 
 def sparse_pattern_sparsity(pattern: str, seq_len: int) -> float:
-    """Exact fraction of strictly causal (query, key) pairs a fixed pattern drops (specs/dcp.md §3.2).
+    """Exact fraction of strictly causal (query, key) pairs a fixed pattern drops (docs/design/dcp.md §3.2).
 
         sparsity = 1 − kept / (T(T−1)/2),   kept = Σ_i #{j < i kept for query i}
 
@@ -318,7 +318,7 @@ GPT2_SIZES = {
 
 
 def gpt2_preset(name: str = "gpt2", **overrides) -> GPT2Config:
-    """The config of a released GPT-2 size (specs/dcp.md §4: small/medium/large/XL).
+    """The config of a released GPT-2 size (docs/design/dcp.md §4: small/medium/large/XL).
 
     Raises:
       ValueError: unknown name (one of ``GPT2_SIZES``).
@@ -541,7 +541,7 @@ def init_gpt2(cfg: GPT2Config, rng: jax.Array) -> dict:
 
 def add_dcp_params(cfg: GPT2Config, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
                    beta_init: float | None = None) -> tuple[GPT2Config, dict]:
-    """Add fresh DCP parameters to a dense GPT-2 (the start of DCP fine-tuning, specs/dcp.md §1.1, §4).
+    """Add fresh DCP parameters to a dense GPT-2 (the start of DCP fine-tuning, docs/design/dcp.md §1.1, §4).
 
     Every layer gets ``attn/q_int/kernel`` and ``attn/k_int/kernel`` [d, r] ~ N(0, init_std) (the
     effective init of the reference code) and ``attn/beta`` = beta_init. Existing weights are kept.

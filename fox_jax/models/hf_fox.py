@@ -18,7 +18,7 @@ Config mapping (official field -> ``ModelConfig`` field):
     fgate_type "full"/"none" -> use_fgate True/False     qk_norm -> qk_norm
     qk_norm_share_param_across_head -> qk_norm_shared    use_output_gate -> output_gate
     use_output_norm -> output_norm      use_k_shift = use_v_shift -> kv_shift
-    log_pruning_tolerance None / -10.0 -> adaptive_threshold None / "auto" (log ε = −10, specs/fox_acp.md §5)
+    log_pruning_tolerance None / -10.0 -> adaptive_threshold None / "auto" (log ε = −10, docs/design/fox_acp.md §5)
 
 Refused with a ``ValueError`` naming the field (fox_jax has no equivalent): ``fgate_type`` "bias_only" or
 "fixed", ``fgate_bias_init``, ``decay_time_min`` / ``decay_time_max``, ``ogate_act`` "silu" (with an

@@ -1,10 +1,10 @@
-"""FoX and Transformer language models (specs/fox_acp.md §2).
+"""FoX and Transformer language models (docs/design/fox_acp.md §2).
 
     tokens → embed → N × [x + Attn(RMSNorm(x)); x + SwiGLU(RMSNorm(x))] → RMSNorm → LM head
 
 Untied embeddings, no biases except the forget gate's, no dropout, every matrix ~ N(0, 0.02).
 
-With ``ModelConfig.dcp`` every attention layer also prunes its context dynamically (specs/dcp.md §1;
+With ``ModelConfig.dcp`` every attention layer also prunes its context dynamically (docs/design/dcp.md §1;
 see ``ForgettingAttentionLayer``), and the model follows ``fox_jax.models.gpt2.GPT2``'s DCP interface::
 
     logits, aux = LanguageModel(cfg).apply({"params": p}, tokens, alpha=alpha, segment_ids=seg)
@@ -61,7 +61,7 @@ class LanguageModel(nn.Module):
         tokens are appended to the cache (a prefill on a fresh cache, a chunk or a decode step on a
         live one); any split of a sequence gives the logits of one pass. Not supported with DCP.
       alpha: keyword-only, DCP only (as ``GPT2``): required when ``cfg.dcp``, ignored otherwise. α of
-        the α-sigmoid (specs/dcp.md §2): a Python float ≥ 1, ``float('inf')`` for the inference step
+        the α-sigmoid (docs/design/dcp.md §2): a Python float ≥ 1, ``float('inf')`` for the inference step
         mask, or a traced float32 scalar (e.g. from ``cosine_alpha_schedule``; no recompile per value).
     Returns:
       Without DCP: logits [B, T, vocab_size] in the compute dtype (cast to float32 for the loss); with
@@ -121,7 +121,7 @@ class LanguageModel(nn.Module):
 
 
 def dcp_aux(log_masks: jax.Array, segment_ids: jax.Array | None = None) -> dict[str, Any]:
-    """The DCP outputs of a forward pass, as ``GPT2`` returns them (specs/dcp.md §3).
+    """The DCP outputs of a forward pass, as ``GPT2`` returns them (docs/design/dcp.md §3).
 
     Args:
       log_masks: [L, B, T, T] float32 log I of every layer.
@@ -151,7 +151,7 @@ def init_params(cfg: ModelConfig, rng: jax.Array, seq_len: int = 8) -> dict:
 
 def add_dcp_params(cfg: ModelConfig, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
                    beta_init: float | None = None) -> tuple[ModelConfig, dict]:
-    """Add fresh DCP parameters to a pretrained dense FoX/Transformer LM (specs/dcp.md §1.1, §4).
+    """Add fresh DCP parameters to a pretrained dense FoX/Transformer LM (docs/design/dcp.md §1.1, §4).
 
     Every layer gets ``layers_{i}/attn/q_int/kernel`` and ``layers_{i}/attn/k_int/kernel`` [d, r]
     float32 ~ N(0, cfg.init_std) (the reference code's effective N(0, 0.02) init) and the scalar

@@ -1,5 +1,5 @@
-"""The attention layer of FoX and of the Transformer baselines (specs/fox_acp.md §2.1–2.4), with
-optional Dynamic Context Pruning (specs/dcp.md §1)."""
+"""The attention layer of FoX and of the Transformer baselines (docs/design/fox_acp.md §2.1–2.4), with
+optional Dynamic Context Pruning (docs/design/dcp.md §1)."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ class ForgettingAttentionLayer(nn.Module):
     σ(``ogate_proj`` x). With QK-norm and ``adaptive_threshold="auto"`` the ACP threshold comes from the
     QK-norm weights (per head, spec §5.2) rather than from the activations.
 
-    DCP (``cfg.dcp``, specs/dcp.md §1.1–1.4): from the same normed input x, in float32, bias-free
+    DCP (``cfg.dcp``, docs/design/dcp.md §1.1–1.4): from the same normed input x, in float32, bias-free
     ``q_int``/``k_int`` (d → r, N(0, init_std)) and a scalar ``beta`` (init ``cfg.dcp_beta_init``) give
     the keep logits z = q_int·k_intᵀ/√r + β [B, T, T] and the cumulative keep log-mask
     log I = ``cumulative_keep_log_mask(z, alpha)`` (once per layer, shared by all heads), which

@@ -1,4 +1,4 @@
-"""Building blocks shared by the FoX and Transformer models (specs/fox_acp.md §2.1).
+"""Building blocks shared by the FoX and Transformer models (docs/design/fox_acp.md §2.1).
 
 All modules are Flax Linen, keep float32 parameters and compute in ``dtype``.
 """

@@ -1,6 +1,6 @@
 """Adaptive Computation Pruning (ACP): thresholds, block ranges and pruning statistics.
 
-specs/fox_acp.md §5. With every logit bounded, |scale·q_i·k_j| ≤ U, dropping all (i, j) whose decay
+docs/design/fox_acp.md §5. With every logit bounded, |scale·q_i·k_j| ≤ U, dropping all (i, j) whose decay
 D_ij = Λ_i − Λ_j is below
 
     δ = −(2U + log N) + log ε                                                   (§5.1)
@@ -37,7 +37,7 @@ DEFAULT_LOG_EPSILON = -10.0
 
 
 def threshold_from_bound(u: jax.Array, key_len: int, log_epsilon: float = DEFAULT_LOG_EPSILON) -> jax.Array:
-    """δ = −(2U + log N) + log ε (specs/fox_acp.md §5.1), elementwise in U (float32)."""
+    """δ = −(2U + log N) + log ε (docs/design/fox_acp.md §5.1), elementwise in U (float32)."""
     return -(2.0 * jnp.asarray(u, jnp.float32) + math.log(key_len)) + log_epsilon
 
 
@@ -67,7 +67,7 @@ def qk_norm_threshold(
     sm_scale: float | None = None,
     log_epsilon: float = DEFAULT_LOG_EPSILON,
 ) -> jax.Array:
-    """Weight-based bound for QK-norm models (specs/fox_acp.md §5.2).
+    """Weight-based bound for QK-norm models (docs/design/fox_acp.md §5.2).
 
     After RMS normalisation ‖q‖ ≤ √D·max|w_q| (eps only shrinks it), so
     U_h = scale · D · max|w_q,h| · max|w_k,h|  (= √D·max|w_q,h|·max|w_k,h| at scale 1/√D).

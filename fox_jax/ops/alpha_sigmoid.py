@@ -1,8 +1,8 @@
-"""The α-sigmoid: the exact 2-class α-entmax, and the α schedule (specs/dcp.md §2).
+"""The α-sigmoid: the exact 2-class α-entmax, and the α schedule (docs/design/dcp.md §2).
 
     σ_α(z) = α-entmax([z, 0])₁,      α-entmax(x)_i = [(α−1)·x_i − τ]_+^{1/(α−1)},  Σ_i p_i = 1.
 
-Closed description used here (specs/dcp.md §2.2): with a = α − 1 and e = 1/a,
+Closed description used here (docs/design/dcp.md §2.2): with a = α − 1 and e = 1/a,
 
 * σ_α(z) = 0 exactly for z ≤ −e and 1 exactly for z ≥ e (the support edge);
 * inside, p = σ_α(z) is the unique root in (0, 1) of  g(p) = (p^a − (1−p)^a)/a = z;
@@ -235,7 +235,7 @@ def _alpha_sigmoid_both(x, alpha, n_iter):
 
 
 def alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) -> jax.Array:
-    """σ_α(x) = α-entmax([x, 0])₁, the keep probability of Dynamic Context Pruning (specs/dcp.md §2).
+    """σ_α(x) = α-entmax([x, 0])₁, the keep probability of Dynamic Context Pruning (docs/design/dcp.md §2).
 
     Exact 2-class α-entmax: 0 exactly for x ≤ −1/(α−1), 1 exactly for x ≥ 1/(α−1), otherwise the
     root p ∈ (0, 1) of (p^{α−1} − (1−p)^{α−1})/(α−1) = x (found by bisection, §2.2/§2.6).
@@ -267,7 +267,7 @@ def alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) -> jax
 
 
 def log_alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) -> jax.Array:
-    """log σ_α(x), accurate in the tail (the log keep probability of the DCP mask, specs/dcp.md §1.5).
+    """log σ_α(x), accurate in the tail (the log keep probability of the DCP mask, docs/design/dcp.md §1.5).
 
     Same arguments, dtypes and errors as ``alpha_sigmoid``. Returns −inf exactly where σ_α(x) = 0
     (x ≤ −1/(α−1), or x ≤ 0 for α = inf) or where σ_α(x) underflows the dtype (below ~1e-45 in
@@ -279,7 +279,7 @@ def log_alpha_sigmoid(x: jax.Array, alpha: Any, *, n_iter: int | None = None) ->
 
 
 def alpha_sigmoid_step(x: jax.Array) -> jax.Array:
-    """The inference-time keep decision σ_∞(x) = 1[x > 0] as float32 (specs/dcp.md §2.5).
+    """The inference-time keep decision σ_∞(x) = 1[x > 0] as float32 (docs/design/dcp.md §2.5).
 
     x = 0 maps to 0 ("drop"), as in the reference code. Gradient 0.
     """
@@ -288,7 +288,7 @@ def alpha_sigmoid_step(x: jax.Array) -> jax.Array:
 
 def cosine_alpha_schedule(init: float = 1.0, final: float = 8.0, steps: int = 25000,
                           *, init_offset: float = 1e-8) -> Callable[[Any], jax.Array]:
-    """Cosine α schedule of the reference code's ``cosine_1_8_25000`` (specs/dcp.md §2.4), optax style.
+    """Cosine α schedule of the reference code's ``cosine_1_8_25000`` (docs/design/dcp.md §2.4), optax style.
 
         α(s) = final + ½·(init + init_offset − final)·(1 + cos(π·s/steps))   for s < steps,
         α(s) = final                                                           for s ≥ steps.

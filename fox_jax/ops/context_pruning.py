@@ -1,7 +1,7 @@
 """Dynamic Context Pruning (DCP): the interaction mask, the sparsity loss and masked attention.
 
 Anagnostidis et al., *Dynamic Context Pruning for Efficient and Interpretable Autoregressive
-Transformers*, NeurIPS 2023 (arXiv 2305.15805); specs/dcp.md §1 and §3. Per attention layer:
+Transformers*, NeurIPS 2023 (arXiv 2305.15805); docs/design/dcp.md §1 and §3. Per attention layer:
 
     z_{k,j} = ⟨q_int_k, k_int_j⟩ / √r + β                 keep logits            (§1.2)
     Ī_{k,j} = σ_α(z_{k,j})  for j < k,   1 for j ≥ k       keep probabilities     (§1.2, §2)
@@ -19,7 +19,7 @@ materialises [B, H, T, T]. The mask itself is O(B·T²) per layer (as in the ref
 mask rules out FlashAttention), which is why T stays ≤ 1024 for GPT-2.
 
 ``dcp_attention`` also takes FoX forget gates (``log_fgate``): the logits then get the decay bias
-Λ_i − Λ_j of forgetting attention (specs/fox_acp.md §1.1) on top of log I, so the same op serves
+Λ_i − Λ_j of forgetting attention (docs/design/fox_acp.md §1.1) on top of log I, so the same op serves
 GPT-2, the Transformer baselines (no gate) and FoX (``fox_jax.nn.attention``).
 """
 
@@ -51,7 +51,7 @@ _NEG_INF = float("-inf")
 
 def with_interaction_params(params: dict, layer_names, *, d_model: int, interaction_dim: int, init_std: float,
                             beta_init: float, rng: jax.Array) -> dict:
-    """``params`` with fresh DCP interaction parameters in every ``<layer>/attn`` (specs/dcp.md §1.1, §4):
+    """``params`` with fresh DCP interaction parameters in every ``<layer>/attn`` (docs/design/dcp.md §1.1, §4):
     ``q_int/kernel`` and ``k_int/kernel`` [d_model, interaction_dim] float32 ~ N(0, init_std) and the
     scalar ``beta`` = beta_init. Shared by the models' ``add_dcp_params``; the input is not modified.
 
@@ -74,7 +74,7 @@ def with_interaction_params(params: dict, layer_names, *, d_model: int, interact
 
 
 def keep_logits(q_int: jax.Array, k_int: jax.Array, beta: Any) -> jax.Array:
-    """Keep logits z_{k,j} = ⟨q_int_k, k_int_j⟩/√r + β (specs/dcp.md §1.2), in float32.
+    """Keep logits z_{k,j} = ⟨q_int_k, k_int_j⟩/√r + β (docs/design/dcp.md §1.2), in float32.
 
     Args:
       q_int: [B, Tq, r] interaction queries (any float dtype; cast to float32).
@@ -108,7 +108,7 @@ def _safe_log(p: jax.Array, floor: float) -> jax.Array:
 
 
 def cumulative_keep_log_mask(keep: jax.Array, alpha: Any = None, *, floor: float = LOG_FLOOR) -> jax.Array:
-    """log I_{k,j} = Σ_{n=j+1..k} log Ī_{n,j}, floored at ``floor`` (specs/dcp.md §1.3, §1.5).
+    """log I_{k,j} = Σ_{n=j+1..k} log Ī_{n,j}, floored at ``floor`` (docs/design/dcp.md §1.3, §1.5).
 
     Two input forms:
 
@@ -194,7 +194,7 @@ def sparsity_loss(
     normalization: str = "causal",
     segment_ids: jax.Array | None = None,
 ) -> jax.Array:
-    """The DCP sparsity regulariser γ·mean(I) (specs/dcp.md §3.1), from log masks.
+    """The DCP sparsity regulariser γ·mean(I) (docs/design/dcp.md §3.1), from log masks.
 
     I = exp(log I) (a floored pair contributes e^−92 ≈ 0). Two normalisations:
 
@@ -252,7 +252,7 @@ def sparsity(
     segment_ids: jax.Array | None = None,
     soft: bool = False,
 ) -> tuple[jax.Array, jax.Array]:
-    """Fraction of causal (query, key) pairs dropped, per layer and overall (specs/dcp.md §3.2).
+    """Fraction of causal (query, key) pairs dropped, per layer and overall (docs/design/dcp.md §3.2).
 
         sparsity_ℓ = #{(b, k, j): j < k, log I^ℓ_{k,j} ≤ floor} / (B·T(T−1)/2)
 
@@ -382,7 +382,7 @@ def dcp_attention_reference(
     rule as in ``dcp_attention``: pairs with log I ≤ ``floor`` weigh 0, and rows with no kept visible
     pair (or no visible key) are 0. The decay term with ``log_fgate`` [B, Tk, H] is built exactly as
     in ``fox_jax.ops.reference.forgetting_attention_reference`` (float32 ``decay_cumsum``,
-    specs/fox_acp.md §1.7). Returns [B, Tq, H, D] float32.
+    docs/design/fox_acp.md §1.7). Returns [B, Tq, H, D] float32.
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -532,7 +532,7 @@ def _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_
 
 def _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do, scale, block_q, block_k):
     """(dq, dk, dv, dlog_mask, dΛ or None); dΛ_t = Σ_j dS_tj (t as a query) − Σ_i dS_it (t as a key),
-    float32 [B, Tk, H] (specs/fox_acp.md §1.6)."""
+    float32 [B, Tk, H] (docs/design/fox_acp.md §1.6)."""
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = _Geom(tq, tk, h, hkv, block_q, block_k)
@@ -676,12 +676,12 @@ def dcp_attention(
     floor: float = LOG_FLOOR,
     implementation: str = "xla",
 ) -> jax.Array:
-    """Causal attention with the DCP mask shared by all heads, blockwise (specs/dcp.md §1.4).
+    """Causal attention with the DCP mask shared by all heads, blockwise (docs/design/dcp.md §1.4).
 
         o_i = Σ_j softmax_j(sm_scale·q_i·k_j + log I_{i,j} [+ Λ_i − Λ_j]) v_j   over visible j
 
     (visible: causal, same document). With ``log_fgate`` (FoX) the forgetting-attention decay bias
-    Λ_i − Λ_j, Λ = float32 cumsum over time of log f (specs/fox_acp.md §1.1), is added per head exactly
+    Λ_i − Λ_j, Λ = float32 cumsum over time of log f (docs/design/fox_acp.md §1.1), is added per head exactly
     as in ``forgetting_attention``; ``log_fgate=None`` is plain softmax attention plus the mask (GPT-2,
     Transformer baselines) and runs the very same computation as before the gate was supported.
 
@@ -695,7 +695,7 @@ def dcp_attention(
     mask gradient is 0. A query row with **no kept visible pair** (every visible log I ≤ floor)
     outputs 0 and passes zero gradients to q, k, v, log_mask and log_fgate — like a row with no
     visible key. Masks from ``cumulative_keep_log_mask`` keep the diagonal (log I = 0: a token never
-    drops itself, specs/dcp.md §1.4), so such rows only arise from direct calls. Against the
+    drops itself, docs/design/dcp.md §1.4), so such rows only arise from direct calls. Against the
     reference code's additive log(I + 1e-40), excluding a dropped pair changes the softmax by its
     weight relative to the diagonal's, e^{floor + Δ} with Δ the difference of the two pairs' other
     logit terms (≈ 1e-40 for Δ ≈ 0; the forget-gate decay Λ_i − Λ_j ≤ 0 only lowers it).
@@ -712,7 +712,7 @@ def dcp_attention(
       log_mask: [B, Tq, Tk] float32 additive mask log I (``cumulative_keep_log_mask``); −inf allowed.
       log_fgate: optional [B, Tk, H] float32 log forget gates (≤ 0), one per *query* head, in nats;
         Λ = cumsum(log_fgate) over all Tk keys, query i uses Λ at absolute position Tk − Tq + i.
-        Gradient (specs/fox_acp.md §1.6): the custom backward returns dΛ_t = Σ_j dS_tj − Σ_i dS_it
+        Gradient (docs/design/fox_acp.md §1.6): the custom backward returns dΛ_t = Σ_j dS_tj − Σ_i dS_it
         (row sums minus column sums of dS, float32), and autodiff of the float32 ``jnp.cumsum``
         turns it into dlog f_s = Σ_{t≥s} dΛ_t (a float32 reverse cumsum, no "total minus cumsum").
       segment_ids: optional [B, Tk] int, packed documents (no attention across documents).

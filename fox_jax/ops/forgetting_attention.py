@@ -1,4 +1,4 @@
-"""The public forgetting-attention op and its implementation dispatch (DESIGN.md, "the op contract")."""
+"""The public forgetting-attention op and its implementation dispatch (docs/design/README.md, "The op contract")."""
 
 from __future__ import annotations
 
@@ -172,7 +172,7 @@ def forgetting_attention(
     block_k: int = 128,
     kernel_config: Any = None,
 ) -> jax.Array:
-    """Forgetting attention (FoX, arXiv 2503.02130 Eq. 4–6; specs/fox_acp.md §1).
+    """Forgetting attention (FoX, arXiv 2503.02130 Eq. 4–6; docs/design/fox_acp.md §1).
 
         o_i = Σ_{j visible from i} softmax_j(sm_scale · q_i·k_j + Λ_i − Λ_j) v_j,   Λ = cumsum(log f)
 

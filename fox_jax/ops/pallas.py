@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.ops import acp as acp_lib
-from kernels import forgetting_attention as fa_kernels
-from kernels.forgetting_attention import KernelConfig, TileConfig, default_config, resolve_tiles
+from fox_jax.kernels import forgetting_attention as fa_kernels
+from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig, default_config, resolve_tiles
 
 __all__ = [
     "KernelConfig",
@@ -63,7 +63,7 @@ def resolve_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None 
 
 
 def acp_ranges(lam: jax.Array, delta: jax.Array, tq: int, config: KernelConfig):
-    """ACP block ranges for each kernel's tiling (specs/fox_acp.md §5.3).
+    """ACP block ranges for each kernel's tiling (docs/design/fox_acp.md §5.3).
 
     Args:
       lam: [B, Tk, H] float32 Λ; delta: [B, H] float32 threshold; tq: query length;
@@ -167,7 +167,7 @@ def dcp_attention(
     config: KernelConfig | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:
-    """Attention with a DCP log mask shared by the heads, on the Pallas kernels (specs/dcp.md §1.4).
+    """Attention with a DCP log mask shared by the heads, on the Pallas kernels (docs/design/dcp.md §1.4).
 
         o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + log I_ij [+ Λ_i − Λ_j]) v_j
 
@@ -232,7 +232,7 @@ def attention(
 ) -> jax.Array:
     """Forgetting attention on a precomputed decay Λ with the Pallas kernels.
 
-        o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j      (specs/fox_acp.md §1.1)
+        o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j      (docs/design/fox_acp.md §1.1)
 
     Args:
       q: [B, Tq, H, D] float32 / bfloat16 / float16; k, v: [B, Tk, Hkv, D] (H a multiple of Hkv,
@@ -403,7 +403,7 @@ def sharded_attention(mesh: jax.sharding.Mesh, batch_axis: Any = "data", head_ax
                       **op_kwargs):
     """Wrap the public op with ``implementation="pallas"`` in a ``shard_map`` over batch and heads.
 
-    Pallas calls are opaque to the SPMD partitioner (specs/pallas_gpu.md §3): without an explicit
+    Pallas calls are opaque to the SPMD partitioner (docs/design/pallas_gpu.md §3): without an explicit
     boundary XLA would all-gather around them. Each device runs the kernels on its local batch rows and
     heads; nothing is communicated (the auto ACP threshold reduces over time and head_dim only).
     Caveat: with jax 0.11.2 on GPUs, the Shardy partitioner segfaults partitioning the backward of this

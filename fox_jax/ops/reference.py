@@ -1,4 +1,4 @@
-"""Dense float32 oracles for forgetting attention (specs/fox_acp.md §1.7).
+"""Dense float32 oracles for forgetting attention (docs/design/fox_acp.md §1.7).
 
 These materialise the [B, H, Tq, Tk] logits and exist for tests and for tiny problems only.
 """
@@ -65,7 +65,7 @@ def forgetting_attention_reference(
 ) -> jax.Array:
     """Dense forgetting attention, everything in float32 (the test oracle).
 
-    o_i = Σ_j softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j over visible j (specs/fox_acp.md §1.1).
+    o_i = Σ_j softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j over visible j (docs/design/fox_acp.md §1.1).
 
     Args:
       q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D] with H a multiple of Hkv; log_fgate: [B, Tk, H].
