@@ -68,12 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import ModelConfig
-from fox_jax.models.hf_gpt2 import _read_pytorch_bin, _read_safetensors
-
-CONFIG_NAME = "config.json"
-SAFETENSORS_NAME = "model.safetensors"
-SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
-PYTORCH_NAME = "pytorch_model.bin"
+from fox_jax.models.hf_gpt2 import CONFIG_NAME, PYTORCH_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, read_weights
 
 FOX_MODEL_TYPE = "forgetting_transformer-project_fox"
 TRANSFORMER_MODEL_TYPE = "transformer-project_fox"
@@ -407,28 +402,6 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
     tree[path[-1]] = value
 
 
-def _read_weights(path: str) -> dict[str, np.ndarray]:
-    st = os.path.join(path, SAFETENSORS_NAME)
-    index = os.path.join(path, SAFETENSORS_INDEX_NAME)
-    pt = os.path.join(path, PYTORCH_NAME)
-    if os.path.isfile(st):
-        return _read_safetensors(st)
-    if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        tensors: dict[str, np.ndarray] = {}
-        for shard in sorted(set(weight_map.values())):
-            shard_path = os.path.join(path, shard)
-            if not os.path.isfile(shard_path):
-                raise FileNotFoundError(f"{index} names shard {shard!r}, which is missing from {path}")
-            tensors.update(_read_safetensors(shard_path))
-        return tensors
-    if os.path.isfile(pt):
-        return _read_pytorch_bin(pt)
-    raise FileNotFoundError(f"no weights in {path}: expected {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} "
-                            f"or {PYTORCH_NAME}")
-
-
 # ---------------------------------------------------------------------------------------------
 # Public API
 # ---------------------------------------------------------------------------------------------
@@ -460,7 +433,7 @@ def load_official_fox(path: str | os.PathLike, **config_overrides: Any) -> tuple
         raise FileNotFoundError(f"{config_path} not found (an official checkpoint directory needs config.json)")
     with open(config_path) as f:
         cfg = config_from_official(json.load(f), **config_overrides)
-    return cfg, params_from_official(_read_weights(path), cfg, source=path)
+    return cfg, params_from_official(read_weights(path, "FoX"), cfg, source=path)
 
 
 def save_official_fox(cfg: ModelConfig, params: dict, path: str | os.PathLike, *,

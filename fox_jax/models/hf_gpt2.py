@@ -99,7 +99,14 @@ def _read_pytorch_bin(path: str) -> dict[str, np.ndarray]:
             for name, t in state.items()}
 
 
-def _read_weights(path: str) -> dict[str, np.ndarray]:
+def read_weights(path: str, what: str = "model") -> dict[str, np.ndarray]:
+    """The tensors of a Hugging Face-style checkpoint directory as numpy arrays: ``model.safetensors``, a
+    sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` (needs torch), in that order.
+
+    Raises:
+      FileNotFoundError: none of them in ``path`` (``what`` names the model in the message), or a shard
+        named by the index is missing.
+    """
     st = os.path.join(path, SAFETENSORS_NAME)
     index = os.path.join(path, SAFETENSORS_INDEX_NAME)
     pt = os.path.join(path, PYTORCH_NAME)
@@ -118,7 +125,7 @@ def _read_weights(path: str) -> dict[str, np.ndarray]:
     if os.path.isfile(pt):
         return _read_pytorch_bin(pt)
     raise FileNotFoundError(
-        f"no GPT-2 weights in {path}: expected {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {PYTORCH_NAME}")
+        f"no {what} weights in {path}: expected {SAFETENSORS_NAME}, {SAFETENSORS_INDEX_NAME} or {PYTORCH_NAME}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -313,7 +320,7 @@ def load_hf_gpt2(
     dcp_overrides = {k: config_overrides.pop(k) for k in ("interaction_dim", "beta_init") if k in config_overrides}
     cfg = config_from_hf({k: v for k, v in hf.items() if k != DCP_CONFIG_KEY}, **config_overrides)
 
-    raw = _read_weights(path)
+    raw = read_weights(path, "GPT-2")
     tensors = {(name[len("transformer."):] if name.startswith("transformer.") else name): arr
                for name, arr in raw.items()}
     expected = _expected_shapes(cfg)
