@@ -68,7 +68,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import ModelConfig
-from fox_jax.models.hf_gpt2 import CONFIG_NAME, PYTORCH_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, read_weights
+from fox_jax.models.hf_gpt2 import CONFIG_NAME, PYTORCH_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, read_config, read_weights
 
 FOX_MODEL_TYPE = "forgetting_transformer-project_fox"
 TRANSFORMER_MODEL_TYPE = "transformer-project_fox"
@@ -426,13 +426,7 @@ def load_official_fox(path: str | os.PathLike, **config_overrides: Any) -> tuple
       ImportError: a ``pytorch_model.bin`` checkpoint without torch installed.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"official FoX checkpoint directory not found: {path}")
-    config_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found (an official checkpoint directory needs config.json)")
-    with open(config_path) as f:
-        cfg = config_from_official(json.load(f), **config_overrides)
+    cfg = config_from_official(read_config(path, "official FoX"), **config_overrides)
     return cfg, params_from_official(read_weights(path, "FoX"), cfg, source=path)
 
 

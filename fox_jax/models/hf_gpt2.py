@@ -99,6 +99,21 @@ def _read_pytorch_bin(path: str) -> dict[str, np.ndarray]:
             for name, t in state.items()}
 
 
+def read_config(path: str, what: str = "model") -> dict:
+    """``config.json`` of a Hugging Face-style checkpoint directory, as a dict.
+
+    Raises:
+      FileNotFoundError: ``path`` is no directory or has no ``config.json`` (``what`` names the model).
+    """
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{what} checkpoint directory not found: {path}")
+    config_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isfile(config_path):
+        raise FileNotFoundError(f"{config_path} not found (a {what} checkpoint directory needs config.json)")
+    with open(config_path) as f:
+        return json.load(f)
+
+
 def read_weights(path: str, what: str = "model") -> dict[str, np.ndarray]:
     """The tensors of a Hugging Face-style checkpoint directory as numpy arrays: ``model.safetensors``, a
     sharded ``model.safetensors.index.json``, or ``pytorch_model.bin`` (needs torch), in that order.
@@ -306,13 +321,7 @@ def load_hf_gpt2(
       ImportError: a ``pytorch_model.bin`` checkpoint without torch installed.
     """
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"GPT-2 checkpoint directory not found: {path}")
-    config_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.isfile(config_path):
-        raise FileNotFoundError(f"{config_path} not found (a HF GPT-2 directory needs config.json)")
-    with open(config_path) as f:
-        hf = json.load(f)
+    hf = read_config(path, "GPT-2")
     dcp_path = os.path.join(path, DCP_NAME)
     has_dcp_file = os.path.isfile(dcp_path)
     want_dcp = has_dcp_file if dcp is None else bool(dcp)
