@@ -7,7 +7,8 @@
 
 Any config field can be overridden with ``key=value`` arguments anywhere on the command line, e.g.
 ``model.n_layers=6 optim.lr=1e-3 data.seed=3`` (see ``train/config.py``). Errors are one line that
-says what to do.
+says what to do. The parser (``fox_jax.train.commands``) imports no jax, so ``--help`` and argument errors
+answer at once; a command's handler (and jax) is imported only when it runs.
 """
 
 from __future__ import annotations
@@ -18,60 +19,10 @@ import re
 import shlex
 import sys
 
+import importlib
+
 from fox_jax.train import config as config_lib
-
-
-def _add_common(p: argparse.ArgumentParser, *, evaluating: bool = False) -> None:
-    p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/, metrics.jsonl, tb/)")
-    p.add_argument("--data", nargs="+", help="text: files, directories or globs of .txt/.jsonl, or a directory "
-                   "written by 'python -m fox_jax.train.data' (its tokenizer/ is then the default --tokenizer); default: "
-                   + ("the run's data" if evaluating else "the Python standard library source"))
-    p.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data)")
-    p.add_argument("--tokenizer", help="'bytes', a dir with GPT-2 vocab.json + merges.txt, or a tokenizer.json")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence")
-    p.add_argument("--batch-size", type=int, help="sequences per step (global)")
-    p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=1 (default: all devices on data)")
-    p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"),
-                   help="XLA SPMD partitioner (default auto: GSPMD on multi-GPU meshes; README, 'Several GPUs and hosts')")
-    d = p.add_argument_group("multi-host (one process per host; see README)")
-    d.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() (auto-detects SLURM / Open MPI / cloud TPU env)")
-    d.add_argument("--coordinator", help="HOST:PORT of process 0 (instead of auto-detection)")
-    d.add_argument("--num-processes", type=int, help="number of processes (with --coordinator)")
-    d.add_argument("--process-id", type=int, help="this process's id (with --coordinator)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help=("overrides of data.* and batch settings, e.g. data.seq_len=4096 (the model is fixed by "
-                         "the checkpoint)") if evaluating else "config overrides, e.g. model.n_layers=6 optim.lr=1e-3")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fox-jax", description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    t = sub.add_parser("train", help="train a model")
-    t.add_argument("--preset", help="tiny | 125M | 360M | 760M (default tiny; on --resume it must describe the "
-                   "saved run's model)")
-    t.add_argument("--arch", help="fox-llama (default) | transformer-llama | fox-pro | transformer-pro")
-    t.add_argument("--steps", type=int, help="optimizer steps")
-    t.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
-    t.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
-                   "the latest (the later checkpoints are moved to <workdir>/checkpoints_set_aside)")
-    t.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
-    _add_common(t)
-
-    e = sub.add_parser("eval", help="evaluate a trained model: val loss, perplexity, per-position loss")
-    e.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    e.add_argument("--num-batches", type=int, default=None, help="validation batches (default: eval_batches)")
-    e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss")
-    e.add_argument("--no-progress", action="store_true", help="accepted like in the other commands (eval prints no bars)")
-    _add_common(e, evaluating=True)
-
-    from fox_jax.train import dcp_eval, finetune_dcp, zeroshot  # handlers: cmd_finetune_dcp, cmd_zeroshot, cmd_dcp_eval
-    finetune_dcp.add_subparser(sub)
-    zeroshot.add_subparser(sub)
-    dcp_eval.add_subparser(sub)
-    return parser
+from fox_jax.train.commands import build_parser
 
 
 def _explicit_overrides(args) -> list[str]:
@@ -145,7 +96,13 @@ def cmd_eval(args) -> int:
                                    num_batches=args.num_batches, num_docs=args.num_docs)
     print(f"step {report['step']}, seq_len {report['seq_len']}: val_loss {report['val_loss']:.4f} | "
           f"val_ppl {report['val_ppl']:.2f} | {report['val_tokens']} tokens")
-    print(f"per-position loss: {report['per_position_json']} and {report['per_position_png']}")
+    pairs = [(x, c) for x, c in zip(report["per_position_loss"], report["per_position_count"]) if c]
+    mean = sum(x * c for x, c in pairs) / max(sum(c for _, c in pairs), 1)
+    print(f"per-position loss (mean {mean:.4f} over {report['num_docs']} documents): {report['per_position_json']} "
+          f"and {report['per_position_png']}")
+    print("why the two means differ: val_loss averages packed windows that start anywhere inside documents "
+          "(like the training batches); the per-position loss uses windows that start at each document's first "
+          "token, so a document's early, little-context positions weigh more in its mean")
     return 0
 
 
@@ -234,16 +191,17 @@ def continue_command(argv: list[str], command: str, step: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
+    try:
+        args = parse_args(argv)
+    except ValueError as e:
+        print(f"fox-jax {command}: error: {e}", file=sys.stderr)
+        return 2
     from fox_jax.train.checkpoints import CheckpointError, CorruptCheckpointError
 
     try:
-        args = parse_args(argv)
         init_distributed(args)
-        if args.command == "train":
-            return cmd_train(args)
-        if hasattr(args, "handler"):  # finetune-dcp, zeroshot
-            return args.handler(args)
-        return cmd_eval(args)
+        module, name = args.handler.split(":")
+        return getattr(importlib.import_module(module), name)(args)
     except CorruptCheckpointError as e:
         how = (continue_command(argv, command, e.intact_step)
                if e.intact_step is not None and command in _STEP_FLAGS else None)

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import typing
 from typing import Any, ClassVar
 
-from fox_jax.config import (NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
+from fox_jax.config import (FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
                             check_ranges, preset as model_preset)
 
 
@@ -101,6 +102,9 @@ class ExperimentConfig:
       partitioner: XLA's SPMD partitioner, ``"auto"`` / ``"shardy"`` / ``"gspmd"``
         (``fox_jax.sharding.select_partitioner``; auto = GSPMD on multi-GPU meshes, where Shardy
         crashes compiling the sharded attention kernels' backward with jax 0.11.2).
+      heartbeat_secs: where no progress bar is drawn (stderr not a terminal, or ``--no-progress``), a
+        line with the step, the elapsed time and the ETA every this many seconds between log lines
+        (0 = none).
 
     Raises:
       ValueError: on construction, naming the field: a numeric field outside ``RANGES`` (here and in
@@ -123,11 +127,12 @@ class ExperimentConfig:
     async_checkpoints: bool = True
     mesh: str = ""
     partitioner: str = "auto"
+    heartbeat_secs: float = 60.0
 
     RANGES: ClassVar[dict[str, Range]] = dict(
         steps=POSITIVE_INT, batch_size=POSITIVE_INT, grad_accum=POSITIVE_INT, seed=NON_NEGATIVE_INT,
         log_every=POSITIVE_INT, eval_every=NON_NEGATIVE_INT, eval_batches=POSITIVE_INT, ckpt_every=NON_NEGATIVE_INT,
-        keep_checkpoints=POSITIVE_INT)
+        keep_checkpoints=POSITIVE_INT, heartbeat_secs=NON_NEGATIVE)
 
     def __post_init__(self):
         check_ranges(self)
@@ -137,6 +142,131 @@ class ExperimentConfig:
             raise ValueError(f"partitioner must be auto, shardy or gspmd, got {self.partitioner!r}")
         if self.data.seq_len < 2:
             raise ValueError(f"data.seq_len must be at least 2, got {self.data.seq_len}")
+
+
+# DCP fine-tuning (``fox-jax finetune-dcp``, ``pretrain-gpt2``) ---------------------------------------
+
+GAMMA_NORMALIZATIONS = ("code", "causal")
+LR_DECAYS = ("constant", "cosine")
+
+
+@dataclasses.dataclass(frozen=True)
+class FinetuneConfig:
+    """A DCP fine-tuning run of ``fox-jax finetune-dcp`` / ``pretrain-gpt2`` (defaults: the reference recipe, docs/design/dcp.md §4).
+
+    Attributes:
+      hf_gpt2: the pretrained HF GPT-2 directory (exclusive with ``from_run``).
+      from_run: a ``fox-jax train`` run directory (FoX / Transformer ``LanguageModel``) to start from
+        (exclusive with ``hf_gpt2``).
+      from_step: checkpoint step of ``from_run`` (None = its latest; the step used is stored here).
+      data: ``DataConfig`` (``--hf-gpt2``: the tokenizer must be GPT-2's; ``--from-run``: a tokenizer of at
+        most the run's vocabulary, "" = the run's). ``seq_len`` 0 = the model's n_positions (GPT-2) or
+        the run's seq_len (``from_run``).
+      steps, batch_size: optimizer steps and sequences per step.
+      lr, warmup_steps (None = min(2000, ceil(0.08·steps))), weight_decay, b1, b2, eps, clip_norm
+        (0 = off): AdamW, linear warmup then constant.
+      interaction_lr: learning rate of q_int, k_int, β (None = lr).
+      gamma, gamma_normalization: sparsity strength and its normalisation ("code" or "causal").
+      interaction_dim, beta_init: r and β₀ of the fresh interaction parameters.
+      alpha_init, alpha_final, alpha_steps (None = steps): the cosine α schedule.
+      dtype: compute dtype of the trunk ("float32" as the code; the mask is float32 always).
+      remat: rematerialise blocks in the backward pass (``from_run``: remat "full"; False keeps the
+        run's own policy).
+      seed: seed of the interaction-parameter init (the data order has its own ``data.seed``).
+      log_every, eval_every, eval_batches, ckpt_every, keep_checkpoints, async_checkpoints: the loop.
+      dcp_impl: ``dcp_attention`` implementation, "xla" (blockwise) or "pallas" (kernels).
+
+    Every numeric field is checked against ``RANGES`` on construction (ValueError naming the field, e.g.
+    lr > 0, warmup_steps >= 0, b1 and b2 in [0, 1), alpha_init >= 1, intervals >= 0); ``validate``
+    checks the combinations.
+    """
+
+    hf_gpt2: str = ""
+    from_run: str = ""
+    from_step: int | None = None
+    data: DataConfig = DataConfig(seq_len=0)
+    steps: int = 25000
+    batch_size: int = 6
+    lr: float = 1e-4
+    warmup_steps: int | None = None
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    clip_norm: float = 1.0
+    interaction_lr: float | None = None
+    gamma: float = 0.3
+    gamma_normalization: str = "code"
+    interaction_dim: int = 64
+    beta_init: float = 2.0
+    alpha_init: float = 1.0
+    alpha_final: float = 8.0
+    alpha_steps: int | None = None
+    dtype: str = "float32"
+    remat: bool = False
+    seed: int = 42
+    log_every: int = 10
+    eval_every: int = 1000
+    eval_batches: int = 11
+    ckpt_every: int = 1000
+    keep_checkpoints: int = 3
+    async_checkpoints: bool = True
+    dcp: bool = True
+    init_config: dict | None = None
+    lr_decay: str = "constant"
+    dcp_impl: str = "xla"
+
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        from_step=Range(0, integer=True, optional=True), steps=POSITIVE_INT, batch_size=POSITIVE_INT, lr=POSITIVE,
+        warmup_steps=Range(0, integer=True, optional=True), weight_decay=NON_NEGATIVE,
+        b1=Range(0, 1, hi_open=True), b2=Range(0, 1, hi_open=True), eps=POSITIVE, clip_norm=NON_NEGATIVE,
+        interaction_lr=Range(0, lo_open=True, optional=True), gamma=NON_NEGATIVE, interaction_dim=POSITIVE_INT,
+        beta_init=FINITE, alpha_init=Range(1), alpha_final=Range(1), alpha_steps=Range(1, integer=True, optional=True),
+        seed=NON_NEGATIVE_INT, log_every=POSITIVE_INT, eval_every=NON_NEGATIVE_INT, eval_batches=POSITIVE_INT,
+        ckpt_every=NON_NEGATIVE_INT, keep_checkpoints=POSITIVE_INT)
+
+    def __post_init__(self):
+        check_ranges(self)
+
+    def resolved(self) -> "FinetuneConfig":
+        """Fill ``warmup_steps`` and ``alpha_steps`` from ``steps`` (stored, so a resume with more steps
+        keeps the schedules)."""
+        kw = {}
+        if self.warmup_steps is None:
+            kw["warmup_steps"] = min(2000, math.ceil(0.08 * self.steps))
+        if self.alpha_steps is None:
+            kw["alpha_steps"] = self.steps
+        return dataclasses.replace(self, **kw)
+
+    def validate(self) -> "FinetuneConfig":
+        """The combinations of fields and the choices (the numeric ranges are checked on construction).
+        Raises ValueError naming the first bad field."""
+        checks = [
+            (self.gamma_normalization in GAMMA_NORMALIZATIONS,
+             f"gamma_normalization must be one of {GAMMA_NORMALIZATIONS}, got {self.gamma_normalization!r}"),
+            (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
+            (self.dcp_impl in ("xla", "pallas"), f"dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}"),
+            (self.init_config is None or isinstance(self.init_config, dict),
+             f"init_config must be None or a dict of GPT2Config fields, got {self.init_config!r}"),
+            (not (self.hf_gpt2 and self.from_run),
+             "--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model"),
+            (not (self.init_config is not None and self.from_run),
+             "--from-run cannot be combined with a random init (init_config)"),
+            (self.from_step is None or self.from_run,
+             "--from-step needs --from-run (the checkpoint step of that run)"),
+            (self.from_run == "" or self.dcp, "--from-run is for DCP fine-tuning (dcp=True)"),
+            (self.data.seq_len == 0 or self.data.seq_len >= 3,
+             f"seq_len must be at least 3 (the sparsity loss needs causal pairs), got {self.data.seq_len}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        return self
+
+
+# ``fox-jax pretrain-gpt2``: the same loop, dense, from a random init, with pretraining defaults.
+PRETRAIN_DEFAULTS = dict(dcp=False, lr=6e-4, weight_decay=0.1, b2=0.95, lr_decay="cosine", batch_size=8,
+                         steps=5000, eval_every=500, ckpt_every=500)
 
 
 # Presets ---------------------------------------------------------------------------------------
@@ -168,7 +298,7 @@ def preset(name: str = "tiny", arch: str = "fox-llama") -> ExperimentConfig:
 # The one rule of ``--resume`` (train, finetune-dcp, pretrain-gpt2): only the length of the run and the
 # loop's intervals may change (each command adds the settings that do not change the math, e.g. the mesh).
 RESUMABLE = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-             "async_checkpoints")
+             "async_checkpoints", "heartbeat_secs")
 
 
 def check_resume(saved: dict, given: dict, resumable: tuple[str, ...] = RESUMABLE, *, what: str = "this config") -> None:

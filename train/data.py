@@ -72,9 +72,9 @@ from typing import Iterable, Sequence
 
 import grain
 import numpy as np
-from tqdm import tqdm
 
 from fox_jax.train.config import DataConfig
+from fox_jax.train.progress import bars_shown, progress_bar
 from fox_jax.train.tokenizers import Tokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -222,11 +222,11 @@ def tokenize_documents(docs: Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
     dtype = token_dtype(tokenizer.vocab_size)
     total = sum(len(d) for d in docs)
     pieces = []
-    if total >= _PROGRESS_MIN_CHARS and not sys.stderr.isatty():  # no bar in logs: say why it is quiet
+    if total >= _PROGRESS_MIN_CHARS and not bars_shown():  # no bar in logs: say why it is quiet
         print(f"tokenizing {total / 1e6:.0f} M characters (about a minute per 100 MB; cached afterwards)",
               file=sys.stderr, flush=True)
-    with tqdm(total=total, unit="char", unit_scale=True, desc="tokenizing",
-              disable=True if total < _PROGRESS_MIN_CHARS else None) as bar:
+    with progress_bar(total=total, unit="char", unit_scale=True, desc="tokenizing",
+                      progress=total >= _PROGRESS_MIN_CHARS) as bar:
         for chunk in _chunks(docs, _CHUNK_CHARS):
             for ids in tokenizer.encode_batch(chunk):
                 piece = np.empty(len(ids) + 1, dtype)

@@ -65,10 +65,11 @@ from fox_jax.models.hf_gpt2 import CONFIG_NAME as HF_CONFIG_NAME, DCP_NAME, load
 from fox_jax.ops.context_pruning import LOG_FLOOR, sparsity
 from fox_jax.train import data as data_lib
 from fox_jax.train import finetune_dcp
+from fox_jax.train.commands import DEFAULT_CURVE_SPARSITIES
 from fox_jax.train.config import DataConfig
+from fox_jax.train.progress import progress_bar
 from fox_jax.train.tokenizers import load_tokenizer
 
-DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)
 TOKEN_CLASSES = ("special", "whitespace", "punctuation", "stopword", "other")
 
 # English function words ("stopword-like" tokens): articles, pronouns, auxiliaries, prepositions,
@@ -240,7 +241,7 @@ def evaluate_model(cfg: GPT2Config, params, batches: Sequence[dict], *, desc: st
     """
     eval_fn = jax.jit(finetune_dcp.make_eval_step(GPT2(cfg.replace(remat=False))))
     val = finetune_dcp.evaluate(eval_fn, params,
-                                tqdm(batches, desc=desc, unit="batch", leave=False, disable=not progress))
+                                progress_bar(batches, desc=desc, unit="batch", leave=False, progress=progress))
     out = {"val_loss": val["val_loss"], "ppl": val["val_ppl"], "sparsity": val["val_sparsity"],
            "sparsity_layers": [val[f"val_sparsity_layer_{i}"] for i in range(cfg.n_layer)]}
     if cfg.sparse_pattern is not None:  # the same fixed mask in every layer
@@ -741,7 +742,7 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
       batch_size, num_batches: the validation windows (the same for every model).
       curve_sparsities: extra target sparsities for the local/strided curves.
       text_file: the drop-plot text (default: the first validation document).
-      progress: tqdm bars.
+      progress: tqdm bars (drawn only when stderr is a terminal).
 
     Returns:
       the report dict written to ``dcp_eval.json``.
@@ -783,7 +784,7 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
         return pattern_cache[pattern]
 
     n_evals = 1 + len(runs) + 2 * (len(runs) + len(curve_sparsities))
-    bar = tqdm(total=n_evals, desc="dcp-eval", unit="model", disable=not progress)
+    bar = progress_bar(total=n_evals, desc="dcp-eval", unit="model", progress=progress)
     dense_res = evaluate_model(dense.cfg, dense.params, batches, desc="dense", progress=progress)
     bar.update(1)
     run_results = []
@@ -829,7 +830,7 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
     sample_text, sample_cls = _token_texts(corpus.tokenizer, sample)
     switch, bounds = context_switch_tokens(corpus, t)
     drops, switches = {}, {}
-    for run in tqdm(runs, desc="drop plots", unit="run", disable=not progress):
+    for run in progress_bar(runs, desc="drop plots", unit="run", progress=progress):
         slug = _slug(run.label)
         dropped = step_masks(run.cfg, run.params, sample)
         stats = drop_statistics(dropped, sample_text, sample_cls)
@@ -885,34 +886,6 @@ def _write_json(obj: dict, path: str) -> None:
 # ---------------------------------------------------------------------------------------------
 # Command line
 # ---------------------------------------------------------------------------------------------
-
-def add_subparser(sub) -> None:
-    """Register ``fox-jax dcp-eval`` (handler: ``cmd_dcp_eval``)."""
-    e = sub.add_parser("dcp-eval", help="DCP evaluation: ppl vs sparsity against dense/local/strided, drop plots, "
-                                        "context switch")
-    e.add_argument("--dense", required=True, help="the dense base model: a HF GPT-2 directory")
-    e.add_argument("--runs", nargs="+", required=True,
-                   help="DCP models: 'fox-jax finetune-dcp' run directories or HF dirs with " + DCP_NAME)
-    e.add_argument("--data", nargs="+", help="text files/dirs/globs; with --val-data only used to satisfy the loader "
-                   "(default: the --val-data files); without --val-data, validation documents are held out of it "
-                   "as in finetune-dcp")
-    e.add_argument("--val-data", nargs="+", help="validation text (recommended: ../shared/data/corpus_val)")
-    e.add_argument("--tokenizer", help="GPT-2 tokenizer directory (default: --dense if it holds vocab.json + "
-                   "merges.txt, else the first run's)")
-    e.add_argument("--seq-len", type=int, help="tokens per window T (default: the dense model's n_positions)")
-    e.add_argument("--num-batches", type=int, default=8, help="validation batches (default 8)")
-    e.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
-    e.add_argument("--data-seed", type=int, default=0, help="seed of the held-out split without --val-data (default 0)")
-    e.add_argument("--curve-sparsities", default=",".join(str(s) for s in DEFAULT_CURVE_SPARSITIES),
-                   help="extra target sparsities for the local/strided curves, comma-separated ('' for none; "
-                        "default %(default)s)")
-    e.add_argument("--text", help="text file for the drop plots (default: the first validation document)")
-    e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                   help="compute dtype of the trunk (the DCP mask is float32 always; default float32)")
-    e.add_argument("--out", required=True, help="output directory")
-    e.add_argument("--no-progress", action="store_true", help="no progress bars")
-    e.set_defaults(handler=cmd_dcp_eval, distributed=False, coordinator=None, num_processes=None, process_id=None)
-
 
 def _tokenizer_spec(args, dense: EvalModel, runs: Sequence[EvalModel]) -> str:
     if args.tokenizer:

@@ -72,7 +72,7 @@ import os
 import shutil
 import time
 import typing
-from typing import Any, ClassVar
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -80,7 +80,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from fox_jax.config import FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range, check_ranges
+from fox_jax.config import ModelConfig
 from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from fox_jax.models.lm import LanguageModel, add_dcp_params, init_params
@@ -88,130 +88,16 @@ from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from fox_jax.train import data as data_lib
 from fox_jax.train.checkpoints import Checkpointer, CheckpointError, restore_run
 from fox_jax.train import config as config_lib
-from fox_jax.train.config import DataConfig
+from fox_jax.train.config import (GAMMA_NORMALIZATIONS, LR_DECAYS, PRETRAIN_DEFAULTS, DataConfig,  # noqa: F401
+                                   FinetuneConfig)
 from fox_jax.train.metrics import MetricWriter
+from fox_jax.train.progress import progress_bar
 from fox_jax.train.trainer import TrainState, set_aside_later, weight_decay_mask
 
 CONFIG_NAME = "finetune_config.json"
 MODEL_CONFIG_NAME = "model_config.json"
 INTERACTION_PARAMS = ("q_int", "k_int", "beta")
-GAMMA_NORMALIZATIONS = ("code", "causal")
 MODEL_TYPES = ("gpt2", "lm")  # model_config.json's model_type: GPT2Config / GPT2, ModelConfig / LanguageModel
-LR_DECAYS = ("constant", "cosine")
-
-
-@dataclasses.dataclass(frozen=True)
-class FinetuneConfig:
-    """A DCP fine-tuning run (defaults: the reference recipe, docs/design/dcp.md §4; see the module docstring).
-
-    Attributes:
-      hf_gpt2: the pretrained HF GPT-2 directory (exclusive with ``from_run``).
-      from_run: a ``fox-jax train`` run directory (FoX / Transformer ``LanguageModel``) to start from
-        (exclusive with ``hf_gpt2``).
-      from_step: checkpoint step of ``from_run`` (None = its latest; the step used is stored here).
-      data: ``DataConfig`` (``--hf-gpt2``: the tokenizer must be GPT-2's; ``--from-run``: a tokenizer of at
-        most the run's vocabulary, "" = the run's). ``seq_len`` 0 = the model's n_positions (GPT-2) or
-        the run's seq_len (``from_run``).
-      steps, batch_size: optimizer steps and sequences per step.
-      lr, warmup_steps (None = min(2000, ceil(0.08·steps))), weight_decay, b1, b2, eps, clip_norm
-        (0 = off): AdamW, linear warmup then constant.
-      interaction_lr: learning rate of q_int, k_int, β (None = lr).
-      gamma, gamma_normalization: sparsity strength and its normalisation ("code" or "causal").
-      interaction_dim, beta_init: r and β₀ of the fresh interaction parameters.
-      alpha_init, alpha_final, alpha_steps (None = steps): the cosine α schedule.
-      dtype: compute dtype of the trunk ("float32" as the code; the mask is float32 always).
-      remat: rematerialise blocks in the backward pass (``from_run``: remat "full"; False keeps the
-        run's own policy).
-      seed: seed of the interaction-parameter init (the data order has its own ``data.seed``).
-      log_every, eval_every, eval_batches, ckpt_every, keep_checkpoints, async_checkpoints: the loop.
-      dcp_impl: ``dcp_attention`` implementation, "xla" (blockwise) or "pallas" (kernels).
-
-    Every numeric field is checked against ``RANGES`` on construction (ValueError naming the field, e.g.
-    lr > 0, warmup_steps >= 0, b1 and b2 in [0, 1), alpha_init >= 1, intervals >= 0); ``validate``
-    checks the combinations.
-    """
-
-    hf_gpt2: str = ""
-    from_run: str = ""
-    from_step: int | None = None
-    data: DataConfig = DataConfig(seq_len=0)
-    steps: int = 25000
-    batch_size: int = 6
-    lr: float = 1e-4
-    warmup_steps: int | None = None
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-    interaction_lr: float | None = None
-    gamma: float = 0.3
-    gamma_normalization: str = "code"
-    interaction_dim: int = 64
-    beta_init: float = 2.0
-    alpha_init: float = 1.0
-    alpha_final: float = 8.0
-    alpha_steps: int | None = None
-    dtype: str = "float32"
-    remat: bool = False
-    seed: int = 42
-    log_every: int = 10
-    eval_every: int = 1000
-    eval_batches: int = 11
-    ckpt_every: int = 1000
-    keep_checkpoints: int = 3
-    async_checkpoints: bool = True
-    dcp: bool = True
-    init_config: dict | None = None
-    lr_decay: str = "constant"
-    dcp_impl: str = "xla"
-
-    RANGES: ClassVar[dict[str, Range]] = dict(
-        from_step=Range(0, integer=True, optional=True), steps=POSITIVE_INT, batch_size=POSITIVE_INT, lr=POSITIVE,
-        warmup_steps=Range(0, integer=True, optional=True), weight_decay=NON_NEGATIVE,
-        b1=Range(0, 1, hi_open=True), b2=Range(0, 1, hi_open=True), eps=POSITIVE, clip_norm=NON_NEGATIVE,
-        interaction_lr=Range(0, lo_open=True, optional=True), gamma=NON_NEGATIVE, interaction_dim=POSITIVE_INT,
-        beta_init=FINITE, alpha_init=Range(1), alpha_final=Range(1), alpha_steps=Range(1, integer=True, optional=True),
-        seed=NON_NEGATIVE_INT, log_every=POSITIVE_INT, eval_every=NON_NEGATIVE_INT, eval_batches=POSITIVE_INT,
-        ckpt_every=NON_NEGATIVE_INT, keep_checkpoints=POSITIVE_INT)
-
-    def __post_init__(self):
-        check_ranges(self)
-
-    def resolved(self) -> "FinetuneConfig":
-        """Fill ``warmup_steps`` and ``alpha_steps`` from ``steps`` (stored, so a resume with more steps
-        keeps the schedules)."""
-        kw = {}
-        if self.warmup_steps is None:
-            kw["warmup_steps"] = min(2000, math.ceil(0.08 * self.steps))
-        if self.alpha_steps is None:
-            kw["alpha_steps"] = self.steps
-        return dataclasses.replace(self, **kw)
-
-    def validate(self) -> "FinetuneConfig":
-        """The combinations of fields and the choices (the numeric ranges are checked on construction).
-        Raises ValueError naming the first bad field."""
-        checks = [
-            (self.gamma_normalization in GAMMA_NORMALIZATIONS,
-             f"gamma_normalization must be one of {GAMMA_NORMALIZATIONS}, got {self.gamma_normalization!r}"),
-            (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
-            (self.dcp_impl in ("xla", "pallas"), f"dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}"),
-            (self.init_config is None or isinstance(self.init_config, dict),
-             f"init_config must be None or a dict of GPT2Config fields, got {self.init_config!r}"),
-            (not (self.hf_gpt2 and self.from_run),
-             "--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model"),
-            (not (self.init_config is not None and self.from_run),
-             "--from-run cannot be combined with a random init (init_config)"),
-            (self.from_step is None or self.from_run,
-             "--from-step needs --from-run (the checkpoint step of that run)"),
-            (self.from_run == "" or self.dcp, "--from-run is for DCP fine-tuning (dcp=True)"),
-            (self.data.seq_len == 0 or self.data.seq_len >= 3,
-             f"seq_len must be at least 3 (the sparsity loss needs causal pairs), got {self.data.seq_len}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
-        return self
 
 
 RESUMABLE = config_lib.RESUMABLE + ("dcp_impl",)  # the same rule as fox-jax train; dcp_impl: same math
@@ -676,8 +562,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
     writer = MetricWriter(workdir, truncate_after=start_step if has_ckpt else -1)
     tokens_per_step = cfg.batch_size * seq_len
     val = None
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=not progress, desc="finetune-dcp", unit="step",
-               dynamic_ncols=True)
+    bar = progress_bar(total=cfg.steps, initial=start_step, progress=progress, desc="finetune-dcp", unit="step")
     step = start_step
     pending: list[tuple[int, float, dict]] = []
     try:
@@ -813,85 +698,6 @@ def _log(msg: str) -> None:
 
 
 # Command line ---------------------------------------------------------------------------------------
-
-def _add_run_flags(f, d: FinetuneConfig, *, pretrain: bool = False) -> None:
-    """Flags shared by ``finetune-dcp`` and ``pretrain-gpt2`` (data, optimizer, loop)."""
-    f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl; hf/ for GPT-2)")
-    f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl), or a "
-                   "directory written by 'python -m fox_jax.train.data'"
-                   + ("" if pretrain else " (default for --from-run: the run's training text)"))
-    f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data"
-                   + (")" if pretrain else "; for --from-run without --data: the run's validation text)"))
-    f.add_argument("--tokenizer", help="GPT-2 tokenizer: a directory with vocab.json + merges.txt" + (
-        " (required)" if pretrain else " (default: --hf-gpt2 if it holds them; for --from-run: the run's "
-        "tokenizer, and any other must fit the run's vocabulary)"))
-    f.add_argument("--seq-len", type=int, help="tokens per sequence (default: n_positions"
-                   + (")" if pretrain else "; for --from-run: the run's seq_len)"))
-    f.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
-    f.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    f.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr:g})")
-    f.add_argument("--warmup-steps", type=int, help="linear warmup steps (default min(2000, 8%% of steps))")
-    f.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay:g})")
-    f.add_argument("--clip-norm", type=float,
-                   help=f"gradient clipping by global norm, 0 = off (default {d.clip_norm:g})")
-    f.add_argument("--dtype", choices=("float32", "bfloat16"), help=f"compute dtype of the trunk (default {d.dtype})")
-    f.add_argument("--remat", action="store_true", default=None, help="rematerialise blocks (saves memory)")
-    f.add_argument("--seed", type=int, help=f"seed of the parameter init (default {d.seed})")
-    f.add_argument("--data-seed", type=int, help="seed of the data order and split (default 0)")
-    f.add_argument("--log-every", type=int, help=f"default {d.log_every}")
-    f.add_argument("--eval-every", type=int, help=f"validation interval, 0 = only at the end (default {d.eval_every})")
-    f.add_argument("--eval-batches", type=int, help=f"validation batches (default {d.eval_batches})")
-    f.add_argument("--ckpt-every", type=int, help=f"checkpoint interval (default {d.ckpt_every})")
-    f.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
-    f.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
-                   "the latest (the later checkpoints are moved to <workdir>/checkpoints_set_aside)")
-    f.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
-
-
-# ``fox-jax pretrain-gpt2``: the same loop, dense, from a random init, with pretraining defaults.
-PRETRAIN_DEFAULTS = dict(dcp=False, lr=6e-4, weight_decay=0.1, b2=0.95, lr_decay="cosine", batch_size=8,
-                         steps=5000, eval_every=500, ckpt_every=500)
-
-
-def add_subparser(sub) -> None:
-    """Register ``fox-jax finetune-dcp`` (handler ``cmd_finetune_dcp``) and ``fox-jax pretrain-gpt2``
-    (handler ``cmd_pretrain_gpt2``)."""
-    d = FinetuneConfig()
-    f = sub.add_parser("finetune-dcp", help="Dynamic Context Pruning fine-tuning of a Hugging Face GPT-2 or of "
-                       "a FoX/Transformer run", description="Dynamic Context Pruning fine-tuning of a pretrained "
-                       "model: a Hugging Face GPT-2 (--hf-gpt2; the final model is exported to <workdir>/hf) or a "
-                       "FoX/Transformer run of 'fox-jax train' (--from-run; the fine-tuned model stays in "
-                       "<workdir>/checkpoints). Continue a run with --workdir DIR --resume.")
-    src = f.add_mutually_exclusive_group()
-    src.add_argument("--hf-gpt2", help="pretrained HF GPT-2 directory (config.json + model.safetensors)")
-    src.add_argument("--from-run", help="a 'fox-jax train' run directory (config.json + checkpoints/; FoX or "
-                     "Transformer, any arch) to add DCP to; ACP is turned off")
-    f.add_argument("--from-step", type=int, help="checkpoint step of --from-run (default: its latest)")
-    _add_run_flags(f, d)
-    f.add_argument("--interaction-lr", type=float, help="learning rate of q_int, k_int, β (default: --lr)")
-    f.add_argument("--gamma", type=float, help=f"sparsity strength γ (default {d.gamma:g})")
-    f.add_argument("--gamma-normalization", choices=GAMMA_NORMALIZATIONS,
-                   help="'code': γ as in the reference code (mean over the (T-1)xT slice, γ_eff≈γ/2); "
-                        "'causal': γ on the mean over causal pairs (paper). Default code")
-    f.add_argument("--interaction-dim", type=int, help=f"r (default {d.interaction_dim})")
-    f.add_argument("--beta-init", type=float, help=f"initial β (default {d.beta_init:g})")
-    f.add_argument("--alpha-init", type=float, help=f"α at step 0 (default {d.alpha_init:g})")
-    f.add_argument("--alpha-final", type=float, help=f"final α (default {d.alpha_final:g})")
-    f.add_argument("--alpha-steps", type=int, help="length of the cosine α ramp (default: --steps)")
-    f.add_argument("--dcp-impl", choices=("xla", "pallas"),
-                   help="DCP attention: blockwise XLA (default) or the Pallas kernels (not yet timed on a GPU)")
-    f.set_defaults(handler=cmd_finetune_dcp, distributed=False, coordinator=None, num_processes=None, process_id=None)
-
-    p = dataclasses.replace(d, **PRETRAIN_DEFAULTS)
-    g = sub.add_parser("pretrain-gpt2", help="train a dense GPT-2 from a random init (the base model for DCP)")
-    _add_run_flags(g, p, pretrain=True)
-    g.add_argument("--size", help="released GPT-2 shape to start from: gpt2 | gpt2-medium | gpt2-large | gpt2-xl "
-                   "(default gpt2); the flags below override it (on --resume they must describe the saved model)")
-    for name in ("n_layer", "n_head", "n_embd", "n_positions"):
-        g.add_argument("--" + name.replace("_", "-"), type=int, help=f"GPT2Config.{name}")
-    g.set_defaults(handler=cmd_pretrain_gpt2, distributed=False, coordinator=None, num_processes=None,
-                   process_id=None, hf_gpt2=None, from_run=None, from_step=None)
-
 
 _FLAG_FIELDS = ("steps", "batch_size", "lr", "interaction_lr", "warmup_steps", "weight_decay", "clip_norm", "gamma",
                 "gamma_normalization", "interaction_dim", "beta_init", "alpha_init", "alpha_final", "alpha_steps",

@@ -1,4 +1,5 @@
-"""Throughput accounting (TFLOP/s, MFU) and metric writers (console, JSON lines, TensorBoard)."""
+"""Throughput accounting (TFLOP/s, MFU), metric writers (console, JSON lines, TensorBoard) and the loss
+curve (``plot_loss_curve``)."""
 
 from __future__ import annotations
 
@@ -40,12 +41,13 @@ class MetricWriter:
         """``truncate_after``: on a resume from step N, drop rows of steps > N written by the run that
         died after its last checkpoint, so the file holds each step once."""
         self.enabled = enabled and jax.process_index() == 0
+        self.path = None
         self._jsonl = None
         self._tb = None
         if not self.enabled:
             return
         os.makedirs(workdir, exist_ok=True)
-        path = os.path.join(workdir, "metrics.jsonl")
+        path = self.path = os.path.join(workdir, "metrics.jsonl")
         if truncate_after is not None and os.path.exists(path):
             with open(path) as f:
                 rows = [line for line in f if line.strip() and json.loads(line)["step"] <= truncate_after]
@@ -84,7 +86,10 @@ def _to_float(v):
 
 
 def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
-    """``step 100/300 | loss 2.3456 | lr 3.00e-03 | gnorm 0.81 | 12.3k tok/s | 1.20 TFLOP/s | MFU 34.1%``."""
+    """``step 100/300 | loss 2.3456 | lr 3.00e-03 | gnorm 0.81 | 12.3k tok/s | 1.20 TFLOP/s | MFU 34.1%``.
+
+    TFLOP/s and MFU appear only with an ``mfu`` (a device of known peak); ``metrics.jsonl`` keeps ``tflops``
+    everywhere."""
     parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}"]
     if "lr" in m:
         parts.append(f"lr {m['lr']:.2e}")
@@ -92,9 +97,9 @@ def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
         parts.append(f"gnorm {m['grad_norm']:.3f}")
     if "tokens_per_sec" in m:
         parts.append(f"{_si(m['tokens_per_sec'])} tok/s")
-    if "tflops" in m:
-        parts.append(f"{m['tflops']:.2f} TFLOP/s")
-    if m.get("mfu") is not None:
+    if m.get("mfu") is not None:  # only where the device's peak is known (GPUs, TPUs; not CPUs)
+        if "tflops" in m:
+            parts.append(f"{m['tflops']:.2f} TFLOP/s")
         parts.append(f"MFU {100 * m['mfu']:.1f}%")
     if "acp_fraction_skipped" in m:
         parts.append(f"ACP pruned {100 * m['acp_fraction_skipped']:.1f}%")
@@ -108,3 +113,39 @@ def _si(x: float) -> str:
         if x >= scale:
             return f"{x / scale:.1f}{unit}"
     return f"{x:.0f}"
+
+
+def read_metrics(path: str) -> list[dict]:
+    """The rows of a ``metrics.jsonl`` (one JSON object per line)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss_curve(metrics_path: str, png_path: str, title: str | None = None) -> bool:
+    """Training loss and validation loss against step, from ``metrics.jsonl``, as a PNG (matplotlib, Agg).
+
+    Returns False (and writes nothing) when the file holds no loss yet.
+    """
+    rows = read_metrics(metrics_path) if os.path.exists(metrics_path) else []
+    train = [(r["step"], r["loss"]) for r in rows if isinstance(r.get("loss"), float) and math.isfinite(r["loss"])]
+    val = [(r["step"], r["val_loss"]) for r in rows if isinstance(r.get("val_loss"), float)]
+    if not train and not val:
+        return False
+    from matplotlib.figure import Figure  # no pyplot: renders with Agg, leaves the global backend alone
+
+    fig = Figure(figsize=(6, 4))
+    ax = fig.subplots()
+    if train:
+        ax.plot(*zip(*train), lw=1, label="train loss")
+    if val:
+        ax.plot(*zip(*val), "o-", lw=2, ms=4, label="validation loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title or os.path.basename(os.path.dirname(os.path.abspath(metrics_path))))
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = png_path + ".tmp.png"
+    fig.savefig(tmp, dpi=120)
+    os.replace(tmp, png_path)  # a reader never sees a half-written file
+    return True

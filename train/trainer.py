@@ -22,7 +22,8 @@ from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, stat
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
 from fox_jax.train.checkpoints import Checkpointer
-from fox_jax.train.metrics import MetricWriter, device_peak_flops, format_log_line
+from fox_jax.train.metrics import MetricWriter, device_peak_flops, format_log_line, plot_loss_curve
+from fox_jax.train.progress import Heartbeat, bars_shown, progress_bar
 
 
 class TrainState(flax.struct.PyTreeNode):
@@ -265,9 +266,12 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     losses: dict[int, float] = {}
     val_loss = None
     pending: list[tuple[int, dict]] = []
-    # disable=None: tqdm turns itself off when stderr is not a terminal (logs, CI)
-    bar = tqdm(total=cfg.steps, initial=start_step, disable=None if progress and jax.process_index() == 0 else True,
-               desc="train", unit="step", dynamic_ncols=True)
+    main_process = jax.process_index() == 0
+    bar = progress_bar(total=cfg.steps, initial=start_step, progress=progress and main_process, desc="train",
+                       unit="step")
+    heartbeat = Heartbeat(cfg.steps, cfg.heartbeat_secs, start_step=start_step,
+                          enabled=main_process and not bars_shown(progress))
+    curve_png = os.path.join(workdir, "loss.png")
     step = start_step
     try:
         if start_step == 0 and cfg.eval_every > 0:  # the starting point of the validation curve
@@ -275,6 +279,8 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
             row = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0))}
             writer.write(0, row)
             _log(f"step 0/{cfg.steps} | val_loss {val_loss:.4f} (ppl {row['val_ppl']:.2f})")
+            _plot(writer, curve_png)
+            heartbeat.reset()
         t_last, step_last = time.perf_counter(), start_step
         while step < cfg.steps:
             batch = _to_global(next(train_iter), data_sharding)
@@ -313,13 +319,18 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
                     last["val_ppl"] = math.exp(min(val_loss, 50.0))
                     t_last = time.perf_counter()  # evaluation time is not training throughput
                 writer.write(step, last)
+                if is_eval:
+                    _plot(writer, curve_png)
                 bar.set_postfix(loss=f"{last['loss']:.3f}", refresh=False)
                 _log(format_log_line(step, cfg.steps, last))
+                heartbeat.reset()
             bar.update(1)
+            heartbeat.tick(step)
             if cfg.ckpt_every > 0 and step % cfg.ckpt_every == 0 and step != cfg.steps:
                 ckpt.save(step, state, train_iter.get_state())
         if ckpt.latest_step() != step:
             ckpt.save(step, state, train_iter.get_state(), force=True)
+        _plot(writer, curve_png)
     finally:
         bar.close()
         if hasattr(train_iter, "close"):
@@ -354,6 +365,12 @@ def _check_resume_config(saved: config_lib.ExperimentConfig, given: config_lib.E
     a, b = config_lib.to_dict(saved), config_lib.to_dict(given)
     b["model"]["vocab_size"] = a["model"]["vocab_size"]  # resolved from the tokenizer at the start
     config_lib.check_resume(a, b, RESUMABLE)
+
+
+def _plot(writer: MetricWriter, path: str) -> None:
+    """The loss curve of ``metrics.jsonl`` (process 0 only)."""
+    if writer.enabled:
+        plot_loss_curve(writer.path, path)
 
 
 def _log(msg: str) -> None:

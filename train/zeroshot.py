@@ -57,11 +57,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
-from tqdm.auto import tqdm
+
+from fox_jax.train.commands import ZEROSHOT_TASKS as TASKS
+from fox_jax.train.progress import progress_bar
 
 Scorer = Callable[[np.ndarray, np.ndarray], Any]
-
-TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge", "copa", "boolq")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -303,7 +303,7 @@ def score_requests(
       batch_size: rows per scorer call.
       max_length: the model's context (input tokens per row).
       pad_id: token id used for padding (any valid id).
-      progress: show a tqdm bar.
+      progress: a tqdm bar (drawn only when stderr is a terminal).
       desc: the bar's label.
 
     Returns:
@@ -322,7 +322,7 @@ def score_requests(
     loglik = np.zeros(n, np.float64)
     greedy: np.ndarray | None = np.zeros(n, bool)
     order = sorted(range(n), key=lambda i: -len(rows[i]))
-    with tqdm(total=n, desc=desc, unit="req", disable=not progress, dynamic_ncols=True, leave=False) as bar:
+    with progress_bar(total=n, desc=desc, unit="req", progress=progress, leave=False) as bar:
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size]
             t = _bucket(max(len(rows[i]) for i in idx) - 1, max_length) + 1
@@ -404,7 +404,7 @@ def evaluate_tasks(
       eval_dir: the directory of the eval sets (``shared/data/eval``).
       limit: score only the first ``limit`` examples of each task (None: all).
       batch_size, max_length: see ``score_requests``.
-      progress: tqdm bars.
+      progress: tqdm bars (drawn only when stderr is a terminal).
 
     Returns:
       ``{task: {"n": ..., metric: value, ...}}``; ``truncated_continuations`` counts continuations longer
@@ -592,28 +592,6 @@ def default_eval_dir() -> Path:
     if shared:
         return Path(shared) / "eval"
     return Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
-
-
-def add_subparser(sub) -> None:
-    """Register ``fox-jax zeroshot`` on an argparse sub-parsers object (handler: ``cmd_zeroshot``)."""
-    z = sub.add_parser("zeroshot", help="zero-shot accuracy (LAMBADA, PIQA, WinoGrande, HellaSwag, ARC, ...)")
-    src = z.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="a run of 'fox-jax train' (FoX/Transformer) or 'fox-jax finetune-dcp'")
-    src.add_argument("--hf-gpt2", help="a Hugging Face GPT-2 directory (config.json + model.safetensors)")
-    z.add_argument("--dcp", action="store_true", help="a DCP model (GPT-2, or a FoX/Transformer finetune-dcp "
-                   "--from-run run) with its interaction params and the α=∞ step mask (default: dense "
-                   "attention, DCP params ignored)")
-    z.add_argument("--step", type=int, help="checkpoint step for --workdir (default: latest)")
-    z.add_argument("--tasks", default="all", help=f"comma-separated: {','.join(TASKS)} (default all)")
-    z.add_argument("--limit", type=int, help="score only the first N examples of each task")
-    z.add_argument("--eval-dir", help="directory of the eval sets (default: ../shared/data/eval)")
-    z.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files in --hf-gpt2)")
-    z.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
-    z.add_argument("--max-length", type=int, help="context in tokens (default: n_positions / the run's seq_len)")
-    z.add_argument("--output", help="JSON output (default: <workdir>/eval/zeroshot[_dcp].json or "
-                   "<hf dir>/zeroshot[_dcp].json)")
-    z.add_argument("--no-progress", action="store_true", help="no progress bars")
-    z.set_defaults(handler=cmd_zeroshot, distributed=False, coordinator=None, num_processes=None, process_id=None)
 
 
 def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
