@@ -327,7 +327,7 @@ class TrainedGates:
 
     Restores the run like ``fox-jax eval`` (``RUN_DIR/config.json`` + the latest checkpoint, or
     ``step``), takes the first ``T + 1`` tokens of its validation stream as one packed window
-    (``train.data.pack_windows``: segment ids and positions as in validation), runs the model once and
+    (``fox_jax.train.data.pack_windows``: segment ids and positions as in validation), runs the model once and
     captures every layer's forget-gate logits (flax ``capture_intermediates`` on the ``fgate_proj``
     modules; log f = log_sigmoid(logit), float32, exactly as the attention layer forms it).
 

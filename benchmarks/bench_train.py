@@ -4,7 +4,7 @@ For each (arch, size, context, ACP on/off) it jits the real train step (AdamW, c
 float32 master weights) on synthetic tokens, runs ``--warmup`` steps, then times ``--steps`` steps
 (median of per-step wall times, synchronised). FLOPs are dense-equivalent, from the spec's formula
 (3 × (2N + 2·n_layer·H·D·L) per token), so ACP shows up as higher TFLOP/s at equal work. MFU divides by
-the device's dense bf16 peak (``train.metrics.PEAK_FLOPS``; 989 TFLOP/s on H100/H200).
+the device's dense bf16 peak (``fox_jax.train.metrics.PEAK_FLOPS``; 989 TFLOP/s on H100/H200).
 
     python benchmarks/bench_train.py --configs fox-pro:125M:2048 transformer-pro:125M:2048 --acp both \
         --batch-tokens 65536 --out results.json

@@ -93,7 +93,7 @@ def _series(run: dict, key: str, scale: float = 1.0):
 
 def binned_per_position(per_position: dict) -> tuple[list[float], list[float]]:
     """Per-position loss of a ``fox-jax eval`` JSON averaged over log-spaced position bins, weighted by
-    each position's token count (``train.evaluate.log_binned``, the binning of eval's own plot): a
+    each position's token count (``fox_jax.train.evaluate.log_binned``, the binning of eval's own plot): a
     validation set of a few documents gives ~16 tokens per position, far too noisy raw. Positions with
     no tokens or a missing (None / non-finite) loss are left out.
 

@@ -343,6 +343,7 @@ def alpha_grid_points(alpha):
     return np.concatenate([-z[::-1], [0.0], z]).astype(np.float32)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("alpha", ALPHA_GRID)
 def test_values_and_slopes_every_alpha(alpha):
     z = alpha_grid_points(alpha)

@@ -125,6 +125,7 @@ def tiny_run(tmp_path_factory):
     return workdir, argv
 
 
+@pytest.mark.slow
 def test_train_log_has_heartbeats_no_bar_and_a_loss_png(tiny_run, capsys):
     workdir, argv = tiny_run
     assert cli.main(argv) == 0

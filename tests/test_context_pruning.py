@@ -324,6 +324,7 @@ def test_dcp_attention_matches_dense_with_gradients(beta, alpha):
     assert float(jnp.abs(g_ref[3]).max()) > 1e-3  # the mask gradient is exercised
 
 
+@pytest.mark.slow
 def test_dcp_attention_skips_dropped_blocks_exactly():
     rng = np.random.default_rng(8)
     b, t, h, d = 2, 45, 2, 8
@@ -405,6 +406,7 @@ def random_log_fgate(rng, b, t, h):
     return jax.nn.log_sigmoid(jnp.asarray(rng.normal(1.0, 2.0, size=(b, t, h)), jnp.float32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["mha_awkward", "gqa_segments", "decode_alignment"])
 def test_dcp_attention_fgate_matches_dense_with_gradients(case):
     rng = np.random.default_rng(11)
@@ -502,6 +504,7 @@ def test_dcp_attention_fgate_errors():
         dcp_attention(q, q, q, lm, jnp.zeros((1, 8, 2), jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_dropped_pairs_weigh_zero_for_every_tiling():
     """Pairs at the floor weigh exactly 0 and a row with no kept pair outputs 0, for every block size,
     with and without skipping, also with eval-mode −inf masks (where the last row, which sees every

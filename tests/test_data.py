@@ -1,4 +1,4 @@
-"""Tests of train.tokenizers and train.data: reading, tokenizing, caching, splitting, packing, iterating."""
+"""Tests of fox_jax.train.tokenizers and fox_jax.train.data: reading, tokenizing, caching, splitting, packing, iterating."""
 
 from __future__ import annotations
 
@@ -194,11 +194,11 @@ def test_cache_is_used_and_corruption_is_rebuilt(tmp_path, monkeypatch):
     (cache_file,) = (tmp_path / "cache" / "tokens").glob("*.npy")
 
     import fox_jax.train.data
-    real_read = train.data.read_documents
-    monkeypatch.setattr(train.data, "read_documents", lambda *a, **k: pytest.fail("cache not used"))
+    real_read = fox_jax.train.data.read_documents
+    monkeypatch.setattr(fox_jax.train.data, "read_documents", lambda *a, **k: pytest.fail("cache not used"))
     np.testing.assert_array_equal(load_corpus(cfg).train_tokens, first)
 
-    monkeypatch.setattr(train.data, "read_documents", real_read)
+    monkeypatch.setattr(fox_jax.train.data, "read_documents", real_read)
     for corrupt in (lambda b: b[: len(b) // 2], lambda b: b[:-1] + bytes([b[-1] ^ 1]), lambda b: b"garbage"):
         cache_file.write_bytes(corrupt(cache_file.read_bytes()))
         with pytest.warns(RuntimeWarning, match="corrupt"):

@@ -105,6 +105,7 @@ def dense_masked_attention(q, k, v, keep):
     return jnp.einsum("bhij,bjhd->bihd", jax.nn.softmax(s, axis=-1), v, precision="highest")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pattern", ["local:5", "strided:6"])
 def test_pattern_attention_matches_dense_reference(pattern):
     b, t, h, d = 2, 40, 2, 8
@@ -132,6 +133,7 @@ def tiny_params():
     return init_gpt2(GPT2Config(**TINY), jax.random.PRNGKey(1))
 
 
+@pytest.mark.slow
 def test_gpt2_sparse_pattern_model(tiny_params):
     cfg = GPT2Config(**TINY)
     t, w = 40, 6
@@ -270,6 +272,7 @@ def test_load_run_forms_and_errors(models):
     assert not dcp_eval.load_dense(str(models / "run_gamma0.5" / "hf")).cfg.dcp
 
 
+@pytest.mark.slow
 @needs_data
 def test_cli_end_to_end(models, val_text, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FOX_JAX_CACHE", str(tmp_path / "cache"))

@@ -102,6 +102,7 @@ def test_added_params_initialised_as_specified():
 # Behaviour
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", DCP_ARCHS)
 def test_huge_beta_keeps_everything_and_equals_dense_model(arch):
     # β = 1e4: log σ_α(z) = 0 exactly in float32 for every α, so log I ≡ 0 and the DCP model is the
@@ -165,6 +166,7 @@ def test_hand_set_interaction_gives_known_mask_and_dense_reference(arch, monkeyp
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", DCP_ARCHS)
 def test_gradients_finite_and_reach_interaction_params(arch):
     # Soft mask (α = 1.5, traced), default β₀ = 2 plus a negative shift so pairs really get dropped;

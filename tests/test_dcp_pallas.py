@@ -52,6 +52,7 @@ CASES = {  # b, tq, tk, h, hkv, d, gates, segments
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_pallas_dcp_matches_dense_with_gradients(case):
     b, tq, tk, h, hkv, d, gated, segmented = CASES[case]
@@ -76,6 +77,7 @@ def test_pallas_dcp_matches_dense_with_gradients(case):
     assert float(jnp.abs(g_ref[3]).max()) > 1e-3  # the mask gradient is exercised
 
 
+@pytest.mark.slow
 def test_pallas_dcp_equals_xla_blockwise_and_bfloat16():
     rng = np.random.default_rng(22)
     q, k, v, lm, lf = _inputs(rng, 2, 41, 41, 2, 2, 32)
@@ -156,6 +158,7 @@ def test_gpu_pallas_dcp_matches_xla(d):
         np.testing.assert_allclose(a, r, atol=2e-2 * (1 + np.abs(r).max()), err_msg=name)
 
 
+@pytest.mark.slow
 def test_bench_dcp_quick(tmp_path):
     """benchmarks/bench_dcp.py --quick runs both implementations on CPU and writes its JSON."""
     import importlib.util
@@ -186,6 +189,7 @@ def _mask_with_empty_rows(rng, b, t):
     return jnp.asarray(lm, jnp.float32), np.array(sorted({*range(8, 16), 21, t - 1}))
 
 
+@pytest.mark.slow
 def test_rows_without_kept_pair_agree_across_implementations_and_tilings():
     """Every implementation and tiling: dropped pairs weigh 0, and a row whose every visible key is at
     the floor outputs 0 — whether its tiles are wholly dropped (skipped) or only partly (visited) —

@@ -74,6 +74,7 @@ def lm_reference(model, params, tokens, pads=PADS):
                        positions=positions)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_incremental_decoding_equals_full_forward(arch):
     model, params = tiny_lm(arch)
@@ -134,6 +135,7 @@ def assert_greedy(reference, prompt, generated, pads=PADS):
     return logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
 def test_generate_greedy_and_sampling(arch):
     model, params = tiny_lm(arch)
@@ -277,6 +279,7 @@ def test_dcp_large_beta_equals_dense_decoding():
     np.testing.assert_allclose(dense_logits, full[:, -1], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_resize_packed_cache_keeps_live_tokens():
     model, params = tiny_gpt2()
     t = 16
@@ -304,6 +307,7 @@ def test_resize_packed_cache_keeps_live_tokens():
         decode_step(model, params, full_cache, tokens[:, 0])
 
 
+@pytest.mark.slow
 def test_generate_dcp_greedy_with_resizing():
     model, params = tiny_gpt2()
     prompt = padded_batch(8)
@@ -365,6 +369,7 @@ def family_model(family):
 SPLITS = [(6, 4, 1, 1, 1, 1), (2, 3, 1, 5, 1, 2)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("split", SPLITS, ids=["prefill-chunk-steps", "chunks-over-pads"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_chunks_on_a_live_cache_equal_the_full_forward(family, split):
@@ -393,6 +398,7 @@ def test_chunks_on_a_live_cache_equal_the_full_forward(family, split):
             np.testing.assert_array_equal(live_counts(caches)[0], np.maximum(c - PADS, 0))
 
 
+@pytest.mark.slow
 def test_chunk_through_model_apply_continues_the_cache():
     """The protocol itself (no generation helper): a chunk on a prefilled FoX (Pro) cache attends
     over the cached tokens and appends at column ``length``."""
@@ -405,6 +411,7 @@ def test_chunk_through_model_apply_continues_the_cache():
     assert int(caches[0].length) == 10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["fox-pro", "gpt2-dense", "gpt2-packed"])
 def test_chunk_that_overflows_the_capacity_raises(family):
     model, params, packed, _ = family_model(family)
@@ -448,6 +455,7 @@ def test_decode_step_does_not_scan_the_cache(arch):
                         "reduce_window_sum", "reduce_window"}, sorted(names)
 
 
+@pytest.mark.slow
 def test_decode_decay_float32_accurate_at_64k_tokens():
     """64k tokens, one key/value head read by two query heads (a fast and a slow forgetter), D = 8:
     the decay Λ_i − Λ_j that decode steps form from the stored per-slot Λ, and their outputs, match a

@@ -94,6 +94,7 @@ def test_import_matches_transformers(hf_model, hf_dir):
     assert jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(params)
 
 
+@pytest.mark.slow
 def test_export_reloads_in_transformers(hf_model, hf_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg, params = load_hf_gpt2(hf_dir)
@@ -163,6 +164,7 @@ def test_own_checkpoint_round_trip(own_dir):
     assert "transformer.h.1.attn.c_attn.weight" in names and "lm_head.weight" not in names
 
 
+@pytest.mark.slow
 def test_dcp_model_keep_all_equals_dense_and_trains(own_dir):
     cfg, params = load_hf_gpt2(own_dir)
     dcfg, dparams = add_dcp_params(cfg, params, jax.random.PRNGKey(2), interaction_dim=8, beta_init=50.0)
@@ -200,6 +202,7 @@ def test_dcp_model_keep_all_equals_dense_and_trains(own_dir):
     assert float(jnp.max(aux_inf["sparsity"])) > 0
 
 
+@pytest.mark.slow
 def test_gpt2_config_and_model_errors():
     cfg = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=100, n_positions=8, dcp=True, interaction_dim=4)
     params = init_gpt2(cfg, jax.random.PRNGKey(0))

@@ -44,6 +44,7 @@ def _hf(path):
         return json.load(f)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_official_logits(variant):
     path = os.path.join(FIXTURES, variant)
@@ -98,6 +99,7 @@ _SMALL = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=2, mlp_dim=48)
     ("transformer-llama", {"n_heads": 4, "n_kv_heads": 2, "mlp_dim": None, "hidden_ratio": 3.5},
      TRANSFORMER_MODEL_TYPE),
 ])
+@pytest.mark.slow
 def test_export_then_load_gives_identical_logits(arch, extra, model_type, tmp_path):
     from fox_jax.config import preset
 

@@ -50,6 +50,7 @@ def tiny():
     return cfg, init_params(cfg, jax.random.PRNGKey(0))
 
 
+@pytest.mark.slow
 def test_forward_shapes_and_dtypes(tiny):
     cfg, params = tiny
     tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 45), 0, 97)
@@ -62,6 +63,7 @@ def test_forward_shapes_and_dtypes(tiny):
     assert np.all(np.asarray(params["layers_0"]["attn"]["fgate_proj"]["bias"]) == 0)  # f ≈ 0.5 at init
 
 
+@pytest.mark.slow
 def test_causality_and_segments(tiny):
     cfg, params = tiny
     model = LanguageModel(cfg)
@@ -88,12 +90,14 @@ def _assert_second_document_as_if_alone(model, params, vocab: int, first: int, l
     np.testing.assert_allclose(packed[0, first:], alone[0], atol=1e-4)
 
 
+@pytest.mark.slow
 def test_transformer_rope_positions_reset_per_segment():
     cfg = preset("tiny", "transformer-llama", vocab_size=50)
     params = init_params(cfg, jax.random.PRNGKey(0))
     _assert_second_document_as_if_alone(LanguageModel(cfg), params, 50, 12)
 
 
+@pytest.mark.slow
 def test_xla_and_dense_attention_agree(tiny):
     cfg, params = tiny
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 70), 0, 97)
@@ -102,6 +106,7 @@ def test_xla_and_dense_attention_agree(tiny):
     np.testing.assert_allclose(a, b, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_jit_vmap_grad(tiny):
     cfg, params = tiny
     model = LanguageModel(cfg)
@@ -121,6 +126,7 @@ def test_jit_vmap_grad(tiny):
     assert float(jnp.abs(g["layers_0"]["attn"]["fgate_proj"]["kernel"]).sum()) > 0
 
 
+@pytest.mark.slow
 def test_acp_in_model_sows_fraction(tiny):
     cfg, params = tiny
     model = LanguageModel(cfg.replace(adaptive_threshold="auto", attention_block=16))
@@ -143,6 +149,7 @@ def test_config_validation():
         preset("tiny", vocab_size=11).param_count()
 
 
+@pytest.mark.slow
 def test_kv_shift_continuation_matches_single_pass():
     from fox_jax.nn.layers import kv_shift
     raw = jax.random.normal(jax.random.PRNGKey(0), (2, 20, 3, 4))
@@ -159,6 +166,7 @@ def test_kv_shift_continuation_matches_single_pass():
     np.testing.assert_allclose(packed[:, 7:], alone, atol=1e-6)  # never shifts across documents
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
 def test_pro_models_run_and_respect_segments(arch):
     cfg = preset("tiny", arch, vocab_size=61)
@@ -169,6 +177,7 @@ def test_pro_models_run_and_respect_segments(arch):
     _assert_second_document_as_if_alone(LanguageModel(cfg), params, 61, 10)
 
 
+@pytest.mark.slow
 def test_pro_acp_threshold_comes_from_qk_norm_weights():
     """QK-norm bounds every logit by √D·max|w_q|·max|w_k|, so ACP with "auto" uses the weights."""
     from fox_jax.ops import acp
@@ -196,6 +205,7 @@ def test_weight_decay_mask_excludes_norms_and_biases():
     assert not mask["layers_0"]["attn_norm"]["scale"] and not mask["final_norm"]["scale"]
 
 
+@pytest.mark.slow
 def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
     """The sown ``acp_fraction_skipped`` uses the Pallas forward kernel's tiling when the layer runs the
     kernel, and ``attention_block`` tiles on the XLA path (the two tilings skip different fractions)."""

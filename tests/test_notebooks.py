@@ -11,6 +11,7 @@ NotebookClient = pytest.importorskip("nbclient").NotebookClient
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_runs(path):
     nb = nbformat.read(path, as_version=4)

@@ -76,6 +76,7 @@ def test_acp_block_ranges_prune_only_tiles_below_threshold(block_q, block_k, tq)
         assert pruned_tiles > 0  # the threshold really prunes
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tq, tk, block_q, block_k", [(100, 100, 16, 16), (37, 130, 32, 16), (1, 77, 8, 16),
                                                       (256, 256, 64, 32)])
 def test_acp_block_ranges_on_nonpositive_gates_are_the_official_tile_test(tq, tk, block_q, block_k):
@@ -124,6 +125,7 @@ def test_seq_start_range_edges_match_reference(impl):
     np.testing.assert_allclose(out, forgetting_attention_reference(q, k, v, lf, seq_start=ss), atol=2e-5, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS + ["dense"])
 def test_traced_seq_start_is_clamped_into_range_for_every_implementation(impl):
     """Under jit the values cannot be checked: −3 acts as 0, 16 and 21 as Tk − 1 = 15 (outputs and
@@ -178,6 +180,7 @@ def test_concrete_nan_threshold_raises(impl, threshold, where):
         forgetting_attention(q, k, v, lf, adaptive_threshold=threshold, implementation=impl)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_traced_nan_threshold_prunes_nothing(impl):
     """Under jit a NaN threshold cannot be checked: it prunes nothing, exactly like −inf (outputs and
@@ -198,6 +201,7 @@ def test_traced_nan_threshold_prunes_nothing(impl):
     assert float(jnp.max(jnp.abs(off[1][1]))) > 0  # dk really flows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", IMPLS)
 def test_infinite_thresholds(impl):
     """+inf is clipped to 0 (the most pruning: only tiles holding a zero decay are kept); −inf

@@ -50,6 +50,7 @@ SHAPES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("variant", ["plain", "segments", "seq_start", "both"])
 def test_xla_matches_reference_f32(shape, variant):
@@ -70,6 +71,7 @@ def test_xla_matches_reference_f32(shape, variant):
         np.testing.assert_allclose(a, r, atol=1e-4, rtol=0, err_msg=f"d{name}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=["bf16", "fp16"])
 def test_xla_low_precision(dtype):
     shape = (2, 90, 150, 4, 2, 32)
@@ -121,6 +123,7 @@ def test_decay_gradient_is_reverse_cumsum():
     np.testing.assert_allclose(g, jnp.flip(jnp.cumsum(jnp.flip(w, 1), 1), 1), atol=1e-6)
 
 
+@pytest.mark.slow
 def test_composes_with_jit_vmap_grad():
     q, k, v, lf = make_inputs(3, 33, 33, 2, 2, 8)
     f = lambda q, k, v, lf: forgetting_attention(q[None], k[None], v[None], lf[None], implementation="xla",
@@ -196,6 +199,7 @@ def test_acp_skips_exactly_the_pruned_tiles():
     assert int(jnp.sum(starts)) > 0  # some tiles really were skipped
 
 
+@pytest.mark.slow
 def test_acp_minus_inf_is_bitwise_dense():
     q, k, v, lf = make_inputs(1, 50, 50, 2, 2, 16)
     kw = dict(implementation="xla", block_q=16, block_k=16)
@@ -208,6 +212,7 @@ def test_acp_minus_inf_is_bitwise_dense():
         assert np.array_equal(np.asarray(a), np.asarray(b_))
 
 
+@pytest.mark.slow
 def test_acp_auto_guarantee():
     """With the auto threshold the pruned weight per query is ≤ ε, so |o_acp − o| ≤ 2ε·max|v|
     (dropping mass m and renormalising moves o by at most 2m·max|v|); gradients agree within

@@ -1,7 +1,7 @@
 """Tests of the portable Pallas forgetting-attention kernels (``implementation="pallas"``).
 
 On CPU the kernels run in interpret mode with small, per-kernel different tiles (fwd 32×16, dQ 16×32,
-dK/dV 32×16; kernels.forgetting_attention._INTERPRET_CONFIG), so short awkward lengths still exercise
+dK/dV 32×16; fox_jax.kernels.forgetting_attention._INTERPRET_CONFIG), so short awkward lengths still exercise
 multi-block loops, boundary tiles, padding and kernel-specific ACP ranges. ``-m gpu`` runs the real
 Triton-lowered kernels on larger shapes.
 
@@ -97,6 +97,7 @@ _CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("b,tq,tk,h,hkv,d,dtype,seq_start,segments", _CASES)
 def test_matches_dense_reference(b, tq, tk, h, hkv, d, dtype, seq_start, segments):
     q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, dtype, seed=tq + d)
@@ -142,6 +143,7 @@ def test_acp_minus_inf_threshold_is_bit_identical():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_acp_auto_threshold_within_epsilon_bound():
     q, k, v, lf, w = _acp_inputs()
     t = q.shape[1]
@@ -165,6 +167,7 @@ def test_acp_auto_threshold_within_epsilon_bound():
         _assert_close(name, a, b, 1e-3)
 
 
+@pytest.mark.slow
 def test_acp_fixed_threshold_matches_xla_blockwise():
     """Aggressive δ: the same tiles are skipped by both implementations when the blocks are equal."""
     q, k, v, lf, w = _inputs(2, 70, 90, 4, 2, 32, jnp.float32, seed=11, gate_lo=-1.0, gate_hi=2.0)
@@ -192,6 +195,7 @@ def test_acp_fixed_threshold_matches_xla_blockwise():
         _assert_close(name, a, b, 2e-5)
 
 
+@pytest.mark.slow
 def test_grid_order_does_not_change_results():
     """Interleaving heads in the grid (the default with ACP) only reorders programs."""
     q, k, v, lf, w = _inputs(2, 50, 50, 4, 2, 32, jnp.bfloat16, seed=13)
@@ -217,6 +221,7 @@ def test_grid_order_does_not_change_results():
     assert _interleave(base, base.fwd, object()) and not _interleave(base, base.fwd, None)
 
 
+@pytest.mark.slow
 def test_vmap_jit_grad():
     q, k, v, lf, w = _inputs(2, 24, 24, 2, 2, 32, jnp.float32, seed=5)
     lam = decay_cumsum(lf)
@@ -271,6 +276,7 @@ _DOC_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("threshold", _DOC_CASES)
 def test_document_skipping_matches_reference(threshold):
     b, tq, tk, h, hkv, d = 2, 70, 101, 4, 2, 32
@@ -311,6 +317,7 @@ def test_document_skipping_matches_reference(threshold):
         _assert_close(name, g, gr, 2e-5)
 
 
+@pytest.mark.slow
 def test_document_skipping_never_loads_skipped_tiles():
     """Keys of a document that no query belongs to (Tq < Tk) are poisoned with NaN: with document
     skipping their tiles are never loaded (finite results equal to the clean oracle, zero dk/dv);
@@ -363,6 +370,7 @@ def test_segment_block_bounds():
                 assert all(share[q_lo[0, n]:q_hi[0, n], n].all() for n in range(nk))
 
 
+@pytest.mark.slow
 def test_bench_gates_from_trained_run(tmp_path):
     """bench_attention.py --gates-from: a tiny FoX trained here (T=32), gates captured at the quick
     shapes' longer T; slot (0, 0) equals layer 0 / head 0's log_fgate computed by hand."""
@@ -445,6 +453,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_sharded_attention_subprocess():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4").strip()

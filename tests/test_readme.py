@@ -2,9 +2,12 @@
 
 from pathlib import Path
 
+import pytest
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.slow
 def test_readme_python_snippet_runs():
     text = README.read_text()
     block = text.split("## Python API")[1].split("```python")[1].split("```")[0]

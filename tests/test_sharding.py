@@ -18,6 +18,8 @@ import jax
 
 from fox_jax.sharding import make_mesh, parse_mesh, select_partitioner
 
+pytestmark = pytest.mark.slow  # end-to-end runs on shared, expensive fixtures
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -38,6 +38,7 @@ def read_metrics(workdir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_train_eval_and_metrics(corpus_dir, tmp_path):
     cfg = small_config(corpus_dir, steps=8)
     result = trainer.train(cfg, str(tmp_path / "run"), progress=False)
@@ -62,6 +63,7 @@ class Interrupt(Exception):
     pass
 
 
+@pytest.mark.slow
 def test_resumed_run_matches_uninterrupted(corpus_dir, tmp_path, monkeypatch):
     cfg = small_config(corpus_dir, steps=8)
     trainer.train(cfg, str(tmp_path / "full"), progress=False)
@@ -169,6 +171,7 @@ def _slice_corpus(src: Path, dst: Path, n_docs: int) -> None:
     dst.write_text("".join(out))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (SHARED / "corpus").is_dir(), reason="../shared/data is absent")
 def test_cli_on_gutenberg_slice_val_loss_falls(tmp_path, capsys):
     train_file = tmp_path / "train" / "books.txt"
@@ -204,6 +207,7 @@ def _truncate(path: Path) -> None:
         f.truncate(path.stat().st_size // 2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("victim", ["metadata", "array"])
 def test_corrupt_latest_checkpoint_names_the_intact_step_and_the_command(cli_run, victim, tmp_path, capsys):
     import shlex

@@ -2,7 +2,7 @@
 
 For a dense base GPT-2 and one or more DCP fine-tuned runs (``fox-jax finetune-dcp`` run directories, or
 HF directories with ``dcp_interaction.safetensors``), on the **same validation windows** (the first
-``num_batches × batch_size`` windows of the validation stream, ``train.data.make_val_batches``):
+``num_batches × batch_size`` windows of the validation stream, ``fox_jax.train.data.make_val_batches``):
 
 1. **Perplexity vs sparsity.** Validation loss / perplexity and pair sparsity (fraction of causal
    (query, key) pairs dropped, docs/design/dcp.md §3.2; overall = mean over layers, and per layer) of the dense
@@ -232,7 +232,7 @@ def evaluate_model(cfg: GPT2Config, params, batches: Sequence[dict], *, desc: st
     Args:
       cfg: the model config (dense, DCP, or dense with ``sparse_pattern``).
       params: its params.
-      batches: ``train.data.make_val_batches`` output (int32 [B, T] inputs/targets/positions/segment_ids).
+      batches: ``fox_jax.train.data.make_val_batches`` output (int32 [B, T] inputs/targets/positions/segment_ids).
       desc, progress: the progress bar.
 
     Returns:
@@ -850,7 +850,7 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
                                "passage_starts_text": [corpus.tokenizer.decode(switch[b:b + 12]) for b in bounds]}
 
     _write_json({"sample_text": corpus.tokenizer.decode(sample), "text_file": text_file,
-                 "token_classes": "special / whitespace / punctuation (Unicode P*, S*) / stopword (train.dcp_eval."
+                 "token_classes": "special / whitespace / punctuation (Unicode P*, S*) / stopword (fox_jax.train.dcp_eval."
                                   "STOPWORDS) / other", "runs": drops}, os.path.join(out_dir, "drops.json"))
     _write_json({"seq_len": t, "passage_boundaries": bounds, "runs": switches},
                 os.path.join(out_dir, "context_switch.json"))

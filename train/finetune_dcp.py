@@ -36,7 +36,7 @@ The recipe of the reference code (docs/design/dcp.md §4), as defaults:
   ones). Gradient clipping at global norm 1.0 (the code's default is no clipping: pass
   ``--clip-norm 0`` for that). ``--interaction-lr`` optionally gives q_int, k_int and β their own
   learning rate (the update of those leaves is scaled by interaction_lr / lr).
-* data: the grain pipeline of ``train.data`` (``--data``, ``--val-data``, ``--tokenizer``: GPT-2's for
+* data: the grain pipeline of ``fox_jax.train.data`` (``--data``, ``--val-data``, ``--tokenizer``: GPT-2's for
   ``--hf-gpt2``, the run's by default for ``--from-run``), packed windows of ``seq_len`` tokens with
   per-document positions and segment ids (GPT-2: ≤ n_positions, default n_positions; ``--from-run``:
   default the run's seq_len); batch 6 (the README's).
@@ -618,7 +618,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
 
     if is_lm:
         _log(f"the fine-tuned {model_cfg.arch} model (DCP) is in {ckpt_dir} (step {step}); there is no Hugging "
-             "Face export for FoX/Transformer models: load it with train.finetune_dcp.load_finetuned")
+             "Face export for FoX/Transformer models: load it with fox_jax.train.finetune_dcp.load_finetuned")
         return FinetuneResult(workdir, step, val, None, "lm")
     hf_dir = export_hf(workdir, model_cfg, state.params, corpus.tokenizer)
     _log(f"exported the model to {hf_dir} (Hugging Face GPT-2 format)")

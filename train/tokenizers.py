@@ -6,7 +6,7 @@ Every tokenizer has the same small interface (``Tokenizer``):
   tokenizers it holds a hash of the files' contents, so it does not depend on where the files live.
 - ``vocab_size``: embedding rows needed (largest id + 1).
 - ``eot_id``: id of ``<|endoftext|>``, used both as document separator and as BOS (as in FoX/LongCrawl64).
-- ``files``: the files that define the tokenizer (empty for ``bytes``); ``train.data.prepare_tokens`` copies them.
+- ``files``: the files that define the tokenizer (empty for ``bytes``); ``fox_jax.train.data.prepare_tokens`` copies them.
 - ``encode_batch(texts) -> list[np.ndarray]``: one uint32 array of ids per text; no BOS/EOS is added.
 - ``decode(ids) -> str``.
 
@@ -126,7 +126,7 @@ class HFTokenizer:
 
     def _library_tokenizer(self):
         if self._tokenizer is None:
-            import tokenizers  # the Hugging Face library (this module is train.tokenizers)
+            import tokenizers  # the Hugging Face library (this module is fox_jax.train.tokenizers)
 
             if len(self.files) == 2:
                 vocab_path, merges_path = self.files

@@ -244,7 +244,7 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[np.n
     """Token ids of (context, continuation) pairs, as lm-eval's ``_encode_pair``.
 
     Args:
-      tokenizer: a ``train.tokenizers.Tokenizer`` (``encode_batch``, ``eot_id``).
+      tokenizer: a ``fox_jax.train.tokenizers.Tokenizer`` (``encode_batch``, ``eot_id``).
       pairs: (context, continuation) strings.
 
     Returns:
@@ -399,7 +399,7 @@ def evaluate_tasks(
       scorer: see the module docstring. If it has ``reset_stats()`` / ``stats() -> dict`` (as
         ``GPT2Scorer`` with DCP does), they are called around each task and the stats are added to its
         results (e.g. ``sparsity``).
-      tokenizer: ``train.tokenizers.Tokenizer`` matching the model.
+      tokenizer: ``fox_jax.train.tokenizers.Tokenizer`` matching the model.
       tasks: names from ``TASKS``.
       eval_dir: the directory of the eval sets (``shared/data/eval``).
       limit: score only the first ``limit`` examples of each task (None: all).

@@ -724,7 +724,7 @@ def dcp_attention(
       implementation: ``"xla"`` (this blockwise pure-JAX code; ``block_q``/``block_k`` apply) or
         ``"pallas"`` (the forgetting-attention Pallas kernels with the mask added to every head's
         scores, dropped tiles skipped in the forward, dQ and dK/dV kernels, and a fourth kernel for the
-        mask gradient; tiles from ``kernels.forgetting_attention.default_config``; interpret mode off
+        mask gradient; tiles from ``fox_jax.kernels.forgetting_attention.default_config``; interpret mode off
         GPU; ``floor`` must then be finite). Not yet timed on a GPU.
 
     Returns:

@@ -48,7 +48,7 @@ def resolve_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None 
     Args:
       head_dim: D (padded internally to a power of two ≥ 16; must be ≤ 256).
       tq, tk: query and key lengths.
-      config: explicit tiling, default ``kernels.forgetting_attention.default_config``.
+      config: explicit tiling, default ``fox_jax.kernels.forgetting_attention.default_config``.
       interpret: default ``jax.default_backend() != "gpu"``.
     Raises:
       ValueError: head_dim > 256.
