@@ -100,9 +100,11 @@ def cmd_eval(args) -> int:
     mean = sum(x * c for x, c in pairs) / max(sum(c for _, c in pairs), 1)
     print(f"per-position loss (mean {mean:.4f} over {report['num_docs']} documents): {report['per_position_json']} "
           f"and {report['per_position_png']}")
-    print("why the two means differ: val_loss averages packed windows that start anywhere inside documents "
-          "(like the training batches); the per-position loss uses windows that start at each document's first "
-          "token, so a document's early, little-context positions weigh more in its mean")
+    print("why the two means differ: they average different tokens. val_loss covers every token of the packed "
+          "validation windows (documents cut anywhere, several per window, like the training batches); the "
+          f"per-position loss covers only the first {report['seq_len']} tokens of {report['num_docs']} documents, "
+          "read from each document's first token, so it counts each document's opening positions (little "
+          "context) and only those documents")
     return 0
 
 

@@ -168,7 +168,9 @@ def _add_finetune_dcp(sub) -> None:
 
 def _add_zeroshot(sub) -> None:
     """``fox-jax zeroshot`` (handler ``fox_jax.train.zeroshot.cmd_zeroshot``)."""
-    z = sub.add_parser("zeroshot", help="zero-shot accuracy (LAMBADA, PIQA, WinoGrande, HellaSwag, ARC, ...)")
+    z = sub.add_parser("zeroshot", help="zero-shot accuracy (LAMBADA, PIQA, WinoGrande, HellaSwag, ARC, ...)",
+                       formatter_class=_Formatter,
+                       description="Zero-shot log-likelihood scoring of a model on local task files (JSONL).")
     src = z.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="a run of 'fox-jax train' (FoX/Transformer) or 'fox-jax finetune-dcp'")
     src.add_argument("--hf-gpt2", help="a Hugging Face GPT-2 directory (config.json + model.safetensors)")
@@ -245,7 +247,9 @@ def _add_train(sub) -> None:
 def _add_eval(sub) -> None:
     """``fox-jax eval`` (handler ``fox_jax.train.cli.cmd_eval``)."""
     e = sub.add_parser("eval", help="evaluate a trained model: val loss, perplexity, per-position loss",
-                       formatter_class=_Formatter)
+                       formatter_class=_Formatter,
+                       description="Evaluate a run's checkpoint: validation loss and perplexity, and the loss at "
+                       "each position (JSON + PNG in <workdir>/eval/).")
     e.add_argument("--step", type=int, help="checkpoint step (default: latest)")
     e.add_argument("--num-batches", type=int, default=None, help="validation batches (default: the run's "
                    "eval_batches)")
