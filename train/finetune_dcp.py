@@ -100,7 +100,9 @@ INTERACTION_PARAMS = ("q_int", "k_int", "beta")
 MODEL_TYPES = ("gpt2", "lm")  # model_config.json's model_type: GPT2Config / GPT2, ModelConfig / LanguageModel
 
 
-RESUMABLE = config_lib.RESUMABLE + ("dcp_impl",)  # the same rule as fox-jax train; dcp_impl: same math
+# The same rule as fox-jax train, for the fields a fine-tune has (it has no heartbeat); dcp_impl: same math.
+RESUMABLE = tuple(k for k in config_lib.RESUMABLE
+                  if k in {f.name for f in dataclasses.fields(FinetuneConfig)}) + ("dcp_impl",)
 
 
 def config_to_dict(cfg: FinetuneConfig) -> dict:
