@@ -1,4 +1,5 @@
-"""Tests of fox_jax.train.tokenizers and fox_jax.train.data: reading, tokenizing, caching, splitting, packing, iterating."""
+"""Tests of fox_jax.train.tokenizers and fox_jax.train.data: reading, tokenizing, caching, splitting, packing,
+iterating."""
 
 from __future__ import annotations
 

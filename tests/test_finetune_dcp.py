@@ -19,7 +19,8 @@ GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)
 STEPS = 10
 
-pytestmark = [pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(), reason="GPT-2 tokenizer absent"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(), reason="GPT-2 tokenizer absent"),
+              pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -68,7 +68,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import ModelConfig
-from fox_jax.models.hf_gpt2 import CONFIG_NAME, PYTORCH_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, read_config, read_weights
+from fox_jax.models.hf_gpt2 import (CONFIG_NAME, PYTORCH_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
+                                    read_config, read_weights)
 
 FOX_MODEL_TYPE = "forgetting_transformer-project_fox"
 TRANSFORMER_MODEL_TYPE = "transformer-project_fox"

@@ -175,8 +175,8 @@ def dcp_attention(
     inputs. Dropped pairs (log I ≤ ``floor``) weigh exactly 0 and rows with no kept visible pair
     output 0 with zero gradients, as in the XLA path (``context_pruning.dcp_attention``): the kernels
     see dropped pairs at floor − 1e30 (finite, so exp underflows to 0 next to any kept pair), and the
-    rows without a kept pair are zeroed here, with lse = −inf for the backward kernels. With ``skip_dropped`` every kernel skips its tiles whose
-    visible pairs are all dropped (``context_pruning.dropped_key_blocks`` on each kernel's tiling).
+    rows without a kept pair are zeroed here, with lse = −inf for the backward kernels. With
+    ``skip_dropped`` every kernel skips its tiles whose visible pairs are all dropped (``context_pruning.dropped_key_blocks`` on each kernel's tiling).
     The mask gradient Σ_h dS comes from a fourth kernel, one float32 tile at a time.
 
     Args:
