@@ -62,10 +62,15 @@ def parse_mesh(spec: str | None) -> dict[str, int]:
 
 
 def make_mesh(spec: str | None = None) -> Mesh:
-    """A ``Mesh`` with axes (data, fsdp, tensor) over all devices (see ``parse_mesh``)."""
+    """A ``Mesh`` with axes (data, fsdp, tensor) over all devices (see ``parse_mesh``).
+
+    Built by ``jax.make_mesh``, which orders the devices by the physical topology (so ``tensor``, the
+    innermost axis, stays on neighbouring devices), with ``Auto`` axis types: arrays are partitioned by
+    the shardings the trainer gives, not by explicit-sharding types.
+    """
     sizes = parse_mesh(spec)
-    devices = np.asarray(jax.devices()).reshape([sizes[a] for a in MESH_AXES])
-    return Mesh(devices, MESH_AXES)
+    auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=auto)
 
 
 def logical_to_spec(names: tuple[str | None, ...]) -> P:
@@ -73,32 +78,71 @@ def logical_to_spec(names: tuple[str | None, ...]) -> P:
     return P(*[None if n is None else LOGICAL_AXIS_RULES[n] for n in names])
 
 
-# (module name, param name) -> logical axes of the parameter. Every parameter of the models is listed;
-# anything else (norm scales, biases, optimizer counters) is replicated.
-_PARAM_AXES = {
-    ("embed", "embedding"): ("vocab", "embed"),
-    ("lm_head", "kernel"): ("embed", "vocab"),
-    ("q_proj", "kernel"): ("embed", "heads"),
-    ("k_proj", "kernel"): ("embed", "kv_heads"),
-    ("v_proj", "kernel"): ("embed", "kv_heads"),
-    ("ogate_proj", "kernel"): ("embed", "heads"),
-    ("o_proj", "kernel"): ("heads", "embed"),
-    ("fgate_proj", "kernel"): ("embed", None),
-    ("k_shift_proj", "kernel"): ("embed", None),
-    ("v_shift_proj", "kernel"): ("embed", None),
-    ("gate_proj", "kernel"): ("embed", "mlp"),
-    ("down_proj", "kernel"): ("mlp", "embed"),
+# Parameter path suffix -> logical axes, one rule for every parameter of two or more dimensions of every
+# model family (FoX/Transformer LMs, GPT-2, the DCP interaction weights). The longest matching suffix
+# wins. A parameter of ndim >= 2 without a rule is an error (``param_logical_axes``): a renamed module
+# cannot silently fall back to replicated. 0-D and 1-D leaves (norm scales, biases, beta, optimizer
+# counters) are replicated.
+PARAM_RULES: dict[tuple[str, ...], tuple[str | None, ...]] = {
+    # FoX / Transformer (fox_jax.models.lm)
+    ("embed", "embedding"): ("vocab", "embed"),                 # [V, d]
+    ("lm_head", "kernel"): ("embed", "vocab"),                  # [d, V]
+    ("q_proj", "kernel"): ("embed", "heads"),                   # [d, H*D]
+    ("k_proj", "kernel"): ("embed", "kv_heads"),                # [d, Hkv*D]
+    ("v_proj", "kernel"): ("embed", "kv_heads"),                # [d, Hkv*D]
+    ("ogate_proj", "kernel"): ("embed", "heads"),               # [d, H*D]
+    ("o_proj", "kernel"): ("heads", "embed"),                   # [H*D, d]
+    ("fgate_proj", "kernel"): ("embed", None),                  # [d, H]
+    ("k_shift_proj", "kernel"): ("embed", None),                # [d, Hkv]
+    ("v_shift_proj", "kernel"): ("embed", None),                # [d, Hkv]
+    ("q_norm", "scale"): ("heads", None),                       # [H, D] (QK-norm per head)
+    ("k_norm", "scale"): ("kv_heads", None),                    # [Hkv, D]
+    ("o_norm", "scale"): ("heads", None),                       # [H, D]
+    ("gate_proj", "kernel"): ("embed", "mlp"),                  # [d, 2I] (SwiGLU gate | up)
+    ("down_proj", "kernel"): ("mlp", "embed"),                  # [I, d]
+    # GPT-2 (fox_jax.models.gpt2; Hugging Face module names)
+    ("wte", "embedding"): ("vocab", "embed"),                   # [V, d]
+    ("wpe", "embedding"): (None, "embed"),                      # [n_positions, d]
+    ("attn", "c_attn", "kernel"): ("embed", None),              # [d, 3d]: fused q|k|v columns are not
+                                                                # split (a split would cut across q/k/v)
+    ("attn", "c_proj", "kernel"): ("heads", "embed"),           # [d, d]
+    ("mlp", "c_fc", "kernel"): ("embed", "mlp"),                # [d, 4d]
+    ("mlp", "c_proj", "kernel"): ("mlp", "embed"),              # [4d, d]
+    # DCP interaction weights (fox_jax.ops.context_pruning.with_interaction_params), both families
+    ("q_int", "kernel"): ("embed", None),                       # [d, r]
+    ("k_int", "kernel"): ("embed", None),                       # [d, r]
 }
+_LONGEST_RULE = max(len(k) for k in PARAM_RULES)
+
+
+def _path_keys(path: tuple) -> list[str]:
+    return [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
 
 
 def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
-    """Logical axes of a parameter (or of an optimizer-state leaf that mirrors one) from its pytree path."""
-    keys = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if len(keys) >= 2:
-        axes = _PARAM_AXES.get((keys[-2], keys[-1]))
-        if axes is not None and len(axes) == ndim:
+    """Logical axes of a parameter (or of an optimizer-state leaf that mirrors one) from its pytree path.
+
+    Args:
+      path: the leaf's pytree key path (``jax.tree_util.tree_flatten_with_path``).
+      ndim: the leaf's number of dimensions.
+    Returns:
+      ``ndim`` logical names (None = replicated); all None for 0-D and 1-D leaves.
+    Raises:
+      ValueError: a leaf of ``ndim >= 2`` that no ``PARAM_RULES`` suffix matches, or whose rule has
+        another number of dimensions (the message names the path and the table).
+    """
+    if ndim < 2:
+        return (None,) * ndim
+    keys = _path_keys(path)
+    for n in range(min(_LONGEST_RULE, len(keys)), 1, -1):
+        axes = PARAM_RULES.get(tuple(keys[-n:]))
+        if axes is not None:
+            if len(axes) != ndim:
+                raise ValueError(f"sharding rule {tuple(keys[-n:])} -> {axes} has {len(axes)} axes but "
+                                 f"parameter {'/'.join(keys)} has {ndim} dimensions")
             return axes
-    return (None,) * ndim
+    raise ValueError(f"no sharding rule for the {ndim}-D parameter {'/'.join(keys)}: add its path suffix "
+                     "to fox_jax.sharding.PARAM_RULES")
 
 
 def param_sharding(mesh: Mesh, path: tuple, shape: tuple[int, ...]) -> NamedSharding:

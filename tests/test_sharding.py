@@ -16,9 +16,15 @@ import pytest
 
 import jax
 
-from fox_jax.sharding import make_mesh, parse_mesh, select_partitioner
+import jax.numpy as jnp
+import numpy as np
 
-pytestmark = pytest.mark.slow  # end-to-end runs on shared, expensive fixtures
+from fox_jax.config import preset
+from fox_jax.models.gpt2 import GPT2Config, init_gpt2
+from fox_jax.models.gpt2 import add_dcp_params as gpt2_add_dcp_params
+from fox_jax.models.lm import add_dcp_params, init_params
+from fox_jax.sharding import (MESH_AXES, PARAM_RULES, make_mesh, param_logical_axes, parse_mesh,
+                              select_partitioner, state_shardings)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,6 +50,65 @@ def test_select_partitioner():
         jax.config.update("jax_use_shardy_partitioner", before)
 
 
+def _model_params():
+    """(name, params) of every model family and variant whose parameter names differ."""
+    rng = jax.random.PRNGKey(0)
+    out = []
+    for arch in ("fox-llama", "fox-pro", "transformer-llama", "transformer-pro"):
+        cfg = preset("tiny", arch, vocab_size=64, n_layers=1)
+        out.append((arch, init_params(cfg, rng)))
+    cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=1, n_kv_heads=2, qk_norm_shared=True,
+                 tie_embeddings=True)
+    out.append(("fox-pro-gqa-shared-tied", init_params(cfg, rng)))
+    out.append(("fox-llama-dcp", add_dcp_params(preset("tiny", "fox-llama", vocab_size=64, n_layers=1),
+                                               init_params(preset("tiny", "fox-llama", vocab_size=64,
+                                                                  n_layers=1), rng), rng)[1]))
+    g = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=32)
+    out.append(("gpt2", init_gpt2(g, rng)))
+    out.append(("gpt2-dcp", gpt2_add_dcp_params(g, init_gpt2(g, rng), rng)[1]))
+    return out
+
+
+@pytest.mark.parametrize("name,params", _model_params(), ids=lambda x: x if isinstance(x, str) else "")
+def test_every_matrix_of_every_model_has_a_sharding_rule(name, params):
+    """Every parameter of >= 2 dimensions matches a rule with its number of dimensions (the call raises
+    otherwise) that names at least one logical axis (no matrix is replicated by omission)."""
+    used = set()
+    for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+        axes = param_logical_axes(path, x.ndim)
+        assert len(axes) == x.ndim
+        if x.ndim >= 2:
+            assert any(a is not None for a in axes), (name, jax.tree_util.keystr(path))
+            used.add(path)
+    assert used
+
+
+def test_a_parameter_without_a_rule_is_an_error():
+    params = {"layers_0": {"attn": {"renamed_proj": {"kernel": jnp.zeros((4, 4))}}}}
+    with pytest.raises(ValueError, match="no sharding rule .*layers_0/attn/renamed_proj/kernel"):
+        state_shardings(make_mesh(None), params)
+    [(path, _)] = jax.tree_util.tree_flatten_with_path({"q_proj": {"kernel": jnp.zeros((2, 2, 2))}})[0]
+    with pytest.raises(ValueError, match="has 2 axes but parameter .* has 3 dimensions"):
+        param_logical_axes(path, 3)
+    [(path, _)] = jax.tree_util.tree_flatten_with_path({"x": {"bias": jnp.zeros(3)}})[0]
+    assert param_logical_axes(path, 1) == (None,)  # 0-D / 1-D leaves of any name are replicated
+
+
+def test_rules_name_only_known_logical_axes():
+    from fox_jax.sharding import LOGICAL_AXIS_RULES
+
+    for key, axes in PARAM_RULES.items():
+        assert all(a is None or a in LOGICAL_AXIS_RULES for a in axes), key
+
+
+def test_mesh_comes_from_jax_make_mesh():
+    mesh = make_mesh(None)
+    assert mesh.axis_names == MESH_AXES and mesh.devices.size == jax.device_count()
+    assert mesh.axis_types == (jax.sharding.AxisType.Auto,) * 3
+    np.testing.assert_array_equal(mesh.devices, jax.make_mesh((jax.device_count(), 1, 1), MESH_AXES,
+                                                              axis_types=mesh.axis_types).devices)
+
+
 @pytest.fixture(scope="module")
 def sharded_results(tmp_path_factory):
     corpus = tmp_path_factory.mktemp("corpus")
@@ -58,6 +123,7 @@ def sharded_results(tmp_path_factory):
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 def test_meshes_agree(sharded_results):
     ref = sharded_results["dp8"]
     assert sorted(map(int, ref)) == list(range(1, 7))
@@ -69,6 +135,7 @@ def test_meshes_agree(sharded_results):
     assert sharded_results["tp_sharded_params"]["n"] > 0
 
 
+@pytest.mark.slow
 def test_checkpoint_restores_onto_another_mesh(sharded_results):
     remesh, ref = sharded_results["remesh"], sharded_results["fsdp"]
     assert sorted(map(int, remesh)) == [4, 5, 6]  # steps after the resume
@@ -76,6 +143,7 @@ def test_checkpoint_restores_onto_another_mesh(sharded_results):
         assert loss == pytest.approx(ref[step], rel=2e-5), step
 
 
+@pytest.mark.slow
 def test_pallas_attention_runs_per_shard_under_a_mesh():
     """Under ``jax.set_mesh`` the Pallas op is wrapped in a shard_map (batch over data/fsdp, heads over
     tensor; with tensor=4 and Hkv=2 nothing divides, so it is left to XLA), and its values and
