@@ -141,8 +141,7 @@ def test_pallas_dcp_lowers_to_triton(d):
 def test_gpu_pallas_dcp_matches_xla(d):
     """On the GPU (Triton lowering, default tiles): bf16 inputs, gated, packed; outputs and gradients
     of the Pallas path against the blockwise XLA path on the same inputs. Tolerance: both round P to
-    bf16 before P·V, in different tile orders: 2e-2 on O(1) outputs, 2e-2·(1 + max|ref|) on gradients.
-    Not yet run on a GPU (written in session 3, after the last device call)."""
+    bf16 before P·V, in different tile orders: 2e-2 on O(1) outputs, 2e-2·(1 + max|ref|) on gradients."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     rng = np.random.default_rng(d)
