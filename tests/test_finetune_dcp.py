@@ -13,6 +13,7 @@ import pytest
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from fox_jax.ops.context_pruning import sparsity_loss
 from fox_jax.train import cli, finetune_dcp
+from fox_jax.train.runs import open_run
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
@@ -112,14 +113,16 @@ def test_export_loads_in_transformers(full_run):
     hf = full_run / "hf"
     assert (hf / DCP_NAME).is_file() and (hf / "vocab.json").is_file()
     model = transformers.GPT2LMHeadModel.from_pretrained(hf).eval()
-    cfg, params, step, _ = finetune_dcp.load_finetuned(str(full_run))
-    assert step == STEPS and cfg.dcp
+    run = open_run(full_run)
+    cfg, params, step = run.model, run.load_params(), run.step
+    assert run.kind == "finetune" and step == STEPS and cfg.dcp
     cfg_hf, params_hf = load_hf_gpt2(hf)  # the DCP model comes back from the export
     assert cfg_hf.dcp and cfg_hf.interaction_dim == 64
     for a, b in zip(jax.tree_util.tree_leaves(params), jax.tree_util.tree_leaves(params_hf)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     tokens = np.random.default_rng(0).integers(0, 50257, (1, 24))
-    dense_cfg, dense_params, _, _ = finetune_dcp.load_finetuned(str(full_run), dcp=False)
+    dense = run.without_dcp()
+    dense_cfg, dense_params = dense.model, dense.load_params()
     ours = GPT2(dense_cfg).apply({"params": dense_params}, jnp.asarray(tokens, jnp.int32))[0]
     with torch.no_grad():
         theirs = model(torch.tensor(tokens)).logits.numpy()
@@ -298,16 +301,14 @@ def _flat(tree):
 
 def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, tmp_path, capsys):
     from fox_jax.config import ModelConfig
-    from fox_jax.train import config as config_lib
-    from fox_jax.train.evaluate import load_params
-
-    exp = config_lib.load_json(fox_run / "config.json")
-    src, src_step = load_params(str(fox_run), exp)
-    assert src_step == 2
+    source = open_run(fox_run)
+    src, src_step = source.load_params(), source.step
+    assert source.kind == "train" and src_step == 2
     workdir = tmp_path / "lm_resumed"
     assert cli.main(lm_argv(fox_run, workdir, "--steps", "1")) == 0
     # step 1 ran with lr 0 (warmup from 0): its checkpoint holds the fine-tuning's initial params
-    cfg, params, step, ft = finetune_dcp.load_finetuned(str(workdir))
+    run = open_run(workdir)
+    cfg, params, step, ft = run.model, run.load_params(), run.step, run.config
     assert isinstance(cfg, ModelConfig) and cfg.dcp and step == 1 and ft.from_run == str(fox_run)
     flat = _flat(params)
     dense = {k: v for k, v in flat.items() if not any(n in k for n in finetune_dcp.INTERACTION_PARAMS)}
@@ -317,7 +318,8 @@ def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, 
         np.testing.assert_array_equal(dense[k], v, err_msg=k)
     assert flat["['layers_1']['attn']['q_int']['kernel']"].shape == (32, 16)
     assert float(flat["['layers_0']['attn']['beta']"]) == 2.0
-    dense_cfg, dense_params, _, _ = finetune_dcp.load_finetuned(str(workdir), dcp=False)
+    dense = run.without_dcp()
+    dense_cfg, dense_params = dense.model, dense.load_params()
     assert not dense_cfg.dcp and _flat(dense_params).keys() == src_flat.keys()
     assert "no Hugging Face export" in capsys.readouterr().out
     # continue to the end: the same losses as the uninterrupted run

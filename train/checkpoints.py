@@ -1,7 +1,9 @@
 """Checkpoints with orbax: train state + data-iterator position, saved together per step.
 
 Layout: ``<workdir>/checkpoints/<step>/{state,data}`` managed by ``ocp.CheckpointManager``
-(periodic saves, keep N, asynchronous; ``close()`` waits for the last save).
+(periodic saves, keep N, asynchronous; ``close()`` waits for the last save). Training restores the
+whole state (``Checkpointer.restore``); evaluation restores the parameters only
+(``Checkpointer.restore_params``: orbax's partial restore, no optimizer state is read).
 """
 
 from __future__ import annotations
@@ -74,20 +76,7 @@ class Checkpointer:
           CorruptCheckpointError: the step's files cannot be read (it names the newest intact older step).
           CheckpointError: no checkpoint (at ``step``), or one that does not match the model.
         """
-        if step is None:
-            step = self.latest_step()
-        if step is None:
-            raise CheckpointError(f"no checkpoint in {self.directory}")
-        if step not in self.all_steps():
-            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
-        try:
-            metadata = self._state_metadata(step)
-        except Exception as e:  # orbax/tensorstore raise a variety of errors for corrupt files
-            raise self._corrupt(step, f"its metadata cannot be read: {_root_cause(e)}", abstract_state) from None
-        mismatch = _mismatch(abstract_state, metadata)
-        if mismatch:
-            raise CheckpointError(f"checkpoint step {step} in {self.directory} does not match this model/config: "
-                                  f"{mismatch}")
+        step = self._checked(step, abstract_state)
         args = ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract_state),
             data=ocp.args.JsonRestore(),
@@ -98,15 +87,66 @@ class Checkpointer:
             raise self._corrupt(step, f"its arrays cannot be read: {_root_cause(e)}", abstract_state) from None
         return restored["state"], dict(restored["data"] or {})
 
-    def is_intact(self, step: int, abstract_state: Any) -> bool:
-        """Cheap check of a step (no array is read): every file is non-empty, the state metadata reads
-        and matches ``abstract_state``'s names and shapes, and the data-iterator JSON reads."""
+    def restore_params(self, step: int | None, abstract_params: Any, *, subset: bool = False) -> Any:
+        """Restore only ``state.params`` at ``step`` (default: latest) onto ``abstract_params``' structure,
+        shapes and dtypes (leaves without a sharding land on the first device).
+
+        Nothing else of the step is read: no optimizer state, rng or data-iterator position (orbax's
+        partial restore, ``ocp.args.PyTreeRestore(partial_restore=True)``), so evaluation needs no
+        optimizer and reads about a third of a train state's bytes. ``subset``: the checkpoint's params may
+        hold more leaves than ``abstract_params`` (e.g. a DCP model read as its dense part); those are
+        not read either.
+
+        Raises:
+          CorruptCheckpointError: the step's metadata or parameter arrays cannot be read.
+          CheckpointError: no checkpoint (at ``step``), or parameters that do not match ``abstract_params``.
+        """
+        view = dict(part="params", subset=subset)
+        step = self._checked(step, abstract_params, **view)
+        device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {"params": jax.tree_util.tree_map(
+            lambda x: x if getattr(x, "sharding", None) is not None else
+            jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=device), abstract_params)}
+        args = ocp.args.PyTreeRestore(item=target, restore_args=ocp.checkpoint_utils.construct_restore_args(target),
+                                      partial_restore=True)
+        try:
+            with ocp.Checkpointer(ocp.PyTreeCheckpointHandler()) as reader:
+                restored = reader.restore(epath.Path(self.directory) / str(step) / "state", args=args)
+        except Exception as e:
+            raise self._corrupt(step, f"its arrays cannot be read: {_root_cause(e)}", abstract_params, **view) from None
+        return restored["params"]
+
+    def _checked(self, step: int | None, abstract: Any, *, part: str | None = None, subset: bool = False) -> int:
+        """``step`` (default: latest) after checking that it exists and that its metadata reads and matches
+        ``abstract``: the whole state, or the entry ``part`` of it (``subset``: the checkpoint may hold more
+        arrays there). Raises as ``restore``."""
+        if step is None:
+            step = self.latest_step()
+        if step is None:
+            raise CheckpointError(f"no checkpoint in {self.directory}")
+        if step not in self.all_steps():
+            raise CheckpointError(f"no checkpoint for step {step} in {self.directory}; available: {self.all_steps()}")
+        try:
+            metadata = self._state_metadata(step, part)
+        except Exception as e:  # orbax/tensorstore raise a variety of errors for corrupt files
+            raise self._corrupt(step, f"its metadata cannot be read: {_root_cause(e)}", abstract, part=part,
+                                subset=subset) from None
+        mismatch = _mismatch(abstract, metadata, subset=subset)
+        if mismatch:
+            raise CheckpointError(f"checkpoint step {step} in {self.directory} does not match this model/config: "
+                                  f"{mismatch}")
+        return step
+
+    def is_intact(self, step: int, abstract_state: Any, *, part: str | None = None, subset: bool = False) -> bool:
+        """Cheap check of a step (no array is read): every file is non-empty, the state metadata (of its
+        entry ``part``) reads and matches ``abstract_state``'s names and shapes (``subset``: holds them), and
+        the data-iterator JSON reads."""
         step_dir = os.path.join(self.directory, str(step))
         try:
             files = [os.path.join(root, f) for root, _, names in os.walk(step_dir) for f in names]
             if not files or any(os.path.getsize(f) == 0 for f in files):
                 return False
-            if _mismatch(abstract_state, self._state_metadata(step)):
+            if _mismatch(abstract_state, self._state_metadata(step, part), subset=subset):
                 return False
             ocp.JsonCheckpointHandler().restore(epath.Path(step_dir) / "data")
         except Exception:
@@ -133,11 +173,13 @@ class Checkpointer:
         self.manager.reload()
         return steps
 
-    def _state_metadata(self, step: int):
-        return ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+    def _state_metadata(self, step: int, part: str | None = None):
+        metadata = ocp.StandardCheckpointHandler().metadata(epath.Path(self.directory) / str(step) / "state")
+        return metadata if part is None else metadata[part]
 
-    def _corrupt(self, step: int, reason: str, abstract_state: Any) -> CorruptCheckpointError:
-        intact = next((s for s in reversed(self.all_steps()) if s < step and self.is_intact(s, abstract_state)), None)
+    def _corrupt(self, step: int, reason: str, abstract_state: Any, **view) -> CorruptCheckpointError:
+        intact = next((s for s in reversed(self.all_steps()) if s < step and self.is_intact(s, abstract_state, **view)),
+                      None)
         return CorruptCheckpointError(step, self.directory, reason, intact)
 
     def wait(self) -> None:
@@ -168,34 +210,17 @@ def _leaf_name(path) -> str:
     return ".".join(parts)
 
 
-def _mismatch(abstract: Any, metadata: Any) -> str | None:
+def _mismatch(abstract: Any, metadata: Any, *, subset: bool = False) -> str | None:
     """The first difference between the arrays ``abstract`` expects and a checkpoint's metadata (names
-    and shapes), or None."""
+    and shapes), or None. ``subset``: the checkpoint may hold more arrays than ``abstract``."""
     want = {_leaf_name(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_flatten_with_path(abstract)[0]}
     have = {_leaf_name(p): tuple(getattr(x, "shape", ())) for p, x in jax.tree_util.tree_flatten_with_path(metadata)[0]}
-    if want.keys() != have.keys():
-        missing, extra = sorted(want.keys() - have.keys()), sorted(have.keys() - want.keys())
+    extra = sorted(have.keys() - want.keys())
+    if want.keys() - have.keys() or (extra and not subset):
+        missing = sorted(want.keys() - have.keys())
         return (f"a different parameter structure (missing {', '.join(missing[:3]) or 'nothing'}; "
                 f"unexpected {', '.join(extra[:3]) or 'nothing'})")
     for name, shape in want.items():
         if have[name] != shape:
             return f"{name} has shape {have[name]} where the model expects {shape}"
     return None
-
-
-def restore_run(workdir: str, abstract_state: Any, step: int | None = None) -> Any:
-    """Read the train state of ``<workdir>/checkpoints`` (latest, or ``step``) without changing it.
-
-    Raises:
-      CorruptCheckpointError: an unreadable checkpoint (it names the newest intact older step).
-      CheckpointError: no checkpoints directory, no such step, or a mismatched checkpoint.
-    """
-    ckpt_dir = os.path.join(workdir, "checkpoints")
-    if not os.path.isdir(ckpt_dir):
-        raise CheckpointError(f"{workdir} has no checkpoints/ directory; train first or pass the right --workdir")
-    ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
-    try:
-        state, _ = ckpt.restore(step, abstract_state)
-    finally:
-        ckpt.close()
-    return state

@@ -61,13 +61,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from fox_jax.models.gpt2 import GPT2, GPT2Config, SPARSE_PATTERNS, match_sparse_pattern, sparse_pattern_log_mask
-from fox_jax.models.hf_gpt2 import CONFIG_NAME as HF_CONFIG_NAME, DCP_NAME, load_hf_gpt2
+from fox_jax.models.hf_gpt2 import DCP_NAME
 from fox_jax.ops.context_pruning import LOG_FLOOR, sparsity
 from fox_jax.train import data as data_lib
 from fox_jax.train import finetune_dcp
 from fox_jax.train.commands import DEFAULT_CURVE_SPARSITIES
 from fox_jax.train.config import DataConfig
 from fox_jax.train.progress import progress_bar
+from fox_jax.train.runs import FINETUNE_CONFIG, Run, open_run
 from fox_jax.train.tokenizers import load_tokenizer
 
 TOKEN_CLASSES = ("special", "whitespace", "punctuation", "stopword", "other")
@@ -112,31 +113,27 @@ class EvalModel:
     info: dict
 
 
-def _is_hf_dir(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, HF_CONFIG_NAME)) and os.path.isfile(
-        os.path.join(path, "model.safetensors"))
-
-
-def _run_info(run_dir: str) -> dict:
-    """γ and friends from a finetune-dcp run's ``finetune_config.json`` (empty when absent)."""
-    try:
-        ft = finetune_dcp.load_config(run_dir)
-    except FileNotFoundError:
+def _run_info(run: Run) -> dict:
+    """γ and friends of a finetune-dcp run (empty for other kinds)."""
+    if run.kind != "finetune":
         return {}
+    ft = run.config
     return {"gamma": ft.gamma, "gamma_normalization": ft.gamma_normalization, "steps": ft.steps,
-            "seq_len": ft.data.seq_len, "tokenizer": ft.data.tokenizer}
+            "seq_len": run.seq_len, "tokenizer": run.tokenizer}
 
 
 def load_dense(path: str, *, dtype: str = "float32") -> EvalModel:
-    """The dense base model: a HF GPT-2 directory (DCP parameters, if any, are ignored).
+    """The dense base model: a HF GPT-2 directory (DCP parameters, if any, are not read).
 
     Raises:
-      FileNotFoundError: ``--dense`` is not a directory / has no config.json or weights.
+      FileNotFoundError: ``--dense`` is no directory, or one without config.json / weights.
+      ValueError: another kind of run.
     """
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--dense {path}: no such directory (expected a HF GPT-2 directory)")
-    cfg, params = load_hf_gpt2(path, dcp=False, dtype=dtype)
-    return EvalModel("dense", os.path.abspath(path), cfg, params, {"kind": "dense"})
+    run = open_run(path, flag="--dense")
+    if run.kind != "hf-gpt2":
+        raise ValueError(f"--dense {path} is {run.what}; expected a HF GPT-2 directory")
+    run = run.without_dcp()
+    return EvalModel("dense", run.path, run.model.replace(dtype=dtype), run.load_params(), {"kind": "dense"})
 
 
 def load_run(path: str, *, dtype: str = "float32") -> EvalModel:
@@ -144,43 +141,36 @@ def load_run(path: str, *, dtype: str = "float32") -> EvalModel:
     a HF directory holding ``dcp_interaction.safetensors``.
 
     Raises:
-      FileNotFoundError: no such directory.
-      ValueError: neither a finetune-dcp run nor a HF directory with DCP parameters.
+      FileNotFoundError: no such directory, or no run in it.
+      ValueError: neither a GPT-2 finetune-dcp run nor a HF directory with DCP parameters.
     """
-    path = os.path.abspath(path)
-    if not os.path.isdir(path):
-        raise FileNotFoundError(f"--runs {path}: no such directory")
-    name = os.path.basename(path.rstrip(os.sep))
-    hf_sub = os.path.join(path, "hf")
-    if os.path.isfile(os.path.join(path, finetune_dcp.CONFIG_NAME)):       # a finetune-dcp run
-        if (os.path.isfile(os.path.join(path, finetune_dcp.MODEL_CONFIG_NAME))
-                and finetune_dcp.model_type(finetune_dcp.load_model_config(path)) != "gpt2"):
-            raise ValueError(f"--runs {path}: a DCP fine-tuning of a FoX/Transformer run (--from-run); dcp-eval "
+    run = open_run(path, flag="--runs")
+    name = os.path.basename(run.path)
+    info = _run_info(run)
+    if run.kind == "finetune":
+        if not isinstance(run.model, GPT2Config):
+            raise ValueError(f"--runs {run.path}: a DCP fine-tuning of a FoX/Transformer run (--from-run); dcp-eval "
                              "compares GPT-2 models against their fixed-pattern baselines only — score it with "
                              "'fox-jax zeroshot --workdir RUN --dcp' or its own validation in metrics.jsonl")
-        info = _run_info(path)
-        if _is_hf_dir(hf_sub) and os.path.isfile(os.path.join(hf_sub, DCP_NAME)):
-            cfg, params = load_hf_gpt2(hf_sub, dcp=True, dtype=dtype)
+        hf_sub = os.path.join(run.path, "hf")
+        if os.path.isfile(os.path.join(hf_sub, DCP_NAME)):  # the export, when there is one
+            run = open_run(hf_sub, flag="--runs")
             info["source"] = "hf"
         else:
-            cfg, params, step, _ = finetune_dcp.load_finetuned(path)
-            cfg = cfg.replace(dtype=dtype)
-            info.update(source="checkpoint", step=step)
-    elif _is_hf_dir(path):                                                 # a HF directory
-        if not os.path.isfile(os.path.join(path, DCP_NAME)):
-            raise ValueError(f"--runs {path}: a HF GPT-2 directory without {DCP_NAME} is not a DCP model "
+            info.update(source="checkpoint", step=run.step)
+    elif run.kind == "hf-gpt2":
+        if not run.model.dcp:
+            raise ValueError(f"--runs {run.path}: a HF GPT-2 directory without {DCP_NAME} is not a DCP model "
                              "(pass dense models with --dense)")
-        cfg, params = load_hf_gpt2(path, dcp=True, dtype=dtype)
-        parent = os.path.dirname(path)
-        info = _run_info(parent) if name == "hf" else {}
-        if name == "hf":
-            name = os.path.basename(parent)
+        parent = os.path.dirname(run.path)
+        if name == "hf" and os.path.isfile(os.path.join(parent, FINETUNE_CONFIG)):  # a finetune-dcp run's export
+            name, info = os.path.basename(parent), _run_info(open_run(parent, flag="--runs"))
         info["source"] = "hf"
     else:
-        raise ValueError(f"--runs {path}: expected a 'fox-jax finetune-dcp' run directory (finetune_config.json) "
-                         f"or a HF GPT-2 directory with {DCP_NAME}")
+        raise ValueError(f"--runs {run.path} is {run.what}; expected a 'fox-jax finetune-dcp' run directory "
+                         f"(finetune_config.json) or a HF GPT-2 directory with {DCP_NAME}")
     info["kind"] = "dcp"
-    return EvalModel(name, path, cfg, params, info)
+    return EvalModel(name, os.path.abspath(path), run.model.replace(dtype=dtype), run.load_params(), info)
 
 
 def _unique_labels(models: Sequence[EvalModel]) -> None:

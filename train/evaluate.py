@@ -25,20 +25,8 @@ import numpy as np
 from fox_jax.models import LanguageModel
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
-from fox_jax.train.checkpoints import restore_run
-from fox_jax.train.trainer import evaluate_loss, init_state, make_eval_step, make_optimizer, token_losses
-
-
-def load_params(workdir: str, cfg: config_lib.ExperimentConfig, step: int | None = None):
-    """Restore the parameters saved in ``<workdir>/checkpoints`` (latest or ``step``).
-
-    Raises:
-      CheckpointError: no checkpoint there, or one that does not match ``cfg``.
-    """
-    optimizer = make_optimizer(cfg)
-    abstract = jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer))
-    state = restore_run(workdir, abstract, step)
-    return state.params, int(state.step)
+from fox_jax.train.runs import open_run
+from fox_jax.train.trainer import evaluate_loss, make_eval_step, token_losses
 
 
 def per_position_loss(model, params, windows: dict, batch_size: int):
@@ -103,11 +91,17 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     """Evaluate the checkpoint of a run: validation loss/perplexity and per-position loss.
 
     ``overrides`` may change the data (e.g. ``data.val=...``, ``data.seq_len=4096`` for length
-    extrapolation) but not the model.
+    extrapolation) but not the model. Only the parameters are restored (``fox_jax.train.runs``: no
+    optimizer state is read).
+
+    Raises:
+      FileNotFoundError: ``workdir`` is no run. ValueError: a run of another kind than ``fox-jax train``, or
+        overrides eval does not take. CheckpointError: no checkpoint (for ``step``), or a corrupt one.
     """
-    cfg_path = os.path.join(workdir, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found; --workdir must be a directory written by 'fox-jax train'")
+    run = open_run(workdir, step=step, flag="--workdir")
+    if run.kind != "train":
+        raise ValueError(f"--workdir {workdir} is {run.what}; eval reads 'fox-jax train' runs (score fine-tuned "
+                         "and Hugging Face models with 'fox-jax zeroshot' or 'fox-jax dcp-eval')")
     model_overrides = [o for o in overrides or [] if o.startswith("model.")]
     if model_overrides:
         raise ValueError(f"eval cannot change the model ({', '.join(model_overrides)}): the checkpoint fixes it; "
@@ -116,10 +110,9 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     if ignored:
         raise ValueError(f"eval takes only data.*, batch_size, eval_batches and mesh overrides; "
                          f"{', '.join(ignored)} would have no effect")
-    cfg = config_lib.load_json(cfg_path)
-    train_len = cfg.data.seq_len
-    cfg = config_lib.apply_overrides(cfg, overrides or [])
-    params, ckpt_step = load_params(workdir, cfg, step)
+    train_len = run.seq_len
+    cfg = config_lib.apply_overrides(run.config, overrides or [])
+    params, ckpt_step = run.load_params(), run.step
     corpus = data_lib.load_corpus(cfg.data)
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only {cfg.model.vocab_size}; "

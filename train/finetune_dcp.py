@@ -9,7 +9,7 @@ Two sources of the pretrained model (exactly one):
   adds the interaction params, and ACP (``adaptive_threshold``) is turned off (DCP cannot be combined
   with it; logged). The data use the run's tokenizer unless ``--tokenizer`` is given, and by default the
   run's training / validation text and ``seq_len``. There is no Hugging Face export: the fine-tuned model
-  lives in ``<workdir>/checkpoints`` (read it with ``load_finetuned``; the source run is not modified).
+  lives in ``<workdir>/checkpoints`` (read it with ``fox_jax.train.runs.open_run``; the source run is not modified).
 
 Everything else (loss, α schedule, optimizer, metrics, evaluation, checkpoints, exact resume) is the same
 for both.
@@ -71,7 +71,6 @@ import math
 import os
 import shutil
 import time
-import typing
 from typing import Any
 
 import jax
@@ -86,18 +85,18 @@ from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
 from fox_jax.models.lm import LanguageModel, add_dcp_params, init_params
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from fox_jax.train import data as data_lib
-from fox_jax.train.checkpoints import Checkpointer, CheckpointError, restore_run
+from fox_jax.train.checkpoints import Checkpointer, CheckpointError
 from fox_jax.train import config as config_lib
 from fox_jax.train.config import (GAMMA_NORMALIZATIONS, LR_DECAYS, PRETRAIN_DEFAULTS, DataConfig,  # noqa: F401
                                    FinetuneConfig)
 from fox_jax.train.metrics import MetricWriter
 from fox_jax.train.progress import progress_bar
+from fox_jax.train.runs import (FINETUNE_CONFIG as CONFIG_NAME, MODEL_CONFIG as MODEL_CONFIG_NAME, Run,
+                                finetune_config_from_dict as config_from_dict, open_run,
+                                read_finetune_config as load_config, read_model_config as load_model_config)
 from fox_jax.train.trainer import TrainState, set_aside_later, weight_decay_mask
 
-CONFIG_NAME = "finetune_config.json"
-MODEL_CONFIG_NAME = "model_config.json"
 INTERACTION_PARAMS = ("q_int", "k_int", "beta")
-MODEL_TYPES = ("gpt2", "lm")  # model_config.json's model_type: GPT2Config / GPT2, ModelConfig / LanguageModel
 
 
 # The same rule as fox-jax train, for the fields a fine-tune has (it has no heartbeat); dcp_impl: same math.
@@ -109,51 +108,10 @@ def config_to_dict(cfg: FinetuneConfig) -> dict:
     return dataclasses.asdict(cfg)
 
 
-def config_from_dict(d: dict) -> FinetuneConfig:
-    """Inverse of ``config_to_dict`` (lists become tuples). Raises ValueError for unknown fields."""
-    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    unknown = sorted(set(d) - names)
-    if unknown:
-        raise ValueError(f"{CONFIG_NAME}: unknown field(s) {', '.join(unknown)}")
-    data = dict(d.get("data") or {})
-    hints = typing.get_type_hints(DataConfig)
-    for k, v in data.items():
-        if isinstance(v, list) and typing.get_origin(hints.get(k)) is tuple:
-            data[k] = tuple(v)
-    return FinetuneConfig(**{**d, "data": DataConfig(**data)})
-
-
-def load_config(workdir: str) -> FinetuneConfig:
-    """The ``finetune_config.json`` of a run. Raises FileNotFoundError when absent."""
-    path = os.path.join(workdir, CONFIG_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
-    with open(path) as f:
-        return config_from_dict(json.load(f))
-
-
 def _write_json(obj: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(obj, f, indent=2, sort_keys=True)
         f.write("\n")
-
-
-def load_model_config(workdir: str) -> GPT2Config | ModelConfig:
-    """The model config (with DCP) saved in a run: a ``GPT2Config`` (``model_type`` "gpt2", or no
-    ``model_type``: files written before it existed) or a ``ModelConfig`` (``model_type`` "lm").
-
-    Raises:
-      FileNotFoundError: no ``model_config.json``. ValueError: an unknown ``model_type`` or bad fields.
-    """
-    path = os.path.join(workdir, MODEL_CONFIG_NAME)
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
-    with open(path) as f:
-        d = json.load(f)
-    model_type = d.pop("model_type", "gpt2")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"{path}: model_type must be one of {MODEL_TYPES}, got {model_type!r}")
-    return GPT2Config(**d) if model_type == "gpt2" else ModelConfig(**d)
 
 
 def save_model_config(model_cfg: GPT2Config | ModelConfig, workdir: str) -> None:
@@ -194,62 +152,32 @@ def init_model_params(model_cfg: GPT2Config | ModelConfig, rng: jax.Array):
     return init_gpt2(model_cfg, rng)
 
 
-def without_remat(model_cfg: GPT2Config | ModelConfig):
-    """The config with rematerialisation off (inference / export)."""
-    return model_cfg.replace(remat="none" if isinstance(model_cfg, ModelConfig) else False)
-
-
 def _config_of(model) -> GPT2Config | ModelConfig:
     return model.cfg if isinstance(model, LanguageModel) else model.config
 
 
-def check_source_run(run_dir: str) -> str:
-    """The ``config.json`` path of a ``fox-jax train`` run directory.
+def open_source_run(run_dir: str, step: int | None = None) -> Run:
+    """The ``fox-jax train`` run of ``--from-run`` (``open_run``; ``step`` None: its latest checkpoint),
+    checked: a dense FoX / Transformer ``LanguageModel`` with checkpoints.
 
     Raises:
-      FileNotFoundError: no such directory, or no ``config.json`` in it.
-      ValueError: a finetune-dcp run directory.
+      FileNotFoundError: no such directory, or no run in it.
+      ValueError: another kind of run (a finetune-dcp run, a Hugging Face directory), or a model that
+        already has DCP.
+      CheckpointError: no checkpoint (for ``step``; names the available steps).
     """
-    if not os.path.isdir(run_dir):
-        raise FileNotFoundError(f"--from-run {run_dir}: no such directory")
-    if os.path.isfile(os.path.join(run_dir, CONFIG_NAME)):
+    flag = "--from-run" if step is None else f"--from-run/--from-step {step}"
+    run = open_run(run_dir, step=step, flag=flag)
+    if run.kind == "finetune":
         raise ValueError(f"--from-run {run_dir} is a 'fox-jax finetune-dcp' run; --from-run takes a 'fox-jax train' "
                          "run (continue a finetune-dcp run with --workdir DIR --resume)")
-    cfg_path = os.path.join(run_dir, "config.json")
-    if not os.path.isfile(cfg_path):
-        raise FileNotFoundError(f"--from-run {run_dir}: no config.json; expected a run directory written by "
-                                "'fox-jax train' (for a Hugging Face GPT-2 use --hf-gpt2)")
-    return cfg_path
-
-
-def load_source_run(run_dir: str, step: int | None = None):
-    """Restore the params of a ``fox-jax train`` run (FoX / Transformer ``LanguageModel``).
-
-    Args:
-      run_dir: the run directory (``config.json`` + ``checkpoints/``).
-      step: checkpoint step (None: the latest).
-
-    Returns:
-      (ExperimentConfig of the run, float32 params pytree ``layers_{i}/...``, the restored step).
-
-    Raises:
-      FileNotFoundError: no such directory, or no ``config.json`` in it.
-      ValueError: a finetune-dcp run, or a model that already has DCP.
-      CheckpointError: no checkpoint (for ``step``), or an unreadable / mismatched one.
-    """
-    from fox_jax.train import config as config_lib
-    from fox_jax.train.evaluate import load_params
-
-    exp = config_lib.load_json(check_source_run(run_dir))
-    if exp.model.dcp:
+    if run.kind != "train":
+        raise ValueError(f"--from-run {run_dir} is {run.what}; --from-run takes a 'fox-jax train' run "
+                         "(for a Hugging Face GPT-2 use --hf-gpt2)")
+    if run.model.dcp:
         raise ValueError(f"--from-run {run_dir}: the run's model already has DCP (model.dcp=True); "
                          "finetune-dcp adds DCP to a dense FoX/Transformer run")
-    try:
-        params, restored = load_params(run_dir, exp, step)
-    except CheckpointError as e:
-        flag = "--from-run" if step is None else f"--from-run/--from-step {step}"
-        raise CheckpointError(f"{flag}: {e}") from None
-    return exp, params, restored
+    return run
 
 
 def convert_to_dcp(model_cfg: ModelConfig, params, cfg: "FinetuneConfig") -> tuple[ModelConfig, Any]:
@@ -422,7 +350,7 @@ class FinetuneResult:
       final_step: the last optimizer step.
       val: the final validation metrics (None when no evaluation ran).
       hf_dir: the Hugging Face export (GPT-2), or None for a ``--from-run`` LanguageModel, whose
-        fine-tuned model lives in ``<workdir>/checkpoints`` (``load_finetuned``).
+        fine-tuned model lives in ``<workdir>/checkpoints`` (``fox_jax.train.runs.open_run``).
       model_type: "gpt2" or "lm".
     """
 
@@ -479,16 +407,20 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
     else:
         cfg = cfg.validate().resolved()
         if cfg.from_run:
-            exp, src_params, src_step = load_source_run(cfg.from_run, cfg.from_step)
-            _log(f"restored {cfg.from_run} at step {src_step} ({exp.model.arch}, {exp.model.n_layers} layers, "
-                 f"d={exp.model.d_model}, vocab {exp.model.vocab_size}, tokenizer {exp.data.tokenizer})")
+            src = open_source_run(cfg.from_run, cfg.from_step)
+            try:
+                src_params = src.load_params()
+            except CheckpointError as e:
+                raise CheckpointError(f"--from-run {cfg.from_run}: {e}") from None
+            _log(f"restored {cfg.from_run} at step {src.step} ({src.model.arch}, {src.model.n_layers} layers, "
+                 f"d={src.model.d_model}, vocab {src.model.vocab_size}, tokenizer {src.tokenizer})")
             data = cfg.data
             if not data.tokenizer:
-                data = dataclasses.replace(data, tokenizer=exp.data.tokenizer)
+                data = dataclasses.replace(data, tokenizer=src.tokenizer)
             if data.seq_len == 0:
-                data = dataclasses.replace(data, seq_len=exp.data.seq_len)
-            cfg = dataclasses.replace(cfg, from_step=src_step, data=data)
-            model_cfg, params = convert_to_dcp(exp.model, src_params, cfg)
+                data = dataclasses.replace(data, seq_len=src.seq_len)
+            cfg = dataclasses.replace(cfg, from_step=src.step, data=data)
+            model_cfg, params = convert_to_dcp(src.model, src_params, cfg)
         elif cfg.init_config is not None:
             model_cfg = GPT2Config(**{**cfg.init_config, "dcp": cfg.dcp, "interaction_dim": cfg.interaction_dim,
                                       "beta_init": cfg.beta_init, "dtype": cfg.dtype, "remat": cfg.remat})
@@ -620,7 +552,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
 
     if is_lm:
         _log(f"the fine-tuned {model_cfg.arch} model (DCP) is in {ckpt_dir} (step {step}); there is no Hugging "
-             "Face export for FoX/Transformer models: load it with fox_jax.train.finetune_dcp.load_finetuned")
+             "Face export for FoX/Transformer models: load it with fox_jax.train.runs.open_run")
         return FinetuneResult(workdir, step, val, None, "lm")
     hf_dir = export_hf(workdir, model_cfg, state.params, corpus.tokenizer)
     _log(f"exported the model to {hf_dir} (Hugging Face GPT-2 format)")
@@ -651,41 +583,6 @@ def export_hf(workdir: str, model_cfg: GPT2Config, params, tokenizer) -> str:
     for f in getattr(tokenizer, "files", ()):
         shutil.copyfile(f, os.path.join(hf_dir, os.path.basename(f)))
     return hf_dir
-
-
-def load_finetuned(workdir: str, *, step: int | None = None,
-                   dcp: bool = True) -> tuple[GPT2Config | ModelConfig, Any, int, FinetuneConfig]:
-    """Params of a finetune-dcp run's checkpoint (latest or ``step``).
-
-    Args:
-      workdir: the run directory.
-      step: checkpoint step (None: latest).
-      dcp: keep the DCP parameters (False: the dense part, config with dcp=False).
-
-    Returns:
-      (model config, float32 params, step, FinetuneConfig). The model config is a ``GPT2Config``
-      (remat False) for GPT-2 runs (``--hf-gpt2`` / ``pretrain-gpt2``; ``GPT2(cfg)``) and a
-      ``ModelConfig`` (remat "none") for ``--from-run`` runs (``LanguageModel(cfg)``, params
-      ``layers_{i}/...``); ``model_type(cfg)`` tells which.
-
-    Raises:
-      FileNotFoundError: not a finetune-dcp run. CheckpointError: no / bad checkpoint.
-    """
-    cfg = load_config(workdir)
-    model_cfg = without_remat(load_model_config(workdir))
-    abstract_params = jax.eval_shape(lambda: init_model_params(model_cfg, jax.random.PRNGKey(0)))
-    optimizer = make_optimizer(cfg, abstract_params)
-    abstract = jax.eval_shape(lambda p: TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                                                   opt_state=optimizer.init(p), rng=jax.random.PRNGKey(0)),
-                              abstract_params)
-    state = restore_run(workdir, abstract, step)
-    params = state.params
-    if not dcp:
-        model_cfg = model_cfg.replace(dcp=False)
-        prefix = "layers_" if isinstance(model_cfg, ModelConfig) else "h_"
-        params = {k: ({**v, "attn": {n: w for n, w in v["attn"].items() if n not in INTERACTION_PARAMS}}
-                      if k.startswith(prefix) else v) for k, v in params.items()}
-    return model_cfg, params, int(state.step), cfg
 
 
 def _emit(bar, progress: bool, line: str) -> None:
@@ -733,9 +630,7 @@ def config_from_args(args, base: FinetuneConfig | None = None) -> FinetuneConfig
     dkw = {}
     from_run = kw.get("from_run") if base is None else None
     if from_run and not args.data:  # the run's own text
-        from fox_jax.train import config as config_lib
-
-        run_data = config_lib.load_json(os.path.join(from_run, "config.json")).data
+        run_data = open_run(from_run).data
         dkw.update({k: getattr(run_data, k) for k in ("train", "val", "separator", "text_field", "val_fraction",
                                                       "max_docs")})
     if args.data:
@@ -799,7 +694,7 @@ def cmd_finetune_dcp(args) -> int:
         if args.from_step is not None and not args.from_run:
             raise ValueError("--from-step needs --from-run (the checkpoint step of that run)")
         if args.from_run:
-            check_source_run(args.from_run)
+            open_source_run(args.from_run, args.from_step)
         elif not args.hf_gpt2:
             raise ValueError("--hf-gpt2 or --from-run is required: the pretrained model to fine-tune "
                              "(a Hugging Face GPT-2 directory or a 'fox-jax train' run)")

@@ -595,76 +595,55 @@ def default_eval_dir() -> Path:
 
 
 def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
-    """(scorer, tokenizer, max_length, description) for the model named by the CLI arguments.
+    """(scorer, tokenizer, max_length, description) for the model named by the CLI arguments: any run
+    ``fox_jax.train.runs.open_run`` reads (``--workdir``), or a Hugging Face GPT-2 (``--hf-gpt2``).
+    Without ``--dcp`` a DCP model is scored dense (its interaction parameters are not read).
 
     Raises:
       FileNotFoundError / ValueError: a missing directory, config or tokenizer; --dcp for a model without
-        DCP; a tokenizer with more ids than the model's vocabulary.
+        DCP; a tokenizer with more ids than the model's vocabulary; no --max-length for a model without a
+        training length (an official FoX directory).
+      CheckpointError: no checkpoint (for --step), or a corrupt one.
     """
+    from fox_jax.models.gpt2 import GPT2Config
+    from fox_jax.models.hf_gpt2 import DCP_NAME
+    from fox_jax.train.runs import open_run
     from fox_jax.train.tokenizers import load_tokenizer
 
-    tokenizer_spec = args.tokenizer
-    if args.hf_gpt2:
-        from fox_jax.models.hf_gpt2 import DCP_NAME, load_hf_gpt2
-
-        path = Path(args.hf_gpt2)
-        if not path.is_dir():
-            raise FileNotFoundError(f"--hf-gpt2 {path}: no such directory")
-        if args.dcp and not (path / DCP_NAME).is_file():
-            raise ValueError(f"--dcp: {path} has no {DCP_NAME} (not a DCP model; drop --dcp)")
-        cfg, params = load_hf_gpt2(path, dcp=bool(args.dcp))
-        if tokenizer_spec is None:
-            if not ((path / "vocab.json").is_file() and (path / "merges.txt").is_file()
-                    or (path / "tokenizer.json").is_file()):
-                raise ValueError(f"--tokenizer is needed: {path} has no vocab.json + merges.txt or tokenizer.json")
-            tokenizer_spec = str(path)
-        scorer = GPT2Scorer(cfg, params)
-        max_length = hard_max = cfg.n_positions
-        vocab = cfg.vocab_size
-        desc = {"model": "gpt2", "source": str(path), "dcp": cfg.dcp}
+    flag, source = ("--hf-gpt2", args.hf_gpt2) if args.hf_gpt2 else ("--workdir", args.workdir)
+    run = open_run(source, step=args.step, flag=flag)
+    if args.hf_gpt2 and run.kind != "hf-gpt2":
+        raise ValueError(f"--hf-gpt2 {source} is {run.what}, not a Hugging Face GPT-2 directory (use --workdir)")
+    if args.dcp and not run.model.dcp:
+        why = {"hf-gpt2": f"{source} has no {DCP_NAME} (not a DCP model; drop --dcp)",
+               "train": "this 'fox-jax train' LanguageModel has no DCP params (add them with 'fox-jax finetune-dcp "
+                        "--from-run')"}.get(run.kind, f"{source} ({run.what}) has no DCP params; drop --dcp")
+        raise ValueError(f"--dcp needs a DCP model: {why}")
+    run = run if args.dcp else run.without_dcp()
+    tokenizer_spec = args.tokenizer or run.tokenizer
+    if tokenizer_spec is None:
+        raise ValueError(f"--tokenizer is needed: {source} names none (no vocab.json + merges.txt or tokenizer.json)")
+    params = run.load_params()
+    if isinstance(run.model, GPT2Config):
+        scorer = GPT2Scorer(run.model, params)
+        max_length = hard_max = run.model.n_positions
+        model_name = "gpt2"
     else:
-        workdir = Path(args.workdir)
-        if (workdir / "finetune_config.json").is_file():
-            from fox_jax.train import finetune_dcp
-
-            cfg, params, step, ft = finetune_dcp.load_finetuned(str(workdir), step=args.step, dcp=bool(args.dcp))
-            tokenizer_spec = tokenizer_spec or ft.data.tokenizer
-            vocab = cfg.vocab_size
-            if finetune_dcp.model_type(cfg) == "lm":  # a --from-run FoX/Transformer with DCP
-                scorer = LanguageModelScorer(cfg, params)
-                max_length, hard_max = ft.data.seq_len, None
-                desc = {"model": cfg.arch, "source": str(workdir), "step": step, "dcp": cfg.dcp}
-            else:
-                scorer = GPT2Scorer(cfg, params)
-                max_length = hard_max = cfg.n_positions
-                desc = {"model": "gpt2", "source": str(workdir), "step": step, "dcp": cfg.dcp}
-        else:
-            if args.dcp:
-                raise ValueError("--dcp needs a DCP model (--hf-gpt2 or a finetune-dcp --workdir); this 'fox-jax "
-                                 "train' LanguageModel has no DCP params (add them with 'fox-jax finetune-dcp "
-                                 "--from-run')")
-            from fox_jax.train import config as config_lib
-            from fox_jax.train.evaluate import load_params
-
-            cfg_path = workdir / "config.json"
-            if not cfg_path.is_file():
-                raise FileNotFoundError(f"{cfg_path} not found; --workdir must be a directory written by "
-                                        "'fox-jax train' or 'fox-jax finetune-dcp'")
-            exp = config_lib.load_json(cfg_path)
-            params, step = load_params(str(workdir), exp, args.step)
-            tokenizer_spec = tokenizer_spec or exp.data.tokenizer
-            scorer = LanguageModelScorer(exp.model, params)
-            max_length, vocab, hard_max = exp.data.seq_len, exp.model.vocab_size, None
-            desc = {"model": exp.model.arch, "source": str(workdir), "step": step, "dcp": False}
+        scorer = LanguageModelScorer(run.model, params)
+        max_length, hard_max, model_name = run.seq_len, None, run.model.arch
+    desc = {"model": model_name, "source": source, **({} if run.step is None else {"step": run.step}),
+            "dcp": run.model.dcp}
     tokenizer = load_tokenizer(tokenizer_spec)
-    if tokenizer.vocab_size > vocab:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}; "
+    if tokenizer.vocab_size > run.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {run.model.vocab_size}; "
                          "pass the --tokenizer the model was trained with")
     if args.max_length is not None:
         if args.max_length < 1 or (hard_max is not None and args.max_length > hard_max):
             raise ValueError(f"--max-length must be in [1, {hard_max or 'inf'}] (GPT-2 n_positions), "
                              f"got {args.max_length}")
         max_length = args.max_length
+    elif max_length is None:
+        raise ValueError(f"--max-length is needed: {source} ({run.what}) records no training length")
     desc["tokenizer"] = tokenizer.name
     return scorer, tokenizer, max_length, desc
 
@@ -683,10 +662,10 @@ def cmd_zeroshot(args) -> int:
     suffix = "_dcp" if desc["dcp"] else ""
     if args.output:
         output = Path(args.output)
-    elif args.workdir:
-        output = Path(args.workdir) / "eval" / f"zeroshot{suffix}.json"
-    else:
-        output = Path(args.hf_gpt2) / f"zeroshot{suffix}.json"
+    elif "step" in desc:  # a run with checkpoints: next to its other evaluations
+        output = Path(desc["source"]) / "eval" / f"zeroshot{suffix}.json"
+    else:  # a Hugging Face directory
+        output = Path(desc["source"]) / f"zeroshot{suffix}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     report = {**desc, "max_length": max_length, "limit": args.limit, "eval_dir": str(eval_dir), "results": results}
     output.write_text(json.dumps(report, indent=2) + "\n")

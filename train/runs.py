@@ -1,0 +1,297 @@
+"""One reader for every kind of run directory: ``open_run(path, step=None) -> Run``.
+
+Formats (the first that matches wins; ``FORMATS`` lists them):
+
+======================  ===============================================================  =================
+kind                    files                                                            parameters
+======================  ===============================================================  =================
+``"train"``             ``config.json`` (an ``ExperimentConfig``, written by             ``checkpoints/``
+                        ``fox-jax train``)                                               (orbax)
+``"finetune"``          ``finetune_config.json`` (a ``FinetuneConfig``) +                ``checkpoints/``
+                        ``model_config.json`` (the model with DCP and its ``model_type``:  (orbax)
+                        "gpt2", the default for files without one, or "lm"), written by
+                        ``fox-jax finetune-dcp`` / ``pretrain-gpt2``
+``"hf-gpt2"``           a Hugging Face GPT-2 directory: ``config.json`` (``model_type``   safetensors
+                        "gpt2") + weights; DCP when ``dcp_interaction.safetensors`` is     (``load_hf_gpt2``)
+                        there
+``"hf-fox"``            an official FoX / Transformer directory: ``config.json``          safetensors
+                        (``model_type`` in ``hf_fox.MODEL_TYPES``) + weights               (``load_official_fox``)
+======================  ===============================================================  =================
+
+``open_run`` reads configs and lists checkpoint steps only; ``Run.load_params()`` reads the parameters
+and nothing else: from a checkpoint it restores ``state.params`` alone (orbax partial restore,
+``Checkpointer.restore_params``), so no optimizer is built and no optimizer state is read.
+
+Adding a format is one function ``(absolute directory) -> Run | None`` (None: not this format)
+registered with ``@_format("what it expects")``; its ``Run`` names the loader of its parameters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import typing
+from typing import Any, Callable
+
+import jax
+
+from fox_jax.config import ModelConfig
+from fox_jax.models.gpt2 import GPT2Config, init_gpt2
+from fox_jax.models.hf_fox import MODEL_TYPES as FOX_MODEL_TYPES, config_from_official, load_official_fox
+from fox_jax.models.hf_gpt2 import (CONFIG_NAME as HF_CONFIG_NAME, DCP_CONFIG_KEY, DCP_NAME, PYTORCH_NAME,
+                                    SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, config_from_hf, load_hf_gpt2)
+from fox_jax.models.lm import init_params as init_lm_params
+from fox_jax.train import config as config_lib
+from fox_jax.train.checkpoints import Checkpointer, CheckpointError
+from fox_jax.train.config import DataConfig, FinetuneConfig
+
+TRAIN_CONFIG = "config.json"
+FINETUNE_CONFIG = "finetune_config.json"
+MODEL_CONFIG = "model_config.json"
+CHECKPOINTS = "checkpoints"
+_MODEL_TYPES = {"gpt2": GPT2Config, "lm": ModelConfig}  # model_config.json's model_type
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """A run directory as ``open_run`` read it.
+
+    Attributes:
+      kind: "train", "finetune", "hf-gpt2" or "hf-fox" (see the module docstring).
+      path: the absolute directory.
+      model: its model config (``ModelConfig`` or ``GPT2Config``, DCP fields included), as saved.
+      tokenizer: the tokenizer spec of ``fox_jax.train.tokenizers.load_tokenizer`` the run used
+        (a Hugging Face directory: itself when it holds ``vocab.json`` + ``merges.txt`` or
+        ``tokenizer.json``), or None when it names none.
+      data: its ``DataConfig`` (training / validation text, seq_len), or None (Hugging Face directories).
+      seq_len: its training length in tokens, or None (Hugging Face directories).
+      steps: the checkpoint steps, ascending (empty: none saved yet); None for a format without checkpoints.
+      step: the chosen checkpoint step (None when there is none).
+      config: the run's own config (``ExperimentConfig`` for "train", ``FinetuneConfig`` for "finetune"),
+        or the Hugging Face ``config.json`` dict.
+      what: a few words for messages ("a 'fox-jax train' run", ...).
+    """
+
+    kind: str
+    path: str
+    model: ModelConfig | GPT2Config
+    tokenizer: str | None
+    data: DataConfig | None
+    seq_len: int | None
+    steps: tuple[int, ...] | None
+    step: int | None
+    config: Any
+    what: str
+    loader: Callable[["Run"], dict] = dataclasses.field(repr=False, compare=False)
+    subset: bool = dataclasses.field(default=False, repr=False)  # the checkpoint holds more params (DCP)
+
+    def load_params(self) -> dict:
+        """The float32 params pytree of ``self.model`` (at ``self.step`` for checkpointed runs).
+
+        Raises:
+          CorruptCheckpointError: the step's parameter arrays cannot be read (names an intact older step).
+          CheckpointError: no checkpoint at all, or one whose parameters do not match ``self.model``.
+          FileNotFoundError / ValueError: missing or mismatched Hugging Face weights.
+        """
+        return self.loader(self)
+
+    def without_dcp(self) -> "Run":
+        """The dense part of a DCP model (the model with ``dcp=False``; ``load_params`` then leaves the
+        interaction parameters unread). The run itself when its model has no DCP."""
+        if not self.model.dcp:
+            return self
+        return dataclasses.replace(self, model=self.model.replace(dcp=False), subset=True)
+
+
+def open_run(path: str | os.PathLike, *, step: int | None = None, flag: str | None = None) -> Run:
+    """Read the run directory ``path`` (any format of the module docstring) and choose its ``step``.
+
+    Args:
+      path: the directory.
+      step: checkpoint step (None: the latest); only for formats with checkpoints.
+      flag: the command-line flag that gave ``path`` (e.g. "--from-run"), to start the messages with.
+
+    Returns:
+      ``Run`` (no parameters are read yet: ``Run.load_params``).
+
+    Raises:
+      FileNotFoundError: no such directory, or a file its format needs is missing.
+      ValueError: a directory in none of the formats (names what is expected), a config that cannot be
+        read, a Hugging Face ``model_type`` fox_jax does not read, or a ``step`` for a format without
+        checkpoints.
+      CheckpointError: no checkpoint for ``step`` (names the available steps). A run without checkpoints
+        opens (``step`` None); its ``load_params`` raises CheckpointError.
+    """
+    path = os.path.abspath(os.fspath(path))
+    prefix = f"{flag} " if flag else ""
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{prefix}{path}: no such directory; expected {_expected()}")
+    for _, reader in FORMATS:
+        try:
+            run = reader(path)
+        except FileNotFoundError as e:
+            raise FileNotFoundError(f"{prefix}{e}") from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise ValueError(f"{prefix}{path}: {e}") from None
+        if run is not None:
+            return _at_step(run, step, prefix)
+    raise ValueError(f"{prefix}{path} is not a run directory: expected {_expected()}")
+
+
+def _at_step(run: Run, step: int | None, prefix: str) -> Run:
+    if run.steps is None:
+        if step is not None:
+            raise ValueError(f"{prefix}{run.path} is {run.what}, which has no checkpoint steps (got step {step})")
+        return run
+    if step is None:
+        return dataclasses.replace(run, step=run.steps[-1] if run.steps else None)
+    if step not in run.steps:
+        raise CheckpointError(f"{prefix}{run.path}: no checkpoint for step {step} in "
+                              f"{os.path.join(run.path, CHECKPOINTS)}; available steps: "
+                              f"{', '.join(map(str, run.steps)) or 'none'}")
+    return dataclasses.replace(run, step=step)
+
+
+# The formats -----------------------------------------------------------------------------------------
+
+FORMATS: list[tuple[str, Callable[[str], Run | None]]] = []
+
+
+def _format(expected: str):
+    """Register a reader ``(absolute directory) -> Run | None``; ``expected`` describes the format's
+    files for the error of a directory that matches none."""
+    def register(reader):
+        FORMATS.append((expected, reader))
+        return reader
+    return register
+
+
+def _expected() -> str:
+    return "; or ".join(expected for expected, _ in FORMATS)
+
+
+@_format("a 'fox-jax finetune-dcp' run (finetune_config.json + model_config.json + checkpoints/)")
+def _finetune_run(path: str) -> Run | None:
+    if not os.path.isfile(os.path.join(path, FINETUNE_CONFIG)):
+        return None
+    cfg = read_finetune_config(path)
+    return Run("finetune", path, read_model_config(path), cfg.data.tokenizer or None, cfg.data, cfg.data.seq_len,
+               _checkpoint_steps(path), None, cfg, "a 'fox-jax finetune-dcp' run", _restore_params)
+
+
+@_format("a 'fox-jax train' run (config.json with model/data/optim + checkpoints/)")
+def _train_run(path: str) -> Run | None:
+    raw = _read_json(os.path.join(path, TRAIN_CONFIG))
+    if not isinstance(raw, dict) or not isinstance(raw.get("model"), dict):
+        return None
+    cfg = config_lib.from_dict(raw)
+    return Run("train", path, cfg.model, cfg.data.tokenizer, cfg.data, cfg.data.seq_len, _checkpoint_steps(path),
+               None, cfg, "a 'fox-jax train' run", _restore_params)
+
+
+@_format("a Hugging Face directory of GPT-2 or official FoX/Transformer (config.json + model.safetensors)")
+def _hf_dir(path: str) -> Run | None:
+    hf = _read_json(os.path.join(path, HF_CONFIG_NAME))
+    if not isinstance(hf, dict) or not isinstance(hf.get("model_type"), str) or not any(
+            os.path.isfile(os.path.join(path, n)) for n in (SAFETENSORS_NAME, SAFETENSORS_INDEX_NAME, PYTORCH_NAME)):
+        return None
+    tokenizer = path if (all(os.path.isfile(os.path.join(path, n)) for n in ("vocab.json", "merges.txt"))
+                         or os.path.isfile(os.path.join(path, "tokenizer.json"))) else None
+    model_type = hf["model_type"]
+    if model_type == "gpt2":  # DCP when the interaction file is there (its r and β are in config.json)
+        has_dcp = os.path.isfile(os.path.join(path, DCP_NAME))
+        model = config_from_hf(hf if has_dcp else {k: v for k, v in hf.items() if k != DCP_CONFIG_KEY})
+        return Run("hf-gpt2", path, model, tokenizer, None, None, None, None, hf,
+                   "a Hugging Face GPT-2 directory", lambda run: load_hf_gpt2(run.path, dcp=run.model.dcp)[1])
+    if model_type in FOX_MODEL_TYPES:
+        return Run("hf-fox", path, config_from_official(hf), tokenizer, None, None, None, None, hf,
+                   "an official FoX/Transformer directory", lambda run: load_official_fox(run.path)[1])
+    raise ValueError(f"a Hugging Face directory of model_type {model_type!r}; fox_jax reads 'gpt2' and "
+                     f"{', '.join(repr(t) for t in FOX_MODEL_TYPES)}")
+
+
+# Reading the pieces ------------------------------------------------------------------------------------
+
+def _read_json(path: str) -> Any:
+    """The parsed JSON file, or None when there is no such file. Raises ValueError for invalid JSON."""
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{os.path.basename(path)} is not valid JSON ({e})") from None
+
+
+def read_finetune_config(workdir: str) -> FinetuneConfig:
+    """The ``finetune_config.json`` of a fine-tune run (lists become tuples).
+
+    Raises:
+      FileNotFoundError: no such file. ValueError: unknown fields or out-of-range values.
+    """
+    path = os.path.join(workdir, FINETUNE_CONFIG)
+    d = _read_json(path)
+    if d is None:
+        raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
+    return finetune_config_from_dict(d)
+
+
+def finetune_config_from_dict(d: dict) -> FinetuneConfig:
+    """A ``FinetuneConfig`` from its ``dataclasses.asdict`` form (lists become tuples). Raises ValueError
+    for unknown fields."""
+    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
+    unknown = sorted(set(d) - names)
+    if unknown:
+        raise ValueError(f"{FINETUNE_CONFIG}: unknown field(s) {', '.join(unknown)}")
+    data = dict(d.get("data") or {})
+    hints = typing.get_type_hints(DataConfig)
+    for k, v in data.items():
+        if isinstance(v, list) and typing.get_origin(hints.get(k)) is tuple:
+            data[k] = tuple(v)
+    return FinetuneConfig(**{**d, "data": DataConfig(**data)})
+
+
+def read_model_config(workdir: str) -> ModelConfig | GPT2Config:
+    """The model config (with DCP) of a fine-tune run's ``model_config.json``: a ``GPT2Config``
+    (``model_type`` "gpt2", or none: files written before it existed) or a ``ModelConfig`` ("lm").
+
+    Raises:
+      FileNotFoundError: no such file. ValueError: an unknown ``model_type`` or bad fields.
+    """
+    path = os.path.join(workdir, MODEL_CONFIG)
+    d = _read_json(path)
+    if d is None:
+        raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
+    model_type = d.pop("model_type", "gpt2")
+    if model_type not in _MODEL_TYPES:
+        raise ValueError(f"{path}: model_type must be one of {tuple(_MODEL_TYPES)}, got {model_type!r}")
+    return _MODEL_TYPES[model_type](**d)
+
+
+def _checkpoint_steps(path: str) -> tuple[int, ...]:
+    ckpt_dir = os.path.join(path, CHECKPOINTS)
+    if not os.path.isdir(ckpt_dir):
+        return ()
+    ckpt = Checkpointer(ckpt_dir, async_save=False, create=False)
+    try:
+        return tuple(ckpt.all_steps())
+    finally:
+        ckpt.close()
+
+
+def _init_params(model: ModelConfig | GPT2Config, rng: jax.Array) -> dict:
+    return init_lm_params(model, rng) if isinstance(model, ModelConfig) else init_gpt2(model, rng)
+
+
+def _restore_params(run: Run) -> dict:
+    """The params of a checkpointed run at ``run.step``: ``state.params`` only (``restore_params``)."""
+    if run.step is None:
+        raise CheckpointError(f"{run.path} is {run.what} without checkpoints (no step in "
+                              f"{os.path.join(run.path, CHECKPOINTS)}): train first, or pass another run")
+    abstract = jax.eval_shape(lambda: _init_params(run.model, jax.random.PRNGKey(0)))
+    ckpt = Checkpointer(os.path.join(run.path, CHECKPOINTS), async_save=False, create=False)
+    try:
+        return ckpt.restore_params(run.step, abstract, subset=run.subset)
+    finally:
+        ckpt.close()
