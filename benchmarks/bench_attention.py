@@ -325,8 +325,9 @@ def sweep_tiles(workers, quick=False, shapes=None):
 class TrainedGates:
     """Per-token log forget gates of a trained FoX run, for the benchmark's shapes.
 
-    Restores the run like ``fox-jax eval`` (``RUN_DIR/config.json`` + the latest checkpoint, or
-    ``step``), takes the first ``T + 1`` tokens of its validation stream as one packed window
+    Reads the run with ``fox_jax.train.runs.open_run`` (a ``fox-jax train`` run, or the dense part of a
+    FoX ``finetune-dcp --from-run`` run; the latest checkpoint, or ``step``; parameters only), takes the
+    first ``T + 1`` tokens of its validation stream as one packed window
     (``fox_jax.train.data.pack_windows``: segment ids and positions as in validation), runs the model once and
     captures every layer's forget-gate logits (flax ``capture_intermediates`` on the ``fgate_proj``
     modules; log f = log_sigmoid(logit), float32, exactly as the attention layer forms it).
@@ -342,28 +343,29 @@ class TrainedGates:
       window. q/k/v stay the synthetic √D-normalised ones (the auto ACP bound is then the anchors').
 
     Raises:
-      FileNotFoundError: no RUN_DIR/config.json; ValueError: the run's model has no forget gate.
+      FileNotFoundError: no run in RUN_DIR; ValueError: a run without a FoX model and data config (a
+        GPT-2 or Hugging Face directory), or a model without a forget gate; CheckpointError: no checkpoint.
     """
 
     def __init__(self, run_dir: str, step: int | None = None):
+        from fox_jax.config import ModelConfig
         from fox_jax.models import LanguageModel
-        from fox_jax.train import config as config_lib
         from fox_jax.train import data as data_lib
-        from fox_jax.train.evaluate import load_params
+        from fox_jax.train.runs import open_run
 
-        cfg_path = os.path.join(run_dir, "config.json")
-        if not os.path.exists(cfg_path):
-            raise FileNotFoundError(f"{cfg_path} not found: --gates-from needs a directory written by 'fox-jax train'")
-        cfg = config_lib.load_json(cfg_path)
-        if not cfg.model.use_fgate:
-            raise ValueError(f"{run_dir}: arch {cfg.model.arch!r} has no forget gate")
-        self.params, self.step = load_params(run_dir, cfg, step)
-        self.corpus = data_lib.load_corpus(cfg.data)
+        run = open_run(run_dir, step=step, flag="--gates-from").without_dcp()
+        if not isinstance(run.model, ModelConfig) or run.data is None:
+            raise ValueError(f"--gates-from {run_dir} is {run.what}; it needs a FoX run with its data config "
+                             "('fox-jax train' or 'fox-jax finetune-dcp --from-run')")
+        if not run.model.use_fgate:
+            raise ValueError(f"{run_dir}: arch {run.model.arch!r} has no forget gate")
+        self.params, self.step = run.load_params(), run.step
+        self.corpus = data_lib.load_corpus(run.data)
         impl = "pallas" if jax.default_backend() == "gpu" else "xla"
-        self.model_cfg = dataclasses.replace(cfg.model, remat="none", attention_impl=impl)
+        self.model_cfg = dataclasses.replace(run.model, remat="none", attention_impl=impl)
         self.model = LanguageModel(self.model_cfg)
         self.pack = data_lib.pack_windows
-        self.run_dir, self.train_len = run_dir, cfg.data.seq_len
+        self.run_dir, self.train_len = run_dir, run.seq_len
         self._cache = {}
 
     def window(self, t: int):
