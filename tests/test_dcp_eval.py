@@ -228,8 +228,8 @@ needs_data = pytest.mark.skipif(not ((GPT2_TOKENIZER / "vocab.json").is_file()
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory, tiny_params):
-    """A dense HF dir and a DCP finetune-dcp-like run dir (finetune_config.json + hf/), random weights;
-    the interaction weights are scaled up so the step mask drops a good share of the pairs."""
+    """A dense HF dir and a DCP finetune-dcp-like run dir (finetune_config.json + model_config.json + hf/),
+    random weights; the interaction weights are scaled up so the step mask drops a good share of the pairs."""
     root = tmp_path_factory.mktemp("models")
     cfg = GPT2Config(**TINY)
     save_hf_gpt2(cfg, tiny_params, root / "dense")
@@ -242,6 +242,7 @@ def models(tmp_path_factory, tiny_params):
     save_hf_gpt2(dcp_cfg, dcp_params, run / "hf")
     ft = finetune_dcp.FinetuneConfig(hf_gpt2=str(root / "dense"), gamma=0.5, steps=10)
     (run / finetune_dcp.CONFIG_NAME).write_text(json.dumps(finetune_dcp.config_to_dict(ft)))
+    finetune_dcp.save_model_config(dcp_cfg, str(run))
     return root
 
 
