@@ -172,7 +172,8 @@ def _add_zeroshot(sub) -> None:
                        formatter_class=_Formatter,
                        description="Zero-shot log-likelihood scoring of a model on local task files (JSONL).")
     src = z.add_mutually_exclusive_group(required=True)
-    src.add_argument("--workdir", help="a run of 'fox-jax train' (FoX/Transformer) or 'fox-jax finetune-dcp'")
+    src.add_argument("--workdir", help="a run of 'fox-jax train' (FoX/Transformer) or 'fox-jax finetune-dcp', or a "
+                     "Hugging Face GPT-2 / official FoX directory (official FoX: give --max-length)")
     src.add_argument("--hf-gpt2", help="a Hugging Face GPT-2 directory (config.json + model.safetensors)")
     z.add_argument("--dcp", action="store_true", help="a DCP model (GPT-2, or a FoX/Transformer finetune-dcp "
                    "--from-run run) with its interaction params and the α=∞ step mask (default: dense "
