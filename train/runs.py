@@ -233,7 +233,7 @@ def read_finetune_config(workdir: str) -> FinetuneConfig:
     path = os.path.join(workdir, FINETUNE_CONFIG)
     d = _read_json(path)
     if d is None:
-        raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
+        raise FileNotFoundError(f"{path} not found (every 'fox-jax finetune-dcp' run directory holds it)")
     return finetune_config_from_dict(d)
 
 
@@ -262,7 +262,7 @@ def read_model_config(workdir: str) -> ModelConfig | GPT2Config:
     path = os.path.join(workdir, MODEL_CONFIG)
     d = _read_json(path)
     if d is None:
-        raise FileNotFoundError(f"{path} not found; --workdir must be a directory written by 'fox-jax finetune-dcp'")
+        raise FileNotFoundError(f"{path} not found (every 'fox-jax finetune-dcp' run directory holds it)")
     model_type = d.pop("model_type", "gpt2")
     if model_type not in _MODEL_TYPES:
         raise ValueError(f"{path}: model_type must be one of {tuple(_MODEL_TYPES)}, got {model_type!r}")
