@@ -348,7 +348,7 @@ class TrainedGates:
     """
 
     def __init__(self, run_dir: str, step: int | None = None):
-        from fox_jax.config import ModelConfig
+        from fox_jax.models import ModelConfig
         from fox_jax.models import LanguageModel
         from fox_jax.train import data as data_lib
         from fox_jax.train.runs import open_run

@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fox_jax.decoding import cache_bytes, generate, prefill  # noqa: E402
 from fox_jax.models import load_hf_gpt2  # noqa: E402
-from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2  # noqa: E402
+from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset  # noqa: E402
 
-QUICK_CONFIG = dict(n_layer=2, n_embd=128, n_head=4, n_positions=512, interaction_dim=32)
+QUICK_CONFIG = dict(n_layers=2, d_model=128, n_heads=4, n_positions=512, interaction_dim=32)
 
 
 def build_model(args) -> tuple[GPT2, dict]:
@@ -54,13 +54,13 @@ def build_model(args) -> tuple[GPT2, dict]:
         return GPT2(cfg), params
     cfg = (GPT2Config(**QUICK_CONFIG, dtype=args.dtype, dcp=True) if args.quick
            else gpt2_preset(args.size, dtype=args.dtype, dcp=True))
-    params = init_gpt2(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     rng = np.random.default_rng(0)
-    for i in range(cfg.n_layer):
-        attn = params[f"h_{i}"]["attn"]
+    for name in cfg.layer_names:
+        attn = params[name]["attn"]
         for name in ("q_int", "k_int"):
             shape = attn[name]["kernel"].shape
-            attn[name]["kernel"] = jnp.asarray(rng.standard_normal(shape) / math.sqrt(cfg.n_embd), jnp.float32)
+            attn[name]["kernel"] = jnp.asarray(rng.standard_normal(shape) / math.sqrt(cfg.d_model), jnp.float32)
         attn["beta"] = jnp.asarray(args.beta, jnp.float32)
     return GPT2(cfg), params
 
@@ -77,7 +77,7 @@ def timed(fn, repeats: int) -> tuple[float, object]:
 
 
 def bench_one(model, params, prompt_len: int, args, packed: bool) -> dict:
-    cfg = model.config
+    cfg = model.cfg
     prompt = jax.random.randint(jax.random.PRNGKey(1), (args.batch, prompt_len), 0, cfg.vocab_size)
     n = args.new_tokens
     seconds, out = timed(lambda: generate(model, params, prompt, max_new_tokens=n, packed=packed,
@@ -135,8 +135,8 @@ def main(argv=None):
               f"{mib(r['kv_allocated_bytes'])} | {r['live_tokens_final']:.1f} | {100 * r['sparsity_final']:.0f}% |")
     meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
                 python=platform.python_version(), dtype=args.dtype, checkpoint=args.checkpoint,
-                model=dict(n_layer=model.config.n_layer, n_embd=model.config.n_embd, n_head=model.config.n_head,
-                           interaction_dim=model.config.interaction_dim),
+                model=dict(n_layer=model.cfg.n_layers, n_embd=model.cfg.d_model, n_head=model.cfg.n_heads,
+                           interaction_dim=model.cfg.interaction_dim),
                 beta=None if args.checkpoint else args.beta, chunk=args.chunk, repeats=args.repeats)
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)

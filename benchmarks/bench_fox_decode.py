@@ -2,7 +2,7 @@
 
 Times ``fox_jax.decoding.generate`` (greedy) and ``prefill`` alone for one model at several prompt lengths; the
 decode rate is B·(N−1) / (generate − prefill). Random weights: speed does not depend on them. Uses only
-``generate``, ``prefill``, ``LanguageModel`` and ``init_params``, so the same script times an earlier tree too.
+``generate``, ``prefill``, ``LanguageModel`` and ``ModelConfig.init_params``.
 
 Usage:
   python benchmarks/bench_fox_decode.py --quick                      # CPU smoke run, tiny model
@@ -24,9 +24,8 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fox_jax.config import preset  # noqa: E402
 from fox_jax.decoding import generate, prefill  # noqa: E402
-from fox_jax.models import LanguageModel, init_params  # noqa: E402
+from fox_jax.models import LanguageModel, preset  # noqa: E402
 
 
 def _median_time(fn, repeats: int) -> float:
@@ -55,7 +54,7 @@ def main(argv=None) -> None:
         args.preset, args.prompt_lengths, args.new_tokens, args.batch, args.repeats = "tiny", [32], 8, 2, 1
     cfg = preset(args.preset, args.arch, dtype=args.dtype)
     model = LanguageModel(cfg)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     rows = []
     for t in args.prompt_lengths:
         prompts = jax.random.randint(jax.random.PRNGKey(t), (args.batch, t), 0, cfg.vocab_size)

@@ -22,7 +22,7 @@ import time
 import jax
 import numpy as np
 
-from fox_jax.config import preset
+from fox_jax.models import preset
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
 from fox_jax.train.metrics import device_peak_flops

@@ -10,8 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.config import preset
-from fox_jax.models import LanguageModel
+from fox_jax.models import LanguageModel, preset
 from fox_jax.ops import forgetting_attention
 from fox_jax.sharding import make_mesh, under_mesh
 
@@ -46,7 +45,7 @@ def model_case():
     model = LanguageModel(cfg)
     tokens = jnp.zeros((4, 16), jnp.int32)
     params = model.init(jax.random.PRNGKey(0), tokens)["params"]
-    fn = jax.jit(lambda p, x: model.apply({"params": p}, x))
+    fn = jax.jit(lambda p, x: model.apply({"params": p}, x).logits)
     with jax.set_mesh(make_mesh("data=2,tensor=2")):
         inside = "shard_map" in str(fn.trace(params, tokens).jaxpr)
     outside = "shard_map" in str(fn.trace(params, tokens).jaxpr)

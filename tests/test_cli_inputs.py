@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fox_jax.config import ARCHS, SIZES, ModelConfig
+from fox_jax.models import ARCHS, SIZES, ModelConfig
 from fox_jax.models.gpt2 import GPT2Config, gpt2_preset
 from fox_jax.train import cli, config as config_lib, finetune_dcp
 
@@ -92,8 +92,8 @@ def test_model_configs_refuse_out_of_range_values():
                       (dict(n_layers=True), "n_layers"), (dict(hidden_ratio=float("nan")), "hidden_ratio")]:
         with pytest.raises(ValueError, match=f"ModelConfig.{field} must be"):
             ModelConfig(**kw)
-    for kw, field in [(dict(layer_norm_epsilon=0.0), "layer_norm_epsilon"), (dict(init_std=-1.0), "init_std"),
-                      (dict(beta_init=float("inf")), "beta_init"), (dict(n_inner=0), "n_inner")]:
+    for kw, field in [(dict(norm_eps=0.0), "norm_eps"), (dict(init_std=-1.0), "init_std"),
+                      (dict(dcp_beta_init=float("inf")), "dcp_beta_init"), (dict(mlp_dim=0), "mlp_dim")]:
         with pytest.raises(ValueError, match=f"GPT2Config.{field} must be"):
             GPT2Config(**kw)
 

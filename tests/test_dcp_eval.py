@@ -11,9 +11,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fox_jax.models.gpt2 import (GPT2, GPT2Config, add_dcp_params, init_gpt2, match_sparse_pattern,
-                                 parse_sparse_pattern, sparse_pattern_keep, sparse_pattern_log_mask,
-                                 sparse_pattern_sparsity)
+from fox_jax.models.gpt2 import (GPT2, GPT2Config, match_sparse_pattern, parse_sparse_pattern, sparse_pattern_keep,
+                                 sparse_pattern_log_mask, sparse_pattern_sparsity)
 from fox_jax.models.hf_gpt2 import save_hf_gpt2
 from fox_jax.ops.context_pruning import dcp_attention
 from fox_jax.train import cli, dcp_eval, finetune_dcp
@@ -21,7 +20,7 @@ from fox_jax.train import cli, dcp_eval, finetune_dcp
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
 VAL_BOOKS = SHARED / "corpus_val"
-TINY = dict(n_layer=2, n_head=2, n_embd=32, vocab_size=50257, n_positions=64, attention_block=16)
+TINY = dict(n_layers=2, n_heads=2, d_model=32, vocab_size=50257, n_positions=64, attention_block=16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +129,7 @@ def test_pattern_attention_matches_dense_reference(pattern):
 
 @pytest.fixture(scope="module")
 def tiny_params():
-    return init_gpt2(GPT2Config(**TINY), jax.random.PRNGKey(1))
+    return GPT2Config(**TINY).init_params(jax.random.PRNGKey(1))
 
 
 @pytest.mark.slow
@@ -141,7 +140,11 @@ def test_gpt2_sparse_pattern_model(tiny_params):
 
     def forward(pattern):
         model = GPT2(cfg.replace(sparse_pattern=pattern))
-        return model, jax.jit(lambda p, x: model.apply({"params": p}, x))
+        def logits_aux(p, x):
+            out = model.apply({"params": p}, x)
+            return out.logits, out.aux
+
+        return model, jax.jit(logits_aux)
 
     dense_logits, aux = forward(None)[1](tiny_params, tokens)
     assert aux == {}
@@ -159,7 +162,7 @@ def test_gpt2_sparse_pattern_model(tiny_params):
     np.testing.assert_allclose(far_logits[:, -1], logits[:, -1], atol=1e-5)
     assert np.max(np.abs(near_logits[:, -1] - logits[:, -1])) > 1e-4
     # gradients flow (training with a fixed pattern) and are finite
-    grads = jax.jit(jax.grad(lambda p: jnp.mean(local.apply({"params": p}, tokens)[0] ** 2)))(tiny_params)
+    grads = jax.jit(jax.grad(lambda p: jnp.mean(local.apply({"params": p}, tokens).logits ** 2)))(tiny_params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     with pytest.raises(ValueError, match="decoding"):
         local.apply({"params": tiny_params}, tokens[:, :1], cache=(None, None))
@@ -233,8 +236,8 @@ def models(tmp_path_factory, tiny_params):
     root = tmp_path_factory.mktemp("models")
     cfg = GPT2Config(**TINY)
     save_hf_gpt2(cfg, tiny_params, root / "dense")
-    dcp_cfg, dcp_params = add_dcp_params(cfg, tiny_params, jax.random.PRNGKey(3), interaction_dim=16, beta_init=1.0)
-    for i in range(cfg.n_layer):
+    dcp_cfg, dcp_params = cfg.add_dcp_params(tiny_params, jax.random.PRNGKey(3), interaction_dim=16, beta_init=1.0)
+    for i in range(cfg.n_layers):
         attn = dcp_params[f"h_{i}"]["attn"]
         attn["q_int"]["kernel"] = attn["q_int"]["kernel"] * 12.0
         attn["k_int"]["kernel"] = attn["k_int"]["kernel"] * 12.0

@@ -10,8 +10,8 @@ import optax
 import pytest
 
 import fox_jax.nn.attention as attention_mod
-from fox_jax.config import ModelConfig, preset
-from fox_jax.models.lm import LanguageModel, add_dcp_params, count_params, init_params
+from fox_jax.models import ModelConfig, preset
+from fox_jax.models.lm import LanguageModel, count_params
 from fox_jax.nn.attention import ForgettingAttentionLayer
 from fox_jax.ops.context_pruning import LOG_FLOOR, dcp_attention_reference
 
@@ -33,7 +33,7 @@ def tokens_and_segments(seed=0, b=2):
 
 
 def abstract_count(cfg):
-    return count_params(jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0))))
+    return count_params(jax.eval_shape(lambda: cfg.init_params(jax.random.PRNGKey(0))))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -67,11 +67,11 @@ def test_param_count_off_unchanged_and_on_exact(arch):
 
 def test_added_params_initialised_as_specified():
     cfg = tiny("fox-llama")
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    new_cfg, new = add_dcp_params(cfg, params, jax.random.PRNGKey(1))
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    new_cfg, new = cfg.add_dcp_params(params, jax.random.PRNGKey(1))
     assert new_cfg == cfg.replace(dcp=True)
     # Same structure and shapes as a DCP model initialised from scratch.
-    fresh = init_params(new_cfg, jax.random.PRNGKey(0))
+    fresh = new_cfg.init_params(jax.random.PRNGKey(0))
     shapes = lambda p: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), p)
     assert shapes(new) == shapes(fresh)
     d, r = cfg.d_model, cfg.interaction_dim
@@ -89,13 +89,13 @@ def test_added_params_initialised_as_specified():
     w = np.concatenate([k.ravel() for k in kernels])  # 4·256 draws of N(0, 0.02²)
     assert abs(w.std() / cfg.init_std - 1.0) < 0.1 and abs(w.mean()) < 0.1 * cfg.init_std
     assert not np.allclose(kernels[0], kernels[1])  # independent keys per projection
-    c2, p2 = add_dcp_params(cfg, params, jax.random.PRNGKey(1), interaction_dim=4, beta_init=5.0)
+    c2, p2 = cfg.add_dcp_params(params, jax.random.PRNGKey(1), interaction_dim=4, beta_init=5.0)
     assert c2.interaction_dim == 4 and p2["layers_0"]["attn"]["k_int"]["kernel"].shape == (d, 4)
     assert float(p2["layers_1"]["attn"]["beta"]) == 5.0
     with pytest.raises(ValueError, match="already"):
-        add_dcp_params(new_cfg, new, jax.random.PRNGKey(1))
+        new_cfg.add_dcp_params(new, jax.random.PRNGKey(1))
     with pytest.raises(ValueError, match="layers_1"):
-        add_dcp_params(cfg, {"layers_0": params["layers_0"]}, jax.random.PRNGKey(1))
+        cfg.add_dcp_params({"layers_0": params["layers_0"]}, jax.random.PRNGKey(1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -109,12 +109,13 @@ def test_huge_beta_keeps_everything_and_equals_dense_model(arch):
     # dense model with the same weights. Tolerance 1e-5: blockwise dcp_attention vs the dense model's
     # attention op, both float32 (a few ulps of O(1) logits after two layers).
     cfg = tiny(arch)
-    params = init_params(cfg, jax.random.PRNGKey(0))
-    dcp_cfg, dcp_params = add_dcp_params(cfg, params, jax.random.PRNGKey(1), beta_init=1e4)
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    dcp_cfg, dcp_params = cfg.add_dcp_params(params, jax.random.PRNGKey(1), beta_init=1e4)
     tokens, seg = tokens_and_segments()
-    want = LanguageModel(cfg).apply({"params": params}, tokens, seg)
+    want = LanguageModel(cfg).apply({"params": params}, tokens, seg).logits
     for alpha in (1.0, float("inf")):
-        logits, aux = LanguageModel(dcp_cfg).apply({"params": dcp_params}, tokens, seg, alpha=alpha)
+        out = LanguageModel(dcp_cfg).apply({"params": dcp_params}, tokens, seg, alpha=alpha)
+        logits, aux = out.logits, out.aux
         assert logits.dtype == jnp.float32 and logits.shape == (2, T, VOCAB)
         np.testing.assert_allclose(logits, want, atol=1e-5, rtol=1e-5)
         assert aux["log_masks"].shape == (cfg.n_layers, 2, T, T) and aux["log_masks"].dtype == jnp.float32
@@ -146,7 +147,9 @@ def test_hand_set_interaction_gives_known_mask_and_dense_reference(arch, monkeyp
     params = dict(params, beta=jnp.zeros((), jnp.float32),
                   q_int={"kernel": jnp.zeros((cfg.d_model, r)).at[0, 0].set(scale)},
                   k_int={"kernel": jnp.zeros((cfg.d_model, r)).at[1, 0].set(scale)})
-    out, log_mask = layer.apply({"params": params}, x, seg, None, None, float("inf"))
+    res = layer.apply({"params": params}, x, seg, None, None, float("inf"))
+    out, log_mask = res.x, res.log_mask
+    assert res.cache is None
     lower = np.tril(np.ones((T, T), bool), -1)[None]
     known = np.where(lower & (sign[:, None, :] < 0), np.float32(LOG_FLOOR), np.float32(0.0))
     np.testing.assert_array_equal(log_mask, known)
@@ -161,7 +164,7 @@ def test_hand_set_interaction_gives_known_mask_and_dense_reference(arch, monkeyp
 
     monkeypatch.setattr(attention_mod, "forgetting_attention", oracle)
     dense_params = {k: v for k, v in params.items() if k not in ("q_int", "k_int", "beta")}
-    want = ForgettingAttentionLayer(cfg).apply({"params": dense_params}, x, seg)
+    want = ForgettingAttentionLayer(cfg).apply({"params": dense_params}, x, seg).x
     assert (seen["log_fgate"] is None) == (not cfg.use_fgate)
     np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
 
@@ -173,7 +176,7 @@ def test_gradients_finite_and_reach_interaction_params(arch):
     # the fine-tuning loss CE + γ·sparsity_loss, as train/finetune_dcp.py builds it. fox-pro runs
     # with remat to exercise the rematerialised block path with a traced α.
     cfg = tiny(arch, dcp=True, remat="full" if arch == "fox-pro" else "none")
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x - 2.5 if path[-1].key == "beta" else x, params)
     tokens, seg = tokens_and_segments()
@@ -182,7 +185,8 @@ def test_gradients_finite_and_reach_interaction_params(arch):
     @jax.jit
     def loss_and_grad(params, alpha):
         def loss_fn(p):
-            logits, aux = model.apply({"params": p}, tokens, seg, alpha=alpha)
+            out = model.apply({"params": p}, tokens, seg, alpha=alpha)
+            logits, aux = out.logits, out.aux
             ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits[:, :-1], tokens[:, 1:]))
             return ce + 0.3 * aux["sparsity_loss"], aux
         return jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -203,15 +207,14 @@ def test_gradients_finite_and_reach_interaction_params(arch):
 
 def test_alpha_required_and_decoding_not_implemented():
     cfg = tiny("fox-llama", dcp=True)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     tokens, _ = tokens_and_segments()
     model = LanguageModel(cfg)
     with pytest.raises(ValueError, match="alpha"):
         model.apply({"params": params}, tokens)
     with pytest.raises(NotImplementedError, match="DCP"):
         model.apply({"params": params}, tokens, cache=(None,) * cfg.n_layers, alpha=float("inf"))
-    # A dense model ignores alpha and keeps returning bare logits.
+    # A dense model ignores alpha; its output has no aux.
     dense = tiny("fox-llama")
-    logits = LanguageModel(dense).apply({"params": init_params(dense, jax.random.PRNGKey(0))}, tokens,
-                                         alpha=1.0)
-    assert logits.shape == (2, T, VOCAB)
+    out = LanguageModel(dense).apply({"params": dense.init_params(jax.random.PRNGKey(0))}, tokens, alpha=1.0)
+    assert out.logits.shape == (2, T, VOCAB) and out.aux == {} and out.cache is None

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fox_jax.config import preset
+from fox_jax.models import preset
 from fox_jax.decoding import (
     PackedKVCache,
     decode_step,
@@ -20,7 +20,7 @@ from fox_jax.decoding import (
 )
 from fox_jax.decoding import generation
 from fox_jax.decoding.cache import LayerKVCache, accumulate_log_fgate, cached_attention, slot_decay
-from fox_jax.models import LanguageModel, init_params
+from fox_jax.models import LanguageModel
 from fox_jax.models.gpt2 import GPT2, GPT2Config
 
 VOCAB = 97
@@ -61,7 +61,7 @@ def tiny_lm(arch):
     # Pro variants use GQA (2 key/value heads for 4 query heads) to cover the grouped decode path.
     cfg = preset("tiny", arch, vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4,
                  n_kv_heads=2 if arch.endswith("pro") else None)
-    params = random_params(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    params = random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
     return LanguageModel(cfg), params
 
 
@@ -71,7 +71,7 @@ def lm_reference(model, params, tokens, pads=PADS):
     0 at the first real token."""
     positions = jnp.arange(tokens.shape[1])[None] - jnp.asarray(pads)[:, None]
     return model.apply({"params": params}, tokens, segment_ids=(positions >= 0).astype(jnp.int32),
-                       positions=positions)
+                       positions=positions).logits
 
 
 @pytest.mark.slow
@@ -189,7 +189,7 @@ def test_capacity_and_input_errors():
 @functools.lru_cache(maxsize=None)
 def tiny_gpt2(betas=(1.5, 2.5), int_std=0.5):
     """A GPT-2 with DCP whose interaction weights actually prune (init has β = 2, tiny q_int/k_int)."""
-    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, dcp=True,
+    cfg = GPT2Config(n_layers=2, d_model=64, n_heads=4, vocab_size=VOCAB, n_positions=64, dcp=True,
                      interaction_dim=16)
     params = random_params(lambda: GPT2(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32),
                                                   alpha=1.0)["params"])
@@ -212,7 +212,8 @@ def _gpt2_forward(model, params, tokens, pads):
 
 def gpt2_reference(model, params, tokens, pads=PADS):
     """Logits and the step keep mask I [L, B, T, T] (bool) of the training path at α = ∞."""
-    logits, aux = _gpt2_forward(model, params, tokens, pads)
+    out = _gpt2_forward(model, params, tokens, pads)
+    logits, aux = out.logits, out.aux
     keep = np.asarray(aux["log_masks"]) == 0.0 if "log_masks" in aux else None
     return logits, keep
 
@@ -272,7 +273,7 @@ def test_dcp_large_beta_equals_dense_decoding():
         np.testing.assert_allclose(packed_logits, dense_logits, atol=1e-5)
     np.testing.assert_array_equal(live_counts(packed), np.broadcast_to(t - PADS, (2, 3)))
     # and the dense cache equals the model without DCP (the same weights minus the interaction)
-    plain = GPT2(model.config.replace(dcp=False))
+    plain = GPT2(model.cfg.replace(dcp=False))
     plain_params = {k: ({**v, "attn": {n: w for n, w in v["attn"].items() if n in ("c_attn", "c_proj")}}
                         if k.startswith("h_") else v) for k, v in params.items()}
     full, _ = gpt2_reference(plain, plain_params, tokens)
@@ -346,7 +347,7 @@ FAMILIES = [*ARCHS, "gpt2-dense", "gpt2-packed"]
 def plain_gpt2():
     """The DCP GPT-2's weights without the interaction parameters: a dense GPT-2."""
     model, params = tiny_gpt2()
-    plain = GPT2(model.config.replace(dcp=False))
+    plain = GPT2(model.cfg.replace(dcp=False))
     plain_params = {k: ({**v, "attn": {n: w for n, w in v["attn"].items() if n in ("c_attn", "c_proj")}}
                         if k.startswith("h_") else v) for k, v in params.items()}
     return plain, plain_params
@@ -406,7 +407,8 @@ def test_chunk_through_model_apply_continues_the_cache():
     tokens = padded_batch(10)
     full = lm_reference(model, params, tokens)
     _, caches = prefill(model, params, tokens[:, :6], seq_start=PADS, capacity=10)
-    logits, caches = model.apply({"params": params}, tokens[:, 6:10], cache=caches)
+    out = model.apply({"params": params}, tokens[:, 6:10], cache=caches)
+    logits, caches = out.logits, out.cache
     np.testing.assert_allclose(logits, full[:, 6:10], atol=1e-4)  # tolerance as above
     assert int(caches[0].length) == 10
 

@@ -17,7 +17,7 @@ from fox_jax.train.runs import open_run
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
-TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)
+TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)  # transformers' names
 STEPS = 10
 
 pytestmark = [pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(), reason="GPT-2 tokenizer absent"),
@@ -123,7 +123,7 @@ def test_export_loads_in_transformers(full_run):
     tokens = np.random.default_rng(0).integers(0, 50257, (1, 24))
     dense = run.without_dcp()
     dense_cfg, dense_params = dense.model, dense.load_params()
-    ours = GPT2(dense_cfg).apply({"params": dense_params}, jnp.asarray(tokens, jnp.int32))[0]
+    ours = GPT2(dense_cfg).apply({"params": dense_params}, jnp.asarray(tokens, jnp.int32)).logits
     with torch.no_grad():
         theirs = model(torch.tensor(tokens)).logits.numpy()
     np.testing.assert_allclose(np.asarray(ours), theirs, atol=2e-3)
@@ -207,10 +207,10 @@ def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(corpus, tmp_
     assert "val_loss" in rows[steps] and not {"sparsity", "alpha", "beta_mean"} & set(rows[steps])  # dense rows
     assert "NaN" not in (workdir / "metrics.jsonl").read_text()
     cfg, params = load_hf_gpt2(workdir / "hf")
-    assert (cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_positions, cfg.dcp) == (2, 64, 4, 64, False)
+    assert (cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.n_positions, cfg.dcp) == (2, 64, 4, 64, False)
     assert "q_int" not in params["h_0"]["attn"]
     saved = json.loads((workdir / "finetune_config.json").read_text())
-    assert saved["dcp"] is False and saved["init_config"]["n_embd"] == 64 and saved["lr_decay"] == "cosine"
+    assert saved["dcp"] is False and saved["init_config"]["d_model"] == 64 and saved["lr_decay"] == "cosine"
 
 
 def test_pretrain_gpt2_resume_refuses_another_shape(corpus, tmp_path, capsys):
@@ -221,7 +221,8 @@ def test_pretrain_gpt2_resume_refuses_another_shape(corpus, tmp_path, capsys):
                      "--batch-size", "2", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]) == 0
     capsys.readouterr()
     before = sorted(str(p) for p in workdir.rglob("*"))
-    for flags, needle in [(["--n-layer", "3"], "init_config.n_layer"), (["--size", "gpt2-medium"], "init_config.n_embd")]:
+    for flags, needle in [(["--n-layer", "3"], "init_config.n_layers"),
+                          (["--size", "gpt2-medium"], "init_config.d_model")]:
         assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--steps", "4", *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err and "--resume" in err, err
@@ -300,7 +301,7 @@ def _flat(tree):
 
 
 def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, tmp_path, capsys):
-    from fox_jax.config import ModelConfig
+    from fox_jax.models import ModelConfig
     source = open_run(fox_run)
     src, src_step = source.load_params(), source.step
     assert source.kind == "train" and src_step == 2

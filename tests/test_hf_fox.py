@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from fox_jax.config import ModelConfig
-from fox_jax.models import LanguageModel, init_params, load_official_fox, save_official_fox
+from fox_jax.models import LanguageModel, ModelConfig, load_official_fox, save_official_fox
 from fox_jax.models.hf_fox import (FOX_MODEL_TYPE, TRANSFORMER_MODEL_TYPE, config_from_official,
                                    config_to_official, params_from_official, params_to_official)
 
@@ -32,7 +31,7 @@ ATOL = 1e-5
 
 
 def _logits(cfg, params, tokens):
-    return np.asarray(LanguageModel(cfg).apply({"params": params}, tokens), np.float32)
+    return np.asarray(LanguageModel(cfg).apply({"params": params}, tokens).logits, np.float32)
 
 
 def _shapes(tree):
@@ -50,7 +49,7 @@ def test_official_logits(variant):
     path = os.path.join(FIXTURES, variant)
     cfg, params = load_official_fox(path)
     assert cfg.arch == VARIANTS[variant]
-    assert _shapes(params) == _shapes(init_params(cfg, jax.random.PRNGKey(0)))
+    assert _shapes(params) == _shapes(cfg.init_params(jax.random.PRNGKey(0)))
     io = np.load(os.path.join(path, "io.npz"))
     np.testing.assert_allclose(_logits(cfg, params, io["input_ids"]), io["logits"], rtol=0, atol=ATOL)
 
@@ -83,7 +82,7 @@ def test_round_trip_is_exact(variant, tmp_path):
 
 
 def _random_params(cfg, seed=0):
-    params = init_params(cfg, jax.random.PRNGKey(seed))
+    params = cfg.init_params(jax.random.PRNGKey(seed))
     leaves, treedef = jax.tree_util.tree_flatten(params)
     keys = jax.random.split(jax.random.PRNGKey(seed + 1), len(leaves))
     return jax.tree_util.tree_unflatten(treedef, [x + 0.2 * jax.random.normal(k, x.shape) for x, k in zip(leaves, keys)])
@@ -101,7 +100,7 @@ _SMALL = dict(vocab_size=96, d_model=32, n_layers=2, n_heads=2, mlp_dim=48)
 ])
 @pytest.mark.slow
 def test_export_then_load_gives_identical_logits(arch, extra, model_type, tmp_path):
-    from fox_jax.config import preset
+    from fox_jax.models import preset
 
     cfg = preset("tiny", arch, **dict(_SMALL, **extra))
     params = _random_params(cfg)
@@ -117,7 +116,7 @@ def test_export_then_load_gives_identical_logits(arch, extra, model_type, tmp_pa
 
 
 def test_transformer_llama_fits_the_fox_class_too(tmp_path):
-    from fox_jax.config import preset
+    from fox_jax.models import preset
 
     cfg = preset("tiny", "transformer-llama", **_SMALL)
     params = _random_params(cfg)

@@ -5,8 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fox_jax.config import ModelConfig, preset
-from fox_jax.models import LanguageModel, count_params, init_params
+from fox_jax.models import LanguageModel, ModelConfig, count_params, preset
 
 # (size, arch) -> parameters incl. one 50257 x d embedding, from the spec table (millions, 0.1 precision)
 SPEC_COUNTS = {
@@ -24,7 +23,7 @@ SPEC_COUNTS = {
 @pytest.mark.parametrize("size_arch", sorted(SPEC_COUNTS), ids=lambda x: "-".join(x))
 def test_paper_parameter_counts(size_arch):
     cfg = preset(*size_arch)
-    shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    shapes = jax.eval_shape(lambda: cfg.init_params(jax.random.PRNGKey(0)))
     built = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(shapes))
     assert built == cfg.param_count()
     assert round(cfg.param_count(include_head=False) / 1e6, 1) == SPEC_COUNTS[size_arch]
@@ -47,18 +46,18 @@ def test_flops_formula():
 @pytest.fixture(scope="module")
 def tiny():
     cfg = preset("tiny", vocab_size=97)
-    return cfg, init_params(cfg, jax.random.PRNGKey(0))
+    return cfg, cfg.init_params(jax.random.PRNGKey(0))
 
 
 @pytest.mark.slow
 def test_forward_shapes_and_dtypes(tiny):
     cfg, params = tiny
     tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 45), 0, 97)
-    logits = LanguageModel(cfg).apply({"params": params}, tokens)
+    logits = LanguageModel(cfg).apply({"params": params}, tokens).logits
     assert logits.shape == (3, 45, 97) and logits.dtype == jnp.float32
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     bf = cfg.replace(dtype="bfloat16")
-    assert LanguageModel(bf).apply({"params": params}, tokens).dtype == jnp.bfloat16
+    assert LanguageModel(bf).apply({"params": params}, tokens).logits.dtype == jnp.bfloat16
     assert "fgate_proj" in params["layers_0"]["attn"]
     assert np.all(np.asarray(params["layers_0"]["attn"]["fgate_proj"]["bias"]) == 0)  # f ≈ 0.5 at init
 
@@ -68,14 +67,14 @@ def test_causality_and_segments(tiny):
     cfg, params = tiny
     model = LanguageModel(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 40), 0, 97)
-    base = model.apply({"params": params}, tokens)
-    changed = model.apply({"params": params}, tokens.at[0, 30].set((tokens[0, 30] + 1) % 97))
+    base = model.apply({"params": params}, tokens).logits
+    changed = model.apply({"params": params}, tokens.at[0, 30].set((tokens[0, 30] + 1) % 97)).logits
     np.testing.assert_allclose(base[0, :30], changed[0, :30], atol=1e-5)  # the past ignores the future
     assert not np.allclose(base[0, 30:], changed[0, 30:])
     # a packed second document is processed as if it stood alone
     seg = jnp.concatenate([jnp.ones((1, 25), jnp.int32), 2 * jnp.ones((1, 15), jnp.int32)], 1)
-    packed = model.apply({"params": params}, tokens, seg)
-    alone = model.apply({"params": params}, tokens[:, 25:])
+    packed = model.apply({"params": params}, tokens, seg).logits
+    alone = model.apply({"params": params}, tokens[:, 25:]).logits
     np.testing.assert_allclose(packed[0, 25:], alone[0], atol=1e-4)
 
 
@@ -85,15 +84,15 @@ def _assert_second_document_as_if_alone(model, params, vocab: int, first: int, l
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, vocab)
     seg = jnp.concatenate([jnp.ones((1, first), jnp.int32), 2 * jnp.ones((1, length - first), jnp.int32)], 1)
     pos = jnp.concatenate([jnp.arange(first), jnp.arange(length - first)])[None]
-    packed = model.apply({"params": params}, tokens, seg, pos)
-    alone = model.apply({"params": params}, tokens[:, first:])
+    packed = model.apply({"params": params}, tokens, seg, pos).logits
+    alone = model.apply({"params": params}, tokens[:, first:]).logits
     np.testing.assert_allclose(packed[0, first:], alone[0], atol=1e-4)
 
 
 @pytest.mark.slow
 def test_transformer_rope_positions_reset_per_segment():
     cfg = preset("tiny", "transformer-llama", vocab_size=50)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     _assert_second_document_as_if_alone(LanguageModel(cfg), params, 50, 12)
 
 
@@ -101,8 +100,8 @@ def test_transformer_rope_positions_reset_per_segment():
 def test_xla_and_dense_attention_agree(tiny):
     cfg, params = tiny
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 70), 0, 97)
-    a = LanguageModel(cfg.replace(attention_impl="xla", attention_block=32)).apply({"params": params}, tokens)
-    b = LanguageModel(cfg.replace(attention_impl="dense")).apply({"params": params}, tokens)
+    a = LanguageModel(cfg.replace(attention_impl="xla", attention_block=32)).apply({"params": params}, tokens).logits
+    b = LanguageModel(cfg.replace(attention_impl="dense")).apply({"params": params}, tokens).logits
     np.testing.assert_allclose(a, b, atol=1e-4)
 
 
@@ -113,7 +112,7 @@ def test_jit_vmap_grad(tiny):
     tokens = jax.random.randint(jax.random.PRNGKey(4), (4, 33), 0, 97)
 
     def loss(p, t):
-        logits = model.apply({"params": p}, t[None])[0]
+        logits = model.apply({"params": p}, t[None]).logits[0]
         return jnp.mean(jax.nn.logsumexp(logits[:-1], -1) - jnp.take_along_axis(logits[:-1], t[1:, None], -1)[:, 0])
 
     per_example = jax.jit(jax.vmap(loss, in_axes=(None, 0)))(params, tokens)
@@ -131,10 +130,11 @@ def test_acp_in_model_sows_fraction(tiny):
     cfg, params = tiny
     model = LanguageModel(cfg.replace(adaptive_threshold="auto", attention_block=16))
     tokens = jax.random.randint(jax.random.PRNGKey(5), (1, 64), 0, 97)
-    logits, inter = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    out, inter = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    logits = out.logits
     fractions = jax.tree_util.tree_leaves(inter)
     assert len(fractions) == cfg.n_layers
-    dense = LanguageModel(cfg).apply({"params": params}, tokens)
+    dense = LanguageModel(cfg).apply({"params": params}, tokens).logits
     np.testing.assert_allclose(logits, dense, atol=1e-3)
 
 
@@ -145,7 +145,7 @@ def test_config_validation():
         ModelConfig(arch="mamba")
     with pytest.raises(ValueError, match="unknown model size"):
         preset("1B")
-    assert count_params(init_params(preset("tiny", vocab_size=11), jax.random.PRNGKey(0))) == \
+    assert count_params(preset("tiny", vocab_size=11).init_params(jax.random.PRNGKey(0))) == \
         preset("tiny", vocab_size=11).param_count()
 
 
@@ -170,7 +170,7 @@ def test_kv_shift_continuation_matches_single_pass():
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
 def test_pro_models_run_and_respect_segments(arch):
     cfg = preset("tiny", arch, vocab_size=61)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     attn = params["layers_0"]["attn"]
     assert {"q_norm", "k_norm", "o_norm", "ogate_proj", "k_shift_proj", "v_shift_proj"} <= set(attn)
     assert ("fgate_proj" in attn) == (arch == "fox-pro")
@@ -182,12 +182,13 @@ def test_pro_acp_threshold_comes_from_qk_norm_weights():
     """QK-norm bounds every logit by √D·max|w_q|·max|w_k|, so ACP with "auto" uses the weights."""
     from fox_jax.ops import acp
     cfg = preset("tiny", "fox-pro", vocab_size=61, adaptive_threshold="auto", attention_block=16)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     # strongly forgetting gates so that tiles really are pruned
     params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -4.0)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 128), 0, 61)
-    pruned, inter = LanguageModel(cfg).apply({"params": params}, tokens, mutable=["intermediates"])
-    dense = LanguageModel(cfg.replace(adaptive_threshold=None)).apply({"params": params}, tokens)
+    out, inter = LanguageModel(cfg).apply({"params": params}, tokens, mutable=["intermediates"])
+    pruned = out.logits
+    dense = LanguageModel(cfg.replace(adaptive_threshold=None)).apply({"params": params}, tokens).logits
     fraction = float(inter["intermediates"]["layers_0"]["attn"]["acp_fraction_skipped"][0])
     assert fraction > 0.3
     np.testing.assert_allclose(pruned, dense, atol=1e-3)
@@ -197,7 +198,7 @@ def test_pro_acp_threshold_comes_from_qk_norm_weights():
 
 def test_weight_decay_mask_excludes_norms_and_biases():
     from fox_jax.train.trainer import weight_decay_mask
-    params = init_params(preset("tiny", "fox-pro", vocab_size=61), jax.random.PRNGKey(0))
+    params = preset("tiny", "fox-pro", vocab_size=61).init_params(jax.random.PRNGKey(0))
     mask = weight_decay_mask(params)
     attn = mask["layers_0"]["attn"]
     assert attn["q_proj"]["kernel"] and attn["fgate_proj"]["kernel"] and mask["embed"]["embedding"]
@@ -211,7 +212,7 @@ def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
     kernel, and ``attention_block`` tiles on the XLA path (the two tilings skip different fractions)."""
     from fox_jax.ops import acp, pallas as pallas_ops
     cfg = preset("tiny", "fox-llama", vocab_size=61, adaptive_threshold=-8.0, attention_block=64)
-    params = init_params(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -3.0)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 96), 0, 61)
     fractions = {}

@@ -9,18 +9,16 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from fox_jax.config import ModelConfig
-from fox_jax.models.gpt2 import GPT2Config, init_gpt2
+from fox_jax.models import GPT2Config, ModelConfig
 from fox_jax.models.hf_fox import save_official_fox
 from fox_jax.models.hf_gpt2 import DCP_NAME, save_hf_gpt2
-from fox_jax.models.lm import add_dcp_params
 from fox_jax.train import config as config_lib, evaluate, trainer
 from fox_jax.train.checkpoints import Checkpointer, CheckpointError, CorruptCheckpointError
 from fox_jax.train.config import FinetuneConfig
 from fox_jax.train.finetune_dcp import save_model_config
 from fox_jax.train.runs import open_run
 
-GPT2_TINY = dict(n_layer=2, n_head=2, n_embd=32, n_positions=64, vocab_size=300)
+GPT2_TINY = dict(n_layers=2, n_heads=2, d_model=32, n_positions=64, vocab_size=300)
 
 
 def _config(corpus: Path) -> config_lib.ExperimentConfig:
@@ -90,7 +88,7 @@ def finetune_run(tmp_path_factory, corpus, train_run):
     """A 'fox-jax finetune-dcp --from-run' run: finetune_config.json + model_config.json (a FoX with DCP)."""
     src, exp, params = train_run
     run = tmp_path_factory.mktemp("finetune_run")
-    model_cfg, dcp_params = add_dcp_params(exp.model, params[4], jax.random.PRNGKey(1), interaction_dim=8)
+    model_cfg, dcp_params = exp.model.add_dcp_params(params[4], jax.random.PRNGKey(1), interaction_dim=8)
     ft = FinetuneConfig(from_run=str(src), from_step=4, data=dataclasses.replace(exp.data), gamma=0.5, steps=3)
     (run / "finetune_config.json").write_text(json.dumps(dataclasses.asdict(ft)))
     save_model_config(model_cfg, str(run))
@@ -123,7 +121,7 @@ def test_finetune_run_and_its_dense_part(finetune_run, train_run):
 def test_finetune_run_of_gpt2_without_model_type(tmp_path, train_run):
     """model_config.json files without model_type are GPT-2's."""
     cfg = GPT2Config(**GPT2_TINY)
-    params = init_gpt2(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     (tmp_path / "finetune_config.json").write_text(json.dumps(dataclasses.asdict(FinetuneConfig(hf_gpt2="x"))))
     (tmp_path / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     _save(tmp_path, [(1, _state(cfg, params, train_run[1], 1))])
@@ -133,16 +131,14 @@ def test_finetune_run_of_gpt2_without_model_type(tmp_path, train_run):
 
 
 def test_hf_gpt2_with_and_without_dcp(tmp_path):
-    from fox_jax.models.gpt2 import add_dcp_params as gpt2_add_dcp
-
     cfg = GPT2Config(**GPT2_TINY)
-    params = init_gpt2(cfg, jax.random.PRNGKey(0))
+    params = cfg.init_params(jax.random.PRNGKey(0))
     save_hf_gpt2(cfg, params, tmp_path / "dense")
     run = open_run(tmp_path / "dense")
     assert (run.kind, run.steps, run.step, run.data, run.tokenizer) == ("hf-gpt2", None, None, None, None)
     assert run.model == cfg
     _assert_same(run.load_params(), params)
-    dcp_cfg, dcp_params = gpt2_add_dcp(cfg, params, jax.random.PRNGKey(1), interaction_dim=8, beta_init=1.5)
+    dcp_cfg, dcp_params = cfg.add_dcp_params(params, jax.random.PRNGKey(1), interaction_dim=8, beta_init=1.5)
     save_hf_gpt2(dcp_cfg, dcp_params, tmp_path / "dcp")
     (tmp_path / "dcp" / "tokenizer.json").write_text("{}")
     run = open_run(tmp_path / "dcp")
@@ -174,7 +170,7 @@ def test_errors_are_one_line_and_say_what_was_expected(tmp_path, train_run):
     with pytest.raises(CheckpointError, match=r"no checkpoint for step 3 .*available steps: 2, 4$"):
         open_run(path, step=3)
     hf = tmp_path / "hf"
-    save_hf_gpt2(GPT2Config(**GPT2_TINY), init_gpt2(GPT2Config(**GPT2_TINY), jax.random.PRNGKey(0)), hf)
+    save_hf_gpt2(GPT2Config(**GPT2_TINY), GPT2Config(**GPT2_TINY).init_params(jax.random.PRNGKey(0)), hf)
     with pytest.raises(ValueError, match="Hugging Face GPT-2 directory, which has no checkpoint steps"):
         open_run(hf, step=1)
     (hf / "config.json").write_text(json.dumps({"model_type": "llama"}))

@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.config import preset
-from fox_jax.models.gpt2 import GPT2Config, init_gpt2
-from fox_jax.models.gpt2 import add_dcp_params as gpt2_add_dcp_params
-from fox_jax.models.lm import add_dcp_params, init_params
+from fox_jax.models import preset
+from fox_jax.models.gpt2 import GPT2Config
 from fox_jax.sharding import (MESH_AXES, PARAM_RULES, make_mesh, param_logical_axes, parse_mesh,
                               select_partitioner, state_shardings)
 
@@ -56,16 +54,15 @@ def _model_params():
     out = []
     for arch in ("fox-llama", "fox-pro", "transformer-llama", "transformer-pro"):
         cfg = preset("tiny", arch, vocab_size=64, n_layers=1)
-        out.append((arch, init_params(cfg, rng)))
+        out.append((arch, cfg.init_params(rng)))
     cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=1, n_kv_heads=2, qk_norm_shared=True,
                  tie_embeddings=True)
-    out.append(("fox-pro-gqa-shared-tied", init_params(cfg, rng)))
-    out.append(("fox-llama-dcp", add_dcp_params(preset("tiny", "fox-llama", vocab_size=64, n_layers=1),
-                                               init_params(preset("tiny", "fox-llama", vocab_size=64,
-                                                                  n_layers=1), rng), rng)[1]))
-    g = GPT2Config(n_layer=1, n_head=2, n_embd=16, vocab_size=50, n_positions=32)
-    out.append(("gpt2", init_gpt2(g, rng)))
-    out.append(("gpt2-dcp", gpt2_add_dcp_params(g, init_gpt2(g, rng), rng)[1]))
+    out.append(("fox-pro-gqa-shared-tied", cfg.init_params(rng)))
+    lm = preset("tiny", "fox-llama", vocab_size=64, n_layers=1)
+    out.append(("fox-llama-dcp", lm.add_dcp_params(lm.init_params(rng), rng)[1]))
+    g = GPT2Config(n_layers=1, n_heads=2, d_model=16, vocab_size=50, n_positions=32)
+    out.append(("gpt2", g.init_params(rng)))
+    out.append(("gpt2-dcp", g.add_dcp_params(g.init_params(rng), rng)[1]))
     return out
 
 

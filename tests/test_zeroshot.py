@@ -16,7 +16,7 @@ from fox_jax.train.tokenizers import ByteTokenizer
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 EVAL_DIR = SHARED / "eval"
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
-TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)
+TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)  # transformers' names
 
 needs_eval = pytest.mark.skipif(not EVAL_DIR.is_dir(), reason="../shared/data/eval is absent")
 needs_tokenizer = pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(), reason="GPT-2 tokenizer absent")
@@ -186,13 +186,12 @@ def test_gpt2_scorer_matches_transformers_and_dcp_keep_all(hf_dir):
     import torch
     import transformers
 
-    from fox_jax.models.gpt2 import add_dcp_params
     from fox_jax.models.hf_gpt2 import load_hf_gpt2
 
     rng = np.random.default_rng(1)
     requests = [(rng.integers(0, 50257, n), rng.integers(0, 50257, k)) for n, k in [(3, 2), (30, 5), (200, 3), (9, 1)]]
     cfg, params = load_hf_gpt2(hf_dir, dcp=False)
-    ll, greedy = zeroshot.score_requests(zeroshot.GPT2Scorer(cfg, params), requests, batch_size=2,
+    ll, greedy = zeroshot.score_requests(zeroshot.ModelScorer(cfg, params), requests, batch_size=2,
                                          max_length=cfg.n_positions, progress=False)
     model = transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     for (ctx, cont), got, g in zip(requests, ll, greedy):
@@ -204,26 +203,25 @@ def test_gpt2_scorer_matches_transformers_and_dcp_keep_all(hf_dir):
         assert got == pytest.approx(float(logp.gather(1, target[:, None]).sum()), abs=2e-3)
         assert g == bool((logp.argmax(-1) == target).all())
     # DCP with β far above the support edge keeps every pair: same scores, sparsity exactly 0.
-    dcfg, dparams = add_dcp_params(cfg, params, jax.random.PRNGKey(0), interaction_dim=8, beta_init=50.0)
-    scorer = zeroshot.GPT2Scorer(dcfg, dparams)
+    dcfg, dparams = cfg.add_dcp_params(params, jax.random.PRNGKey(0), interaction_dim=8, beta_init=50.0)
+    scorer = zeroshot.ModelScorer(dcfg, dparams)
     ll_dcp, _ = zeroshot.score_requests(scorer, requests, batch_size=2, max_length=cfg.n_positions, progress=False)
     np.testing.assert_allclose(ll_dcp, ll, rtol=1e-5, atol=1e-3)
     assert scorer.stats()["sparsity"] == 0.0 and set(scorer.stats()) == {"sparsity", "sparsity_layer_0",
                                                                           "sparsity_layer_1"}
     # β = −50: every earlier token is dropped; sparsity counts only pairs of real (unpadded) tokens.
-    for i in range(dcfg.n_layer):
+    for i in range(dcfg.n_layers):
         dparams[f"h_{i}"]["attn"]["beta"] = np.float32(-50.0)
-    scorer = zeroshot.GPT2Scorer(dcfg, dparams)
+    scorer = zeroshot.ModelScorer(dcfg, dparams)
     zeroshot.score_requests(scorer, requests, batch_size=2, max_length=cfg.n_positions, progress=False)
     assert scorer.stats()["sparsity"] == 1.0
 
 
 def test_language_model_scorer_shapes():
-    from fox_jax.config import preset
-    from fox_jax.models import init_params
+    from fox_jax.models import preset
 
     cfg = preset("tiny", "fox-llama", vocab_size=300, n_layers=1, d_model=32, n_heads=2)
-    scorer = zeroshot.LanguageModelScorer(cfg, init_params(cfg, jax.random.PRNGKey(0)))
+    scorer = zeroshot.ModelScorer(cfg, cfg.init_params(jax.random.PRNGKey(0)))
     tokens = np.random.default_rng(0).integers(0, 300, (3, 17)).astype(np.int32)
     lp, greedy = scorer(tokens, np.full(3, 17, np.int32))
     assert lp.shape == (3, 16) and greedy.shape == (3, 16) and greedy.dtype == bool

@@ -226,7 +226,7 @@ def _add_train(sub) -> None:
         "config fields: set any of them with key=value anywhere on the command line (e.g. model.n_layers=6\n"
         "optim.lr=1e-3 heartbeat_secs=30). The values below are those of --preset tiny; 125M/360M/760M change\n"
         "model.* (sizes, bfloat16, GPT-2 vocabulary), data.seq_len (2048), optim.lr/warmup_steps and the loop\n"
-        "(steps, batch_size, intervals). Ranges and meanings: train/config.py and fox_jax/config.py."))
+        "(steps, batch_size, intervals). Ranges and meanings: train/config.py and fox_jax/models/lm.py."))
     t = sub.add_parser("train", help="train a model", formatter_class=_Formatter, epilog=epilog,
                        description="Train a FoX / Transformer language model; writes config.json, checkpoints/, "
                        "metrics.jsonl, loss.png and tb/ in --workdir.")

@@ -12,8 +12,8 @@ import math
 import typing
 from typing import Any, ClassVar
 
-from fox_jax.config import (FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
-                            check_ranges, preset as model_preset)
+from fox_jax.config import FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, Range, check_ranges
+from fox_jax.models.lm import ModelConfig, preset as model_preset
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +86,7 @@ class ExperimentConfig:
     """A whole run.
 
     Attributes:
-      model: the model (see ``fox_jax.config.ModelConfig``).
+      model: the model (see ``fox_jax.models.ModelConfig``).
       data: the data (see ``DataConfig``).
       optim: the optimiser (see ``OptimConfig``).
       steps: optimiser steps.

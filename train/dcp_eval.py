@@ -60,7 +60,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
-from fox_jax.models.gpt2 import GPT2, GPT2Config, SPARSE_PATTERNS, match_sparse_pattern, sparse_pattern_log_mask
+from fox_jax.models.gpt2 import GPT2Config, SPARSE_PATTERNS, match_sparse_pattern, sparse_pattern_log_mask
 from fox_jax.models.hf_gpt2 import DCP_NAME
 from fox_jax.ops.context_pruning import LOG_FLOOR, sparsity
 from fox_jax.train import data as data_lib
@@ -148,7 +148,7 @@ def load_run(path: str, *, dtype: str = "float32") -> EvalModel:
     name = os.path.basename(run.path)
     info = _run_info(run)
     if run.kind == "finetune":
-        if not isinstance(run.model, GPT2Config):
+        if run.model.model_type != "gpt2":
             raise ValueError(f"--runs {run.path}: a DCP fine-tuning of a FoX/Transformer run (--from-run); dcp-eval "
                              "compares GPT-2 models against their fixed-pattern baselines only — score it with "
                              "'fox-jax zeroshot --workdir RUN --dcp' or its own validation in metrics.jsonl")
@@ -229,14 +229,14 @@ def evaluate_model(cfg: GPT2Config, params, batches: Sequence[dict], *, desc: st
       ``{"val_loss": nats/token, "ppl": exp(val_loss), "sparsity": mean over layers,
       "sparsity_layers": [L]}`` (sparsity in [0, 1]; 0 for a dense model).
     """
-    eval_fn = jax.jit(finetune_dcp.make_eval_step(GPT2(cfg.replace(remat=False))))
+    eval_fn = jax.jit(finetune_dcp.make_eval_step(cfg.with_remat("none").build()))
     val = finetune_dcp.evaluate(eval_fn, params,
                                 progress_bar(batches, desc=desc, unit="batch", leave=False, progress=progress))
     out = {"val_loss": val["val_loss"], "ppl": val["val_ppl"], "sparsity": val["val_sparsity"],
-           "sparsity_layers": [val[f"val_sparsity_layer_{i}"] for i in range(cfg.n_layer)]}
+           "sparsity_layers": [val[f"val_sparsity_layer_{i}"] for i in range(cfg.n_layers)]}
     if cfg.sparse_pattern is not None:  # the same fixed mask in every layer
         sp = pattern_sparsity_on_batches(cfg.sparse_pattern, batches)
-        out.update(sparsity=sp, sparsity_layers=[sp] * cfg.n_layer)
+        out.update(sparsity=sp, sparsity_layers=[sp] * cfg.n_layers)
     return out
 
 
@@ -246,8 +246,8 @@ def evaluate_model(cfg: GPT2Config, params, batches: Sequence[dict], *, desc: st
 
 @functools.lru_cache(maxsize=8)
 def _log_masks_fn(cfg: GPT2Config):
-    model = GPT2(cfg)
-    return jax.jit(lambda p, x: model.apply({"params": p}, x, alpha=float("inf"))[1]["log_masks"])
+    model = cfg.build()
+    return jax.jit(lambda p, x: model.apply({"params": p}, x, alpha=float("inf")).aux["log_masks"])
 
 
 def step_masks(cfg: GPT2Config, params, tokens: np.ndarray) -> np.ndarray:
@@ -270,7 +270,7 @@ def step_masks(cfg: GPT2Config, params, tokens: np.ndarray) -> np.ndarray:
     tokens = np.asarray(tokens)
     if tokens.ndim != 1 or not 2 <= len(tokens) <= cfg.n_positions:
         raise ValueError(f"tokens must be [T] with 2 <= T <= n_positions={cfg.n_positions}, got shape {tokens.shape}")
-    log_masks = np.asarray(_log_masks_fn(cfg.replace(remat=False))(params, jnp.asarray(tokens[None].astype(np.int32))))
+    log_masks = np.asarray(_log_masks_fn(cfg.with_remat("none"))(params, jnp.asarray(tokens[None].astype(np.int32))))
     log_masks = log_masks[:, 0]
     t = len(tokens)
     return (log_masks <= LOG_FLOOR) & np.tril(np.ones((t, t), bool), k=-1)[None]

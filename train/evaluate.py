@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.models import LanguageModel
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
 from fox_jax.train.runs import open_run
@@ -117,7 +116,7 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only {cfg.model.vocab_size}; "
                          "evaluate with the tokenizer the model was trained with")
-    model = LanguageModel(cfg.model)
+    model = cfg.model.build()
     batches = data_lib.make_val_batches(corpus, cfg.batch_size, num_batches or cfg.eval_batches)
     eval_fn = jax.jit(make_eval_step(model))
     val_loss = evaluate_loss(eval_fn, params, batches, None)

@@ -79,10 +79,8 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from fox_jax.config import ModelConfig
-from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset, init_gpt2
+from fox_jax.models import GPT2Config, ModelConfig, ModelFamily, gpt2_preset
 from fox_jax.models.hf_gpt2 import load_hf_gpt2, save_hf_gpt2
-from fox_jax.models.lm import LanguageModel, add_dcp_params, init_params
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from fox_jax.train import data as data_lib
 from fox_jax.train.checkpoints import Checkpointer, CheckpointError
@@ -114,46 +112,9 @@ def _write_json(obj: dict, path: str) -> None:
         f.write("\n")
 
 
-def save_model_config(model_cfg: GPT2Config | ModelConfig, workdir: str) -> None:
-    """Write ``model_config.json``: the config's fields plus ``model_type`` ("gpt2" / "lm")."""
-    _write_json({"model_type": model_type(model_cfg), **dataclasses.asdict(model_cfg)},
-                os.path.join(workdir, MODEL_CONFIG_NAME))
-
-
-# The two model families -----------------------------------------------------------------------------
-# GPT2Config / GPT2 (params h_{i}/attn/..., n_layer, n_embd, n_positions, remat: bool) and
-# ModelConfig / LanguageModel (params layers_{i}/attn/..., n_layers, d_model, no position limit,
-# remat: "none" | "full" | "dots"). Both keep q_int, k_int and beta under <layer>/attn.
-
-def model_type(model_cfg: GPT2Config | ModelConfig) -> str:
-    """"lm" for a ``ModelConfig``, "gpt2" for a ``GPT2Config``."""
-    return "lm" if isinstance(model_cfg, ModelConfig) else "gpt2"
-
-
-def n_layers(model_cfg: GPT2Config | ModelConfig) -> int:
-    """Number of attention layers."""
-    return model_cfg.n_layers if isinstance(model_cfg, ModelConfig) else model_cfg.n_layer
-
-
-def layer_name(model_cfg: GPT2Config | ModelConfig, i: int) -> str:
-    """The params key of layer ``i``: ``layers_{i}`` (LanguageModel) or ``h_{i}`` (GPT-2)."""
-    return f"layers_{i}" if isinstance(model_cfg, ModelConfig) else f"h_{i}"
-
-
-def build_model(model_cfg: GPT2Config | ModelConfig):
-    """``LanguageModel(model_cfg)`` or ``GPT2(model_cfg)``."""
-    return LanguageModel(model_cfg) if isinstance(model_cfg, ModelConfig) else GPT2(model_cfg)
-
-
-def init_model_params(model_cfg: GPT2Config | ModelConfig, rng: jax.Array):
-    """Fresh float32 params of either family (used under ``jax.eval_shape`` for restore targets)."""
-    if isinstance(model_cfg, ModelConfig):
-        return init_params(model_cfg, rng)
-    return init_gpt2(model_cfg, rng)
-
-
-def _config_of(model) -> GPT2Config | ModelConfig:
-    return model.cfg if isinstance(model, LanguageModel) else model.config
+def save_model_config(model_cfg: ModelFamily, workdir: str) -> None:
+    """Write ``model_config.json``: the config's ``to_dict`` (its fields plus ``model_type``)."""
+    _write_json(model_cfg.to_dict(), os.path.join(workdir, MODEL_CONFIG_NAME))
 
 
 def open_source_run(run_dir: str, step: int | None = None) -> Run:
@@ -196,8 +157,8 @@ def convert_to_dcp(model_cfg: ModelConfig, params, cfg: "FinetuneConfig") -> tup
              "DCP cannot be combined with ACP block pruning")
         model_cfg = model_cfg.replace(adaptive_threshold=None)
     model_cfg = model_cfg.replace(dtype=cfg.dtype, remat="full" if cfg.remat else model_cfg.remat)
-    return add_dcp_params(model_cfg, params, jax.random.PRNGKey(cfg.seed), interaction_dim=cfg.interaction_dim,
-                          beta_init=cfg.beta_init)
+    return model_cfg.add_dcp_params(params, jax.random.PRNGKey(cfg.seed), interaction_dim=cfg.interaction_dim,
+                                    beta_init=cfg.beta_init)
 
 
 # Loss, optimizer, steps ---------------------------------------------------------------------------
@@ -250,23 +211,22 @@ def _model_inputs(batch):
     return dict(positions=batch["positions"], segment_ids=batch["segment_ids"])
 
 
-def make_train_step(model: GPT2 | LanguageModel, optimizer, gamma_eff: float):
+def make_train_step(model, optimizer, gamma_eff: float):
     """``(state, batch, alpha) -> (state, metrics)``; ``alpha`` a float32 scalar (traced: no recompile).
 
-    ``model``: a ``GPT2`` or a ``LanguageModel`` (both return ``(logits, aux)`` with DCP).
+    ``model``: a ``GPT2`` or a ``LanguageModel`` (the ``build()`` of a ``ModelFamily`` config).
 
     metrics: loss, ce, grad_norm and, for DCP models, sparsity_loss (γ_eff·mean causal keep
     probability), keep_mean, sparsity (mean of the per-layer floored-pair fraction), sparsity_layers [L],
     beta_mean.
     """
 
-    model_cfg = _config_of(model)
-    dcp, n_layer = model_cfg.dcp, n_layers(model_cfg)
-    layer_names = [layer_name(model_cfg, i) for i in range(n_layer)]
+    dcp, layer_names = model.cfg.dcp, model.cfg.layer_names
 
     def loss_fn(params, batch, alpha):
-        logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
-        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+        out = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
+        aux = out.aux
+        ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"]))
         if not dcp:  # dense pretraining: no mask, nothing dropped
             return ce, {"ce": ce}
         keep_mean = aux["sparsity_loss"]
@@ -288,17 +248,16 @@ def make_train_step(model: GPT2 | LanguageModel, optimizer, gamma_eff: float):
     return step_fn
 
 
-def make_eval_step(model: GPT2 | LanguageModel):
+def make_eval_step(model):
     """``(params, batch) -> (CE sum, tokens, per-layer sparsity [L])`` with the step mask α = ∞
     (``model``: ``GPT2``, or a DCP ``LanguageModel``)."""
-    model_cfg = _config_of(model)
-    dcp, n_layer = model_cfg.dcp, n_layers(model_cfg)
+    dcp, n_layer = model.cfg.dcp, model.cfg.n_layers
 
     def eval_fn(params, batch):
         alpha = float("inf") if dcp else None
-        logits, aux = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
-        losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
-        sp = aux["sparsity"] if dcp else jnp.zeros((n_layer,), jnp.float32)
+        out = model.apply({"params": params}, batch["inputs"], alpha=alpha, **_model_inputs(batch))
+        losses = optax.softmax_cross_entropy_with_integer_labels(out.logits, batch["targets"])
+        sp = out.aux["sparsity"] if dcp else jnp.zeros((n_layer,), jnp.float32)
         return jnp.sum(losses), jnp.asarray(losses.size, jnp.float32), sp
 
     return eval_fn
@@ -422,29 +381,30 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
             cfg = dataclasses.replace(cfg, from_step=src.step, data=data)
             model_cfg, params = convert_to_dcp(src.model, src_params, cfg)
         elif cfg.init_config is not None:
-            model_cfg = GPT2Config(**{**cfg.init_config, "dcp": cfg.dcp, "interaction_dim": cfg.interaction_dim,
-                                      "beta_init": cfg.beta_init, "dtype": cfg.dtype, "remat": cfg.remat})
-            params = init_gpt2(model_cfg, jax.random.PRNGKey(cfg.seed))
+            model_cfg = GPT2Config.from_dict({**GPT2Config.current_names(cfg.init_config), "dcp": cfg.dcp,
+                                              "interaction_dim": cfg.interaction_dim, "dcp_beta_init": cfg.beta_init,
+                                              "dtype": cfg.dtype, "remat": "full" if cfg.remat else "none"})
+            params = model_cfg.init_params(jax.random.PRNGKey(cfg.seed))
         elif not cfg.hf_gpt2:
             raise ValueError("--hf-gpt2 or --from-run is required: the pretrained model to fine-tune")
         else:
             model_cfg, params = load_hf_gpt2(cfg.hf_gpt2, dcp=cfg.dcp, rng=jax.random.PRNGKey(cfg.seed),
-                                             interaction_dim=cfg.interaction_dim, beta_init=cfg.beta_init,
-                                             dtype=cfg.dtype, remat=cfg.remat)
+                                             interaction_dim=cfg.interaction_dim, dcp_beta_init=cfg.beta_init,
+                                             dtype=cfg.dtype, remat="full" if cfg.remat else "none")
     cfg.validate()
     if cfg.dcp:
         model_cfg = dataclasses.replace(model_cfg, dcp_impl=cfg.dcp_impl)
-    is_lm = isinstance(model_cfg, ModelConfig)
+    max_positions = model_cfg.max_positions
     if cfg.data.seq_len == 0:  # GPT-2 only: a from_run seq_len was resolved above
-        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=model_cfg.n_positions))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=max_positions))
     seq_len = cfg.data.seq_len
-    if not is_lm and seq_len > model_cfg.n_positions:
-        raise ValueError(f"seq_len {seq_len} exceeds the model's n_positions={model_cfg.n_positions} "
+    if max_positions is not None and seq_len > max_positions:
+        raise ValueError(f"seq_len {seq_len} exceeds the model's n_positions={max_positions} "
                          "(GPT-2 has learned absolute positions)")
 
     corpus = data_lib.load_corpus(cfg.data)
     if corpus.tokenizer.vocab_size > model_cfg.vocab_size:
-        if is_lm:
+        if cfg.from_run:
             raise ValueError(f"--tokenizer {cfg.data.tokenizer} has {corpus.tokenizer.vocab_size} ids but the "
                              f"--from-run model only {model_cfg.vocab_size}; drop --tokenizer to use the run's own")
         raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only "
@@ -453,9 +413,9 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
     _write_json(config_to_dict(cfg), os.path.join(workdir, CONFIG_NAME))
     save_model_config(model_cfg, workdir)
 
-    model = build_model(model_cfg)
+    model = model_cfg.build()
     if params is None:
-        params = jax.eval_shape(lambda: init_model_params(model_cfg, jax.random.PRNGKey(0)))
+        params = jax.eval_shape(lambda: model_cfg.init_params(jax.random.PRNGKey(0)))
     optimizer = make_optimizer(cfg, params)
     lr_schedule = make_lr_schedule(cfg)
     alpha_schedule = cosine_alpha_schedule(cfg.alpha_init, cfg.alpha_final, cfg.alpha_steps)
@@ -488,8 +448,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
     what = f"DCP fine-tuning of {source}" if cfg.dcp else f"dense training of {source}"
     dcp_desc = (f"r={model_cfg.interaction_dim}, γ={cfg.gamma} ({cfg.gamma_normalization}; γ_eff={gamma_eff:.4f} on "
                 f"the causal mean); α {cfg.alpha_init}→{cfg.alpha_final} over {cfg.alpha_steps} steps; " if cfg.dcp else "")
-    width = model_cfg.d_model if is_lm else model_cfg.n_embd
-    _log(f"{what}: {n_layers(model_cfg)} layers, d={width}, {n_params / 1e6:.2f}M parameters; {dcp_desc}"
+    _log(f"{what}: {model_cfg.n_layers} layers, d={model_cfg.d_model}, {n_params / 1e6:.2f}M parameters; {dcp_desc}"
          f"lr {cfg.lr:g} ({cfg.lr_decay}), warmup {cfg.warmup_steps}; seq_len {seq_len}, batch {cfg.batch_size}; "
          f"data: {corpus.summary()}; workdir {workdir}")
 
@@ -550,7 +509,7 @@ def finetune(cfg: FinetuneConfig, workdir: str, *, resume: bool = False, resume_
         ckpt.close()
         writer.close()
 
-    if is_lm:
+    if model_cfg.model_type == "lm":
         _log(f"the fine-tuned {model_cfg.arch} model (DCP) is in {ckpt_dir} (step {step}); there is no Hugging "
              "Face export for FoX/Transformer models: load it with fox_jax.train.runs.open_run")
         return FinetuneResult(workdir, step, val, None, "lm")
@@ -579,7 +538,7 @@ def export_hf(workdir: str, model_cfg: GPT2Config, params, tokenizer) -> str:
     """Write ``<workdir>/hf``: ``save_hf_gpt2`` (DCP params in ``dcp_interaction.safetensors``) plus the
     tokenizer's files, so ``fox-jax zeroshot --hf-gpt2 <workdir>/hf --dcp`` needs no ``--tokenizer``."""
     hf_dir = os.path.join(workdir, "hf")
-    save_hf_gpt2(model_cfg.replace(remat=False), jax.device_get(params), hf_dir)
+    save_hf_gpt2(model_cfg.with_remat("none"), jax.device_get(params), hf_dir)
     for f in getattr(tokenizer, "files", ()):
         shutil.copyfile(f, os.path.join(hf_dir, os.path.basename(f)))
     return hf_dir
@@ -660,7 +619,9 @@ def cmd_pretrain_gpt2(args) -> int:
     AdamW (lr 6e-4, β₂ 0.95, weight decay 0.1 on kernels/embeddings), warmup + cosine to 10 %; the final
     model is exported as a Hugging Face directory (``<workdir>/hf``), the input of ``finetune-dcp``."""
     cfg_path = os.path.join(args.workdir, CONFIG_NAME)
-    shape = {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd", "n_positions") if getattr(args, k) is not None}
+    shape = {field: getattr(args, flag) for flag, field in (("n_layer", "n_layers"), ("n_head", "n_heads"),
+                                                             ("n_embd", "d_model"), ("n_positions", "n_positions"))
+             if getattr(args, flag) is not None}
     resuming = args.resume and os.path.exists(cfg_path)
     if resuming and args.size is None and not shape:
         cfg = config_from_args(args, base=load_config(args.workdir))
@@ -668,7 +629,7 @@ def cmd_pretrain_gpt2(args) -> int:
         if not resuming and not args.tokenizer:
             raise ValueError("--tokenizer is required (a directory with GPT-2 vocab.json + merges.txt)")
         init_config = dataclasses.asdict(gpt2_preset(args.size or "gpt2", **shape))
-        for k in ("dcp", "interaction_dim", "beta_init", "dtype", "remat", "dcp_impl"):  # set by the run config
+        for k in ("dcp", "interaction_dim", "dcp_beta_init", "dtype", "remat", "dcp_impl"):  # set by the run config
             init_config.pop(k)
         if resuming:  # the shape flags must describe the saved model: finetune's resume check compares them
             cfg = config_from_args(args, base=dataclasses.replace(load_config(args.workdir), init_config=init_config))

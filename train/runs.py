@@ -36,12 +36,10 @@ from typing import Any, Callable
 
 import jax
 
-from fox_jax.config import ModelConfig
-from fox_jax.models.gpt2 import GPT2Config, init_gpt2
+from fox_jax.models import ModelFamily, config_from_dict
 from fox_jax.models.hf_fox import MODEL_TYPES as FOX_MODEL_TYPES, config_from_official, load_official_fox
 from fox_jax.models.hf_gpt2 import (CONFIG_NAME as HF_CONFIG_NAME, DCP_CONFIG_KEY, DCP_NAME, PYTORCH_NAME,
                                     SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, config_from_hf, load_hf_gpt2)
-from fox_jax.models.lm import init_params as init_lm_params
 from fox_jax.train import config as config_lib
 from fox_jax.train.checkpoints import Checkpointer, CheckpointError
 from fox_jax.train.config import DataConfig, FinetuneConfig
@@ -50,7 +48,6 @@ TRAIN_CONFIG = "config.json"
 FINETUNE_CONFIG = "finetune_config.json"
 MODEL_CONFIG = "model_config.json"
 CHECKPOINTS = "checkpoints"
-_MODEL_TYPES = {"gpt2": GPT2Config, "lm": ModelConfig}  # model_config.json's model_type
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +72,7 @@ class Run:
 
     kind: str
     path: str
-    model: ModelConfig | GPT2Config
+    model: ModelFamily
     tokenizer: str | None
     data: DataConfig | None
     seq_len: int | None
@@ -252,7 +249,7 @@ def finetune_config_from_dict(d: dict) -> FinetuneConfig:
     return FinetuneConfig(**{**d, "data": DataConfig(**data)})
 
 
-def read_model_config(workdir: str) -> ModelConfig | GPT2Config:
+def read_model_config(workdir: str) -> ModelFamily:
     """The model config (with DCP) of a fine-tune run's ``model_config.json``: a ``GPT2Config``
     (``model_type`` "gpt2", or none: files written before it existed) or a ``ModelConfig`` ("lm").
 
@@ -263,10 +260,10 @@ def read_model_config(workdir: str) -> ModelConfig | GPT2Config:
     d = _read_json(path)
     if d is None:
         raise FileNotFoundError(f"{path} not found (every 'fox-jax finetune-dcp' run directory holds it)")
-    model_type = d.pop("model_type", "gpt2")
-    if model_type not in _MODEL_TYPES:
-        raise ValueError(f"{path}: model_type must be one of {tuple(_MODEL_TYPES)}, got {model_type!r}")
-    return _MODEL_TYPES[model_type](**d)
+    try:
+        return config_from_dict({"model_type": "gpt2", **d})  # old GPT-2 field names are read too
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def _checkpoint_steps(path: str) -> tuple[int, ...]:
@@ -280,16 +277,12 @@ def _checkpoint_steps(path: str) -> tuple[int, ...]:
         ckpt.close()
 
 
-def _init_params(model: ModelConfig | GPT2Config, rng: jax.Array) -> dict:
-    return init_lm_params(model, rng) if isinstance(model, ModelConfig) else init_gpt2(model, rng)
-
-
 def _restore_params(run: Run) -> dict:
     """The params of a checkpointed run at ``run.step``: ``state.params`` only (``restore_params``)."""
     if run.step is None:
         raise CheckpointError(f"{run.path} is {run.what} without checkpoints (no step in "
                               f"{os.path.join(run.path, CHECKPOINTS)}): train first, or pass another run")
-    abstract = jax.eval_shape(lambda: _init_params(run.model, jax.random.PRNGKey(0)))
+    abstract = jax.eval_shape(lambda: run.model.init_params(jax.random.PRNGKey(0)))
     ckpt = Checkpointer(os.path.join(run.path, CHECKPOINTS), async_save=False, create=False)
     try:
         return ckpt.restore_params(run.step, abstract, subset=run.subset)

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from fox_jax.models import LanguageModel, count_params, init_params
+from fox_jax.models import LanguageModel, count_params
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
@@ -67,7 +67,7 @@ def make_optimizer(cfg: config_lib.ExperimentConfig) -> optax.GradientTransforma
 
 def token_losses(model: LanguageModel, params, batch) -> jax.Array:
     """Per-token cross-entropy [B, T] in float32 (next-token prediction)."""
-    logits = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+    logits = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions")).logits
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
 
 
@@ -86,13 +86,14 @@ def make_train_step(model: LanguageModel, optimizer, grad_accum: int, collect_ac
 
     def micro_loss(params, micro):
         if collect_acp:
-            logits, inter = model.apply({"params": params}, micro["inputs"], micro.get("segment_ids"),
-                                        micro.get("positions"), mutable=["intermediates"])
+            out, inter = model.apply({"params": params}, micro["inputs"], micro.get("segment_ids"),
+                                     micro.get("positions"), mutable=["intermediates"])
+            logits = out.logits
             fractions = jax.tree_util.tree_leaves(inter)
             acp = jnp.mean(jnp.stack(fractions)) if fractions else jnp.zeros((), jnp.float32)
         else:
             logits = model.apply({"params": params}, micro["inputs"], micro.get("segment_ids"),
-                                 micro.get("positions"))
+                                 micro.get("positions")).logits
             acp = jnp.zeros((), jnp.float32)
         losses = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), micro["targets"])
         loss, _ = _masked_mean(losses, micro)
@@ -150,7 +151,7 @@ def resolve_vocab(cfg: config_lib.ExperimentConfig, tokenizer, explicit_vocab: b
 
 
 def init_state(cfg: config_lib.ExperimentConfig, model_rng: jax.Array, optimizer) -> TrainState:
-    params = init_params(cfg.model, model_rng)
+    params = cfg.model.init_params(model_rng)
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=optimizer.init(params),
                       rng=jax.random.fold_in(model_rng, 1))
 
@@ -220,7 +221,7 @@ def train(cfg: config_lib.ExperimentConfig, workdir: str, *, resume: bool = Fals
     if jax.process_index() == 0:  # written once the config is known to work
         config_lib.save_json(cfg, cfg_path)
 
-    model = LanguageModel(cfg.model)
+    model = cfg.model.build()
     optimizer = make_optimizer(cfg)
     schedule = make_schedule(cfg)
     rng = jax.random.PRNGKey(cfg.seed)

@@ -10,9 +10,8 @@ Every model in the library is scored through one small protocol, a **scorer**::
 
 The model is run on ``tokens[:, :-1]`` (so T − 1 ≤ its context), exactly as lm-eval feeds
 ``(context + continuation)[:-1]``. Right padding is harmless because every model here is causal.
-Adapters: ``LanguageModelScorer`` (FoX / Transformer, ``fox_jax.models.LanguageModel``) and
-``GPT2Scorer`` (``fox_jax.models.GPT2``); both run a DCP model (a ``fox-jax finetune-dcp`` run, with
-``--dcp``) with the inference step mask α = ∞, which also measures the pair sparsity of the scored text.
+Adapter: ``ModelScorer`` (any model family: FoX / Transformer ``fox_jax.models.LanguageModel`` or
+``fox_jax.models.GPT2``); it runs a DCP model (a ``fox-jax finetune-dcp`` run, with ``--dcp``) with the inference step mask α = ∞, which also measures the pair sparsity of the scored text.
 Any function with the signature above works too (a fake one is used in the tests).
 
 Tasks and prompts follow lm-evaluation-harness (the files are in ``../shared/data/eval``; see its
@@ -397,7 +396,7 @@ def evaluate_tasks(
 
     Args:
       scorer: see the module docstring. If it has ``reset_stats()`` / ``stats() -> dict`` (as
-        ``GPT2Scorer`` with DCP does), they are called around each task and the stats are added to its
+        ``ModelScorer`` with DCP does), they are called around each task and the stats are added to its
         results (e.g. ``sparsity``).
       tokenizer: ``fox_jax.train.tokenizers.Tokenizer`` matching the model.
       tasks: names from ``TASKS``.
@@ -535,51 +534,25 @@ class _Scorer:
         return np.asarray(lp), np.asarray(greedy)
 
 
-class LanguageModelScorer(_Scorer):
-    """Scorer for ``fox_jax.models.LanguageModel`` (FoX / Transformer) params: dense, or DCP
-    (``cfg.dcp``, a ``fox-jax finetune-dcp --from-run`` model) with a fixed α (default ∞, the inference
-    step mask); see ``_Scorer`` for ``stats()``.
+class ModelScorer(_Scorer):
+    """Scorer for the params of any fox_jax model family (``LanguageModel``: FoX / Transformer, or
+    ``GPT2``): dense, or DCP (``cfg.dcp``: a ``fox-jax finetune-dcp`` model) with a fixed α (default ∞,
+    the inference step mask of docs/design/dcp.md §2.5); see ``_Scorer`` for ``stats()``.
 
     Args:
-      cfg: its ``fox_jax.config.ModelConfig``.
+      cfg: its ``ModelFamily`` config (``fox_jax.models.ModelConfig`` or ``GPT2Config``).
       params: the params pytree.
       alpha: α for DCP models (ignored when ``cfg.dcp`` is False).
     """
 
     def __init__(self, cfg, params, *, alpha: float = float("inf")):
-        from fox_jax.models import LanguageModel
-
-        model = LanguageModel(cfg)
+        model = cfg.build()
 
         def forward(p, inputs):
-            if not cfg.dcp:
-                return model.apply({"params": p}, inputs), None
-            logits, aux = model.apply({"params": p}, inputs, alpha=alpha)
-            return logits, aux["log_masks"]
+            out = model.apply({"params": p}, inputs, alpha=alpha if cfg.dcp else None)
+            return out.logits, (out.aux["log_masks"] if cfg.dcp else None)
 
         super().__init__(forward, params, dcp=cfg.dcp, n_layer=cfg.n_layers)
-
-
-class GPT2Scorer(_Scorer):
-    """Scorer for ``fox_jax.models.GPT2`` params: dense, or DCP with a fixed α (default ∞, the inference
-    step mask of docs/design/dcp.md §2.5); see ``_Scorer`` for ``stats()``.
-
-    Args:
-      cfg: ``GPT2Config``.
-      params: its params.
-      alpha: α for DCP models (ignored when ``cfg.dcp`` is False).
-    """
-
-    def __init__(self, cfg, params, *, alpha: float = float("inf")):
-        from fox_jax.models.gpt2 import GPT2
-
-        model = GPT2(cfg)
-
-        def forward(p, inputs):
-            logits, aux = model.apply({"params": p}, inputs, alpha=alpha if cfg.dcp else None)
-            return logits, (aux["log_masks"] if cfg.dcp else None)
-
-        super().__init__(forward, params, dcp=cfg.dcp, n_layer=cfg.n_layer)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -605,7 +578,6 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
         training length (an official FoX directory).
       CheckpointError: no checkpoint (for --step), or a corrupt one.
     """
-    from fox_jax.models.gpt2 import GPT2Config
     from fox_jax.models.hf_gpt2 import DCP_NAME
     from fox_jax.train.runs import open_run
     from fox_jax.train.tokenizers import load_tokenizer
@@ -624,13 +596,10 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
     if tokenizer_spec is None:
         raise ValueError(f"--tokenizer is needed: {source} names none (no vocab.json + merges.txt or tokenizer.json)")
     params = run.load_params()
-    if isinstance(run.model, GPT2Config):
-        scorer = GPT2Scorer(run.model, params)
-        max_length = hard_max = run.model.n_positions
-        model_name = "gpt2"
-    else:
-        scorer = LanguageModelScorer(run.model, params)
-        max_length, hard_max, model_name = run.seq_len, None, run.model.arch
+    scorer = ModelScorer(run.model, params)
+    hard_max = run.model.max_positions  # GPT-2's n_positions; None: no limit (the run's seq_len by default)
+    max_length = run.seq_len if hard_max is None else hard_max
+    model_name = "gpt2" if run.model.model_type == "gpt2" else run.model.arch
     desc = {"model": model_name, "source": source, **({} if run.step is None else {"step": run.step}),
             "dcp": run.model.dcp}
     tokenizer = load_tokenizer(tokenizer_spec)

@@ -84,6 +84,11 @@ class LayerKVCache(NamedTuple):
         gates = 0 if self.lam_hi is None else self.lam_hi.shape[2] * 8
         return 2 * math.prod(self.k.shape[2:]) * self.k.dtype.itemsize + gates
 
+    @staticmethod
+    def check_room(caches, n_tokens: int = 1) -> None:
+        """``check_room``: raise if appending ``n_tokens`` would overflow the dense caches."""
+        check_room(caches, n_tokens)
+
 
 def new_layer_cache(batch: int, capacity: int, *, n_heads: int, kv_heads: int, head_dim: int, dtype,
                     forget_gate: bool, kv_shift: bool, seq_start=None) -> LayerKVCache:

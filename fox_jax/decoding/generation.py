@@ -1,9 +1,11 @@
 """Prefill, decode steps and ``generate`` for FoX / Transformer and GPT-2 (dense or DCP-pruned caches).
 
-Both model families take the same decoding protocol: ``model.apply({"params": p}, tokens,
-cache=caches)`` returns ``(logits, caches)``, where ``caches`` is a tuple with one cache per layer
-(``LayerKVCache`` or, for DCP GPT-2, ``PackedKVCache``). The call appends a chunk of T ≥ 1 tokens to
-the caches: a prefill on fresh caches (``prefill``), a chunk of a chunked prefill or the next turn of a
+Every model family takes the same decoding protocol: ``model.apply({"params": p}, tokens,
+cache=caches)`` returns a ``ModelOutput`` whose ``cache`` is the updated tuple with one cache per layer
+(``LayerKVCache`` or, for DCP GPT-2, ``PackedKVCache``), made by the config's ``init_cache``. What
+differs between families comes from the config (``model.cfg``: ``init_cache``, ``max_positions``,
+``vocab_size``) and from the cache type (``check_room``); this module never asks which model it holds.
+The call appends a chunk of T ≥ 1 tokens to the caches: a prefill on fresh caches (``prefill``), a chunk of a chunked prefill or the next turn of a
 conversation (``extend``), one decode step (``decode_step``); any split of a sequence gives the logits
 of one forward pass over it. Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first
 real token, which gets position 0.
@@ -31,16 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.decoding.cache import check_room, new_layer_cache
+from fox_jax.decoding.packed_cache import resize_packed_cache
 from fox_jax.ops._common import check_seq_start
-from fox_jax.decoding.packed_cache import (
-    PackedKVCache,
-    check_packed_room,
-    new_packed_cache,
-    resize_packed_cache,
-)
-from fox_jax.models.gpt2 import GPT2
-from fox_jax.models.lm import LanguageModel
 
 MIN_BUCKET = 64
 
@@ -61,48 +55,33 @@ class Generation(NamedTuple):
     caches: tuple
 
 
-def _model_info(model) -> tuple[int, object]:
-    if isinstance(model, LanguageModel):
-        return model.cfg.n_layers, model.cfg
-    if isinstance(model, GPT2):
-        return model.config.n_layer, model.config
-    raise TypeError(f"model must be a fox_jax LanguageModel or GPT2, got {type(model).__name__}")
+def _config(model):
+    """The ``ModelFamily`` config of a model module (``model.cfg``)."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None or not hasattr(cfg, "init_cache"):
+        raise TypeError(f"model must be a fox_jax model (a module with a ModelFamily config .cfg), "
+                        f"got {type(model).__name__}")
+    return cfg
 
 
 def init_cache(model, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-    """Empty per-layer caches for ``model``.
+    """Empty per-layer caches for ``model`` (``model.cfg.init_cache``).
 
     Args:
-      model: ``LanguageModel`` (FoX / Transformer) or ``GPT2``.
+      model: a fox_jax model (``LanguageModel`` or ``GPT2``).
       batch_size: B.
       capacity: C, columns (dense) or slots (packed) per layer.
       seq_start: optional [B] int left pads per row.
-      packed: DCP packed caches (GPT-2 with ``config.dcp`` only); else dense ``LayerKVCache``.
+      packed: DCP packed caches (GPT-2 with ``cfg.dcp`` only); else dense ``LayerKVCache``.
 
     Returns:
       tuple of ``n_layers`` ``LayerKVCache`` or ``PackedKVCache``.
 
     Raises:
-      TypeError: an unknown model. ValueError: packed for a non-DCP model, bad capacity/seq_start.
+      TypeError: not a fox_jax model. ValueError: packed for a model without packed caches, bad
+        capacity/seq_start. NotImplementedError: a model that cannot decode (a DCP ``LanguageModel``).
     """
-    n_layers, cfg = _model_info(model)
-    if isinstance(model, LanguageModel):
-        if packed:
-            raise ValueError("packed (DCP) caches exist for GPT-2 with config.dcp=True only")
-        layer = new_layer_cache(batch_size, capacity, n_heads=cfg.n_heads, kv_heads=cfg.kv_heads,
-                                head_dim=cfg.dim_per_head, dtype=jnp.dtype(cfg.dtype), forget_gate=cfg.use_fgate,
-                                kv_shift=cfg.kv_shift, seq_start=seq_start)
-    elif packed:
-        if not cfg.dcp:
-            raise ValueError("packed (DCP) caches need a GPT-2 with config.dcp=True")
-        layer = new_packed_cache(batch_size, capacity, n_heads=cfg.n_head, head_dim=cfg.head_dim,
-                                 interaction_dim=cfg.interaction_dim, dtype=jnp.dtype(cfg.dtype),
-                                 seq_start=seq_start)
-    else:
-        layer = new_layer_cache(batch_size, capacity, n_heads=cfg.n_head, kv_heads=cfg.n_head,
-                                head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.dtype), forget_gate=False,
-                                kv_shift=False, seq_start=seq_start)
-    return (layer,) * n_layers
+    return _config(model).init_cache(batch_size, capacity, seq_start=seq_start, packed=packed)
 
 
 def live_counts(caches) -> jax.Array:
@@ -123,8 +102,8 @@ def cache_bytes(caches) -> dict:
 @functools.partial(jax.jit, static_argnums=0)
 def _forward(model, params, tokens, caches):
     """(float32 logits, caches) of one chunk of T ≥ 1 tokens appended to the caches."""
-    logits, caches = model.apply({"params": params}, tokens, cache=caches)
-    return logits.astype(jnp.float32), caches
+    out = model.apply({"params": params}, tokens, cache=caches)
+    return out.logits.astype(jnp.float32), out.cache
 
 
 def _check_tokens(tokens, name: str) -> jax.Array:
@@ -162,11 +141,12 @@ def prefill(model, params, tokens, *, seq_start=None, capacity: int | None = Non
 
 
 def _check_positions(model, caches, n_tokens: int) -> None:
-    """GPT-2's learned positions end at n_positions − 1."""
-    if isinstance(model, GPT2):
+    """Learned positions (GPT-2's) end at ``cfg.max_positions`` − 1."""
+    limit = _config(model).max_positions
+    if limit is not None:
         last = int(caches[0].length) + n_tokens - 1 - int(jnp.min(caches[0].seq_start))
-        if last >= model.config.n_positions:
-            raise ValueError(f"GPT-2 has {model.config.n_positions} positions; decoding would reach position {last}")
+        if last >= limit:
+            raise ValueError(f"the model has {limit} positions; decoding would reach position {last}")
 
 
 def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
@@ -194,10 +174,7 @@ def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     if b != caches[0].seq_start.shape[0]:
         raise ValueError(f"tokens must be [B, T] with B = {caches[0].seq_start.shape[0]} (the caches' batch), "
                          f"got {tokens.shape}")
-    if isinstance(caches[0], PackedKVCache):
-        check_packed_room(caches, t)
-    else:
-        check_room(caches, t)
+    type(caches[0]).check_room(caches, t)
     _check_positions(model, caches, t)
     return _forward(model, params, tokens, caches)
 
@@ -261,8 +238,9 @@ def _decode_loop(model, params, caches, token, rng, step0, buffer, temperature, 
 
     def body(i, carry):
         caches, tok, toks, lives = carry
-        logits, caches = model.apply({"params": params}, tok[:, None], cache=caches)
-        nxt = sample_logits(logits[:, -1], jax.random.fold_in(rng, step0 + i), temperature=temperature,
+        out = model.apply({"params": params}, tok[:, None], cache=caches)
+        caches = out.cache
+        nxt = sample_logits(out.logits[:, -1], jax.random.fold_in(rng, step0 + i), temperature=temperature,
                             top_k=top_k)
         return caches, nxt, toks.at[:, i].set(nxt), lives.at[i].set(live_counts(caches))
 
@@ -297,8 +275,8 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, temperature: 
       cache_capacity: dense: the columns allocated (default and minimum T + N − 1); packed: the most
         slots a layer may use (default T + N − 1, which never limits).
       seq_start: optional [B] int left pads per row.
-      packed: use DCP packed caches; default True for a GPT-2 with ``config.dcp``, else False
-        (False on a DCP model gives the unpruned dense baseline with the same weights).
+      packed: use DCP packed caches; default ``cfg.dcp`` (False on a DCP GPT-2 gives the unpruned dense
+        baseline with the same weights).
       chunk_size: decode steps per device loop between host-side resizes of a packed cache.
 
     Returns:
@@ -306,12 +284,13 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, temperature: 
 
     Raises:
       ValueError: bad arguments, a dense capacity below T + N − 1, a packed cache whose live tokens
-        reach ``cache_capacity``, GPT-2 positions beyond n_positions.
-      TypeError: an unknown model.
+        reach ``cache_capacity``, positions beyond the model's ``max_positions`` (GPT-2's n_positions).
+      TypeError: not a fox_jax model.
+      NotImplementedError: a model that cannot decode (a DCP ``LanguageModel``).
     """
     tokens = _check_tokens(prompt_tokens, "prompt_tokens")
     b, t = tokens.shape
-    n_layers, cfg = _model_info(model)
+    cfg = _config(model)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(chunk_size, int) or chunk_size < 1:
@@ -326,14 +305,15 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, temperature: 
         raise ValueError(f"top_k must be None or an int in [1, {vocab}], got {top_k!r}")
     rng = jax.random.PRNGKey(0) if rng is None else rng
     seq_start = check_seq_start(seq_start, b, t)
-    packed = bool(isinstance(model, GPT2) and cfg.dcp) if packed is None else packed
+    packed = cfg.dcp if packed is None else packed
     needed = t + max_new_tokens - 1  # tokens ever fed: the prompt and all but the last sample
     capacity = needed if cache_capacity is None else cache_capacity
     if not isinstance(capacity, int) or capacity < (t if packed else needed):
         raise ValueError(f"cache_capacity must be an int ≥ {t if packed else needed} "
                          f"(prompt {t} + max_new_tokens {max_new_tokens} − 1 for a dense cache), got {cache_capacity!r}")
-    if isinstance(model, GPT2) and needed - int(jnp.min(seq_start)) > cfg.n_positions:
-        raise ValueError(f"GPT-2 has {cfg.n_positions} positions; prompt {t} (min pads {int(jnp.min(seq_start))}) "
+    limit = cfg.max_positions
+    if limit is not None and needed - int(jnp.min(seq_start)) > limit:
+        raise ValueError(f"the model has {limit} positions; prompt {t} (min pads {int(jnp.min(seq_start))}) "
                          f"+ {max_new_tokens} new tokens exceed them")
 
     logits, caches = prefill(model, params, tokens, seq_start=seq_start,

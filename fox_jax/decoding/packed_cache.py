@@ -74,6 +74,11 @@ class PackedKVCache(NamedTuple):
         """Bytes one cached token takes in this layer (k, v and k_int)."""
         return 2 * math.prod(self.k.shape[2:]) * self.k.dtype.itemsize + self.k_int.shape[2] * 4
 
+    @staticmethod
+    def check_room(caches, n_tokens: int = 1) -> None:
+        """``check_packed_room``: raise unless every layer and row can take ``n_tokens`` more tokens."""
+        check_packed_room(caches, n_tokens)
+
 
 def new_packed_cache(batch: int, capacity: int, *, n_heads: int, head_dim: int, interaction_dim: int, dtype,
                      seq_start=None) -> PackedKVCache:

@@ -14,11 +14,11 @@ exactly a Flax ``Dense`` kernel):
     h_{i}/mlp/c_fc/{kernel [d, 4d], bias}      h_{i}/mlp/c_proj/{kernel [4d, d], bias}
     DCP only:  h_{i}/attn/q_int/kernel [d, r]   h_{i}/attn/k_int/kernel [d, r]   h_{i}/attn/beta []
 
-With ``config.dcp`` each layer computes, from the same LayerNorm'd input as ``c_attn`` and in float32,
+With ``cfg.dcp`` each layer computes, from the same LayerNorm'd input as ``c_attn`` and in float32,
 keep logits z = q_int·k_intᵀ/√r + β, the cumulative keep mask log I (α-sigmoid with the ``alpha``
 passed to ``apply``) once per layer, and adds it to every head's logits (``dcp_attention``).
 
-With ``config.sparse_pattern`` (a dense, non-DCP model) every layer instead adds a **fixed** 0/−inf
+With ``cfg.sparse_pattern`` (a dense, non-DCP model) every layer instead adds a **fixed** 0/−inf
 log-mask — the local-window and strided baselines of the DCP paper (docs/design/dcp.md §4 "baselines in
 paper", §6 attention.png) — through the same ``dcp_attention``, so fully dropped tiles are skipped:
 
@@ -35,62 +35,57 @@ entries. ``sparse_pattern_sparsity`` gives the exact fraction of causal pairs dr
 
 Usage (pure functional)::
 
-    model = GPT2(cfg)
-    params = model.init(rng, tokens, alpha=1.0)["params"]
-    logits, aux = model.apply({"params": params}, tokens, alpha=alpha)
-    loss = ce(logits, targets) + gamma * aux["sparsity_loss"]          # DCP fine-tuning
+    params = cfg.init_params(rng)
+    out = GPT2(cfg).apply({"params": params}, tokens, alpha=alpha)       # a ModelOutput
+    loss = ce(out.logits, targets) + gamma * out.aux["sparsity_loss"]  # DCP fine-tuning
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.config import FINITE, POSITIVE, POSITIVE_INT, Range, check_ranges
-from fox_jax.decoding.cache import cache_columns, cached_attention
-from fox_jax.decoding.packed_cache import PackedKVCache, packed_attention
-from fox_jax.ops.context_pruning import (
-    cumulative_keep_log_mask,
-    dcp_attention,
-    keep_logits,
-    sparsity,
-    sparsity_loss,
-    with_interaction_params,
-)
+from fox_jax.config import DTYPES, FINITE, GPT2_VOCAB, POSITIVE, POSITIVE_INT, Range, check_ranges
+from fox_jax.decoding.cache import cache_columns, cached_attention, new_layer_cache
+from fox_jax.decoding.packed_cache import PackedKVCache, new_packed_cache, packed_attention
+from fox_jax.models.family import FamilyConfig, ModelOutput, check_remat, dcp_aux, remat_block
+from fox_jax.nn.attention import LayerOutput
+from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
-
-GPT2_VOCAB = 50257
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 @dataclasses.dataclass(frozen=True)
-class GPT2Config:
-    """Hyper-parameters of GPT-2 (HF ``GPT2Config`` names) plus the DCP fields.
+class GPT2Config(FamilyConfig):
+    """Hyper-parameters of GPT-2 plus the DCP fields (field names shared with ``ModelConfig``).
+
+    Hugging Face's names (``n_layer``, ``n_head``, ``n_embd``, ``n_inner``, ``layer_norm_epsilon``) and
+    the old ``beta_init`` / boolean ``remat`` are accepted by ``from_dict`` (``LEGACY_KEYS``); HF's
+    ``config.json`` keeps its own names (``fox_jax.models.hf_gpt2``).
 
     Attributes:
-      n_layer, n_head, n_embd: depth, heads, width d (n_embd divisible by n_head).
+      n_layers, n_heads, d_model: depth, heads, width d (d_model divisible by n_heads).
       vocab_size: token ids accepted (50257 for the GPT-2 BPE).
       n_positions: learned positions, the maximum sequence length (1024).
-      n_inner: MLP width; ``None`` means 4·n_embd.
-      layer_norm_epsilon: LayerNorm ε (1e-5).
+      mlp_dim: MLP width; ``None`` means 4·d_model (``mlp_hidden`` is the width used).
+      norm_eps: LayerNorm ε (1e-5).
       init_std: std of the N(0, std) initialiser (0.02); residual projections (``c_proj``) use
-        std/√(2·n_layer), as HF does.
+        std/√(2·n_layers), as HF does.
       dtype: compute dtype name ("float32", "bfloat16", "float16"); params are float32. LayerNorm,
         the interaction branch, the mask and the logits are float32 in every case.
       attention_impl: ``implementation`` of ``fox_jax.ops.forgetting_attention`` for the dense
         (non-DCP) path ("auto", "xla", "dense", ...).
       attention_block: tile size of the blockwise DCP attention (``dcp_attention``).
-      remat: rematerialise each block in the backward pass.
+      remat: rematerialisation of each block in the backward pass: "none", "full" (save only the
+        block inputs) or "dots" (save matmul outputs).
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
-      beta_init: initial β of every layer (2.0, the reference train.py default).
+      dcp_beta_init: initial β of every layer (2.0, the reference train.py default).
       dcp_impl: ``implementation`` of ``dcp_attention`` for the DCP and sparse-pattern paths:
         ``"xla"`` (blockwise, default) or ``"pallas"`` (kernels; interpret mode off GPU).
       sparse_pattern: ``None`` (default: full causal attention), or a fixed sparse attention pattern
@@ -98,37 +93,47 @@ class GPT2Config:
         docstring and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
         prefill only (no decoding cache). Not stored in HF checkpoints: pass it as an override
         (``load_hf_gpt2(path, sparse_pattern="local:256")``).
+
+    Raises:
+      ValueError: from ``__post_init__``, naming the field: a numeric field outside ``RANGES``, an unknown
+        choice, or an inconsistent combination (d_model not divisible by n_heads, DCP with a pattern).
     """
 
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
+    n_layers: int = 12
+    n_heads: int = 12
+    d_model: int = 768
     vocab_size: int = GPT2_VOCAB
     n_positions: int = 1024
-    n_inner: int | None = None
-    layer_norm_epsilon: float = 1e-5
+    mlp_dim: int | None = None
+    norm_eps: float = 1e-5
     init_std: float = 0.02
     dtype: str = "float32"
     attention_impl: str = "auto"
     attention_block: int = 128
-    remat: bool = False
+    remat: str = "none"
     dcp: bool = False
     interaction_dim: int = 64
-    beta_init: float = 2.0
+    dcp_beta_init: float = 2.0
     sparse_pattern: str | None = None
     dcp_impl: str = "xla"
 
+    model_type: ClassVar[str] = "gpt2"
+    LAYER_PREFIX: ClassVar[str] = "h_"
+    LEGACY_KEYS: ClassVar[dict[str, str]] = dict(
+        n_layer="n_layers", n_head="n_heads", n_embd="d_model", n_inner="mlp_dim", layer_norm_epsilon="norm_eps",
+        beta_init="dcp_beta_init")
     RANGES: ClassVar[dict[str, Range]] = dict(
-        n_layer=POSITIVE_INT, n_head=POSITIVE_INT, n_embd=POSITIVE_INT, vocab_size=POSITIVE_INT,
-        n_positions=POSITIVE_INT, n_inner=Range(1, integer=True, optional=True), layer_norm_epsilon=POSITIVE,
-        init_std=POSITIVE, attention_block=POSITIVE_INT, interaction_dim=POSITIVE_INT, beta_init=FINITE)
+        n_layers=POSITIVE_INT, n_heads=POSITIVE_INT, d_model=POSITIVE_INT, vocab_size=POSITIVE_INT,
+        n_positions=POSITIVE_INT, mlp_dim=Range(1, integer=True, optional=True), norm_eps=POSITIVE,
+        init_std=POSITIVE, attention_block=POSITIVE_INT, interaction_dim=POSITIVE_INT, dcp_beta_init=FINITE)
 
     def __post_init__(self):
         check_ranges(self, "GPT2Config.")
-        if self.n_embd % self.n_head:
-            raise ValueError(f"GPT2Config.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"GPT2Config.dtype must be one of {tuple(_DTYPES)}, got {self.dtype!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"GPT2Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        check_remat(self.remat, "GPT2Config")
         if self.sparse_pattern is not None:
             parse_sparse_pattern(self.sparse_pattern, name="GPT2Config.sparse_pattern")
             if self.dcp:
@@ -138,23 +143,65 @@ class GPT2Config:
             raise ValueError(f"GPT2Config.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
 
     @property
-    def head_dim(self) -> int:
-        return self.n_embd // self.n_head
+    def dim_per_head(self) -> int:
+        return self.d_model // self.n_heads
 
     @property
-    def mlp_dim(self) -> int:
-        return self.n_inner or 4 * self.n_embd
+    def mlp_hidden(self) -> int:
+        return self.mlp_dim or 4 * self.d_model
 
-    def replace(self, **kw) -> "GPT2Config":
-        return dataclasses.replace(self, **kw)
+    @property
+    def max_positions(self) -> int:
+        return self.n_positions
+
+    # ModelFamily ----------------------------------------------------------------------------------
+    def build(self) -> GPT2:
+        return GPT2(self)
 
     def param_count(self) -> int:
         """Exact parameter count of the model this config builds (tied head counted once)."""
-        d, f, n = self.n_embd, self.mlp_dim, self.n_layer
+        d, f, n = self.d_model, self.mlp_hidden, self.n_layers
         per_layer = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
         if self.dcp:
             per_layer += 2 * d * self.interaction_dim + 1
         return (self.vocab_size + self.n_positions) * d + n * per_layer + 2 * d
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token, dense-equivalent, as ``ModelConfig.flops_per_token``: 2N + 2·n_layers·d·L.
+
+        N counts every parameter but the position embedding (the tied head is a matmul with the token
+        embedding); the attention term uses the causal average context L/2 for both QKᵀ and PV. With
+        DCP the keep logits q_int·k_intᵀ add n_layers·r·L. Training costs 3x this.
+        """
+        n = self.param_count() - self.n_positions * self.d_model
+        flops = 2.0 * n + 2.0 * self.n_layers * self.d_model * seq_len
+        if self.dcp:
+            flops += float(self.n_layers * self.interaction_dim * seq_len)
+        return flops
+
+    def init_cache(self, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
+        """Empty per-layer decoding caches: dense ``LayerKVCache`` (no forget gate, no KV-shift; also the
+        unpruned baseline of a DCP model) or, with ``packed``, DCP's ``PackedKVCache``.
+
+        Args:
+          batch_size, capacity: B and C (columns, or slots when packed).
+          seq_start: optional [B] int left pads per row.
+          packed: DCP packed caches (needs ``dcp``).
+
+        Raises:
+          ValueError: ``packed`` without DCP, a bad capacity or seq_start.
+        """
+        if packed and not self.dcp:
+            raise ValueError("packed (DCP) caches need a GPT-2 with dcp=True")
+        dtype = jnp.dtype(self.dtype)
+        if packed:
+            layer = new_packed_cache(batch_size, capacity, n_heads=self.n_heads, head_dim=self.dim_per_head,
+                                     interaction_dim=self.interaction_dim, dtype=dtype, seq_start=seq_start)
+        else:
+            layer = new_layer_cache(batch_size, capacity, n_heads=self.n_heads, kv_heads=self.n_heads,
+                                    head_dim=self.dim_per_head, dtype=dtype, forget_gate=False, kv_shift=False,
+                                    seq_start=seq_start)
+        return (layer,) * self.n_layers
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,10 +357,10 @@ def match_sparse_pattern(kind: str, target: float, seq_len: int) -> tuple[str, f
 
 
 GPT2_SIZES = {
-    "gpt2": dict(n_layer=12, n_head=12, n_embd=768),
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024),
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280),
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600),
+    "gpt2": dict(n_layers=12, n_heads=12, d_model=768),
+    "gpt2-medium": dict(n_layers=24, n_heads=16, d_model=1024),
+    "gpt2-large": dict(n_layers=36, n_heads=20, d_model=1280),
+    "gpt2-xl": dict(n_layers=48, n_heads=25, d_model=1600),
 }
 
 
@@ -328,14 +375,14 @@ def gpt2_preset(name: str = "gpt2", **overrides) -> GPT2Config:
     return GPT2Config(**{**GPT2_SIZES[name], **overrides})
 
 
+
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=cfg.layer_norm_epsilon, dtype=jnp.float32, param_dtype=jnp.float32,
-                        name=name)
+    return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
 
 
 def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = None, use_bias: bool = True,
            dtype=None) -> nn.Dense:
-    return nn.Dense(features, use_bias=use_bias, dtype=dtype or _DTYPES[cfg.dtype], param_dtype=jnp.float32,
+    return nn.Dense(features, use_bias=use_bias, dtype=dtype or jnp.dtype(cfg.dtype), param_dtype=jnp.float32,
                     kernel_init=nn.initializers.normal(std if std is not None else cfg.init_std),
                     bias_init=nn.initializers.zeros, name=name)
 
@@ -343,23 +390,23 @@ def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = Non
 class GPT2Attention(nn.Module):
     """Causal multi-head self-attention, optionally with the DCP interaction mask.
 
-    Input [B, T, d] (LayerNorm'd, compute dtype); returns ([B, T, d], log I [B, T, T] float32 or None);
-    with ``config.sparse_pattern`` the fixed 0/−inf pattern mask [B, T, T] takes log I's place.
-    With a ``cache`` (decoding, see ``GPT2``) returns ([B, T, d], the updated cache): a
-    ``fox_jax.decoding.PackedKVCache`` prunes with the step mask (DCP models only); a dense
+    Input [B, T, d] (LayerNorm'd, compute dtype); returns ``LayerOutput(x [B, T, d], cache, log_mask)``:
+    ``log_mask`` is log I [B, T, T] float32 with DCP, the fixed 0/−inf pattern mask with
+    ``cfg.sparse_pattern``, else None. With a ``cache`` (decoding, see ``GPT2``) ``cache`` is the updated
+    cache: a ``fox_jax.decoding.PackedKVCache`` prunes with the step mask (DCP models only); a dense
     ``fox_jax.decoding.LayerKVCache`` attends to every token, also for a DCP model (the dense baseline).
     """
 
-    config: GPT2Config
+    cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, x, alpha, segment_ids, cache=None):
-        cfg = self.config
+    def __call__(self, x, segment_ids=None, cache=None, alpha=None) -> LayerOutput:
+        cfg = self.cfg
         b, t, d = x.shape
-        h, dh = cfg.n_head, cfg.head_dim
+        h, dh = cfg.n_heads, cfg.dim_per_head
         packed = isinstance(cache, PackedKVCache)
         if packed and not cfg.dcp:
-            raise ValueError("a PackedKVCache (pruned decoding) needs a DCP model (config.dcp=True)")
+            raise ValueError("a PackedKVCache (pruned decoding) needs a DCP model (cfg.dcp=True)")
         qkv = _dense(cfg, 3 * d, "c_attn")(x)
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
@@ -368,7 +415,7 @@ class GPT2Attention(nn.Module):
             xf = x.astype(jnp.float32)
             q_int = _dense(cfg, cfg.interaction_dim, "q_int", use_bias=False, dtype=jnp.float32)(xf)
             k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
-            beta = self.param("beta", nn.initializers.constant(cfg.beta_init), (), jnp.float32)
+            beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
             if packed:
                 o, cache = packed_attention(cache, q, k, v, q_int, k_int, beta, block=cfg.attention_block)
             else:
@@ -390,84 +437,83 @@ class GPT2Attention(nn.Module):
         else:
             o, cache = cached_attention(cache, q, k, v, None, implementation=cfg.attention_impl,
                                         block=cfg.attention_block)
-        out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))(o.reshape(b, t, d))
-        return out, (log_mask if cache is None else cache)
+        out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layers))(o.reshape(b, t, d))
+        return LayerOutput(out, cache, log_mask)
 
 
 class GPT2MLP(nn.Module):
     """c_fc -> GELU (tanh approximation, HF "gelu_new") -> c_proj."""
 
-    config: GPT2Config
+    cfg: GPT2Config
 
     @nn.compact
     def __call__(self, x):
-        cfg = self.config
-        y = _dense(cfg, cfg.mlp_dim, "c_fc")(x)
+        cfg = self.cfg
+        y = _dense(cfg, cfg.mlp_hidden, "c_fc")(x)
         y = jax.nn.gelu(y, approximate=True)
-        return _dense(cfg, cfg.n_embd, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layer))(y)
+        return _dense(cfg, cfg.d_model, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layers))(y)
 
 
 class GPT2Block(nn.Module):
-    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Returns (x, log I or None), or
-    (x, updated cache) when a decoding ``cache`` is given."""
+    """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Call args as ``GPT2Attention`` (x the
+    float32 residual stream); returns its ``LayerOutput`` with ``x`` the block's output."""
 
-    config: GPT2Config
+    cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, x, alpha, segment_ids, cache=None):
-        cfg = self.config
-        dtype = _DTYPES[cfg.dtype]
-        a, aux = GPT2Attention(cfg, name="attn")(
-            _layer_norm(cfg, "ln_1")(x).astype(dtype), alpha, segment_ids, cache)
-        x = x + a.astype(x.dtype)
+    def __call__(self, x, segment_ids=None, cache=None, alpha=None) -> LayerOutput:
+        cfg = self.cfg
+        dtype = jnp.dtype(cfg.dtype)
+        attn = GPT2Attention(cfg, name="attn")(_layer_norm(cfg, "ln_1")(x).astype(dtype), segment_ids, cache, alpha)
+        x = x + attn.x.astype(x.dtype)
         x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2")(x).astype(dtype)).astype(x.dtype)
-        return x, aux
+        return attn.replace(x=x)
 
 
 class GPT2(nn.Module):
     """GPT-2 language model (``GPT2LMHeadModel``) with optional DCP.
 
-    ``apply({'params': p}, tokens, alpha=None, positions=None, segment_ids=None, cache=None)``
+    ``apply({'params': p}, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None)``
 
     Args:
       tokens: [B, T] int token ids, T ≤ n_positions.
-      alpha: α of the α-sigmoid (required when ``config.dcp``; ignored otherwise): a Python float,
-        ``float('inf')`` for the inference step mask, or a traced float32 scalar from
-        ``fox_jax.ops.alpha_sigmoid.cosine_alpha_schedule`` (no recompile per value).
+      segment_ids: optional [B, T] int, packed documents: no attention across documents.
       positions: optional [B, T] int positions (default 0..T−1; give per-document positions for
         packed sequences).
-      segment_ids: optional [B, T] int, packed documents: no attention across documents.
-      cache: optional tuple of ``n_layer`` decoding caches (``fox_jax.decoding.generation``):
-        ``PackedKVCache`` (DCP pruning with the step mask, α = ∞) or dense ``LayerKVCache`` (no
-        pruning). The T ≥ 1 tokens are appended to the cache (a prefill on a fresh cache, a chunk
-        or a decode step on a live one); any split of a sequence gives the logits of one pass.
-        Positions come from the cache (column − seq_start, pads clamped to 0); positions and
-        segment_ids must be None and alpha None or inf.
+      cache: optional tuple of ``n_layers`` decoding caches (``fox_jax.decoding.generation``,
+        ``cfg.init_cache``): ``PackedKVCache`` (DCP pruning with the step mask, α = ∞) or dense
+        ``LayerKVCache`` (no pruning). The T ≥ 1 tokens are appended to the cache (a prefill on a
+        fresh cache, a chunk or a decode step on a live one); any split of a sequence gives the logits
+        of one pass. Positions come from the cache (column − seq_start, pads clamped to 0); positions
+        and segment_ids must be None and alpha None or inf.
+      alpha: keyword-only; α of the α-sigmoid (required when ``cfg.dcp`` without a cache; ignored
+        otherwise): a Python float, ``float('inf')`` for the inference step mask, or a traced float32
+        scalar from ``fox_jax.ops.alpha_sigmoid.cosine_alpha_schedule`` (no recompile per value).
 
     Returns:
-      (logits, aux): logits [B, T, vocab_size] float32; aux is ``{}`` without DCP or a sparse pattern.
-        With ``config.sparse_pattern``: ``log_masks`` [n_layer, B, T, T] (the fixed 0/−inf mask,
-        the same in every layer) and ``sparsity`` [n_layer] (as below; no ``sparsity_loss``). With DCP:
-        ``log_masks``      [n_layer, B, T, T] float32 log I per layer (0 kept, ≈ −92.1 dropped),
-        ``sparsity``       [n_layer] float32 fraction of causal pairs dropped (no gradient),
+      ``ModelOutput``: ``logits`` [B, T, vocab_size] float32; ``cache`` the updated tuple of caches when
+      one was given (else None); ``aux`` ``{}`` without DCP or a sparse pattern (and always with a cache).
+        With ``cfg.sparse_pattern``: ``log_masks`` [n_layers, B, T, T] (the fixed 0/−inf mask,
+        the same in every layer) and ``sparsity`` [n_layers] (as below; no ``sparsity_loss``). With DCP:
+        ``log_masks``      [n_layers, B, T, T] float32 log I per layer (0 kept, ≈ −92.1 dropped),
+        ``sparsity``       [n_layers] float32 fraction of causal pairs dropped (no gradient),
         ``sparsity_loss``  float32 scalar: ``sparsity_loss(log_masks, 1.0, normalization="causal",
                            segment_ids=...)`` (0 when T < 3); multiply by γ and add to the CE. For
                            the reference code's normalisation call ``sparsity_loss`` on
                            ``log_masks`` with ``normalization="code"``.
-      With a cache: (logits [B, T, vocab_size] float32, the updated tuple of caches).
 
     Raises:
       ValueError: tokens not [B, T] int, T > n_positions, positions/segment_ids of the wrong shape,
         DCP on without alpha; with a cache: the wrong number of layers, positions/segment_ids given,
-        a finite alpha, a packed cache on a non-DCP model, a cache with ``config.sparse_pattern``, a
+        a finite alpha, a packed cache on a non-DCP model, a cache with ``cfg.sparse_pattern``, a
         chunk that does not fit the cache capacity.
     """
 
-    config: GPT2Config
+    cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens, *, alpha=None, positions=None, segment_ids=None, cache=None):
-        cfg = self.config
+    def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None) -> ModelOutput:
+        cfg = self.cfg
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
             raise ValueError(f"tokens must be an int array [B, T], got {tokens.dtype}{tokens.shape}")
@@ -479,10 +525,10 @@ class GPT2(nn.Module):
             if positions is not None or segment_ids is not None:
                 raise ValueError("with a cache, positions and segment_ids must be None (they come from the cache)")
             if cfg.sparse_pattern is not None:
-                raise ValueError(f"config.sparse_pattern={cfg.sparse_pattern!r} is not supported with a decoding "
+                raise ValueError(f"cfg.sparse_pattern={cfg.sparse_pattern!r} is not supported with a decoding "
                                  "cache (fixed patterns are for training/evaluation forward passes)")
-            if len(cache) != cfg.n_layer:
-                raise ValueError(f"cache must hold one cache per layer ({cfg.n_layer}), got {len(cache)}")
+            if len(cache) != cfg.n_layers:
+                raise ValueError(f"cache must hold one cache per layer ({cfg.n_layers}), got {len(cache)}")
             if alpha is not None and not (isinstance(alpha, (int, float)) and math.isinf(alpha)):
                 raise ValueError(f"decoding uses the step mask: alpha must be None or inf, got {alpha!r}")
             positions = jnp.maximum(cache_columns(cache[0], t)[None, :] - cache[0].seq_start[:, None], 0)
@@ -495,75 +541,28 @@ class GPT2(nn.Module):
             raise ValueError(f"segment_ids must be an int array [B, T] = {(b, t)}, "
                              f"got {segment_ids.dtype}{segment_ids.shape}")
         if cfg.dcp and alpha is None and cache is None:
-            raise ValueError("alpha is required when config.dcp is True (use float('inf') for inference)")
+            raise ValueError("alpha is required when cfg.dcp is True (use float('inf') for inference)")
 
-        dtype = _DTYPES[cfg.dtype]
+        dtype = jnp.dtype(cfg.dtype)
         init = nn.initializers.normal(cfg.init_std)
-        wte = nn.Embed(cfg.vocab_size, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
+        wte = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                        embedding_init=init, name="wte")
-        wpe = nn.Embed(cfg.n_positions, cfg.n_embd, dtype=dtype, param_dtype=jnp.float32,
+        wpe = nn.Embed(cfg.n_positions, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                        embedding_init=init, name="wpe")
         # The residual stream is kept in float32; sublayers compute in cfg.dtype.
         x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
 
-        block_cls = nn.remat(GPT2Block) if cfg.remat and cache is None else GPT2Block
-        per_layer = []  # log I per layer, or the updated caches
-        for i in range(cfg.n_layer):
-            block = block_cls(cfg, name=f"h_{i}")
-            x, aux_i = block(x, alpha, segment_ids) if cache is None else block(x, alpha, segment_ids, cache[i])
-            per_layer.append(aux_i)
+        block_cls = remat_block(GPT2Block, cfg.remat if cache is None else "none")  # decoding never differentiates
+        outs = []
+        for i, name in enumerate(cfg.layer_names):
+            out = block_cls(cfg, name=name)(x, segment_ids, None if cache is None else cache[i], alpha)
+            x = out.x
+            outs.append(out)
         x = _layer_norm(cfg, "ln_f")(x)
         logits = wte.attend(x.astype(dtype)).astype(jnp.float32)
         if cache is not None:
-            return logits, tuple(per_layer)
-
-        aux: dict[str, Any] = {}
-        if cfg.dcp:
-            stacked = jnp.stack(per_layer)
-            aux["log_masks"] = stacked
-            aux["sparsity"] = jax.lax.stop_gradient(sparsity(stacked, segment_ids=segment_ids)[0])
-            aux["sparsity_loss"] = (sparsity_loss(stacked, 1.0, segment_ids=segment_ids)
-                                    if t >= 3 else jnp.zeros((), jnp.float32))
-        elif cfg.sparse_pattern is not None:
-            stacked = jnp.stack(per_layer)
-            aux["log_masks"] = stacked
-            aux["sparsity"] = jax.lax.stop_gradient(sparsity(stacked, segment_ids=segment_ids)[0])
-        return logits, aux
-
-
-def init_gpt2(cfg: GPT2Config, rng: jax.Array) -> dict:
-    """Randomly initialised params of ``GPT2(cfg)`` (HF's init: N(0, init_std), scaled c_proj,
-    LayerNorm 1/0, zero biases; DCP: q_int/k_int N(0, init_std), β = beta_init)."""
-    tokens = jnp.zeros((1, 1), jnp.int32)
-    init = jax.jit(lambda key: GPT2(cfg).init(key, tokens, alpha=1.0 if cfg.dcp else None)["params"])
-    return init(rng)
-
-
-def add_dcp_params(cfg: GPT2Config, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
-                   beta_init: float | None = None) -> tuple[GPT2Config, dict]:
-    """Add fresh DCP parameters to a dense GPT-2 (the start of DCP fine-tuning, docs/design/dcp.md §1.1, §4).
-
-    Every layer gets ``attn/q_int/kernel`` and ``attn/k_int/kernel`` [d, r] ~ N(0, init_std) (the
-    effective init of the reference code) and ``attn/beta`` = beta_init. Existing weights are kept.
-
-    Args:
-      cfg: the dense model's config (``dcp`` False).
-      params: its params (e.g. from ``load_hf_gpt2``).
-      rng: PRNG key for the interaction weights.
-      interaction_dim, beta_init: override the config's r and β₀.
-
-    Returns:
-      (cfg with dcp=True, new params pytree); the input pytree is not modified.
-
-    Raises:
-      ValueError: cfg already has DCP, or params lack a layer ``h_{i}/attn``.
-    """
-    if cfg.dcp:
-        raise ValueError("add_dcp_params: config already has dcp=True")
-    new_cfg = cfg.replace(dcp=True,
-                          interaction_dim=interaction_dim if interaction_dim is not None else cfg.interaction_dim,
-                          beta_init=beta_init if beta_init is not None else cfg.beta_init)
-    out = with_interaction_params(params, [f"h_{i}" for i in range(new_cfg.n_layer)], d_model=new_cfg.n_embd,
-                                  interaction_dim=new_cfg.interaction_dim, init_std=new_cfg.init_std,
-                                  beta_init=new_cfg.beta_init, rng=rng)
-    return new_cfg, out
+            return ModelOutput(logits, cache=tuple(o.cache for o in outs))
+        if cfg.dcp or cfg.sparse_pattern is not None:
+            return ModelOutput(logits, aux=dcp_aux(jnp.stack([o.log_mask for o in outs]), segment_ids,
+                                                   with_loss=cfg.dcp))
+        return ModelOutput(logits)

@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.config import ModelConfig
+from fox_jax.models.lm import ModelConfig
 from fox_jax.models.hf_gpt2 import (CONFIG_NAME, PYTORCH_NAME, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
                                     read_config, read_weights)
 

@@ -37,8 +37,10 @@ from typing import Any
 
 import jax
 import numpy as np
+from safetensors.flax import load_file as _load_safetensors
+from safetensors.numpy import save_file as _save_safetensors
 
-from fox_jax.models.gpt2 import GPT2Config, add_dcp_params
+from fox_jax.models.gpt2 import GPT2Config
 
 CONFIG_NAME = "config.json"
 SAFETENSORS_NAME = "model.safetensors"
@@ -56,35 +58,11 @@ _IGNORED = re.compile(r"^h\.\d+\.attn\.(bias|masked_bias)$")
 # ---------------------------------------------------------------------------------------------
 
 def _read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one .safetensors file as numpy arrays (bfloat16 via ml_dtypes)."""
-    from safetensors.numpy import load_file
-
-    try:
-        return dict(load_file(path))
-    except TypeError:
-        # numpy has no bfloat16: parse the (simple) container ourselves for such files.
-        return _read_safetensors_raw(path)
-
-
-def _read_safetensors_raw(path: str) -> dict[str, np.ndarray]:
-    import ml_dtypes
-
-    dtypes = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
-              "BOOL": np.bool_}
-    with open(path, "rb") as f:
-        n = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(n))
-        data = f.read()
-    out = {}
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if info["dtype"] not in dtypes:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-        start, end = info["data_offsets"]
-        out[name] = np.frombuffer(data[start:end], dtype=dtypes[info["dtype"]]).reshape(info["shape"])
-    return out
+    """All tensors of one .safetensors file as host numpy arrays in their stored dtype (bfloat16 as
+    ``ml_dtypes.bfloat16``). Read by safetensors' flax loader, which knows every dtype JAX has, on the
+    CPU device (a checkpoint never passes through accelerator memory)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        return {name: np.asarray(arr) for name, arr in _load_safetensors(path).items()}
 
 
 def _read_pytorch_bin(path: str) -> dict[str, np.ndarray]:
@@ -171,14 +149,14 @@ def config_from_hf(hf: dict, **overrides: Any) -> GPT2Config:
     if not hf.get("tie_word_embeddings", True):
         raise ValueError("tie_word_embeddings=False is not supported (GPT2 ties the LM head to wte)")
     kw: dict[str, Any] = dict(
-        n_layer=hf.get("n_layer", 12), n_head=hf.get("n_head", 12), n_embd=hf.get("n_embd", 768),
+        n_layers=hf.get("n_layer", 12), n_heads=hf.get("n_head", 12), d_model=hf.get("n_embd", 768),
         vocab_size=hf.get("vocab_size", 50257), n_positions=hf.get("n_positions", 1024),
-        n_inner=hf.get("n_inner"), layer_norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
+        mlp_dim=hf.get("n_inner"), norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         init_std=float(hf.get("initializer_range", 0.02)))
     dcp = hf.get(DCP_CONFIG_KEY)
     if dcp:
-        kw.update(dcp=True, interaction_dim=int(dcp["interaction_dim"]), beta_init=float(dcp["beta_init"]))
-    kw.update(overrides)
+        kw.update(dcp=True, interaction_dim=int(dcp["interaction_dim"]), dcp_beta_init=float(dcp["beta_init"]))
+    kw.update(GPT2Config.current_names(overrides))
     return GPT2Config(**kw)
 
 
@@ -188,14 +166,14 @@ def config_to_hf(cfg: GPT2Config) -> dict:
         "architectures": ["GPT2LMHeadModel"],
         "model_type": "gpt2",
         "activation_function": "gelu_new",
-        "n_layer": cfg.n_layer,
-        "n_head": cfg.n_head,
-        "n_embd": cfg.n_embd,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_embd": cfg.d_model,
         "n_positions": cfg.n_positions,
         "n_ctx": cfg.n_positions,
-        "n_inner": cfg.n_inner,
+        "n_inner": cfg.mlp_dim,
         "vocab_size": cfg.vocab_size,
-        "layer_norm_epsilon": cfg.layer_norm_epsilon,
+        "layer_norm_epsilon": cfg.norm_eps,
         "initializer_range": cfg.init_std,
         "resid_pdrop": 0.0,
         "embd_pdrop": 0.0,
@@ -209,7 +187,7 @@ def config_to_hf(cfg: GPT2Config) -> dict:
         "dtype": "float32",
     }
     if cfg.dcp:
-        hf[DCP_CONFIG_KEY] = {"interaction_dim": cfg.interaction_dim, "beta_init": cfg.beta_init}
+        hf[DCP_CONFIG_KEY] = {"interaction_dim": cfg.interaction_dim, "beta_init": cfg.dcp_beta_init}
     return hf
 
 
@@ -219,15 +197,15 @@ def config_to_hf(cfg: GPT2Config) -> dict:
 
 def _expected_shapes(cfg: GPT2Config) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
     """HF name -> (Flax path, shape) for the dense GPT-2 weights."""
-    d, f = cfg.n_embd, cfg.mlp_dim
+    d, f = cfg.d_model, cfg.mlp_hidden
     out = {
         "wte.weight": (("wte", "embedding"), (cfg.vocab_size, d)),
         "wpe.weight": (("wpe", "embedding"), (cfg.n_positions, d)),
         "ln_f.weight": (("ln_f", "scale"), (d,)),
         "ln_f.bias": (("ln_f", "bias"), (d,)),
     }
-    for i in range(cfg.n_layer):
-        h, fl = f"h.{i}.", f"h_{i}"
+    for i, fl in enumerate(cfg.layer_names):
+        h = f"h.{i}."
         out.update({
             h + "ln_1.weight": ((fl, "ln_1", "scale"), (d,)),
             h + "ln_1.bias": ((fl, "ln_1", "bias"), (d,)),
@@ -246,10 +224,10 @@ def _expected_shapes(cfg: GPT2Config) -> dict[str, tuple[tuple[str, ...], tuple[
 
 
 def _dcp_expected_shapes(cfg: GPT2Config) -> dict[str, tuple[tuple[str, ...], tuple[int, ...]]]:
-    d, r = cfg.n_embd, cfg.interaction_dim
+    d, r = cfg.d_model, cfg.interaction_dim
     out = {}
-    for i in range(cfg.n_layer):
-        h, fl = f"h.{i}.attn.", f"h_{i}"
+    for i, fl in enumerate(cfg.layer_names):
+        h = f"h.{i}.attn."
         out[h + "q_int.weight"] = ((fl, "attn", "q_int", "kernel"), (d, r))
         out[h + "k_int.weight"] = ((fl, "attn", "k_int", "kernel"), (d, r))
         out[h + "int_bias"] = ((fl, "attn", "beta"), (1,))  # stored [1], a scalar in the model
@@ -303,11 +281,12 @@ def load_hf_gpt2(
         ``model.safetensors.index.json``, or ``pytorch_model.bin``, which needs torch).
       dcp: ``None`` (default): DCP parameters are loaded if the directory has
         ``dcp_interaction.safetensors``. ``True``: the returned model has DCP; if the file is absent,
-        fresh interaction parameters are initialised from ``rng`` (``add_dcp_params``: N(0, 0.02),
-        β = beta_init) — the start of DCP fine-tuning. ``False``: DCP parameters are not loaded.
+        fresh interaction parameters are initialised from ``rng`` (``GPT2Config.add_dcp_params``:
+        N(0, 0.02), β = dcp_beta_init) — the start of DCP fine-tuning. ``False``: DCP parameters are not loaded.
       rng: PRNG key, needed only for ``dcp=True`` without a saved DCP file.
       **config_overrides: ``GPT2Config`` fields to set (e.g. ``dtype="bfloat16"``,
-        ``interaction_dim=64``, ``beta_init=2.0`` for fresh DCP params).
+        ``interaction_dim=64``, ``dcp_beta_init=2.0`` for fresh DCP params; the legacy names of
+        ``GPT2Config.LEGACY_KEYS`` are accepted).
 
     Returns:
       (config, params): params is the float32 pytree of ``GPT2(config)`` (fp16/bf16 checkpoints are
@@ -326,7 +305,8 @@ def load_hf_gpt2(
     has_dcp_file = os.path.isfile(dcp_path)
     want_dcp = has_dcp_file if dcp is None else bool(dcp)
     dcp_info = hf.get(DCP_CONFIG_KEY) or {}
-    dcp_overrides = {k: config_overrides.pop(k) for k in ("interaction_dim", "beta_init") if k in config_overrides}
+    config_overrides = GPT2Config.current_names(config_overrides)
+    dcp_overrides = {k: config_overrides.pop(k) for k in ("interaction_dim", "dcp_beta_init") if k in config_overrides}
     cfg = config_from_hf({k: v for k, v in hf.items() if k != DCP_CONFIG_KEY}, **config_overrides)
 
     raw = read_weights(path, "GPT-2")
@@ -337,7 +317,8 @@ def load_hf_gpt2(
     _fill(params, tensors, expected, path)
     if "lm_head.weight" in tensors:
         head = np.asarray(tensors["lm_head.weight"], np.float32)
-        if head.shape != (cfg.vocab_size, cfg.n_embd) or not np.array_equal(head, np.asarray(params["wte"]["embedding"])):
+        if (head.shape != (cfg.vocab_size, cfg.d_model)
+                or not np.array_equal(head, np.asarray(params["wte"]["embedding"]))):
             raise ValueError(f"{path}: lm_head.weight differs from wte.weight; untied heads are not supported")
     unexpected = sorted(n for n in tensors if n not in expected and n != "lm_head.weight" and not _IGNORED.match(n))
     if unexpected:
@@ -350,13 +331,14 @@ def load_hf_gpt2(
         if r is None:  # no config entry: take r from the tensors
             r = dcp_tensors["h.0.attn.q_int.weight"].shape[1] if "h.0.attn.q_int.weight" in dcp_tensors else cfg.interaction_dim
         cfg = cfg.replace(dcp=True, interaction_dim=int(r),
-                          beta_init=float(dcp_info.get("beta_init", cfg.beta_init)), **dcp_overrides)
+                          dcp_beta_init=float(dcp_info.get("beta_init", cfg.dcp_beta_init)), **dcp_overrides)
         _fill(params, dcp_tensors, _dcp_expected_shapes(cfg), dcp_path)
     elif want_dcp:
         if rng is None:
             raise ValueError(f"dcp=True but {dcp_path} does not exist: pass rng to initialise fresh "
                              "interaction parameters")
-        cfg, params = add_dcp_params(cfg, params, rng, **dcp_overrides)
+        cfg, params = cfg.add_dcp_params(params, rng, interaction_dim=dcp_overrides.get("interaction_dim"),
+                                         beta_init=dcp_overrides.get("dcp_beta_init"))
     return cfg, params
 
 
@@ -380,8 +362,6 @@ def save_hf_gpt2(cfg: GPT2Config, params: dict, path: str | os.PathLike, *, dcp:
     Raises:
       ValueError: unknown ``dcp`` mode; params missing a tensor or with a shape that disagrees with cfg.
     """
-    from safetensors.numpy import save_file
-
     if dcp not in ("separate", "drop"):
         raise ValueError(f"dcp must be 'separate' or 'drop', got {dcp!r}")
     path = os.fspath(path)
@@ -407,10 +387,10 @@ def save_hf_gpt2(cfg: GPT2Config, params: dict, path: str | os.PathLike, *, dcp:
                       "the saved model is a plain GPT-2", stacklevel=2)
         save_cfg = cfg.replace(dcp=False)
     dense = {"transformer." + name: arr for name, arr in collect(_expected_shapes(cfg)).items()}
-    save_file(dense, os.path.join(path, SAFETENSORS_NAME), metadata={"format": "pt"})
+    _save_safetensors(dense, os.path.join(path, SAFETENSORS_NAME), metadata={"format": "pt"})
     dcp_path = os.path.join(path, DCP_NAME)
     if save_cfg.dcp:
-        save_file(collect(_dcp_expected_shapes(cfg)), dcp_path, metadata={"format": "pt"})
+        _save_safetensors(collect(_dcp_expected_shapes(cfg)), dcp_path, metadata={"format": "pt"})
     elif os.path.exists(dcp_path):
         os.remove(dcp_path)  # a stale file would turn the plain model into a DCP one on load
     with open(os.path.join(path, CONFIG_NAME), "w") as f:

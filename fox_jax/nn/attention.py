@@ -3,15 +3,33 @@ optional Dynamic Context Pruning (docs/design/dcp.md §1)."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fox_jax.config import ModelConfig
 from fox_jax.decoding.cache import cache_columns, cached_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
+
+
+@flax.struct.dataclass
+class LayerOutput:
+    """What every attention layer and block returns, whatever its config.
+
+    Attributes:
+      x: [B, T, d] the layer's output (compute dtype; a block's residual stream).
+      cache: the updated per-layer cache when the layer was called with one, else None.
+      log_mask: DCP (or a fixed sparse pattern): the layer's log-mask log I [B, T, T] float32 (0 kept,
+        ``LOG_FLOOR`` ≈ −92.1 or −inf dropped), else None.
+    """
+
+    x: jax.Array
+    cache: Any = None
+    log_mask: jax.Array | None = None
 
 
 class ForgettingAttentionLayer(nn.Module):
@@ -34,6 +52,10 @@ class ForgettingAttentionLayer(nn.Module):
     are unchanged; ``cfg.attention_impl`` is not used on this path (``dcp_attention`` is blockwise
     XLA with tiles of ``cfg.attention_block``).
 
+    Attributes:
+      cfg: the model's ``fox_jax.models.lm.ModelConfig`` (the fields read here; this module does not
+        import the models).
+
     Call args:
       x: [B, T, d] normed hidden states (compute dtype).
       segment_ids: [B, T] int or None (packed documents).
@@ -48,20 +70,20 @@ class ForgettingAttentionLayer(nn.Module):
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
     Returns:
-      [B, T, d] in the compute dtype, or ([B, T, d], updated cache) when a cache is given. With ACP
-      on (and no cache), sows ``acp_fraction_skipped`` (a float32 scalar, fraction of causal tiles
-      skipped) into the ``intermediates`` collection. With DCP: ([B, T, d], log I [B, T, T] float32,
-      0 = kept, ``LOG_FLOOR`` ≈ −92.1 = dropped).
+      ``LayerOutput(x [B, T, d] in the compute dtype, cache: the updated cache when one was given,
+      log_mask: with DCP log I [B, T, T] float32, 0 = kept, ``LOG_FLOOR`` ≈ −92.1 = dropped)``. With
+      ACP on (and no cache), sows ``acp_fraction_skipped`` (a float32 scalar, fraction of causal tiles
+      skipped) into the ``intermediates`` collection.
     Raises:
       ValueError: a cache together with segment_ids or positions; a chunk that does not fit the
         cache capacity; DCP without ``alpha``.
       NotImplementedError: DCP with a cache (decoding a DCP LanguageModel is not implemented).
     """
 
-    cfg: ModelConfig
+    cfg: Any
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None):
+    def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None) -> LayerOutput:
         cfg = self.cfg
         if cfg.dcp:
             if cache is not None:
@@ -142,10 +164,7 @@ class ForgettingAttentionLayer(nn.Module):
             o = HeadRMSNorm(cfg.norm_eps, False, dtype, name="o_norm")(o)
         if cfg.output_gate:
             o = o * jax.nn.sigmoid(dense(h * dh, "ogate_proj")(x).reshape(b, t, h, dh))
-        out = dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh))
-        if cfg.dcp:
-            return out, log_mask
-        return out if cache is None else (out, cache)
+        return LayerOutput(dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh)), cache, log_mask)
 
     def _sow_pruning(self, q, k, log_fgate, threshold):
         """Sow the fraction of causal attention tiles ACP skips, at the tiling of the implementation

@@ -1,0 +1,252 @@
+"""What every model family shares: the output type, the config protocol, and its common methods.
+
+A model family is a config dataclass plus the Flax module it builds. Two families exist,
+``fox_jax.models.lm`` (``ModelConfig`` / ``LanguageModel``: FoX and Transformer, LLaMA and Pro) and
+``fox_jax.models.gpt2`` (``GPT2Config`` / ``GPT2``). Training, evaluation and decoding reach a model only
+through ``ModelFamily`` (the config) and ``ModelOutput`` (what the module returns), so they never ask
+which family they hold::
+
+    cfg = config_from_dict(json.load(f))           # fox_jax.models: {"model_type": "gpt2", ...} or "lm"
+    params = cfg.init_params(rng)
+    out = cfg.build().apply({"params": params}, tokens, segment_ids, positions, alpha=alpha)
+    loss = ce(out.logits, targets) + gamma * out.aux.get("sparsity_loss", 0.0)
+
+``FamilyConfig`` implements the methods that are the same for both (serialisation with a type tag and
+renamed legacy keys, layer names, remat, parameter init, adding DCP parameters); each family adds
+``build``, ``param_count`` and ``flops_per_token``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar, Protocol
+
+import flax
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from fox_jax.config import REMAT_POLICIES
+from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
+
+
+@flax.struct.dataclass
+class ModelOutput:
+    """What every model returns, whatever its config.
+
+    Attributes:
+      logits: [B, T, vocab_size]: float32 for GPT-2 and for DCP models, else the compute dtype (cast to
+        float32 for the loss).
+      cache: the updated tuple of per-layer caches when the model was called with ``cache=...``, else None.
+      aux: ``{}`` for a dense model. DCP: ``log_masks`` [n_layers, B, T, T] float32 log I per layer
+        (0 kept, ≈ −92.1 dropped), ``sparsity`` [n_layers] float32 fraction of causal pairs dropped (no
+        gradient), ``sparsity_loss`` float32 scalar (γ = 1, "causal" normalisation, 0 when T < 3). A
+        GPT-2 with a fixed ``sparse_pattern``: ``log_masks`` and ``sparsity`` only.
+    """
+
+    logits: jax.Array
+    cache: Any = None
+    aux: dict = flax.struct.field(default_factory=dict)
+
+
+class ModelFamily(Protocol):
+    """The interface ``ModelConfig`` and ``GPT2Config`` implement (levanter's ``LmConfig``, scaled down).
+
+    Fields with the same meaning have the same name in both: vocab_size, d_model, n_layers, n_heads,
+    mlp_dim, norm_eps, init_std, dtype, attention_impl, attention_block, remat ("none" | "full" |
+    "dots"), dcp, interaction_dim, dcp_beta_init, dcp_impl.
+    """
+
+    model_type: ClassVar[str]
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    dtype: str
+    remat: str
+    dcp: bool
+    interaction_dim: int
+    dcp_beta_init: float
+
+    def build(self) -> nn.Module:
+        """The Flax module: ``apply({"params": p}, tokens, segment_ids=None, positions=None, cache=None,
+        *, alpha=None) -> ModelOutput``."""
+
+    def init_params(self, rng: jax.Array, seq_len: int = 8) -> dict:
+        """Fresh float32 parameters as a plain nested dict."""
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        """The params keys of the attention layers, in order ("layers_{i}" or "h_{i}")."""
+
+    @property
+    def max_positions(self) -> int | None:
+        """The longest sequence the model can position (learned positions), None for no limit."""
+
+    def with_remat(self, policy: str) -> ModelFamily:
+        """The config with rematerialisation ``policy`` ("none", "full", "dots")."""
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token at context ``seq_len`` (dense-equivalent; training costs 3x)."""
+
+    def param_count(self) -> int:
+        """Exact number of parameters of the built model."""
+
+    def add_dcp_params(self, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
+                       beta_init: float | None = None) -> tuple[ModelFamily, dict]:
+        """(the config with DCP, params with fresh interaction parameters) of a dense model."""
+
+    def init_cache(self, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
+        """Empty per-layer decoding caches (``fox_jax.cache``) for this model."""
+
+    def to_dict(self) -> dict:
+        """The fields as a JSON-able dict with ``model_type``."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelFamily:
+        """Inverse of ``to_dict`` (also accepts legacy key names)."""
+
+
+class FamilyConfig:
+    """The ``ModelFamily`` methods both families share (a mixin of the frozen config dataclasses).
+
+    Subclasses set ``model_type``, ``LAYER_PREFIX`` (params key of layer i is ``f"{LAYER_PREFIX}{i}"``)
+    and ``LEGACY_KEYS`` (old field name -> new one, accepted by ``from_dict``).
+    """
+
+    model_type: ClassVar[str]
+    LAYER_PREFIX: ClassVar[str]
+    LEGACY_KEYS: ClassVar[dict[str, str]] = {}
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    @property
+    def layer_names(self) -> tuple[str, ...]:
+        return tuple(f"{self.LAYER_PREFIX}{i}" for i in range(self.n_layers))
+
+    def with_remat(self, policy: str):
+        """The config with ``remat=policy``.
+
+        Raises:
+          ValueError: a policy not in ``REMAT_POLICIES``.
+        """
+        return self.replace(remat=policy)
+
+    def init_params(self, rng: jax.Array, seq_len: int = 8) -> dict:
+        """Float32 parameters of ``self.build()`` as a plain nested dict (no Flax boxing).
+
+        Initialised on a [1, seq_len] batch of zeros (capped at ``max_positions``); DCP models with
+        alpha = 1 (the value does not affect the parameters).
+        """
+        limit = self.max_positions
+        tokens = jnp.zeros((1, seq_len if limit is None else min(seq_len, limit)), jnp.int32)
+        return self.build().init(rng, tokens, alpha=1.0 if self.dcp else None)["params"]
+
+    def add_dcp_params(self, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
+                       beta_init: float | None = None):
+        """Add fresh DCP parameters to a pretrained dense model (docs/design/dcp.md §1.1, §4).
+
+        Every layer ``<name>`` of ``layer_names`` gets ``<name>/attn/q_int/kernel`` and
+        ``<name>/attn/k_int/kernel`` [d, r] float32 ~ N(0, init_std) (the reference code's effective
+        N(0, 0.02) init) and the scalar ``<name>/attn/beta`` = β₀. Existing weights are kept (same
+        objects); the input pytree is not modified.
+
+        Args:
+          params: the dense model's params.
+          rng: PRNG key for the interaction weights.
+          interaction_dim: r (default ``self.interaction_dim``, 64).
+          beta_init: β₀ (default ``self.dcp_beta_init``, 2.0).
+
+        Returns:
+          (the config with dcp=True and the chosen r/β₀, new params pytree).
+
+        Raises:
+          ValueError: the config already has DCP, DCP cannot be combined with it (e.g. ACP or a fixed
+            sparse pattern), bad r/β₀, or params lack a layer ``<name>/attn``.
+        """
+        if self.dcp:
+            raise ValueError(f"add_dcp_params: {type(self).__name__} already has dcp=True")
+        new = self.replace(dcp=True,
+                           interaction_dim=self.interaction_dim if interaction_dim is None else interaction_dim,
+                           dcp_beta_init=self.dcp_beta_init if beta_init is None else beta_init)
+        out = with_interaction_params(params, list(new.layer_names), d_model=new.d_model,
+                                      interaction_dim=new.interaction_dim, init_std=new.init_std,
+                                      beta_init=new.dcp_beta_init, rng=rng)
+        return new, out
+
+    def to_dict(self) -> dict:
+        return {"model_type": self.model_type, **dataclasses.asdict(self)}
+
+    @classmethod
+    def current_names(cls, d: dict) -> dict:
+        """A copy of ``d`` (config fields) with the legacy names of ``LEGACY_KEYS`` renamed and a boolean
+        ``remat`` mapped to a policy (True -> "full", False -> "none").
+
+        Raises:
+          ValueError: a field given under both its old and its new name.
+        """
+        d = dict(d)
+        for old, new in cls.LEGACY_KEYS.items():
+            if old in d:
+                if new in d:
+                    raise ValueError(f"{cls.__name__}: both {old!r} and its new name {new!r} given")
+                d[new] = d.pop(old)
+        if isinstance(d.get("remat"), bool):
+            d["remat"] = "full" if d["remat"] else "none"
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        """The config of ``to_dict`` output; also reads dicts without ``model_type`` and with the legacy
+        names of ``LEGACY_KEYS`` (and GPT-2's boolean ``remat``: True -> "full", False -> "none").
+
+        Raises:
+          ValueError: a ``model_type`` of another family, a field given under both its old and new name,
+            unknown fields, or values the config refuses.
+        """
+        d = cls.current_names(d)
+        model_type = d.pop("model_type", cls.model_type)
+        if model_type != cls.model_type:
+            raise ValueError(f"{cls.__name__}.from_dict: model_type must be {cls.model_type!r}, got {model_type!r}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{cls.__name__}.from_dict: unknown field(s) {', '.join(unknown)}")
+        return cls(**d)
+
+
+def check_remat(remat: Any, owner: str) -> None:
+    """Raise ValueError unless ``remat`` is one of ``REMAT_POLICIES`` (``owner`` names the config)."""
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"{owner}.remat must be one of {REMAT_POLICIES}, got {remat!r}")
+
+
+def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
+    """``block_cls`` rematerialised with ``policy``: "none" (as is), "full" (save only the block inputs)
+    or "dots" (save matmul outputs, recompute the rest). Positional call arguments are traced."""
+    if policy == "none":
+        return block_cls
+    saveable = (jax.checkpoint_policies.nothing_saveable if policy == "full"
+                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    return nn.remat(block_cls, policy=saveable)
+
+
+def dcp_aux(log_masks: jax.Array, segment_ids: jax.Array | None = None, *, with_loss: bool = True) -> dict:
+    """The DCP entries of ``ModelOutput.aux`` (docs/design/dcp.md §3).
+
+    Args:
+      log_masks: [L, B, T, T] float32 log I of every layer.
+      segment_ids: optional [B, T] int, packed documents (only pairs inside a document count).
+      with_loss: include ``sparsity_loss`` (False for fixed sparse patterns, which have nothing to learn).
+
+    Returns:
+      {"log_masks": log_masks, "sparsity": [L] float32 (stop-gradient), "sparsity_loss": float32
+      scalar, γ = 1, "causal" normalisation, 0 when T < 3}.
+    """
+    out = {"log_masks": log_masks,
+           "sparsity": jax.lax.stop_gradient(sparsity(log_masks, segment_ids=segment_ids)[0])}
+    if with_loss:
+        out["sparsity_loss"] = (sparsity_loss(log_masks, 1.0, segment_ids=segment_ids)
+                                if log_masks.shape[-1] >= 3 else jnp.zeros((), jnp.float32))
+    return out

@@ -1,0 +1,147 @@
+"""The model-family interface: both configs implement ``ModelFamily`` and both models return ``ModelOutput``."""
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.decoding import LayerKVCache, PackedKVCache
+from fox_jax.models import MODEL_TYPES, GPT2Config, ModelConfig, ModelOutput, config_from_dict, preset
+from fox_jax.nn.attention import LayerOutput
+
+VOCAB = 61
+
+
+def lm_cfg(**kw):
+    return preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2, attention_block=16, **kw)
+
+
+def gpt2_cfg(**kw):
+    return GPT2Config(n_layers=2, n_heads=2, d_model=32, vocab_size=VOCAB, n_positions=32, attention_block=16, **kw)
+
+
+FAMILIES = {"lm": lm_cfg, "gpt2": gpt2_cfg}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_call_returns_model_output(family):
+    cfg = FAMILIES[family]()
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, VOCAB)
+    model = cfg.build()
+    dense = model.apply({"params": params}, tokens)
+    assert isinstance(dense, ModelOutput) and dense.cache is None and dense.aux == {}
+    assert dense.logits.shape == (2, 12, VOCAB)
+    # dense and DCP with the same weights, and a decoding cache: the same output type
+    dcp_cfg, dcp_params = cfg.add_dcp_params(params, jax.random.PRNGKey(2), interaction_dim=8, beta_init=1e4)
+    dcp = dcp_cfg.build().apply({"params": dcp_params}, tokens, alpha=float("inf"))
+    assert isinstance(dcp, ModelOutput) and dcp.cache is None
+    assert dcp.logits.dtype == jnp.float32 and set(dcp.aux) == {"log_masks", "sparsity", "sparsity_loss"}
+    assert dcp.aux["log_masks"].shape == (2, 2, 12, 12) and dcp.aux["sparsity"].shape == (2,)
+    np.testing.assert_allclose(dcp.logits, dense.logits, atol=1e-4)  # β₀ = 1e4 keeps every pair
+    caches = cfg.init_cache(2, 16)
+    assert len(caches) == cfg.n_layers and all(isinstance(c, LayerKVCache) for c in caches)
+    step = model.apply({"params": params}, tokens[:, :5], cache=caches)
+    assert isinstance(step, ModelOutput) and step.aux == {} and len(step.cache) == cfg.n_layers
+    assert int(step.cache[0].length) == 5
+    np.testing.assert_allclose(step.logits, dense.logits[:, :5], atol=1e-4)
+    # jit and grad see a pytree
+    out = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
+    assert isinstance(out, ModelOutput)
+    grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens).logits))(params)
+    assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_blocks_and_layers_return_layer_output(family):
+    cfg = FAMILIES[family]()
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    tokens = jnp.zeros((1, 6), jnp.int32)
+    _, state = cfg.build().apply({"params": params}, tokens, capture_intermediates=True)
+    outs = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LayerOutput))
+    attn = [o for o in outs if isinstance(o, LayerOutput)]
+    assert len(attn) == 2 * cfg.n_layers  # every block and every attention layer
+    assert all(o.cache is None and o.log_mask is None and o.x.shape == (1, 6, cfg.d_model) for o in attn)
+
+
+def test_gpt2_packed_cache_output():
+    cfg = gpt2_cfg(dcp=True, interaction_dim=8)
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    caches = cfg.init_cache(2, 8, packed=True)
+    assert all(isinstance(c, PackedKVCache) for c in caches)
+    out = cfg.build().apply({"params": params}, jnp.zeros((2, 4), jnp.int32), cache=caches)
+    assert isinstance(out, ModelOutput) and out.aux == {} and all(isinstance(c, PackedKVCache) for c in out.cache)
+    with pytest.raises(ValueError, match="packed"):
+        gpt2_cfg().init_cache(2, 8, packed=True)
+    with pytest.raises(ValueError, match="packed"):
+        lm_cfg().init_cache(2, 8, packed=True)
+    with pytest.raises(NotImplementedError, match="DCP"):
+        lm_cfg(dcp=True).init_cache(2, 8)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_dict_round_trip(family):
+    cfg = FAMILIES[family](dcp=True, interaction_dim=8, remat="dots")
+    d = cfg.to_dict()
+    assert d["model_type"] == family == cfg.model_type and MODEL_TYPES[family] is type(cfg)
+    assert config_from_dict(json.loads(json.dumps(d))) == cfg
+    assert type(cfg).from_dict(d) == cfg
+    with pytest.raises(ValueError, match="unknown field"):
+        type(cfg).from_dict({**d, "n_layerz": 3})
+    other = "gpt2" if family == "lm" else "lm"
+    with pytest.raises(ValueError, match="model_type"):
+        type(cfg).from_dict({**d, "model_type": other})
+    with pytest.raises(ValueError, match="model_type"):
+        config_from_dict({**d, "model_type": "llama"})
+
+
+def test_config_from_dict_defaults_and_legacy_gpt2_names():
+    lm = ModelConfig(n_layers=3)
+    assert config_from_dict(dataclasses.asdict(lm)) == lm  # no tag: a ModelConfig
+    legacy = {"model_type": "gpt2", "n_layer": 3, "n_head": 2, "n_embd": 16, "n_inner": 40,
+              "layer_norm_epsilon": 1e-6, "beta_init": 1.5, "remat": True, "n_positions": 64, "vocab_size": 50,
+              "dcp": True}
+    cfg = config_from_dict(legacy)
+    assert cfg == GPT2Config(n_layers=3, n_heads=2, d_model=16, mlp_dim=40, norm_eps=1e-6, dcp_beta_init=1.5,
+                             remat="full", n_positions=64, vocab_size=50, dcp=True)
+    assert cfg.mlp_hidden == 40 and cfg.dim_per_head == 8
+    assert config_from_dict({**legacy, "remat": False}).remat == "none"
+    assert GPT2Config.from_dict(cfg.to_dict()) == cfg
+    with pytest.raises(ValueError, match="both"):
+        GPT2Config.from_dict({"n_layer": 2, "n_layers": 2})
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_protocol_methods(family):
+    cfg = FAMILIES[family]()
+    prefix = {"lm": "layers_", "gpt2": "h_"}[family]
+    assert cfg.layer_names == (f"{prefix}0", f"{prefix}1")
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    assert set(cfg.layer_names) <= set(params)
+    assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == cfg.param_count()
+    assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
+    for policy in ("none", "full", "dots"):
+        assert cfg.with_remat(policy).remat == policy
+    with pytest.raises(ValueError, match="remat"):
+        cfg.with_remat("some")
+    # FLOPs: 2N + 2·n_layers·d_attn·L, plus n_layers·r·L with DCP
+    f1, f2 = cfg.flops_per_token(100), cfg.flops_per_token(200)
+    assert f2 - f1 == pytest.approx(2 * cfg.n_layers * cfg.n_heads * cfg.dim_per_head * 100)
+    new_cfg, new = cfg.add_dcp_params(params, jax.random.PRNGKey(1), interaction_dim=4, beta_init=3.0)
+    assert new_cfg == cfg.replace(dcp=True, interaction_dim=4, dcp_beta_init=3.0)
+    assert new_cfg.flops_per_token(100) - cfg.flops_per_token(100) == pytest.approx(
+        2 * cfg.n_layers * 2 * cfg.d_model * 4 + 2 * cfg.n_layers + cfg.n_layers * 4 * 100)
+    for name in cfg.layer_names:
+        attn = new[name]["attn"]
+        assert attn["q_int"]["kernel"].shape == (cfg.d_model, 4) and float(attn["beta"]) == 3.0
+    assert sum(x.size for x in jax.tree_util.tree_leaves(new)) == new_cfg.param_count()
+    with pytest.raises(ValueError, match="already"):
+        new_cfg.add_dcp_params(new, jax.random.PRNGKey(1))
+    # remat changes no parameter and no output
+    tokens = jnp.ones((1, 5), jnp.int32)
+    for policy in ("full", "dots"):
+        np.testing.assert_allclose(cfg.with_remat(policy).build().apply({"params": params}, tokens).logits,
+                                   cfg.build().apply({"params": params}, tokens).logits, atol=1e-6)
