@@ -180,7 +180,7 @@ def select_partitioner(mesh: Mesh, partitioner: str = "auto") -> str:
         several GPU devices and the attention kernels run per shard
         (``FOX_JAX_SHARD_KERNELS`` not 0), else JAX's default. Reason: with jax 0.11.2, Shardy
         segfaults partitioning the backward of the Pallas kernels' ``shard_map`` on GPUs
-        (``fox_jax.ops.forgetting_attention.kernel_sharding_enabled``); GSPMD compiles it.
+        (``kernel_sharding_enabled``); GSPMD compiles it.
     Returns:
       ``"shardy"`` or ``"gspmd"``: the partitioner now in effect.
     Raises:
@@ -190,8 +190,6 @@ def select_partitioner(mesh: Mesh, partitioner: str = "auto") -> str:
         raise ValueError(f"partitioner must be one of {PARTITIONERS}, got {partitioner!r}")
     current = "shardy" if getattr(jax.config, "jax_use_shardy_partitioner", False) else "gspmd"
     if partitioner == "auto":
-        from fox_jax.ops.forgetting_attention import SHARD_KERNELS_ENV
-
         wants_kernels = os.environ.get(SHARD_KERNELS_ENV, "").strip() != "0"
         partitioner = "gspmd" if (mesh.size > 1 and jax.default_backend() == "gpu" and wants_kernels) else current
     if partitioner != current:
@@ -226,3 +224,114 @@ def under_mesh(mesh: Mesh, fn):
 
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Kernel sharding
+# ---------------------------------------------------------------------------------------------------
+# A ``pallas_call`` is opaque to the SPMD partitioner (docs/design/pallas_gpu.md §3): it would
+# all-gather the kernels' inputs and compute every shard on every device. Under a mesh the attention
+# op (fox_jax.ops.forgetting_attention) therefore runs its kernels in a ``shard_map``, with the arrays
+# split along their logical axes (``per_shard``). This section is the only place that knows the mesh.
+
+SHARD_KERNELS_ENV = "FOX_JAX_SHARD_KERNELS"
+
+if hasattr(jax, "shard_map"):  # jax >= 0.6.1
+    _experimental_shard_map = None
+else:  # jax 0.6.0 has only the experimental one
+    from jax.experimental.shard_map import shard_map as _experimental_shard_map
+
+
+def kernel_sharding_enabled() -> bool:
+    """Whether the Pallas kernels run per shard under an ambient mesh (``kernel_mesh``).
+
+    ``FOX_JAX_SHARD_KERNELS=1`` / ``0`` forces it on / off. Default: on, except on GPU backends while
+    JAX's Shardy partitioner is selected: with jax 0.11.2 it segfaults (in its ``shardy-xla`` pass)
+    partitioning the *backward* of the kernels' ``shard_map`` on 2 H200s — also with both backward kernels
+    replaced by zeros, so the glue, not the Triton compile — while the GSPMD partitioner compiles and
+    runs it (benchmarks/NOTES.md, "Multi-GPU"). ``select_partitioner`` picks GSPMD for multi-GPU
+    meshes. Off, a multi-device step is still correct: XLA all-gathers around the kernels and every
+    device computes all rows (760M FoX (Pro) at 16k: 64 % weak-scaling efficiency on 2 H200s).
+
+    Raises:
+      ValueError: ``FOX_JAX_SHARD_KERNELS`` set to something other than 0 or 1.
+    """
+    flag = os.environ.get(SHARD_KERNELS_ENV)
+    if flag is not None and flag.strip() != "":
+        if flag.strip() not in ("0", "1"):
+            raise ValueError(f"{SHARD_KERNELS_ENV} must be 0 or 1, got {flag!r}")
+        return flag.strip() == "1"
+    return jax.default_backend() != "gpu" or not getattr(jax.config, "jax_use_shardy_partitioner", False)
+
+
+def kernel_mesh():
+    """The mesh the kernels run per shard on: the one set with ``jax.set_mesh`` (``under_mesh``) when it
+    spans several devices, kernel sharding is enabled and we are not already inside a ``shard_map``
+    (manual axes); else None."""
+    if not kernel_sharding_enabled():
+        return None
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size <= 1:
+        return None
+    if any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+        return None
+    return mesh
+
+
+def shard_map(f, mesh, in_specs, out_specs):
+    """``jax.shard_map(f, mesh=mesh, in_specs=..., out_specs=...)`` without the replication check
+    (``pallas_call`` has no replication rule)."""
+    if _experimental_shard_map is not None:
+        return _experimental_shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
+    return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+
+
+def _dividing_axes(mesh, axes, dims) -> tuple[str, ...] | None:
+    """The mesh axes of ``axes`` present in ``mesh`` with size > 1, if their product divides every dim."""
+    axes = (axes,) if isinstance(axes, str) else tuple(axes or ())
+    axes = tuple(a for a in axes if a in mesh.axis_names and mesh.shape[a] > 1)
+    size = int(np.prod([mesh.shape[a] for a in axes]))
+    if not axes or any(n % size for n in dims):
+        return None
+    return axes
+
+
+def per_shard(fn, mesh, args: dict, out_axes: tuple, *, rules: dict | None = None):
+    """``fn(**arrays)`` run per shard: in a ``shard_map`` over ``mesh``, every array split along its
+    logical axes, nothing communicated.
+
+    A logical axis is split over its mesh axes (``rules``) that ``mesh`` has with size > 1, if their
+    product divides every dimension carrying that name; otherwise that axis is replicated. When no
+    axis is split, ``fn`` is called directly (XLA replicates the call).
+
+    Args:
+      fn: called with the arrays (local shards) as keyword arguments; returns one array.
+      mesh: a ``Mesh`` or the ambient ``AbstractMesh`` (``kernel_mesh``).
+      args: {name: (array, logical axes)}, one logical name or None per dimension. The kernels'
+        batch and head dimensions are ``"batch"`` and ``"heads"``; k/v heads carry ``"heads"`` too, so
+        that H and Hkv are split together and grouped-query heads stay on one device.
+      out_axes: logical axes of fn's output.
+      rules: logical name → mesh axis name(s); default ``LOGICAL_AXIS_RULES``.
+    Returns:
+      fn's output, sharded along ``out_axes``.
+    """
+    rules = LOGICAL_AXIS_RULES if rules is None else rules
+    dims: dict[str, list[int]] = {}
+    for x, axes in args.values():
+        for size, name in zip(x.shape, axes):
+            if name is not None:
+                dims.setdefault(name, []).append(size)
+    split = {name: _dividing_axes(mesh, rules.get(name), sizes) for name, sizes in dims.items()}
+    if all(axes is None for axes in split.values()):
+        return fn(**{name: x for name, (x, _) in args.items()})
+
+    def spec(axes):
+        return P(*(None if name is None else split.get(name) for name in axes))
+
+    names = tuple(args)
+
+    def local(*arrays):
+        return fn(**dict(zip(names, arrays)))
+
+    in_specs = tuple(spec(axes) for _, axes in args.values())
+    return shard_map(local, mesh, in_specs, spec(out_axes))(*(x for x, _ in args.values()))

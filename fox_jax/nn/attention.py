@@ -12,8 +12,9 @@ import jax.numpy as jnp
 
 from fox_jax.decoding.cache import cache_columns, cached_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
-from fox_jax.ops import acp, forgetting_attention
+from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
+from fox_jax.ops.pallas import resolve_config
 
 
 @flax.struct.dataclass
@@ -169,15 +170,11 @@ class ForgettingAttentionLayer(nn.Module):
     def _sow_pruning(self, q, k, log_fgate, threshold):
         """Sow the fraction of causal attention tiles ACP skips, at the tiling of the implementation
         that runs: the Pallas forward kernel's tiles, or ``attention_block`` for the XLA path."""
-        from fox_jax.ops.forgetting_attention import _resolve_impl
-
         cfg = self.cfg
         t = q.shape[1]
         lam = jax.lax.stop_gradient(jnp.cumsum(log_fgate, axis=1))
         delta = acp.resolve_threshold(threshold, q, k, cfg.dim_per_head ** -0.5)
-        if _resolve_impl(cfg.attention_impl, False) in ("pallas", "mosaic"):
-            from fox_jax.ops.pallas import resolve_config
-
+        if resolve_implementation(cfg.attention_impl) in ("pallas", "mosaic"):
             fwd = resolve_config(cfg.dim_per_head, t, t).fwd
             bq, bk = fwd.block_q, fwd.block_k
         else:

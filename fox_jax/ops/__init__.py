@@ -1,8 +1,9 @@
 """Pure ops: forgetting attention (public op, dense reference, ACP helpers)."""
 
-from fox_jax.ops import acp, context_pruning
+from fox_jax.ops import acp, context_pruning, tiles
 from fox_jax.ops.alpha_sigmoid import alpha_sigmoid, alpha_sigmoid_step, cosine_alpha_schedule
-from fox_jax.ops.forgetting_attention import IMPLEMENTATIONS, forgetting_attention
+from fox_jax.ops.forgetting_attention import (IMPLEMENTATIONS, forgetting_attention, resolve_implementation,
+                                              sharded_attention)
 from fox_jax.ops.reference import attention_mask, decay_cumsum, forgetting_attention_reference
 
 __all__ = [
@@ -16,4 +17,7 @@ __all__ = [
     "decay_cumsum",
     "forgetting_attention",
     "forgetting_attention_reference",
+    "resolve_implementation",
+    "sharded_attention",
+    "tiles",
 ]

@@ -35,6 +35,36 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
+def check_attention_inputs(q, k, v, log_fgate, *, segment_ids=None, log_mask=None) -> None:
+    """The checks every public attention op makes (``forgetting_attention``, ``dcp_attention``).
+
+    Args:
+      q, k, v: as ``check_qkv``.
+      log_fgate: None or [B, Tk, H] float32 log forget gates (one per query head).
+      segment_ids: None or [B, Tk] int.
+      log_mask: None or [B, Tq, Tk] float32 (DCP).
+    Raises:
+      ValueError naming the argument and the expected shape or dtype.
+    """
+    check_qkv(q, k, v)
+    b, tq, h, _ = q.shape
+    tk = k.shape[1]
+    if log_fgate is not None:
+        if log_fgate.shape != (b, tk, h):
+            raise ValueError(f"log_fgate must be [B, Tk, H] = {(b, tk, h)} (one gate per query head), "
+                             f"got {log_fgate.shape}")
+        if log_fgate.dtype != jnp.float32:
+            raise ValueError(
+                f"log_fgate must be float32 (cast the gate logits to float32 before log_sigmoid), "
+                f"got {log_fgate.dtype}")
+    if log_mask is not None:
+        if log_mask.shape != (b, tq, tk):
+            raise ValueError(f"log_mask must be [B, Tq, Tk] = {(b, tq, tk)}, got {log_mask.shape}")
+        if log_mask.dtype != jnp.float32:
+            raise ValueError(f"log_mask must be float32, got {log_mask.dtype}")
+    check_segment_ids(segment_ids, b, tk)
+
+
 def check_segment_ids(segment_ids, b: int, tk: int) -> None:
     if segment_ids is not None and (
             segment_ids.shape != (b, tk) or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):

@@ -25,7 +25,6 @@ GPT-2, the Transformer baselines (no gate) and FoX (``fox_jax.nn.attention``).
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -33,13 +32,18 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fox_jax.ops._common import check_qkv, check_segment_ids
-from fox_jax.ops._common import dot_precision as _precision, pad_axis as _pad_to, round_up as _round_up
+from fox_jax.ops import pallas as pallas_impl
+from fox_jax.ops._common import check_attention_inputs
 from fox_jax.ops.alpha_sigmoid import log_alpha_sigmoid
+from fox_jax.ops.blockwise import block_sizes, blockwise_attention
 from fox_jax.ops.reference import decay_cumsum
-
-LOG_FLOOR = math.log(1e-40)
-"""≈ −92.103: log of the reference code's 1e-40; a fully dropped (query, key) pair gets this bias."""
+from fox_jax.ops.tiles import (  # noqa: F401  (dropped_key_blocks: part of the DCP API)
+    LOG_FLOOR,
+    dropped_key_blocks,
+    exclude_dropped,
+    tile_visits,
+    visible_pairs,
+)
 
 NORMALIZATIONS = ("causal", "code")
 _NEG_INF = float("-inf")
@@ -291,77 +295,6 @@ def sparsity(
 
 
 # ---------------------------------------------------------------------------------------------
-# Blocks of fully dropped pairs
-# ---------------------------------------------------------------------------------------------
-
-def _visible(tq: int, tk: int, segment_ids: jax.Array | None) -> jax.Array:
-    """[1 or B, Tq, Tk] bool: causal with bottom-right alignment, same document."""
-    offset = tk - tq
-    vis = ((offset + jnp.arange(tq))[:, None] >= jnp.arange(tk)[None, :])[None]
-    if segment_ids is not None:
-        vis = vis & (segment_ids[:, offset:, None] == segment_ids[:, None, :])
-    return vis
-
-
-def dropped_key_blocks(
-    log_mask: jax.Array,
-    block_q: int,
-    block_k: int,
-    *,
-    floor: float = LOG_FLOOR,
-    segment_ids: jax.Array | None = None,
-) -> jax.Array:
-    """Which (query block, key block) tiles hold no visible kept pair: attention may skip them.
-
-    tile (m, n) is flagged iff every visible pair in it — causal with bottom-right alignment
-    (query i at absolute position Tk − Tq + i), inside [0, Tq)×[0, Tk), same document when
-    ``segment_ids`` is given — has log I ≤ ``floor``. Tiles with no visible pair at all (above the
-    diagonal, or the padded remainder) are flagged too (vacuously). Computed once per layer from the
-    shared mask and used for every head. Skipping a flagged tile changes each softmax row by at most
-    a relative e^floor ≈ 1e-40 per pair (exactly nothing when floor = −inf).
-
-    Args:
-      log_mask: [B, Tq, Tk] float32 log I of one layer.
-      block_q, block_k: tile sizes (positive ints; T need not be a multiple).
-      floor: values ≤ floor count as dropped.
-      segment_ids: optional [B, Tk] int, packed documents.
-
-    Returns:
-      [B, ceil(Tq/block_q), ceil(Tk/block_k)] bool.
-
-    Raises:
-      ValueError: log_mask not rank 3, bad block sizes or segment_ids shape.
-    """
-    if log_mask.ndim != 3:
-        raise ValueError(f"log_mask must be [B, Tq, Tk], got {log_mask.shape}")
-    for name, v in (("block_q", block_q), ("block_k", block_k)):
-        if not isinstance(v, int) or v <= 0:
-            raise ValueError(f"{name} must be a positive int, got {v!r}")
-    b, tq, tk = log_mask.shape
-    if segment_ids is not None and (segment_ids.shape != (b, tk)
-                                    or not jnp.issubdtype(segment_ids.dtype, jnp.integer)):
-        raise ValueError(f"segment_ids must be an int array of shape [B, Tk] = {(b, tk)}, "
-                         f"got {segment_ids.dtype}{segment_ids.shape}")
-    nq, nk = -(-tq // block_q), -(-tk // block_k)
-    ignorable = (log_mask <= floor) | ~_visible(tq, tk, segment_ids)
-    ignorable = jnp.pad(ignorable, ((0, 0), (0, nq * block_q - tq), (0, nk * block_k - tk)),
-                        constant_values=True)
-    return jnp.all(ignorable.reshape(b, nq, block_q, nk, block_k), axis=(2, 4))
-
-
-def exclude_dropped(log_mask: jax.Array, floor: float, dropped_value: float) -> jax.Array:
-    """log_mask with every dropped pair (log I ≤ floor) set to ``dropped_value`` (−inf, or a finite
-    value far below every kept logit for kernels that need finite inputs); zero gradient there."""
-    return jnp.where(log_mask > floor, log_mask, dropped_value)
-
-
-def rows_with_kept_pair(log_mask: jax.Array, floor: float, segment_ids: jax.Array | None = None) -> jax.Array:
-    """[B, Tq] bool: query rows with at least one visible pair log I > floor (the others output 0)."""
-    tq, tk = log_mask.shape[1:]
-    return jnp.any((log_mask > floor) & _visible(tq, tk, segment_ids), axis=-1)
-
-
-# ---------------------------------------------------------------------------------------------
 # Attention with the shared additive mask
 # ---------------------------------------------------------------------------------------------
 
@@ -396,269 +329,10 @@ def dcp_attention_reference(
         lam = decay_cumsum(log_fgate).transpose(0, 2, 1)  # [B, H, Tk] float32
         s = s + (lam[:, :, tk - tq:, None] - lam[:, :, None, :])
     s = s + log_mask.astype(jnp.float32)[:, None]
-    vis = (_visible(tq, tk, segment_ids) & (log_mask > floor))[:, None]  # visible and kept
+    vis = (visible_pairs(tq, tk, segment_ids) & (log_mask > floor))[:, None]  # visible and kept
     s = jnp.where(vis, s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1) * vis
     return jnp.einsum("bhij,bjhd->bihd", p, vf, precision=lax.Precision.HIGHEST)
-
-
-class _Geom:
-    """Static tile geometry of one dcp_attention call."""
-
-    def __init__(self, tq, tk, h, hkv, block_q, block_k):
-        self.tq, self.tk, self.h, self.hkv = tq, tk, h, hkv
-        self.group = h // hkv
-        self.bq = min(block_q, _round_up(tq, 8))
-        self.bk = min(block_k, _round_up(tk, 8))
-        self.nq, self.nk = -(-tq // self.bq), -(-tk // self.bk)
-        self.tq_pad, self.tk_pad = self.nq * self.bq, self.nk * self.bk
-        self.offset = tk - tq
-
-
-def dcp_block_sizes(tq: int, tk: int, block_q: int = 128, block_k: int = 128) -> tuple[int, int]:
-    """The tile sizes ``dcp_attention`` uses for these lengths (blocks shrink to round_up(T, 8))."""
-    g = _Geom(tq, tk, 1, 1, block_q, block_k)
-    return g.bq, g.bk
-
-
-def _block_lists(live: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-    """From live [B, nq, nk] bool: per query block the live key blocks (ascending) and their count,
-    and per key block the live query blocks; a tile is visited if it is live for any batch row."""
-    any_live = jnp.any(live, axis=0)  # [nq, nk]
-    kv_idx = jnp.argsort(~any_live, axis=1, stable=True).astype(jnp.int32)
-    kv_cnt = jnp.sum(any_live, axis=1).astype(jnp.int32)
-    q_idx = jnp.argsort(~any_live.T, axis=1, stable=True).astype(jnp.int32)
-    q_cnt = jnp.sum(any_live, axis=0).astype(jnp.int32)
-    return kv_idx, kv_cnt, q_idx, q_cnt
-
-
-def _tile_mask(g: _Geom, m, n, seg_q_blk, seg_k_blk, live):
-    """[B, 1, bq, bk] visibility of tile (m, n): causal, in range, same document, tile live for b."""
-    qpos = g.offset + m * g.bq + jnp.arange(g.bq)
-    kpos = n * g.bk + jnp.arange(g.bk)
-    vis = (qpos[:, None] >= kpos[None, :]) & (kpos[None, :] < g.tk) & (qpos[:, None] < g.tk)
-    vis = vis[None, None] & live[:, m, n][:, None, None, None]
-    if seg_q_blk is not None:
-        vis = vis & (seg_q_blk[:, None, :, None] == seg_k_blk[:, None, None, :])
-    return vis
-
-
-def _prep(q, k, v, log_mask, segment_ids, g: _Geom):
-    """Pad q/k/v/mask/segments to whole tiles (padded queries and keys are masked out later)."""
-    qp = _pad_to(q, 1, g.tq_pad)
-    kp = _pad_to(k, 1, g.tk_pad)
-    vp = _pad_to(v, 1, g.tk_pad)
-    mp = _pad_to(_pad_to(log_mask, 1, g.tq_pad), 2, g.tk_pad)
-    if segment_ids is not None:
-        seg_q = _pad_to(segment_ids[:, g.offset:], 1, g.tq_pad, value=-1)
-        seg_k = _pad_to(segment_ids, 1, g.tk_pad, value=-2)
-    else:
-        seg_q = seg_k = None
-    return qp, kp, vp, mp, seg_q, seg_k
-
-
-def _prep_lam(lam, g: _Geom):
-    """Λ [B, Tk, H] float32 -> (Λ of the queries [B, H, Tq_pad], Λ of the keys [B, H, Tk_pad]), or
-    (None, None) without forget gates. Padded entries are 0 (their pairs are masked out anyway)."""
-    if lam is None:
-        return None, None
-    lam_t = lam.transpose(0, 2, 1)  # [B, H, Tk]
-    return _pad_to(lam_t[:, :, g.offset:], 2, g.tq_pad), _pad_to(lam_t, 2, g.tk_pad)
-
-
-def _sl(x, start, size, axis=1):
-    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
-def _scores(g, q_blk, k_blk, m_blk, scale, lq_blk=None, lk_blk=None):
-    """scale·q·kᵀ + log I (+ Λ_i − Λ_j with forget gates) in float32, [B, H, bq, bk].
-
-    lq_blk [B, H, bq], lk_blk [B, H, bk]: float32 Λ of the tile's queries and keys, or None."""
-    if g.group > 1:
-        k_blk = jnp.repeat(k_blk, g.group, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q_blk, k_blk, preferred_element_type=jnp.float32,
-                   precision=_precision(q_blk.dtype))
-    s = s * scale + m_blk[:, None]
-    if lq_blk is not None:
-        s = s + (lq_blk[..., :, None] - lk_blk[..., None, :])
-    return s
-
-
-def _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k):
-    b, tq, h, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = _Geom(tq, tk, h, hkv, block_q, block_k)
-    qp, kp, vp, mp, seg_q, seg_k = _prep(q, k, v, log_mask, segment_ids, g)
-    lam_q, lam_k = _prep_lam(lam, g)
-    kv_idx, kv_cnt = lists[0], lists[1]
-    prec = _precision(q.dtype)
-
-    def one_query_block(m):
-        q_blk = _sl(qp, m * g.bq, g.bq)
-        m_row = _sl(mp, m * g.bq, g.bq)  # [B, bq, Tk_pad]
-        seg_q_blk = None if seg_q is None else _sl(seg_q, m * g.bq, g.bq)
-        lq_blk = None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2)
-
-        def body(i, carry):
-            m_i, l_i, acc = carry
-            n = kv_idx[m, i]
-            k_blk, v_blk = _sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk)
-            seg_k_blk = None if seg_k is None else _sl(seg_k, n * g.bk, g.bk)
-            lk_blk = None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2)
-            s = _scores(g, q_blk, k_blk, _sl(m_row, n * g.bk, g.bk, axis=2), scale, lq_blk, lk_blk)
-            s = jnp.where(_tile_mask(g, m, n, seg_q_blk, seg_k_blk, live), s, _NEG_INF)
-            m_new = jnp.maximum(m_i, jnp.max(s, axis=-1))
-            m_safe = jnp.where(m_new == _NEG_INF, 0.0, m_new)
-            p = jnp.exp(s - m_safe[..., None])
-            corr = jnp.exp(m_i - m_safe)
-            v_rep = jnp.repeat(v_blk, g.group, axis=2) if g.group > 1 else v_blk
-            pv = jnp.einsum("bhqk,bkhd->bhqd", p.astype(v.dtype), v_rep,
-                            preferred_element_type=jnp.float32, precision=prec)
-            return m_new, l_i * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
-
-        init = (jnp.full((b, h, g.bq), _NEG_INF, jnp.float32), jnp.zeros((b, h, g.bq), jnp.float32),
-                jnp.zeros((b, h, g.bq, d), jnp.float32))
-        m_i, l_i, acc = lax.fori_loop(0, kv_cnt[m], body, init)
-        empty = l_i == 0.0
-        o = acc / jnp.where(empty, 1.0, l_i)[..., None]
-        lse = jnp.where(empty, _NEG_INF, m_i + jnp.log(jnp.where(empty, 1.0, l_i)))
-        return o.transpose(0, 2, 1, 3).astype(q.dtype), lse.transpose(0, 2, 1)
-
-    o, lse = lax.map(one_query_block, jnp.arange(g.nq))  # [nq, B, bq, H, D], [nq, B, bq, H]
-    o = o.transpose(1, 0, 2, 3, 4).reshape(b, g.tq_pad, h, d)[:, :tq]
-    lse = lse.transpose(1, 0, 2, 3).reshape(b, g.tq_pad, h)[:, :tq]
-    return o, lse
-
-
-def _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do, scale, block_q, block_k):
-    """(dq, dk, dv, dlog_mask, dΛ or None); dΛ_t = Σ_j dS_tj (t as a query) − Σ_i dS_it (t as a key),
-    float32 [B, Tk, H] (docs/design/fox_acp.md §1.6)."""
-    b, tq, h, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = _Geom(tq, tk, h, hkv, block_q, block_k)
-    qp, kp, vp, mp, seg_q, seg_k = _prep(q, k, v, log_mask, segment_ids, g)
-    lam_q, lam_k = _prep_lam(lam, g)
-    gated = lam is not None
-    kv_idx, kv_cnt, q_idx, q_cnt = lists
-    prec = _precision(q.dtype)
-    delta = _pad_to(jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32), axis=-1), 1, g.tq_pad)
-    lse_p = _pad_to(jnp.where(jnp.isfinite(lse), lse, 0.0), 1, g.tq_pad)
-    dop = _pad_to(do, 1, g.tq_pad)
-
-    def tile(m, n, q_blk, k_blk, v_blk, do_blk, m_blk, lse_blk, delta_blk, seg_q_blk, seg_k_blk,
-             lq_blk=None, lk_blk=None):
-        """p and dS = p·(dP − δ) of tile (m, n), [B, H, bq, bk] float32."""
-        s = _scores(g, q_blk, k_blk, m_blk, scale, lq_blk, lk_blk)
-        s = jnp.where(_tile_mask(g, m, n, seg_q_blk, seg_k_blk, live), s, _NEG_INF)
-        p = jnp.exp(s - lse_blk.transpose(0, 2, 1)[..., None])
-        v_rep = jnp.repeat(v_blk, g.group, axis=2) if g.group > 1 else v_blk
-        dp = jnp.einsum("bqhd,bkhd->bhqk", do_blk, v_rep, preferred_element_type=jnp.float32,
-                        precision=prec)
-        return p, p * (dp - delta_blk.transpose(0, 2, 1)[..., None])
-
-    def query_side(m):  # query block m of q, dO, the segment ids and Λ
-        return (_sl(qp, m * g.bq, g.bq), _sl(dop, m * g.bq, g.bq),
-                None if seg_q is None else _sl(seg_q, m * g.bq, g.bq),
-                None if lam_q is None else _sl(lam_q, m * g.bq, g.bq, axis=2))
-
-    def key_side(n):  # key block n of k, v, the segment ids and Λ
-        return (_sl(kp, n * g.bk, g.bk), _sl(vp, n * g.bk, g.bk),
-                None if seg_k is None else _sl(seg_k, n * g.bk, g.bk),
-                None if lam_k is None else _sl(lam_k, n * g.bk, g.bk, axis=2))
-
-    # dQ and dlogI: query blocks over their live key blocks ---------------------------------------
-    def dq_block(m):
-        q_blk, do_blk, seg_q_blk, lq_blk = query_side(m)
-        m_row = _sl(mp, m * g.bq, g.bq)
-        lse_blk, delta_blk = _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq)
-
-        def body(i, carry):
-            dq, dm_row = carry[0], carry[1]
-            n = kv_idx[m, i]
-            k_blk, v_blk, seg_k_blk, lk_blk = key_side(n)
-            _, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_row, n * g.bk, g.bk, axis=2),
-                         lse_blk, delta_blk, seg_q_blk, seg_k_blk, lq_blk, lk_blk)
-            k_rep = jnp.repeat(k_blk, g.group, axis=2) if g.group > 1 else k_blk
-            dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds.astype(k.dtype), k_rep,
-                                 preferred_element_type=jnp.float32, precision=prec)
-            dm_row = lax.dynamic_update_slice_in_dim(dm_row, jnp.sum(ds, axis=1), n * g.bk, axis=2)
-            if gated:  # Λ_i as a query: row sums of dS
-                return dq, dm_row, carry[2] + jnp.sum(ds, axis=-1)
-            return dq, dm_row
-
-        init = (jnp.zeros((b, g.bq, h, d), jnp.float32), jnp.zeros((b, g.bq, g.tk_pad), jnp.float32))
-        if gated:
-            init = init + (jnp.zeros((b, h, g.bq), jnp.float32),)
-        out = lax.fori_loop(0, kv_cnt[m], body, init)
-        return (out[0] * scale,) + tuple(out[1:])
-
-    dq_out = lax.map(dq_block, jnp.arange(g.nq))
-    dq, dmask = dq_out[0], dq_out[1]
-    dq = dq.transpose(1, 0, 2, 3, 4).reshape(b, g.tq_pad, h, d)[:, :tq]
-    dmask = dmask.transpose(1, 0, 2, 3).reshape(b, g.tq_pad, g.tk_pad)[:, :tq, :tk]
-
-    # dK, dV: key blocks over their live query blocks ----------------------------------------------
-    def dkv_block(n):
-        k_blk, v_blk, seg_k_blk, lk_blk = key_side(n)
-        m_col = _sl(mp, n * g.bk, g.bk, axis=2)  # [B, Tq_pad, bk]
-
-        def body(i, carry):
-            dk, dv = carry[0], carry[1]
-            m = q_idx[n, i]
-            q_blk, do_blk, seg_q_blk, lq_blk = query_side(m)
-            p, ds = tile(m, n, q_blk, k_blk, v_blk, do_blk, _sl(m_col, m * g.bq, g.bq),
-                         _sl(lse_p, m * g.bq, g.bq), _sl(delta, m * g.bq, g.bq), seg_q_blk, seg_k_blk,
-                         lq_blk, lk_blk)
-            dv = dv + jnp.einsum("bhqk,bqhd->bkhd", p.astype(do.dtype), do_blk,
-                                 preferred_element_type=jnp.float32, precision=prec)
-            dk = dk + jnp.einsum("bhqk,bqhd->bkhd", ds.astype(q.dtype), q_blk,
-                                 preferred_element_type=jnp.float32, precision=prec)
-            if gated:  # Λ_j as a key: column sums of dS (subtracted below)
-                return dk, dv, carry[2] + jnp.sum(ds, axis=2)
-            return dk, dv
-
-        init = (jnp.zeros((b, g.bk, h, d), jnp.float32), jnp.zeros((b, g.bk, h, d), jnp.float32))
-        if gated:
-            init = init + (jnp.zeros((b, h, g.bk), jnp.float32),)
-        out = lax.fori_loop(0, q_cnt[n], body, init)
-        dk, dv = out[0], out[1]
-        if g.group > 1:  # GQA: sum the query heads of each key/value head
-            dk = dk.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
-            dv = dv.reshape(b, g.bk, hkv, g.group, d).sum(axis=3)
-        return (dk * scale, dv) + tuple(out[2:])
-
-    dkv_out = lax.map(dkv_block, jnp.arange(g.nk))
-    dk, dv = dkv_out[0], dkv_out[1]
-    dk = dk.transpose(1, 0, 2, 3, 4).reshape(b, g.tk_pad, hkv, d)[:, :tk]
-    dv = dv.transpose(1, 0, 2, 3, 4).reshape(b, g.tk_pad, hkv, d)[:, :tk]
-    dlam = None
-    if gated:
-        row = dq_out[2].transpose(1, 0, 3, 2).reshape(b, g.tq_pad, h)[:, :tq]   # Σ_j dS_ij
-        col = dkv_out[2].transpose(1, 0, 3, 2).reshape(b, g.tk_pad, h)[:, :tk]  # Σ_i dS_ij
-        dlam = (-col).at[:, g.offset:].add(row)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dmask, dlam
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _dcp_blockwise(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k):
-    return _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k)[0]
-
-
-def _dcp_fwd(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k):
-    o, lse = _dcp_forward(q, k, v, log_mask, lam, segment_ids, live, lists, scale, block_q, block_k)
-    return o, (q, k, v, log_mask, lam, segment_ids, live, lists, o, lse)
-
-
-def _dcp_bwd(scale, block_q, block_k, res, do):
-    q, k, v, log_mask, lam, segment_ids, live, lists, o, lse = res
-    dq, dk, dv, dmask, dlam = _dcp_backward(q, k, v, log_mask, lam, segment_ids, live, lists, o, lse, do,
-                                            scale, block_q, block_k)
-    return dq, dk, dv, dmask, dlam, None, None, None
-
-
-_dcp_blockwise.defvjp(_dcp_fwd, _dcp_bwd)
-# Compiled once per shape/config, also when called eagerly (the loops are costly to re-trace).
-_dcp_blockwise_jit = jax.jit(_dcp_blockwise, static_argnums=(8, 9, 10))
 
 
 def dcp_attention(
@@ -685,8 +359,9 @@ def dcp_attention(
     as in ``forgetting_attention``; ``log_fgate=None`` is plain softmax attention plus the mask (GPT-2,
     Transformer baselines) and runs the very same computation as before the gate was supported.
 
-    Flash-style: queries in blocks (``lax.map``), an online float32 softmax over the key blocks, a
-    ``jax.custom_vjp`` backward with a dQ/dlogI pass and a dK/dV pass. It never materialises
+    Flash-style, on the blockwise core of forgetting attention (``fox_jax.ops.blockwise``): queries in
+    blocks, an online float32 softmax over the key blocks, a ``jax.custom_vjp`` backward with a
+    dQ/dlogI pass and a dK/dV pass. It never materialises
     [B, H, Tq, Tk]: per step it holds one [B, H, block_q, block_k] tile; the [B, Tq, Tk] mask (and its
     gradient) is O(B·T²) — one per layer, shared by the heads, like the reference code's float mask.
 
@@ -701,8 +376,9 @@ def dcp_attention(
     logit terms (≈ 1e-40 for Δ ≈ 0; the forget-gate decay Λ_i − Λ_j ≤ 0 only lowers it).
 
     Block skipping (``skip_dropped``): tiles flagged by ``dropped_key_blocks`` (every visible pair
-    dropped) are not visited in the forward or backward pass — a tile is visited if it is live for
-    any batch row, and masked out exactly for the rows where it is dropped. As dropped pairs weigh
+    dropped: the live tiles of ``fox_jax.ops.tiles.TileVisits``) are not visited in the forward or
+    backward pass — a tile is visited if it is live for any batch row, and masked out exactly for the
+    rows where it is dropped. As dropped pairs weigh
     exactly 0, skipping changes only the speed, not the result.
 
     Args:
@@ -738,42 +414,22 @@ def dcp_attention(
     """
     if implementation not in ("xla", "pallas"):
         raise ValueError(f"implementation must be 'xla' or 'pallas', got {implementation!r}")
-    check_qkv(q, k, v)
-    b, tq, h, d = q.shape
-    tk = k.shape[1]
-    if log_mask.shape != (b, tq, tk):
-        raise ValueError(f"log_mask must be [B, Tq, Tk] = {(b, tq, tk)}, got {log_mask.shape}")
-    if log_mask.dtype != jnp.float32:
-        raise ValueError(f"log_mask must be float32, got {log_mask.dtype}")
+    check_attention_inputs(q, k, v, log_fgate, segment_ids=segment_ids, log_mask=log_mask)
     for name, val in (("block_q", block_q), ("block_k", block_k)):
         if not isinstance(val, int) or val <= 0:
             raise ValueError(f"{name} must be a positive int, got {val!r}")
-    check_segment_ids(segment_ids, b, tk)
-    lam = None
-    if log_fgate is not None:
-        if log_fgate.shape != (b, tk, h):
-            raise ValueError(f"log_fgate must be [B, Tk, H] = {(b, tk, h)} (one gate per query head), "
-                             f"got {log_fgate.shape}")
-        if log_fgate.dtype != jnp.float32:
-            raise ValueError(f"log_fgate must be float32 (cast the gate logits before log_sigmoid), "
-                             f"got {log_fgate.dtype}")
-        lam = jnp.cumsum(log_fgate, axis=1)  # Λ [B, Tk, H] float32; its VJP is a reverse cumsum
+    _, tq, _, d = q.shape
+    tk = k.shape[1]
+    # Λ [B, Tk, H] float32; its VJP is a reverse cumsum
+    lam = None if log_fgate is None else jnp.cumsum(log_fgate, axis=1)
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     if implementation == "pallas":
-        from fox_jax.ops import pallas as pallas_impl
-
         return pallas_impl.dcp_attention(q, k, v, log_mask, lam, segment_ids, scale=scale, floor=floor,
                                          skip_dropped=skip_dropped)
-    log_mask = exclude_dropped(log_mask, floor, _NEG_INF)  # the blockwise code handles −inf exactly
-    bq, bk = dcp_block_sizes(tq, tk, block_q, block_k)
-    if skip_dropped:
-        flags = dropped_key_blocks(lax.stop_gradient(log_mask), bq, bk, floor=floor,
-                                   segment_ids=segment_ids)
-    else:  # skip only the tiles without any visible pair
-        flags = dropped_key_blocks(jnp.zeros((b, tq, tk), jnp.float32), bq, bk, floor=_NEG_INF,
-                                   segment_ids=segment_ids)
-    live = ~flags
-    lists = _block_lists(live)
-    return _dcp_blockwise_jit(q, k, v, log_mask, lam, segment_ids, live, lists, scale, bq, bk)
+    bq, bk = block_sizes(tq, tk, block_q, block_k)
+    visits = tile_visits(tq, tk, bq, bk, segment_ids=segment_ids, log_mask=log_mask, floor=floor,
+                         skip_dropped=skip_dropped)
+    log_mask = exclude_dropped(log_mask, floor, _NEG_INF)  # dropped pairs weigh exactly 0
+    return blockwise_attention(q, k, v, lam, log_mask, segment_ids, visits, scale)

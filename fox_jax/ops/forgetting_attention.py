@@ -2,34 +2,27 @@
 
 from __future__ import annotations
 
-import os
-
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from fox_jax.ops import acp as acp_lib
-from fox_jax.ops._common import check_qkv, check_segment_ids, check_seq_start
-from fox_jax.ops.blockwise import blockwise_attention, block_sizes
+from fox_jax.ops import pallas as pallas_impl
+from fox_jax.ops._common import check_attention_inputs, check_seq_start
+from fox_jax.ops.blockwise import block_sizes, blockwise_attention
 from fox_jax.ops.reference import decay_cumsum, forgetting_attention_reference
+from fox_jax.ops.tiles import tile_visits
+from fox_jax.sharding import kernel_mesh, per_shard
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense", "cudnn")
+
+
 def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold):
     """Raise on bad inputs; return ``seq_start`` as int32 [B] clamped into [0, Tk − 1] (or None)."""
-    check_qkv(q, k, v)
-    b, tq, h, _ = q.shape
-    tk = k.shape[1]
-    if log_fgate is not None:
-        if log_fgate.shape != (b, tk, h):
-            raise ValueError(f"log_fgate must be [B, Tk, H] = {(b, tk, h)}, got {log_fgate.shape}")
-        if log_fgate.dtype != jnp.float32:
-            raise ValueError(
-                f"log_fgate must be float32 (cast the gate logits to float32 before log_sigmoid), "
-                f"got {log_fgate.dtype}")
-    check_segment_ids(segment_ids, b, tk)
-    acp_lib.check_threshold(adaptive_threshold, b, h)
-    return None if seq_start is None else check_seq_start(seq_start, b, tk)
+    check_attention_inputs(q, k, v, log_fgate, segment_ids=segment_ids)
+    acp_lib.check_threshold(adaptive_threshold, q.shape[0], q.shape[2])
+    return None if seq_start is None else check_seq_start(seq_start, q.shape[0], k.shape[1])
 
 
 def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold) -> bool:
@@ -38,26 +31,31 @@ def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold)
             and q.shape[1] == k.shape[1] and q.dtype in (jnp.bfloat16, jnp.float16))
 
 
-def _resolve_impl(implementation: str, cudnn_ok: bool) -> str:
+def resolve_implementation(implementation: str, cudnn_ok: bool = False) -> str:
+    """The implementation ``forgetting_attention`` runs for ``implementation`` on this backend.
+
+    Args:
+      implementation: one of ``IMPLEMENTATIONS``.
+      cudnn_ok: whether the call is plain causal attention that cuDNN covers (no gates, seq_start,
+        segment ids or threshold; Tq == Tk; bf16/fp16).
+    Returns:
+      ``"auto"`` resolved: ``"cudnn"`` when eligible on GPU, else ``"pallas"`` on GPU, else ``"xla"``;
+      any other name unchanged.
+    Raises:
+      ValueError: an unknown implementation.
+      NotImplementedError: ``"cudnn"`` for a call it does not cover.
+    """
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
     if implementation == "auto":
         if jax.default_backend() != "gpu":
             return "xla"
-        return "cudnn" if cudnn_ok else ("pallas" if _pallas_available() else "xla")
+        return "cudnn" if cudnn_ok else "pallas"
     if implementation == "cudnn" and not cudnn_ok:
         raise NotImplementedError(
             "implementation='cudnn' is plain causal attention: it needs log_fgate=None, no seq_start, "
             "segment_ids or adaptive_threshold, Tq == Tk and bf16/fp16 inputs")
     return implementation
-
-
-def _pallas_available() -> bool:
-    try:
-        from fox_jax.ops import pallas  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _no_forgetting(b: int, tk: int, h: int) -> jax.Array:
@@ -67,93 +65,25 @@ def _no_forgetting(b: int, tk: int, h: int) -> jax.Array:
     return jax.lax.optimization_barrier(jnp.zeros((b, tk, h), jnp.float32))
 
 
-BATCH_MESH_AXES = ("data", "fsdp")
-HEAD_MESH_AXES = ("tensor",)
+_QKV_AXES = ("batch", None, "heads", None)
 
 
-SHARD_KERNELS_ENV = "FOX_JAX_SHARD_KERNELS"
-
-
-def kernel_sharding_enabled() -> bool:
-    """Whether the Pallas kernels run per shard under an ambient mesh (see ``forgetting_attention``).
-
-    ``FOX_JAX_SHARD_KERNELS=1`` / ``0`` forces it on / off. Default: on, except on GPU backends while
-    JAX's Shardy partitioner is selected: with jax 0.11.2 it segfaults (in its ``shardy-xla`` pass)
-    partitioning the *backward* of the kernels' ``shard_map`` on 2 H200s — also with both backward kernels
-    replaced by zeros, so the glue, not the Triton compile — while the GSPMD partitioner compiles and
-    runs it (benchmarks/NOTES.md, "Multi-GPU"). ``fox_jax.sharding.select_partitioner`` picks GSPMD for
-    multi-GPU meshes. Off, a multi-device step is still correct: XLA all-gathers around the kernels and
-    every device computes all rows (760M FoX (Pro) at 16k: 64 % weak-scaling efficiency on 2 H200s).
-
-    Raises:
-      ValueError: ``FOX_JAX_SHARD_KERNELS`` set to something other than 0 or 1.
-    """
-    flag = os.environ.get(SHARD_KERNELS_ENV)
-    if flag is not None and flag.strip() != "":
-        if flag.strip() not in ("0", "1"):
-            raise ValueError(f"{SHARD_KERNELS_ENV} must be 0 or 1, got {flag!r}")
-        return flag.strip() == "1"
-    return jax.default_backend() != "gpu" or not getattr(jax.config, "jax_use_shardy_partitioner", False)
-
-
-def _ambient_mesh():
-    """The mesh set with ``jax.set_mesh`` when it spans several devices, kernel sharding is enabled and
-    we are not already inside a ``shard_map`` (manual axes); else None."""
-    if not kernel_sharding_enabled():
-        return None
-    get = getattr(jax.sharding, "get_abstract_mesh", None)
-    mesh = get() if get is not None else None
-    if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
-        return None
-    manual = getattr(getattr(jax.sharding, "AxisType", None), "Manual", None)
-    if manual is not None and any(t == manual for t in getattr(mesh, "axis_types", ())):
-        return None
-    return mesh
-
-
-def _mesh_axes(mesh, names, *dims) -> tuple[str, ...] | None:
-    """The axes of ``names`` present in ``mesh`` with size > 1, if their product divides every dim."""
-    axes = tuple(a for a in names if a in mesh.axis_names and mesh.shape[a] > 1)
-    size = 1
-    for a in axes:
-        size *= mesh.shape[a]
-    if not axes or any(n % size for n in dims):
-        return None
-    return axes
-
-
-def _per_shard(mesh, q, k, v, log_fgate, kwargs):
-    """Run the op in a ``shard_map``: batch over the mesh's data/fsdp axes, heads over tensor (each only
-    where it divides B, resp. H and Hkv; otherwise that dimension is replicated). Every shard computes
-    its own rows and heads; nothing is communicated (the auto ACP threshold reduces over T and D)."""
-    from jax.sharding import PartitionSpec as P
-
-    from fox_jax.ops.pallas import _shard_map
-
+def _sharded_args(q, k, v, log_fgate, kwargs) -> dict:
+    """The op's array arguments with their logical axes (``fox_jax.sharding.per_shard``): q/k/v and the
+    gates split over batch and heads, seq_start and segment_ids over batch, an array threshold over
+    [B, H]. The arrays are popped from ``kwargs``; what stays there is static."""
     b, tk, h = q.shape[0], k.shape[1], q.shape[2]
-    bax = _mesh_axes(mesh, BATCH_MESH_AXES, b)
-    hax = _mesh_axes(mesh, HEAD_MESH_AXES, h, k.shape[2])
-    if bax is None and hax is None:
-        return _attention(q, k, v, log_fgate, **kwargs)  # nothing divides: XLA replicates the call
     if log_fgate is None:
         log_fgate = _no_forgetting(b, tk, h)
-    thr = kwargs.pop("adaptive_threshold")
-    arrays = dict(log_fgate=(log_fgate, P(bax, None, hax)))
+    args = dict(q=(q, _QKV_AXES), k=(k, _QKV_AXES), v=(v, _QKV_AXES), log_fgate=(log_fgate, ("batch", None, "heads")))
+    thr = kwargs.get("adaptive_threshold")
     if thr is not None and not isinstance(thr, (str, float, int)):
-        arrays["adaptive_threshold"] = (jnp.broadcast_to(jnp.asarray(thr, jnp.float32), (b, h)), P(bax, hax))
-    else:
-        kwargs["adaptive_threshold"] = thr
-    for name, spec in (("seq_start", P(bax)), ("segment_ids", P(bax, None))):
-        if kwargs[name] is not None:
-            arrays[name] = (kwargs.pop(name), spec)
-    names = tuple(arrays)
-    qkv = P(bax, None, hax, None)
-
-    def local(q, k, v, *rest):
-        return _attention(q, k, v, **dict(zip(names, rest)), **kwargs)
-
-    fn = _shard_map(local, mesh, (qkv, qkv, qkv) + tuple(spec for _, spec in arrays.values()), qkv)
-    return fn(q, k, v, *(a for a, _ in arrays.values()))
+        args["adaptive_threshold"] = (jnp.broadcast_to(jnp.asarray(kwargs.pop("adaptive_threshold"), jnp.float32),
+                                                       (b, h)), ("batch", "heads"))
+    for name, axes in (("seq_start", ("batch",)), ("segment_ids", ("batch", None))):
+        if kwargs.get(name) is not None:
+            args[name] = (kwargs.pop(name), axes)
+    return args
 
 
 def forgetting_attention(
@@ -209,12 +139,12 @@ def forgetting_attention(
         warps, stages); default: tuned per head dim.
 
     Sharding: under ``jax.set_mesh(mesh)`` with several devices (``fox_jax.sharding.under_mesh``), the
-    Pallas kernels run in a ``shard_map`` — batch over the mesh axes ``data``/``fsdp``, heads over
-    ``tensor`` (each where it divides B, resp. H and Hkv) — since a ``pallas_call`` is opaque to the SPMD
-    partitioner, which would all-gather its inputs and compute every shard on every device. The other
-    implementations are partitioned by XLA. ``fox_jax.ops.pallas.sharded_attention`` does the same for an
-    explicit mesh and axis names. On GPU only while JAX uses the GSPMD partitioner (Shardy crashes on
-    the backward with jax 0.11.2): see ``kernel_sharding_enabled``.
+    Pallas kernels run in a ``shard_map`` — batch over the mesh's batch axes, heads over its head axes
+    (``fox_jax.sharding.per_shard``; each where it divides B, resp. H and Hkv) — since a ``pallas_call``
+    is opaque to the SPMD partitioner, which would all-gather its inputs and compute every shard on
+    every device. The other implementations are partitioned by XLA. ``sharded_attention`` does the same
+    for an explicit mesh and axis names. On GPU only while JAX uses the GSPMD partitioner (Shardy
+    crashes on the backward with jax 0.11.2): see ``fox_jax.sharding.kernel_sharding_enabled``.
 
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v and log_fgate.
@@ -226,14 +156,15 @@ def forgetting_attention(
       NotImplementedError: an implementation not available for these inputs.
     """
     seq_start = _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold)
-    impl = _resolve_impl(implementation,
-                         _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold))
+    impl = resolve_implementation(
+        implementation, _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold))
     kwargs = dict(sm_scale=sm_scale, seq_start=seq_start, segment_ids=segment_ids,
                   adaptive_threshold=adaptive_threshold, log_epsilon=log_epsilon, impl=impl, block_q=block_q,
                   block_k=block_k, kernel_config=kernel_config)
-    mesh = _ambient_mesh() if impl in ("pallas", "mosaic") else None
+    mesh = kernel_mesh() if impl in ("pallas", "mosaic") else None
     if mesh is not None:  # kernels are opaque to the SPMD partitioner: run them per shard
-        return _per_shard(mesh, q, k, v, log_fgate, kwargs)
+        args = _sharded_args(q, k, v, log_fgate, kwargs)
+        return per_shard(lambda **a: _attention(**a, **kwargs), mesh, args, _QKV_AXES)
     return _attention(q, k, v, log_fgate, **kwargs)
 
 
@@ -258,21 +189,47 @@ def _attention(q, k, v, log_fgate, *, sm_scale, seq_start, segment_ids, adaptive
                                              segment_ids=segment_ids, prune_threshold=delta)
         return out.astype(q.dtype)
     lam = decay_cumsum(log_fgate, seq_start)
-    if seq_start is None:
-        seq_start = jnp.zeros((b,), jnp.int32)
     if impl == "xla":
         bq, bk = block_sizes(tq, tk, block_q, block_k)
-        ranges = None
-        if delta is not None:
-            lam_c = jax.lax.stop_gradient(lam)
-            ranges = (acp_lib.kv_block_start(lam_c, delta, tq=tq, block_q=bq, block_k=bk),
-                      acp_lib.q_block_end(lam_c, delta, tq=tq, block_q=bq, block_k=bk))
-        return blockwise_attention(q, k, v, lam, seq_start, segment_ids, ranges, scale, bq, bk)
+        visits = tile_visits(tq, tk, bq, bk, seq_start=seq_start, lam=None if delta is None else lam, delta=delta,
+                             segment_ids=segment_ids)
+        return blockwise_attention(q, k, v, lam, None, segment_ids, visits, scale)
     if impl in ("pallas", "mosaic"):
-        try:
-            from fox_jax.ops import pallas as pallas_impl
-        except ImportError as e:  # pragma: no cover - depends on the install
-            raise NotImplementedError(f"implementation={impl!r} is not available: {e}") from e
         return pallas_impl.attention(q, k, v, lam, seq_start, segment_ids, delta, scale=scale,
                                      implementation=impl, config=kernel_config)
     raise AssertionError(impl)
+
+
+def sharded_attention(mesh: jax.sharding.Mesh, batch_axis: Any, head_axis: Any, **op_kwargs):
+    """``forgetting_attention`` with ``implementation="pallas"`` in a ``shard_map`` over an explicit
+    mesh: batch over ``batch_axis``, heads over ``head_axis``.
+
+    The same per-shard path the op takes under an ambient mesh (``jax.set_mesh``), for a mesh whose
+    axes carry other names: each device runs the kernels on its local batch rows and heads; nothing is
+    communicated (the auto ACP threshold reduces over time and head_dim only). A dimension the axis
+    size does not divide is replicated. Caveat: with jax 0.11.2 on GPUs, the Shardy partitioner
+    segfaults partitioning the backward of this shard_map; trace it with GSPMD
+    (``fox_jax.sharding.select_partitioner``, or ``JAX_USE_SHARDY_PARTITIONER=false``).
+
+    Args:
+      mesh: the device mesh; batch_axis / head_axis: mesh axis names (or tuples, or None) for the batch
+        and head dimensions (H and Hkv are split together, so GQA groups stay on one device).
+      **op_kwargs: forwarded to ``forgetting_attention`` (sm_scale, adaptive_threshold, log_epsilon, ...).
+    Returns:
+      ``fn(q, k, v, log_fgate, seq_start=None, segment_ids=None)`` with the public op's shapes,
+      q/k/v sharded ``P(batch, None, heads, None)``, log_fgate ``P(batch, None, heads)``, seq_start
+      ``P(batch)``, segment_ids ``P(batch, None)``; output sharded like q. Differentiable.
+    Raises:
+      ValueError: ``implementation`` in op_kwargs.
+    """
+    if "implementation" in op_kwargs:
+        raise ValueError("sharded_attention always uses implementation='pallas'")
+    rules = {"batch": batch_axis, "heads": head_axis}
+
+    def fn(q, k, v, log_fgate, seq_start=None, segment_ids=None):
+        kwargs = dict(op_kwargs, seq_start=seq_start, segment_ids=segment_ids)
+        args = _sharded_args(q, k, v, log_fgate, kwargs)
+        return per_shard(lambda **a: forgetting_attention(**a, **kwargs, implementation="pallas"), mesh, args,
+                         _QKV_AXES, rules=rules)
+
+    return fn

@@ -1,9 +1,10 @@
 """``implementation="pallas"``: the portable ``pallas_call`` forgetting-attention kernels.
 
-Glue between the public op (fox_jax.ops.forgetting_attention) and kernels/forgetting_attention.py:
-a ``jax.custom_vjp`` over the forward, dQ and dK/dV kernels, the ACP block ranges for each kernel's
-own tiling (fox_jax.ops.acp), interpret mode off-GPU, a ``shard_map`` wrapper for batch/head
-sharding, and tile-level pruning statistics.
+Glue between the public ops (``fox_jax.ops.forgetting_attention``, ``context_pruning.dcp_attention``)
+and kernels/forgetting_attention.py: one ``jax.custom_vjp`` over the forward, dQ, dK/dV (and, with a
+DCP mask, dlogI) kernels; the tiles each kernel visits (``fox_jax.ops.tiles.TileVisits``, one per
+kernel tiling); interpret mode off-GPU; tile-level statistics. Running the kernels per shard under a
+mesh is ``fox_jax.sharding.per_shard``'s job.
 
 On GPU the kernels are lowered through Pallas' Triton backend (deprecated upstream since jax 0.11;
 it prints a warning there). Elsewhere they run with ``interpret=True`` (slow; for tests).
@@ -13,27 +14,26 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from fox_jax.ops import acp as acp_lib
 from fox_jax.kernels import forgetting_attention as fa_kernels
 from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig, default_config, resolve_tiles
+from fox_jax.ops.tiles import TileVisits, exclude_dropped, rows_with_kept_pair, tile_visits
 
 __all__ = [
     "KernelConfig",
+    "KernelVisits",
     "TileConfig",
-    "acp_ranges",
     "acp_stats",
     "attention",
     "dcp_attention",
     "default_config",
+    "kernel_visits",
     "resolve_config",
-    "segment_ranges",
     "tile_counts",
-    "sharded_attention",
 ]
 
 
@@ -62,95 +62,71 @@ def resolve_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None 
     return resolve_tiles(config, tq, tk)
 
 
-def acp_ranges(lam: jax.Array, delta: jax.Array, tq: int, config: KernelConfig):
-    """ACP block ranges for each kernel's tiling (docs/design/fox_acp.md §5.3).
+class KernelVisits(NamedTuple):
+    """The tiles each kernel visits, at its own tiling (``TileVisits``); ``dmask`` only with a DCP mask."""
+
+    fwd: TileVisits
+    dq: TileVisits
+    dkv: TileVisits
+    dmask: TileVisits | None = None
+
+
+def kernel_visits(config: KernelConfig, tq: int, tk: int, **visits) -> KernelVisits:
+    """``fox_jax.ops.tiles.tile_visits(tq, tk, block_q, block_k, **visits)`` for every kernel's tiling.
 
     Args:
-      lam: [B, Tk, H] float32 Λ; delta: [B, H] float32 threshold; tq: query length;
       config: a resolved config (``resolve_config``).
-    Returns:
-      (kv_start_fwd [B, H, nq_fwd], kv_start_dq [B, H, nq_dq], q_end_dkv [B, H, nk_dkv]) int32.
+      **visits: seq_start, lam and delta (ACP), segment_ids, log_mask / floor / skip_dropped (DCP).
     """
-    lam = jax.lax.stop_gradient(lam)
-    delta = jax.lax.stop_gradient(delta)
-    f, q, kv = config.fwd, config.dq, config.dkv
-    return (acp_lib.kv_block_start(lam, delta, tq=tq, block_q=f.block_q, block_k=f.block_k),
-            acp_lib.kv_block_start(lam, delta, tq=tq, block_q=q.block_q, block_k=q.block_k),
-            acp_lib.q_block_end(lam, delta, tq=tq, block_q=kv.block_q, block_k=kv.block_k))
+    def at(t: TileConfig) -> TileVisits:
+        return tile_visits(tq, tk, t.block_q, t.block_k, **visits)
+
+    dmask = None if visits.get("log_mask") is None else at(fa_kernels.dmask_tile(config))
+    return KernelVisits(at(config.fwd), at(config.dq), at(config.dkv), dmask)
 
 
-def segment_ranges(segment_ids: jax.Array, tq: int, config: KernelConfig):
-    """Document-aware block ranges for each kernel's tiling (``acp.segment_block_bounds``).
+def _seq_start(t: TileVisits, b: int) -> jax.Array:
+    return jnp.zeros((b,), jnp.int32) if t.seq_start is None else t.seq_start
 
-    Args:
-      segment_ids: [B, Tk] int32; tq: query length; config: a resolved config.
-    Returns:
-      ((kv_lo, kv_hi) for the forward tiling, (kv_lo, kv_hi) for the dQ tiling — [B, nq] each —,
-      (q_lo, q_hi) for the dK/dV tiling — [B, nk] each), int32.
-    """
-    f, q, kv = config.fwd, config.dq, config.dkv
-    fwd = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=f.block_q, block_k=f.block_k)[:2]
-    dq = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=q.block_q, block_k=q.block_k)[:2]
-    dkv = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=kv.block_q, block_k=kv.block_k)[2:]
-    return fwd, dq, dkv
+
+def _bounds(t: TileVisits, rows: bool):
+    """The document bounds of a kernel's loops: (kv_lo, kv_hi) for the query-block loops, else (q_lo, q_hi)."""
+    if t.segments is None:
+        return None
+    return t.segments[:2] if rows else t.segments[2:]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _attention(q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, scale, config, interpret):
-    kv_start = None if ranges is None else ranges[0]
-    o, _ = fa_kernels.attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale=scale,
-                                        config=config, interpret=interpret,
-                                        seg_bounds=None if seg_ranges is None else seg_ranges[0])
-    return o
+def _kernels(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret):
+    return _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret)[0]
 
 
-def _attention_fwd(q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, scale, config, interpret):
-    kv_start = None if ranges is None else ranges[0]
-    o, lse = fa_kernels.attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, scale=scale,
-                                          config=config, interpret=interpret,
-                                          seg_bounds=None if seg_ranges is None else seg_ranges[0])
-    return o, (q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, o, lse)
+def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret):
+    f = visits.fwd
+    o, lse = fa_kernels.attention_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.kv_start,
+                                          scale=scale, config=config, interpret=interpret,
+                                          seg_bounds=_bounds(f, True), log_mask=log_mask, live=f.live)
+    if kept_rows is not None:
+        # Rows without a kept pair: output 0, and lse = −inf so that every backward kernel sees P = 0
+        # there (the forward's lse of such a row covers only the tiles it visited, not the other kernels').
+        o = jnp.where(kept_rows[:, :, None, None], o, jnp.zeros((), o.dtype))
+        lse = jnp.where(kept_rows[:, None, :], lse, -jnp.inf)
+    return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
 
 
-def _attention_bwd(scale, config, interpret, res, do):
-    q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, o, lse = res
-    kv_start_dq, q_end = (None, None) if ranges is None else ranges[1:]
-    sb_dq, sb_dkv = (None, None) if seg_ranges is None else seg_ranges[1:]
-    dq, dk, dv, dlam = fa_kernels.attention_backward(
-        q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end, o, lse, do, scale=scale,
-        config=config, interpret=interpret, seg_bounds_dq=sb_dq, seg_bounds_dkv=sb_dkv)
-    return dq, dk, dv, dlam, None, None, None, None
+def _kernels_bwd(scale, config, interpret, res, do):
+    q, k, v, lam, log_mask, segment_ids, visits, o, lse = res
+    dq_t, dkv_t = visits.dq, visits.dkv
+    grads = fa_kernels.attention_backward(
+        q, k, v, lam, _seq_start(visits.fwd, q.shape[0]), segment_ids, dq_t.kv_start, dkv_t.q_end, o, lse, do,
+        scale=scale, config=config, interpret=interpret, seg_bounds_dq=_bounds(dq_t, True),
+        seg_bounds_dkv=_bounds(dkv_t, False), log_mask=log_mask, live_dq=dq_t.live, live_dkv=dkv_t.live,
+        live_dmask=None if visits.dmask is None else visits.dmask.live)
+    dmask = None if log_mask is None else grads[4]
+    return grads[:4] + (dmask, None, None, None)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _dcp(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret):
-    return _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret)[0]
-
-
-def _dcp_fwd(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret):
-    ss = jnp.zeros((q.shape[0],), jnp.int32)
-    o, lse = fa_kernels.attention_forward(q, k, v, lam, ss, segment_ids, None, scale=scale, config=config,
-                                          interpret=interpret, log_mask=log_mask, live=lives[0])
-    # Rows without a kept pair: output 0, and lse = −inf so that every backward kernel sees P = 0 there
-    # (the forward's lse of such a row covers only the tiles it visited, not the other kernels' tiles).
-    o = jnp.where(kept_rows[:, :, None, None], o, jnp.zeros((), o.dtype))
-    lse = jnp.where(kept_rows[:, None, :], lse, -jnp.inf)
-    return o, (q, k, v, lam, log_mask, segment_ids, lives, o, lse)
-
-
-def _dcp_bwd(scale, config, interpret, res, do):
-    q, k, v, lam, log_mask, segment_ids, lives, o, lse = res
-    ss = jnp.zeros((q.shape[0],), jnp.int32)
-    dq, dk, dv, dlam, dmask = fa_kernels.attention_backward(
-        q, k, v, lam, ss, segment_ids, None, None, o, lse, do, scale=scale, config=config,
-        interpret=interpret, log_mask=log_mask, live_dq=lives[1], live_dkv=lives[2], live_dmask=lives[3])
-    return dq, dk, dv, dlam, dmask, None, None, None
-
-
-_dcp.defvjp(_dcp_fwd, _dcp_bwd)
+_kernels.defvjp(_kernels_fwd, _kernels_bwd)
 
 
 def dcp_attention(
@@ -176,7 +152,8 @@ def dcp_attention(
     output 0 with zero gradients, as in the XLA path (``context_pruning.dcp_attention``): the kernels
     see dropped pairs at floor − 1e30 (finite, so exp underflows to 0 next to any kept pair), and the
     rows without a kept pair are zeroed here, with lse = −inf for the backward kernels. With
-    ``skip_dropped`` every kernel skips its tiles whose visible pairs are all dropped (``context_pruning.dropped_key_blocks`` on each kernel's tiling).
+    ``skip_dropped`` every kernel skips its tiles whose visible pairs are all dropped (the live tiles
+    of ``kernel_visits``: ``tiles.dropped_key_blocks`` on each kernel's tiling).
     The mask gradient Σ_h dS comes from a fourth kernel, one float32 tile at a time.
 
     Args:
@@ -191,9 +168,6 @@ def dcp_attention(
     Raises:
       ValueError: a non-finite ``floor``; D > 256.
     """
-    # context_pruning imports this module lazily too
-    from fox_jax.ops.context_pruning import dropped_key_blocks, exclude_dropped, rows_with_kept_pair
-
     if not math.isfinite(floor):
         raise ValueError(f"implementation='pallas' needs a finite floor (the kernels take finite masks), "
                          f"got floor={floor}")
@@ -205,14 +179,10 @@ def dcp_attention(
     if lam is None:  # behind a barrier: a literal zero Λ would be constant-folded (see forgetting_attention)
         lam = jax.lax.optimization_barrier(jnp.zeros((b, tk, h), jnp.float32))
     kept_rows = rows_with_kept_pair(jax.lax.stop_gradient(log_mask), floor, segment_ids)
+    visits = kernel_visits(config, tq, tk, segment_ids=segment_ids, log_mask=log_mask, floor=floor,
+                           skip_dropped=skip_dropped)
     log_mask = exclude_dropped(log_mask, floor, floor - 1e30)
-    flags = jax.lax.stop_gradient(log_mask) if skip_dropped else jnp.zeros_like(log_mask)
-
-    def live(t: TileConfig):
-        return ~dropped_key_blocks(flags, t.block_q, t.block_k, floor=floor if skip_dropped else -jnp.inf,
-                                   segment_ids=segment_ids)
-    lives = (live(config.fwd), live(config.dq), live(config.dkv), live(fa_kernels.dmask_tile(config)))
-    return _dcp(q, k, v, lam, log_mask, segment_ids, lives, kept_rows, scale, config, interpret)
+    return _kernels(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret)
 
 
 def attention(
@@ -274,15 +244,29 @@ def attention(
     if segment_ids is not None:
         segment_ids = segment_ids.astype(jnp.int32)
     lam = lam.astype(jnp.float32)
-    ranges = None
     if delta is not None:
         delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (b, h))
-        ranges = acp_ranges(lam, delta, tq, cfg)
-    seg_ranges = None
-    if segment_ids is not None and segment_skipping:
-        seg_ranges = segment_ranges(segment_ids, tq, cfg)
-    return _attention(q, k, v, lam, seq_start, segment_ids, ranges, seg_ranges, float(scale), cfg,
-                      bool(interpret))
+    visits = kernel_visits(cfg, tq, tk, seq_start=seq_start, lam=None if delta is None else lam, delta=delta,
+                           segment_ids=segment_ids if segment_skipping else None)
+    return _kernels(q, k, v, lam, None, segment_ids, visits, None, float(scale), cfg, bool(interpret))
+
+
+def _visit_counts(visits: KernelVisits, batch: int, heads: int) -> dict[str, tuple[jax.Array, jax.Array]]:
+    """{"fwd" | "dq" | "dkv": (causal tiles, visited tiles)} over batch and heads, float32: the loop
+    ranges of each kernel (query blocks over key blocks, dK/dV the other way round)."""
+    def tiles(ranges):
+        lo, hi = ranges
+        return jnp.sum(jnp.broadcast_to(jnp.maximum(hi - lo, 0), (batch, heads, lo.shape[-1]))).astype(jnp.float32)
+
+    out = {}
+    for name in ("fwd", "dq", "dkv"):
+        t = getattr(visits, name)
+        causal = TileVisits(t.tq, t.tk, t.block_q, t.block_k)
+        if name == "dkv":
+            out[name] = tiles(causal.col_ranges()), tiles(t.col_ranges())
+        else:
+            out[name] = tiles(causal.row_ranges()), tiles(t.row_ranges())
+    return out
 
 
 def acp_stats(
@@ -307,25 +291,10 @@ def acp_stats(
     b, tk, h = lam.shape
     cfg = resolve_config(head_dim, tq, tk, config, interpret)
     delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (b, h))
-    kv_fwd, kv_dq, q_end = acp_ranges(lam, delta, tq, cfg)
-    out = {
-        "fwd": acp_lib.pruning_stats(kv_fwd, tq=tq, tk=tk, block_q=cfg.fwd.block_q, block_k=cfg.fwd.block_k),
-        "dq": acp_lib.pruning_stats(kv_dq, tq=tq, tk=tk, block_q=cfg.dq.block_q, block_k=cfg.dq.block_k),
-    }
-    # dK/dV: key block n visits query blocks [causal_start(n), q_end(n)); skipped = the rest of the
-    # causal range [causal_start(n), nq)
-    bq, bk = cfg.dkv.block_q, cfg.dkv.block_k
-    nq = -(-tq // bq)
-    nk = -(-tk // bk)
-    first_col = jnp.arange(nk) * bk
-    causal_start = jnp.clip((first_col - (tk - tq)) // bq, 0, nq)
-    visible = (nq - causal_start).astype(jnp.float32)  # [nk]
-    visited = jnp.clip(q_end - causal_start, 0, None).astype(jnp.float32)
-    total = jnp.sum(visible) * b * h
-    skipped = total - jnp.sum(jnp.minimum(visited, visible))
-    out["dkv"] = {"blocks_total": total, "blocks_skipped": skipped,
-                  "fraction_skipped": skipped / jnp.maximum(total, 1.0)}
-    return out
+    counts = _visit_counts(kernel_visits(cfg, tq, tk, lam=lam, delta=delta), b, h)
+    return {name: {"blocks_total": total, "blocks_skipped": total - visited,
+                   "fraction_skipped": (total - visited) / jnp.maximum(total, 1.0)}
+            for name, (total, visited) in counts.items()}
 
 
 def tile_counts(
@@ -355,97 +324,10 @@ def tile_counts(
       "fraction_skipped": 1 − visited / causal}} of float32 scalars (summed over batch and heads).
     """
     cfg = resolve_config(head_dim, tq, tk, config, interpret)
-    ranges = None
     if lam is not None:
+        lam = lam.astype(jnp.float32)
         delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (batch, heads))
-        ranges = acp_ranges(lam.astype(jnp.float32), delta, tq, cfg)
-    seg = None if segment_ids is None else segment_ranges(segment_ids.astype(jnp.int32), tq, cfg)
-    out = {}
-    for i, (name, t) in enumerate((("fwd", cfg.fwd), ("dq", cfg.dq))):
-        _, end = acp_lib.causal_block_counts(tq, tk, t.block_q, t.block_k)  # [nq]
-        lo = jnp.zeros((batch, heads, end.shape[0]), jnp.int32)
-        hi = jnp.broadcast_to(end, lo.shape)
-        if ranges is not None:
-            lo = jnp.maximum(lo, ranges[i])
-        if seg is not None:
-            lo = jnp.maximum(lo, seg[i][0][:, None, :])
-            hi = jnp.minimum(hi, seg[i][1][:, None, :])
-        out[name] = (jnp.sum(end).astype(jnp.float32) * batch * heads,
-                     jnp.sum(jnp.maximum(hi - lo, 0)).astype(jnp.float32))
-    bq, bk = cfg.dkv.block_q, cfg.dkv.block_k
-    nq, nk = -(-tq // bq), -(-tk // bk)
-    lo = jnp.clip((jnp.arange(nk) * bk - (tk - tq)) // bq, 0, nq).astype(jnp.int32)  # causal start
-    lo = jnp.broadcast_to(lo, (batch, heads, nk))
-    hi = jnp.full_like(lo, nq)
-    if ranges is not None:
-        hi = jnp.minimum(hi, ranges[2])
-    causal = jnp.sum(nq - lo).astype(jnp.float32)
-    if seg is not None:
-        lo = jnp.maximum(lo, seg[2][0][:, None, :])
-        hi = jnp.minimum(hi, seg[2][1][:, None, :])
-    out["dkv"] = (causal, jnp.sum(jnp.maximum(hi - lo, 0)).astype(jnp.float32))
-    return {k: {"causal": c, "visited": v, "fraction_skipped": 1.0 - v / jnp.maximum(c, 1.0)}
-            for k, (c, v) in out.items()}
-
-
-def _shard_map(f, mesh, in_specs, out_specs):
-    if hasattr(jax, "shard_map"):
-        try:
-            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-        except TypeError:  # older signature
-            return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-    from jax.experimental.shard_map import shard_map  # jax < 0.6
-
-    return shard_map(f, mesh, in_specs=in_specs, out_specs=out_specs, check_rep=False)
-
-
-def sharded_attention(mesh: jax.sharding.Mesh, batch_axis: Any = "data", head_axis: Any = "tensor",
-                      **op_kwargs):
-    """Wrap the public op with ``implementation="pallas"`` in a ``shard_map`` over batch and heads.
-
-    Pallas calls are opaque to the SPMD partitioner (docs/design/pallas_gpu.md §3): without an explicit
-    boundary XLA would all-gather around them. Each device runs the kernels on its local batch rows and
-    heads; nothing is communicated (the auto ACP threshold reduces over time and head_dim only).
-    Caveat: with jax 0.11.2 on GPUs, the Shardy partitioner segfaults partitioning the backward of this
-    shard_map; trace it with GSPMD (``fox_jax.sharding.select_partitioner``, or
-    ``JAX_USE_SHARDY_PARTITIONER=false``) — see ``fox_jax.ops.forgetting_attention.kernel_sharding_enabled``.
-
-    Args:
-      mesh: the device mesh; batch_axis / head_axis: mesh axis names (or tuples, or None) for the batch
-        and head dimensions. H and Hkv must both be divisible by the head-axis size (GQA groups then
-        stay on one device).
-      **op_kwargs: forwarded to ``fox_jax.ops.forgetting_attention`` (sm_scale, adaptive_threshold as
-        None / "auto" / float, log_epsilon, ...).
-    Returns:
-      ``fn(q, k, v, log_fgate, seq_start=None, segment_ids=None)`` with the public op's shapes,
-      q/k/v sharded ``P(batch, None, heads, None)``, log_fgate ``P(batch, None, heads)``, seq_start
-      ``P(batch)``, segment_ids ``P(batch, None)``; output sharded like q. Differentiable.
-    """
-    from jax.sharding import PartitionSpec as P
-
-    if "implementation" in op_kwargs:
-        raise ValueError("sharded_attention always uses implementation='pallas'")
-    thr = op_kwargs.get("adaptive_threshold")
-    if thr is not None and not isinstance(thr, (str, float, int)):
-        raise ValueError("sharded_attention: adaptive_threshold must be None, 'auto' or a float")
-    qkv_spec = P(batch_axis, None, head_axis, None)
-    gate_spec = P(batch_axis, None, head_axis)
-
-    def fn(q, k, v, log_fgate, seq_start=None, segment_ids=None):
-        from fox_jax.ops.forgetting_attention import forgetting_attention
-
-        b = q.shape[0]
-        if seq_start is None:
-            seq_start = jnp.zeros((b,), jnp.int32)
-        has_seg = segment_ids is not None
-
-        def local(q, k, v, lf, ss, *seg):
-            return forgetting_attention(q, k, v, lf, seq_start=ss, segment_ids=seg[0] if seg else None,
-                                        implementation="pallas", **op_kwargs)
-
-        in_specs = (qkv_spec, qkv_spec, qkv_spec, gate_spec, P(batch_axis)) + (
-            (P(batch_axis, None),) if has_seg else ())
-        args = (q, k, v, log_fgate, seq_start) + ((segment_ids,) if has_seg else ())
-        return _shard_map(local, mesh, in_specs, qkv_spec)(*args)
-
-    return fn
+    seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+    counts = _visit_counts(kernel_visits(cfg, tq, tk, lam=lam, delta=delta, segment_ids=seg), batch, heads)
+    return {name: {"causal": c, "visited": v, "fraction_skipped": 1.0 - v / jnp.maximum(c, 1.0)}
+            for name, (c, v) in counts.items()}
