@@ -28,7 +28,7 @@ from fox_jax.train import config as config_lib
 from fox_jax.train.metrics import device_peak_flops
 from fox_jax.train.trainer import init_state, make_optimizer, make_train_step
 from fox_jax.models import LanguageModel
-from fox_jax.ops.forgetting_attention import kernel_sharding_enabled
+from fox_jax.sharding import kernel_sharding_enabled
 
 
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto"):

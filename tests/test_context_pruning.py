@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 
 from fox_jax.ops.alpha_sigmoid import alpha_sigmoid
+from fox_jax.ops.blockwise import block_sizes
 from fox_jax.ops.context_pruning import (
     LOG_FLOOR,
     cumulative_keep_log_mask,
     dcp_attention,
     dcp_attention_reference,
-    dcp_block_sizes,
     dropped_key_blocks,
     keep_logits,
     sparsity,
@@ -330,7 +330,7 @@ def test_dcp_attention_skips_dropped_blocks_exactly():
     b, t, h, d = 2, 45, 2, 8
     q, k, v = qkv(rng, b, t, t, h, h, d)
     _, lm = heavy_drop_mask(rng, b, t, beta=-2.0)
-    bq, bk = dcp_block_sizes(t, t, 8, 8)
+    bq, bk = block_sizes(t, t, 8, 8)
     flags = np.asarray(dropped_key_blocks(lm, bq, bk))
     causal = np.tril(np.ones(flags.shape[1:], bool))
     assert (flags & causal).all(axis=0).any(), "the test mask must have skippable causal tiles"

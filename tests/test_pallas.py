@@ -431,7 +431,7 @@ _SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import Mesh
     from fox_jax.ops import forgetting_attention
-    from fox_jax.ops.pallas import sharded_attention
+    from fox_jax.ops import sharded_attention
     assert len(jax.devices()) == 4, jax.devices()
     mesh = Mesh(np.array(jax.devices()).reshape(2, 2), ("data", "tensor"))
     ks = jax.random.split(jax.random.PRNGKey(0), 4)

@@ -7,7 +7,7 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from fox_jax.sharding import make_mesh, under_mesh
 from fox_jax.ops import forgetting_attention
-from fox_jax.ops.pallas import sharded_attention
+from fox_jax.ops import sharded_attention
 
 mode = sys.argv[1]
 mesh = make_mesh("data=2")
@@ -24,7 +24,7 @@ elif mode == "explicit_fwd":
     fn = sharded_attention(mesh, batch_axis="data", head_axis="tensor")
     g = jax.jit(fn)
 elif mode == "vjp_inside":
-    from fox_jax.ops.pallas import _shard_map
+    from fox_jax.sharding import shard_map as _shard_map
     spec, gspec = P("data", None, None, None), P("data", None, None)
 
     def local(q, k, v, lf, do):
@@ -44,7 +44,7 @@ elif mode in ("dq_only", "dkv_only"):
     fn = sharded_attention(mesh, batch_axis="data", head_axis="tensor")
     g = jax.jit(jax.grad(lambda q, k, v, lf: jnp.sum(fn(q, k, v, lf).astype(jnp.float32)), argnums=(0, 3)))
 elif mode in ("fwd_twice", "fwd_separate"):
-    from fox_jax.ops.pallas import _shard_map
+    from fox_jax.sharding import shard_map as _shard_map
     from kernels.forgetting_attention import KernelConfig, TileConfig, default_config
     import dataclasses
     spec, gspec = P("data", None, None, None), P("data", None, None)

@@ -8,7 +8,8 @@ import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 from fox_jax.sharding import make_mesh
 from fox_jax.ops import forgetting_attention
-from fox_jax.ops.pallas import _shard_map, sharded_attention
+from fox_jax.ops import sharded_attention
+from fox_jax.sharding import shard_map as _shard_map
 import kernels.forgetting_attention as fa
 
 mode = sys.argv[1]

@@ -31,6 +31,7 @@ __all__ = [
     "attention",
     "dcp_attention",
     "default_config",
+    "kernel_attention",
     "kernel_visits",
     "resolve_config",
     "tile_counts",
@@ -97,7 +98,26 @@ def _bounds(t: TileVisits, rows: bool):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _kernels(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret):
+def kernel_attention(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret):
+    """The kernels behind one ``jax.custom_vjp``, visiting the tiles ``visits`` describes.
+
+        o_i = Σ_{visible j} softmax_j(scale·q_i·k_j [+ log I_ij] + Λ_i − Λ_j) v_j
+
+    ``attention`` and ``dcp_attention`` prepare the arguments; call it directly only with a
+    description of your own.
+
+    Args:
+      q: [B, Tq, H, D]; k, v: [B, Tk, Hkv, D] (Tq ≤ Tk, bottom-right aligned; D ≤ 256).
+      lam: [B, Tk, H] float32 Λ (zeros for no decay).
+      log_mask: [B, Tq, Tk] float32 finite DCP mask, or None.
+      segment_ids: [B, Tk] int32 or None.
+      visits: ``KernelVisits`` at the tilings of ``config`` (``dmask`` with a mask). seq_start is read
+        from ``visits.fwd`` (None: no left padding).
+      kept_rows: [B, Tq] bool or None: rows to keep; the others output 0 and get zero gradients.
+      scale: logit scale; config: a resolved ``KernelConfig``; interpret: interpret mode (static).
+    Returns:
+      [B, Tq, H, D] in q's dtype; differentiable in q, k, v, lam and log_mask.
+    """
     return _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret)[0]
 
 
@@ -126,7 +146,7 @@ def _kernels_bwd(scale, config, interpret, res, do):
     return grads[:4] + (dmask, None, None, None)
 
 
-_kernels.defvjp(_kernels_fwd, _kernels_bwd)
+kernel_attention.defvjp(_kernels_fwd, _kernels_bwd)
 
 
 def dcp_attention(
@@ -182,7 +202,7 @@ def dcp_attention(
     visits = kernel_visits(config, tq, tk, segment_ids=segment_ids, log_mask=log_mask, floor=floor,
                            skip_dropped=skip_dropped)
     log_mask = exclude_dropped(log_mask, floor, floor - 1e30)
-    return _kernels(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret)
+    return kernel_attention(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret)
 
 
 def attention(
@@ -248,7 +268,7 @@ def attention(
         delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (b, h))
     visits = kernel_visits(cfg, tq, tk, seq_start=seq_start, lam=None if delta is None else lam, delta=delta,
                            segment_ids=segment_ids if segment_skipping else None)
-    return _kernels(q, k, v, lam, None, segment_ids, visits, None, float(scale), cfg, bool(interpret))
+    return kernel_attention(q, k, v, lam, None, segment_ids, visits, None, float(scale), cfg, bool(interpret))
 
 
 def _visit_counts(visits: KernelVisits, batch: int, heads: int) -> dict[str, tuple[jax.Array, jax.Array]]:
