@@ -26,8 +26,7 @@ from fox_jax.models import preset
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
 from fox_jax.train.metrics import device_peak_flops
-from fox_jax.train.trainer import init_state, make_optimizer, make_train_step
-from fox_jax.models import LanguageModel
+from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
 from fox_jax.sharding import kernel_sharding_enabled
 
 
@@ -45,10 +44,10 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     rng = jax.random.PRNGKey(0)
     abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
     shard = state_shardings(mesh, abstract)
-    state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # eager init: see train/trainer.py
-    step = under_mesh(mesh, jax.jit(make_train_step(LanguageModel(model_cfg), optimizer, 1, collect_acp=acp),
-                                    in_shardings=(shard, batch_sharding(mesh)), out_shardings=(shard, None),
-                                    donate_argnums=(0,)))
+    state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # eager init: see train/loop.py
+    train_step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
+    step = under_mesh(mesh, jax.jit(lambda s, b: train_step(s, b, {}), in_shardings=(shard, batch_sharding(mesh)),
+                                    out_shardings=(shard, None), donate_argnums=(0,)))
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.ones((batch, seq_len), np.int32),

@@ -4,34 +4,17 @@ import json
 import sys
 
 import jax
+from _stopping_iterator import StoppingIterator
 
-from fox_jax.train import config as config_lib, data as data_lib, trainer
+from fox_jax.train import config as config_lib, data as data_lib, loop
 
 
 class _Died(Exception):
     pass
 
 
-class _Dying:
-    """Wraps a train iterator; raises when asked for batch ``n + 1`` (a killed run)."""
-
-    def __init__(self, it, n):
-        self.it, self.left = it, n
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        if self.left == 0:
-            raise _Died()
-        self.left -= 1
-        return next(self.it)
-
-    def get_state(self):
-        return self.it.get_state()
-
-    def set_state(self, state):
-        self.it.set_state(state)
+def _die():
+    raise _Died()
 
 
 def main(corpus_dir: str, workroot: str) -> None:
@@ -44,7 +27,7 @@ def main(corpus_dir: str, workroot: str) -> None:
     out = {}
     for name, mesh in [("dp8", "data=8"), ("fsdp", "data=2,fsdp=4"), ("tp", "data=2,fsdp=2,tensor=2")]:
         cfg = config_lib.apply_overrides(base, [f"mesh={mesh}"])
-        res = trainer.train(cfg, f"{workroot}/{name}", progress=False)
+        res = loop.train(cfg, f"{workroot}/{name}", progress=False)
         out[name] = res.losses
         out[name + "_sharded_params"] = {"n": sum(not x.sharding.is_fully_replicated
                                                   for x in jax.tree_util.tree_leaves(res.state.params))}
@@ -54,16 +37,15 @@ def main(corpus_dir: str, workroot: str) -> None:
     real = data_lib.make_train_iterator
 
     def dying(*a, **kw):
-        it = real(*a, **kw)
-        return _Dying(it, 4)
+        return StoppingIterator(real(*a, **kw), 4, _die)
 
     data_lib.make_train_iterator = dying
     try:
-        trainer.train(config_lib.apply_overrides(base, ["mesh=data=2,fsdp=4"]), f"{workroot}/remesh", progress=False)
+        loop.train(config_lib.apply_overrides(base, ["mesh=data=2,fsdp=4"]), f"{workroot}/remesh", progress=False)
     except _Died:
         pass
     data_lib.make_train_iterator = real
-    res = trainer.train(config_lib.apply_overrides(base, ["mesh=data=2,fsdp=2,tensor=2"]), f"{workroot}/remesh",
+    res = loop.train(config_lib.apply_overrides(base, ["mesh=data=2,fsdp=2,tensor=2"]), f"{workroot}/remesh",
                         resume=True, progress=False)
     out["remesh"] = res.losses
     print("RESULT " + json.dumps({k: {str(s): v for s, v in d.items()} for k, d in out.items()}))

@@ -12,7 +12,7 @@ import pytest
 
 from fox_jax.models import ARCHS, SIZES, ModelConfig
 from fox_jax.models.gpt2 import GPT2Config, gpt2_preset
-from fox_jax.train import cli, config as config_lib, finetune_dcp
+from fox_jax.train import cli, config as config_lib
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,7 +21,7 @@ BAD_TRAIN_OVERRIDES = [
     ("optim.lr=-1", "optim.lr"), ("optim.lr=0", "optim.lr"), ("optim.lr=nan", "optim.lr"),
     ("optim.warmup_steps=-1", "optim.warmup_steps"), ("optim.min_lr_ratio=1.5", "optim.min_lr_ratio"),
     ("optim.b1=1", "optim.b1"), ("optim.b2=-0.1", "optim.b2"), ("optim.eps=0", "optim.eps"),
-    ("optim.weight_decay=-0.1", "optim.weight_decay"), ("optim.clip_norm=0", "optim.clip_norm"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay"), ("optim.clip_norm=-1", "optim.clip_norm"),
     ("data.seq_len=-4", "data.seq_len"), ("data.val_fraction=1", "data.val_fraction"),
     ("data.val_fraction=-0.1", "data.val_fraction"), ("data.seed=-1", "data.seed"), ("data.max_docs=-2", "data.max_docs"),
     ("steps=0", "steps"), ("batch_size=-16", "batch_size"), ("grad_accum=0", "grad_accum"), ("seed=-3", "seed"),
@@ -105,14 +105,15 @@ def test_defaults_and_presets_validate():
     ModelConfig(**dataclasses.asdict(ModelConfig()))
     for name in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
         gpt2_preset(name)
-    finetune_dcp.FinetuneConfig().validate()
-    dataclasses.replace(finetune_dcp.FinetuneConfig(), **finetune_dcp.PRETRAIN_DEFAULTS).resolved().validate()
+    config_lib.finetune_defaults()
+    config_lib.gpt2_defaults(gpt2_preset("gpt2")).resolved()
     # boundary values that are meant: 0 = never / off / all, None = resolved later
     config_lib.apply_overrides(config_lib.preset("tiny"), [
         "eval_every=0", "ckpt_every=0", "optim.warmup_steps=0", "optim.min_lr_ratio=1", "optim.weight_decay=0",
         "data.val_fraction=0", "data.max_docs=0", "model.adaptive_threshold=auto", "model.adaptive_threshold=-3"])
-    finetune_dcp.FinetuneConfig(clip_norm=0.0, gamma=0.0, eval_every=0, ckpt_every=0, warmup_steps=0,
-                                alpha_init=1.0, alpha_final=1.0)
+    config_lib.apply_overrides(config_lib.finetune_defaults(), [
+        "optim.clip_norm=0", "dcp.gamma=0", "eval_every=0", "ckpt_every=0", "optim.warmup_steps=0",
+        "dcp.alpha_init=1", "dcp.alpha_final=1"])
 
 
 def test_overrides_anywhere_on_the_command_line(tmp_path):
@@ -124,7 +125,7 @@ def test_overrides_anywhere_on_the_command_line(tmp_path):
     assert args.data == [str(corpus)] and args.steps == 4 and args.no_progress
     args = cli.parse_args(["eval", "--workdir", "w", "data.seq_len=64", "--num-docs", "2", "batch_size=2"])
     assert args.overrides == ["data.seq_len=64", "batch_size=2"] and args.num_docs == 2
-    cfg = config_lib.apply_overrides(config_lib.preset("tiny"), cli._explicit_overrides(cli.parse_args(
+    cfg = config_lib.apply_overrides(config_lib.preset("tiny"), cli.explicit_overrides(cli.parse_args(
         ["train", "--workdir", "w", "model.n_layers=3", "--no-progress", "model.d_model=64"])))
     assert (cfg.model.n_layers, cfg.model.d_model) == (3, 64)
 

@@ -66,7 +66,7 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
         else:
             assert f"{f.name}=" in text
     assert "model.n_layers=4" in text and "optim.lr=0.003" in text and "heartbeat_secs=60" in text
-    assert "(default: the preset's; tiny 300)" in text  # --steps
+    assert "[steps; default the preset's; tiny 300]" in text  # --steps
 
 
 def test_parser_constants_match_the_handlers():

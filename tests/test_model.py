@@ -197,7 +197,7 @@ def test_pro_acp_threshold_comes_from_qk_norm_weights():
 
 
 def test_weight_decay_mask_excludes_norms_and_biases():
-    from fox_jax.train.trainer import weight_decay_mask
+    from fox_jax.train.loop import weight_decay_mask
     params = preset("tiny", "fox-pro", vocab_size=61).init_params(jax.random.PRNGKey(0))
     mask = weight_decay_mask(params)
     attn = mask["layers_0"]["attn"]

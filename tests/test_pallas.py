@@ -378,7 +378,7 @@ def test_bench_gates_from_trained_run(tmp_path):
 
     from fox_jax.models import LanguageModel  # noqa: F401  (model import before the bench)
     from fox_jax.nn.layers import RMSNorm
-    from fox_jax.train import config as config_lib, trainer
+    from fox_jax.train import config as config_lib, loop
 
     root = Path(__file__).resolve().parents[1]
     corpus = tmp_path / "corpus"
@@ -390,7 +390,7 @@ def test_bench_gates_from_trained_run(tmp_path):
         "model.attention_block=16", "steps=2", "batch_size=2", "log_every=1", "eval_every=2", "ckpt_every=2",
         "eval_batches=1", "optim.warmup_steps=1"])
     run_dir = tmp_path / "run"
-    trainer.train(cfg, str(run_dir), progress=False)
+    loop.train(cfg, str(run_dir), progress=False)
 
     sys.path.insert(0, str(root / "benchmarks"))
     try:

@@ -6,8 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from fox_jax.train import cli, config as config_lib, data as data_lib, trainer
+from fox_jax.train import cli, config as config_lib, data as data_lib, loop
 from fox_jax.train.checkpoints import CheckpointError
+
+from _stopping_iterator import StoppingIterator
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
@@ -41,7 +43,7 @@ def read_metrics(workdir):
 @pytest.mark.slow
 def test_train_eval_and_metrics(corpus_dir, tmp_path):
     cfg = small_config(corpus_dir, steps=8)
-    result = trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    result = loop.train(cfg, str(tmp_path / "run"), progress=False)
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == list(range(0, 9))
     assert set(rows[0]) == {"step", "val_loss", "val_ppl"}  # evaluation before the first step
@@ -63,35 +65,28 @@ class Interrupt(Exception):
     pass
 
 
+def _interrupt():
+    raise Interrupt()
+
+
 @pytest.mark.slow
 def test_resumed_run_matches_uninterrupted(corpus_dir, tmp_path, monkeypatch):
     cfg = small_config(corpus_dir, steps=8)
-    trainer.train(cfg, str(tmp_path / "full"), progress=False)
+    loop.train(cfg, str(tmp_path / "full"), progress=False)
     full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")[1:]}
 
     real = data_lib.make_train_iterator
 
     def crashing_iterator(*a, **kw):  # the run dies while fetching the 6th batch
-        it = real(*a, **kw)
-        count = {"n": 0}
-        orig_next = it.__next__
-
-        def nxt():
-            count["n"] += 1
-            if count["n"] == 6:
-                raise Interrupt()
-            return orig_next()
-
-        it.__next__ = nxt
-        return _Wrapper(it, nxt)
+        return StoppingIterator(real(*a, **kw), 5, _interrupt)
 
     monkeypatch.setattr(data_lib, "make_train_iterator", crashing_iterator)
     with pytest.raises(Interrupt):
-        trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
+        loop.train(cfg, str(tmp_path / "resumed"), progress=False)
     monkeypatch.setattr(data_lib, "make_train_iterator", real)
     with pytest.raises(FileExistsError, match="--resume"):
-        trainer.train(cfg, str(tmp_path / "resumed"), progress=False)
-    trainer.train(cfg, str(tmp_path / "resumed"), resume=True, progress=False)
+        loop.train(cfg, str(tmp_path / "resumed"), progress=False)
+    loop.train(cfg, str(tmp_path / "resumed"), resume=True, progress=False)
     resumed = {}
     for r in read_metrics(tmp_path / "resumed")[1:]:
         resumed[r["step"]] = r["loss"]  # steps 1-4 from the first run, 5-8 after the resume
@@ -99,35 +94,18 @@ def test_resumed_run_matches_uninterrupted(corpus_dir, tmp_path, monkeypatch):
     assert resumed == full  # bit-identical losses
 
 
-class _Wrapper:
-    def __init__(self, it, nxt):
-        self._it, self._next = it, nxt
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        return self._next()
-
-    def get_state(self):
-        return self._it.get_state()
-
-    def set_state(self, s):
-        return self._it.set_state(s)
-
-
 def test_resume_refuses_changed_model_and_keeps_checkpoint(corpus_dir, tmp_path):
     cfg = small_config(corpus_dir, steps=4)
-    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    loop.train(cfg, str(tmp_path / "run"), progress=False)
     changed = config_lib.apply_overrides(cfg, ["model.n_layers=3"])
     with pytest.raises(ValueError, match="model.n_layers"):
-        trainer.train(changed, str(tmp_path / "run"), resume=True, progress=False)
+        loop.train(changed, str(tmp_path / "run"), resume=True, progress=False)
     assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
 
 
 def test_corrupt_checkpoint_is_reported_not_destroyed(corpus_dir, tmp_path):
     cfg = small_config(corpus_dir, steps=4)
-    trainer.train(cfg, str(tmp_path / "run"), progress=False)
+    loop.train(cfg, str(tmp_path / "run"), progress=False)
     ckpt = tmp_path / "run" / "checkpoints" / "4" / "state"
     victims = [p for p in ckpt.rglob("*") if p.is_file() and p.stat().st_size > 0]
     assert victims
@@ -135,7 +113,7 @@ def test_corrupt_checkpoint_is_reported_not_destroyed(corpus_dir, tmp_path):
         p.write_bytes(b"\x00garbage")
     before = sorted(str(p) for p in (tmp_path / "run").rglob("*"))
     with pytest.raises(CheckpointError, match="step 4"):
-        trainer.train(config_lib.apply_overrides(cfg, ["steps=6"]), str(tmp_path / "run"), resume=True,
+        loop.train(config_lib.apply_overrides(cfg, ["steps=6"]), str(tmp_path / "run"), resume=True,
                       progress=False)
     assert sorted(str(p) for p in (tmp_path / "run").rglob("*")) == before
 
@@ -252,7 +230,7 @@ def test_shape_mismatch_against_a_readable_checkpoint_is_not_corruption(cli_run)
 
     cfg = config_lib.load_json(cli_run / "config.json")
     other = config_lib.apply_overrides(cfg, ["model.d_model=64"])
-    abstract = jax.eval_shape(lambda: trainer.init_state(other, jax.random.PRNGKey(0), trainer.make_optimizer(other)))
+    abstract = jax.eval_shape(lambda: loop.init_state(other, jax.random.PRNGKey(0), loop.make_optimizer(other)))
     ckpt = Checkpointer(str(cli_run / "checkpoints"), async_save=False, create=False)
     try:
         with pytest.raises(CheckpointError, match="does not match this model/config: .* has shape") as e:

@@ -253,7 +253,7 @@ def test_cli_hf_gpt2_limit_4(hf_dir, tmp_path, capsys):
 
 @needs_eval
 def test_cli_workdir_language_model(tmp_path, capsys):
-    from fox_jax.train import config as config_lib, trainer
+    from fox_jax.train import config as config_lib, loop
     from fox_jax.train.checkpoints import Checkpointer
 
     cfg = config_lib.apply_overrides(config_lib.preset("tiny"), [
@@ -262,7 +262,7 @@ def test_cli_workdir_language_model(tmp_path, capsys):
     workdir = tmp_path / "run"
     workdir.mkdir()
     config_lib.save_json(cfg, workdir / "config.json")
-    state = trainer.init_state(cfg, jax.random.PRNGKey(0), trainer.make_optimizer(cfg))
+    state = loop.init_state(cfg, jax.random.PRNGKey(0), loop.make_optimizer(cfg))
     ckpt = Checkpointer(str(workdir / "checkpoints"), async_save=False)
     ckpt.save(0, state, {}, force=True)
     ckpt.close()

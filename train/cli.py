@@ -22,77 +22,81 @@ import sys
 import importlib
 
 from fox_jax.train import config as config_lib
-from fox_jax.train.commands import build_parser
+from fox_jax.train.commands import GPT2_FLAGS, PATH_KEYS, alias_flags, build_parser, flag_dest
 
 
-def _explicit_overrides(args) -> list[str]:
-    """CLI flags → ``key=value`` overrides (only the flags actually given)."""
-    out = list(args.overrides or [])
-    if args.data:
-        out.append("data.train=" + ",".join(args.data))
-    if args.val_data:
-        out.append("data.val=" + ",".join(args.val_data))
-    if args.tokenizer:
-        out.append(f"data.tokenizer={args.tokenizer}")
-    elif args.data and len(args.data) == 1 and os.path.isfile(os.path.join(args.data[0], "meta.json")) \
-            and os.path.isdir(os.path.join(args.data[0], "tokenizer")):
-        out.append(f"data.tokenizer={os.path.join(args.data[0], 'tokenizer')}")  # a pre-tokenized directory
-    if args.seq_len is not None:
-        out.append(f"data.seq_len={args.seq_len}")
-    if args.batch_size is not None:
-        out.append(f"batch_size={args.batch_size}")
-    if args.mesh:
-        out.append(f"mesh={args.mesh}")
-    if getattr(args, "partitioner", None):
-        out.append(f"partitioner={args.partitioner}")
-    if getattr(args, "steps", None) is not None:
-        out.append(f"steps={args.steps}")
+def explicit_overrides(args) -> list[str]:
+    """The ``key=value`` overrides of the command line: the positional ones, then the alias flags given
+    (``fox_jax.train.commands.alias_flags``; paths made absolute), which win."""
+    out = list(getattr(args, "overrides", None) or [])
+    for flag, key in alias_flags(args.command):
+        value = getattr(args, flag_dest(flag), None)
+        if value is None:
+            continue
+        if key in PATH_KEYS:
+            values = [v if v == "bytes" else os.path.abspath(v) for v in (value if isinstance(value, list) else [value])]
+            value = ",".join(values)
+        out.append(f"{key}={value}")
+    data = getattr(args, "data", None)
+    if not getattr(args, "tokenizer", None) and data and len(data) == 1 \
+            and os.path.isfile(os.path.join(data[0], "meta.json")) and os.path.isdir(os.path.join(data[0], "tokenizer")):
+        out.append(f"data.tokenizer={os.path.abspath(os.path.join(data[0], 'tokenizer'))}")  # a pre-tokenized directory
     return out
 
 
-def _check_paths(cfg: config_lib.ExperimentConfig) -> None:
+def check_paths(cfg: config_lib.ExperimentConfig) -> None:
+    """Raise FileNotFoundError (naming --data / --val-data) for a data path that does not exist."""
     for flag, paths in (("--data", cfg.data.train), ("--val-data", cfg.data.val)):
         for p in paths:
             if not any(ch in p for ch in "*?[") and not os.path.exists(p):
                 raise FileNotFoundError(f"{flag}: {p} does not exist; give a file, directory or glob of .txt/.jsonl text")
 
 
-def cmd_train(args) -> int:
-    from fox_jax.train import trainer
+def print_done(result, extra: str = "") -> None:
+    msg = f"done: {result.final_step} steps in {result.workdir}"
+    if result.hf_dir:
+        msg += f"; model exported to {result.hf_dir}"
+    if result.val:
+        msg += f"; val_loss {result.val['val_loss']:.4f}, val_ppl {result.val['val_ppl']:.2f}" + extra
+    print(msg)
 
-    overrides = _explicit_overrides(args)
-    cfg_path = os.path.join(args.workdir, "config.json")
-    ckpt_dir = os.path.join(args.workdir, "checkpoints")
-    has_ckpt = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
-    preset, arch = args.preset or "tiny", args.arch or "fox-llama"
-    if preset not in ("tiny", "125M", "360M", "760M"):
-        raise ValueError(f"--preset must be one of tiny, 125M, 360M, 760M; got {preset!r}")
-    if args.resume and has_ckpt and os.path.exists(cfg_path):
+
+def cmd_train(args) -> int:
+    """``fox-jax train`` and ``pretrain-gpt2`` (= ``train --preset gpt2``, with the GPT-2 shape flags)."""
+    from fox_jax.train import loop
+
+    gpt2 = getattr(args, "gpt2", False)
+    preset, arch = args.preset or ("gpt2" if gpt2 else "tiny"), args.arch or "fox-llama"
+    if gpt2 and preset not in config_lib.GPT2_SIZES:
+        raise ValueError(f"--size must be one of {', '.join(config_lib.GPT2_SIZES)}; got {preset!r}")
+    overrides = explicit_overrides(args)
+    cfg_path = os.path.join(args.workdir, config_lib.CONFIG_NAME)
+    if args.resume and loop.has_checkpoints(args.workdir) and os.path.exists(cfg_path):
         cfg = config_lib.apply_overrides(config_lib.load_json(cfg_path), overrides)  # flags given now override it
-        if args.preset is not None or args.arch is not None:  # they must describe the saved run's model
+        shape = [o for o in overrides if o.split("=", 1)[0] in {key for _, key in GPT2_FLAGS}]
+        if args.preset is not None or args.arch is not None or (gpt2 and shape):  # must describe the saved model
             asked = config_lib.apply_overrides(config_lib.preset(preset, arch), overrides).model
             asked = asked.replace(vocab_size=cfg.model.vocab_size)  # resolved from the tokenizer
-            flags = " ".join(f"--{k} {v}" for k, v in (("preset", args.preset), ("arch", args.arch)) if v)
+            names = (("size" if gpt2 else "preset", args.preset), ("arch", args.arch))
+            flags = " ".join(f"--{k} {v}" for k, v in names if v) or "the flags given"
             config_lib.check_resume({"model": config_lib.to_dict(cfg.model)}, {"model": config_lib.to_dict(asked)},
-                                    trainer.RESUMABLE, what=f"the model of {flags}")
+                                    loop.RESUMABLE, what=f"the model of {flags}")
     else:
+        if gpt2 and not args.tokenizer:
+            raise ValueError("--tokenizer is required (a directory with GPT-2 vocab.json + merges.txt)")
         cfg = config_lib.apply_overrides(config_lib.preset(preset, arch), overrides)
-    _check_paths(cfg)
+    check_paths(cfg)
     explicit_vocab = any(o.startswith("model.vocab_size=") for o in overrides)
-    result = trainer.train(cfg, args.workdir, resume=args.resume, resume_step=args.resume_step,
-                           explicit_vocab=explicit_vocab, progress=not args.no_progress)
-    msg = f"done: {result.final_step} steps in {result.workdir}"
-    if result.val_loss is not None:
-        import math
-        msg += f"; val_loss {result.val_loss:.4f}, val_ppl {math.exp(min(result.val_loss, 50)):.2f}"
-    print(msg)
+    result = loop.train(cfg, args.workdir, resume=args.resume, resume_step=args.resume_step,
+                        explicit_vocab=explicit_vocab, progress=not args.no_progress)
+    print_done(result)
     return 0
 
 
 def cmd_eval(args) -> int:
     from fox_jax.train import evaluate
 
-    report = evaluate.evaluate_run(args.workdir, overrides=_explicit_overrides(args), step=args.step,
+    report = evaluate.evaluate_run(args.workdir, overrides=explicit_overrides(args), step=args.step,
                                    num_batches=args.num_batches, num_docs=args.num_docs)
     print(f"step {report['step']}, seq_len {report['seq_len']}: val_loss {report['val_loss']:.4f} | "
           f"val_ppl {report['val_ppl']:.2f} | {report['val_tokens']} tokens")

@@ -10,14 +10,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import textwrap
+import typing
 
 from fox_jax.train import config as config_lib
 
 ZEROSHOT_TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge", "copa", "boolq")
 DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided target sparsities
 DCP_NAME = "dcp_interaction.safetensors"  # = fox_jax.models.hf_gpt2.DCP_NAME (checked by the tests)
-PRESETS = ("tiny", "125M", "360M", "760M")
-_FINETUNE = "fox_jax.train.finetune_dcp:"
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -39,15 +38,18 @@ def _value(v) -> str:
     return str(v) if v != "" else "\'\'"
 
 
-def config_fields_epilog(cfg: config_lib.ExperimentConfig, title: str) -> str:
-    """Every ``key=value`` field of ``cfg`` with its value, by section (generated from the dataclasses)."""
+def config_fields_epilog(cfg: config_lib.ExperimentConfig, title: str, skip: tuple[str, ...] = ()) -> str:
+    """Every ``key=value`` field of ``cfg`` with its value, by section (generated from the dataclasses);
+    sections named in ``skip`` are left out."""
     top, sections = [], []
     for f in dataclasses.fields(cfg):
         v = getattr(cfg, f.name)
+        if f.name in skip:
+            continue
         if dataclasses.is_dataclass(v):
             items = [f"{f.name}.{g.name}={_value(getattr(v, g.name))}" for g in dataclasses.fields(v)]
             sections.append((f"{f.name}.*", items))
-        else:
+        elif v is not None or f.name != "dcp":
             top.append(f"{f.name}={_value(v)}")
     lines = [title]
     for name, items in [("loop", top)] + sections:
@@ -56,114 +58,173 @@ def config_fields_epilog(cfg: config_lib.ExperimentConfig, title: str) -> str:
     return "\n".join(lines)
 
 
-# train and eval --------------------------------------------------------------------------------
+# The flags users know, each an alias of one key=value override (flag, config key). Their help is the
+# field's entry in its dataclass's docstring plus the command's default.
+DATA_FLAGS = (("--data", "data.train"), ("--val-data", "data.val"), ("--tokenizer", "data.tokenizer"),
+              ("--seq-len", "data.seq_len"), ("--batch-size", "batch_size"))
+MESH_FLAGS = (("--mesh", "mesh"), ("--partitioner", "partitioner"))
+RUN_FLAGS = (("--steps", "steps"), ("--grad-accum", "grad_accum"), ("--lr", "optim.lr"),
+             ("--warmup-steps", "optim.warmup_steps"), ("--weight-decay", "optim.weight_decay"),
+             ("--clip-norm", "optim.clip_norm"), ("--seed", "seed"), ("--data-seed", "data.seed"),
+             ("--log-every", "log_every"), ("--eval-every", "eval_every"), ("--eval-batches", "eval_batches"),
+             ("--ckpt-every", "ckpt_every"), ("--dtype", "model.dtype"), ("--remat", "model.remat"))
+DCP_FLAGS = (("--from-step", "dcp.from_step"), ("--interaction-lr", "dcp.interaction_lr"), ("--gamma", "dcp.gamma"),
+             ("--gamma-normalization", "dcp.gamma_normalization"), ("--interaction-dim", "model.interaction_dim"),
+             ("--beta-init", "model.dcp_beta_init"), ("--alpha-init", "dcp.alpha_init"),
+             ("--alpha-final", "dcp.alpha_final"), ("--alpha-steps", "dcp.alpha_steps"), ("--dcp-impl", "model.dcp_impl"))
+SOURCE_FLAGS = (("--hf-gpt2", "dcp.hf_gpt2"), ("--from-run", "dcp.from_run"))
+GPT2_FLAGS = (("--n-layer", "model.n_layers"), ("--n-head", "model.n_heads"), ("--n-embd", "model.d_model"),
+              ("--n-positions", "model.n_positions"))
+PATH_KEYS = ("data.train", "data.val", "data.tokenizer", "dcp.hf_gpt2", "dcp.from_run")  # made absolute
+_SECTIONS = {"data": config_lib.DataConfig, "optim": config_lib.OptimConfig, "dcp": config_lib.DCPConfig,
+             "model": config_lib.ModelConfig}
+_CHOICES = {"partitioner": ("auto", "shardy", "gspmd"), "model.dtype": ("float32", "bfloat16"),
+            "dcp.gamma_normalization": config_lib.GAMMA_NORMALIZATIONS, "model.dcp_impl": ("xla", "pallas")}
+_EXTRA_HELP = {"model.n_positions": "learned positions, the maximum sequence length",
+               "data.train": "; or a directory written by 'python -m fox_jax.train.data' (its tokenizer/ is then "
+                             "the default --tokenizer)"}
 
-def _add_common(p: argparse.ArgumentParser, *, evaluating: bool = False,
-                defaults: config_lib.ExperimentConfig | None = None) -> None:
-    """Flags of train and eval; ``defaults``: the config whose values the help names (train)."""
-    d = defaults
-    run = "the run's"
-    p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/, metrics.jsonl, tb/)")
-    p.add_argument("--data", nargs="+", help="text: files, directories or globs of .txt/.jsonl, or a directory "
-                   "written by 'python -m fox_jax.train.data' (its tokenizer/ is then the default --tokenizer); default: "
-                   + ("the run's data" if evaluating else "the Python standard library source"))
-    p.add_argument("--val-data", nargs="+", help="validation text (default: "
-                   + ("the run's" if evaluating else f"hold out data.val_fraction={d.data.val_fraction:g} of --data")
-                   + ")")
-    p.add_argument("--tokenizer", help="'bytes', a dir with GPT-2 vocab.json + merges.txt, or a tokenizer.json "
-                   f"(default: {run if evaluating else d.data.tokenizer})")
-    p.add_argument("--seq-len", type=int, help="tokens per sequence (default: "
-                   + (run if evaluating else f"the preset's; tiny {d.data.seq_len}") + ")")
-    p.add_argument("--batch-size", type=int, help="sequences per step, global (default: "
-                   + (run if evaluating else f"the preset's; tiny {d.batch_size}") + ")")
-    p.add_argument("--mesh", help="device mesh, e.g. data=2,fsdp=2,tensor=1 (default: all devices on data)")
-    p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"),
-                   help="XLA SPMD partitioner (default auto: GSPMD on multi-GPU meshes; docs/multi_gpu.md)")
+
+def flag_dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
+
+
+def alias_flags(command: str) -> tuple[tuple[str, str], ...]:
+    """The (flag, config key) aliases of a training command."""
+    flags = DATA_FLAGS + MESH_FLAGS + RUN_FLAGS
+    if command == "finetune-dcp":
+        flags += SOURCE_FLAGS + DCP_FLAGS
+    if command == "pretrain-gpt2":
+        flags += GPT2_FLAGS
+    return flags
+
+
+def _default(cfg, key: str) -> str:
+    obj = cfg
+    for name in key.split("."):
+        obj = getattr(obj, name, None)
+        if obj is None:
+            return ""
+    return _value(obj)
+
+
+def _add_aliases(p, flags, defaults: config_lib.ExperimentConfig | None, notes: dict[str, str]) -> None:
+    """One flag per alias, its help generated from the field's documentation (``config_lib.field_doc``)."""
+    for flag, key in flags:
+        *section, name = key.split(".")
+        cls = _SECTIONS[section[0]] if section else config_lib.ExperimentConfig
+        doc = config_lib.field_doc(cls, name) or _EXTRA_HELP.get(key, "")
+        doc = doc.replace("``", "")
+        if key in _EXTRA_HELP and doc != _EXTRA_HELP[key]:
+            doc = doc.rstrip(".") + _EXTRA_HELP[key]
+        default = notes.get(key) or (defaults is not None and _default(defaults, key))
+        text = f"{doc} [{key}" + (f"; default {default}]" if default else "]")
+        kw: dict = dict(help=text.replace("%", "%%"), dest=flag_dest(flag))
+        if key in ("data.train", "data.val"):
+            kw.update(nargs="+")
+        elif key == "model.remat":
+            kw.update(nargs="?", const="full", metavar="POLICY")
+        if _CHOICES.get(key):
+            kw.update(choices=_CHOICES[key])
+        elif "nargs" not in kw:
+            kw.update(type=_field_type(cls, name, key))
+        p.add_argument(flag, **kw)
+
+
+def _field_type(cls, name: str, key: str):
+    """int / float for a numeric field (``int | None`` included), else str."""
+    if key == "model.n_positions":
+        return int
+    hint = str(typing.get_type_hints(cls).get(name, "str"))
+    return int if hint.startswith(("int", "<class 'int'>")) else float if "float" in hint else str
+
+
+def _add_multihost(p) -> None:
     g = p.add_argument_group("multi-host (one process per host; see docs/multi_gpu.md)")
     g.add_argument("--distributed", action="store_true",
                    help="call jax.distributed.initialize() (auto-detects SLURM / Open MPI / cloud TPU env)")
     g.add_argument("--coordinator", help="HOST:PORT of process 0 (default: auto-detection)")
     g.add_argument("--num-processes", type=int, help="number of processes (with --coordinator)")
     g.add_argument("--process-id", type=int, help="this process's id (with --coordinator)")
-    p.add_argument("overrides", nargs="*", metavar="key=value",
-                   help=("overrides of data.* and batch settings, e.g. data.seq_len=4096 (the model is fixed by "
-                         "the checkpoint)") if evaluating else "config overrides, e.g. model.n_layers=6 optim.lr=1e-3 "
-                   "(every field is listed below)")
 
 
-# finetune-dcp, pretrain-gpt2, zeroshot, dcp-eval --------------------------------------------------
-
-def _add_run_flags(f, d: config_lib.FinetuneConfig, *, pretrain: bool = False) -> None:
-    """Flags shared by ``finetune-dcp`` and ``pretrain-gpt2`` (data, optimizer, loop)."""
-    f.add_argument("--workdir", required=True, help="run directory (checkpoints/, metrics.jsonl; hf/ for GPT-2)")
-    f.add_argument("--data", nargs="+", help="training text: files, directories or globs (.txt/.jsonl), or a "
-                   "directory written by 'python -m fox_jax.train.data'"
-                   + ("" if pretrain else " (default for --from-run: the run's training text)"))
-    f.add_argument("--val-data", nargs="+", help="validation text (default: hold out a fraction of --data"
-                   + (")" if pretrain else "; for --from-run without --data: the run's validation text)"))
-    f.add_argument("--tokenizer", help="GPT-2 tokenizer: a directory with vocab.json + merges.txt" + (
-        " (required)" if pretrain else " (default: --hf-gpt2 if it holds them; for --from-run: the run's "
-        "tokenizer, and any other must fit the run's vocabulary)"))
-    f.add_argument("--seq-len", type=int, help="tokens per sequence (default: n_positions"
-                   + (")" if pretrain else "; for --from-run: the run's seq_len)"))
-    f.add_argument("--batch-size", type=int, help=f"sequences per step (default {d.batch_size})")
-    f.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
-    f.add_argument("--lr", type=float, help=f"AdamW learning rate (default {d.lr:g})")
-    f.add_argument("--warmup-steps", type=int, help="linear warmup steps (default min(2000, 8%% of steps))")
-    f.add_argument("--weight-decay", type=float, help=f"AdamW weight decay (default {d.weight_decay:g})")
-    f.add_argument("--clip-norm", type=float,
-                   help=f"gradient clipping by global norm, 0 = off (default {d.clip_norm:g})")
-    f.add_argument("--dtype", choices=("float32", "bfloat16"), help=f"compute dtype of the trunk (default {d.dtype})")
-    f.add_argument("--remat", action="store_true", default=None, help="rematerialise blocks (saves memory)")
-    f.add_argument("--seed", type=int, help=f"seed of the parameter init (default {d.seed})")
-    f.add_argument("--data-seed", type=int, help="seed of the data order and split (default 0)")
-    f.add_argument("--log-every", type=int, help=f"default {d.log_every}")
-    f.add_argument("--eval-every", type=int, help=f"validation interval, 0 = only at the end (default {d.eval_every})")
-    f.add_argument("--eval-batches", type=int, help=f"validation batches (default {d.eval_batches})")
-    f.add_argument("--ckpt-every", type=int, help=f"checkpoint interval (default {d.ckpt_every})")
-    f.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
-    f.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
+def _add_run_control(p) -> None:
+    p.add_argument("--workdir", required=True, help="run directory (config.json, checkpoints/, metrics.jsonl, "
+                   "loss.png, tb/; hf/ for GPT-2)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
+    p.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
                    "the latest (the later checkpoints are moved to <workdir>/checkpoints_set_aside)")
-    f.add_argument("--no-progress", action="store_true", help="log lines only, no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="log lines only, no progress bar (none is drawn anyway when stderr is not a terminal; "
+                        "then a heartbeat line comes every heartbeat_secs between the log lines)")
+    p.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="config overrides, e.g. model.n_layers=6 optim.lr=1e-3 (every field is listed below)")
+
+
+_OVERRIDES_NOTE = ("config fields: set any of them with key=value anywhere on the command line (e.g. "
+                   "model.n_layers=6\noptim.lr=1e-3 heartbeat_secs=30); the flags above are aliases of some. ")
+
+
+def _add_train(sub) -> None:
+    """``fox-jax train`` and its alias ``pretrain-gpt2`` (handler ``fox_jax.train.cli.cmd_train``)."""
+    tiny = config_lib.preset("tiny")
+    epilog = config_fields_epilog(tiny, _OVERRIDES_NOTE + (
+        "The values\nbelow are those of --preset tiny; 125M/360M/760M change "
+        "model.* (sizes, bfloat16, GPT-2 vocabulary),\ndata.seq_len (2048), optim.lr/warmup_steps and the loop "
+        "(steps, batch_size, intervals); gpt2...gpt2-xl\nare GPT-2 models (see pretrain-gpt2). Ranges and meanings: "
+        "train/config.py and fox_jax/config.py."))
+    t = sub.add_parser("train", help="train a model", formatter_class=_Formatter, epilog=epilog,
+                       description="Train a FoX / Transformer language model, or a GPT-2 (--preset gpt2...); "
+                       "writes config.json, checkpoints/, metrics.jsonl, loss.png and tb/ in --workdir.")
+    t.add_argument("--preset", help=f"{' | '.join(config_lib.PRESETS)} (default tiny; on --resume it must describe "
+                   "the saved run's model)")
+    t.add_argument("--arch", help="fox-llama (default) | transformer-llama | fox-pro | transformer-pro")
+    _add_run_control(t)
+    _add_aliases(t, alias_flags("train"), tiny, {"steps": "the preset's; tiny 300",
+                                                 "batch_size": "the preset's; tiny 16",
+                                                 "data.seq_len": "the preset's; tiny 256"})
+    _add_multihost(t)
+    t.set_defaults(handler="fox_jax.train.cli:cmd_train")
+
+    g = sub.add_parser("pretrain-gpt2", help="train a dense GPT-2 from a random init (the base model for DCP; "
+                       "= train --preset gpt2)", formatter_class=_Formatter,
+                       epilog=config_fields_epilog(config_lib.gpt2_defaults(), _OVERRIDES_NOTE + (
+                           "model.* are the\nfields of GPT2Config (fox_jax/models/gpt2.py)."), skip=("model",)),
+                       description="fox-jax train with a GPT-2 model: a released GPT-2 shape (--size) from a random "
+                       "init, AdamW (lr 6e-4, beta2 0.95, weight decay 0.1), warmup then cosine to 10 %%; the final "
+                       "model is exported as a Hugging Face directory (<workdir>/hf), the input of finetune-dcp.")
+    g.add_argument("--size", dest="preset", help=f"released GPT-2 shape: {' | '.join(config_lib.GPT2_SIZES)} "
+                   "(default gpt2); the flags below override it (on --resume they must describe the saved model)")
+    _add_run_control(g)
+    _add_aliases(g, alias_flags("pretrain-gpt2"), config_lib.gpt2_defaults(),
+                 {"data.tokenizer": "none, required", "data.seq_len": "n_positions"})
+    _add_multihost(g)
+    g.set_defaults(handler="fox_jax.train.cli:cmd_train", arch=None, gpt2=True)
 
 
 def _add_finetune_dcp(sub) -> None:
-    """``fox-jax finetune-dcp`` and ``fox-jax pretrain-gpt2`` (handlers in ``fox_jax.train.finetune_dcp``)."""
-    d = config_lib.FinetuneConfig()
+    """``fox-jax finetune-dcp`` (handler ``fox_jax.train.finetune_dcp.cmd_finetune_dcp``)."""
+    d = config_lib.finetune_defaults()
     f = sub.add_parser("finetune-dcp", help="Dynamic Context Pruning fine-tuning of a Hugging Face GPT-2 or of "
-                       "a FoX/Transformer run", description="Dynamic Context Pruning fine-tuning of a pretrained "
+                       "a FoX/Transformer run", formatter_class=_Formatter,
+                       epilog=config_fields_epilog(d, _OVERRIDES_NOTE + (
+                           "model.* are\nthe pretrained model's (e.g. model.dtype, model.remat, "
+                           "model.interaction_dim, model.dcp_beta_init)."), skip=("model",)),
+                       description="Dynamic Context Pruning fine-tuning of a pretrained "
                        "model: a Hugging Face GPT-2 (--hf-gpt2; the final model is exported to <workdir>/hf) or a "
                        "FoX/Transformer run of 'fox-jax train' (--from-run; the fine-tuned model stays in "
                        "<workdir>/checkpoints). Continue a run with --workdir DIR --resume.")
     src = f.add_mutually_exclusive_group()
-    src.add_argument("--hf-gpt2", help="pretrained HF GPT-2 directory (config.json + model.safetensors)")
-    src.add_argument("--from-run", help="a 'fox-jax train' run directory (config.json + checkpoints/; FoX or "
-                     "Transformer, any arch) to add DCP to; ACP is turned off")
-    f.add_argument("--from-step", type=int, help="checkpoint step of --from-run (default: its latest)")
-    _add_run_flags(f, d)
-    f.add_argument("--interaction-lr", type=float, help="learning rate of q_int, k_int, β (default: --lr)")
-    f.add_argument("--gamma", type=float, help=f"sparsity strength γ (default {d.gamma:g})")
-    f.add_argument("--gamma-normalization", choices=config_lib.GAMMA_NORMALIZATIONS,
-                   help="'code': γ as in the reference code (mean over the (T-1)xT slice, γ_eff≈γ/2); "
-                        "'causal': γ on the mean over causal pairs (paper). Default code")
-    f.add_argument("--interaction-dim", type=int, help=f"r (default {d.interaction_dim})")
-    f.add_argument("--beta-init", type=float, help=f"initial β (default {d.beta_init:g})")
-    f.add_argument("--alpha-init", type=float, help=f"α at step 0 (default {d.alpha_init:g})")
-    f.add_argument("--alpha-final", type=float, help=f"final α (default {d.alpha_final:g})")
-    f.add_argument("--alpha-steps", type=int, help="length of the cosine α ramp (default: --steps)")
-    f.add_argument("--dcp-impl", choices=("xla", "pallas"),
-                   help="DCP attention: blockwise XLA (default) or the Pallas kernels (not yet timed on a GPU)")
-    f.set_defaults(handler=_FINETUNE + "cmd_finetune_dcp", distributed=False, coordinator=None, num_processes=None, process_id=None)
-
-    p = dataclasses.replace(d, **config_lib.PRETRAIN_DEFAULTS)
-    g = sub.add_parser("pretrain-gpt2", help="train a dense GPT-2 from a random init (the base model for DCP)")
-    _add_run_flags(g, p, pretrain=True)
-    g.add_argument("--size", help="released GPT-2 shape to start from: gpt2 | gpt2-medium | gpt2-large | gpt2-xl "
-                   "(default gpt2); the flags below override it (on --resume they must describe the saved model)")
-    for name in ("n_layer", "n_head", "n_embd", "n_positions"):
-        g.add_argument("--" + name.replace("_", "-"), type=int, help=f"GPT2Config.{name}")
-    g.set_defaults(handler=_FINETUNE + "cmd_pretrain_gpt2", distributed=False, coordinator=None, num_processes=None,
-                   process_id=None, hf_gpt2=None, from_run=None, from_step=None)
+    _add_aliases(src, SOURCE_FLAGS, None, {})
+    _add_run_control(f)
+    notes = {"data.tokenizer": "--hf-gpt2 if it holds vocab.json + merges.txt; for --from-run the run's",
+             "data.seq_len": "n_positions; for --from-run the run's", "data.train": "for --from-run the run's",
+             "data.val": "held out of --data; for --from-run the run's", "optim.warmup_steps": "min(2000, 8% of steps)",
+             "model.remat": "none; for --from-run the run's", "dcp.alpha_steps": "--steps",
+             "dcp.interaction_lr": "--lr"}
+    _add_aliases(f, alias_flags("train") + DCP_FLAGS, d, notes)
+    _add_multihost(f)
+    f.set_defaults(handler="fox_jax.train.finetune_dcp:cmd_finetune_dcp", preset=None, arch=None)
 
 
 def _add_zeroshot(sub) -> None:
@@ -219,32 +280,6 @@ def _add_dcp_eval(sub) -> None:
     e.set_defaults(handler="fox_jax.train.dcp_eval:cmd_dcp_eval", distributed=False, coordinator=None, num_processes=None, process_id=None)
 
 
-def _add_train(sub) -> None:
-    """``fox-jax train`` (handler ``fox_jax.train.cli.cmd_train``); its epilog lists every config field."""
-    tiny = config_lib.preset("tiny")
-    epilog = config_fields_epilog(tiny, (
-        "config fields: set any of them with key=value anywhere on the command line (e.g. model.n_layers=6\n"
-        "optim.lr=1e-3 heartbeat_secs=30). The values below are those of --preset tiny; 125M/360M/760M change\n"
-        "model.* (sizes, bfloat16, GPT-2 vocabulary), data.seq_len (2048), optim.lr/warmup_steps and the loop\n"
-        "(steps, batch_size, intervals). Ranges and meanings: train/config.py and fox_jax/models/lm.py."))
-    t = sub.add_parser("train", help="train a model", formatter_class=_Formatter, epilog=epilog,
-                       description="Train a FoX / Transformer language model; writes config.json, checkpoints/, "
-                       "metrics.jsonl, loss.png and tb/ in --workdir.")
-    t.add_argument("--preset", help=f"{' | '.join(PRESETS)} (default tiny; on --resume it must describe the "
-                   "saved run's model)")
-    t.add_argument("--arch", help="fox-llama (default) | transformer-llama | fox-pro | transformer-pro")
-    t.add_argument("--steps", type=int, help=f"optimizer steps (default: the preset's; tiny {tiny.steps})")
-    t.add_argument("--resume", action="store_true", help="continue the run in --workdir from its last checkpoint")
-    t.add_argument("--resume-step", type=int, help="with --resume: continue from this checkpoint step instead of "
-                   "the latest (the later checkpoints are moved to <workdir>/checkpoints_set_aside)")
-    t.add_argument("--no-progress", action="store_true",
-                   help="log lines only, no progress bar (none is drawn anyway when stderr is not a terminal; "
-                        f"then a heartbeat line comes every heartbeat_secs={tiny.heartbeat_secs:g} s between "
-                        "the log lines)")
-    _add_common(t, defaults=tiny)
-    t.set_defaults(handler="fox_jax.train.cli:cmd_train")
-
-
 def _add_eval(sub) -> None:
     """``fox-jax eval`` (handler ``fox_jax.train.cli.cmd_eval``)."""
     e = sub.add_parser("eval", help="evaluate a trained model: val loss, perplexity, per-position loss",
@@ -256,7 +291,11 @@ def _add_eval(sub) -> None:
                    "eval_batches)")
     e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss (default 64)")
     e.add_argument("--no-progress", action="store_true", help="accepted like in the other commands (eval prints no bars)")
-    _add_common(e, evaluating=True)
+    e.add_argument("--workdir", required=True, help="the run directory (config.json, checkpoints/)")
+    _add_aliases(e, DATA_FLAGS + MESH_FLAGS, None, {k: "the run's" for _, k in DATA_FLAGS})
+    _add_multihost(e)
+    e.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of data.* and batch settings, "
+                   "e.g. data.seq_len=4096 (the model is fixed by the checkpoint)")
     e.set_defaults(handler="fox_jax.train.cli:cmd_eval")
 
 

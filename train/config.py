@@ -26,8 +26,8 @@ class DataConfig:
       val: separate validation files; empty = hold out ``val_fraction`` of the training documents.
       tokenizer: ``"bytes"`` (built-in byte-level), a directory with GPT-2 ``vocab.json`` + ``merges.txt``,
         or a ``tokenizer.json`` file / a directory containing one.
-      seq_len: tokens per training sequence (inputs; targets are shifted by one); 0 only for
-        ``finetune-dcp`` (= the model's length).
+      seq_len: tokens per training sequence (inputs; targets are shifted by one); 0 = the model's length
+        (GPT-2's n_positions; ``finetune-dcp --from-run``: the run's seq_len).
       separator: a line holding only this string separates documents inside a ``.txt`` file.
       text_field: the field of a ``.jsonl`` record that holds the text.
       val_fraction: fraction of documents held out when ``val`` is empty.
@@ -56,16 +56,24 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimConfig:
-    """AdamW with linear warmup then cosine decay (docs/design/fox_acp.md §3).
+    """AdamW with linear warmup from 0, then a cosine decay or a constant rate (docs/design/fox_acp.md §3).
 
-    ``weight_decay`` is not applied to norm weights and biases. ``min_lr_ratio`` is the final
-    learning rate as a fraction of ``lr`` (the paper decays to 0). Every field is checked against
-    ``RANGES`` on construction (ValueError naming ``optim.<field>``): lr, eps and clip_norm > 0,
-    warmup_steps >= 0, min_lr_ratio in [0, 1], b1 and b2 in [0, 1), weight_decay >= 0.
+    Attributes:
+      lr: peak learning rate.
+      warmup_steps: linear warmup steps; None = min(2000, ceil(0.08·steps)) (resolved when the run
+        starts and stored, so a resume with more steps keeps the schedule).
+      schedule: after the warmup, "cosine" (decay to min_lr_ratio·lr at ``steps``) or "constant".
+      min_lr_ratio: the final learning rate of the cosine decay as a fraction of lr (the paper decays to 0).
+      b1, b2, eps: Adam's moment decays and epsilon.
+      weight_decay: decoupled weight decay, not applied to norm weights and biases.
+      clip_norm: gradient clipping by global norm; 0 = off.
+
+    Every numeric field is checked against ``RANGES`` on construction (ValueError naming ``optim.<field>``).
     """
 
     lr: float = 2e-3
-    warmup_steps: int = 50
+    warmup_steps: int | None = 50
+    schedule: str = "cosine"
     min_lr_ratio: float = 0.0
     b1: float = 0.9
     b2: float = 0.95
@@ -74,25 +82,87 @@ class OptimConfig:
     clip_norm: float = 1.0
 
     RANGES: ClassVar[dict[str, Range]] = dict(
-        lr=POSITIVE, warmup_steps=NON_NEGATIVE_INT, min_lr_ratio=Range(0, 1), b1=Range(0, 1, hi_open=True),
-        b2=Range(0, 1, hi_open=True), eps=POSITIVE, weight_decay=NON_NEGATIVE, clip_norm=POSITIVE)
+        lr=POSITIVE, warmup_steps=Range(0, integer=True, optional=True), min_lr_ratio=Range(0, 1),
+        b1=Range(0, 1, hi_open=True), b2=Range(0, 1, hi_open=True), eps=POSITIVE, weight_decay=NON_NEGATIVE,
+        clip_norm=NON_NEGATIVE)
 
     def __post_init__(self):
         check_ranges(self, "optim.")
+        if self.schedule not in LR_SCHEDULES:
+            raise ValueError(f"optim.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+
+
+LR_SCHEDULES = ("cosine", "constant")
+GAMMA_NORMALIZATIONS = ("code", "causal")
+
+
+@dataclasses.dataclass(frozen=True)
+class DCPConfig:
+    """Dynamic Context Pruning fine-tuning (``fox-jax finetune-dcp``; the reference recipe, docs/design/dcp.md §4).
+
+    The model section of a fine-tuning run is the pretrained model's with DCP on (``model.dcp``,
+    ``model.interaction_dim`` r, ``model.dcp_beta_init`` β₀, ``model.dcp_impl``, ``model.dtype``,
+    ``model.remat``); this section says where that model comes from and how the sparsity is trained.
+
+    Attributes:
+      hf_gpt2: the pretrained Hugging Face GPT-2 directory (exclusive with ``from_run``).
+      from_run: a ``fox-jax train`` run directory (FoX / Transformer) to start from.
+      from_step: checkpoint step of ``from_run`` (None = its latest; the step used is stored).
+      gamma: sparsity strength γ.
+      gamma_normalization: "code" (the reference code's mean over the (T-1)xT slice, γ_eff = γ·(T-2)/(2T))
+        or "causal" (the paper's mean over causal pairs, γ_eff = γ).
+      interaction_lr: learning rate of q_int, k_int and β (None = optim.lr); their Adam step is scaled
+        by interaction_lr / lr, the weight decay is not.
+      alpha_init, alpha_final: the cosine α schedule's first and last value.
+      alpha_steps: length of the α ramp (None = steps; resolved and stored).
+
+    Every numeric field is checked against ``RANGES`` on construction (ValueError naming ``dcp.<field>``);
+    ``ExperimentConfig`` checks the combinations.
+    """
+
+    hf_gpt2: str = ""
+    from_run: str = ""
+    from_step: int | None = None
+    gamma: float = 0.3
+    gamma_normalization: str = "code"
+    interaction_lr: float | None = None
+    alpha_init: float = 1.0
+    alpha_final: float = 8.0
+    alpha_steps: int | None = None
+
+    RANGES: ClassVar[dict[str, Range]] = dict(
+        from_step=Range(0, integer=True, optional=True), gamma=NON_NEGATIVE,
+        interaction_lr=Range(0, lo_open=True, optional=True), alpha_init=Range(1), alpha_final=Range(1),
+        alpha_steps=Range(1, integer=True, optional=True))
+
+    def __post_init__(self):
+        check_ranges(self, "dcp.")
+        checks = [
+            (self.gamma_normalization in GAMMA_NORMALIZATIONS,
+             f"dcp.gamma_normalization must be one of {GAMMA_NORMALIZATIONS}, got {self.gamma_normalization!r}"),
+            (not (self.hf_gpt2 and self.from_run),
+             "--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model"),
+            (self.from_step is None or self.from_run, "--from-step needs --from-run (the checkpoint step of that run)"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentConfig:
-    """A whole run.
+    """A whole run of ``fox-jax train`` / ``pretrain-gpt2`` / ``finetune-dcp``.
 
     Attributes:
-      model: the model (see ``fox_jax.models.ModelConfig``).
+      model: the model: a ``fox_jax.config.ModelConfig`` (FoX / Transformer, ``model_type`` "lm") or a
+        ``fox_jax.models.gpt2.GPT2Config`` ("gpt2").
       data: the data (see ``DataConfig``).
       optim: the optimiser (see ``OptimConfig``).
+      dcp: DCP fine-tuning (``DCPConfig``; None for pretraining).
       steps: optimiser steps.
       batch_size: sequences per optimiser step (global, across devices and accumulation).
       grad_accum: micro-batches per step; ``batch_size`` must be a multiple of it.
-      seed: parameter-init and dropout RNG seed.
+      seed: parameter-init RNG seed (fine-tuning: of the fresh interaction parameters).
       log_every: logging interval in steps.
       eval_every / ckpt_every: intervals in steps (0 = never, except the final save/eval).
       eval_batches: validation batches per evaluation.
@@ -108,13 +178,14 @@ class ExperimentConfig:
 
     Raises:
       ValueError: on construction, naming the field: a numeric field outside ``RANGES`` (here and in
-        each section), ``batch_size`` not a multiple of ``grad_accum``, an unknown ``partitioner``, or
-        ``data.seq_len`` < 2.
+        each section), ``batch_size`` not a multiple of ``grad_accum``, an unknown ``partitioner``,
+        ``data.seq_len`` 1 (or < 3 with DCP).
     """
 
-    model: ModelConfig = ModelConfig()
+    model: Any = ModelConfig()
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
+    dcp: DCPConfig | None = None
     steps: int = 300
     batch_size: int = 16
     grad_accum: int = 1
@@ -140,141 +211,59 @@ class ExperimentConfig:
             raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
         if self.partitioner not in ("auto", "shardy", "gspmd"):
             raise ValueError(f"partitioner must be auto, shardy or gspmd, got {self.partitioner!r}")
-        if self.data.seq_len < 2:
-            raise ValueError(f"data.seq_len must be at least 2, got {self.data.seq_len}")
+        least = 3 if self.dcp is not None else 2  # the sparsity loss needs causal pairs
+        if 0 < self.data.seq_len < least:
+            raise ValueError(f"data.seq_len must be at least {least} (or 0: the model's length), "
+                             f"got {self.data.seq_len}")
 
+    def resolved(self) -> "ExperimentConfig":
+        """The defaults that depend on other fields filled in (stored in config.json, so a resume with
+        more steps keeps the schedules): ``optim.warmup_steps`` None = min(2000, ceil(0.08·steps)),
+        ``dcp.alpha_steps`` None = steps, ``data.seq_len`` 0 = the model's ``n_positions`` (GPT-2).
 
-# DCP fine-tuning (``fox-jax finetune-dcp``, ``pretrain-gpt2``) ---------------------------------------
-
-GAMMA_NORMALIZATIONS = ("code", "causal")
-LR_DECAYS = ("constant", "cosine")
-
-
-@dataclasses.dataclass(frozen=True)
-class FinetuneConfig:
-    """A DCP fine-tuning run of ``fox-jax finetune-dcp`` / ``pretrain-gpt2`` (defaults: the reference recipe, docs/design/dcp.md §4).
-
-    Attributes:
-      hf_gpt2: the pretrained HF GPT-2 directory (exclusive with ``from_run``).
-      from_run: a ``fox-jax train`` run directory (FoX / Transformer ``LanguageModel``) to start from
-        (exclusive with ``hf_gpt2``).
-      from_step: checkpoint step of ``from_run`` (None = its latest; the step used is stored here).
-      data: ``DataConfig`` (``--hf-gpt2``: the tokenizer must be GPT-2's; ``--from-run``: a tokenizer of at
-        most the run's vocabulary, "" = the run's). ``seq_len`` 0 = the model's n_positions (GPT-2) or
-        the run's seq_len (``from_run``).
-      steps, batch_size: optimizer steps and sequences per step.
-      lr, warmup_steps (None = min(2000, ceil(0.08·steps))), weight_decay, b1, b2, eps, clip_norm
-        (0 = off): AdamW, linear warmup then constant.
-      interaction_lr: learning rate of q_int, k_int, β (None = lr).
-      gamma, gamma_normalization: sparsity strength and its normalisation ("code" or "causal").
-      interaction_dim, beta_init: r and β₀ of the fresh interaction parameters.
-      alpha_init, alpha_final, alpha_steps (None = steps): the cosine α schedule.
-      dtype: compute dtype of the trunk ("float32" as the code; the mask is float32 always).
-      remat: rematerialise blocks in the backward pass (``from_run``: remat "full"; False keeps the
-        run's own policy).
-      seed: seed of the interaction-parameter init (the data order has its own ``data.seed``).
-      log_every, eval_every, eval_batches, ckpt_every, keep_checkpoints, async_checkpoints: the loop.
-      dcp_impl: ``dcp_attention`` implementation, "xla" (blockwise) or "pallas" (kernels).
-
-    Every numeric field is checked against ``RANGES`` on construction (ValueError naming the field, e.g.
-    lr > 0, warmup_steps >= 0, b1 and b2 in [0, 1), alpha_init >= 1, intervals >= 0); ``validate``
-    checks the combinations.
-    """
-
-    hf_gpt2: str = ""
-    from_run: str = ""
-    from_step: int | None = None
-    data: DataConfig = DataConfig(seq_len=0)
-    steps: int = 25000
-    batch_size: int = 6
-    lr: float = 1e-4
-    warmup_steps: int | None = None
-    weight_decay: float = 0.0
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    clip_norm: float = 1.0
-    interaction_lr: float | None = None
-    gamma: float = 0.3
-    gamma_normalization: str = "code"
-    interaction_dim: int = 64
-    beta_init: float = 2.0
-    alpha_init: float = 1.0
-    alpha_final: float = 8.0
-    alpha_steps: int | None = None
-    dtype: str = "float32"
-    remat: bool = False
-    seed: int = 42
-    log_every: int = 10
-    eval_every: int = 1000
-    eval_batches: int = 11
-    ckpt_every: int = 1000
-    keep_checkpoints: int = 3
-    async_checkpoints: bool = True
-    dcp: bool = True
-    init_config: dict | None = None
-    lr_decay: str = "constant"
-    dcp_impl: str = "xla"
-
-    RANGES: ClassVar[dict[str, Range]] = dict(
-        from_step=Range(0, integer=True, optional=True), steps=POSITIVE_INT, batch_size=POSITIVE_INT, lr=POSITIVE,
-        warmup_steps=Range(0, integer=True, optional=True), weight_decay=NON_NEGATIVE,
-        b1=Range(0, 1, hi_open=True), b2=Range(0, 1, hi_open=True), eps=POSITIVE, clip_norm=NON_NEGATIVE,
-        interaction_lr=Range(0, lo_open=True, optional=True), gamma=NON_NEGATIVE, interaction_dim=POSITIVE_INT,
-        beta_init=FINITE, alpha_init=Range(1), alpha_final=Range(1), alpha_steps=Range(1, integer=True, optional=True),
-        seed=NON_NEGATIVE_INT, log_every=POSITIVE_INT, eval_every=NON_NEGATIVE_INT, eval_batches=POSITIVE_INT,
-        ckpt_every=NON_NEGATIVE_INT, keep_checkpoints=POSITIVE_INT)
-
-    def __post_init__(self):
-        check_ranges(self)
-
-    def resolved(self) -> "FinetuneConfig":
-        """Fill ``warmup_steps`` and ``alpha_steps`` from ``steps`` (stored, so a resume with more steps
-        keeps the schedules)."""
-        kw = {}
-        if self.warmup_steps is None:
-            kw["warmup_steps"] = min(2000, math.ceil(0.08 * self.steps))
-        if self.alpha_steps is None:
-            kw["alpha_steps"] = self.steps
-        return dataclasses.replace(self, **kw)
-
-    def validate(self) -> "FinetuneConfig":
-        """The combinations of fields and the choices (the numeric ranges are checked on construction).
-        Raises ValueError naming the first bad field."""
-        checks = [
-            (self.gamma_normalization in GAMMA_NORMALIZATIONS,
-             f"gamma_normalization must be one of {GAMMA_NORMALIZATIONS}, got {self.gamma_normalization!r}"),
-            (self.lr_decay in LR_DECAYS, f"lr_decay must be one of {LR_DECAYS}, got {self.lr_decay!r}"),
-            (self.dcp_impl in ("xla", "pallas"), f"dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}"),
-            (self.init_config is None or isinstance(self.init_config, dict),
-             f"init_config must be None or a dict of GPT2Config fields, got {self.init_config!r}"),
-            (not (self.hf_gpt2 and self.from_run),
-             "--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model"),
-            (not (self.init_config is not None and self.from_run),
-             "--from-run cannot be combined with a random init (init_config)"),
-            (self.from_step is None or self.from_run,
-             "--from-step needs --from-run (the checkpoint step of that run)"),
-            (self.from_run == "" or self.dcp, "--from-run is for DCP fine-tuning (dcp=True)"),
-            (self.data.seq_len == 0 or self.data.seq_len >= 3,
-             f"seq_len must be at least 3 (the sparsity loss needs causal pairs), got {self.data.seq_len}"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
-        return self
-
-
-# ``fox-jax pretrain-gpt2``: the same loop, dense, from a random init, with pretraining defaults.
-PRETRAIN_DEFAULTS = dict(dcp=False, lr=6e-4, weight_decay=0.1, b2=0.95, lr_decay="cosine", batch_size=8,
-                         steps=5000, eval_every=500, ckpt_every=500)
+        Raises:
+          ValueError: ``data.seq_len`` 0 for a model without a fixed length, or above GPT-2's n_positions.
+        """
+        cfg = self
+        if cfg.optim.warmup_steps is None:
+            cfg = dataclasses.replace(cfg, optim=dataclasses.replace(
+                cfg.optim, warmup_steps=min(2000, math.ceil(0.08 * cfg.steps))))
+        if cfg.dcp is not None and cfg.dcp.alpha_steps is None:
+            cfg = dataclasses.replace(cfg, dcp=dataclasses.replace(cfg.dcp, alpha_steps=cfg.steps))
+        n_positions = getattr(cfg.model, "n_positions", None)  # GPT-2's learned positions
+        if cfg.data.seq_len == 0:
+            if n_positions is None:
+                raise ValueError("data.seq_len must be given (0 means the model's n_positions, which only "
+                                 "GPT-2 has)")
+            cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=n_positions))
+        if n_positions is not None and cfg.data.seq_len > n_positions:
+            raise ValueError(f"seq_len {cfg.data.seq_len} exceeds the model's n_positions={n_positions} "
+                             "(GPT-2 has learned absolute positions)")
+        return cfg
 
 
 # Presets ---------------------------------------------------------------------------------------
 
+GPT2_SIZES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+PRESETS = ("tiny", "125M", "360M", "760M") + GPT2_SIZES
+
+
 def preset(name: str = "tiny", arch: str = "fox-llama") -> ExperimentConfig:
     """Experiment presets. ``tiny`` trains on a CPU in a few minutes with the byte tokenizer;
     ``125M``/``360M``/``760M`` are the paper's sizes with GPT-2 vocabulary (scaled-down step counts:
-    override ``steps``/``batch_size`` for real runs)."""
+    override ``steps``/``batch_size`` for real runs). ``gpt2`` ... ``gpt2-xl``: a dense GPT-2 of a
+    released shape from a random init (``fox-jax pretrain-gpt2``, the base model for DCP): AdamW lr 6e-4,
+    β₂ 0.95, weight decay 0.1, warmup then cosine to 10 %; ``arch`` does not apply.
+
+    Raises:
+      ValueError: an unknown name.
+    """
+    if name in GPT2_SIZES:
+        from fox_jax.models.gpt2 import gpt2_preset  # jax: only when a GPT-2 run is built
+
+        return gpt2_defaults(gpt2_preset(name))
+    if name not in PRESETS:
+        raise ValueError(f"--preset must be one of {', '.join(PRESETS)}; got {name!r}")
     if name == "tiny":
         model = model_preset("tiny", arch, vocab_size=384, attention_block=64)
         return ExperimentConfig(
@@ -293,23 +282,45 @@ def preset(name: str = "tiny", arch: str = "fox-llama") -> ExperimentConfig:
     )
 
 
+def gpt2_defaults(model: Any = None) -> ExperimentConfig:
+    """The GPT-2 presets' run (``model``: their GPT2Config; default a placeholder, for the help text)."""
+    return ExperimentConfig(
+        model=model if model is not None else ModelConfig(), data=DataConfig(seq_len=0),
+        optim=OptimConfig(lr=6e-4, warmup_steps=None, min_lr_ratio=0.1, b2=0.95, weight_decay=0.1),
+        steps=5000, batch_size=8, seed=42, eval_every=500, eval_batches=11, ckpt_every=500)
+
+
+def finetune_defaults(model: Any = None) -> ExperimentConfig:
+    """The ``fox-jax finetune-dcp`` defaults (the reference recipe, docs/design/dcp.md §4): AdamW lr 1e-4,
+    betas (0.9, 0.999), no weight decay, warmup min(2000, 8 % of steps) then constant, clipping at 1.0,
+    batch 6, 25,000 steps, γ 0.3, α 1 → 8. ``model``: the pretrained model with DCP (default: a
+    placeholder ``ModelConfig``, replaced once the source is read)."""
+    return ExperimentConfig(
+        model=model if model is not None else ModelConfig(), data=DataConfig(seq_len=0),
+        optim=OptimConfig(lr=1e-4, warmup_steps=None, schedule="constant", b2=0.999, weight_decay=0.0),
+        dcp=DCPConfig(), steps=25000, batch_size=6, seed=42, log_every=10, eval_every=1000, eval_batches=11,
+        ckpt_every=1000)
+
+
 # Resuming ------------------------------------------------------------------------------------------
 
-# The one rule of ``--resume`` (train, finetune-dcp, pretrain-gpt2): only the length of the run and the
-# loop's intervals may change (each command adds the settings that do not change the math, e.g. the mesh).
+# The one rule of ``--resume`` (every training command): only the length of the run, the loop's intervals
+# and the settings that do not change the math (the mesh, the partitioner, the DCP attention kernels) may
+# change. Entries are config keys; a section name covers its fields.
 RESUMABLE = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-             "async_checkpoints", "heartbeat_secs")
+             "async_checkpoints", "heartbeat_secs", "mesh", "partitioner", "model.dcp_impl")
 
 
 def check_resume(saved: dict, given: dict, resumable: tuple[str, ...] = RESUMABLE, *, what: str = "this config") -> None:
-    """Refuse a resume whose config differs from the saved run's outside ``resumable`` (top-level keys).
+    """Refuse a resume whose config differs from the saved run's outside ``resumable``.
 
     ``saved`` / ``given``: nested dicts of the config (``to_dict``); sections are compared field by field.
 
     Raises:
       ValueError: one line naming the differing fields (``model.n_layers``, ...) and what may change.
     """
-    diff = sorted(k for k in _diff_keys(saved, given) if k.split(".")[0] not in resumable)
+    diff = sorted(k for k in _diff_keys(saved, given)
+                  if not any(k == r or k.startswith(r + ".") for r in resumable))
     if diff:
         raise ValueError(f"--resume: {what} differs from the saved run's in {', '.join(diff)}; only "
                          f"{', '.join(resumable)} may change when resuming (or use a new --workdir)")
@@ -326,8 +337,25 @@ def _diff_keys(a: dict, b: dict, prefix: str = ""):
 
 # Serialisation and overrides -------------------------------------------------------------------
 
+CONFIG_NAME = "config.json"
+
+
 def to_dict(cfg: Any) -> dict:
-    return dataclasses.asdict(cfg)
+    """A config (or a section) as a nested dict; a model section carries its ``model_type``."""
+    if hasattr(cfg, "to_dict") and not isinstance(cfg, ExperimentConfig):
+        return cfg.to_dict()
+    return {f.name: (to_dict(v) if dataclasses.is_dataclass(v := getattr(cfg, f.name)) else v)
+            for f in dataclasses.fields(cfg)}
+
+
+def model_from_dict(d: dict) -> Any:
+    """A model config from its dict: ``model_type`` "lm" (or none) → ``ModelConfig``, else the family's
+    class (``fox_jax.models.config_from_dict``, imported only then: it needs jax)."""
+    if d.get("model_type", "lm") == "lm":
+        return _build(ModelConfig, {k: v for k, v in d.items() if k != "model_type"})
+    from fox_jax.models import config_from_dict
+
+    return config_from_dict(d)
 
 
 def from_dict(d: dict) -> ExperimentConfig:
@@ -342,18 +370,29 @@ def _build(cls, d):
         if f.name not in d:
             continue
         v = d[f.name]
-        t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            v = _build(t, v)
+        section = _section_type(hints[f.name])
+        if f.name == "model" and cls is ExperimentConfig:
+            v = model_from_dict(v)
+        elif section is not None and v is not None:
+            v = _build(section, v)
         elif isinstance(v, list):
             v = tuple(v)
         kw[f.name] = v
     return cls(**kw)
 
 
+def _section_type(hint):
+    """The dataclass of a section hint (``DataConfig``, ``DCPConfig | None``), else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    dcs = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+    return dcs[0] if dcs else None
+
+
 def save_json(cfg: ExperimentConfig, path) -> None:
     with open(path, "w") as f:
         json.dump(to_dict(cfg), f, indent=2, sort_keys=True)
+        f.write("\n")
 
 
 def load_json(path) -> ExperimentConfig:
@@ -390,7 +429,8 @@ def _parse_value(text: str, current: Any, type_hint) -> Any:
 
 def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentConfig:
     """Apply ``section.field=value`` overrides, e.g. ``model.n_layers=6``, ``optim.lr=1e-3``,
-    ``steps=500``. Lists are comma-separated (``data.train=a.txt,b.txt``).
+    ``dcp.gamma=0.5``, ``steps=500``. Lists are comma-separated (``data.train=a.txt,b.txt``). A section
+    that is None (``dcp`` of a pretraining config) starts from its defaults.
 
     Raises:
       ValueError: malformed override, unknown field, or a value of the wrong type.
@@ -400,14 +440,26 @@ def apply_overrides(cfg: ExperimentConfig, overrides: list[str]) -> ExperimentCo
         if "=" not in item:
             raise ValueError(f"override {item!r} is not of the form key=value (e.g. model.n_layers=6)")
         key, text = item.split("=", 1)
-        _set_path(cfg, key.strip().split("."), text, key, updates)
+        try:
+            _set_path(cfg, key.strip().split("."), text, key, updates)
+        except ValueError as e:
+            raise ValueError(f"{e} (in {item!r})") from None
     # one rebuild per section, so fields validated together (d_model / n_heads) may change together
     return _rebuild(cfg, updates)
 
 
+def _section(obj, name: str):
+    """The section ``name`` of ``obj`` (its defaults when it is None), or None for a plain field."""
+    current = getattr(obj, name)
+    if dataclasses.is_dataclass(current):
+        return current
+    section = _section_type(typing.get_type_hints(type(obj))[name])
+    return section() if section is not None and current is None else None
+
+
 def _rebuild(obj, updates: dict):
-    return dataclasses.replace(obj, **{k: _rebuild(getattr(obj, k), v) if isinstance(v, dict)
-                                       and dataclasses.is_dataclass(getattr(obj, k)) else v
+    return dataclasses.replace(obj, **{k: _rebuild(_section(obj, k), v) if isinstance(v, dict)
+                                       and _section(obj, k) is not None else v
                                        for k, v in updates.items()})
 
 
@@ -417,17 +469,41 @@ def _set_path(obj, path, text, full_key, updates: dict) -> None:
     if name not in fields:
         raise ValueError(
             f"unknown config field {full_key!r}; {type(obj).__name__} has: {', '.join(sorted(fields))}")
-    current = getattr(obj, name)
+    section = _section(obj, name)
     if len(path) > 1:
-        if not dataclasses.is_dataclass(current):
+        if section is None:
             raise ValueError(f"config field {full_key!r}: {name} is not a section")
-        _set_path(current, path[1:], text, full_key, updates.setdefault(name, {}))
+        _set_path(section, path[1:], text, full_key, updates.setdefault(name, {}))
         return
-    if dataclasses.is_dataclass(current):
+    if section is not None:
         raise ValueError(f"config field {full_key!r} is a section; set one of its fields, e.g. {name}.<field>=...")
+    current = getattr(obj, name)
     hint = typing.get_type_hints(type(obj))[name]
     try:
         value = _parse_value(text, current, hint)
     except ValueError as e:
         raise ValueError(f"bad value for {full_key!r}: {e}") from None
     updates[name] = value
+
+
+def field_doc(cls, name: str) -> str:
+    """The ``Attributes:`` entry of field ``name`` in the docstring of ``cls`` ("" when none): the help
+    text of the command-line flags (``fox_jax.train.commands``)."""
+    text, current = {}, None
+    for line in (cls.__doc__ or "").split("Attributes:", 1)[-1].splitlines()[1:]:
+        stripped = line.strip()
+        if not stripped or stripped.endswith(":") and " " not in stripped:
+            if current is not None and not stripped:
+                break
+            continue
+        head, sep, rest = stripped.partition(": ")
+        names = [n.strip() for n in head.replace(" / ", ", ").split(",")]
+        if sep and line.startswith("      ") and not line.startswith("        ") \
+                and all(n.isidentifier() for n in names):
+            current = names
+            for n in names:
+                text[n] = rest
+        elif current is not None:
+            for n in current:
+                text[n] += " " + stripped
+    return " ".join(text.get(name, "").split())

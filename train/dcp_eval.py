@@ -6,8 +6,8 @@ HF directories with ``dcp_interaction.safetensors``), on the **same validation w
 
 1. **Perplexity vs sparsity.** Validation loss / perplexity and pair sparsity (fraction of causal
    (query, key) pairs dropped, docs/design/dcp.md §3.2; overall = mean over layers, and per layer) of the dense
-   model and of every DCP run, with the inference step mask α = ∞ (``finetune_dcp.make_eval_step`` /
-   ``finetune_dcp.evaluate``: the fine-tuning run's own validation). For every DCP run, the dense model
+   model and of every DCP run, with the inference step mask α = ∞ (``finetune_dcp.evaluate_at_inf``:
+   the fine-tuning run's own validation). For every DCP run, the dense model
    with a **fixed local-window** and a **fixed strided** pattern (``GPT2Config.sparse_pattern``) at the
    matched sparsity (``match_sparse_pattern``: the window/stride whose exact sparsity at length T is
    closest to the run's measured sparsity), plus a grid of extra sparsities (``--curve-sparsities``) to draw
@@ -68,7 +68,7 @@ from fox_jax.train import finetune_dcp
 from fox_jax.train.commands import DEFAULT_CURVE_SPARSITIES
 from fox_jax.train.config import DataConfig
 from fox_jax.train.progress import progress_bar
-from fox_jax.train.runs import FINETUNE_CONFIG, Run, open_run
+from fox_jax.train.runs import Run, open_run
 from fox_jax.train.tokenizers import load_tokenizer
 
 TOKEN_CLASSES = ("special", "whitespace", "punctuation", "stopword", "other")
@@ -113,12 +113,19 @@ class EvalModel:
     info: dict
 
 
+def _is_finetune_run(path: str) -> bool:
+    try:
+        return open_run(path).kind == "finetune"
+    except (FileNotFoundError, ValueError):
+        return False
+
+
 def _run_info(run: Run) -> dict:
     """γ and friends of a finetune-dcp run (empty for other kinds)."""
-    if run.kind != "finetune":
+    if run.kind != "finetune" or run.config.dcp is None:
         return {}
     ft = run.config
-    return {"gamma": ft.gamma, "gamma_normalization": ft.gamma_normalization, "steps": ft.steps,
+    return {"gamma": ft.dcp.gamma, "gamma_normalization": ft.dcp.gamma_normalization, "steps": ft.steps,
             "seq_len": run.seq_len, "tokenizer": run.tokenizer}
 
 
@@ -163,12 +170,12 @@ def load_run(path: str, *, dtype: str = "float32") -> EvalModel:
             raise ValueError(f"--runs {run.path}: a HF GPT-2 directory without {DCP_NAME} is not a DCP model "
                              "(pass dense models with --dense)")
         parent = os.path.dirname(run.path)
-        if name == "hf" and os.path.isfile(os.path.join(parent, FINETUNE_CONFIG)):  # a finetune-dcp run's export
+        if name == "hf" and _is_finetune_run(parent):  # a finetune-dcp run's export
             name, info = os.path.basename(parent), _run_info(open_run(parent, flag="--runs"))
         info["source"] = "hf"
     else:
         raise ValueError(f"--runs {run.path} is {run.what}; expected a 'fox-jax finetune-dcp' run directory "
-                         f"(finetune_config.json) or a HF GPT-2 directory with {DCP_NAME}")
+                         f"(config.json with a dcp section) or a HF GPT-2 directory with {DCP_NAME}")
     info["kind"] = "dcp"
     return EvalModel(name, os.path.abspath(path), run.model.replace(dtype=dtype), run.load_params(), info)
 
@@ -200,7 +207,7 @@ def pattern_sparsity_on_batches(pattern: str, batches: Sequence[dict]) -> float:
 
     The pattern mask does not depend on the weights, so this is ``context_pruning.sparsity`` of
     ``sparse_pattern_log_mask`` with each batch's ``segment_ids`` (only pairs inside one document count),
-    averaged over batches like ``finetune_dcp.evaluate`` averages a DCP model's sparsity.
+    averaged over batches like ``finetune_dcp.evaluate_at_inf`` averages a DCP model's sparsity.
 
     Returns:
       float in [0, 1].
@@ -217,7 +224,7 @@ def pattern_sparsity_on_batches(pattern: str, batches: Sequence[dict]) -> float:
 def evaluate_model(cfg: GPT2Config, params, batches: Sequence[dict], *, desc: str = "eval",
                    progress: bool = True) -> dict:
     """Validation loss, perplexity and pair sparsity of one model (DCP: step mask α = ∞), with
-    ``finetune_dcp.make_eval_step`` / ``finetune_dcp.evaluate`` (fixed patterns: ``pattern_sparsity_on_batches``).
+    ``finetune_dcp.evaluate_at_inf`` (fixed patterns: ``pattern_sparsity_on_batches``).
 
     Args:
       cfg: the model config (dense, DCP, or dense with ``sparse_pattern``).
@@ -229,9 +236,8 @@ def evaluate_model(cfg: GPT2Config, params, batches: Sequence[dict], *, desc: st
       ``{"val_loss": nats/token, "ppl": exp(val_loss), "sparsity": mean over layers,
       "sparsity_layers": [L]}`` (sparsity in [0, 1]; 0 for a dense model).
     """
-    eval_fn = jax.jit(finetune_dcp.make_eval_step(cfg.with_remat("none").build()))
-    val = finetune_dcp.evaluate(eval_fn, params,
-                                progress_bar(batches, desc=desc, unit="batch", leave=False, progress=progress))
+    val = finetune_dcp.evaluate_at_inf(cfg, params,
+                                       progress_bar(batches, desc=desc, unit="batch", leave=False, progress=progress))
     out = {"val_loss": val["val_loss"], "ppl": val["val_ppl"], "sparsity": val["val_sparsity"],
            "sparsity_layers": [val[f"val_sparsity_layer_{i}"] for i in range(cfg.n_layers)]}
     if cfg.sparse_pattern is not None:  # the same fixed mask in every layer

@@ -25,7 +25,7 @@ import numpy as np
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
 from fox_jax.train.runs import open_run
-from fox_jax.train.trainer import evaluate_loss, make_eval_step, token_losses
+from fox_jax.train.loop import LMTask, evaluate, token_losses
 
 
 def per_position_loss(model, params, windows: dict, batch_size: int):
@@ -118,8 +118,8 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
                          "evaluate with the tokenizer the model was trained with")
     model = cfg.model.build()
     batches = data_lib.make_val_batches(corpus, cfg.batch_size, num_batches or cfg.eval_batches)
-    eval_fn = jax.jit(make_eval_step(model))
-    val_loss = evaluate_loss(eval_fn, params, batches, None)
+    task = LMTask(cfg)
+    val_loss = evaluate(task, jax.jit(lambda p, b: task.eval_step(model, p, b)), params, batches)["val_loss"]
     n_tokens = int(sum(b["targets"].size for b in batches))
     windows = data_lib.document_windows(corpus, num_docs)
     mean, count = per_position_loss(model, params, windows, cfg.batch_size)

@@ -86,16 +86,24 @@ def _to_float(v):
 
 
 def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
-    """``step 100/300 | loss 2.3456 | lr 3.00e-03 | gnorm 0.81 | 12.3k tok/s | 1.20 TFLOP/s | MFU 34.1%``.
+    """``step 100/300 | loss 2.3456 | lr 3.00e-03 | gnorm 0.81 | 12.3k tok/s | 1.20 TFLOP/s | MFU 34.1%``, with
+    the DCP columns (``ce 3.30 | sp_loss 0.110 | sparsity 12.3% | α 2.50 | β̄ 1.98``) after the loss when the
+    row has them, ACP's pruned fraction and the validation (``val_loss 2.5 (ppl 12.2[, sparsity 30.1% at
+    α=∞])``) at the end; a row of only validation gives ``step 0/300 | val_loss ...``.
 
     TFLOP/s and MFU appear only with an ``mfu`` (a device of known peak); ``metrics.jsonl`` keeps ``tflops``
     everywhere."""
-    parts = [f"step {step}/{total}", f"loss {m['loss']:.4f}"]
+    parts = [f"step {step}/{total}"]
+    if "loss" in m:
+        parts.append(f"loss {m['loss']:.4f}")
+    if "beta_mean" in m:
+        parts += [f"ce {m['ce']:.4f}", f"sp_loss {m['sparsity_loss']:.4f}", f"sparsity {100 * m['sparsity']:.1f}%",
+                  f"α {m['alpha']:.3f}", f"β̄ {m['beta_mean']:.3f}"]
     if "lr" in m:
         parts.append(f"lr {m['lr']:.2e}")
     if "grad_norm" in m:
         parts.append(f"gnorm {m['grad_norm']:.3f}")
-    if "tokens_per_sec" in m:
+    if m.get("tokens_per_sec") is not None:
         parts.append(f"{_si(m['tokens_per_sec'])} tok/s")
     if m.get("mfu") is not None:  # only where the device's peak is known (GPUs, TPUs; not CPUs)
         if "tflops" in m:
@@ -104,7 +112,8 @@ def format_log_line(step: int, total: int, m: dict[str, Any]) -> str:
     if "acp_fraction_skipped" in m:
         parts.append(f"ACP pruned {100 * m['acp_fraction_skipped']:.1f}%")
     if "val_loss" in m:
-        parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f})")
+        sparsity = f", sparsity {100 * m['val_sparsity']:.1f}% at α=∞" if "val_sparsity" in m else ""
+        parts.append(f"val_loss {m['val_loss']:.4f} (ppl {m['val_ppl']:.2f}{sparsity})")
     return " | ".join(parts)
 
 

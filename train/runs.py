@@ -7,10 +7,10 @@ kind                    files                                                   
 ======================  ===============================================================  =================
 ``"train"``             ``config.json`` (an ``ExperimentConfig``, written by             ``checkpoints/``
                         ``fox-jax train``)                                               (orbax)
-``"finetune"``          ``finetune_config.json`` (a ``FinetuneConfig``) +                ``checkpoints/``
-                        ``model_config.json`` (the model with DCP and its ``model_type``:  (orbax)
-                        "gpt2", the default for files without one, or "lm"), written by
-                        ``fox-jax finetune-dcp`` / ``pretrain-gpt2``
+``"finetune"``          ``config.json`` with a ``dcp`` section (an ``ExperimentConfig``,    ``checkpoints/``
+                        written by ``fox-jax finetune-dcp``), or the earlier layout:       (orbax)
+                        ``finetune_config.json`` (flat fields) + ``model_config.json``
+                        (the model and its ``model_type``: "gpt2", the default, or "lm")
 ``"hf-gpt2"``           a Hugging Face GPT-2 directory: ``config.json`` (``model_type``   safetensors
                         "gpt2") + weights; DCP when ``dcp_interaction.safetensors`` is     (``load_hf_gpt2``)
                         there
@@ -42,7 +42,7 @@ from fox_jax.models.hf_gpt2 import (CONFIG_NAME as HF_CONFIG_NAME, DCP_CONFIG_KE
                                     SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME, config_from_hf, load_hf_gpt2)
 from fox_jax.train import config as config_lib
 from fox_jax.train.checkpoints import Checkpointer, CheckpointError
-from fox_jax.train.config import DataConfig, FinetuneConfig
+from fox_jax.train.config import DataConfig
 
 TRAIN_CONFIG = "config.json"
 FINETUNE_CONFIG = "finetune_config.json"
@@ -65,8 +65,8 @@ class Run:
       seq_len: its training length in tokens, or None (Hugging Face directories).
       steps: the checkpoint steps, ascending (empty: none saved yet); None for a format without checkpoints.
       step: the chosen checkpoint step (None when there is none).
-      config: the run's own config (``ExperimentConfig`` for "train", ``FinetuneConfig`` for "finetune"),
-        or the Hugging Face ``config.json`` dict.
+      config: the run's own config (an ``ExperimentConfig`` for "train" and "finetune"; earlier
+        fine-tune layouts are converted), or the Hugging Face ``config.json`` dict.
       what: a few words for messages ("a 'fox-jax train' run", ...).
     """
 
@@ -168,12 +168,17 @@ def _expected() -> str:
     return "; or ".join(expected for expected, _ in FORMATS)
 
 
-@_format("a 'fox-jax finetune-dcp' run (finetune_config.json + model_config.json + checkpoints/)")
+@_format("a 'fox-jax finetune-dcp' run (config.json with a dcp section, or finetune_config.json + "
+         "model_config.json; + checkpoints/)")
 def _finetune_run(path: str) -> Run | None:
-    if not os.path.isfile(os.path.join(path, FINETUNE_CONFIG)):
+    raw = _read_json(os.path.join(path, TRAIN_CONFIG))
+    if isinstance(raw, dict) and isinstance(raw.get("dcp"), dict):
+        cfg = config_lib.from_dict(raw)
+    elif os.path.isfile(os.path.join(path, FINETUNE_CONFIG)):
+        cfg = read_finetune_config(path)
+    else:
         return None
-    cfg = read_finetune_config(path)
-    return Run("finetune", path, read_model_config(path), cfg.data.tokenizer or None, cfg.data, cfg.data.seq_len,
+    return Run("finetune", path, cfg.model, cfg.data.tokenizer or None, cfg.data, cfg.data.seq_len,
                _checkpoint_steps(path), None, cfg, "a 'fox-jax finetune-dcp' run", _restore_params)
 
 
@@ -221,8 +226,9 @@ def _read_json(path: str) -> Any:
             raise ValueError(f"{os.path.basename(path)} is not valid JSON ({e})") from None
 
 
-def read_finetune_config(workdir: str) -> FinetuneConfig:
-    """The ``finetune_config.json`` of a fine-tune run (lists become tuples).
+def read_finetune_config(workdir: str) -> config_lib.ExperimentConfig:
+    """The config of a fine-tune run of the earlier layout (``finetune_config.json``: flat fields, and
+    ``model_config.json``) as an ``ExperimentConfig``.
 
     Raises:
       FileNotFoundError: no such file. ValueError: unknown fields or out-of-range values.
@@ -231,22 +237,30 @@ def read_finetune_config(workdir: str) -> FinetuneConfig:
     d = _read_json(path)
     if d is None:
         raise FileNotFoundError(f"{path} not found (every 'fox-jax finetune-dcp' run directory holds it)")
-    return finetune_config_from_dict(d)
+    return finetune_config_from_dict(d, read_model_config(workdir))
 
 
-def finetune_config_from_dict(d: dict) -> FinetuneConfig:
-    """A ``FinetuneConfig`` from its ``dataclasses.asdict`` form (lists become tuples). Raises ValueError
-    for unknown fields."""
-    names = {f.name for f in dataclasses.fields(FinetuneConfig)}
-    unknown = sorted(set(d) - names)
+_OPTIM = ("lr", "warmup_steps", "b1", "b2", "eps", "weight_decay", "clip_norm")
+_DCP = ("hf_gpt2", "from_run", "from_step", "gamma", "gamma_normalization", "interaction_lr", "alpha_init",
+        "alpha_final", "alpha_steps")
+_LOOP = ("steps", "batch_size", "seed", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
+         "async_checkpoints")
+_IN_MODEL = ("interaction_dim", "beta_init", "dtype", "remat", "dcp_impl", "init_config")  # in model_config.json
+
+
+def finetune_config_from_dict(d: dict, model: Any) -> config_lib.ExperimentConfig:
+    """An ``ExperimentConfig`` from the flat ``finetune_config.json`` fields of the earlier layout and its
+    ``model``. Raises ValueError for unknown fields."""
+    unknown = sorted(set(d) - set(_OPTIM + _DCP + _LOOP + _IN_MODEL + ("data", "dcp", "lr_decay")))
     if unknown:
         raise ValueError(f"{FINETUNE_CONFIG}: unknown field(s) {', '.join(unknown)}")
-    data = dict(d.get("data") or {})
-    hints = typing.get_type_hints(DataConfig)
-    for k, v in data.items():
-        if isinstance(v, list) and typing.get_origin(hints.get(k)) is tuple:
-            data[k] = tuple(v)
-    return FinetuneConfig(**{**d, "data": DataConfig(**data)})
+    cosine = d.get("lr_decay") == "cosine"
+    optim = config_lib.OptimConfig(**{k: d[k] for k in _OPTIM if k in d}, schedule="cosine" if cosine else "constant",
+                                   min_lr_ratio=0.1 if cosine else 0.0)
+    dcp = config_lib.DCPConfig(**{k: d[k] for k in _DCP if k in d}) if d.get("dcp", True) else None
+    data = config_lib._build(DataConfig, d.get("data") or {})
+    return config_lib.ExperimentConfig(model=model, data=data, optim=optim, dcp=dcp,
+                                       **{k: d[k] for k in _LOOP if k in d})
 
 
 def read_model_config(workdir: str) -> ModelFamily:
