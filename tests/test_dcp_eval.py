@@ -15,7 +15,7 @@ from fox_jax.models.gpt2 import (GPT2, GPT2Config, match_sparse_pattern, parse_s
                                  sparse_pattern_log_mask, sparse_pattern_sparsity)
 from fox_jax.models.hf_gpt2 import save_hf_gpt2
 from fox_jax.ops.context_pruning import dcp_attention
-from fox_jax.train import cli, dcp_eval, finetune_dcp
+from fox_jax.train import cli, config as config_lib, dcp_eval
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
@@ -243,9 +243,9 @@ def models(tmp_path_factory, tiny_params):
         attn["k_int"]["kernel"] = attn["k_int"]["kernel"] * 12.0
     run = root / "run_gamma0.5"
     save_hf_gpt2(dcp_cfg, dcp_params, run / "hf")
-    ft = finetune_dcp.FinetuneConfig(hf_gpt2=str(root / "dense"), gamma=0.5, steps=10)
-    (run / finetune_dcp.CONFIG_NAME).write_text(json.dumps(finetune_dcp.config_to_dict(ft)))
-    finetune_dcp.save_model_config(dcp_cfg, str(run))
+    config_lib.save_json(config_lib.ExperimentConfig(model=dcp_cfg, data=config_lib.DataConfig(seq_len=64),
+                                                     dcp=config_lib.DCPConfig(hf_gpt2=str(root / "dense"), gamma=0.5),
+                                                     steps=10), run / "config.json")
     return root
 
 

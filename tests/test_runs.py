@@ -12,10 +12,8 @@ import pytest
 from fox_jax.models import GPT2Config, ModelConfig
 from fox_jax.models.hf_fox import save_official_fox
 from fox_jax.models.hf_gpt2 import DCP_NAME, save_hf_gpt2
-from fox_jax.train import config as config_lib, evaluate, trainer
+from fox_jax.train import config as config_lib, evaluate, loop
 from fox_jax.train.checkpoints import Checkpointer, CheckpointError, CorruptCheckpointError
-from fox_jax.train.config import FinetuneConfig
-from fox_jax.train.finetune_dcp import save_model_config
 from fox_jax.train.runs import open_run
 
 GPT2_TINY = dict(n_layers=2, n_heads=2, d_model=32, n_positions=64, vocab_size=300)
@@ -29,8 +27,8 @@ def _config(corpus: Path) -> config_lib.ExperimentConfig:
 
 
 def _state(cfg: ModelConfig | GPT2Config, params, opt_cfg: config_lib.ExperimentConfig, step: int):
-    optimizer = trainer.make_optimizer(opt_cfg)
-    return trainer.TrainState(step=np.int32(step), params=params, opt_state=optimizer.init(params),
+    optimizer = loop.make_optimizer(opt_cfg)
+    return loop.TrainState(step=np.int32(step), params=params, opt_state=optimizer.init(params),
                               rng=jax.random.PRNGKey(step))
 
 
@@ -50,6 +48,13 @@ def _save(run_dir: Path, steps_and_states, *, ocdbt: bool = True) -> None:
         manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave({})))
     manager.wait_until_finished()
     manager.close()
+
+
+def _save_model_config(model_cfg, run_dir: str) -> None:
+    """``model_config.json`` of the earlier fine-tune layout: the model's fields and its ``model_type``."""
+    model_type = "lm" if isinstance(model_cfg, ModelConfig) else "gpt2"
+    (Path(run_dir) / "model_config.json").write_text(json.dumps({"model_type": model_type,
+                                                                 **dataclasses.asdict(model_cfg)}))
 
 
 def _leaves(tree) -> dict:
@@ -78,20 +83,21 @@ def train_run(tmp_path_factory, corpus):
     run = tmp_path_factory.mktemp("train_run")
     cfg = _config(corpus)
     config_lib.save_json(cfg, run / "config.json")
-    states = {s: trainer.init_state(cfg, jax.random.PRNGKey(s), trainer.make_optimizer(cfg)) for s in (2, 4)}
+    states = {s: loop.init_state(cfg, jax.random.PRNGKey(s), loop.make_optimizer(cfg)) for s in (2, 4)}
     _save(run, [(s, st.replace(step=np.int32(s))) for s, st in states.items()])
     return run, cfg, {s: st.params for s, st in states.items()}
 
 
 @pytest.fixture(scope="module")
 def finetune_run(tmp_path_factory, corpus, train_run):
-    """A 'fox-jax finetune-dcp --from-run' run: finetune_config.json + model_config.json (a FoX with DCP)."""
+    """A 'fox-jax finetune-dcp --from-run' run of the earlier layout: finetune_config.json (flat fields) +
+    model_config.json (a FoX with DCP)."""
     src, exp, params = train_run
     run = tmp_path_factory.mktemp("finetune_run")
     model_cfg, dcp_params = exp.model.add_dcp_params(params[4], jax.random.PRNGKey(1), interaction_dim=8)
-    ft = FinetuneConfig(from_run=str(src), from_step=4, data=dataclasses.replace(exp.data), gamma=0.5, steps=3)
-    (run / "finetune_config.json").write_text(json.dumps(dataclasses.asdict(ft)))
-    save_model_config(model_cfg, str(run))
+    ft = dict(from_run=str(src), from_step=4, data=dataclasses.asdict(exp.data), gamma=0.5, steps=3, lr=1e-4)
+    (run / "finetune_config.json").write_text(json.dumps(ft))
+    _save_model_config(model_cfg, str(run))
     _save(run, [(3, _state(model_cfg, dcp_params, exp, 3))])
     return run, model_cfg, dcp_params
 
@@ -111,7 +117,7 @@ def test_finetune_run_and_its_dense_part(finetune_run, train_run):
     path, model_cfg, dcp_params = finetune_run
     run = open_run(path)
     assert (run.kind, run.steps, run.step, run.model) == ("finetune", (3,), 3, model_cfg)
-    assert run.config.gamma == 0.5 and run.tokenizer == "bytes" and run.seq_len == 16
+    assert run.config.dcp.gamma == 0.5 and run.tokenizer == "bytes" and run.seq_len == 16
     _assert_same(run.load_params(), dcp_params)
     dense = run.without_dcp()
     assert not dense.model.dcp and dense.step == 3
@@ -122,7 +128,7 @@ def test_finetune_run_of_gpt2_without_model_type(tmp_path, train_run):
     """model_config.json files without model_type are GPT-2's."""
     cfg = GPT2Config(**GPT2_TINY)
     params = cfg.init_params(jax.random.PRNGKey(0))
-    (tmp_path / "finetune_config.json").write_text(json.dumps(dataclasses.asdict(FinetuneConfig(hf_gpt2="x"))))
+    (tmp_path / "finetune_config.json").write_text(json.dumps({"hf_gpt2": "x", "data": {"tokenizer": "bytes"}}))
     (tmp_path / "model_config.json").write_text(json.dumps(dataclasses.asdict(cfg)))
     _save(tmp_path, [(1, _state(cfg, params, train_run[1], 1))])
     run = open_run(tmp_path)
@@ -216,7 +222,7 @@ def test_evaluation_reads_no_optimizer_state(tmp_path, corpus):
     only the params are restored. The full restore of the same step fails, so the damage is real."""
     cfg = _config(corpus)
     config_lib.save_json(cfg, tmp_path / "config.json")
-    state = trainer.init_state(cfg, jax.random.PRNGKey(0), trainer.make_optimizer(cfg))
+    state = loop.init_state(cfg, jax.random.PRNGKey(0), loop.make_optimizer(cfg))
     _save(tmp_path, [(4, state.replace(step=np.int32(4)))], ocdbt=False)
     state_dir = tmp_path / "checkpoints" / "4" / "state"
     damaged = [p for d in state_dir.glob("opt_state.*") for p in d.iterdir() if not p.name.startswith(".")]
