@@ -314,12 +314,10 @@ def _flat(tree):
 
 def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, tmp_path, capsys):
     from fox_jax.config import ModelConfig
-    from fox_jax.train import config as config_lib
-    from fox_jax.train.evaluate import load_params
 
-    exp = config_lib.load_json(fox_run / "config.json")
-    src, src_step = load_params(str(fox_run), exp)
-    assert src_step == 2
+    source = open_run(fox_run)
+    src, src_step = source.load_params(), source.step
+    assert source.kind == "train" and src_step == 2
     workdir = tmp_path / "lm_resumed"
     assert cli.main(lm_argv(fox_run, workdir, "--steps", "1")) == 0
     # step 1 ran with lr 0 (warmup from 0): its checkpoint holds the fine-tuning's initial params
