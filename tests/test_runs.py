@@ -52,9 +52,7 @@ def _save(run_dir: Path, steps_and_states, *, ocdbt: bool = True) -> None:
 
 def _save_model_config(model_cfg, run_dir: str) -> None:
     """``model_config.json`` of the earlier fine-tune layout: the model's fields and its ``model_type``."""
-    model_type = "lm" if isinstance(model_cfg, ModelConfig) else "gpt2"
-    (Path(run_dir) / "model_config.json").write_text(json.dumps({"model_type": model_type,
-                                                                 **dataclasses.asdict(model_cfg)}))
+    (Path(run_dir) / "model_config.json").write_text(json.dumps(model_cfg.to_dict()))
 
 
 def _leaves(tree) -> dict:
