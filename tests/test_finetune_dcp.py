@@ -313,7 +313,7 @@ def _flat(tree):
 
 
 def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, tmp_path, capsys):
-    from fox_jax.config import ModelConfig
+    from fox_jax.models import ModelConfig
 
     source = open_run(fox_run)
     src, src_step = source.load_params(), source.step

@@ -72,14 +72,15 @@ def cmd_train(args) -> int:
     overrides = explicit_overrides(args)
     cfg_path = os.path.join(args.workdir, config_lib.CONFIG_NAME)
     if args.resume and loop.has_checkpoints(args.workdir) and os.path.exists(cfg_path):
-        cfg = config_lib.apply_overrides(config_lib.load_json(cfg_path), overrides)  # flags given now override it
+        saved = config_lib.load_json(cfg_path)
+        cfg = config_lib.apply_overrides(saved, overrides)  # flags given now override it
         shape = [o for o in overrides if o.split("=", 1)[0] in {key for _, key in GPT2_FLAGS}]
         if args.preset is not None or args.arch is not None or (gpt2 and shape):  # must describe the saved model
             asked = config_lib.apply_overrides(config_lib.preset(preset, arch), overrides).model
-            asked = asked.replace(vocab_size=cfg.model.vocab_size)  # resolved from the tokenizer
+            asked = asked.replace(vocab_size=saved.model.vocab_size)  # resolved from the tokenizer
             names = (("size" if gpt2 else "preset", args.preset), ("arch", args.arch))
             flags = " ".join(f"--{k} {v}" for k, v in names if v) or "the flags given"
-            config_lib.check_resume({"model": config_lib.to_dict(cfg.model)}, {"model": config_lib.to_dict(asked)},
+            config_lib.check_resume({"model": config_lib.to_dict(saved.model)}, {"model": config_lib.to_dict(asked)},
                                     loop.RESUMABLE, what=f"the model of {flags}")
     else:
         if gpt2 and not args.tokenizer:
