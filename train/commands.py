@@ -172,7 +172,7 @@ def _add_train(sub) -> None:
         "The values\nbelow are those of --preset tiny; 125M/360M/760M change "
         "model.* (sizes, bfloat16, GPT-2 vocabulary),\ndata.seq_len (2048), optim.lr/warmup_steps and the loop "
         "(steps, batch_size, intervals); gpt2...gpt2-xl\nare GPT-2 models (see pretrain-gpt2). Ranges and meanings: "
-        "train/config.py and fox_jax/config.py."))
+        "train/config.py and fox_jax/models/lm.py."))
     t = sub.add_parser("train", help="train a model", formatter_class=_Formatter, epilog=epilog,
                        description="Train a FoX / Transformer language model, or a GPT-2 (--preset gpt2...); "
                        "writes config.json, checkpoints/, metrics.jsonl, loss.png and tb/ in --workdir.")
