@@ -28,7 +28,7 @@ if [ "$MODE" = kernels ]; then
   done
   for tree in "$PREV" .; do
     tag=$(tag_of "$tree")
-    (cd "$tree" && timeout 150 python3 benchmarks/bench_dcp.py --out "$OUT/dcp_$tag.json" 2>&1 | grep -v Deprecat | tail -n 10)
+    (cd "$tree" && timeout 150 python3 benchmarks/bench_dcp.py ${DCP_SHAPES:+--shapes $DCP_SHAPES} --out "$OUT/dcp_$tag.json" 2>&1 | grep -v Deprecat | tail -n 10)
   done
   exit 0
 fi
@@ -38,7 +38,7 @@ D=$ROOT/.gpu/data
 STEPS=${STEPS:-30}
 for tree in "$PREV" .; do
   tag=$(tag_of "$tree")
-  (cd "$tree" && timeout 150 python3 benchmarks/bench_train.py --configs fox-pro:125M:2048 transformer-pro:125M:2048 \
+  (cd "$tree" && timeout 150 python3 benchmarks/bench_train.py --configs ${TRAIN_CONFIGS:-fox-pro:125M:2048 transformer-pro:125M:2048} \
      --batch-tokens 32768 --steps 8 --warmup 2 --out "$OUT/train_$tag.json" 2>&1 | grep -v Deprecat | tail -n 4)
 done
 for tree in "$PREV" .; do
