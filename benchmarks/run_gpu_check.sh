@@ -33,18 +33,20 @@ if [ "$MODE" = kernels ]; then
   exit 0
 fi
 
-pip install -q --no-deps .whl/*.whl 2>&1 | tail -n 2
+python3 -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl 2>&1 | tail -n 2
+export PYTHONPATH=/tmp/wheels
+python3 -c "import grain; print('grain', grain.__version__ if hasattr(grain, '__version__') else 'ok')"
 D=$ROOT/.gpu/data
 STEPS=${STEPS:-30}
 for tree in "$PREV" .; do
   tag=$(tag_of "$tree")
-  (cd "$tree" && timeout 150 python3 benchmarks/bench_train.py --configs ${TRAIN_CONFIGS:-fox-pro:125M:2048 transformer-pro:125M:2048} \
+  (cd "$tree" && PYTHONPATH=$PWD:/tmp/wheels timeout 150 python3 benchmarks/bench_train.py --configs ${TRAIN_CONFIGS:-fox-pro:125M:2048 transformer-pro:125M:2048} \
      --batch-tokens 32768 --steps 8 --warmup 2 --out "$OUT/train_$tag.json" 2>&1 | grep -v Deprecat | tail -n 4)
 done
 for tree in "$PREV" .; do
   tag=$(tag_of "$tree")
   W=/tmp/runs_$tag; rm -rf "$W"
-  (cd "$tree" && export PYTHONPATH=$PWD
+  (cd "$tree" && export PYTHONPATH=$PWD:/tmp/wheels
    timeout 150 python3 -m fox_jax.train.cli pretrain-gpt2 --workdir "$W/pre" --data "$D/train.txt" --val-data "$D/val.txt" \
      --tokenizer "$D/tok" --seq-len 1024 --batch-size 8 --steps "$STEPS" --dtype bfloat16 --eval-every 0 \
      --eval-batches 2 --ckpt-every 0 --log-every 1 --no-progress > "$OUT/pretrain_$tag.log" 2>&1
