@@ -12,8 +12,8 @@ import math
 import typing
 from typing import Any, ClassVar
 
-from fox_jax.config import FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, Range, check_ranges
-from fox_jax.models.lm import ModelConfig, preset as model_preset
+from fox_jax.config import (FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
+                            check_ranges, config_from_dict, gpt2_preset, preset as model_preset)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +259,6 @@ def preset(name: str = "tiny", arch: str = "fox-llama") -> ExperimentConfig:
       ValueError: an unknown name.
     """
     if name in GPT2_SIZES:
-        from fox_jax.models.gpt2 import gpt2_preset  # jax: only when a GPT-2 run is built
 
         return gpt2_defaults(gpt2_preset(name))
     if name not in PRESETS:
@@ -350,11 +349,9 @@ def to_dict(cfg: Any) -> dict:
 
 def model_from_dict(d: dict) -> Any:
     """A model config from its dict: ``model_type`` "lm" (or none) → ``ModelConfig``, else the family's
-    class (``fox_jax.models.config_from_dict``, imported only then: it needs jax)."""
+    class (``fox_jax.config.config_from_dict``)."""
     if d.get("model_type", "lm") == "lm":
         return _build(ModelConfig, {k: v for k, v in d.items() if k != "model_type"})
-    from fox_jax.models import config_from_dict
-
     return config_from_dict(d)
 
 

@@ -18,7 +18,6 @@ renamed legacy keys, layer names, remat, parameter init, adding DCP parameters);
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, ClassVar, Protocol
 
 import flax
@@ -26,7 +25,6 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fox_jax.config import REMAT_POLICIES
 from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
 
 
@@ -107,43 +105,27 @@ class ModelFamily(Protocol):
         """Inverse of ``to_dict`` (also accepts legacy key names)."""
 
 
-class FamilyConfig:
-    """The ``ModelFamily`` methods both families share (a mixin of the frozen config dataclasses).
+class FamilyModules:
+    """The JAX side of a model family: what a config's ``build``, ``init_params``, ``add_dcp_params`` and
+    ``init_cache`` do (``fox_jax.config.FamilyConfig`` delegates to the instance registered for its
+    ``model_type``). Each family subclasses it with its Flax ``module`` class and its ``init_cache``."""
 
-    Subclasses set ``model_type``, ``LAYER_PREFIX`` (params key of layer i is ``f"{LAYER_PREFIX}{i}"``)
-    and ``LEGACY_KEYS`` (old field name -> new one, accepted by ``from_dict``).
-    """
+    module: ClassVar[type[nn.Module]]
 
-    model_type: ClassVar[str]
-    LAYER_PREFIX: ClassVar[str]
-    LEGACY_KEYS: ClassVar[dict[str, str]] = {}
+    def build(self, cfg) -> nn.Module:
+        return self.module(cfg)
 
-    def replace(self, **kw):
-        return dataclasses.replace(self, **kw)
-
-    @property
-    def layer_names(self) -> tuple[str, ...]:
-        return tuple(f"{self.LAYER_PREFIX}{i}" for i in range(self.n_layers))
-
-    def with_remat(self, policy: str):
-        """The config with ``remat=policy``.
-
-        Raises:
-          ValueError: a policy not in ``REMAT_POLICIES``.
-        """
-        return self.replace(remat=policy)
-
-    def init_params(self, rng: jax.Array, seq_len: int = 8) -> dict:
-        """Float32 parameters of ``self.build()`` as a plain nested dict (no Flax boxing).
+    def init_params(self, cfg, rng: jax.Array, seq_len: int = 8) -> dict:
+        """Float32 parameters of ``cfg.build()`` as a plain nested dict (no Flax boxing).
 
         Initialised on a [1, seq_len] batch of zeros (capped at ``max_positions``); DCP models with
         alpha = 1 (the value does not affect the parameters).
         """
-        limit = self.max_positions
+        limit = cfg.max_positions
         tokens = jnp.zeros((1, seq_len if limit is None else min(seq_len, limit)), jnp.int32)
-        return self.build().init(rng, tokens, alpha=1.0 if self.dcp else None)["params"]
+        return cfg.build().init(rng, tokens, alpha=1.0 if cfg.dcp else None)["params"]
 
-    def add_dcp_params(self, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
+    def add_dcp_params(self, cfg, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
                        beta_init: float | None = None):
         """Add fresh DCP parameters to a pretrained dense model (docs/design/dcp.md §1.1, §4).
 
@@ -155,8 +137,8 @@ class FamilyConfig:
         Args:
           params: the dense model's params.
           rng: PRNG key for the interaction weights.
-          interaction_dim: r (default ``self.interaction_dim``, 64).
-          beta_init: β₀ (default ``self.dcp_beta_init``, 2.0).
+          interaction_dim: r (default ``cfg.interaction_dim``, 64).
+          beta_init: β₀ (default ``cfg.dcp_beta_init``, 2.0).
 
         Returns:
           (the config with dcp=True and the chosen r/β₀, new params pytree).
@@ -165,61 +147,18 @@ class FamilyConfig:
           ValueError: the config already has DCP, DCP cannot be combined with it (e.g. ACP or a fixed
             sparse pattern), bad r/β₀, or params lack a layer ``<name>/attn``.
         """
-        if self.dcp:
-            raise ValueError(f"add_dcp_params: {type(self).__name__} already has dcp=True")
-        new = self.replace(dcp=True,
-                           interaction_dim=self.interaction_dim if interaction_dim is None else interaction_dim,
-                           dcp_beta_init=self.dcp_beta_init if beta_init is None else beta_init)
+        if cfg.dcp:
+            raise ValueError(f"add_dcp_params: {type(cfg).__name__} already has dcp=True")
+        new = cfg.replace(dcp=True,
+                           interaction_dim=cfg.interaction_dim if interaction_dim is None else interaction_dim,
+                           dcp_beta_init=cfg.dcp_beta_init if beta_init is None else beta_init)
         out = with_interaction_params(params, list(new.layer_names), d_model=new.d_model,
                                       interaction_dim=new.interaction_dim, init_std=new.init_std,
                                       beta_init=new.dcp_beta_init, rng=rng)
         return new, out
 
-    def to_dict(self) -> dict:
-        return {"model_type": self.model_type, **dataclasses.asdict(self)}
-
-    @classmethod
-    def current_names(cls, d: dict) -> dict:
-        """A copy of ``d`` (config fields) with the legacy names of ``LEGACY_KEYS`` renamed and a boolean
-        ``remat`` mapped to a policy (True -> "full", False -> "none").
-
-        Raises:
-          ValueError: a field given under both its old and its new name.
-        """
-        d = dict(d)
-        for old, new in cls.LEGACY_KEYS.items():
-            if old in d:
-                if new in d:
-                    raise ValueError(f"{cls.__name__}: both {old!r} and its new name {new!r} given")
-                d[new] = d.pop(old)
-        if isinstance(d.get("remat"), bool):
-            d["remat"] = "full" if d["remat"] else "none"
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict):
-        """The config of ``to_dict`` output; also reads dicts without ``model_type`` and with the legacy
-        names of ``LEGACY_KEYS`` (and GPT-2's boolean ``remat``: True -> "full", False -> "none").
-
-        Raises:
-          ValueError: a ``model_type`` of another family, a field given under both its old and new name,
-            unknown fields, or values the config refuses.
-        """
-        d = cls.current_names(d)
-        model_type = d.pop("model_type", cls.model_type)
-        if model_type != cls.model_type:
-            raise ValueError(f"{cls.__name__}.from_dict: model_type must be {cls.model_type!r}, got {model_type!r}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - names)
-        if unknown:
-            raise ValueError(f"{cls.__name__}.from_dict: unknown field(s) {', '.join(unknown)}")
-        return cls(**d)
-
-
-def check_remat(remat: Any, owner: str) -> None:
-    """Raise ValueError unless ``remat`` is one of ``REMAT_POLICIES`` (``owner`` names the config)."""
-    if remat not in REMAT_POLICIES:
-        raise ValueError(f"{owner}.remat must be one of {REMAT_POLICIES}, got {remat!r}")
+    def init_cache(self, cfg, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
+        raise NotImplementedError(f"{type(cfg).__name__} has no decoding caches")
 
 
 def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:

@@ -42,203 +42,25 @@ Usage (pure functional)::
 
 from __future__ import annotations
 
-import dataclasses
 import math
-from typing import ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.config import DTYPES, FINITE, GPT2_VOCAB, POSITIVE, POSITIVE_INT, Range, check_ranges
+from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
 from fox_jax.decoding.cache import cache_columns, cached_attention, new_layer_cache
 from fox_jax.decoding.packed_cache import PackedKVCache, new_packed_cache, packed_attention
-from fox_jax.models.family import FamilyConfig, ModelOutput, check_remat, dcp_aux, remat_block
+from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
 
-@dataclasses.dataclass(frozen=True)
-class GPT2Config(FamilyConfig):
-    """Hyper-parameters of GPT-2 plus the DCP fields (field names shared with ``ModelConfig``).
-
-    Hugging Face's names (``n_layer``, ``n_head``, ``n_embd``, ``n_inner``, ``layer_norm_epsilon``) and
-    the old ``beta_init`` / boolean ``remat`` are accepted by ``from_dict`` (``LEGACY_KEYS``); HF's
-    ``config.json`` keeps its own names (``fox_jax.models.hf_gpt2``).
-
-    Attributes:
-      n_layers, n_heads, d_model: depth, heads, width d (d_model divisible by n_heads).
-      vocab_size: token ids accepted (50257 for the GPT-2 BPE).
-      n_positions: learned positions, the maximum sequence length (1024).
-      mlp_dim: MLP width; ``None`` means 4·d_model (``mlp_hidden`` is the width used).
-      norm_eps: LayerNorm ε (1e-5).
-      init_std: std of the N(0, std) initialiser (0.02); residual projections (``c_proj``) use
-        std/√(2·n_layers), as HF does.
-      dtype: compute dtype name ("float32", "bfloat16", "float16"); params are float32. LayerNorm,
-        the interaction branch, the mask and the logits are float32 in every case.
-      attention_impl: ``implementation`` of ``fox_jax.ops.forgetting_attention`` for the dense
-        (non-DCP) path ("auto", "xla", "dense", ...).
-      attention_block: tile size of the blockwise DCP attention (``dcp_attention``).
-      remat: rematerialisation of each block in the backward pass: "none", "full" (save only the
-        block inputs) or "dots" (save matmul outputs).
-      dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
-      interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
-      dcp_beta_init: initial β of every layer (2.0, the reference train.py default).
-      dcp_impl: ``implementation`` of ``dcp_attention`` for the DCP and sparse-pattern paths:
-        ``"xla"`` (blockwise, default) or ``"pallas"`` (kernels; interpret mode off GPU).
-      sparse_pattern: ``None`` (default: full causal attention), or a fixed sparse attention pattern
-        for a dense model: ``"local:W"`` or ``"strided:S"`` with W, S positive ints (see the module
-        docstring and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
-        prefill only (no decoding cache). Not stored in HF checkpoints: pass it as an override
-        (``load_hf_gpt2(path, sparse_pattern="local:256")``).
-
-    Raises:
-      ValueError: from ``__post_init__``, naming the field: a numeric field outside ``RANGES``, an unknown
-        choice, or an inconsistent combination (d_model not divisible by n_heads, DCP with a pattern).
-    """
-
-    n_layers: int = 12
-    n_heads: int = 12
-    d_model: int = 768
-    vocab_size: int = GPT2_VOCAB
-    n_positions: int = 1024
-    mlp_dim: int | None = None
-    norm_eps: float = 1e-5
-    init_std: float = 0.02
-    dtype: str = "float32"
-    attention_impl: str = "auto"
-    attention_block: int = 128
-    remat: str = "none"
-    dcp: bool = False
-    interaction_dim: int = 64
-    dcp_beta_init: float = 2.0
-    sparse_pattern: str | None = None
-    dcp_impl: str = "xla"
-
-    model_type: ClassVar[str] = "gpt2"
-    LAYER_PREFIX: ClassVar[str] = "h_"
-    LEGACY_KEYS: ClassVar[dict[str, str]] = dict(
-        n_layer="n_layers", n_head="n_heads", n_embd="d_model", n_inner="mlp_dim", layer_norm_epsilon="norm_eps",
-        beta_init="dcp_beta_init")
-    RANGES: ClassVar[dict[str, Range]] = dict(
-        n_layers=POSITIVE_INT, n_heads=POSITIVE_INT, d_model=POSITIVE_INT, vocab_size=POSITIVE_INT,
-        n_positions=POSITIVE_INT, mlp_dim=Range(1, integer=True, optional=True), norm_eps=POSITIVE,
-        init_std=POSITIVE, attention_block=POSITIVE_INT, interaction_dim=POSITIVE_INT, dcp_beta_init=FINITE)
-
-    def __post_init__(self):
-        check_ranges(self, "GPT2Config.")
-        if self.d_model % self.n_heads:
-            raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"GPT2Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
-        check_remat(self.remat, "GPT2Config")
-        if self.sparse_pattern is not None:
-            parse_sparse_pattern(self.sparse_pattern, name="GPT2Config.sparse_pattern")
-            if self.dcp:
-                raise ValueError(f"GPT2Config.sparse_pattern={self.sparse_pattern!r} needs dcp=False: a fixed "
-                                 "pattern replaces the learned DCP mask (use one or the other)")
-        if self.dcp_impl not in ("xla", "pallas"):
-            raise ValueError(f"GPT2Config.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
-
-    @property
-    def dim_per_head(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def mlp_hidden(self) -> int:
-        return self.mlp_dim or 4 * self.d_model
-
-    @property
-    def max_positions(self) -> int:
-        return self.n_positions
-
-    # ModelFamily ----------------------------------------------------------------------------------
-    def build(self) -> GPT2:
-        return GPT2(self)
-
-    def param_count(self) -> int:
-        """Exact parameter count of the model this config builds (tied head counted once)."""
-        d, f, n = self.d_model, self.mlp_hidden, self.n_layers
-        per_layer = 4 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * f + f) + (f * d + d)
-        if self.dcp:
-            per_layer += 2 * d * self.interaction_dim + 1
-        return (self.vocab_size + self.n_positions) * d + n * per_layer + 2 * d
-
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token, dense-equivalent, as ``ModelConfig.flops_per_token``: 2N + 2·n_layers·d·L.
-
-        N counts every parameter but the position embedding (the tied head is a matmul with the token
-        embedding); the attention term uses the causal average context L/2 for both QKᵀ and PV. With
-        DCP the keep logits q_int·k_intᵀ add n_layers·r·L. Training costs 3x this.
-        """
-        n = self.param_count() - self.n_positions * self.d_model
-        flops = 2.0 * n + 2.0 * self.n_layers * self.d_model * seq_len
-        if self.dcp:
-            flops += float(self.n_layers * self.interaction_dim * seq_len)
-        return flops
-
-    def init_cache(self, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-        """Empty per-layer decoding caches: dense ``LayerKVCache`` (no forget gate, no KV-shift; also the
-        unpruned baseline of a DCP model) or, with ``packed``, DCP's ``PackedKVCache``.
-
-        Args:
-          batch_size, capacity: B and C (columns, or slots when packed).
-          seq_start: optional [B] int left pads per row.
-          packed: DCP packed caches (needs ``dcp``).
-
-        Raises:
-          ValueError: ``packed`` without DCP, a bad capacity or seq_start.
-        """
-        if packed and not self.dcp:
-            raise ValueError("packed (DCP) caches need a GPT-2 with dcp=True")
-        dtype = jnp.dtype(self.dtype)
-        if packed:
-            layer = new_packed_cache(batch_size, capacity, n_heads=self.n_heads, head_dim=self.dim_per_head,
-                                     interaction_dim=self.interaction_dim, dtype=dtype, seq_start=seq_start)
-        else:
-            layer = new_layer_cache(batch_size, capacity, n_heads=self.n_heads, kv_heads=self.n_heads,
-                                    head_dim=self.dim_per_head, dtype=dtype, forget_gate=False, kv_shift=False,
-                                    seq_start=seq_start)
-        return (layer,) * self.n_layers
-
-
 # ---------------------------------------------------------------------------------------------
 # Fixed sparse attention patterns (the local-window and strided baselines of DCP, docs/design/dcp.md §4)
 # ---------------------------------------------------------------------------------------------
-
-SPARSE_PATTERNS = ("local", "strided")
-
-
-def parse_sparse_pattern(pattern: str, *, name: str = "sparse_pattern") -> tuple[str, int]:
-    """``"local:W"`` / ``"strided:S"`` -> ``(kind, size)``.
-
-    Args:
-      pattern: the pattern string: a kind of ``SPARSE_PATTERNS``, a colon, a positive int.
-      name: the argument name used in error messages.
-
-    Returns:
-      (kind, size): kind "local" or "strided", size the window W or stride S (int ≥ 1).
-
-    Raises:
-      ValueError: not a string of that form (names ``name`` and the expected form).
-    """
-    expected = "expected 'local:W' or 'strided:S' with a positive int W/S (e.g. 'local:256', 'strided:64')"
-    if not isinstance(pattern, str) or pattern.count(":") != 1:
-        raise ValueError(f"{name} must be a string; {expected}; got {pattern!r}")
-    kind, size = pattern.split(":")
-    kind = kind.strip()
-    if kind not in SPARSE_PATTERNS:
-        raise ValueError(f"{name}: unknown pattern kind {kind!r}; {expected}; got {pattern!r}")
-    try:
-        value = int(size)
-    except ValueError:
-        raise ValueError(f"{name}: {size!r} is not an int; {expected}; got {pattern!r}") from None
-    if value < 1:
-        raise ValueError(f"{name}: the window/stride must be >= 1; {expected}; got {pattern!r}")
-    return kind, value
-
 
 def sparse_pattern_keep(pattern: str, seq_len: int, *, xp=jnp):
     """Which causal (query i, key j) pairs a fixed pattern keeps (module docstring for the rules).
@@ -354,26 +176,6 @@ def match_sparse_pattern(kind: str, target: float, seq_len: int) -> tuple[str, f
         if best is None or err <= best[0]:
             best = (err, size, sp)
     return f"{kind}:{best[1]}", best[2]
-
-
-GPT2_SIZES = {
-    "gpt2": dict(n_layers=12, n_heads=12, d_model=768),
-    "gpt2-medium": dict(n_layers=24, n_heads=16, d_model=1024),
-    "gpt2-large": dict(n_layers=36, n_heads=20, d_model=1280),
-    "gpt2-xl": dict(n_layers=48, n_heads=25, d_model=1600),
-}
-
-
-def gpt2_preset(name: str = "gpt2", **overrides) -> GPT2Config:
-    """The config of a released GPT-2 size (docs/design/dcp.md §4: small/medium/large/XL).
-
-    Raises:
-      ValueError: unknown name (one of ``GPT2_SIZES``).
-    """
-    if name not in GPT2_SIZES:
-        raise ValueError(f"unknown GPT-2 size {name!r}; expected one of {tuple(GPT2_SIZES)}")
-    return GPT2Config(**{**GPT2_SIZES[name], **overrides})
-
 
 
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
@@ -566,3 +368,40 @@ class GPT2(nn.Module):
             return ModelOutput(logits, aux=dcp_aux(jnp.stack([o.log_mask for o in outs]), segment_ids,
                                                    with_loss=cfg.dcp))
         return ModelOutput(logits)
+
+
+class GPT2Modules(FamilyModules):
+    """The JAX side of ``GPT2Config``: ``GPT2`` and its dense or packed (DCP) decoding caches."""
+
+    module = GPT2
+
+    def init_cache(self, cfg, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
+        """Empty per-layer decoding caches: dense ``LayerKVCache`` (no forget gate, no KV-shift; also the
+        unpruned baseline of a DCP model) or, with ``packed``, DCP's ``PackedKVCache``.
+
+        Args:
+          batch_size, capacity: B and C (columns, or slots when packed).
+          seq_start: optional [B] int left pads per row.
+          packed: DCP packed caches (needs ``dcp``).
+
+        Raises:
+          ValueError: ``packed`` without DCP, a bad capacity or seq_start.
+        """
+        if packed and not cfg.dcp:
+            raise ValueError("packed (DCP) caches need a GPT-2 with dcp=True")
+        dtype = jnp.dtype(cfg.dtype)
+        if packed:
+            layer = new_packed_cache(batch_size, capacity, n_heads=cfg.n_heads, head_dim=cfg.dim_per_head,
+                                     interaction_dim=cfg.interaction_dim, dtype=dtype, seq_start=seq_start)
+        else:
+            layer = new_layer_cache(batch_size, capacity, n_heads=cfg.n_heads, kv_heads=cfg.n_heads,
+                                    head_dim=cfg.dim_per_head, dtype=dtype, forget_gate=False, kv_shift=False,
+                                    seq_start=seq_start)
+        return (layer,) * cfg.n_layers
+
+
+register_family(GPT2Config.model_type, GPT2Modules())
+
+__all__ = ["GPT2", "GPT2Attention", "GPT2Block", "GPT2Config", "GPT2MLP", "GPT2_SIZES", "SPARSE_PATTERNS", "gpt2_preset",
+           "match_sparse_pattern", "parse_sparse_pattern", "sparse_pattern_keep", "sparse_pattern_log_mask",
+           "sparse_pattern_sparsity"]
