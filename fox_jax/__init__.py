@@ -5,10 +5,11 @@ Public surface:
   fox_jax.ops.forgetting_attention    the attention op (xla / pallas / cudnn / dense implementations)
   fox_jax.ops.acp                     ACP thresholds, block ranges, pruning statistics
   fox_jax.ops.alpha_sigmoid, fox_jax.ops.context_pruning   DCP building blocks
-  fox_jax.config.ModelConfig, preset  model configuration and the paper's sizes
+  fox_jax.config.ModelConfig, preset  model configuration and the paper's sizes (also GPT2Config)
   fox_jax.models.LanguageModel        FoX / Transformer (LLaMA, Pro) language models (Flax Linen)
   fox_jax.models.GPT2, load_hf_gpt2   GPT-2 (optionally with DCP) and Hugging Face import/export
-  fox_jax.decoding                    KV caches (dense, packed DCP) and generate()
+  fox_jax.cache                       KV caches (dense, packed DCP) and cached attention, below the models
+  fox_jax.decoding                    prefill, decode steps and generate(), above the models
   fox_jax.sharding                    device meshes and logical-axis rules
 """
 

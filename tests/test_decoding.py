@@ -19,7 +19,7 @@ from fox_jax.decoding import (
     resize_packed_cache,
 )
 from fox_jax.decoding import generation
-from fox_jax.decoding.cache import LayerKVCache, accumulate_log_fgate, cached_attention, slot_decay
+from fox_jax.cache.dense import LayerKVCache, accumulate_log_fgate, cached_attention, slot_decay
 from fox_jax.models import LanguageModel
 from fox_jax.models.gpt2 import GPT2, GPT2Config
 

@@ -1,18 +1,13 @@
-"""Incremental decoding: KV caches (dense and DCP-pruned) and ``generate``.
+"""Incremental decoding above the models: prefill, decode steps and ``generate``.
 
-Caches are explicit pytrees, one per layer, made by the model config's ``init_cache`` and passed to and
-returned by the models (``model.apply(..., tokens, cache=caches).cache``):
-
-  LayerKVCache    dense, fixed capacity: k, v, per-column cumulative forget gates, KV-shift states (cache.py)
-  PackedKVCache   DCP: live slots only, recycled, pruned per layer with the step mask (packed_cache.py)
-
-``generation`` (prefill, decode_step, generate, init_cache, ...) drives any model through that interface.
+``generation`` (prefill, decode_step, extend, generate, init_cache, ...) drives any model family through
+its config (``init_cache``, ``max_positions``) and ``ModelOutput``. The caches themselves, and the cached
+attention the models call, sit below the models in ``fox_jax.cache``; their names are re-exported here.
 """
 
-from fox_jax.decoding.cache import LayerKVCache, decode_attention
+from fox_jax.cache import KVCache, LayerKVCache, PackedKVCache, decode_attention, resize_packed_cache
 from fox_jax.decoding.generation import (Generation, cache_bytes, decode_step, extend, generate, init_cache,
                                          live_counts, prefill, sample_logits)
-from fox_jax.decoding.packed_cache import PackedKVCache, resize_packed_cache
 
-__all__ = ["Generation", "LayerKVCache", "PackedKVCache", "cache_bytes", "decode_attention", "decode_step", "extend",
-           "generate", "init_cache", "live_counts", "prefill", "resize_packed_cache", "sample_logits"]
+__all__ = ["Generation", "KVCache", "LayerKVCache", "PackedKVCache", "cache_bytes", "decode_attention", "decode_step",
+           "extend", "generate", "init_cache", "live_counts", "prefill", "resize_packed_cache", "sample_logits"]

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.decoding.packed_cache import resize_packed_cache
+from fox_jax.cache.packed import resize_packed_cache
 from fox_jax.ops._common import check_seq_start
 
 MIN_BUCKET = 64

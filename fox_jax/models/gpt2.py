@@ -50,8 +50,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
-from fox_jax.decoding.cache import cache_columns, cached_attention, new_layer_cache
-from fox_jax.decoding.packed_cache import PackedKVCache, new_packed_cache, packed_attention
+from fox_jax.cache.dense import cache_columns, cached_attention, new_layer_cache
+from fox_jax.cache.packed import PackedKVCache, new_packed_cache, packed_attention
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -195,8 +195,8 @@ class GPT2Attention(nn.Module):
     Input [B, T, d] (LayerNorm'd, compute dtype); returns ``LayerOutput(x [B, T, d], cache, log_mask)``:
     ``log_mask`` is log I [B, T, T] float32 with DCP, the fixed 0/−inf pattern mask with
     ``cfg.sparse_pattern``, else None. With a ``cache`` (decoding, see ``GPT2``) ``cache`` is the updated
-    cache: a ``fox_jax.decoding.PackedKVCache`` prunes with the step mask (DCP models only); a dense
-    ``fox_jax.decoding.LayerKVCache`` attends to every token, also for a DCP model (the dense baseline).
+    cache: a ``fox_jax.cache.PackedKVCache`` prunes with the step mask (DCP models only); a dense
+    ``fox_jax.cache.LayerKVCache`` attends to every token, also for a DCP model (the dense baseline).
     """
 
     cfg: GPT2Config

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
-from fox_jax.decoding.cache import new_layer_cache
+from fox_jax.cache.dense import new_layer_cache
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
@@ -55,7 +55,7 @@ class LanguageModel(nn.Module):
       tokens: [B, T] int32 token ids (< cfg.vocab_size).
       segment_ids: [B, T] int32 or None: packed documents (attention never crosses them).
       positions: [B, T] int32 or None: position inside each document (used by RoPE only).
-      cache: optional tuple of ``n_layers`` ``fox_jax.decoding.LayerKVCache`` (incremental decoding,
+      cache: optional tuple of ``n_layers`` ``fox_jax.cache.LayerKVCache`` (incremental decoding,
         ``fox_jax.decoding.generation``; ``cfg.init_cache``); then segment_ids and positions must be
         None. The T ≥ 1 tokens are appended to the cache (a prefill on a fresh cache, a chunk or a
         decode step on a live one); any split of a sequence gives the logits of one pass. Not

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fox_jax.decoding.cache import cache_columns, cached_attention
+from fox_jax.cache.dense import cache_columns, cached_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -61,10 +61,10 @@ class ForgettingAttentionLayer(nn.Module):
       x: [B, T, d] normed hidden states (compute dtype).
       segment_ids: [B, T] int or None (packed documents).
       positions: [B, T] int positions inside each document (RoPE only), default arange.
-      cache: optional ``fox_jax.decoding.LayerKVCache`` (incremental decoding; then ``segment_ids``
+      cache: optional ``fox_jax.cache.LayerKVCache`` (incremental decoding; then ``segment_ids``
         and ``positions`` must be None). The T ≥ 1 tokens are appended at columns ``cache.length`` ..
         ``cache.length`` + T − 1 and attend over the cached tokens and themselves (a prefill is the
-        first chunk of a fresh cache; see ``fox_jax.decoding.cache``). Positions are the cache
+        first chunk of a fresh cache; see ``fox_jax.cache.dense``). Positions are the cache
         columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real token sees
         zeros and any later chunk's shift continues from the cached state. With the auto ACP
         threshold of QK-norm models, N is the cache capacity (the most keys a query can see).

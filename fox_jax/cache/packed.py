@@ -34,7 +34,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from fox_jax.decoding.cache import cache_columns, decode_attention
+from fox_jax.cache.dense import cache_columns, decode_attention
 from fox_jax.ops._common import check_seq_start
 from fox_jax.ops._common import pad_axis
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
