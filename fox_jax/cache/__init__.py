@@ -24,17 +24,20 @@ class KVCache(Protocol):
     """What every per-layer cache offers (``LayerKVCache``, ``PackedKVCache``).
 
     Attributes:
-      length: [B] int32 (or a scalar), tokens appended so far per row (left pads included).
+      length: tokens appended so far (left pads included).
+      seq_start: [B] int32 left pads per row.
       capacity: C, the columns (dense) or slots (packed) allocated per row; the cache never grows.
-      live_count: [B] int32 entries a decode step attends over (dense: ``length``; packed: the kept slots).
       token_bytes: bytes one entry of one row takes (k and v, plus the per-entry side arrays).
     """
+
+    length: jax.Array
+    seq_start: jax.Array
 
     @property
     def capacity(self) -> int: ...
 
-    @property
-    def live_count(self) -> jax.Array: ...
+    def live_count(self) -> jax.Array:
+        """[B] int32 entries held per row (dense: real tokens; packed: the kept slots)."""
 
     @property
     def token_bytes(self) -> int: ...
