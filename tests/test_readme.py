@@ -16,3 +16,22 @@ def test_readme_python_snippet_runs():
     exec(block.replace('preset("125M"', 'preset("tiny"'), namespace)
     assert namespace["logits"].shape == (2, 512, 50257)
     assert namespace["o"].shape == namespace["q"].shape
+
+
+@pytest.mark.slow
+def test_readme_generation_snippet_runs(tmp_path, monkeypatch):
+    """The README's generation snippet runs as written on a run of the README's first command (shortened to
+    3 steps on a small text, so the continuation is noise: only its length is checked)."""
+    from fox_jax.train import cli
+
+    text = README.read_text()
+    block = text.split("## Train, evaluate, generate")[1].split("```python")[1].split("```")[0]
+    assert 'open_run("runs/tiny")' in block
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n<|endoftext|>\n".join(f.read_text() for f in sorted(README.parent.glob("fox_jax/ops/*.py"))))
+    monkeypatch.chdir(tmp_path)
+    assert cli.main(["train", "--preset", "tiny", "--workdir", "runs/tiny", "--no-progress", "--steps", "3",
+                     "log_every=1", "eval_every=0", "--data", str(corpus)]) == 0
+    namespace = {}
+    exec(block, namespace)
+    assert len(namespace["out"].tokens[0]) == 60

@@ -191,7 +191,7 @@ def _add_train(sub) -> None:
                        epilog=config_fields_epilog(config_lib.gpt2_defaults(), _OVERRIDES_NOTE + (
                            "model.* are the\nfields of GPT2Config (fox_jax/models/gpt2.py)."), skip=("model",)),
                        description="fox-jax train with a GPT-2 model: a released GPT-2 shape (--size) from a random "
-                       "init, AdamW (lr 6e-4, beta2 0.95, weight decay 0.1), warmup then cosine to 10 %%; the final "
+                       "init, AdamW (lr 6e-4, beta2 0.95, weight decay 0.1), warmup then cosine to 10%; the final "
                        "model is exported as a Hugging Face directory (<workdir>/hf), the input of finetune-dcp.")
     g.add_argument("--size", dest="preset", help=f"released GPT-2 shape: {' | '.join(config_lib.GPT2_SIZES)} "
                    "(default gpt2); the flags below override it (on --resume they must describe the saved model)")

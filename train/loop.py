@@ -180,7 +180,7 @@ class LMTask:
 
     def describe(self, cfg) -> str:
         m = cfg.model
-        return f"training {getattr(m, 'arch', m.model_type)} ({m.n_layers} layers, d={m.d_model}) from a random init"
+        return f"training {getattr(m, 'arch', m.model_type)} ({m.n_layers} layers, d={m.d_model})"
 
     def on_finish(self, cfg, state, corpus, workdir) -> dict:
         """GPT-2: the final model as a Hugging Face directory (``<workdir>/hf``)."""
@@ -386,7 +386,9 @@ def run(cfg: config_lib.ExperimentConfig, workdir: str, task: Callable[[Any], An
         state, data_state = ckpt.restore(resume_step, abstract_sharded)
         train_iter.set_state(data_state)
         set_aside_later(ckpt, int(state.step), workdir)
-        log(f"resumed from {ckpt_dir} at step {int(state.step)}")
+        log(f"resumed from {ckpt_dir} at step {int(state.step)}"
+            + (f"; the run has all its {cfg.steps} steps already (pass --steps N > {cfg.steps} to train further)"
+               if int(state.step) >= cfg.steps else ""))
     else:
         # eager init, then placement: XLA compiles a jitted init of a 100M+ model's RNG very slowly on GPU
         state = jax.device_put(init_state(cfg, rng, optimizer, task.init_params(cfg, rng)), state_sharding)
