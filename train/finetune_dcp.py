@@ -74,13 +74,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from fox_jax.ops.alpha_sigmoid import cosine_alpha_schedule
 from fox_jax.train import config as config_lib
 from fox_jax.train.checkpoints import CheckpointError
 from fox_jax.train.cli import check_paths, explicit_overrides, print_done
-from fox_jax.train.loop import LMTask, RunResult, evaluate, has_checkpoints, log, masked_mean, run
+from fox_jax.train.loop import LMTask, RunResult, evaluate, has_checkpoints, log, masked_mean, next_token_ce, run
 from fox_jax.train.runs import open_run
 
 INTERACTION_PARAMS = ("q_int", "k_int", "beta")
@@ -239,7 +238,7 @@ class DCPTask(LMTask):
     def loss(self, model, params, batch, scalars):
         out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"),
                           alpha=scalars["alpha"])
-        losses = optax.softmax_cross_entropy_with_integer_labels(out.logits.astype(jnp.float32), batch["targets"])
+        losses = next_token_ce(out.logits, batch)
         ce = masked_mean(losses, batch)[0]
         keep_mean = out.aux["sparsity_loss"]
         sp_loss = self.gamma_eff * keep_mean
@@ -289,7 +288,7 @@ def eval_sums(model, n_layers: int, params, batch) -> dict:
     [L] (zeros for a dense model)."""
     out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"),
                       alpha=float("inf"))
-    losses = optax.softmax_cross_entropy_with_integer_labels(out.logits.astype(jnp.float32), batch["targets"])
+    losses = next_token_ce(out.logits, batch)
     sparsity = out.aux.get("sparsity", jnp.zeros((n_layers,), jnp.float32))
     return {"loss_sum": jnp.sum(losses), "tokens": jnp.asarray(losses.size, jnp.float32), "sparsity": sparsity}
 

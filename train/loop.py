@@ -104,10 +104,15 @@ def masked_mean(losses, batch):
     return jnp.sum(losses * mask) / jnp.maximum(n, 1.0), n
 
 
-def token_losses(model, params, batch, **kw) -> jax.Array:
+def next_token_ce(logits: jax.Array, batch: dict) -> jax.Array:
+    """Per-token cross-entropy [B, T] float32 of logits [B, T, V] (any dtype) against ``batch["targets"]``."""
+    return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+
+
+def token_losses(model, params, batch) -> jax.Array:
     """Per-token cross-entropy [B, T] in float32 (next-token prediction)."""
-    out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"), **kw)
-    return optax.softmax_cross_entropy_with_integer_labels(out.logits.astype(jnp.float32), batch["targets"])
+    out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+    return next_token_ce(out.logits, batch)
 
 
 class LMTask:
@@ -160,7 +165,7 @@ class LMTask:
             out, inter = out
             fractions = jax.tree_util.tree_leaves(inter)
             metrics["acp_fraction_skipped"] = jnp.mean(jnp.stack(fractions)) if fractions else jnp.zeros((), jnp.float32)
-        losses = optax.softmax_cross_entropy_with_integer_labels(out.logits.astype(jnp.float32), batch["targets"])
+        losses = next_token_ce(out.logits, batch)
         return masked_mean(losses, batch)[0], metrics
 
     def param_metrics(self, params) -> dict:
