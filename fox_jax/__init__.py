@@ -8,8 +8,8 @@ Public surface:
   fox_jax.config.ModelConfig, preset  model configuration and the paper's sizes (also GPT2Config)
   fox_jax.models.LanguageModel        FoX / Transformer (LLaMA, Pro) language models (Flax Linen)
   fox_jax.models.GPT2, load_hf_gpt2   GPT-2 (optionally with DCP) and Hugging Face import/export
-  fox_jax.cache                       KV caches (dense, packed DCP) and cached attention, below the models
-  fox_jax.decoding                    prefill, decode steps and generate(), above the models
+  fox_jax.cache                       the slot-pool KV cache and its policies, below the models
+  fox_jax.decoding                    the decoding engine (generate, prefill, scoring), above the models
   fox_jax.sharding                    device meshes and logical-axis rules
 """
 

@@ -168,10 +168,12 @@ class FamilyConfig:
         return family_modules(self.model_type).add_dcp_params(self, params, rng, interaction_dim=interaction_dim,
                                                               beta_init=beta_init)
 
-    def init_cache(self, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-        """Empty per-layer decoding caches for this model (the family's ``init_cache``)."""
-        return family_modules(self.model_type).init_cache(self, batch_size, capacity, seq_start=seq_start,
-                                                          packed=packed)
+    def init_cache(self, batch_size: int, slots, *, policy="dense", seq_start=None,
+                   max_context: int | None = None) -> tuple:
+        """Empty per-layer decoding caches (``fox_jax.cache.SlotKVCache``) with ``slots`` per row under the
+        cache ``policy`` (the family's ``FamilyModules.init_cache``)."""
+        return family_modules(self.model_type).init_cache(self, batch_size, slots, policy=policy,
+                                                          seq_start=seq_start, max_context=max_context)
 
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}

@@ -1,26 +1,24 @@
-"""Prefill, decode steps and ``generate`` for FoX / Transformer and GPT-2 (dense or DCP-pruned caches).
+"""The decoding engine: prefill, decode loop and teacher-forced scoring for every model family and cache policy.
 
-Every model family takes the same decoding protocol: ``model.apply({"params": p}, tokens,
-cache=caches)`` returns a ``ModelOutput`` whose ``cache`` is the updated tuple with one cache per layer
-(``LayerKVCache`` or, for DCP GPT-2, ``PackedKVCache``), made by the config's ``init_cache``. What
-differs between families comes from the config (``model.cfg``: ``init_cache``, ``max_positions``,
-``vocab_size``) and from the cache type (``check_room``); this module never asks which model it holds.
-The call appends a chunk of T ≥ 1 tokens to the caches: a prefill on fresh caches (``prefill``), a chunk of a chunked prefill or the next turn of a
-conversation (``extend``), one decode step (``decode_step``); any split of a sequence gives the logits
-of one forward pass over it. Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first
-real token, which gets position 0.
+Every model family takes the same decoding protocol: ``model.apply({"params": p}, tokens, cache=caches)``
+returns a ``ModelOutput`` whose ``cache`` is the updated tuple of per-layer ``SlotKVCache``s (made by the
+config's ``init_cache``). The call appends a chunk of T ≥ 1 tokens; what each query sees is decided by the
+caches' policy (``fox_jax.cache.policies``: dense, dcp, acp, window:W, sinks:S+W) and any split of a sequence
+into chunks gives the same logits under that policy. This module never asks which model it holds.
 
-Cache capacity (the decision for a full cache):
+``generate`` is one jitted program: the prompt is prefilled in chunks of ``prefill_chunk`` tokens
+(``lax.scan``; left-padded to a multiple of the chunk), then a ``lax.while_loop`` samples up to
+``max_new_tokens`` tokens per row and stops early once every row has produced a stop token. No host
+synchronisation happens inside; the KV memory is the pool of ``slots`` per row and layer, allocated once.
 
-* **dense** caches are allocated once with C = ``cache_capacity`` columns (default: exactly
-  T + max_new_tokens − 1, all the tokens that are ever fed). They never grow; a request that would
-  overflow raises ``ValueError`` before anything runs (``generate`` checks statically,
-  ``extend`` and ``decode_step`` read the length back).
-* **packed** (DCP) caches are sized on the host between chunks of ``chunk_size`` decode steps: the
-  live slots are compacted and C is set to the power-of-two bucket (≥ 64) of max live + chunk, so
-  a chunk can never overflow, memory follows the live count, and each bucket compiles once.
-  ``cache_capacity`` is then the upper limit of C; ``generate`` raises ``ValueError`` when the live
-  tokens reach it.
+Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first real token, which gets position 0.
+
+Pool size (``slots``): by default what the policy can ever need for the prompt plus the new tokens
+(``min_slots``: everything for dense/dcp/acp, W − 1 for ``window:W``, S + W − 1 for ``sinks:S+W``), so
+nothing overflows. A smaller pool is the fixed KV budget: ``dense``/``window``/``sinks`` need at least
+``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp`` keep a
+data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches count
+(``Generation.overflow``; the tokens are then not the policy's and the CLI says so).
 """
 
 from __future__ import annotations
@@ -33,25 +31,26 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.cache.packed import resize_packed_cache
+from fox_jax.cache.policies import CachePolicy, parse_policy
 from fox_jax.ops._common import check_seq_start
-
-MIN_BUCKET = 64
 
 
 class Generation(NamedTuple):
     """Output of ``generate``.
 
     Attributes:
-      tokens: [B, max_new_tokens] int32 sampled tokens.
-      live_counts: [max_new_tokens, n_layers, B] int32 real tokens held per layer and row by the cache
-        that produced each token (after the prefill for token 0; constant across layers for dense
-        caches, the DCP survivors for packed ones).
-      caches: the final per-layer caches.
+      tokens: [B, N] int32 sampled tokens; after a row's stop token (kept) the entries are −1.
+      lengths: [B] int32 tokens generated per row (the stop token included).
+      live_counts: [N, n_layers, B] float32 live tokens per layer and row (mean over key/value heads) of
+        the caches that produced each token; rows after the loop stopped repeat the last value.
+      overflow: [B] int32 entries the pool had no slot for (0: the output is exactly the policy's).
+      caches: the final per-layer caches (continue with ``extend`` / ``generate(..., caches=...)``).
     """
 
     tokens: jax.Array
+    lengths: jax.Array
     live_counts: jax.Array
+    overflow: jax.Array
     caches: tuple
 
 
@@ -64,46 +63,27 @@ def _config(model):
     return cfg
 
 
-def init_cache(model, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-    """Empty per-layer caches for ``model`` (``model.cfg.init_cache``).
+def min_slots(policy, context: int) -> int:
+    """The pool (slots per row and layer) that ``policy`` needs for ``context`` tokens fed: the
+    policy's ``max_live`` (dense, dcp, acp: ``context``; ``window:W``: W − 1; ``sinks:S+W``: S + W − 1)."""
+    return parse_policy(policy).max_live(context)
 
-    Args:
-      model: a fox_jax model (``LanguageModel`` or ``GPT2``).
-      batch_size: B.
-      capacity: C, columns (dense) or slots (packed) per layer.
-      seq_start: optional [B] int left pads per row.
-      packed: DCP packed caches (GPT-2 with ``cfg.dcp`` only); else dense ``LayerKVCache``.
 
-    Returns:
-      tuple of ``n_layers`` ``LayerKVCache`` or ``PackedKVCache``.
-
-    Raises:
-      TypeError: not a fox_jax model. ValueError: packed for a model without packed caches, bad
-        capacity/seq_start. NotImplementedError: a model that cannot decode (a DCP ``LanguageModel``).
-    """
-    return _config(model).init_cache(batch_size, capacity, seq_start=seq_start, packed=packed)
+def init_cache(model, batch_size: int, slots, *, policy="dense", seq_start=None, max_context: int | None = None):
+    """Empty per-layer caches for ``model`` (``model.cfg.init_cache``; see ``FamilyModules.init_cache``)."""
+    return _config(model).init_cache(batch_size, slots, policy=policy, seq_start=seq_start, max_context=max_context)
 
 
 def live_counts(caches) -> jax.Array:
-    """[n_layers, B] int32 real tokens held per layer and row."""
+    """[n_layers, B] float32 live tokens per layer and row (mean over key/value heads)."""
     return jnp.stack([c.live_count() for c in caches])
 
 
 def cache_bytes(caches) -> dict:
-    """KV memory of the caches (host ints): ``live`` (bytes of the tokens held; k, v and the forget
-    gates or k_int) and ``allocated`` (the same per token times the capacity, all rows)."""
-    counts = np.asarray(live_counts(caches))
-    per_token = np.asarray([c.token_bytes for c in caches])
-    batch = counts.shape[1]
-    return {"live": int((counts.sum(axis=1) * per_token).sum()),
-            "allocated": int(sum(c.capacity * batch * c.token_bytes for c in caches))}
-
-
-@functools.partial(jax.jit, static_argnums=0)
-def _forward(model, params, tokens, caches):
-    """(float32 logits, caches) of one chunk of T ≥ 1 tokens appended to the caches."""
-    out = model.apply({"params": params}, tokens, cache=caches)
-    return out.logits.astype(jnp.float32), out.cache
+    """KV memory of the caches (host ints): ``allocated`` (the pool: every slot of every row and layer)
+    and ``live`` (the entries held now; k, v and the per-entry forget gates / interaction keys)."""
+    return {"allocated": int(sum(c.allocated_bytes() for c in caches)),
+            "live": int(round(float(sum(jnp.sum(c.live_bytes()) for c in caches))))}
 
 
 def _check_tokens(tokens, name: str) -> jax.Array:
@@ -113,52 +93,40 @@ def _check_tokens(tokens, name: str) -> jax.Array:
     return tokens.astype(jnp.int32)
 
 
-def prefill(model, params, tokens, *, seq_start=None, capacity: int | None = None,
-            packed: bool = False) -> tuple[jax.Array, tuple]:
-    """Run the prompt through the model and fill fresh caches (jitted).
-
-    Args:
-      model, params: a ``LanguageModel`` or ``GPT2`` and its params.
-      tokens: [B, T] int prompt, left-padded.
-      seq_start: optional [B] int pads per row (each row needs ≥ 1 real token).
-      capacity: cache capacity C ≥ T (default T).
-      packed: DCP packed caches (GPT-2 with DCP).
-
-    Returns:
-      (logits [B, T, V] float32, caches). Logits at pad positions are meaningless.
-
-    Raises:
-      ValueError: bad tokens / seq_start, capacity < T, see ``init_cache``.
-    """
-    tokens = _check_tokens(tokens, "tokens")
-    b, t = tokens.shape
-    seq_start = check_seq_start(seq_start, b, t)
-    capacity = t if capacity is None else capacity
-    if not isinstance(capacity, int) or capacity < t:
-        raise ValueError(f"capacity must be an int ≥ the prompt length {t}, got {capacity!r}")
-    caches = init_cache(model, b, capacity, seq_start=seq_start, packed=packed)
-    return _forward(model, params, tokens, caches)
+def _check_positions(cfg, seq_start, fed: int) -> None:
+    """Learned positions (GPT-2's) end at ``cfg.max_positions`` − 1; ``fed`` columns include pads."""
+    limit = cfg.max_positions
+    if limit is not None and fed - int(np.min(np.asarray(seq_start))) > limit:
+        raise ValueError(f"the model has {limit} positions; the prompt and new tokens would need "
+                         f"{fed - int(np.min(np.asarray(seq_start)))} (shorten the prompt or max_new_tokens)")
 
 
-def _check_positions(model, caches, n_tokens: int) -> None:
-    """Learned positions (GPT-2's) end at ``cfg.max_positions`` − 1."""
-    limit = _config(model).max_positions
-    if limit is not None:
-        last = int(caches[0].length) + n_tokens - 1 - int(jnp.min(caches[0].seq_start))
-        if last >= limit:
-            raise ValueError(f"the model has {limit} positions; decoding would reach position {last}")
+def _check_slots(policy: CachePolicy, slots, context: int) -> None:
+    need = policy.max_live(context)
+    if isinstance(slots, int):
+        if slots < 1:
+            raise ValueError(f"slots must be a positive int, got {slots}")
+        if policy.kind in ("dense", "window", "sinks") and slots < need:
+            raise ValueError(f"the KV budget is too small for one sequence: cache policy {policy.spec} needs "
+                             f"{need} slots per row for {context} tokens, got {slots}")
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward(model, params, tokens, caches):
+    """(float32 logits, caches) of one chunk of T ≥ 1 tokens appended to the caches."""
+    out = model.apply({"params": params}, tokens, cache=caches)
+    return out.logits.astype(jnp.float32), out.cache
 
 
 def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     """Append a chunk of T ≥ 1 tokens per row to live caches (jitted; compiled once per T and cache shape).
 
-    Chunked prefill and multi-turn continuation: the chunk attends over everything cached and itself,
-    so prefilling a sequence in any split gives the logits of one forward pass over it. Checks on the
-    host that the caches have room (one device sync).
+    Chunked prefill and multi-turn continuation: the chunk attends over what the caches hold and itself
+    under their policy, so prefilling a sequence in any split gives the same logits.
 
     Args:
       model, params: the model and params the caches were filled with.
-      caches: the per-layer caches from ``prefill``, ``init_cache`` or a previous call.
+      caches: per-layer caches from ``init_cache``, ``prefill``, ``generate`` or a previous call.
       tokens: [B, T] int, the next tokens of each row (left pads only while a row has not reached
         its ``seq_start``).
 
@@ -166,38 +134,46 @@ def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
       (logits [B, T, V] float32, updated caches).
 
     Raises:
-      ValueError: tokens not [B, T] int; a dense cache without T free columns, a packed cache
-        whose live count + T exceeds its capacity (resize it first); GPT-2 positions exhausted.
+      ValueError: tokens not [B, T] int or of another batch; a dense pool without room (checked on the host,
+        one device sync); GPT-2 positions exhausted.
     """
     tokens = _check_tokens(tokens, "tokens")
+    cache = caches[0]
     b, t = tokens.shape
-    if b != caches[0].seq_start.shape[0]:
-        raise ValueError(f"tokens must be [B, T] with B = {caches[0].seq_start.shape[0]} (the caches' batch), "
-                         f"got {tokens.shape}")
-    type(caches[0]).check_room(caches, t)
-    _check_positions(model, caches, t)
+    if b != cache.seq_start.shape[0]:
+        raise ValueError(f"tokens must be [B, T] with B = {cache.seq_start.shape[0]} (the caches' batch), got {tokens.shape}")
+    fed = int(cache.length) + t
+    if cache.policy.kind == "dense" and fed - int(jnp.min(cache.seq_start)) > cache.capacity:
+        raise ValueError(f"the dense KV cache is full: {int(cache.length)} tokens fed, {t} more requested, "
+                         f"{cache.capacity} slots per row")
+    _check_positions(_config(model), cache.seq_start, fed)
     return _forward(model, params, tokens, caches)
 
 
-def decode_step(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
-    """Feed one token per row (jitted; compiled once per cache shape, not per step).
-
-    ``extend`` with T = 1. Checks on the host that the caches have room (one device sync); inside
-    ``jit``/loops call the model directly (``model.apply(..., tokens[:, None], cache=caches)``) after
-    sizing the caches.
+def prefill(model, params, tokens, *, policy="dense", slots: int | None = None, seq_start=None,
+            max_context: int | None = None) -> tuple[jax.Array, tuple]:
+    """Run a prompt through fresh caches in one chunk (``extend`` on ``init_cache``).
 
     Args:
-      model, params: the model and params the caches were filled with.
-      caches: the per-layer caches from ``prefill`` or a previous step.
-      tokens: [B] int, the next token of each row.
+      tokens: [B, T] int prompt, left-padded; seq_start: optional [B] int pads per row.
+      policy: the cache policy; slots: the pool per row and layer (default ``min_slots(policy, T)``).
+      max_context: N for ``acp`` (default T).
 
     Returns:
-      (logits [B, V] float32, updated caches).
-
-    Raises:
-      ValueError: tokens not [B]; the cache is full (dense) or a row has no free slot (packed);
-        GPT-2 positions exhausted.
+      (logits [B, T, V] float32, caches). Logits at pad positions are meaningless.
     """
+    tokens = _check_tokens(tokens, "tokens")
+    b, t = tokens.shape
+    policy = parse_policy(policy)
+    seq_start = check_seq_start(seq_start, b, t)
+    slots = min_slots(policy, t) if slots is None else slots
+    _check_slots(policy, slots, t)
+    caches = init_cache(model, b, slots, policy=policy, seq_start=seq_start, max_context=max_context or t)
+    return extend(model, params, caches, tokens)
+
+
+def decode_step(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
+    """Feed one token per row: ``extend`` with T = 1; returns (logits [B, V] float32, caches)."""
     tokens = jnp.asarray(tokens)
     b = caches[0].seq_start.shape[0]
     if tokens.shape != (b,) or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -206,16 +182,15 @@ def decode_step(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     return logits[:, 0], caches
 
 
-def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0,
-                  top_k: int | None = None) -> jax.Array:
+def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0, top_k: int | None = None,
+                  top_p: float | None = None) -> jax.Array:
     """Next tokens from logits: greedy (argmax) when temperature == 0, else a categorical sample of
-    softmax(logits / temperature), restricted to the top_k largest logits when top_k is set.
+    softmax(logits / temperature) restricted to the ``top_k`` largest logits and to the smallest set of
+    tokens whose probability reaches ``top_p`` (nucleus sampling; the most likely token always stays).
 
     Args:
-      logits: [B, V] float.
-      rng: PRNG key (unused when greedy).
-      temperature: ≥ 0 (static).
-      top_k: None or an int in [1, V] (static).
+      logits: [B, V] float; rng: PRNG key (unused when greedy).
+      temperature: ≥ 0; top_k: None or an int in [1, V]; top_p: None or a float in (0, 1] (all static).
 
     Returns:
       [B] int32.
@@ -226,123 +201,176 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0
     if top_k is not None:
         kth = lax.top_k(logits, top_k)[0][:, -1:]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p is not None and top_p < 1.0:
+        order = jnp.argsort(-logits, axis=-1)
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        probs = jax.nn.softmax(sorted_logits, axis=-1)
+        before = jnp.cumsum(probs, axis=-1) - probs                        # mass of the more likely tokens
+        cut = jnp.where(before < top_p, sorted_logits, -jnp.inf)
+        logits = jnp.full_like(logits, -jnp.inf).at[jnp.arange(logits.shape[0])[:, None], order].set(cut)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6, 7, 8))
-def _decode_loop(model, params, caches, token, rng, step0, buffer, temperature, top_k, n_steps):
-    """Up to ``buffer`` decode steps on device (``n_steps`` ≤ buffer, traced): feed ``token``, sample
-    the next one with key fold_in(rng, step0 + i). Returns tokens [B, buffer], live counts
-    [buffer, L, B] (entries ≥ n_steps are 0), the caches and the last sampled token."""
-    b = token.shape[0]
-
-    def body(i, carry):
-        caches, tok, toks, lives = carry
-        out = model.apply({"params": params}, tok[:, None], cache=caches)
-        caches = out.cache
-        nxt = sample_logits(out.logits[:, -1], jax.random.fold_in(rng, step0 + i), temperature=temperature,
-                            top_k=top_k)
-        return caches, nxt, toks.at[:, i].set(nxt), lives.at[i].set(live_counts(caches))
-
-    init = (caches, token, jnp.zeros((b, buffer), jnp.int32),
-            jnp.zeros((buffer, len(caches), b), jnp.int32))
-    caches, token, toks, lives = lax.fori_loop(0, n_steps, body, init)
-    return toks, lives, caches, token
+def _left_pad(tokens, seq_start, chunk: int):
+    """Left-pad [B, T] tokens to a multiple of ``chunk`` columns (more pads; positions are unchanged)."""
+    extra = (-tokens.shape[1]) % chunk
+    if extra:
+        tokens = jnp.pad(tokens, ((0, 0), (extra, 0)))
+    return tokens, seq_start + extra
 
 
-def _bucket(n: int) -> int:
-    """The smallest 64·2^k ≥ n."""
-    c = MIN_BUCKET
-    while c < n:
-        c *= 2
-    return c
+def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
+    """Feed [B, T] tokens (T a multiple of ``chunk``) through the caches chunk by chunk (``lax.scan``).
+    Returns (caches, logits of the last column [B, V] float32, NLL [B, T] of ``targets`` or None)."""
+    b, t = tokens.shape
+    xs = tokens.reshape(b, t // chunk, chunk).transpose(1, 0, 2)
+    ys = None if targets is None else targets.reshape(b, t // chunk, chunk).transpose(1, 0, 2)
+
+    def body(caches, x):
+        out = model.apply({"params": params}, x[0], cache=caches)
+        logits = out.logits.astype(jnp.float32)
+        nll = None
+        if x[1] is not None:
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            nll = lse - jnp.take_along_axis(logits, x[1][..., None], axis=-1)[..., 0]
+        return out.cache, (logits[:, -1], nll)
+
+    caches, (last, nll) = lax.scan(body, caches, (xs, ys))
+    return caches, last[-1], None if nll is None else nll.transpose(1, 0, 2).reshape(b, t)
 
 
-def generate(model, params, prompt_tokens, *, max_new_tokens: int, temperature: float = 0.0,
-             top_k: int | None = None, rng: jax.Array | None = None, cache_capacity: int | None = None,
-             seq_start=None, packed: bool | None = None, chunk_size: int = 64) -> Generation:
-    """Autoregressive generation with a KV cache; the decode loop runs on device (``lax.fori_loop``).
+@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 11)))
+def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens):
+    b = tokens.shape[0]
+    sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
+    stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
+    caches, logits, _ = _scan_chunks(model, params, tokens, caches, chunk)
+    first = sample(logits, jax.random.fold_in(rng, 0))
+    out = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
+    lives = jnp.zeros((max_new_tokens, len(caches), b), jnp.float32).at[0].set(live_counts(caches))
+    done = jnp.isin(first, stops)
 
-    Token i is sampled with key ``fold_in(rng, i)``, so the result does not depend on chunking.
+    def cond(state):
+        i, _, _, done, _, _ = state
+        return (i < max_new_tokens) & ~jnp.all(done)
+
+    def body(state):
+        i, caches, tok, done, out, lives = state
+        step = model.apply({"params": params}, tok[:, None], cache=caches)
+        nxt = sample(step.logits[:, -1].astype(jnp.float32), jax.random.fold_in(rng, i))
+        nxt = jnp.where(done, -1, nxt)
+        out = out.at[:, i].set(nxt)
+        lives = lives.at[i].set(live_counts(step.cache))
+        return i + 1, step.cache, jnp.where(done, tok, nxt), done | jnp.isin(nxt, stops), out, lives
+
+    state = (jnp.ones((), jnp.int32), caches, first, done, out, lives)
+    i, caches, _, _, out, lives = lax.while_loop(cond, body, state)
+    lives = jnp.where(jnp.arange(max_new_tokens)[:, None, None] < i, lives, lives[i - 1])
+    lengths = jnp.sum(out >= 0, axis=1, dtype=jnp.int32)
+    return Generation(out, lengths, lives, caches[0].overflow if len(caches) == 1 else
+                      jnp.max(jnp.stack([c.overflow for c in caches]), axis=0), caches)
+
+
+def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense", slots=None, seq_start=None,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, stop_tokens=(),
+             rng: jax.Array | None = None, prefill_chunk: int = 512) -> Generation:
+    """Autoregressive generation under a cache policy, prefill and decode loop in one jitted program.
+
+    Token i is sampled with key ``fold_in(rng, i)``, so the result does not depend on the prefill chunking.
 
     Args:
-      model, params: a ``LanguageModel`` (FoX / Transformer, LLaMA or Pro) or a ``GPT2`` and params.
+      model, params: a ``LanguageModel`` (FoX / Transformer, LLaMA or Pro, with or without DCP) or a ``GPT2``.
       prompt_tokens: [B, T] int, left-padded.
-      max_new_tokens: N ≥ 1 tokens to sample per row.
-      temperature: 0 for greedy decoding, else the softmax temperature.
-      top_k: restrict sampling to the k most likely tokens (None: all).
-      rng: PRNG key, required when temperature > 0.
-      cache_capacity: dense: the columns allocated (default and minimum T + N − 1); packed: the most
-        slots a layer may use (default T + N − 1, which never limits).
+      max_new_tokens: N ≥ 1 tokens to sample per row (fewer when every row stops).
+      policy: the cache policy (``fox_jax.cache.policies``: "dense", "dcp", "acp", "acp:LOG_EPS",
+        "window:W", "sinks:S+W", or a ``CachePolicy``).
+      slots: the KV pool, slots per row and layer: an int, or one entry per layer (for ``acp`` an entry may
+        list one count per key/value head). Default ``min_slots(policy, T + N − 1)``.
       seq_start: optional [B] int left pads per row.
-      packed: use DCP packed caches; default ``cfg.dcp`` (False on a DCP GPT-2 gives the unpruned dense
-        baseline with the same weights).
-      chunk_size: decode steps per device loop between host-side resizes of a packed cache.
+      temperature: 0 for greedy decoding, else the softmax temperature; top_k, top_p: sampling filters.
+      stop_tokens: token ids that end a row (kept in the output).
+      rng: PRNG key, required when temperature > 0.
+      prefill_chunk: prompt tokens per prefill chunk (the prompt is left-padded to a multiple of it).
 
     Returns:
-      ``Generation(tokens [B, N] int32, live_counts [N, n_layers, B] int32, caches)``.
+      ``Generation(tokens, lengths, live_counts, overflow, caches)``.
 
     Raises:
-      ValueError: bad arguments, a dense capacity below T + N − 1, a packed cache whose live tokens
-        reach ``cache_capacity``, positions beyond the model's ``max_positions`` (GPT-2's n_positions).
+      ValueError: bad arguments (one line each): an unknown policy, a pool too small for one sequence,
+        positions beyond the model's ``max_positions`` (GPT-2's n_positions), a policy the model cannot
+        run (``dcp`` without DCP weights, ``acp`` without forget gates).
       TypeError: not a fox_jax model.
-      NotImplementedError: a model that cannot decode (a DCP ``LanguageModel``).
     """
     tokens = _check_tokens(prompt_tokens, "prompt_tokens")
     b, t = tokens.shape
     cfg = _config(model)
+    policy = parse_policy(policy)
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-    if not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be a positive int, got {prefill_chunk!r}")
     temperature = float(temperature)
     if temperature < 0:
         raise ValueError(f"temperature must be ≥ 0, got {temperature}")
     if temperature > 0 and rng is None:
         raise ValueError("rng is required when temperature > 0")
-    vocab = cfg.vocab_size
-    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= vocab):
-        raise ValueError(f"top_k must be None or an int in [1, {vocab}], got {top_k!r}")
+    if top_k is not None and (not isinstance(top_k, int) or not 1 <= top_k <= cfg.vocab_size):
+        raise ValueError(f"top_k must be None or an int in [1, {cfg.vocab_size}], got {top_k!r}")
+    if top_p is not None and not 0.0 < float(top_p) <= 1.0:
+        raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
+    stop_tokens = tuple(int(s) for s in stop_tokens)
     rng = jax.random.PRNGKey(0) if rng is None else rng
     seq_start = check_seq_start(seq_start, b, t)
-    packed = cfg.dcp if packed is None else packed
-    needed = t + max_new_tokens - 1  # tokens ever fed: the prompt and all but the last sample
-    capacity = needed if cache_capacity is None else cache_capacity
-    if not isinstance(capacity, int) or capacity < (t if packed else needed):
-        raise ValueError(f"cache_capacity must be an int ≥ {t if packed else needed} "
-                         f"(prompt {t} + max_new_tokens {max_new_tokens} − 1 for a dense cache), got {cache_capacity!r}")
-    limit = cfg.max_positions
-    if limit is not None and needed - int(jnp.min(seq_start)) > limit:
-        raise ValueError(f"the model has {limit} positions; prompt {t} (min pads {int(jnp.min(seq_start))}) "
-                         f"+ {max_new_tokens} new tokens exceed them")
-
-    logits, caches = prefill(model, params, tokens, seq_start=seq_start,
-                             capacity=t if packed else capacity, packed=packed)
-    token = sample_logits(logits[:, -1], jax.random.fold_in(rng, 0), temperature=temperature, top_k=top_k)
-    out_tokens, out_lives = [token[:, None]], [live_counts(caches)[None]]
-    step, remaining = 1, max_new_tokens - 1
-    while remaining:
-        if packed:
-            caches, n = _fit_packed(caches, min(remaining, chunk_size), capacity)
-            buffer = chunk_size
-        else:
-            n = buffer = remaining
-        toks, lives, caches, token = _decode_loop(model, params, caches, token, rng, step, buffer,
-                                                  temperature, top_k, n)
-        out_tokens.append(toks[:, :n])
-        out_lives.append(lives[:n])
-        step, remaining = step + n, remaining - n
-    return Generation(jnp.concatenate(out_tokens, axis=1), jnp.concatenate(out_lives, axis=0), caches)
+    context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
+    _check_positions(cfg, seq_start, context)
+    slots = min_slots(policy, context - int(jnp.min(seq_start))) if slots is None else slots
+    _check_slots(policy, slots, context - int(jnp.min(seq_start)))
+    chunk = min(prefill_chunk, t)
+    tokens, seq_start = _left_pad(tokens, seq_start, chunk)
+    caches = init_cache(model, b, slots, policy=policy, seq_start=seq_start, max_context=context)
+    return _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
+                     None if top_p is None else float(top_p), stop_tokens)
 
 
-def _fit_packed(caches: tuple, n_steps: int, limit: int) -> tuple[tuple, int]:
-    """Resize packed caches to the bucket of (max live + steps), capped at ``limit``; returns the
-    caches and how many steps fit (≤ n_steps). One host sync."""
-    live = int(jnp.max(live_counts(caches)))
-    n = min(n_steps, limit - live)
-    if n < 1:
-        raise ValueError(f"the packed KV cache is full: {live} live tokens reach cache_capacity={limit}")
-    capacity = min(_bucket(live + n), limit)
-    if capacity != caches[0].capacity:
-        caches = tuple(resize_packed_cache(c, capacity) for c in caches)
-    return caches, n
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _score(model, params, tokens, caches, chunk):
+    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    caches, _, nll = _scan_chunks(model, params, tokens, caches, chunk, targets)
+    return nll, caches
+
+
+def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=None, seq_start=None,
+                              prefill_chunk: int = 512) -> tuple[jax.Array, jax.Array]:
+    """Teacher-forced next-token losses with exactly the visibility generation has under ``policy``.
+
+    The tokens are fed through the caches in chunks (the prefill path of ``generate``), so every
+    prediction sees what the policy's cache would hold at that point: equal to prefill + decode.
+
+    Args:
+      tokens: [B, T] int (T ≥ 2), left-padded; seq_start: optional [B] int pads.
+      policy, slots, prefill_chunk: as ``generate`` (default pool: ``min_slots(policy, T)``).
+
+    Returns:
+      (nll [B, T − 1] float32, the loss of token t + 1 given tokens ≤ t (meaningless where token t is a
+      pad); overflow [B] int32, > 0 when the pool was too small for the policy).
+    """
+    tokens = _check_tokens(tokens, "tokens")
+    b, t = tokens.shape
+    if t < 2:
+        raise ValueError(f"tokens must have T ≥ 2 to score a next token, got {tokens.shape}")
+    cfg = _config(model)
+    policy = parse_policy(policy)
+    seq_start = check_seq_start(seq_start, b, t)
+    _check_positions(cfg, seq_start, t)
+    slots = min_slots(policy, t - int(jnp.min(seq_start))) if slots is None else slots
+    _check_slots(policy, slots, t - int(jnp.min(seq_start)))
+    chunk = min(prefill_chunk, t)
+    padded, padded_start = _left_pad(tokens, seq_start, chunk)
+    caches = init_cache(model, b, slots, policy=policy, seq_start=padded_start, max_context=t)
+    nll, caches = _score(model, params, padded, caches, chunk)
+    overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
+    return nll[:, padded.shape[1] - t:][:, :-1], overflow
+
+
+__all__ = ["Generation", "cache_bytes", "decode_step", "extend", "generate", "init_cache", "live_counts",
+           "min_slots", "prefill", "sample_logits", "token_losses_under_policy"]

@@ -25,6 +25,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fox_jax.cache.slots import new_slot_cache
+
 from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
 
 
@@ -94,8 +96,9 @@ class ModelFamily(Protocol):
                        beta_init: float | None = None) -> tuple[ModelFamily, dict]:
         """(the config with DCP, params with fresh interaction parameters) of a dense model."""
 
-    def init_cache(self, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-        """Empty per-layer decoding caches (``fox_jax.cache``) for this model."""
+    def init_cache(self, batch_size: int, slots, *, policy="dense", seq_start=None,
+                   max_context: int | None = None) -> tuple:
+        """Empty per-layer decoding caches (``fox_jax.cache.SlotKVCache``) for this model."""
 
     def to_dict(self) -> dict:
         """The fields as a JSON-able dict with ``model_type``."""
@@ -157,8 +160,33 @@ class FamilyModules:
                                       beta_init=new.dcp_beta_init, rng=rng)
         return new, out
 
-    def init_cache(self, cfg, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
+    def cache_layout(self, cfg) -> dict:
+        """What a layer's decoding cache stores: n_heads, kv_heads, head_dim, forget_gate, kv_shift,
+        interaction_dim (None without DCP). Each family states its own."""
         raise NotImplementedError(f"{type(cfg).__name__} has no decoding caches")
+
+    def init_cache(self, cfg, batch_size: int, slots, *, policy="dense", seq_start=None,
+                   max_context: int | None = None) -> tuple:
+        """Empty per-layer ``fox_jax.cache.SlotKVCache``s (one per layer) for decoding under ``policy``.
+
+        Args:
+          batch_size: B.
+          slots: the pool: slots per row, an int for every layer, or one entry per layer (an int, or for
+            ``acp`` a sequence of one count per key/value head).
+          policy: a cache policy (``fox_jax.cache.policies``: dense, dcp, acp, window:W, sinks:S+W).
+          seq_start: optional [B] int left pads per row.
+          max_context: N, the longest context the caches will serve (``acp``'s ε bound); default the slots.
+
+        Raises:
+          ValueError: a bad slot spec or seq_start, a policy the model cannot run (``dcp`` without DCP,
+            ``acp`` without forget gates).
+        """
+        layout = self.cache_layout(cfg)
+        per_layer = slots if isinstance(slots, (list, tuple)) else (slots,) * cfg.n_layers
+        if len(per_layer) != cfg.n_layers:
+            raise ValueError(f"slots must be an int or one entry per layer ({cfg.n_layers}), got {len(per_layer)}")
+        return tuple(new_slot_cache(batch_size, s, dtype=jnp.dtype(cfg.dtype), policy=policy,
+                                    max_context=max_context, seq_start=seq_start, **layout) for s in per_layer)
 
 
 def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:

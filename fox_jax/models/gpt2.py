@@ -50,8 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
-from fox_jax.cache.dense import cache_columns, cached_attention, new_layer_cache
-from fox_jax.cache.packed import PackedKVCache, new_packed_cache, packed_attention
+from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -195,8 +194,8 @@ class GPT2Attention(nn.Module):
     Input [B, T, d] (LayerNorm'd, compute dtype); returns ``LayerOutput(x [B, T, d], cache, log_mask)``:
     ``log_mask`` is log I [B, T, T] float32 with DCP, the fixed 0/−inf pattern mask with
     ``cfg.sparse_pattern``, else None. With a ``cache`` (decoding, see ``GPT2``) ``cache`` is the updated
-    cache: a ``fox_jax.cache.PackedKVCache`` prunes with the step mask (DCP models only); a dense
-    ``fox_jax.cache.LayerKVCache`` attends to every token, also for a DCP model (the dense baseline).
+    ``fox_jax.cache.SlotKVCache``, whose policy decides what each query sees (``dcp``: the step mask of
+    the interaction keys, DCP models only; ``dense`` attends to every token, also for a DCP model).
     """
 
     cfg: GPT2Config
@@ -206,39 +205,33 @@ class GPT2Attention(nn.Module):
         cfg = self.cfg
         b, t, d = x.shape
         h, dh = cfg.n_heads, cfg.dim_per_head
-        packed = isinstance(cache, PackedKVCache)
-        if packed and not cfg.dcp:
-            raise ValueError("a PackedKVCache (pruned decoding) needs a DCP model (cfg.dcp=True)")
         qkv = _dense(cfg, 3 * d, "c_attn")(x)
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
-        log_mask = None
-        if cfg.dcp and (cache is None or packed):
+        log_mask = q_int = k_int = beta = None
+        if cfg.dcp:
             xf = x.astype(jnp.float32)
             q_int = _dense(cfg, cfg.interaction_dim, "q_int", use_bias=False, dtype=jnp.float32)(xf)
             k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
-            if packed:
-                o, cache = packed_attention(cache, q, k, v, q_int, k_int, beta, block=cfg.attention_block)
-            else:
-                z = keep_logits(q_int, k_int, beta)                     # [B, T, T] float32
-                log_mask = cumulative_keep_log_mask(z, alpha)           # once per layer, all heads
-                o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
-                                  block_q=cfg.attention_block, block_k=cfg.attention_block,
-                                  implementation=cfg.dcp_impl)
-        elif cache is None and cfg.sparse_pattern is not None:
+        if cache is not None:  # decoding: the cache's policy decides what each query sees
+            o, cache = slot_attention(cache, q, k, v, None, q_int=q_int, k_int=k_int, beta=beta)
+        elif cfg.dcp:
+            z = keep_logits(q_int, k_int, beta)                         # [B, T, T] float32
+            log_mask = cumulative_keep_log_mask(z, alpha)               # once per layer, all heads
+            o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
+                              block_q=cfg.attention_block, block_k=cfg.attention_block,
+                              implementation=cfg.dcp_impl)
+        elif cfg.sparse_pattern is not None:
             # A fixed local/strided pattern as a 0/−inf additive mask; dropped tiles are skipped.
             log_mask = jnp.broadcast_to(sparse_pattern_log_mask(cfg.sparse_pattern, t)[None], (b, t, t))
             o = dcp_attention(q, k, v, log_mask, segment_ids=segment_ids,
                               block_q=cfg.attention_block, block_k=cfg.attention_block,
                               implementation=cfg.dcp_impl)
-        elif cache is None:
+        else:
             # Plain causal softmax attention: the forgetting-attention op without forget gates.
             o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,
                                      implementation=cfg.attention_impl)
-        else:
-            o, cache = cached_attention(cache, q, k, v, None, implementation=cfg.attention_impl,
-                                        block=cfg.attention_block)
         out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layers))(o.reshape(b, t, d))
         return LayerOutput(out, cache, log_mask)
 
@@ -282,12 +275,14 @@ class GPT2(nn.Module):
       segment_ids: optional [B, T] int, packed documents: no attention across documents.
       positions: optional [B, T] int positions (default 0..T−1; give per-document positions for
         packed sequences).
-      cache: optional tuple of ``n_layers`` decoding caches (``fox_jax.decoding.generation``,
-        ``cfg.init_cache``): ``PackedKVCache`` (DCP pruning with the step mask, α = ∞) or dense
-        ``LayerKVCache`` (no pruning). The T ≥ 1 tokens are appended to the cache (a prefill on a
-        fresh cache, a chunk or a decode step on a live one); any split of a sequence gives the logits
-        of one pass. Positions come from the cache (column − seq_start, pads clamped to 0); positions
-        and segment_ids must be None and alpha None or inf.
+      cache: optional tuple of ``n_layers`` ``fox_jax.cache.SlotKVCache`` (``fox_jax.decoding``,
+        ``cfg.init_cache``), whose policy decides what each query sees (``dcp``: the step mask, α = ∞;
+        ``dense``: every token, also for a DCP model). The T ≥ 1 tokens are appended to the cache (a
+        prefill on a fresh cache, a chunk or a decode step on a live one); any split of a sequence gives
+        the logits of one pass under the policy. Positions come from the cache (column − seq_start, pads
+        clamped to 0); positions and segment_ids must be None and alpha None or inf. A fixed
+        ``sparse_pattern`` is not applied with a cache (decode such a model with its policy, e.g.
+        ``local:W`` with ``window:W``).
       alpha: keyword-only; α of the α-sigmoid (required when ``cfg.dcp`` without a cache; ignored
         otherwise): a Python float, ``float('inf')`` for the inference step mask, or a traced float32
         scalar from ``fox_jax.ops.alpha_sigmoid.cosine_alpha_schedule`` (no recompile per value).
@@ -307,8 +302,7 @@ class GPT2(nn.Module):
     Raises:
       ValueError: tokens not [B, T] int, T > n_positions, positions/segment_ids of the wrong shape,
         DCP on without alpha; with a cache: the wrong number of layers, positions/segment_ids given,
-        a finite alpha, a packed cache on a non-DCP model, a cache with ``cfg.sparse_pattern``, a
-        chunk that does not fit the cache capacity.
+        a finite alpha.
     """
 
     cfg: GPT2Config
@@ -326,9 +320,6 @@ class GPT2(nn.Module):
         if cache is not None:
             if positions is not None or segment_ids is not None:
                 raise ValueError("with a cache, positions and segment_ids must be None (they come from the cache)")
-            if cfg.sparse_pattern is not None:
-                raise ValueError(f"cfg.sparse_pattern={cfg.sparse_pattern!r} is not supported with a decoding "
-                                 "cache (fixed patterns are for training/evaluation forward passes)")
             if len(cache) != cfg.n_layers:
                 raise ValueError(f"cache must hold one cache per layer ({cfg.n_layers}), got {len(cache)}")
             if alpha is not None and not (isinstance(alpha, (int, float)) and math.isinf(alpha)):
@@ -371,33 +362,14 @@ class GPT2(nn.Module):
 
 
 class GPT2Modules(FamilyModules):
-    """The JAX side of ``GPT2Config``: ``GPT2`` and its dense or packed (DCP) decoding caches."""
+    """The JAX side of ``GPT2Config``: ``GPT2`` and the layout of its decoding caches."""
 
     module = GPT2
 
-    def init_cache(self, cfg, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-        """Empty per-layer decoding caches: dense ``LayerKVCache`` (no forget gate, no KV-shift; also the
-        unpruned baseline of a DCP model) or, with ``packed``, DCP's ``PackedKVCache``.
-
-        Args:
-          batch_size, capacity: B and C (columns, or slots when packed).
-          seq_start: optional [B] int left pads per row.
-          packed: DCP packed caches (needs ``dcp``).
-
-        Raises:
-          ValueError: ``packed`` without DCP, a bad capacity or seq_start.
-        """
-        if packed and not cfg.dcp:
-            raise ValueError("packed (DCP) caches need a GPT-2 with dcp=True")
-        dtype = jnp.dtype(cfg.dtype)
-        if packed:
-            layer = new_packed_cache(batch_size, capacity, n_heads=cfg.n_heads, head_dim=cfg.dim_per_head,
-                                     interaction_dim=cfg.interaction_dim, dtype=dtype, seq_start=seq_start)
-        else:
-            layer = new_layer_cache(batch_size, capacity, n_heads=cfg.n_heads, kv_heads=cfg.n_heads,
-                                    head_dim=cfg.dim_per_head, dtype=dtype, forget_gate=False, kv_shift=False,
-                                    seq_start=seq_start)
-        return (layer,) * cfg.n_layers
+    def cache_layout(self, cfg) -> dict:
+        """k/v of every head (no GQA, no forget gate, no KV-shift), k_int with DCP."""
+        return dict(n_heads=cfg.n_heads, kv_heads=cfg.n_heads, head_dim=cfg.dim_per_head, forget_gate=False,
+                    kv_shift=False, interaction_dim=cfg.interaction_dim if cfg.dcp else None)
 
 
 register_family(GPT2Config.model_type, GPT2Modules())

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
-from fox_jax.cache.dense import new_layer_cache
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
@@ -31,7 +30,7 @@ class Block(nn.Module):
     """One pre-norm block: h = x + Attn(RMSNorm(x)); out = h + MLP(RMSNorm(h)).
 
     Call args as ``ForgettingAttentionLayer`` (x is the residual stream here). Returns
-    ``LayerOutput(out [B, T, d], cache: the updated ``LayerKVCache`` or None, log_mask: DCP's log I
+    ``LayerOutput(out [B, T, d], cache: the updated ``SlotKVCache`` or None, log_mask: DCP's log I
     [B, T, T] float32 or None)``.
     """
 
@@ -55,11 +54,11 @@ class LanguageModel(nn.Module):
       tokens: [B, T] int32 token ids (< cfg.vocab_size).
       segment_ids: [B, T] int32 or None: packed documents (attention never crosses them).
       positions: [B, T] int32 or None: position inside each document (used by RoPE only).
-      cache: optional tuple of ``n_layers`` ``fox_jax.cache.LayerKVCache`` (incremental decoding,
-        ``fox_jax.decoding.generation``; ``cfg.init_cache``); then segment_ids and positions must be
-        None. The T ≥ 1 tokens are appended to the cache (a prefill on a fresh cache, a chunk or a
-        decode step on a live one); any split of a sequence gives the logits of one pass. Not
-        supported with DCP.
+      cache: optional tuple of ``n_layers`` ``fox_jax.cache.SlotKVCache`` (incremental decoding,
+        ``fox_jax.decoding``; ``cfg.init_cache``); then segment_ids and positions must be None. The
+        T ≥ 1 tokens are appended to the cache (a prefill on a fresh cache, a chunk or a decode step on
+        a live one) and see what the cache's policy lets them see; any split of a sequence gives the
+        logits of one pass under that policy. DCP models decode with α = ∞ (alpha is ignored).
       alpha: keyword-only, DCP only (as ``GPT2``): required when ``cfg.dcp``, ignored otherwise. α of
         the α-sigmoid (docs/design/dcp.md §2): a Python float ≥ 1, ``float('inf')`` for the inference step
         mask, or a traced float32 scalar (e.g. from ``cosine_alpha_schedule``; no recompile per value).
@@ -73,8 +72,7 @@ class LanguageModel(nn.Module):
                            segment_ids=...)`` (§3.1; 0 when T < 3): multiply by γ and add to the CE.
     Raises:
       ValueError: a cache with the wrong number of layers, or together with segment_ids/positions;
-        a chunk that does not fit the cache capacity; DCP without ``alpha``.
-      NotImplementedError: a cache with DCP (decoding a DCP LanguageModel is not implemented).
+        DCP without ``alpha`` and without a cache.
     """
 
     cfg: ModelConfig
@@ -82,13 +80,10 @@ class LanguageModel(nn.Module):
     @nn.compact
     def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None) -> ModelOutput:
         cfg = self.cfg
-        if cfg.dcp and cache is not None:
-            raise NotImplementedError("decoding with caches is not implemented for DCP LanguageModels "
-                                      "(ModelConfig.dcp=True); call the model on the full sequence")
-        if cfg.dcp and alpha is None:
+        if cfg.dcp and alpha is None and cache is None:
             raise ValueError("alpha is required when ModelConfig.dcp is True (use float('inf') for inference)")
         if cache is not None and len(cache) != cfg.n_layers:
-            raise ValueError(f"cache must hold one LayerKVCache per layer ({cfg.n_layers}), got {len(cache)}")
+            raise ValueError(f"cache must hold one cache per layer ({cfg.n_layers}), got {len(cache)}")
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                          embedding_init=normal_init(cfg.init_std), name="embed")
@@ -122,28 +117,11 @@ class LanguageModelModules(FamilyModules):
 
     module = LanguageModel
 
-    def init_cache(self, cfg, batch_size: int, capacity: int, *, seq_start=None, packed: bool = False) -> tuple:
-        """Empty dense caches, one ``LayerKVCache`` per layer (k/v of ``kv_heads`` heads, forget gates for
-        FoX, KV-shift states for Pro).
-
-        Args:
-          batch_size, capacity: B and C (C ≥ 1 columns).
-          seq_start: optional [B] int left pads per row.
-          packed: must be False (packed caches are DCP GPT-2's).
-
-        Raises:
-          NotImplementedError: a DCP config (decoding a DCP LanguageModel is not implemented).
-          ValueError: ``packed``, a bad capacity or seq_start.
-        """
-        if cfg.dcp:
-            raise NotImplementedError("decoding with caches is not implemented for DCP LanguageModels "
-                                      "(ModelConfig.dcp=True); call the model on the full sequence")
-        if packed:
-            raise ValueError("packed (DCP) caches exist for GPT-2 with dcp=True only")
-        layer = new_layer_cache(batch_size, capacity, n_heads=cfg.n_heads, kv_heads=cfg.kv_heads,
-                                head_dim=cfg.dim_per_head, dtype=jnp.dtype(cfg.dtype), forget_gate=cfg.use_fgate,
-                                kv_shift=cfg.kv_shift, seq_start=seq_start)
-        return (layer,) * cfg.n_layers
+    def cache_layout(self, cfg) -> dict:
+        """k/v of ``kv_heads`` heads, forget gates for FoX, KV-shift states for Pro, k_int with DCP."""
+        return dict(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head,
+                    forget_gate=cfg.use_fgate, kv_shift=cfg.kv_shift,
+                    interaction_dim=cfg.interaction_dim if cfg.dcp else None)
 
 
 register_family(ModelConfig.model_type, LanguageModelModules())

@@ -10,7 +10,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fox_jax.cache.dense import cache_columns, cached_attention
+from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -61,13 +61,15 @@ class ForgettingAttentionLayer(nn.Module):
       x: [B, T, d] normed hidden states (compute dtype).
       segment_ids: [B, T] int or None (packed documents).
       positions: [B, T] int positions inside each document (RoPE only), default arange.
-      cache: optional ``fox_jax.cache.LayerKVCache`` (incremental decoding; then ``segment_ids``
+      cache: optional ``fox_jax.cache.SlotKVCache`` (incremental decoding; then ``segment_ids``
         and ``positions`` must be None). The T ≥ 1 tokens are appended at columns ``cache.length`` ..
-        ``cache.length`` + T − 1 and attend over the cached tokens and themselves (a prefill is the
-        first chunk of a fresh cache; see ``fox_jax.cache.dense``). Positions are the cache
-        columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real token sees
-        zeros and any later chunk's shift continues from the cached state. With the auto ACP
-        threshold of QK-norm models, N is the cache capacity (the most keys a query can see).
+        ``cache.length`` + T − 1 and attend over the cached tokens and themselves as the cache's policy
+        allows (a prefill is the first chunk of a fresh cache; see ``fox_jax.cache.slots``). Positions
+        are the cache columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real
+        token sees zeros and any later chunk's shift continues from the cached state. Under the ``acp``
+        policy the eviction threshold comes from the QK-norm weights (provable) or, without QK-norm,
+        from the chunk's q/k norms (a heuristic), with N = ``cache.max_context``. DCP models decode
+        with the step mask (α = ∞).
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
     Returns:
@@ -77,8 +79,7 @@ class ForgettingAttentionLayer(nn.Module):
       skipped) into the ``intermediates`` collection.
     Raises:
       ValueError: a cache together with segment_ids or positions; a chunk that does not fit the
-        cache capacity; DCP without ``alpha``.
-      NotImplementedError: DCP with a cache (decoding a DCP LanguageModel is not implemented).
+        cache capacity; DCP without ``alpha`` and without a cache.
     """
 
     cfg: Any
@@ -86,13 +87,8 @@ class ForgettingAttentionLayer(nn.Module):
     @nn.compact
     def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None) -> LayerOutput:
         cfg = self.cfg
-        if cfg.dcp:
-            if cache is not None:
-                raise NotImplementedError("decoding with a cache is not implemented for DCP models "
-                                          "(ModelConfig.dcp=True); run the full sequence without a cache")
-            if alpha is None:
-                raise ValueError("alpha is required when ModelConfig.dcp is True "
-                                 "(use float('inf') for inference)")
+        if cfg.dcp and alpha is None and cache is None:
+            raise ValueError("alpha is required when ModelConfig.dcp is True (use float('inf') for inference)")
         dtype = jnp.dtype(cfg.dtype)
         b, t, _ = x.shape
         h, hkv, dh = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
@@ -124,13 +120,17 @@ class ForgettingAttentionLayer(nn.Module):
             q_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="q_norm")
             k_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="k_norm")
             q, k = q_norm(q), k_norm(k)
-            if isinstance(threshold, str) and threshold == "auto":
+            evict = cache is not None and cache.policy.kind == "acp"
+            if evict or (isinstance(threshold, str) and threshold == "auto"):
                 wq = q_norm.variables["params"]["scale"]
                 wk = k_norm.variables["params"]["scale"]
                 if not cfg.qk_norm_shared and hkv != h:
                     wk = jnp.repeat(wk, h // hkv, axis=0)
-                key_len = t if cache is None else cache.capacity
-                threshold = jnp.broadcast_to(acp.qk_norm_threshold(wq, wk, key_len), (b, h))
+                key_len, log_eps = t, acp.DEFAULT_LOG_EPSILON
+                if cache is not None:  # N: the most keys any query of this cache can see
+                    key_len = cache.max_context
+                    log_eps = cache.policy.log_epsilon if evict else log_eps
+                threshold = jnp.broadcast_to(acp.qk_norm_threshold(wq, wk, key_len, log_epsilon=log_eps), (b, h))
         if cfg.use_rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -140,27 +140,31 @@ class ForgettingAttentionLayer(nn.Module):
         if cfg.use_fgate:
             logits = dense(h, "fgate_proj", bias=True, dt=jnp.float32)(x.astype(jnp.float32))
             log_fgate = jax.nn.log_sigmoid(logits)  # [B, T, H] float32
-        log_mask = None
+        log_mask = q_int = k_int = beta = None
         if cfg.dcp:
             xf = x.astype(jnp.float32)
             q_int = dense(cfg.interaction_dim, "q_int", dt=jnp.float32)(xf)  # [B, T, r] float32
             k_int = dense(cfg.interaction_dim, "k_int", dt=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
+        if cache is not None:  # decoding: the cache's policy decides what each query sees
+            if cache.policy.kind == "acp" and not cfg.qk_norm:  # no static bound on the logits: a heuristic
+                threshold = acp.threshold_from_bound(
+                    acp.logit_bound(q, k, dh ** -0.5), cache.max_context, cache.policy.log_epsilon)
+            o, cache = slot_attention(cache, q, k, v, log_fgate, k_shift=k_state, v_shift=v_state,
+                                      threshold=threshold if cache.policy.kind == "acp" else None,
+                                      q_int=q_int, k_int=k_int, beta=beta)
+        elif cfg.dcp:
             z = keep_logits(q_int, k_int, beta)                   # [B, T, T] float32, dcp.md §1.2
             log_mask = cumulative_keep_log_mask(z, alpha)          # §1.3, §1.5: once per layer
             o = dcp_attention(q, k, v, log_mask, log_fgate, segment_ids=segment_ids,
                               block_q=cfg.attention_block, block_k=cfg.attention_block,
                               implementation=cfg.dcp_impl)
-        elif cache is None:
+        else:
             o = forgetting_attention(
                 q, k, v, log_fgate, segment_ids=segment_ids, adaptive_threshold=threshold,
                 implementation=cfg.attention_impl, block_q=cfg.attention_block, block_k=cfg.attention_block)
             if threshold is not None and log_fgate is not None:
                 self._sow_pruning(q, k, log_fgate, threshold)
-        else:
-            o, cache = cached_attention(cache, q, k, v, log_fgate, k_shift=k_state, v_shift=v_state,
-                                        adaptive_threshold=threshold, implementation=cfg.attention_impl,
-                                        block=cfg.attention_block)
         if cfg.output_norm:
             o = HeadRMSNorm(cfg.norm_eps, False, dtype, name="o_norm")(o)
         if cfg.output_gate:

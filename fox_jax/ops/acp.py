@@ -41,22 +41,33 @@ def threshold_from_bound(u: jax.Array, key_len: int, log_epsilon: float = DEFAUL
     return -(2.0 * jnp.asarray(u, jnp.float32) + math.log(key_len)) + log_epsilon
 
 
+def logit_bound(q: jax.Array, k: jax.Array, sm_scale: float) -> jax.Array:
+    """U_{b,h} = scale · max_i‖q_i‖ · max_j‖k_j‖ from the actual tensors, a bound on |scale·q_i·k_j|
+    over these q and k only (docs/design/fox_acp.md §5.2, the no-QK-norm case).
+
+    Args:
+      q: [B, Tq, H, D]; k: [B, Tk, Hkv, D] (H a multiple of Hkv).
+    Returns:
+      [B, H] float32 U (no gradient).
+    """
+    q = jax.lax.stop_gradient(q).astype(jnp.float32)
+    k = jax.lax.stop_gradient(k).astype(jnp.float32)
+    qn = jnp.sqrt(jnp.max(jnp.sum(q * q, axis=-1), axis=1))  # [B, H]
+    kn = jnp.sqrt(jnp.max(jnp.sum(k * k, axis=-1), axis=1))  # [B, Hkv]
+    return sm_scale * qn * jnp.repeat(kn, q.shape[2] // k.shape[2], axis=1)
+
+
 def auto_threshold(
     q: jax.Array, k: jax.Array, sm_scale: float, log_epsilon: float = DEFAULT_LOG_EPSILON
 ) -> jax.Array:
-    """The ``"auto"`` threshold: U_{b,h} = scale · max_i‖q_i‖ · max_j‖k_j‖ from the actual tensors.
+    """The ``"auto"`` threshold: δ from U = ``logit_bound(q, k)`` and N = Tk.
 
     Args:
       q: [B, Tq, H, D]; k: [B, Tk, Hkv, D] (H a multiple of Hkv).
     Returns:
       [B, H] float32 δ, treated as a constant (no gradient).
     """
-    q = jax.lax.stop_gradient(q).astype(jnp.float32)
-    k = jax.lax.stop_gradient(k).astype(jnp.float32)
-    qn = jnp.sqrt(jnp.max(jnp.sum(q * q, axis=-1), axis=1))  # [B, H]
-    kn = jnp.sqrt(jnp.max(jnp.sum(k * k, axis=-1), axis=1))  # [B, Hkv]
-    kn = jnp.repeat(kn, q.shape[2] // k.shape[2], axis=1)
-    return threshold_from_bound(sm_scale * qn * kn, k.shape[1], log_epsilon)
+    return threshold_from_bound(logit_bound(q, k, sm_scale), k.shape[1], log_epsilon)
 
 
 def qk_norm_threshold(
