@@ -138,7 +138,7 @@ def init_distributed(args) -> None:
 
 _OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*=")
 _STEP_FLAGS = {"train": "--resume-step", "finetune-dcp": "--resume-step", "pretrain-gpt2": "--resume-step",
-               "eval": "--step", "zeroshot": "--step"}  # how each command picks a checkpoint step
+               "eval": "--step", "zeroshot": "--step", "passkey": "--step"}  # how each command picks a checkpoint step
 
 
 def _is_override(token: str) -> bool:

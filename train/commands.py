@@ -16,6 +16,7 @@ from fox_jax.train import config as config_lib
 
 ZEROSHOT_TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge", "copa", "boolq")
 DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided target sparsities
+POLICY_FORMS = "dense, dcp, acp[:LOG_EPS], window:W, sinks:S+W"  # = fox_jax.cache.policies.POLICY_FORMS (issue 12)
 DCP_NAME = "dcp_interaction.safetensors"  # = fox_jax.models.hf_gpt2.DCP_NAME (checked by the tests)
 
 
@@ -299,6 +300,37 @@ def _add_eval(sub) -> None:
     e.set_defaults(handler="fox_jax.train.cli:cmd_eval")
 
 
+def _add_passkey(sub) -> None:
+    """``fox-jax passkey`` (handler ``fox_jax.train.passkey.cmd_passkey``)."""
+    p = sub.add_parser("passkey", help="passkey retrieval (needle in a haystack) over Gutenberg text: accuracy "
+                       "by context length x depth, under a KV-cache policy", formatter_class=_Formatter,
+                       description=textwrap.fill("Hide a 5-digit pass key at fractional depths of Gutenberg text (\" The pass key "
+                       "is 68231. Remember it. 68231 is the pass key.\"), ask \"What is the pass key? The pass key "
+                       "is\" at the end and decode greedily; writes passkey.json (accuracy per length and depth, "
+                       "every prompt's answer) and passkey.png (the heatmap) in --out. Prompts are exactly "
+                       "LENGTH - 8 tokens: the 8 are the room for the answer. The template: train/passkey.py.", width=106))
+    p.add_argument("run", metavar="RUN_DIR_OR_HF_DIR", help="a run of 'fox-jax train' / 'fox-jax finetune-dcp', or a "
+                   "Hugging Face GPT-2 / official FoX directory")
+    p.add_argument("--lengths", default="256,512,1024", help="context lengths in tokens, prompt + answer, comma-"
+                   "separated; each at most the model's positions (GPT-2 n_positions; default %(default)s)")
+    p.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths in [0, 1], comma-separated: 0 the "
+                   "start, 1 just before the question (default %(default)s)")
+    p.add_argument("--n", type=int, default=4, help="prompts per (length, depth) cell (default %(default)s)")
+    p.add_argument("--cache", default="dense", metavar="POLICY", help="KV-cache policy: " + POLICY_FORMS +
+                   " (default %(default)s)")
+    p.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row per layer (default: what the policy "
+                   "can need)")
+    p.add_argument("--text", help="haystack text file (default: $FOX_JAX_SHARED_DATA/corpus_val/gutenberg_val.txt)")
+    p.add_argument("--out", required=True, help="output directory (passkey.json, passkey.png)")
+    p.add_argument("--step", type=int, help="checkpoint step of a run (default: latest)")
+    p.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files of the HF directory)")
+    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the keys and haystack offsets (default %(default)s)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler="fox_jax.train.passkey:cmd_passkey", distributed=False, coordinator=None, num_processes=None,
+                   process_id=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``fox-jax`` parser (imports no jax; ``args.handler`` names the command's function)."""
     parser = argparse.ArgumentParser(prog="fox-jax", description="Train and evaluate FoX / Transformer language "
@@ -309,6 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune_dcp(sub)
     _add_zeroshot(sub)
     _add_dcp_eval(sub)
+    _add_passkey(sub)
     return parser
 
 
