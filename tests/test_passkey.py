@@ -1,7 +1,6 @@
 """``fox-jax passkey``: prompt construction, scoring, run_passkey end to end on a tiny random model, the
 heatmap, and the command (on a tiny checkpointed run) with its error paths."""
 
-import inspect
 import json
 import os
 import re
@@ -27,7 +26,6 @@ GUTENBERG = SHARED / "corpus_val" / "gutenberg_val.txt"
 GPT2_BPE = SHARED / "tokenizers" / "gpt2"
 needs_shared = pytest.mark.skipif(not (GUTENBERG.is_file() and (GPT2_BPE / "vocab.json").is_file()),
                                   reason="needs the shared data (set FOX_JAX_SHARED_DATA)")
-ENGINE_HAS_POLICY = "policy" in inspect.signature(decoding.generate).parameters
 
 BYTES = ByteTokenizer()
 _WORDS = ("cat", "river", "lamp", "stone", "garden", "horse", "window", "bread", "cloud", "letter")
@@ -243,15 +241,6 @@ def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
         pk.run_passkey(model, None, BYTES, TEXT, lengths=[300], depths=[0.5], n_per_cell=1, progress=False)
 
 
-@pytest.mark.skipif(ENGINE_HAS_POLICY, reason="the issue-12 engine runs every policy")
-def test_a_policy_without_the_new_engine_is_a_clear_error(tiny_model):
-    # TODO(issue 12, coord/issue12_contract.md): remove with the signature check in passkey._engine_kwargs
-    model, params = tiny_model
-    with pytest.raises(ValueError, match="need the issue-12 decoding engine"):
-        pk.run_passkey(model, params, BYTES, TEXT, lengths=[144], depths=[0.5], n_per_cell=1, policy="window:16",
-                       progress=False)
-
-
 # ---------------------------------------------------------------------------------------------
 # The command
 # ---------------------------------------------------------------------------------------------
@@ -305,8 +294,7 @@ def test_cli_errors(train_run, text_file, tmp_path, capsys, monkeypatch):  # noq
     assert "gutenberg_val.txt not found (FOX_JAX_SHARED_DATA=" in err
     assert "no such directory" in _error(["passkey", str(tmp_path / "norun"), "--out", out, "--text",
                                           str(text_file)], capsys)
-    if not ENGINE_HAS_POLICY:
-        assert "issue-12 decoding engine" in _error(base + ["--cache", "window:16"], capsys)
+    assert "unknown cache policy 'lru'" in _error(base + ["--cache", "lru"], capsys)
     assert not os.path.exists(out)
 
 

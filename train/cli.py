@@ -20,6 +20,7 @@ import shlex
 import sys
 
 import importlib
+import json
 
 from fox_jax.train import config as config_lib
 from fox_jax.train.commands import GPT2_FLAGS, PATH_KEYS, alias_flags, build_parser, flag_dest
@@ -98,7 +99,14 @@ def cmd_eval(args) -> int:
     from fox_jax.train import evaluate
 
     report = evaluate.evaluate_run(args.workdir, overrides=explicit_overrides(args), step=args.step,
-                                   num_batches=args.num_batches, num_docs=args.num_docs)
+                                   num_batches=args.num_batches, num_docs=args.num_docs, cache=args.cache,
+                                   kv_slots=args.kv_slots)
+    if args.cache is not None:
+        print(f"step {report['step']}, {report['num_docs']} documents x {report['seq_len']} tokens: cache "
+              f"{report['cache']} ppl {report['policy_ppl']:.3f} vs dense {report['dense_ppl']:.3f} "
+              f"(ratio {report['ppl_ratio']:.4f}){'; OVERFLOW in ' + str(report['policy_overflow_rows']) + ' rows: the pool was too small for the policy' if report['policy_overflow_rows'] else ''}")
+        print(json.dumps({k: v for k, v in report.items() if not k.endswith("per_position_loss")}))
+        return 0
     print(f"step {report['step']}, seq_len {report['seq_len']}: val_loss {report['val_loss']:.4f} | "
           f"val_ppl {report['val_ppl']:.2f} | {report['val_tokens']} tokens")
     pairs = [(x, c) for x, c in zip(report["per_position_loss"], report["per_position_count"]) if c]
@@ -138,7 +146,7 @@ def init_distributed(args) -> None:
 
 _OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*=")
 _STEP_FLAGS = {"train": "--resume-step", "finetune-dcp": "--resume-step", "pretrain-gpt2": "--resume-step",
-               "eval": "--step", "zeroshot": "--step", "passkey": "--step"}  # how each command picks a checkpoint step
+               "eval": "--step", "zeroshot": "--step", "passkey": "--step", "generate": "--step"}  # how each command picks a checkpoint step
 
 
 def _is_override(token: str) -> bool:

@@ -12,11 +12,11 @@ import dataclasses
 import textwrap
 import typing
 
+from fox_jax.cache.policies import POLICY_FORMS
 from fox_jax.train import config as config_lib
 
 ZEROSHOT_TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge", "copa", "boolq")
 DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided target sparsities
-POLICY_FORMS = "dense, dcp, acp[:LOG_EPS], window:W, sinks:S+W"  # = fox_jax.cache.policies.POLICY_FORMS (issue 12)
 DCP_NAME = "dcp_interaction.safetensors"  # = fox_jax.models.hf_gpt2.DCP_NAME (checked by the tests)
 
 
@@ -293,6 +293,11 @@ def _add_eval(sub) -> None:
     e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss (default 64)")
     e.add_argument("--no-progress", action="store_true", help="accepted like in the other commands (eval prints no bars)")
     e.add_argument("--workdir", required=True, help="the run directory (config.json, checkpoints/)")
+    e.add_argument("--cache", metavar="POLICY", help="instead: teacher-forced perplexity of the first seq_len tokens "
+                   "of --num-docs validation documents under a KV-cache policy (" + POLICY_FORMS + "), exactly as "
+                   "generation sees them, next to the dense cache on the same tokens; also for fine-tuned runs")
+    e.add_argument("--kv-slots", type=int, metavar="N", help="with --cache: KV slots per row and layer (default: "
+                   "what the policy can need)")
     _add_aliases(e, DATA_FLAGS + MESH_FLAGS, None, {k: "the run's" for _, k in DATA_FLAGS})
     _add_multihost(e)
     e.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of data.* and batch settings, "
@@ -331,6 +336,38 @@ def _add_passkey(sub) -> None:
                    process_id=None)
 
 
+def _add_generate(sub) -> None:
+    """``fox-jax generate`` (handler ``fox_jax.train.generate.cmd_generate``)."""
+    g = sub.add_parser("generate", help="generate text from a run or Hugging Face directory under a KV-cache policy",
+                       formatter_class=_Formatter,
+                       description=textwrap.fill("Encode the prompts, left-pad them into one batch and decode "
+                       "(one jitted prefill + decode loop) under --cache POLICY with a fixed KV pool; prints each "
+                       "continuation and one JSON line: tokens/s (compilation included), KV bytes allocated / live "
+                       "/ peak live, mean live tokens per layer, overflow (entries the pool had no room for).",
+                                                 width=106))
+    g.add_argument("run", metavar="RUN_DIR_OR_HF_DIR", help="a run of 'fox-jax train' / 'fox-jax finetune-dcp', or a "
+                   "Hugging Face GPT-2 / official FoX directory")
+    g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    g.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt (repeatable)")
+    g.add_argument("--cache", default="dense", metavar="POLICY", help="KV-cache policy: " + POLICY_FORMS +
+                   " (default %(default)s)")
+    g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default %(default)s)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default), else the sampling temperature")
+    g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
+    g.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens with probability ≥ p")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
+    g.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row and layer (default: what the policy "
+                   "can need for prompt + new tokens)")
+    g.add_argument("--kv-budget", type=float, metavar="GIB", help="instead of --kv-slots: the largest pool that fits "
+                   "this many GiB for the batch")
+    g.add_argument("--no-stop", action="store_true", help="do not stop at <|endoftext|>")
+    g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default %(default)s)")
+    g.add_argument("--step", type=int, help="checkpoint step of a run (default: latest)")
+    g.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files of the HF directory)")
+    g.set_defaults(handler="fox_jax.train.generate:cmd_generate", distributed=False, coordinator=None,
+                   num_processes=None, process_id=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``fox-jax`` parser (imports no jax; ``args.handler`` names the command's function)."""
     parser = argparse.ArgumentParser(prog="fox-jax", description="Train and evaluate FoX / Transformer language "
@@ -341,6 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_finetune_dcp(sub)
     _add_zeroshot(sub)
     _add_dcp_eval(sub)
+    _add_generate(sub)
     _add_passkey(sub)
     return parser
 
@@ -350,6 +388,8 @@ _EXAMPLES = """examples:
   fox-jax train --preset 125M --data DIR --val-data DIR --tokenizer DIR --workdir runs/fox125m
   fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
   fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
+  fox-jax generate runs/tiny --prompt "It was a" --cache window:64  # text + one JSON line (tokens/s, KV bytes)
+  fox-jax eval  --workdir runs/tiny --cache acp                   # perplexity as generation sees it
   fox-jax train --help                                            # every flag and config field
 
 Any config field can be overridden with key=value arguments anywhere on the command line, e.g.

@@ -12,7 +12,7 @@ import math
 import typing
 from typing import Any, ClassVar
 
-from fox_jax.config import (FINITE, NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
+from fox_jax.config import (NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
                             check_ranges, config_from_dict, gpt2_preset, preset as model_preset)
 
 

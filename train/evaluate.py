@@ -85,20 +85,67 @@ def plot_per_position(path: str, mean: np.ndarray, count: np.ndarray, title: str
     plt.close(fig)
 
 
+def policy_loss(model, params, windows: dict, batch_size: int, policy, slots=None, prefill_chunk: int = 512):
+    """Per-position loss of the document windows under a cache policy (``token_losses_under_policy``: the
+    visibility prefill + decode have): ([T − 1] float64 mean, [T − 1] counts, rows that overflowed)."""
+    from fox_jax.decoding import token_losses_under_policy
+
+    inputs, mask = windows["inputs"], windows["mask"][:, :-1].astype(np.float64)
+    total, count, overflowed = np.zeros(inputs.shape[1] - 1), np.zeros(inputs.shape[1] - 1), 0
+    for i in range(0, inputs.shape[0], batch_size):
+        nll, overflow = token_losses_under_policy(model, params, jnp.asarray(inputs[i:i + batch_size]),
+                                                  policy=policy, slots=slots, prefill_chunk=prefill_chunk)
+        m = mask[i:i + batch_size]
+        total += (np.asarray(nll, np.float64) * m).sum(0)
+        count += m.sum(0)
+        overflowed += int(np.sum(np.asarray(overflow) > 0))
+    return total / np.maximum(count, 1), count, overflowed
+
+
+def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64, prefill_chunk: int = 512) -> dict:
+    """Teacher-forced perplexity of the first ``seq_len`` tokens of validation documents under a cache
+    policy next to the dense cache on the same tokens (``fox-jax eval --cache``)."""
+    from fox_jax.cache.policies import parse_policy
+
+    spec = parse_policy(policy).spec
+    corpus = data_lib.load_corpus(cfg.data)
+    windows = data_lib.document_windows(corpus, num_docs)
+    model = cfg.model.build()
+    out = {"step": run.step, "seq_len": cfg.data.seq_len, "num_docs": int(windows["inputs"].shape[0]), "cache": spec,
+           "slots": slots}
+    for name, pol, sl in (("dense", "dense", None), ("policy", spec, slots)):
+        if name == "policy" and spec == "dense" and slots is None:
+            out.update({k.replace("dense", "policy"): v for k, v in out.items() if k.startswith("dense")})
+            break
+        mean, count, overflowed = policy_loss(model, params, windows, cfg.batch_size, pol, sl, prefill_chunk)
+        loss = float(np.sum(mean * count) / max(np.sum(count), 1))
+        out.update({f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)), f"{name}_tokens": int(count.sum()),
+                    f"{name}_overflow_rows": overflowed,
+                    f"{name}_per_position_loss": [float(x) if c > 0 else None for x, c in zip(mean, count)]})
+    out["ppl_ratio"] = out["policy_ppl"] / out["dense_ppl"]
+    return out
+
+
 def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int | None = None,
-                 num_batches: int | None = None, num_docs: int = 64) -> dict:
+                 num_batches: int | None = None, num_docs: int = 64, cache: str | None = None,
+                 kv_slots: int | None = None) -> dict:
     """Evaluate the checkpoint of a run: validation loss/perplexity and per-position loss.
 
     ``overrides`` may change the data (e.g. ``data.val=...``, ``data.seq_len=4096`` for length
     extrapolation) but not the model. Only the parameters are restored (``fox_jax.train.runs``: no
     optimizer state is read).
 
+    With ``cache`` (a cache policy, ``fox_jax.cache.policies``) it instead scores the first ``seq_len``
+    tokens of ``num_docs`` validation documents teacher-forced under that policy (the visibility generation
+    has, ``kv_slots`` per row and layer) and under the dense cache (``evaluate_policy``); fine-tuned runs
+    are accepted then.
+
     Raises:
-      FileNotFoundError: ``workdir`` is no run. ValueError: a run of another kind than ``fox-jax train``, or
-        overrides eval does not take. CheckpointError: no checkpoint (for ``step``), or a corrupt one.
+      FileNotFoundError: ``workdir`` is no run. ValueError: a run of another kind than ``fox-jax train``
+        (or a fine-tune, with ``cache``), overrides eval does not take, a bad cache policy. CheckpointError: no checkpoint (for ``step``), or a corrupt one.
     """
     run = open_run(workdir, step=step, flag="--workdir")
-    if run.kind != "train":
+    if run.kind != "train" and not (cache is not None and run.kind == "finetune"):
         raise ValueError(f"--workdir {workdir} is {run.what}; eval reads 'fox-jax train' runs (score fine-tuned "
                          "and Hugging Face models with 'fox-jax zeroshot' or 'fox-jax dcp-eval')")
     model_overrides = [o for o in overrides or [] if o.startswith("model.")]
@@ -111,6 +158,20 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
                          f"{', '.join(ignored)} would have no effect")
     train_len = run.seq_len
     cfg = config_lib.apply_overrides(run.config, overrides or [])
+    if cache is not None:  # the policy's perplexity next to the dense cache's, on the same document windows
+        from fox_jax.cache.policies import parse_policy
+
+        policy = parse_policy(cache)  # a bad spec: before any parameter is read
+        if policy.kind == "dcp" and not cfg.model.dcp:
+            raise ValueError(f"--cache dcp needs a DCP model; {workdir} ({run.what}) has none")
+        report = evaluate_policy(run, cfg, run.load_params(), policy=policy, slots=kv_slots, num_docs=num_docs)
+        out_dir = os.path.join(workdir, "eval")
+        os.makedirs(out_dir, exist_ok=True)
+        name = policy.spec.replace(":", "-").replace("+", "-")
+        report["json"] = os.path.join(out_dir, f"cache_{name}_step_{run.step}_len_{cfg.data.seq_len}.json")
+        with open(report["json"], "w") as f:
+            json.dump(report, f)
+        return report
     params, ckpt_step = run.load_params(), run.step
     corpus = data_lib.load_corpus(cfg.data)
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:

@@ -41,7 +41,6 @@ batches (``seq_start`` = the pads of each row), longest prompts first.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import re
@@ -51,6 +50,7 @@ from typing import Sequence
 
 import numpy as np
 
+from fox_jax.cache.policies import parse_policy
 from fox_jax.train.progress import progress_bar
 from fox_jax.train.tokenizers import EOT_TOKEN
 
@@ -242,30 +242,8 @@ def score(generated_text: str, answer: str) -> dict:
 # ---------------------------------------------------------------------------------------------
 
 def policy_spec(policy) -> str:
-    """The canonical string of a cache policy (``CachePolicy.spec``), or ``str(policy)`` without the
-    issue-12 policies module."""
-    try:
-        from fox_jax.cache.policies import parse_policy
-    except ImportError:  # TODO(issue 12, coord/issue12_contract.md): drop once fox_jax/cache/policies.py lands
-        return getattr(policy, "spec", str(policy))
+    """The canonical string of a cache policy (``CachePolicy.spec``); ValueError for an unknown one."""
     return parse_policy(policy).spec
-
-
-def _engine_kwargs(generate, policy, slots) -> dict:
-    """``policy=`` / ``slots=`` for ``generate``.
-
-    TODO(issue 12, coord/issue12_contract.md): remove this signature check once the engine's
-    ``generate(..., policy=, slots=)`` has landed (the main developer removes it): pass
-    ``policy=policy, slots=slots`` directly. Until then only the dense cache runs, with today's
-    ``generate``.
-    """
-    names = inspect.signature(generate).parameters
-    if "policy" in names:
-        return {"policy": policy, "slots": slots}
-    if policy_spec(policy) != "dense" or slots is not None:
-        raise ValueError(f"cache policy {policy_spec(policy)!r} / slots need the issue-12 decoding engine "
-                         "(fox_jax.decoding.generate(policy=, slots=)); this fox_jax runs only the dense cache")
-    return {}
 
 
 def _check_lengths(lengths: Sequence[int], limit: int | None, flag: str = "lengths") -> list[int]:
@@ -366,7 +344,7 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
         raise ValueError(f"n_per_cell must be a positive int, got {n_per_cell!r}")
     if not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    engine = _engine_kwargs(generate, policy, slots)
+    engine = {"policy": policy, "slots": slots}
     haystack = normalize_text(text)
     examples = [ex for length in lengths for depth in depths
                 for ex in make_passkey_prompts(haystack, tokenizer, context_len=length, depth=depth, n=n_per_cell,
@@ -491,8 +469,7 @@ def _parse_list(spec: str, kind, flag: str) -> list:
 def cmd_passkey(args) -> int:
     """The ``fox-jax passkey`` handler: writes ``passkey.json`` + ``passkey.png`` in ``--out`` and prints a
     table and one JSON summary line."""
-    from fox_jax.train.runs import open_run
-    from fox_jax.train.tokenizers import load_tokenizer
+    from fox_jax.train.generate import load_for_decoding
 
     lengths = _parse_list(args.lengths, int, "--lengths")
     depths = _check_depths(_parse_list(args.depths, float, "--depths"), "--depths")
@@ -501,27 +478,13 @@ def cmd_passkey(args) -> int:
             raise ValueError(f"{flag} must be positive, got {value}")
     if args.seed < 0:
         raise ValueError(f"--seed must be non-negative, got {args.seed}")
-    from fox_jax.decoding import generate
 
-    policy = policy_spec(args.cache)  # ValueError for a bad spec (issue 12's parse_policy)
-    _engine_kwargs(generate, policy, args.kv_slots)  # a policy this engine cannot run: before reading anything
+    policy = policy_spec(args.cache)  # an unknown policy: ValueError before reading anything
     text_path = Path(args.text) if args.text else default_text_path()
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
-    run = open_run(args.run, step=args.step)
+    run, tokenizer = load_for_decoding(args.run, step=args.step, policy=policy, tokenizer=args.tokenizer)
     _check_lengths(lengths, run.model.max_positions, "--lengths")  # before any parameter is read
-    if policy.split(":")[0] == "dcp":
-        if not run.model.dcp:
-            raise ValueError(f"--cache dcp needs a DCP model; {args.run} ({run.what}) has no DCP params")
-    else:
-        run = run.without_dcp()
-    tokenizer_spec = args.tokenizer or run.tokenizer
-    if tokenizer_spec is None:
-        raise ValueError(f"--tokenizer is needed: {args.run} names none (no vocab.json + merges.txt or tokenizer.json)")
-    tokenizer = load_tokenizer(tokenizer_spec)
-    if tokenizer.vocab_size > run.model.vocab_size:
-        raise ValueError(f"the tokenizer has {tokenizer.vocab_size} ids but the model only {run.model.vocab_size}; "
-                         "pass the --tokenizer the model was trained with")
     text = text_path.read_text(encoding="utf-8")
     params = run.load_params()
     result = run_passkey(run.model.build(), params, tokenizer, text, lengths=lengths, depths=depths,

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import typing
 from typing import Any, Callable
 
 import jax

@@ -7,10 +7,11 @@ One cache for every model family and every policy, an explicit pytree per layer 
   CachePolicy   what a query sees and so what the cache frees: dense, dcp, acp, window:W, sinks:S+W
                 (policies.py, jax-free)
   decay.py      Λ as float32 pairs, so decays stay accurate at any length
+
+Importing this package imports no jax (the CLI parses ``--cache`` policies before jax loads): the cache
+itself is ``fox_jax.cache.slots`` (also re-exported by ``fox_jax.decoding``).
 """
 
 from fox_jax.cache.policies import POLICY_FORMS, CachePolicy, parse_policy
-from fox_jax.cache.slots import SlotGroup, SlotKVCache, cache_columns, new_slot_cache, slot_attention
 
-__all__ = ["CachePolicy", "POLICY_FORMS", "SlotGroup", "SlotKVCache", "cache_columns", "new_slot_cache",
-           "parse_policy", "slot_attention"]
+__all__ = ["CachePolicy", "POLICY_FORMS", "parse_policy"]

@@ -4,7 +4,8 @@ scoring under a cache policy (``generation``). It drives any model family throug
 whose names are re-exported here.
 """
 
-from fox_jax.cache import POLICY_FORMS, CachePolicy, SlotKVCache, parse_policy
+from fox_jax.cache.policies import POLICY_FORMS, CachePolicy, parse_policy
+from fox_jax.cache.slots import SlotKVCache
 from fox_jax.decoding.generation import (Generation, cache_bytes, decode_step, extend, generate, init_cache,
                                          live_counts, min_slots, prefill, sample_logits, token_losses_under_policy)
 

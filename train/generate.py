@@ -1,0 +1,132 @@
+"""``fox-jax generate``: text from a run directory or a Hugging Face directory under a KV-cache policy.
+
+Prompts come from ``--prompt`` (repeatable) and ``--prompt-file`` (each file one prompt); they are encoded,
+left-padded into one batch and decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop)
+under ``--cache POLICY`` with a pool of ``--kv-slots`` slots per row and layer, or the largest pool that fits
+``--kv-budget`` GiB. Prints each continuation, then one JSON line: tokens/s, KV bytes (allocated, live at the
+end, peak live), mean live tokens per layer, overflow.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None):
+    """(run, model config, tokenizer) of a run or Hugging Face directory for decoding under ``policy``:
+    a DCP model keeps its interaction weights only for ``dcp`` (every other policy runs its dense part).
+
+    Raises:
+      ValueError: an unknown policy, ``dcp`` on a model without DCP, no tokenizer, a tokenizer with more
+        ids than the model. FileNotFoundError / CheckpointError: as ``open_run``.
+    """
+    from fox_jax.cache.policies import parse_policy
+    from fox_jax.train.runs import open_run
+    from fox_jax.train.tokenizers import load_tokenizer
+
+    spec = parse_policy(policy)
+    run = open_run(path, step=step)
+    if spec.kind == "dcp":
+        if not run.model.dcp:
+            raise ValueError(f"--cache dcp needs a DCP model; {path} ({run.what}) has no DCP parameters")
+    else:
+        run = run.without_dcp()
+    tokenizer_spec = tokenizer or run.tokenizer
+    if tokenizer_spec is None:
+        raise ValueError(f"--tokenizer is needed: {path} names none (no vocab.json + merges.txt or tokenizer.json)")
+    tok = load_tokenizer(tokenizer_spec)
+    if tok.vocab_size > run.model.vocab_size:
+        raise ValueError(f"the tokenizer has {tok.vocab_size} ids but the model only {run.model.vocab_size}; "
+                         "pass the --tokenizer the model was trained with")
+    return run, tok
+
+
+def slots_for_budget(cfg, batch: int, budget_bytes: float) -> int:
+    """The most slots per row and layer whose pool (k, v, forget gates, interaction keys) fits ``budget_bytes``."""
+    caches = cfg.init_cache(1, 1, policy="dcp" if cfg.dcp else "dense")
+    per_slot = sum(c.allocated_bytes() for c in caches)  # one slot of one row, every layer
+    return int(budget_bytes // (per_slot * batch))
+
+
+def cmd_generate(args) -> int:
+    """The ``fox-jax generate`` handler."""
+    import jax
+
+    from fox_jax.decoding import cache_bytes, generate, min_slots, parse_policy
+
+    prompts = list(args.prompt or [])
+    for f in args.prompt_file or []:
+        p = Path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"--prompt-file {f}: no such file")
+        prompts.append(p.read_text(encoding="utf-8"))
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or --prompt-file FILE")
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--kv-slots", args.kv_slots),
+                        ("--prefill-chunk", args.prefill_chunk)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be a positive int, got {value}")
+    if args.kv_slots is not None and args.kv_budget is not None:
+        raise ValueError("give --kv-slots or --kv-budget, not both")
+    policy = parse_policy(args.cache)
+    run, tok = load_for_decoding(args.run, step=args.step, policy=policy.spec, tokenizer=args.tokenizer)
+    cfg = run.model
+    ids = [np.asarray(x, np.int32) for x in tok.encode_batch(prompts)]
+    if any(len(x) == 0 for x in ids):
+        raise ValueError("a prompt encodes to no tokens")
+    width = max(len(x) for x in ids)
+    tokens = np.full((len(ids), width), tok.eot_id, np.int32)
+    for i, x in enumerate(ids):
+        tokens[i, width - len(x):] = x
+    seq_start = np.asarray([width - len(x) for x in ids], np.int32)
+    slots = args.kv_slots
+    if args.kv_budget is not None:
+        slots = slots_for_budget(cfg, len(ids), args.kv_budget * 2 ** 30)
+        need = min_slots(policy, width + args.max_new_tokens - 1)
+        if slots < 1 or (policy.kind in ("dense", "window", "sinks") and slots < need):
+            raise ValueError(f"--kv-budget {args.kv_budget} GiB is too small for one sequence: {slots} slots per row "
+                             f"and layer, cache policy {policy.spec} needs {need}")
+    stops = () if args.no_stop else (tok.eot_id,)
+    params = run.load_params()
+    model = cfg.build()
+    kwargs = dict(max_new_tokens=args.max_new_tokens, policy=policy, slots=slots, seq_start=seq_start,
+                  temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_tokens=stops,
+                  rng=jax.random.PRNGKey(args.seed), prefill_chunk=args.prefill_chunk)
+    start = time.perf_counter()
+    out = generate(model, params, tokens, **kwargs)
+    new_tokens = np.asarray(out.tokens)
+    seconds = time.perf_counter() - start
+    lengths = np.asarray(out.lengths)
+    for i, prompt in enumerate(prompts):
+        text = tok.decode([t for t in new_tokens[i, :lengths[i]] if t != tok.eot_id])
+        print(f"--- prompt {i} ({len(ids[i])} tokens) ---\n{prompt}\n--- generated ({lengths[i]} tokens) ---\n{text}")
+    live = np.asarray(out.live_counts)                                 # [N, L, B]
+    per_token = np.asarray([c.groups[0].entry_bytes * c.kv_heads for c in out.caches])  # bytes per live token
+    steps = max(int(lengths.max()), 1)
+    summary = {
+        "command": "generate", "model": cfg.model_type if cfg.model_type == "gpt2" else cfg.arch, "cache": policy.spec,
+        "batch": len(ids), "prompt_tokens": [len(x) for x in ids], "new_tokens": lengths.tolist(),
+        "seconds": round(seconds, 3), "compile_included": True,
+        "tokens_per_s": round(float(lengths.sum()) / seconds, 1),
+        "slots": out.caches[0].capacity,
+        "kv_bytes_allocated": cache_bytes(out.caches)["allocated"],
+        "kv_bytes_live": cache_bytes(out.caches)["live"],
+        "kv_bytes_peak_live": int((live[:steps] * per_token[None, :, None]).sum(axis=(1, 2)).max()),
+        "mean_live_tokens_per_layer": [round(float(x), 1) for x in live[steps - 1].mean(axis=1)],
+        "overflow": np.asarray(out.overflow).tolist(),
+    }
+    if any(summary["overflow"]):
+        print(f"warning: the KV pool ({summary['slots']} slots per row) was too small for cache policy {policy.spec}: "
+              "entries were dropped, so the text is not exactly the policy's (raise --kv-slots / --kv-budget)",
+              file=sys.stderr)
+    print(json.dumps(summary))
+    sys.stdout.flush()
+    return 0
+
+
+__all__ = ["cmd_generate", "load_for_decoding", "slots_for_budget"]
