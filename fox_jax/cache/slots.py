@@ -59,6 +59,8 @@ class SlotGroup:
       lam_hi, lam_lo: [B, S, n, G] float32, Λ_j = hi + lo of the token in each slot for each of the G query
         heads of every key/value head (nats, ≤ 0), or None without forget gates.
       k_int: [B, S, r] float32 DCP interaction keys (per-row tables only), or None.
+      peak: [nt] int32, the most slots any row has held in each table so far (sizes a pool:
+        ``fox_jax.decoding.calibrate_slots``).
       heads: the key/value heads of the layer this group holds (static).
     """
 
@@ -68,6 +70,7 @@ class SlotGroup:
     lam_hi: jax.Array | None
     lam_lo: jax.Array | None
     k_int: jax.Array | None
+    peak: jax.Array
     heads: tuple = flax.struct.field(pytree_node=False)
 
     @property
@@ -190,7 +193,7 @@ def new_slot_cache(batch: int, slots, *, n_heads: int, kv_heads: int, head_dim: 
         k_int = None if interaction_dim is None or policy.kind != "dcp" else jnp.zeros((batch, count, interaction_dim),
                                                                                          jnp.float32)
         pos = jnp.full((batch, count, n if policy.per_head else 1), -1, jnp.int32)
-        groups.append(SlotGroup(kv, kv, pos, lam, lam, k_int, heads))
+        groups.append(SlotGroup(kv, kv, pos, lam, lam, k_int, jnp.zeros((pos.shape[2],), jnp.int32), heads))
     state = jnp.zeros((batch, kv_heads, head_dim), dtype) if kv_shift else None
     last = jnp.zeros((batch, n_heads), jnp.float32) if forget_gate else None
     capacity = max(c.slots for c in groups)
@@ -291,6 +294,7 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
         jnp.broadcast_to(p[:, :, None], slot.shape), mode="drop")
     new = group.replace(
         k=put(group.k, k), v=put(group.v, v), pos=pos,
+        peak=jnp.maximum(group.peak, jnp.max(jnp.sum(pos >= 0, axis=1, dtype=jnp.int32), axis=0)),
         lam_hi=None if lam is None else put(group.lam_hi, lam[0]),
         lam_lo=None if lam is None else put(group.lam_lo, lam[1]),
         k_int=None if group.k_int is None else group.k_int.at[rows[:, :, 0], slot[:, :, 0]].set(

@@ -74,6 +74,26 @@ def init_cache(model, batch_size: int, slots, *, policy="dense", seq_start=None,
     return _config(model).init_cache(batch_size, slots, policy=policy, seq_start=seq_start, max_context=max_context)
 
 
+def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = 8):
+    """A pool sized from what caches actually held (their ``peak`` live counts, e.g. after generating or
+    scoring representative text under a ``dcp`` or ``acp`` policy): per layer an int, or for per-head
+    tables (``acp``) one count per key/value head, each ⌈peak · margin⌉ rounded up to ``multiple``.
+    Pass it as ``slots=`` for the same policy; memory then follows the per-head live windows. Host ints."""
+    def size(peak: int) -> int:
+        return max(multiple, -(-int(np.ceil(peak * margin)) // multiple) * multiple)
+
+    out = []
+    for cache in caches:
+        per_head = {}
+        for g in cache.groups:
+            peaks = np.asarray(g.peak)
+            for i, h in enumerate(g.heads):
+                per_head[h] = size(int(peaks[i if peaks.shape[0] > 1 else 0]))
+        counts = tuple(per_head[h] for h in range(cache.kv_heads))
+        out.append(counts if cache.policy.per_head else max(counts))
+    return tuple(out)
+
+
 def live_counts(caches) -> jax.Array:
     """[n_layers, B] float32 live tokens per layer and row (mean over key/value heads)."""
     return jnp.stack([c.live_count() for c in caches])
@@ -372,5 +392,5 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     return nll[:, padded.shape[1] - t:][:, :-1], overflow
 
 
-__all__ = ["Generation", "cache_bytes", "decode_step", "extend", "generate", "init_cache", "live_counts",
+__all__ = ["Generation", "cache_bytes", "calibrate_slots", "decode_step", "extend", "generate", "init_cache", "live_counts",
            "min_slots", "prefill", "sample_logits", "token_losses_under_policy"]
