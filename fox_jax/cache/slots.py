@@ -283,8 +283,11 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
     placed = keep_new & (rank >= surplus)                                     # the newest survivors fit
     if t > 1:
         dropped = jnp.sum(surplus, axis=(1, 2), dtype=jnp.int32)
-    order = jnp.argsort(~free, axis=1, stable=True)                           # free slots first, lowest first
-    slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=1), s)
+    if t == 1:  # the lowest free slot
+        slot = jnp.where(placed, jnp.argmax(free, axis=1)[:, None], s)
+    else:  # the k-th survivor to the k-th free slot, lowest first
+        order = jnp.argsort(~free, axis=1, stable=True)
+        slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=1), s)
     rows = jnp.arange(b)[:, None, None]
     slot_n = jnp.broadcast_to(slot, (b, t, n))
     heads = jnp.arange(n)[None, None, :]
