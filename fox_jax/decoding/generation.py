@@ -74,11 +74,17 @@ def init_cache(model, batch_size: int, slots, *, policy="dense", seq_start=None,
     return _config(model).init_cache(batch_size, slots, policy=policy, seq_start=seq_start, max_context=max_context)
 
 
-def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = 8):
+def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = 8, max_groups: int = 3):
     """A pool sized from what caches actually held (their ``peak`` live counts, e.g. after generating or
     scoring representative text under a ``dcp`` or ``acp`` policy): per layer an int, or for per-head
     tables (``acp``) one count per key/value head, each ⌈peak · margin⌉ rounded up to ``multiple``.
-    Pass it as ``slots=`` for the same policy; memory then follows the per-head live windows. Host ints."""
+
+    With per-head counts, the heads of a layer are binned into at most ``max_groups`` sizes (the sorted
+    sizes cut at their largest gaps, each bin sized by its largest head): every distinct size is one more
+    group, i.e. one more attention call per layer and step, so a few sizes keep the decode step fast while
+    memory still follows the local/global split of the heads. Pass the result as ``slots=`` for the same
+    policy. Host ints.
+    """
     def size(peak: int) -> int:
         return max(multiple, -(-int(np.ceil(peak * margin)) // multiple) * multiple)
 
@@ -89,8 +95,15 @@ def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = 8):
             peaks = np.asarray(g.peak)
             for i, h in enumerate(g.heads):
                 per_head[h] = size(int(peaks[i if peaks.shape[0] > 1 else 0]))
-        counts = tuple(per_head[h] for h in range(cache.kv_heads))
-        out.append(counts if cache.policy.per_head else max(counts))
+        counts = np.asarray([per_head[h] for h in range(cache.kv_heads)])
+        if not cache.policy.per_head:
+            out.append(int(counts.max()))
+            continue
+        sizes = np.unique(counts)                          # ascending; cut the ladder at its largest gaps
+        cuts = np.sort(np.argsort(-np.diff(sizes), kind="stable")[:max_groups - 1]) if len(sizes) > max_groups else \
+            np.arange(len(sizes) - 1)
+        tops = np.append(sizes[cuts], sizes[-1])           # the largest size of each bin
+        out.append(tuple(int(tops[np.searchsorted(tops, c)]) for c in counts))
     return tuple(out)
 
 
