@@ -244,21 +244,22 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
         if policy.kind == "acp":
             vis_old = vis_old & (bias_old >= delta[:, None, None])
             vis_new = vis_new & (bias_new >= delta[:, None, None])
+    # softmax over the slots and the chunk's keys as two parts (no concatenated copy of the pool)
     prec = dot_precision(q.dtype)
-    keys = jnp.concatenate([group.k, k.astype(group.k.dtype)], axis=1)
-    vals = jnp.concatenate([group.v, v.astype(group.v.dtype)], axis=1)
-    logits = jnp.einsum("btngd,bknd->btkng", q, keys, preferred_element_type=jnp.float32, precision=prec) * scale
+    dot = lambda keys: jnp.einsum("btngd,bknd->btkng", q, keys.astype(q.dtype), preferred_element_type=jnp.float32,
+                                  precision=prec) * scale
+    s_old, s_new = dot(group.k), dot(k)
     if lam is not None:
-        logits = logits + jnp.concatenate([bias_old, bias_new], axis=2)
-    vis = jnp.concatenate([jnp.broadcast_to(vis_old, (b, t, s) + vis_old.shape[3:]),
-                           jnp.broadcast_to(vis_new, (b, t, t) + vis_new.shape[3:])], axis=2)
-    logits = jnp.where(vis, logits, -jnp.inf)
-    m = jnp.max(logits, axis=2, keepdims=True)
-    w = jnp.exp(logits - jnp.where(jnp.isfinite(m), m, 0.0))
-    l = jnp.sum(w, axis=2, keepdims=True)
-    w = w / jnp.where(l > 0, l, 1.0)
-    o = jnp.einsum("btkng,bknd->btngd", w.astype(vals.dtype), vals, preferred_element_type=jnp.float32,
-                   precision=prec)
+        s_old, s_new = s_old + bias_old, s_new + bias_new
+    s_old, s_new = jnp.where(vis_old, s_old, -jnp.inf), jnp.where(vis_new, s_new, -jnp.inf)
+    m = jnp.maximum(jnp.max(s_old, axis=2, keepdims=True), jnp.max(s_new, axis=2, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_old, w_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+    l = jnp.sum(w_old, axis=2, keepdims=True) + jnp.sum(w_new, axis=2, keepdims=True)
+    l = jnp.where(l > 0, l, 1.0)
+    mix = lambda w, vals: jnp.einsum("btkng,bknd->btngd", (w / l).astype(vals.dtype), vals,
+                                     preferred_element_type=jnp.float32, precision=prec)
+    o = mix(w_old, group.v) + mix(w_new, v.astype(group.v.dtype))
 
     # retention: what the chunk's last query sees (a key/value head keeps a token while any query head does)
     def tables(x):  # [B, K, n', G'] -> [B, K, nt]
