@@ -24,12 +24,15 @@ No atomics, nothing T×T in memory. Skipping is done with loop bounds, never wit
   [causal_start(n), hi);
 * left padding: key blocks entirely before ``seq_start[b]`` are never visited (lo = seq_start // bk;
   such key blocks run an empty query loop in dK/dV and write zeros);
+* sliding window (static ``window_size`` W: query row r sees keys r − W < j ≤ r): query block m
+  starts at key block (r_m − W + 1) // bk, r_m its first row; key block n stops after the query
+  block holding row c_n + W − 1, c_n its last column;
 * ACP (arXiv 2504.06949): forward and dQ take ``kv_start[b, h, m]`` (first key block to visit) and
   dK/dV takes ``q_end[b, h, n]`` (one past the last query block), int32, computed by the caller with
   each kernel's own block sizes. Tiles outside are never loaded.
 
-Element masks (causal diagonal, key padding, seq_start boundary, segment ids) are applied only on the
-tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part
+Element masks (causal diagonal, key padding, seq_start boundary, window edge, segment ids) are applied
+only on the tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part
 (with segment ids every tile is masked, but document-aware skipping — per-block segment id ranges,
 ``seg_bounds`` — drops the tiles before the first and after the last block that shares an id).
 
@@ -191,19 +194,20 @@ class _Geom:
     has_acp: bool
     has_sb: bool = False  # document-aware block bounds given (segment ids only)
     has_mask: bool = False  # DCP log mask (+ per-tile live flags) given
+    window_size: int | None = None  # sliding window: row r sees keys r − W < j ≤ r
 
     @property
     def offset(self) -> int:  # bottom-right alignment: query i sits at absolute position offset + i
         return self.tk - self.tq
 
 
-def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds, log_mask=None, live=None) -> _Geom:
+def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds, log_mask=None, live=None, window_size=None) -> _Geom:
     if seg_bounds is not None and seg_q is None:
         raise ValueError("seg_bounds (document-aware skipping) need segment ids")
     if (log_mask is None) != (live is None):
         raise ValueError("log_mask and live (per-tile flags) go together")
     return _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, ranges is not None,
-                 seg_bounds is not None, log_mask is not None)
+                 seg_bounds is not None, log_mask is not None, window_size)
 
 
 def _dot(a, b, contract_a: int = 1, contract_b: int = 0):
@@ -245,8 +249,10 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo, seg_lo=None, seg
     """Key-block loop pieces for query block m: (lo, lo_full, mid, hi).
 
     Blocks [lo, min(lo_full, mid)) and [max(mid, lo), hi) need element masks, [lo_full, mid) not:
-    lo skips blocks before seq_start (and ACP-pruned ones), lo_full = lo + 1 when block lo straddles
-    seq_start, mid is the first block that crosses the causal diagonal of the block's first row, hi is
+    lo skips blocks before seq_start and before the window of the block's first row (and ACP-pruned
+    ones), lo_full = lo + 1 when block lo straddles seq_start, or later, the first block inside the
+    window of the block's last row; mid is the first block that crosses the causal diagonal of the
+    block's first row, hi is
     one past the block holding the last visible column. ``seg_lo``/``seg_hi`` (document-aware
     skipping, segment ids only: then every block is masked and only [lo, hi) matters) narrow [lo, hi).
     """
@@ -254,6 +260,8 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo, seg_lo=None, seg
     r_last = jnp.minimum(r0 + (bq - 1), g.tk - 1)
     hi = lax.div(r_last, bk) + 1
     lo = lax.div(ss, bk)
+    if g.window_size is not None:
+        lo = jnp.maximum(lo, lax.div(jnp.maximum(r0 - (g.window_size - 1), 0), bk))
     if acp_lo is not None:
         lo = jnp.maximum(lo, acp_lo)
     if seg_lo is not None:
@@ -261,6 +269,8 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo, seg_lo=None, seg
         hi = jnp.minimum(hi, seg_hi)
     lo = jnp.minimum(lo, hi)
     lo_full = lo + (lo * bk < ss).astype(jnp.int32)
+    if g.window_size is not None:  # blocks crossing the window edge of some row are masked
+        lo_full = jnp.maximum(lo_full, lax.div(jnp.maximum(r_last - (g.window_size - 1), 0) + (bk - 1), bk))
     mid = lax.div(r0 + 1, bk)
     return lo, lo_full, mid, hi
 
@@ -269,7 +279,7 @@ def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: 
                       mask_ref=None):
     """Scores of one query block against key block [start, start + bk) (forward and dQ kernels):
     scale·q·kᵀ + (Λ_i − Λ_j) [+ log I_ij, DCP] in float32, and on boundary tiles (``masked``) −inf
-    outside the causal, length, seq_start and segment masks."""
+    outside the causal, length, seq_start, window and segment masks."""
     if k is None:
         k = k_ref[pl.ds(start, bk), :]
     lk = lk_ref[pl.ds(start, bk)]
@@ -279,6 +289,8 @@ def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: 
     if masked:
         kpos = start + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+        if g.window_size is not None:
+            mask = mask & (qpos - kpos < g.window_size)
         if g.has_seg:
             mask = mask & (sq[:, None] == sk_ref[pl.ds(start, bk)][None, :])
         s = jnp.where(mask, s, _NEG_INF)
@@ -387,7 +399,8 @@ def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_
 
 def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, tq: int, tk: int,
                   scale: float, tile: TileConfig, interpret: bool,
-                  interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None):
+                  interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None,
+                  window_size=None):
     """Forward kernel on padded inputs.
 
     Args:
@@ -409,7 +422,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live, window_size)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -481,7 +494,8 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
 
 def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_start, seg_q, seg_k, *,
                       tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                      interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None):
+                      interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None,
+                  window_size=None):
     """dQ kernel on padded inputs (shapes as in ``flash_forward``; do like q).
 
     Args:
@@ -497,7 +511,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live, window_size)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -560,12 +574,18 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     if slo_ref is not None:  # document-aware skipping (all tiles are masked with segment ids)
         lo = jnp.maximum(lo, slo_ref[()])
         hi = jnp.minimum(hi, shi_ref[()])
+    if g.window_size is not None:  # rows past c_last + W − 1 see no column of this block
+        hi = jnp.minimum(hi, lax.div(jnp.maximum(c_last + (g.window_size - 1) - g.offset + bq, 0), bq))
     hi = jnp.where(c0 + bk <= ss, lo, hi)  # key block entirely before seq_start: nothing to do
     hi = jnp.maximum(hi, lo)
     # query blocks [lo, mid) cross the diagonal of this key block; all blocks are boundary blocks
     # when the key block straddles seq_start or the end of the keys
     mid = lax.div(jnp.maximum(c_last - g.offset, 0) + (bq - 1), bq)
     mid = jnp.where((c0 < ss) | (c_last >= g.tk), hi, jnp.minimum(mid, hi))
+    full = hi  # query blocks [full, hi) hold a (real) row past the window of column c0: masked as well
+    if g.window_size is not None:
+        full = jnp.where(c0 + g.window_size >= g.tk, nq, lax.div(jnp.maximum(c0 + g.window_size - g.offset, 0), bq))
+        full = jnp.minimum(full, hi)
 
     def step(mi, carry, masked):
         dk, dv, dlk = carry
@@ -581,6 +601,8 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
         if masked:
             qpos = g.offset + start + lax.broadcasted_iota(jnp.int32, (1, bq), 1)
             mask = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+            if g.window_size is not None:
+                mask = mask & (qpos - kpos < g.window_size)
             if g.has_seg:
                 mask = mask & (sk[:, None] == sq_ref[pl.ds(start, bq)][None, :])
             st = jnp.where(mask, st, _NEG_INF)
@@ -599,7 +621,9 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
         carry = lax.fori_loop(lo, hi, masked_step, carry)
     else:
         carry = lax.fori_loop(lo, mid, masked_step, carry)
-        carry = lax.fori_loop(jnp.maximum(mid, lo), hi, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(jnp.maximum(mid, lo), full, functools.partial(step, masked=False), carry)
+        if g.window_size is not None:
+            carry = lax.fori_loop(jnp.maximum(jnp.maximum(full, mid), lo), hi, masked_step, carry)
     dk, dv, dlk = carry
     dk_ref[...] = (dk * g.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -608,7 +632,8 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
 def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end, seg_q, seg_k, *,
                        tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                       interleave_heads: bool = False, seg_bounds=None, log_mask_t=None, live_t=None):
+                       interleave_heads: bool = False, seg_bounds=None, log_mask_t=None, live_t=None,
+                       window_size=None):
     """dK/dV kernel on padded inputs (shapes as in ``flash_backward_dq``).
 
     Args:
@@ -626,7 +651,7 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nk = _cdiv(tk, bk)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds, log_mask_t, live_t)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds, log_mask_t, live_t, window_size)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -684,6 +709,8 @@ def _dmask_kernel(*refs, g: _Geom, bq: int, bk: int):
     qpos = r0 + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
     vis = (kpos <= qpos) & (kpos < g.tk) & (kpos >= ss)
+    if g.window_size is not None:
+        vis = vis & (qpos - kpos < g.window_size)
     if g.has_seg:
         vis = vis & (sq_ref[...][:, None] == sk_ref[...][None, :])
     r_last = jnp.minimum(r0 + (bq - 1), g.tk - 1)
@@ -713,7 +740,7 @@ def dmask_tile(config: KernelConfig) -> TileConfig:
 
 
 def flash_backward_dmask(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, seg_q, seg_k, log_mask, live, *,
-                         tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool):
+                         tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool, window_size=None):
     """Gradient of the DCP log mask on padded inputs: dlogI[b, i, j] = Σ_h dS[b, h, i, j].
 
     Grid (query block, key block, batch); each program loops over the heads and writes one float32
@@ -731,7 +758,7 @@ def flash_backward_dmask(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, seg_
     b, tq_pad, h, d = q.shape
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
-    g = _geom(tq, tk, h, hkv, scale, seg_q, None, None, log_mask, live)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, None, None, log_mask, live, window_size)
     in_specs = [pl.BlockSpec((None, bq, h, d), lambda m, n, z: (z, m, 0, 0)),
                 pl.BlockSpec((None, bk, hkv, d), lambda m, n, z: (z, n, 0, 0)),
                 pl.BlockSpec((None, bk, hkv, d), lambda m, n, z: (z, n, 0, 0)),
@@ -840,7 +867,8 @@ def _check_config(config: KernelConfig, tq: int, tk: int):
 
 
 def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: float,
-                      config: KernelConfig, interpret: bool, seg_bounds=None, log_mask=None, live=None):
+                      config: KernelConfig, interpret: bool, seg_bounds=None, log_mask=None, live=None,
+                      window_size=None):
     """Forgetting-attention forward on unpadded arrays.
 
     Args:
@@ -855,6 +883,8 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
         log_mask: None or [B, Tq, Tk] float32 DCP log mask (finite; shared by the heads);
         live: with it, [B, ceil(Tq/config.fwd.block_q), ceil(Tk/config.fwd.block_k)] bool/int — tiles
         to visit (``fox_jax.ops.context_pruning.dropped_key_blocks`` negated, forward tiling).
+        window_size: None or a static int W ≥ 1, sliding window: query row r (absolute position)
+        sees keys r − W < j ≤ r; the kernels skip the key blocks outside it and mask its edge.
     Returns:
       o [B, Tq, H, D] in q.dtype, lse [B, H, Tq] float32 (natural log, −inf for empty rows).
     """
@@ -865,13 +895,14 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
     o, lse = flash_forward(qp, kp, vp, lam_q, lam_k, seq_start.astype(jnp.int32), kv_start, seg_q,
                            seg_k, tq=p.tq, tk=p.tk, scale=scale, tile=config.fwd, interpret=interpret,
                            interleave_heads=_interleave(config, config.fwd, kv_start), seg_bounds=seg_bounds,
-                           log_mask=mask, live=None if live is None else _pow2_cols(live))
+                           log_mask=mask, live=None if live is None else _pow2_cols(live), window_size=window_size)
     return o[:, :p.tq, :, :p.d], lse[:, :, :p.tq]
 
 
 def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_dkv, o, lse, do, *,
                        scale: float, config: KernelConfig, interpret: bool, seg_bounds_dq=None,
-                       seg_bounds_dkv=None, log_mask=None, live_dq=None, live_dkv=None, live_dmask=None):
+                       seg_bounds_dkv=None, log_mask=None, live_dq=None, live_dkv=None, live_dmask=None,
+                       window_size=None):
     """Gradients of ``attention_forward``'s o with respect to q, k, v and Λ.
 
     Args:
@@ -900,7 +931,7 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, _POS_INF)  # empty rows: P = 2^(s − ∞) = 0
     lse2 = _pad_to(lse2, 2, p.tq_pad, value=_POS_INF)
     ss = seq_start.astype(jnp.int32)
-    common = dict(tq=p.tq, tk=p.tk, scale=scale, interpret=interpret)
+    common = dict(tq=p.tq, tk=p.tk, scale=scale, interpret=interpret, window_size=window_size)
     mask = mask_t = None
     if log_mask is not None:
         mask = _pad_mask(log_mask, p)

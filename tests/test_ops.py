@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fox_jax.ops import acp, attention_mask, decay_cumsum, forgetting_attention, forgetting_attention_reference
+from fox_jax.ops import acp, attention_mask, decay_cumsum, forgetting_attention, forgetting_attention_reference, tiles
 
 TOL = {jnp.float32: (2e-5, 1e-4), jnp.bfloat16: (3e-2, 3e-2), jnp.float16: (5e-3, 5e-3)}
 
@@ -144,6 +144,12 @@ def test_composes_with_jit_vmap_grad():
         (dict(implementation="cuda"), "implementation must be one of"),
         (dict(adaptive_threshold="sometimes"), "adaptive_threshold"),
         (dict(seq_start=jnp.zeros((3,), jnp.int32)), "seq_start"),
+        (dict(window_size=0), "window_size"),
+        (dict(window_size=-3), "window_size"),
+        (dict(window_size=2.5), "window_size"),
+        (dict(window_size=True), "window_size"),
+        (dict(window_size=jnp.asarray(4)), "window_size"),
+        (dict(window_size=0, implementation="pallas"), "window_size"),
     ],
 )
 def test_bad_inputs_raise(kwargs, match):
@@ -163,7 +169,7 @@ def test_bad_rank_raises():
 
 # ACP ------------------------------------------------------------------------------------------------
 
-def tile_masked_reference(q, k, v, lf, delta, bq, bk):
+def tile_masked_reference(q, k, v, lf, delta, bq, bk, window_size=None):
     """Dense float32 attention with exactly the tiles ACP keeps (independent of the block loops)."""
     b, tq, h, d = q.shape
     tk = k.shape[1]
@@ -182,7 +188,7 @@ def tile_masked_reference(q, k, v, lf, delta, bq, bk):
     s = np.einsum("bihd,bjhd->bhij", np.asarray(q, np.float64), kf) / math.sqrt(d)
     lam_bh = lam.transpose(0, 2, 1).astype(np.float64)
     s = s + lam_bh[:, :, off:, None] - lam_bh[:, :, None, :]
-    mask = np.asarray(attention_mask(tq, tk, batch=b))[:, None] & keep
+    mask = np.asarray(attention_mask(tq, tk, window_size=window_size, batch=b))[:, None] & keep
     s = np.where(mask, s, -np.inf)
     p = np.exp(s - s.max(-1, keepdims=True))
     p = p / p.sum(-1, keepdims=True)
@@ -252,3 +258,132 @@ def test_no_gate_path_keeps_lambda_out_of_constant_folding():
     q = jnp.zeros((1, 64, 2, 16), jnp.float32)
     text = jax.jit(lambda q: forgetting_attention(q, q, q, None, implementation="pallas")).lower(q).as_text()
     assert "optimization_barrier" in text
+
+
+# Sliding window ---------------------------------------------------------------------------------------
+
+WINDOWS = [1, 3, 37, 1000]  # 1: the diagonal only; 1000 ≥ Tk: plain causal
+
+
+def window_kwargs(variant, b, tk):
+    """(gated, op kwargs): "masked" = forget gates, seq_start and packed documents (every mask of the op
+    at once); "no_gates" = log_fgate=None alone (sliding-window softmax attention)."""
+    if variant == "no_gates":
+        return False, {}
+    return True, dict(seq_start=jnp.asarray([min(7, tk - 1), 0][:b], jnp.int32), segment_ids=packed_segments(b, tk))
+
+
+def check_window_against_reference(q, k, v, lf, window_size, impl, atol_o, atol_g, gated=True, **kw):
+    """Output and gradients (q, k, v and, when ``gated``, log_fgate; else the op gets log_fgate=None and
+    the reference zeros) of the op vs the float32 reference on the same (rounded) inputs: max abs
+    error ≤ atol · max(1, max |reference|)."""
+    blocks = dict(block_q=32, block_k=16) if impl == "xla" else {}
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+
+    def op(q, k, v, lf):
+        return forgetting_attention(q, k, v, lf if gated else None, window_size=window_size, implementation=impl,
+                                    **blocks, **kw)
+
+    lf = lf if gated else jnp.zeros(lf.shape, jnp.float32)
+    out = op(q, k, v, lf)
+    assert out.dtype == q.dtype
+    ref = forgetting_attention_reference(f32(q), f32(k), f32(v), lf, window_size=window_size, **kw)
+    cot = jax.random.normal(jax.random.PRNGKey(1), ref.shape)
+    g = grads(op, q, k, v, lf, cot)
+    gr = grads(lambda *a: forgetting_attention_reference(*a, window_size=window_size, **kw),
+               f32(q), f32(k), f32(v), lf, cot)
+    n = 5 if gated else 4
+    for name, a, r, atol in list(zip("oqkvf", (out,) + g, (ref,) + gr, (atol_o,) + (atol_g,) * 4))[:n]:
+        err = float(jnp.max(jnp.abs(f32(a) - r)))
+        assert err <= atol * max(1.0, float(jnp.max(jnp.abs(r)))), f"{'' if name == 'o' else 'd'}{name}: {err}"
+
+
+def test_window_mask_is_the_last_window_size_keys():
+    m = np.asarray(attention_mask(4, 6, window_size=2))[0]
+    want = np.zeros((4, 6), bool)
+    for i in range(4):  # query i sits at key position 2 + i and sees itself and the key before it
+        want[i, 1 + i: 3 + i] = True
+    np.testing.assert_array_equal(m, want)
+    np.testing.assert_array_equal(np.asarray(attention_mask(4, 6, window_size=6)), np.asarray(attention_mask(4, 6)))
+    q, k, v, lf = make_inputs(1, 20, 30, 2, 1, 8)
+    np.testing.assert_allclose(forgetting_attention(q, k, v, lf, window_size=5, implementation="dense"),
+                               forgetting_attention_reference(q, k, v, lf, window_size=5), atol=1e-6)
+
+
+@pytest.mark.parametrize("window_size", [3, 37])
+def test_window_xla_matches_reference_quick(window_size):
+    q, k, v, lf = make_inputs(2, 45, 70, 4, 2, 16, seed=window_size)
+    _, kw = window_kwargs("masked", 2, 70)
+    check_window_against_reference(q, k, v, lf, window_size, "xla", 2e-5, 1e-4, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("window_size", WINDOWS)
+@pytest.mark.parametrize("variant", ["masked", "no_gates"])
+def test_window_xla_matches_reference_f32(shape, window_size, variant):
+    b, tq, tk, h, hkv, d = shape
+    q, k, v, lf = make_inputs(*shape, seed=hash((shape, window_size)) % 1000)
+    gated, kw = window_kwargs(variant, b, tk)
+    check_window_against_reference(q, k, v, lf, window_size, "xla", 2e-5, 1e-4, gated=gated, **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("window_size", [3, 37])
+def test_window_xla_bf16(window_size):
+    shape = (2, 90, 150, 4, 2, 32)
+    q, k, v, lf = make_inputs(*shape, dtype=jnp.bfloat16, seed=5)
+    _, kw = window_kwargs("masked", 2, 150)
+    check_window_against_reference(q, k, v, lf, window_size, "xla", *TOL[jnp.bfloat16], **kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [
+    # shape, window, variant, dtype. The kernels' CPU tiles are 32×16 / 16×32 / 32×16 (tests/test_pallas.py):
+    # W = 61 leaves tiles inside the window of every row (the unmasked loops) next to the masked edge.
+    ((2, 45, 70, 4, 2, 16), 37, "masked", jnp.float32),
+    ((1, 100, 100, 2, 2, 16), 61, "no_gates", jnp.float32),
+    ((2, 100, 100, 2, 1, 16), 3, "masked", jnp.bfloat16),
+], ids=["f32-tq<tk-gqa-seqstart-seg-w37", "f32-nogates-w61", "bf16-mqa-seqstart-seg-w3"])
+def test_window_pallas_matches_reference(case):
+    shape, window_size, variant, dtype = case
+    q, k, v, lf = make_inputs(*shape, dtype=dtype, seed=window_size)
+    gated, kw = window_kwargs(variant, shape[0], shape[2])
+    check_window_against_reference(q, k, v, lf, window_size, "pallas", *TOL[dtype], gated=gated, **kw)
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_window_at_least_tk_is_no_window(impl):
+    """W ≥ Tk hides nothing: same tiles, a mask that is all true, bit-identical outputs and gradients."""
+    q, k, v, lf = make_inputs(2, 40, 50, 2, 1, 16, seed=11)
+    kw = dict(implementation=impl, block_q=16, block_k=16, seq_start=jnp.asarray([0, 9], jnp.int32))
+    cot = jax.random.normal(jax.random.PRNGKey(4), q.shape)
+    want = [forgetting_attention(q, k, v, lf, **kw)] + list(grads(lambda *a: forgetting_attention(*a, **kw),
+                                                                  q, k, v, lf, cot))
+    for w in (50, 10_000):
+        got = [forgetting_attention(q, k, v, lf, window_size=w, **kw)] + list(
+            grads(lambda *a: forgetting_attention(*a, window_size=w, **kw), q, k, v, lf, cot))
+        for name, a, b_ in zip("oqkvf", got, want):
+            assert np.array_equal(np.asarray(a), np.asarray(b_)), (w, name)
+
+
+def test_window_with_acp_skips_both():
+    """ACP and the window together: the result is dense attention over the window restricted to the
+    tiles ACP keeps, and the key-block range of each query block starts at the later of the two."""
+    q, k, v, lf = make_inputs(2, 70, 100, 4, 2, 16, seed=5, gate_range=(-3.0, 1.0))
+    delta = jnp.asarray([[-4.0, -8.0, -12.0, -1e9], [-2.0, -6.0, -20.0, -30.0]])
+    out = forgetting_attention(q, k, v, lf, adaptive_threshold=delta, window_size=37, implementation="xla",
+                               block_q=16, block_k=16)
+    np.testing.assert_allclose(out, tile_masked_reference(q, k, v, lf, delta, 16, 16, window_size=37), atol=2e-5)
+    lam = decay_cumsum(lf)
+    lo_acp, _ = tiles.tile_visits(70, 100, 16, 16, lam=lam, delta=delta).row_ranges()
+    lo_win, _ = tiles.tile_visits(70, 100, 16, 16, window_size=37).row_ranges()
+    lo_both, _ = tiles.tile_visits(70, 100, 16, 16, lam=lam, delta=delta, window_size=37).row_ranges()
+    np.testing.assert_array_equal(lo_both, np.maximum(lo_acp, lo_win))
+    assert np.any(lo_acp > lo_win) and np.any(lo_win > lo_acp)
+
+
+def test_window_not_for_cudnn():
+    q, k, v, _ = make_inputs(1, 16, 16, 2, 2, 8, dtype=jnp.bfloat16)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        forgetting_attention(q, k, v, None, window_size=4, implementation="cudnn")

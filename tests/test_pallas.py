@@ -527,15 +527,15 @@ def test_grid_order_rule_of_the_default_configs():
     assert default_config(64).interleave_bwd_from is None
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_kernels_lower_to_triton_for_cuda(d):
+@pytest.mark.parametrize("d, window_size", [(64, None), (128, None), (256, None), (128, 300)])
+def test_kernels_lower_to_triton_for_cuda(d, window_size):
     """The GPU path (default tiles, interpret=False) lowers for CUDA on this CPU machine — Pallas →
-    Triton IR of the forward, dQ and dK/dV kernels with ACP ranges, seq_start and document skipping —
-    so a change that breaks the Triton lowering fails here, not first on the GPU."""
+    Triton IR of the forward, dQ and dK/dV kernels with ACP ranges, seq_start and document skipping
+    (and a sliding window) — so a change that breaks the Triton lowering fails here, not first on the GPU."""
     b, t, h, hkv = 2, 1000, 4, 2
 
     def loss(q, k, v, lam, ss, seg, delta):
-        o = fpallas.attention(q, k, v, lam, ss, seg, delta, scale=d ** -0.5, interpret=False)
+        o = fpallas.attention(q, k, v, lam, ss, seg, delta, scale=d ** -0.5, interpret=False, window_size=window_size)
         return jnp.sum(o.astype(jnp.float32))
 
     shapes = [((b, t, h, d), jnp.bfloat16), ((b, t, hkv, d), jnp.bfloat16), ((b, t, hkv, d), jnp.bfloat16),

@@ -14,6 +14,7 @@ import pytest
 
 from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig
 from fox_jax.ops import pallas as fpallas
+from fox_jax.ops import forgetting_attention, forgetting_attention_reference
 from fox_jax.ops.blockwise import blockwise_attention
 from fox_jax.ops.reference import decay_cumsum
 from fox_jax.ops.tiles import TileVisits, dropped_key_blocks, tile_visits, visible_pairs
@@ -38,8 +39,26 @@ def _dense_visible(tq, tk, seq_start=None, segment_ids=None):
     return vis
 
 
+def _dense_window(tq, tk, window_size):
+    """[1, Tq, Tk] bool: the sliding window, 0 ≤ (Tk − Tq + i) − j < window_size."""
+    lag = (tk - tq + np.arange(tq))[:, None] - np.arange(tk)[None, :]
+    return ((lag >= 0) & (lag < window_size))[None]
+
+
 def _gates(rng, b=B, t=T, h=H):
     return jnp.asarray(np.log(rng.uniform(0.3, 1.0, (b, t, h))), jnp.float32)
+
+
+def _acp_kept(lam, delta, tq, bq, bk):
+    """[B, H, nq, nk] bool: tiles whose largest decay Λ_i − Λ_j over in-range positions reaches δ (Λ
+    non-increasing, so the envelopes are Λ itself)."""
+    tk = lam.shape[1]
+    lam_np = np.asarray(lam).transpose(0, 2, 1)  # [B, H, Tk]
+    decay = lam_np[:, :, tk - tq:, None] - lam_np[:, :, None, :]
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    top = np.full((*lam_np.shape[:2], nq * bq, nk * bk), -np.inf)
+    top[..., :tq, :tk] = decay
+    return top.reshape(*lam_np.shape[:2], nq, bq, nk, bk).max(axis=(3, 5)) >= np.asarray(delta)[:, :, None, None]
 
 
 @pytest.mark.parametrize("tq,bq,bk", [(64, 16, 16), (64, 16, 8), (37, 8, 16), (50, 32, 16)])
@@ -61,14 +80,8 @@ def test_visits_equal_the_dense_masks(tq, bq, bk):
     np.testing.assert_array_equal(visited(seq_start=jnp.asarray(ss)), _tiles(_dense_visible(tq, tk, ss), bq, bk)[:, None])
     np.testing.assert_array_equal(visited(segment_ids=jnp.asarray(seg)),
                                   _tiles(_dense_visible(tq, tk, segment_ids=seg), bq, bk)[:, None])
-    # ACP: a tile is kept iff its largest decay Λ_i − Λ_j over in-range positions reaches δ (Λ is
-    # non-increasing here, so the envelopes are Λ itself)
-    lam_np = np.asarray(lam).transpose(0, 2, 1)  # [B, H, Tk]
-    decay = lam_np[:, :, tk - tq:, None] - lam_np[:, :, None, :]
-    nq, nk = -(-tq // bq), -(-tk // bk)
-    top = np.full((B, H, nq * bq, nk * bk), -np.inf)
-    top[..., :tq, :tk] = decay
-    kept = top.reshape(B, H, nq, bq, nk, bk).max(axis=(3, 5)) >= np.asarray(delta)[:, :, None, None]
+    # ACP: a tile is kept iff its largest decay Λ_i − Λ_j over in-range positions reaches δ
+    kept = _acp_kept(lam, delta, tq, bq, bk)
     np.testing.assert_array_equal(visited(lam=lam, delta=delta), causal & kept)
     # DCP: live tiles are the tiles holding a visible pair above the floor
     lm = jnp.asarray(np.where(rng.uniform(size=(B, tq, tk)) < 0.9, -100.0, -1.0), jnp.float32)
@@ -179,3 +192,81 @@ def test_pallas_tile_counts_follow_the_description():
         assert float(counts[name]["visited"]) == float(np.sum(np.broadcast_to(v.visited(), (B, H, v.nq, v.nk))))
         full = TileVisits(T, T, t.block_q, t.block_k).visited()
         assert float(counts[name]["causal"]) == float(np.sum(full)) * B * H
+
+
+# Sliding window -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tq,bq,bk", [(64, 16, 16), (64, 16, 8), (37, 8, 16), (50, 32, 16)])
+@pytest.mark.parametrize("window_size", [1, 3, 37, 64, 1000])
+def test_window_visits_equal_the_dense_masks(tq, bq, bk, window_size):
+    """The window alone: the row ranges (forward, dQ) and the column ranges (dK/dV) each describe
+    exactly the tiles holding a pair inside the window; with seq_start, documents and ACP as well, the
+    visited tiles are exactly those holding a pair that counts (packed documents)."""
+    rng = np.random.default_rng(3)
+    tk = T
+    want = _tiles(_dense_window(tq, tk, window_size), bq, bk)[:, None]  # [1, 1, nq, nk]
+    v = tile_visits(tq, tk, bq, bk, window_size=window_size)
+    m, n = np.arange(v.nq)[:, None], np.arange(v.nk)[None, :]
+    lo, hi = (np.asarray(x) for x in v.row_ranges())
+    np.testing.assert_array_equal((n >= lo[..., :, None]) & (n < hi[..., :, None]), want)
+    lo, hi = (np.asarray(x) for x in v.col_ranges())
+    np.testing.assert_array_equal((m >= lo[..., None, :]) & (m < hi[..., None, :]), want)
+    np.testing.assert_array_equal(np.asarray(v.visited()), want)
+
+    ss = np.array([0, 21])
+    seg = np.stack([np.arange(tk) // 11, np.arange(tk) // 23])
+    lam = decay_cumsum(_gates(rng))
+    delta = jnp.asarray([[-1.0, -3.0], [-2.0, -0.5]], jnp.float32)
+    both = tile_visits(tq, tk, bq, bk, seq_start=jnp.asarray(ss), lam=lam, delta=delta,
+                       segment_ids=jnp.asarray(seg), window_size=window_size).visited()
+    needed = _tiles(_dense_visible(tq, tk, ss, seg) & _dense_window(tq, tk, window_size), bq, bk)[:, None]
+    np.testing.assert_array_equal(np.asarray(both), needed & _acp_kept(lam, delta, tq, bq, bk))
+
+
+def test_window_skips_the_tiles_outside_it():
+    """T = 256, 16×16 tiles, W = 37: query block m holds keys [16m − 36, 16m + 15], i.e. key blocks
+    m − 3 … m, so the loops visit min(m + 1, 4) tiles per query block (58 in all) instead of the
+    causal m + 1 (136); the blockwise schedule and the Pallas tile counts are those loops."""
+    t, blk, w = 256, 16, 37
+    v = tile_visits(t, t, blk, blk, window_size=w)
+    kv_idx, kv_cnt, q_idx, q_cnt = (np.asarray(x) for x in v.schedule())
+    m = np.arange(t // blk)
+    np.testing.assert_array_equal(kv_cnt, np.minimum(m + 1, 4))
+    np.testing.assert_array_equal(q_cnt, np.minimum(t // blk - m, 4))
+    for i in m:
+        np.testing.assert_array_equal(kv_idx[i, :kv_cnt[i]], np.arange(max(i - 3, 0), i + 1))
+        np.testing.assert_array_equal(q_idx[i, :q_cnt[i]], np.arange(i, min(i + 4, t // blk)))
+    assert int(np.sum(np.asarray(v.visited()))) == 58
+    assert int(np.sum(np.asarray(TileVisits(t, t, blk, blk).visited()))) == 136
+    counts = fpallas.tile_counts(1, 1, t, t, window_size=w, head_dim=16)
+    config = fpallas.resolve_config(16, t, t)
+    for name in ("fwd", "dq", "dkv"):
+        c = getattr(config, name)
+        visited = tile_visits(t, t, c.block_q, c.block_k, window_size=w).visited()
+        assert float(counts[name]["visited"]) == float(np.sum(visited))
+        assert float(counts[name]["fraction_skipped"]) > 0.4, (name, counts[name])
+
+
+@pytest.mark.parametrize("impl", ["xla", pytest.param("pallas", marks=pytest.mark.slow)])
+def test_window_never_loads_the_keys_before_it(impl):
+    """Tq < Tk: the first query (key position 80) with W = 17 sees keys ≥ 64, so keys [0, 64) — whole
+    key tiles at every tiling used here — are seen by no query. Poisoned with NaN, they leave the
+    output and the gradients finite and equal to the clean reference, with zero dk/dv there: their
+    tiles are never loaded (masking alone would multiply NaN by 0)."""
+    rng = np.random.default_rng(4)
+    tq, tk, w = 16, 96, 17
+    q = jnp.asarray(rng.normal(size=(1, tq, H, 16)), jnp.float32)
+    k, v = (jnp.asarray(rng.normal(size=(1, tk, H, 16)), jnp.float32) for _ in range(2))
+    lf = _gates(rng, 1, tk)
+    poison = jnp.arange(tk)[None, :, None, None] < 64
+    kw = dict(block_q=16, block_k=16) if impl == "xla" else {}
+
+    def op(*a):
+        return forgetting_attention(*a, window_size=w, implementation=impl, **kw)
+
+    o, g = _value_and_grads(op, (q, jnp.where(poison, jnp.nan, k), jnp.where(poison, jnp.nan, v), lf))
+    want_o, want_g = _value_and_grads(lambda *a: forgetting_attention_reference(*a, window_size=w), (q, k, v, lf))
+    np.testing.assert_allclose(o, want_o, rtol=2e-5, atol=2e-5 * float(jnp.abs(want_o).max()))
+    for name, a, r in zip(("q", "k", "v", "log_fgate"), g, want_g):
+        np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5 * float(jnp.abs(r).max()), err_msg=f"d{name}")
+    assert not np.any(np.asarray(g[1][:, :64])) and not np.any(np.asarray(g[2][:, :64]))

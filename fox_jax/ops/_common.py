@@ -35,7 +35,7 @@ def check_qkv(q, k, v) -> None:
         raise ValueError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
 
 
-def check_attention_inputs(q, k, v, log_fgate, *, segment_ids=None, log_mask=None) -> None:
+def check_attention_inputs(q, k, v, log_fgate, *, segment_ids=None, log_mask=None, window_size=None) -> None:
     """The checks every public attention op makes (``forgetting_attention``, ``dcp_attention``).
 
     Args:
@@ -43,6 +43,7 @@ def check_attention_inputs(q, k, v, log_fgate, *, segment_ids=None, log_mask=Non
       log_fgate: None or [B, Tk, H] float32 log forget gates (one per query head).
       segment_ids: None or [B, Tk] int.
       log_mask: None or [B, Tq, Tk] float32 (DCP).
+      window_size: None or an int ≥ 1 (sliding window, ``check_window_size``).
     Raises:
       ValueError naming the argument and the expected shape or dtype.
     """
@@ -63,6 +64,23 @@ def check_attention_inputs(q, k, v, log_fgate, *, segment_ids=None, log_mask=Non
         if log_mask.dtype != jnp.float32:
             raise ValueError(f"log_mask must be float32, got {log_mask.dtype}")
     check_segment_ids(segment_ids, b, tk)
+    check_window_size(window_size)
+
+
+def check_window_size(window_size) -> int | None:
+    """A sliding window: None (off) or a Python / NumPy int ≥ 1 (static: it shapes the tile loops).
+
+    Returns:
+      ``window_size`` as a Python int, or None.
+    Raises:
+      ValueError: anything else (bools, floats, arrays, values < 1), naming ``window_size``.
+    """
+    if window_size is None:
+        return None
+    if isinstance(window_size, (bool, np.bool_)) or not isinstance(window_size, (int, np.integer)) or window_size < 1:
+        raise ValueError(f"window_size must be None or an int ≥ 1 (query i sees keys i − window_size < j ≤ i), "
+                         f"got {window_size!r}")
+    return int(window_size)
 
 
 def check_segment_ids(segment_ids, b: int, tk: int) -> None:

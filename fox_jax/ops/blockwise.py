@@ -17,12 +17,12 @@ the optional forgetting-attention decay, Λ = cumsum(log f) (docs/design/fox_acp
   from the row sums (dQ pass) and column sums (dK/dV pass) of dS (fox_acp.md §1.6); the caller
   differentiates Λ = cumsum(log f), which XLA turns into a float32 reverse cumsum. The mask gradient
   d log I = Σ_h dS comes from the dQ pass.
-* which tiles are visited: ``fox_jax.ops.tiles.TileVisits`` (causal, seq_start, ACP, document bounds,
-  DCP live tiles). The loops are shared by the batch rows and heads (a tile is visited if any of them
+* which tiles are visited: ``fox_jax.ops.tiles.TileVisits`` (causal, seq_start, sliding window, ACP,
+  document bounds, DCP live tiles). The loops are shared by the batch rows and heads (a tile is visited if any of them
   needs it, ``TileVisits.schedule``); the tiles a particular (b, h) does not need are masked out
   exactly (``TileVisits.tile_kept``), so the result equals a kernel that does not compute them.
 
-Pairs that are not visible (causal, seq_start, same document) or whose logit is −inf weigh exactly 0;
+Pairs that are not visible (causal, sliding window, seq_start, same document) or whose logit is −inf weigh exactly 0;
 rows with no such pair output 0 and carry lse = −inf; no NaN or inf enters a matmul.
 """
 
@@ -92,11 +92,13 @@ class _Blocks:
 
 
 def _tile_mask(g: _Geometry, m, n, visits: TileVisits, seg_q_blk, seg_k_blk, by_rows: bool):
-    """[B, H or 1, bq, bk] visibility of tile (m, n): causal, in range, after seq_start, same document,
-    and kept by ACP / DCP (``TileVisits.tile_kept``)."""
+    """[B, H or 1, bq, bk] visibility of tile (m, n): causal, in range, inside the sliding window,
+    after seq_start, same document, and kept by ACP / DCP (``TileVisits.tile_kept``)."""
     qpos = g.offset + m * g.bq + jnp.arange(g.bq)
     kpos = n * g.bk + jnp.arange(g.bk)
     mask = (qpos[:, None] >= kpos[None, :]) & (kpos[None, :] < g.tk) & (qpos[:, None] < g.tk)
+    if visits.window_size is not None:
+        mask = mask & (qpos[:, None] - kpos[None, :] < visits.window_size)
     mask = mask[None, None]  # [1, 1, bq, bk]
     if visits.seq_start is not None:
         mask = mask & (kpos[None, None, None, :] >= visits.seq_start[:, None, None, None])
@@ -272,7 +274,7 @@ def blockwise_attention(q, k, v, lam, log_mask, segment_ids, visits, scale):
         then weighs exactly 0), or None.
       segment_ids: [B, Tk] int32 or None: query i sees key j only if their ids are equal.
       visits: ``TileVisits`` whose block sizes are ``block_sizes(Tq, Tk, ...)`` (it also carries
-        seq_start, ACP ranges and DCP live tiles, which mask exactly).
+        seq_start, the sliding window, ACP ranges and DCP live tiles, which mask exactly).
       scale: logit scale (static).
 
     Returns:

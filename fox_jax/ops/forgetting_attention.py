@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from fox_jax.ops import acp as acp_lib
 from fox_jax.ops import pallas as pallas_impl
-from fox_jax.ops._common import check_attention_inputs, check_seq_start
+from fox_jax.ops._common import check_attention_inputs, check_seq_start, check_window_size
 from fox_jax.ops.blockwise import block_sizes, blockwise_attention
 from fox_jax.ops.reference import decay_cumsum, forgetting_attention_reference
 from fox_jax.ops.tiles import tile_visits
@@ -18,17 +18,19 @@ from fox_jax.sharding import kernel_mesh, per_shard
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "mosaic", "dense", "cudnn")
 
 
-def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold):
-    """Raise on bad inputs; return ``seq_start`` as int32 [B] clamped into [0, Tk − 1] (or None)."""
-    check_attention_inputs(q, k, v, log_fgate, segment_ids=segment_ids)
+def _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold, window_size):
+    """Raise on bad inputs; return (``seq_start`` as int32 [B] clamped into [0, Tk − 1] or None,
+    ``window_size`` as an int or None)."""
+    check_attention_inputs(q, k, v, log_fgate, segment_ids=segment_ids, window_size=window_size)
     acp_lib.check_threshold(adaptive_threshold, q.shape[0], q.shape[2])
-    return None if seq_start is None else check_seq_start(seq_start, q.shape[0], k.shape[1])
+    seq_start = None if seq_start is None else check_seq_start(seq_start, q.shape[0], k.shape[1])
+    return seq_start, check_window_size(window_size)
 
 
-def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold) -> bool:
-    """cuDNN flash attention covers plain causal attention only (no gates, masks or pruning)."""
+def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold, window_size) -> bool:
+    """cuDNN flash attention covers plain causal attention only (no gates, masks, window or pruning)."""
     return (log_fgate is None and seq_start is None and segment_ids is None and adaptive_threshold is None
-            and q.shape[1] == k.shape[1] and q.dtype in (jnp.bfloat16, jnp.float16))
+            and window_size is None and q.shape[1] == k.shape[1] and q.dtype in (jnp.bfloat16, jnp.float16))
 
 
 def resolve_implementation(implementation: str, cudnn_ok: bool = False) -> str:
@@ -37,7 +39,7 @@ def resolve_implementation(implementation: str, cudnn_ok: bool = False) -> str:
     Args:
       implementation: one of ``IMPLEMENTATIONS``.
       cudnn_ok: whether the call is plain causal attention that cuDNN covers (no gates, seq_start,
-        segment ids or threshold; Tq == Tk; bf16/fp16).
+        segment ids, window or threshold; Tq == Tk; bf16/fp16).
     Returns:
       ``"auto"`` resolved: ``"cudnn"`` when eligible on GPU, else ``"pallas"`` on GPU, else ``"xla"``;
       any other name unchanged.
@@ -54,7 +56,7 @@ def resolve_implementation(implementation: str, cudnn_ok: bool = False) -> str:
     if implementation == "cudnn" and not cudnn_ok:
         raise NotImplementedError(
             "implementation='cudnn' is plain causal attention: it needs log_fgate=None, no seq_start, "
-            "segment_ids or adaptive_threshold, Tq == Tk and bf16/fp16 inputs")
+            "segment_ids, window_size or adaptive_threshold, Tq == Tk and bf16/fp16 inputs")
     return implementation
 
 
@@ -96,6 +98,7 @@ def forgetting_attention(
     seq_start: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     adaptive_threshold: Any = None,
+    window_size: int | None = None,
     log_epsilon: float = acp_lib.DEFAULT_LOG_EPSILON,
     implementation: str = "auto",
     block_q: int = 128,
@@ -106,8 +109,10 @@ def forgetting_attention(
 
         o_i = Σ_{j visible from i} softmax_j(sm_scale · q_i·k_j + Λ_i − Λ_j) v_j,   Λ = cumsum(log f)
 
-    Causal with bottom-right alignment: with Tq ≤ Tk, query i sits at absolute position Tk − Tq + i
-    (decoding with a cache). Λ is accumulated in float32 over the keys.
+    Causal with bottom-right alignment: with Tq ≤ Tk, query i sits at absolute position
+    r_i = Tk − Tq + i (decoding with a cache). Λ is accumulated in float32 over the keys. Key j is
+    visible from query i iff j ≤ r_i, j ≥ seq_start[b], segment_ids agree, and (with a window)
+    r_i − j < window_size.
 
     Args:
       q: [B, Tq, H, D] float32 / bfloat16 / float16.
@@ -123,6 +128,12 @@ def forgetting_attention(
         values (under ``jit``) are clamped into [0, Tk − 1] before any implementation sees them
         (``_common.check_seq_start``): < 0 acts as 0, ≥ Tk as Tk − 1.
       segment_ids: [B, Tk] int, packed documents: query i sees key j only if their ids are equal.
+      window_size: None (off) or a Python int W ≥ 1, sliding-window attention (as fla's
+        ``window_size``): query i sees key j only if 0 ≤ r_i − j < W, its last W positions
+        (W = 1: only itself; W ≥ Tk: plain causal). Static; composes with every other option.
+        Λ stays the cumsum over all keys, so the decay Λ_i − Λ_j of the visible keys is unchanged.
+        Key tiles entirely outside the window are not visited (``fox_jax.ops.tiles``); not
+        available with ``implementation="cudnn"``.
       adaptive_threshold: ACP (arXiv 2504.06949): None (off), ``"auto"`` (U from the actual maximum
         norms of q and k), a float δ, or an array broadcastable to [B, H]. Tiles whose every decay
         Λ_i − Λ_j is below δ are skipped (a bound valid for any gates, ``fox_jax.ops.acp``); with
@@ -152,15 +163,17 @@ def forgetting_attention(
     Raises:
       ValueError: wrong ranks, shapes or dtypes (e.g. a bfloat16 log_fgate), Tq > Tk, H not a
         multiple of Hkv, an unknown implementation or threshold, a concrete ``seq_start`` outside
-        [0, Tk − 1], a concrete NaN ``adaptive_threshold``.
+        [0, Tk − 1], a concrete NaN ``adaptive_threshold``, a ``window_size`` that is not None or an
+        int ≥ 1.
       NotImplementedError: an implementation not available for these inputs.
     """
-    seq_start = _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold)
+    seq_start, window_size = _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold,
+                                           window_size)
     impl = resolve_implementation(
-        implementation, _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold))
+        implementation, _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold, window_size))
     kwargs = dict(sm_scale=sm_scale, seq_start=seq_start, segment_ids=segment_ids,
-                  adaptive_threshold=adaptive_threshold, log_epsilon=log_epsilon, impl=impl, block_q=block_q,
-                  block_k=block_k, kernel_config=kernel_config)
+                  adaptive_threshold=adaptive_threshold, window_size=window_size, log_epsilon=log_epsilon, impl=impl,
+                  block_q=block_q, block_k=block_k, kernel_config=kernel_config)
     mesh = kernel_mesh() if impl in ("pallas", "mosaic") else None
     if mesh is not None:  # kernels are opaque to the SPMD partitioner: run them per shard
         args = _sharded_args(q, k, v, log_fgate, kwargs)
@@ -168,8 +181,8 @@ def forgetting_attention(
     return _attention(q, k, v, log_fgate, **kwargs)
 
 
-def _attention(q, k, v, log_fgate, *, sm_scale, seq_start, segment_ids, adaptive_threshold, log_epsilon, impl,
-               block_q, block_k, kernel_config):
+def _attention(q, k, v, log_fgate, *, sm_scale, seq_start, segment_ids, adaptive_threshold, window_size,
+               log_epsilon, impl, block_q, block_k, kernel_config):
     """The op on checked inputs with a resolved implementation (no mesh handling)."""
     b, tq, h, d = q.shape
     tk = k.shape[1]
@@ -186,17 +199,18 @@ def _attention(q, k, v, log_fgate, *, sm_scale, seq_start, segment_ids, adaptive
 
     if impl == "dense":
         out = forgetting_attention_reference(q, k, v, log_fgate, sm_scale=scale, seq_start=seq_start,
-                                             segment_ids=segment_ids, prune_threshold=delta)
+                                             segment_ids=segment_ids, prune_threshold=delta,
+                                             window_size=window_size)
         return out.astype(q.dtype)
     lam = decay_cumsum(log_fgate, seq_start)
     if impl == "xla":
         bq, bk = block_sizes(tq, tk, block_q, block_k)
         visits = tile_visits(tq, tk, bq, bk, seq_start=seq_start, lam=None if delta is None else lam, delta=delta,
-                             segment_ids=segment_ids)
+                             segment_ids=segment_ids, window_size=window_size)
         return blockwise_attention(q, k, v, lam, None, segment_ids, visits, scale)
     if impl in ("pallas", "mosaic"):
         return pallas_impl.attention(q, k, v, lam, seq_start, segment_ids, delta, scale=scale,
-                                     implementation=impl, config=kernel_config)
+                                     implementation=impl, config=kernel_config, window_size=window_size)
     raise AssertionError(impl)
 
 

@@ -77,7 +77,8 @@ def kernel_visits(config: KernelConfig, tq: int, tk: int, **visits) -> KernelVis
 
     Args:
       config: a resolved config (``resolve_config``).
-      **visits: seq_start, lam and delta (ACP), segment_ids, log_mask / floor / skip_dropped (DCP).
+      **visits: seq_start, lam and delta (ACP), segment_ids, log_mask / floor / skip_dropped (DCP),
+        window_size.
     """
     def at(t: TileConfig) -> TileVisits:
         return tile_visits(tq, tk, t.block_q, t.block_k, **visits)
@@ -111,8 +112,8 @@ def kernel_attention(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, sca
       lam: [B, Tk, H] float32 Λ (zeros for no decay).
       log_mask: [B, Tq, Tk] float32 finite DCP mask, or None.
       segment_ids: [B, Tk] int32 or None.
-      visits: ``KernelVisits`` at the tilings of ``config`` (``dmask`` with a mask). seq_start is read
-        from ``visits.fwd`` (None: no left padding).
+      visits: ``KernelVisits`` at the tilings of ``config`` (``dmask`` with a mask). seq_start and
+        window_size are read from ``visits.fwd`` (None: no left padding, no window).
       kept_rows: [B, Tq] bool or None: rows to keep; the others output 0 and get zero gradients.
       scale: logit scale; config: a resolved ``KernelConfig``; interpret: interpret mode (static).
     Returns:
@@ -125,7 +126,8 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
     f = visits.fwd
     o, lse = fa_kernels.attention_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.kv_start,
                                           scale=scale, config=config, interpret=interpret,
-                                          seg_bounds=_bounds(f, True), log_mask=log_mask, live=f.live)
+                                          seg_bounds=_bounds(f, True), log_mask=log_mask, live=f.live,
+                                          window_size=f.window_size)
     if kept_rows is not None:
         # Rows without a kept pair: output 0, and lse = −inf so that every backward kernel sees P = 0
         # there (the forward's lse of such a row covers only the tiles it visited, not the other kernels').
@@ -141,7 +143,7 @@ def _kernels_bwd(scale, config, interpret, res, do):
         q, k, v, lam, _seq_start(visits.fwd, q.shape[0]), segment_ids, dq_t.kv_start, dkv_t.q_end, o, lse, do,
         scale=scale, config=config, interpret=interpret, seg_bounds_dq=_bounds(dq_t, True),
         seg_bounds_dkv=_bounds(dkv_t, False), log_mask=log_mask, live_dq=dq_t.live, live_dkv=dkv_t.live,
-        live_dmask=None if visits.dmask is None else visits.dmask.live)
+        live_dmask=None if visits.dmask is None else visits.dmask.live, window_size=visits.fwd.window_size)
     dmask = None if log_mask is None else grads[4]
     return grads[:4] + (dmask, None, None, None)
 
@@ -219,6 +221,7 @@ def attention(
     config: KernelConfig | None = None,
     interpret: bool | None = None,
     segment_skipping: bool = True,
+    window_size: int | None = None,
 ) -> jax.Array:
     """Forgetting attention on a precomputed decay Λ with the Pallas kernels.
 
@@ -237,6 +240,8 @@ def attention(
       segment_skipping: with segment_ids, skip the tiles outside each block's document-aware range
         (``acp.segment_block_bounds``: valid for any ids, tight for packed documents with
         non-decreasing ids). False = mask only (same result, for comparisons).
+      window_size: None or a static int W ≥ 1, sliding window: query i (absolute position
+        r = Tk − Tq + i) sees keys r − W < j ≤ r; key tiles outside it are skipped.
 
     Returns:
       [B, Tq, H, D] in q's dtype; differentiable in q, k, v and lam (custom VJP; works under jit,
@@ -267,7 +272,7 @@ def attention(
     if delta is not None:
         delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (b, h))
     visits = kernel_visits(cfg, tq, tk, seq_start=seq_start, lam=None if delta is None else lam, delta=delta,
-                           segment_ids=segment_ids if segment_skipping else None)
+                           segment_ids=segment_ids if segment_skipping else None, window_size=window_size)
     return kernel_attention(q, k, v, lam, None, segment_ids, visits, None, float(scale), cfg, bool(interpret))
 
 
@@ -326,11 +331,12 @@ def tile_counts(
     lam: jax.Array | None = None,
     delta: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    window_size: int | None = None,
     head_dim: int = 128,
     config: KernelConfig | None = None,
     interpret: bool | None = None,
 ) -> dict[str, dict[str, jax.Array]]:
-    """Tiles each Pallas kernel visits for one call, with ACP and document-aware skipping.
+    """Tiles each Pallas kernel visits for one call, with ACP, document-aware and window skipping.
 
     Mirrors the kernels' loop bounds (seq_start skipping is not counted).
 
@@ -338,6 +344,7 @@ def tile_counts(
       batch, heads, tq, tk: B, H, Tq, Tk.
       lam: [B, Tk, H] float32 Λ and delta: [B, H] (broadcastable) threshold — ACP; both or neither.
       segment_ids: [B, Tk] int or None (document-aware skipping as ``attention`` does it).
+      window_size: None or int W ≥ 1 (sliding window, as ``attention``).
       head_dim, config, interpret: select the tiling as ``attention`` would.
     Returns:
       {"fwd" | "dq" | "dkv": {"causal": tiles in the causal range, "visited": tiles the kernel runs,
@@ -348,6 +355,7 @@ def tile_counts(
         lam = lam.astype(jnp.float32)
         delta = jnp.broadcast_to(jnp.asarray(delta, jnp.float32), (batch, heads))
     seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
-    counts = _visit_counts(kernel_visits(cfg, tq, tk, lam=lam, delta=delta, segment_ids=seg), batch, heads)
+    counts = _visit_counts(kernel_visits(cfg, tq, tk, lam=lam, delta=delta, segment_ids=seg, window_size=window_size),
+                           batch, heads)
     return {name: {"causal": c, "visited": v, "fraction_skipped": 1.0 - v / jnp.maximum(c, 1.0)}
             for name, (c, v) in counts.items()}

@@ -34,15 +34,18 @@ def attention_mask(
     *,
     seq_start: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
+    window_size: int | None = None,
     batch: int = 1,
 ) -> jax.Array:
     """Boolean visibility mask [B, Tq, Tk]: causal with bottom-right alignment (query i sits at
     absolute position Tk − Tq + i), keys before ``seq_start`` invisible, no attention across
-    ``segment_ids``."""
+    ``segment_ids``, and with ``window_size`` W only the last W keys: 0 ≤ (Tk − Tq + i) − j < W."""
     offset = tk - tq
     qpos = offset + jnp.arange(tq)
     kpos = jnp.arange(tk)
     mask = (qpos[:, None] >= kpos[None, :])[None]
+    if window_size is not None:
+        mask = mask & (qpos[:, None] - kpos[None, :] < window_size)[None]
     mask = jnp.broadcast_to(mask, (batch, tq, tk))
     if seq_start is not None:
         mask = mask & (kpos[None, None, :] >= seq_start[:, None, None])
@@ -62,6 +65,7 @@ def forgetting_attention_reference(
     seq_start: jax.Array | None = None,
     segment_ids: jax.Array | None = None,
     prune_threshold: jax.Array | None = None,
+    window_size: int | None = None,
 ) -> jax.Array:
     """Dense forgetting attention, everything in float32 (the test oracle).
 
@@ -73,6 +77,8 @@ def forgetting_attention_reference(
       seq_start: [B] int, left padding; segment_ids: [B, Tk] int, packed documents.
       prune_threshold: optional [B, H] float32; (i, j) with Λ_i − Λ_j < threshold are dropped
         *elementwise* (the ideal ACP result that block pruning approximates from above).
+      window_size: optional int W ≥ 1, sliding window: query i (at absolute position Tk − Tq + i)
+        sees key j only if 0 ≤ (Tk − Tq + i) − j < W.
 
     Returns:
       [B, Tq, H, D] float32. Rows with no visible key are 0.
@@ -89,7 +95,8 @@ def forgetting_attention_reference(
     s = jnp.einsum("bihd,bjhd->bhij", qf, kf, precision=jax.lax.Precision.HIGHEST) * scale
     decay = lam_q.transpose(0, 2, 1)[:, :, :, None] - lam.transpose(0, 2, 1)[:, :, None, :]
     s = s + decay
-    mask = attention_mask(tq, tk, seq_start=seq_start, segment_ids=segment_ids, batch=b)[:, None]
+    mask = attention_mask(tq, tk, seq_start=seq_start, segment_ids=segment_ids, window_size=window_size,
+                          batch=b)[:, None]
     if prune_threshold is not None:
         mask = mask & (decay >= prune_threshold[:, :, None, None])
     s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)

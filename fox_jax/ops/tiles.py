@@ -8,6 +8,9 @@ the needed tiles changes nothing but the speed. The constraints (the role splash
 
 * causal with bottom-right alignment (query i at absolute position Tk − Tq + i);
 * ``seq_start`` [B] (left padding): key blocks entirely before it;
+* a sliding window (``window_size`` W, static): key blocks entirely before the window of the query
+  block's first row (query block m visits key blocks ≥ (r_m − W + 1) // block_k, r_m its first
+  absolute row), and for each key block the query blocks entirely past the window of its last column;
 * ACP (``fox_jax.ops.acp``, docs/design/fox_acp.md §5.3): per (b, h) the pruned staircase, as
   ``kv_start`` [B, H, nq] (first key block of each query block) and ``q_end`` [B, H, nk] (one past
   the last query block of each key block);
@@ -43,7 +46,7 @@ LOG_FLOOR = math.log(1e-40)
 
 @functools.partial(jax.tree_util.register_dataclass,
                    data_fields=["seq_start", "kv_start", "q_end", "segments", "live"],
-                   meta_fields=["tq", "tk", "block_q", "block_k"])
+                   meta_fields=["tq", "tk", "block_q", "block_k", "window_size"])
 @dataclasses.dataclass(frozen=True)
 class TileVisits:
     """The tiles of one tiling (``block_q`` × ``block_k``) that attention must visit (a pytree).
@@ -54,6 +57,8 @@ class TileVisits:
     Attributes:
       tq, tk, block_q, block_k: static lengths and tile sizes.
       seq_start: [B] left padding; key blocks n with (n + 1)·block_k ≤ seq_start[b] are skipped.
+      window_size: static int W or None, sliding window: query i (absolute position r) sees key j
+        only if r − j < W, so key blocks entirely before the window of a block's rows are skipped.
       kv_start: [B, H, nq] ACP: query block m visits key blocks ≥ kv_start[b, h, m].
       q_end: [B, H, nk] ACP: key block n visits query blocks < q_end[b, h, n] (the same tiles).
       segments: (kv_lo, kv_hi [B, nq], q_lo, q_hi [B, nk]) document bounds: query block m visits key
@@ -70,6 +75,7 @@ class TileVisits:
     q_end: jax.Array | None = None
     segments: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None
     live: jax.Array | None = None
+    window_size: int | None = None
 
     @property
     def nq(self) -> int:
@@ -83,12 +89,15 @@ class TileVisits:
         """Key-block range [lo, hi) of each query block, as the forward and dQ loops run it.
 
         Returns:
-          (lo, hi) int32, each [1 or B, 1 or H, nq]: causal ∩ seq_start ∩ ACP ∩ document bounds
-          (``live`` is not a range; see ``visited``).
+          (lo, hi) int32, each [1 or B, 1 or H, nq]: causal ∩ seq_start ∩ window ∩ ACP ∩ document
+          bounds (``live`` is not a range; see ``visited``).
         """
         _, hi = acp_lib.causal_block_counts(self.tq, self.tk, self.block_q, self.block_k)
         hi = hi[None, None]
         lo = jnp.zeros_like(hi)
+        if self.window_size is not None:  # keys < r − W + 1 (r the block's first row) are seen by none of it
+            first_row = (self.tk - self.tq) + jnp.arange(self.nq, dtype=jnp.int32) * self.block_q
+            lo = jnp.maximum(lo, jnp.maximum(first_row - (self.window_size - 1), 0) // self.block_k)
         if self.seq_start is not None:
             lo = jnp.maximum(lo, (self.seq_start // self.block_k)[:, None, None])
         if self.kv_start is not None:
@@ -107,6 +116,9 @@ class TileVisits:
         first_col = jnp.arange(self.nk, dtype=jnp.int32) * self.block_k
         lo = jnp.clip((first_col - (self.tk - self.tq)) // self.block_q, 0, self.nq)[None, None]
         hi = jnp.full_like(lo, self.nq)
+        if self.window_size is not None:  # rows > c + W − 1 (c the block's last column) see none of it
+            last_row = first_col + (self.block_k - 1) + (self.window_size - 1) - (self.tk - self.tq)
+            hi = jnp.minimum(hi, jnp.clip(last_row // self.block_q + 1, 0, self.nq))
         if self.seq_start is not None:  # key blocks entirely before seq_start see no query
             hi = jnp.where(first_col + self.block_k <= self.seq_start[:, None, None], 0, hi)
         if self.q_end is not None:
@@ -118,7 +130,7 @@ class TileVisits:
 
     def visited(self) -> jax.Array:
         """[1 or B, 1 or H, nq, nk] bool: the tiles to visit for each batch row and head (the row
-        ranges ∩ the column ranges ∩ ``live``). Exact for causal, seq_start, ACP and DCP; for
+        ranges ∩ the column ranges ∩ ``live``). Exact for causal, seq_start, window, ACP and DCP; for
         documents, tight when the segment ids are non-decreasing (packed documents)."""
         m = jnp.arange(self.nq, dtype=jnp.int32)[:, None]
         n = jnp.arange(self.nk, dtype=jnp.int32)[None, :]
@@ -171,6 +183,7 @@ def tile_visits(
     log_mask: jax.Array | None = None,
     floor: float = LOG_FLOOR,
     skip_dropped: bool = True,
+    window_size: int | None = None,
 ) -> TileVisits:
     """The tiles attention must visit at this tiling (no gradient flows through any of it).
 
@@ -184,6 +197,8 @@ def tile_visits(
       log_mask: [B, Tq, Tk] float32 DCP log mask, or None: live tiles = those holding a visible pair
         with log I > ``floor`` (``dropped_key_blocks``); with ``skip_dropped=False`` every tile
         holding a visible pair is live.
+      window_size: static int W ≥ 1 or None: sliding window (query at absolute position r sees keys
+        r − W < j ≤ r); the implementations mask it elementwise on the visited tiles.
     Returns:
       ``TileVisits``.
     Raises:
@@ -205,7 +220,7 @@ def tile_visits(
     elif segment_ids is not None:
         segments = acp_lib.segment_block_bounds(segment_ids, tq=tq, block_q=block_q, block_k=block_k)
     return TileVisits(tq, tk, block_q, block_k, seq_start=seq_start, kv_start=kv_start, q_end=q_end,
-                      segments=segments, live=live)
+                      segments=segments, live=live, window_size=window_size)
 
 
 # ---------------------------------------------------------------------------------------------------
