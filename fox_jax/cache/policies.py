@@ -66,11 +66,11 @@ class CachePolicy:
 
     def max_live(self, context: int) -> int:
         """The most tokens a row (or head) holds after ``context`` tokens were fed: the slots that never
-        overflow (≥ 1). A step attends over the cached tokens and itself, so ``window:W`` keeps W − 1."""
+        overflow (≥ 1)."""
         if self.kind == "window":
-            return max(1, min(self.window - 1, context))
+            return min(self.window, context)
         if self.kind == "sinks":
-            return max(1, min(self.sinks + self.window - 1, context))
+            return min(self.sinks + self.window, context)
         return max(1, context)
 
     def __str__(self) -> str:

@@ -19,8 +19,7 @@ A call appends a chunk of T ≥ 1 tokens (a prefill chunk, a continuation, or on
    policy's visibility and, for FoX, the decay Λ_i − Λ_j (``lam_hi``/``lam_lo``: Λ as an unevaluated float32
    pair, ``fox_jax.cache.decay``, so decays keep float32 relative precision at any
    length);
-2. the slots the chunk's last query no longer sees are freed (for ``window`` and ``sinks``, those the next
-   token will not see);
+2. the slots the chunk's last query no longer sees are freed;
 3. the chunk's surviving tokens are written into free slots, lowest first (so the highest
    occupied slot never exceeds the peak live count).
 
@@ -53,10 +52,11 @@ class SlotGroup:
     """The slots of a group of key/value heads in one layer.
 
     Attributes:
-      k, v: [B, S, n, D] in the compute dtype (keys ready for attention); meaningful where ``pos`` ≥ 0.
-      pos: [B, S, nt] int32 token position held by each slot (−1: free); nt = 1 (per-row tables: every head
+      k, v: [B, n, S, D] in the compute dtype (keys ready for attention; head-major, so attention reads
+        them without a transpose); meaningful where ``pos`` ≥ 0.
+      pos: [B, nt, S] int32 token position held by each slot (−1: free); nt = 1 (per-row tables: every head
         of the group holds the same tokens) or n (per-head tables, ``acp``).
-      lam_hi, lam_lo: [B, S, n, G] float32, Λ_j = hi + lo of the token in each slot for each of the G query
+      lam_hi, lam_lo: [B, n, G, S] float32, Λ_j = hi + lo of the token in each slot for each of the G query
         heads of every key/value head (nats, ≤ 0), or None without forget gates.
       k_int: [B, S, r] float32 DCP interaction keys (per-row tables only), or None.
       peak: [nt] int32, the most slots any row has held in each table so far (sizes a pool:
@@ -75,18 +75,18 @@ class SlotGroup:
 
     @property
     def slots(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
     def occupied(self) -> jax.Array:
-        """[B, S, n] bool."""
+        """[B, n, S] bool."""
         return jnp.broadcast_to(self.pos >= 0, self.k.shape[:3])
 
     @property
     def entry_bytes(self) -> int:
         """Bytes of one (slot, key/value head) entry: k, v and the Λ pairs of its query heads (k_int
         counted per head share)."""
-        n, d = self.k.shape[2], self.k.shape[3]
-        gates = 0 if self.lam_hi is None else self.lam_hi.shape[3] * 8
+        n, d = self.k.shape[1], self.k.shape[3]
+        gates = 0 if self.lam_hi is None else self.lam_hi.shape[2] * 8
         interaction = 0 if self.k_int is None else self.k_int.shape[2] * 4 / n
         return 2 * d * self.k.dtype.itemsize + gates + interaction
 
@@ -119,7 +119,7 @@ class SlotKVCache:
 
     @property
     def kv_heads(self) -> int:
-        return sum(g.k.shape[2] for g in self.groups)
+        return sum(g.k.shape[1] for g in self.groups)
 
     @property
     def capacity(self) -> int:
@@ -188,17 +188,17 @@ def new_slot_cache(batch: int, slots, *, n_heads: int, kv_heads: int, head_dim: 
         if not isinstance(count, int) or count < 1:
             raise ValueError(f"slots must be positive ints, got {slots!r}")
         n = len(heads)
-        kv = jnp.zeros((batch, count, n, head_dim), dtype)
-        lam = jnp.zeros((batch, count, n, g), jnp.float32) if forget_gate else None
+        kv = lambda: jnp.zeros((batch, n, count, head_dim), dtype)   # distinct buffers: callers may donate them
+        lam = (lambda: jnp.zeros((batch, n, g, count), jnp.float32)) if forget_gate else (lambda: None)
         k_int = None if interaction_dim is None or policy.kind != "dcp" else jnp.zeros((batch, count, interaction_dim),
                                                                                          jnp.float32)
-        pos = jnp.full((batch, count, n if policy.per_head else 1), -1, jnp.int32)
-        groups.append(SlotGroup(kv, kv, pos, lam, lam, k_int, jnp.zeros((pos.shape[2],), jnp.int32), heads))
-    state = jnp.zeros((batch, kv_heads, head_dim), dtype) if kv_shift else None
-    last = jnp.zeros((batch, n_heads), jnp.float32) if forget_gate else None
+        pos = jnp.full((batch, n if policy.per_head else 1, count), -1, jnp.int32)
+        groups.append(SlotGroup(kv(), kv(), pos, lam(), lam(), k_int, jnp.zeros((pos.shape[1],), jnp.int32), heads))
+    state = (lambda: jnp.zeros((batch, kv_heads, head_dim), dtype)) if kv_shift else (lambda: None)
+    last = (lambda: jnp.zeros((batch, n_heads), jnp.float32)) if forget_gate else (lambda: None)
     capacity = max(c.slots for c in groups)
-    return SlotKVCache(tuple(groups), jnp.zeros((), jnp.int32), check_seq_start(seq_start, batch), last, last,
-                       state, state, jnp.zeros((batch,), jnp.int32), policy,
+    return SlotKVCache(tuple(groups), jnp.zeros((), jnp.int32), check_seq_start(seq_start, batch), last(), last(),
+                       state(), state(), jnp.zeros((batch,), jnp.int32), policy,
                        capacity if max_context is None else int(max_context))
 
 
@@ -221,88 +221,101 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
     """One group's attention for a chunk and its updated slots (module docstring, steps 1–3).
 
     q [B, T, n, G, D]; k, v [B, T, n, D]; p, real [B, T]; lam: (hi, lo) [B, T, n, G] or None; delta
-    [B, n, G] or None; z_old [B, T, S], z_new [B, T, T], k_int [B, T, r] (DCP) or None. Masks are [B, T, keys, n', G']
-    with n' ∈ {1, n}, G' ∈ {1, G} broadcasting."""
+    [B, n, G] or None; z_old [B, T, S], z_new [B, T, T], k_int [B, T, r] (DCP) or None. Scores and masks
+    are [B, n, G, T, keys] (masks broadcast over n when the tables are per row and over G)."""
     b, t, n, gq, d = q.shape
     s = group.slots
-    per_head = group.pos.shape[2] > 1
-    occ = (group.pos >= 0)[:, None, :, :, None]                               # [B, 1, S, nt, 1]
-    pj_old = group.pos[:, None, :, :, None]
-    pi = p[:, :, None, None, None]
-    vis_old = occ & _positional(policy, pi, pj_old)
-    causal = (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :])[None, :, :, None, None]
-    vis_new = causal & real[:, None, :, None, None] & _positional(policy, pi, p[:, None, :, None, None])
+    per_head = group.pos.shape[1] > 1
+    pos = group.pos                                                          # [B, nt, S]
+    pj_old = pos[:, :, None, None, :]                                        # [B, nt, 1, 1, S]
+    pj_new = p[:, None, None, None, :]                                       # [B, 1, 1, 1, T]
+    pi = p[:, None, None, :, None]                                           # [B, 1, 1, T, 1]
+    vis_old = (pj_old >= 0) & _positional(policy, pi, pj_old)
+    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    vis_new = causal & real[:, None, None, None, :] & _positional(policy, pi, pj_new)
     if policy.kind == "dcp":
-        vis_old = vis_old & (jnp.cumsum(z_old <= 0, axis=1) == 0)[..., None, None]
-        vis_new = vis_new & (cumulative_keep_log_mask(z_new, jnp.inf) == 0.0)[..., None, None]
+        vis_old = vis_old & (jnp.cumsum(z_old <= 0, axis=1) == 0)[:, None, None]
+        vis_new = vis_new & (cumulative_keep_log_mask(z_new, jnp.inf) == 0.0)[:, None, None]
     bias_old = bias_new = None
     if lam is not None:
-        hi, lo = lam
-        hi_i, lo_i = hi[:, :, None], lo[:, :, None]                            # [B, T, 1, n, G]
-        bias_old = (hi_i - group.lam_hi[:, None]) + (lo_i - group.lam_lo[:, None])
-        bias_new = (hi_i - hi[:, None]) + (lo_i - lo[:, None])
+        hi, lo = (x.transpose(0, 2, 3, 1) for x in lam)                     # [B, n, G, T]
+        bias_old = (hi[..., None] - group.lam_hi[:, :, :, None]) + (lo[..., None] - group.lam_lo[:, :, :, None])
+        bias_new = (hi[..., None] - hi[..., None, :]) + (lo[..., None] - lo[..., None, :])
         if policy.kind == "acp":
-            vis_old = vis_old & (bias_old >= delta[:, None, None])
-            vis_new = vis_new & (bias_new >= delta[:, None, None])
-    # softmax over the slots and the chunk's keys as two parts (no concatenated copy of the pool)
-    prec = dot_precision(q.dtype)
-    dot = lambda keys: jnp.einsum("btngd,bknd->btkng", q, keys.astype(q.dtype), preferred_element_type=jnp.float32,
-                                  precision=prec) * scale
-    s_old, s_new = dot(group.k), dot(k)
-    if lam is not None:
-        s_old, s_new = s_old + bias_old, s_new + bias_new
-    s_old, s_new = jnp.where(vis_old, s_old, -jnp.inf), jnp.where(vis_new, s_new, -jnp.inf)
-    m = jnp.maximum(jnp.max(s_old, axis=2, keepdims=True), jnp.max(s_new, axis=2, keepdims=True))
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w_old, w_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
-    l = jnp.sum(w_old, axis=2, keepdims=True) + jnp.sum(w_new, axis=2, keepdims=True)
-    l = jnp.where(l > 0, l, 1.0)
-    mix = lambda w, vals: jnp.einsum("btkng,bknd->btngd", (w / l).astype(vals.dtype), vals,
-                                     preferred_element_type=jnp.float32, precision=prec)
-    o = mix(w_old, group.v) + mix(w_new, v.astype(group.v.dtype))
+            vis_old = vis_old & (bias_old >= delta[..., None, None])
+            vis_new = vis_new & (bias_new >= delta[..., None, None])
 
-    # retention: what the chunk's last query sees (a key/value head keeps a token while any query head does)
-    def tables(x):  # [B, K, n', G'] -> [B, K, nt]
-        x = jnp.any(x, axis=-1)
-        return jnp.broadcast_to(x, x.shape[:2] + (n,)) if per_head else jnp.any(x, axis=-1, keepdims=True)
-    # positional policies already know what the next token will not see: free it now
-    p_next = p[:, -1, None, None, None] + 1
-    keep_old = tables(jnp.broadcast_to(vis_old[:, -1] & _positional(policy, p_next, pj_old[:, 0]),
-                                       (b, s) + vis_old.shape[3:]))                            # [B, S, nt]
-    keep_new = tables(jnp.broadcast_to(vis_new[:, -1] & _positional(policy, p_next, p[:, :, None, None]),
-                                       (b, t) + vis_new.shape[3:]))                            # [B, T, nt]
+    # retention: the slots hold what the chunk's last query sees (a key/value head keeps a token while any
+    # of its query heads does)
+    def tables(x, keys):  # [B, n', G', keys] -> [B, nt, keys]
+        x = jnp.any(jnp.broadcast_to(x, x.shape[:3] + (keys,)), axis=2)
+        return jnp.broadcast_to(x, (b, n, keys)) if per_head else jnp.any(x, axis=1, keepdims=True)
+    keep_old = tables(vis_old[:, :, :, -1], s)                               # [B, nt, S]
+    keep_new = tables(vis_new[:, :, :, -1], t)                               # [B, nt, T]
     free = ~keep_old
     if t == 1:  # a decode step: with no free slot the oldest cached token makes room
-        full = ~jnp.any(free, axis=1, keepdims=True) & keep_new
-        oldest = jnp.argmin(jnp.where(keep_old, group.pos, jnp.iinfo(jnp.int32).max), axis=1)[:, None]
-        free = free | (full & (jnp.arange(s)[None, :, None] == oldest))
+        full = ~jnp.any(free, axis=2, keepdims=True) & keep_new
+        oldest = jnp.argmin(jnp.where(keep_old, pos, jnp.iinfo(jnp.int32).max), axis=2)[..., None]
+        free = free | (full & (jnp.arange(s) == oldest))
         dropped = jnp.sum(full, axis=(1, 2), dtype=jnp.int32)
         keep_old = keep_old & ~free
-    n_free = jnp.sum(free, axis=1, keepdims=True)
-    rank = jnp.cumsum(keep_new, axis=1) - 1                                   # [B, T, nt] token order
-    surplus = jnp.maximum(jnp.sum(keep_new, axis=1, keepdims=True) - n_free, 0)
+    n_free = jnp.sum(free, axis=2, keepdims=True)
+    rank = jnp.cumsum(keep_new, axis=2) - 1                                   # [B, nt, T] token order
+    surplus = jnp.maximum(jnp.sum(keep_new, axis=2, keepdims=True) - n_free, 0)
     placed = keep_new & (rank >= surplus)                                     # the newest survivors fit
-    if t > 1:
-        dropped = jnp.sum(surplus, axis=(1, 2), dtype=jnp.int32)
     if t == 1:  # the lowest free slot
-        slot = jnp.where(placed, jnp.argmax(free, axis=1)[:, None], s)
+        slot = jnp.where(placed, jnp.argmax(free, axis=2)[..., None], s)
     else:  # the k-th survivor to the k-th free slot, lowest first
-        order = jnp.argsort(~free, axis=1, stable=True)
-        slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=1), s)
+        dropped = jnp.sum(surplus, axis=(1, 2), dtype=jnp.int32)
+        order = jnp.argsort(~free, axis=2, stable=True)
+        slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=2), s)
     rows = jnp.arange(b)[:, None, None]
-    slot_n = jnp.broadcast_to(slot, (b, t, n))
-    heads = jnp.arange(n)[None, None, :]
-    put = lambda buf, new: buf.at[rows, slot_n, heads].set(new.astype(buf.dtype), mode="drop")
-    table_cols = jnp.arange(slot.shape[2])[None, None, :]
-    pos = jnp.where(keep_old, group.pos, -1).at[rows, slot, table_cols].set(
-        jnp.broadcast_to(p[:, :, None], slot.shape), mode="drop")
+    heads = jnp.arange(n)[None, :, None]
+    slot_n = jnp.broadcast_to(slot, (b, n, t))
+    kt, vt = (x.transpose(0, 2, 1, 3).astype(group.k.dtype) for x in (k, v))  # [B, n, T, D]
+    put = lambda buf, new: buf.at[rows, heads, slot_n].set(new.astype(buf.dtype), mode="drop")   # [B, n, T, ...]
+    put_lam = lambda buf, new: buf.at[rows, heads, :, slot_n].set(new.transpose(0, 2, 1, 3), mode="drop")
+    pos = jnp.where(keep_old, pos, -1).at[rows, jnp.arange(slot.shape[1])[None, :, None], slot].set(
+        jnp.broadcast_to(p[:, None], slot.shape), mode="drop")
     new = group.replace(
-        k=put(group.k, k), v=put(group.v, v), pos=pos,
-        peak=jnp.maximum(group.peak, jnp.max(jnp.sum(pos >= 0, axis=1, dtype=jnp.int32), axis=0)),
-        lam_hi=None if lam is None else put(group.lam_hi, lam[0]),
-        lam_lo=None if lam is None else put(group.lam_lo, lam[1]),
-        k_int=None if group.k_int is None else group.k_int.at[rows[:, :, 0], slot[:, :, 0]].set(
+        k=put(group.k, kt), v=put(group.v, vt), pos=pos,
+        peak=jnp.maximum(group.peak, jnp.max(jnp.sum(pos >= 0, axis=2, dtype=jnp.int32), axis=0)),
+        lam_hi=None if lam is None else put_lam(group.lam_hi, lam[0]),
+        lam_lo=None if lam is None else put_lam(group.lam_lo, lam[1]),
+        k_int=None if group.k_int is None else group.k_int.at[rows[:, :, 0], slot[:, 0]].set(
             k_int.astype(jnp.float32), mode="drop"))
+
+    qt = q.transpose(0, 2, 3, 1, 4)                                          # [B, n, G, T, D]
+    prec = dot_precision(q.dtype)
+    dot = lambda keys: jnp.einsum("bngtd,bnsd->bngts", qt, keys.astype(q.dtype), preferred_element_type=jnp.float32,
+                                  precision=prec) * scale
+    mix = lambda w, vals: jnp.einsum("bngts,bnsd->bngtd", w.astype(vals.dtype), vals,
+                                     preferred_element_type=jnp.float32, precision=prec)
+    if t == 1:
+        # a decode step reads the pool after the write (no copy of the pool): the token's own slot was free
+        # or invisible to it, so it replaces nothing this query sees (but an overflow eviction)
+        is_self = (jnp.arange(s) == slot)[:, :, None, None, :]                 # [B, nt, 1, 1, S]
+        scores = dot(new.k)
+        if lam is not None:
+            scores = scores + jnp.where(is_self, 0.0, bias_old)
+        scores = jnp.where(jnp.where(is_self, real[:, None, None, None, :], vis_old), scores, -jnp.inf)
+        m = jnp.max(scores, axis=-1, keepdims=True)
+        w = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
+        l = jnp.sum(w, axis=-1, keepdims=True)
+        o = mix(w / jnp.where(l > 0, l, 1.0), new.v)
+    else:
+        # a chunk reads the pool as it was and its own keys: softmax over the two parts (no concatenation)
+        s_old, s_new = dot(group.k), dot(kt)
+        if lam is not None:
+            s_old, s_new = s_old + bias_old, s_new + bias_new
+        s_old, s_new = jnp.where(vis_old, s_old, -jnp.inf), jnp.where(vis_new, s_new, -jnp.inf)
+        m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), jnp.max(s_new, axis=-1, keepdims=True))
+        m = jnp.where(jnp.isfinite(m), m, 0.0)
+        w_old, w_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+        l = jnp.sum(w_old, axis=-1, keepdims=True) + jnp.sum(w_new, axis=-1, keepdims=True)
+        l = jnp.where(l > 0, l, 1.0)
+        o = mix(w_old / l, group.v) + mix(w_new / l, vt)
+    o = o.transpose(0, 3, 1, 2, 4)                                           # [B, T, n, G, D]
     return o.reshape(b, t, n * gq, d), new, dropped
 
 

@@ -14,7 +14,7 @@ synchronisation happens inside; the KV memory is the pool of ``slots`` per row a
 Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first real token, which gets position 0.
 
 Pool size (``slots``): by default what the policy can ever need for the prompt plus the new tokens
-(``min_slots``: everything for dense/dcp/acp, W − 1 for ``window:W``, S + W − 1 for ``sinks:S+W``), so
+(``min_slots``: everything for dense/dcp/acp, W for ``window:W``, S + W for ``sinks:S+W``), so
 nothing overflows. A smaller pool is the fixed KV budget: ``dense``/``window``/``sinks`` need at least
 ``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp`` keep a
 data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches count
@@ -65,7 +65,7 @@ def _config(model):
 
 def min_slots(policy, context: int) -> int:
     """The pool (slots per row and layer) that ``policy`` needs for ``context`` tokens fed: the
-    policy's ``max_live`` (dense, dcp, acp: ``context``; ``window:W``: W − 1; ``sinks:S+W``: S + W − 1)."""
+    policy's ``max_live`` (dense, dcp, acp: ``context``; ``window:W``: W; ``sinks:S+W``: S + W)."""
     return parse_policy(policy).max_live(context)
 
 
