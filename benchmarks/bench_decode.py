@@ -10,24 +10,27 @@ policy=POLICY, slots=S)`` for each policy of ``--policies`` (``dense,dcp,acp,win
 Modes (both may be given; neither = ``--equal-batch 8``):
   --equal-batch B   every policy at batch B.
   --kv-budget GiB   per policy the largest batch whose *allocated* KV fits the budget:
-                      slots per row S = the policy's need: ``min_slots(policy, T + N)`` for dense / window /
-                        sinks; for dcp / acp (data-dependent) the peak live count of a calibration generate
-                        at batch ``--calib-batch`` with a full pool, × ``--safety`` (1.1), rounded up to a
-                        multiple of 64, at most ``min_slots``;
-                      batch = floor(budget / (S × bytes per row-slot)), at most ``--max-batch``
-                        (bytes per row-slot = allocated / (B × S) of a measured run, all layers).
+                      pool per row = the policy's need: ``min_slots(policy, T + N − 1)`` for dense / window /
+                        sinks; for dcp / acp (data-dependent) the peak live counts of a calibration generate at
+                        batch ``--calib-batch`` with a full pool (``calibrate_slots``: × ``--safety`` 1.1, rounded
+                        up to a multiple of 64 (``--slot-multiple``), at most ``min_slots``): one count for every layer
+                        (``--pool uniform``, default), one per layer (``layer``) or, for acp, one per layer and
+                        key/value head (``head``);
+                      batch = floor(budget / allocated bytes of one row with that pool), at most ``--max-batch``
+                        (the bytes come from the caches' own accounting, ``cache_bytes(init_cache(...))``).
                     A run whose pool overflowed (``Generation.overflow`` > 0: the policy wanted more slots)
-                    is repeated once with 1.25 × S; one that runs out of device memory with half the batch.
-  In equal-batch mode the pool is the same need S (``--slots full`` gives every policy ``min_slots``).
+                    is repeated once with 1.25 × the pool; one that runs out of device memory with half the batch.
+  In equal-batch mode the pool is the same need (``--slots full`` gives every policy ``min_slots``).
 
 Measured per (mode, policy, prompt length), median of ``--repeats`` after one warm-up call that compiles:
-  tokens/s          B·N / wall time of the whole generate (prefill + decode loop, on device)
-  prefill s         wall time of generate with max_new_tokens=1 (``--no-prefill`` skips it)
+  tokens/s          B·N / wall time of the whole generate (prefill + decode loop: one jitted program)
+  prefill s         wall time of generate with max_new_tokens=1 (``--prefill all|budget|none``)
   decode tok/s      B·(N−1) / (generate − prefill)
-  KV allocated/live ``cache_bytes(Generation.caches)`` at the end; live mean = mean live tokens × bytes/slot
+  KV allocated/live ``cache_bytes(Generation.caches)`` at the end (and per row); live mean ≈ live × mean/final
   live tokens       mean over layers and rows of ``Generation.live_counts`` (final, mean over steps, peak)
   overflow          max over rows of ``Generation.overflow``
-Ratios vs the dense row of the same mode and prompt length: tokens/s, decode tok/s, batch, 1/allocated.
+Ratios vs the dense row of the same mode and prompt length: tokens/s, decode tok/s, batch, KV saving (total
+and per row).
 
 Prompts: random tokens, or windows of real text (``--prompt-text FILE|DIR``, tokenized with the run's
 tokenizer or ``--tokenizer``): pruning of a trained model depends on the text. Random DCP weights
@@ -61,7 +64,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fox_jax.models  # noqa: E402,F401  (registers the model families with fox_jax.config)
 from fox_jax.cache.policies import parse_policy  # noqa: E402
 from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset  # noqa: E402
-from fox_jax.decoding import cache_bytes, generate, min_slots  # noqa: E402
+from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots  # noqa: E402
 
 GiB = 2 ** 30
 SLOT_MULTIPLE = 64
@@ -174,87 +177,100 @@ def _ready(out):
     return out
 
 
-def timed(fn, repeats: int) -> tuple[float, list[float], object]:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after one warm-up (compile) call."""
-    _ready(fn())
-    times, out = [], None
+def timed(fn, repeats: int) -> tuple[float | None, list[float], object]:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after one warm-up (compile) call; with
+    ``repeats`` 0 only the warm-up runs (None: nothing timed; it fills the persistent compilation cache)."""
+    out = _ready(fn())
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = _ready(fn())
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), times, out
+    return (statistics.median(times) if times else None), times, out
 
 
-def round_up(n: int, multiple: int = SLOT_MULTIPLE) -> int:
-    return int(math.ceil(n / multiple) * multiple)
+def round_up(n: float, multiple: int = SLOT_MULTIPLE) -> int:
+    return max(multiple, int(math.ceil(n / multiple) * multiple))
+
+
+def _spec_stats(slots) -> tuple[float, list]:
+    """(mean slots per layer and key/value head, the spec as JSON) of an int / per-layer / per-head pool."""
+    if isinstance(slots, int):
+        return float(slots), slots
+    per_layer = [float(np.mean(s)) if isinstance(s, (list, tuple)) else float(s) for s in slots]
+    return float(np.mean(per_layer)), [list(s) if isinstance(s, (list, tuple)) else s for s in slots]
 
 
 class Bench:
     def __init__(self, model, params, prompts: Prompts, args):
         self.model, self.params, self.prompts, self.args = model, params, prompts, args
-        self.slot_bytes: dict[tuple, float] = {}   # (policy, T) -> allocated bytes per row-slot (all layers)
-        self.need: dict[tuple, dict] = {}          # (policy, T) -> {"slots": S, ...calibration}
+        self.need: dict[tuple, dict] = {}          # (policy, T) -> {"slots": spec, ...calibration}
 
-    def generate(self, prompts, n: int, policy: str, slots: int):
+    def generate(self, prompts, n: int, policy: str, slots):
         return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots)
 
+    def context(self, t: int) -> int:
+        return t + self.args.new_tokens - 1        # tokens fed: the prompt and all but the last sample
+
     def full_slots(self, policy: str, t: int) -> int:
-        return int(min_slots(policy, t + self.args.new_tokens))
+        return int(min_slots(policy, self.context(t)))
+
+    def row_bytes(self, policy: str, t: int, slots) -> int:
+        """Allocated KV bytes of one row with this pool (the caches' own accounting, nothing run)."""
+        caches = init_cache(self.model, 1, slots, policy=policy, max_context=self.context(t))
+        return cache_bytes(caches)["allocated"]
 
     def needed_slots(self, policy: str, t: int) -> dict:
         """The pool a policy needs per row: ``min_slots``, or for dcp/acp the calibrated peak live count."""
         key = (policy, t)
         if key in self.need:
             return self.need[key]
-        full = self.full_slots(policy, t)
+        a, full = self.args, self.full_slots(policy, t)
         if parse_policy(policy).kind not in DATA_DEPENDENT:
             self.need[key] = dict(slots=full, slots_rule="min_slots")
             return self.need[key]
-        b = self.args.calib_batch
-        out = _ready(self.generate(self.prompts.get(b, t, seed=1), self.args.new_tokens, policy, full))
+        b = a.calib_batch
+        out = _ready(self.generate(self.prompts.get(b, t, seed=1), a.new_tokens, policy, full))
+        peaks = calibrate_slots(out.caches, margin=a.safety, multiple=a.slot_multiple)  # per layer (per head: acp)
+        cap = lambda x: min(int(x), full)  # noqa: E731
+        per_layer = [max(p) if isinstance(p, (list, tuple)) else p for p in peaks]
+        if a.pool == "uniform":
+            slots = cap(max(per_layer))
+        elif a.pool == "layer" or parse_policy(policy).kind != "acp":
+            slots = tuple(cap(p) for p in per_layer)
+        else:
+            slots = tuple(tuple(cap(h) for h in p) if isinstance(p, (list, tuple)) else cap(p) for p in peaks)
         live = np.asarray(out.live_counts)                      # [N, L, B]
-        peak = int(live.max())
-        self.slot_bytes.setdefault(key, cache_bytes(out.caches)["allocated"] / (b * full))
-        slots = min(round_up(math.ceil(peak * self.args.safety)), full)
-        self.need[key] = dict(slots=slots, slots_rule=f"calibrated: peak live {peak} at batch {b} × {self.args.safety}"
-                              f", rounded up to {SLOT_MULTIPLE}", calib_peak_live=peak, calib_batch=b,
-                              calib_overflow=int(np.asarray(out.overflow).max()))
+        self.need[key] = dict(slots=slots, slots_rule=f"calibrated ({a.pool}): peak live at batch {b} × {a.safety}, "
+                              f"rounded up to {a.slot_multiple}", calib_batch=b, calib_peak_live_mean=float(live.max()),
+                              calib_peaks=_spec_stats(peaks)[1], calib_overflow=int(np.asarray(out.overflow).max()))
         return self.need[key]
 
-    def bytes_per_row_slot(self, policy: str, t: int, slots: int) -> float:
-        key = (policy, t)
-        if key not in self.slot_bytes:
-            b = self.args.calib_batch
-            out = _ready(self.generate(self.prompts.get(b, t, seed=1), 1, policy, slots))
-            self.slot_bytes[key] = cache_bytes(out.caches)["allocated"] / (b * slots)
-        return self.slot_bytes[key]
-
-    def measure(self, policy: str, t: int, batch: int, slots: int) -> dict:
+    def measure(self, policy: str, t: int, batch: int, slots, mode: str) -> dict:
         a = self.args
         n = a.new_tokens
         prompts = self.prompts.get(batch, t)
         seconds, times, out = timed(lambda: self.generate(prompts, n, policy, slots), a.repeats)
         prefill = None
-        if a.prefill:
+        if a.prefill == "all" or (a.prefill == "budget" and mode == "kv-budget"):
             prefill, _, _ = timed(lambda: self.generate(prompts, 1, policy, slots), a.repeats)
         mem = cache_bytes(out.caches)
         live = np.asarray(out.live_counts, np.float64)          # [N, L, B]
         overflow = np.asarray(out.overflow)
-        per_row_slot = mem["allocated"] / (batch * slots)
-        self.slot_bytes.setdefault((policy, t), per_row_slot)
-        n_layers = live.shape[1]
-        context = t + n - 1                                     # tokens fed at the end
-        decode = (batch * (n - 1) / (seconds - prefill)) if prefill is not None and seconds > prefill and n > 1 else None
+        mean_slots, spec = _spec_stats(slots)
+        context = self.context(t)
+        decode = (batch * (n - 1) / (seconds - prefill)) if (seconds and prefill is not None and seconds > prefill
+                                                              and n > 1) else None
+        final = live[-1].mean()
         return dict(
-            policy=parse_policy(policy).spec, prompt_len=t, new_tokens=n, batch=batch, slots=slots,
-            seconds=seconds, times=times, prefill_seconds=prefill,
-            tokens_per_sec=batch * n / seconds, decode_tokens_per_sec=decode,
-            kv_allocated_bytes=mem["allocated"], kv_live_bytes=mem["live"],
-            kv_live_bytes_mean=float(live.sum(axis=(1, 2)).mean() * per_row_slot / n_layers),
-            bytes_per_row_slot=per_row_slot,
-            live_tokens_final=float(live[-1].mean()), live_tokens_mean=float(live.mean()),
+            policy=parse_policy(policy).spec, prompt_len=t, new_tokens=n, batch=batch, slots=mean_slots,
+            slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
+            tokens_per_sec=batch * n / seconds if seconds else None, decode_tokens_per_sec=decode,
+            kv_allocated_bytes=mem["allocated"], kv_live_bytes=mem["live"], kv_row_bytes=mem["allocated"] / batch,
+            kv_live_bytes_mean=float(mem["live"] * live.mean() / final) if final > 0 else None,
+            live_tokens_final=float(final), live_tokens_mean=float(live.mean()),
             live_tokens_peak=float(live.max()), live_tokens_per_layer_final=live[-1].mean(axis=1).tolist(),
-            sparsity_final=1.0 - float(live[-1].mean()) / context,
+            sparsity_final=1.0 - float(final) / context,
             overflow=int(overflow.max()), overflow_rows=int((overflow > 0).sum()))
 
 
@@ -267,8 +283,14 @@ def bench_equal(bench: Bench, policy: str, t: int) -> dict:
     a = bench.args
     need = bench.needed_slots(policy, t) if a.slots == "need" else dict(slots=bench.full_slots(policy, t),
                                                                          slots_rule="min_slots")
-    row = bench.measure(policy, t, a.equal_batch, need["slots"])
+    row = bench.measure(policy, t, a.equal_batch, need["slots"], "equal-batch")
     return dict(mode="equal-batch", **row, **{k: v for k, v in need.items() if k != "slots"})
+
+
+def _grow(slots, full: int, multiple: int, factor: float = 1.25):
+    if isinstance(slots, int):
+        return min(round_up(slots * factor, multiple), full)
+    return tuple(_grow(s, full, multiple, factor) for s in slots)
 
 
 def bench_budget(bench: Bench, policy: str, t: int) -> dict:
@@ -279,24 +301,25 @@ def bench_budget(bench: Bench, policy: str, t: int) -> dict:
     slots, max_batch, notes = need["slots"], a.max_batch, []
     overflow_retried, halvings = False, 0
     while True:
-        per = bench.bytes_per_row_slot(policy, t, slots)
-        batch = min(int(budget // (slots * per)), max_batch)
+        per_row = bench.row_bytes(policy, t, slots)
+        batch = min(int(budget // per_row), max_batch)
         if batch < 1:
-            return dict(mode="kv-budget", policy=parse_policy(policy).spec, prompt_len=t, slots=slots, batch=0,
-                        budget_bytes=budget, error=f"one row needs {slots * per / GiB:.4f} GiB > the budget")
+            return dict(mode="kv-budget", policy=parse_policy(policy).spec, prompt_len=t, slots=_spec_stats(slots)[0],
+                        batch=0, budget_bytes=budget, error=f"one row needs {per_row / GiB:.4f} GiB > the budget")
         try:
-            row = bench.measure(policy, t, batch, slots)
+            row = bench.measure(policy, t, batch, slots, "kv-budget")
         except Exception as e:  # noqa: BLE001 - out of device memory: retry with half the batch
             if not is_oom(e) or batch == 1 or halvings >= 2:
                 raise
             notes.append(f"out of memory at batch {batch}; retried with {batch // 2}")
             max_batch, halvings = batch // 2, halvings + 1
             continue
-        if row["overflow"] > 0 and not overflow_retried and slots < full:
-            new = min(round_up(int(slots * 1.25)), full)
-            notes.append(f"overflow {row['overflow']} at {slots} slots; retried with {new}")
-            slots, overflow_retried = new, True
-            continue
+        if row["overflow"] > 0 and not overflow_retried and parse_policy(policy).kind in DATA_DEPENDENT:
+            new = _grow(slots, full, a.slot_multiple)
+            if new != slots:
+                notes.append(f"overflow {row['overflow']} at {_spec_stats(slots)[0]:.0f} slots; retried with 1.25×")
+                slots, overflow_retried = new, True
+                continue
         break
     return dict(mode="kv-budget", **row, budget_bytes=budget, fits_budget=row["kv_allocated_bytes"] <= budget,
                 max_batch=a.max_batch, notes=notes, **{k: v for k, v in need.items() if k != "slots"})
@@ -314,15 +337,14 @@ def add_ratios(rows: list[dict]) -> None:
                              batch=ratio("batch"),
                              kv_allocated_saving=(d["kv_allocated_bytes"] / r["kv_allocated_bytes"]
                                                   if r.get("kv_allocated_bytes") else None),
-                             kv_allocated_per_row_saving=(d["slots"] * d["bytes_per_row_slot"]
-                                                          / (r["slots"] * r["bytes_per_row_slot"])))
+                             kv_row_saving=(d["kv_row_bytes"] / r["kv_row_bytes"] if r.get("kv_row_bytes") else None))
 
 
 def print_table(rows: list[dict]) -> None:
     mib = lambda x: "–" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
     print("\n| mode | policy | prompt | B | slots | tokens/s | decode tok/s | prefill s | KV alloc MiB | KV live MiB "
-          "| live tok/layer | sparsity | overflow | ×dense tok/s | ×less KV |")
+          "| live tok/layer | sparsity | overflow | ×dense tok/s | ×less KV/row |")
     print("|" + "---|" * 15)
     for r in rows:
         if "error" in r:
@@ -334,7 +356,7 @@ def print_table(rows: list[dict]) -> None:
               f"{num(r['tokens_per_sec'])} | {num(r['decode_tokens_per_sec'])} | {num(r['prefill_seconds'], '{:.4f}')} | "
               f"{mib(r['kv_allocated_bytes'])} | {mib(r['kv_live_bytes'])} | {r['live_tokens_final']:.1f} | "
               f"{100 * r['sparsity_final']:.0f}% | {r['overflow']} | {num(v.get('tokens_per_sec'), '{:.2f}')} | "
-              f"{num(v.get('kv_allocated_saving'), '{:.2f}')} |")
+              f"{num(v.get('kv_row_saving'), '{:.2f}')} |")
 
 
 def meta(args, model, info) -> dict:
@@ -346,7 +368,8 @@ def meta(args, model, info) -> dict:
                 flax=flax.__version__, python=platform.python_version(), dtype=args.dtype, model=info,
                 config=model.cfg.to_dict(), policies=args.policies, prompt_lengths=args.prompt_lengths,
                 new_tokens=args.new_tokens, equal_batch=args.equal_batch, kv_budget_gib=args.kv_budget,
-                max_batch=args.max_batch, calib_batch=args.calib_batch, safety=args.safety, slots=args.slots,
+                max_batch=args.max_batch, calib_batch=args.calib_batch, safety=args.safety, slots=args.slots, pool=args.pool,
+                slot_multiple=args.slot_multiple,
                 repeats=args.repeats, prefill=args.prefill, prompt_text=args.prompt_text, beta=args.beta,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
@@ -378,13 +401,22 @@ def parse_args(argv=None):
     p.add_argument("--max-batch", type=int, default=256, help="cap of the batch in --kv-budget mode (default 256)")
     p.add_argument("--calib-batch", type=int, default=4, help="batch of the dcp/acp calibration generate (default 4)")
     p.add_argument("--safety", type=float, default=1.1, help="factor on the calibrated peak live count (default 1.1)")
+    p.add_argument("--pool", choices=("uniform", "layer", "head"), default="uniform",
+                   help="calibrated dcp/acp pool: one slot count for every layer (default), one per layer, or for acp "
+                        "one per layer and key/value head (memory follows the per-head live windows)")
+    p.add_argument("--slot-multiple", type=int, default=SLOT_MULTIPLE,
+                   help=f"calibrated pools are rounded up to a multiple of this (default {SLOT_MULTIPLE})")
     p.add_argument("--slots", choices=("need", "full"), default="need",
                    help="equal-batch pool: the policy's need (default) or min_slots (full context for dcp/acp)")
     p.add_argument("--prompt-text", help="text file or directory of .txt: prompts are windows of it (default random)")
     p.add_argument("--tokenizer", help="tokenizer for --prompt-text (default: the run's)")
     p.add_argument("--beta", type=float, default=1.5, help="β of random DCP weights (default 1.5)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-prefill", dest="prefill", action="store_false", help="do not time the prefill separately")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default 3; 0: warm-up "
+                   "only, nothing timed: fills the persistent compilation cache for a later timed run)")
+    p.add_argument("--prefill", choices=("all", "budget", "none"), default="all",
+                   help="time the prefill (generate with max_new_tokens=1) in every mode (default), only in "
+                        "--kv-budget mode, or never")
+    p.add_argument("--no-prefill", dest="prefill", action="store_const", const="none", help="= --prefill none")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--out", default="bench_decode.json")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: short prompts, tiny budget; with --model "
@@ -393,7 +425,8 @@ def parse_args(argv=None):
     if args.quick:
         if not args.run and args.model.startswith("gpt2"):
             args.set = [f"{k}={v}" for k, v in QUICK_SHAPE.items()] + ["n_positions=256"] + args.set
-        args.prompt_lengths, args.new_tokens, args.repeats, args.dtype = [64], 8, 1, "float32"
+        args.prompt_lengths, args.new_tokens, args.dtype = [64], 8, "float32"
+        args.repeats = min(args.repeats, 1)
         args.equal_batch = args.equal_batch or 2
         args.kv_budget = args.kv_budget or 0.002
         args.max_batch, args.calib_batch = min(args.max_batch, 8), 2

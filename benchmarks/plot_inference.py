@@ -72,13 +72,15 @@ def _last_json_line(text: str, key: str) -> dict | None:
 
 
 def parse_eval_log(text: str) -> dict:
-    """val_loss / val_ppl of a ``fox-jax eval`` log: its JSON line if it prints one, else the summary line."""
+    """ppl of a ``fox-jax eval --cache POLICY`` log: its JSON line (``policy_ppl``, ``dense_ppl`` on the same
+    tokens, overflow rows), else the plain ``val_loss`` / ``val_ppl`` summary line."""
     row = _last_json_line(text, "ppl")
-    if row:
-        loss = row.get("val_loss", row.get("loss"))
-        ppl = row.get("val_ppl", row.get("ppl"))
-        if ppl is not None:
-            return {"val_loss": loss, "val_ppl": ppl}
+    if row and row.get("policy_ppl") is not None:
+        return {"val_loss": row.get("policy_loss"), "val_ppl": row["policy_ppl"], "dense_loss": row.get("dense_loss"),
+                "dense_ppl": row.get("dense_ppl"), "ppl_ratio": row.get("ppl_ratio"), "num_docs": row.get("num_docs"),
+                "tokens": row.get("policy_tokens"), "overflow_rows": row.get("policy_overflow_rows")}
+    if row and row.get("val_ppl") is not None:
+        return {"val_loss": row.get("val_loss"), "val_ppl": row["val_ppl"]}
     m_loss = re.findall(r"val_loss\s+([0-9.]+)", text)
     m_ppl = re.findall(r"val_ppl\s+([0-9.]+)", text)
     if m_ppl:
@@ -127,15 +129,21 @@ def collect(results: str) -> dict:
                         "model": cfg.get("model"), "train": train_summary(d),
                         "dcp": (cfg.get("dcp") or {}).get("gamma") if isinstance(cfg.get("dcp"), dict) else None}
     jobs = _jsonl(os.path.join(results, "jobs.jsonl"))
-    quality, passkey = [], []
+    quality, passkey, dense_rows = [], [], {}
     for j in jobs:
         log = os.path.join(results, j.get("log", ""))
         text = open(log, errors="replace").read() if os.path.isfile(log) else ""
         base = dict(model=j["model"], policy=j["policy"], rc=j["rc"], seconds=j.get("seconds"))
         if j["kind"] == "eval":
-            row = dict(base, ctx=int(j["ctx"]), **parse_eval_log(text))
+            parsed = parse_eval_log(text)
+            dense_ppl, dense_loss = parsed.pop("dense_ppl", None), parsed.pop("dense_loss", None)
+            row = dict(base, ctx=int(j["ctx"]), **parsed)
             row["status"] = "ok" if row.get("val_ppl") is not None else _status(j, text)
             quality.append(row)
+            if dense_ppl is not None and row["policy"] != "dense":  # eval --cache scores dense on the same tokens
+                dense_rows.setdefault((j["model"], int(j["ctx"])), dict(
+                    model=j["model"], policy="dense", ctx=int(j["ctx"]), val_ppl=dense_ppl, val_loss=dense_loss,
+                    num_docs=parsed.get("num_docs"), status="ok", companion_of=row["policy"]))
         elif j["kind"] == "passkey":
             summary = _last_json_line(text, '"passkey"') or {}
             report = _json(os.path.join(os.path.splitext(log)[0], "passkey.json")) or {}
@@ -146,6 +154,8 @@ def collect(results: str) -> dict:
             passkey.append(dict(base, lengths=j["ctx"], accuracy=acc, digit_accuracy=summary.get("digit_accuracy"),
                                 by_length=by_length, overflow_rows=summary.get("overflow_rows"),
                                 status="ok" if acc is not None else _status(j, text)))
+    have = {(q["model"], q["policy"], q["ctx"]) for q in quality if q.get("val_ppl") is not None}
+    quality += [d for (m, c), d in dense_rows.items() if (m, "dense", c) not in have]
     bench = []
     for path in sorted(glob.glob(os.path.join(results, "bench", "*.json"))):
         data = _json(path) or {}
@@ -186,9 +196,12 @@ def _bench_row(bench: list[dict], model: str, policy: str, mode: str, ctx: int) 
 
 
 def _row_bytes(r: dict | None) -> float | None:
-    if not r or r.get("slots") is None or r.get("bytes_per_row_slot") is None:
+    """Allocated KV bytes of one sequence in a bench row."""
+    if not r:
         return None
-    return r["slots"] * r["bytes_per_row_slot"]
+    if r.get("kv_row_bytes"):
+        return r["kv_row_bytes"]
+    return r["kv_allocated_bytes"] / r["batch"] if r.get("kv_allocated_bytes") and r.get("batch") else None
 
 
 def join(summary: dict) -> list[dict]:
@@ -197,6 +210,8 @@ def join(summary: dict) -> list[dict]:
     pk = {(p["model"], p["policy"]): p for p in summary["passkey"]}
     table, seen = [], set()
     quality = list(summary["quality"])
+    dense_ppl = {(q["model"], q.get("ctx")): q["val_ppl"] for q in quality
+                 if q["policy"] == "dense" and q.get("val_ppl") is not None}
     for p in summary["passkey"]:  # a (model, policy) with a passkey result but no ppl still gets a row
         if not any(q["model"] == p["model"] and q["policy"] == p["policy"] for q in quality):
             quality.append(dict(model=p["model"], policy=p["policy"], ctx=None, status="no eval"))
@@ -209,7 +224,10 @@ def join(summary: dict) -> list[dict]:
         base = BASE[fam]
         ctx = q.get("ctx") or 10 ** 9
         row = dict(model=q["model"], family=fam, policy=q["policy"], ctx=q.get("ctx"), val_ppl=q.get("val_ppl"),
-                   quality_status=q.get("status"))
+                   quality_status=q.get("status"), ppl_x_dense=q.get("ppl_ratio"))
+        if row["ppl_x_dense"] is None and row["val_ppl"] is not None:
+            dense = dense_ppl.get((q["model"], q.get("ctx")))
+            row["ppl_x_dense"] = row["val_ppl"] / dense if dense else None
         p = pk.get((q["model"], q["policy"]))
         if p:
             row.update(passkey=p.get("accuracy"), passkey_by_length=p.get("by_length"))
@@ -271,9 +289,9 @@ def markdown(summary: dict) -> str:
             lines.append(f"| {name} | {m.get('family')} | {_fmt(t.get('last_step'))} | {_fmt(t.get('val_ppl'), '{:.2f}')} "
                          f"| {_fmt(t.get('val_sparsity'), '{:.1%}')} |")
         lines.append("")
-    lines += ["| model | policy | ctx | ppl | passkey | tok/s equal (B) | tok/s budget (B) | decode tok/s budget "
+    lines += ["| model | policy | ctx | ppl | ppl ×dense | passkey | tok/s equal (B) | tok/s budget (B) | decode tok/s budget "
               "| KV/row MiB | live tok/layer | sparsity | ×dense tok/s (budget) | ×less KV/row | overflow | speed from |",
-              "|" + "---|" * 15]
+              "|" + "---|" * 16]
     for r in summary["table"]:
         eq = f"{_fmt(r.get('eq_tokens_per_sec'))} ({_fmt(r.get('eq_batch'))})" if r.get("eq_tokens_per_sec") else "–"
         bud = (f"{_fmt(r.get('budget_tokens_per_sec'))} ({_fmt(r.get('budget_batch'))})"
@@ -281,7 +299,8 @@ def markdown(summary: dict) -> str:
         ppl = _fmt(r.get("val_ppl"), "{:.2f}") if r.get("val_ppl") is not None else (r.get("quality_status") or "–")[:40]
         overflow = max(r.get("eq_overflow") or 0, r.get("budget_overflow") or 0) if (
             "eq_overflow" in r or "budget_overflow" in r) else None
-        lines.append(f"| {r['model']} | {r['policy']} | {_fmt(r.get('ctx'))} | {ppl} | {_fmt(r.get('passkey'), '{:.0%}')} "
+        lines.append(f"| {r['model']} | {r['policy']} | {_fmt(r.get('ctx'))} | {ppl} | {_fmt(r.get('ppl_x_dense'), '{:.3f}')} "
+                     f"| {_fmt(r.get('passkey'), '{:.0%}')} "
                      f"| {eq} | {bud} | {_fmt(r.get('budget_decode_tokens_per_sec'))} "
                      f"| {_fmt(r['kv_row_bytes'] / MiB if r.get('kv_row_bytes') else None, '{:,.2f}')} "
                      f"| {_fmt(r.get('live_tokens'), '{:,.1f}')} | {_fmt(r.get('sparsity'), '{:.0%}')} "

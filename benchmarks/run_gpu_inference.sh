@@ -5,15 +5,18 @@
 #                  DCP at each γ of GAMMAS (finetune-dcp --from-run), a fixed local:WINDOW pattern and a dense
 #                  control (the pretraining run continued: its config forked with model.sparse_pattern /
 #                  without, lr FT_LR constant, no weight decay)
-#   S3 fox-train   FoX (Pro), reduced shape, at 2048 context   || in parallel: S3 gpt2-quality
-#                  (fox-jax eval --cache POLICY ppl and fox-jax passkey --cache POLICY for every GPT-2 model)
-#   S4 fox-quality eval --cache on the long novels at FOX_CONTEXTS (2k-16k) and passkey, policies FOX_POLICIES
-#   S5 bench-gpt2  benchmarks/bench_decode.py at equal batch and under a KV budget (alone on the GPU)
-#   S6 bench-fox   the same for FoX at prompts FOX_BENCH_PROMPTS
+#   S3 fox-train   FoX (Pro), reduced shape, at 2048 context   || in parallel: S3 gpt2-quality, JOBS at a time
+#                  (fox-jax eval --cache POLICY: ppl under the policy and dense on the same documents; fox-jax
+#                  passkey --cache POLICY; for every GPT-2 model) and a warm-up pass of the GPT-2 benchmarks
+#   S4 fox-quality eval --cache on the long novels at FOX_CONTEXTS (2k-16k) and passkey, policies FOX_POLICIES,
+#                  and a warm-up pass of the FoX benchmarks
+#   S5 bench-gpt2  benchmarks/bench_decode.py at equal batch and under a KV budget, alone on the GPU (the warm-up
+#                  pass left its programs in the persistent compilation cache)
+#   S6 bench-fox   the same for FoX at prompts FOX_BENCH_PROMPTS (KV budget at FOX_BENCH_BUDGET_PROMPTS)
 #   S7 collect     summary.json + summary.md + inference.png (plot_inference.py) and ONE tarball in $OUT
 # Every stage runs under `timeout` with its budget, capped by what is left before DEADLINE (565 s after the
 # start); a stage that fails or is cut is logged (timeline.log, stages.jsonl, jobs.jsonl) and the rest runs.
-# Default budgets (s): S1 140, S2 90, S3 110, S4 60, S5 55, S6 65, reserve 12 -> about 540 s.
+# Default budgets (s): setup ~10, S1 140, S2 90, S3 110, S4 60, S5 60, S6 60, reserve 12 -> about 542 s.
 #
 # Needs (carried: run with carry [".gpu/data", ".whl"]): the grain wheels in .whl/ and the data folder of
 # benchmarks/prepare_gpu_inference.sh in .gpu/data (train_tok/ pre-tokenized, or train.txt + val.txt; tok/;
@@ -43,7 +46,7 @@ if [ "$SMOKE" = 1 ]; then  # tiny everything (CPU): the plumbing, not the number
   : "${FOX_BENCH_PROMPTS:=128 256}" "${FOX_BENCH_BUDGET_PROMPTS:=256}" "${FOX_BENCH_NEW:=8}" "${FOX_EQ_BATCH:=2}"
   : "${FOX_KV_BUDGET:=0.004}" "${FOX_MAX_BATCH:=4}" "${DTYPE:=float32}" "${DCP_IMPL:=xla}" "${JOBS:=2}"
   : "${DEADLINE:=3000}" "${T_PRE:=300}" "${T_FT:=400}" "${T_FOX:=300}" "${T_GQ:=900}" "${T_FQ:=600}"
-  : "${T_GB:=300}" "${T_FB:=300}" "${NUM_DOCS:=1}" "${FOX_EVAL_TOKENS:=512}"
+  : "${T_GB:=300}" "${T_FB:=300}" "${NUM_DOCS:=2}" "${FOX_NUM_DOCS:=2}" "${FOX_EVAL_TOKENS:=512}"
 fi
 DATA_DIR=${DATA_DIR:-$ROOT/.gpu/data}
 if [ -f "$DATA_DIR/train_tok/meta.json" ]; then
@@ -60,10 +63,12 @@ PRE_LR=${PRE_LR:-6e-4}; PRE_WARMUP=${PRE_WARMUP:-100}
 FT_STEPS=${FT_STEPS:-100}; FT_LR=${FT_LR:-3e-4}; FT_ILR=${FT_ILR:-3e-3}; GAMMAS=${GAMMAS:-"0.3 0.6"}
 DCP_IMPL=${DCP_IMPL:-pallas}; WINDOW=${WINDOW:-256}; SINKS=${SINKS:-4}
 WIN_POLICY=window:$WINDOW; SINK_POLICY=sinks:$SINKS+$((WINDOW - SINKS))
-EVAL_BATCHES=${EVAL_BATCHES:-8}; NUM_DOCS=${NUM_DOCS:-8}
+EVAL_BATCHES=${EVAL_BATCHES:-8}; NUM_DOCS=${NUM_DOCS:-16}   # eval --cache: the first SEQ tokens of NUM_DOCS val documents
 PASSKEY_LENGTHS=${PASSKEY_LENGTHS:-256,512,1024}; PASSKEY_DEPTHS=${PASSKEY_DEPTHS:-0,0.25,0.5,0.75,1}; PASSKEY_N=${PASSKEY_N:-4}
 BENCH_NEW=${BENCH_NEW:-128}; BENCH_PROMPT=${BENCH_PROMPT:-$((SEQ - BENCH_NEW))}; EQ_BATCH=${EQ_BATCH:-32}
 KV_BUDGET=${KV_BUDGET:-2}; MAX_BATCH=${MAX_BATCH:-256}; REPEATS=${REPEATS:-3}
+BENCH_WARM=${BENCH_WARM:-1}   # 1: compile the bench programs during the quality stages (persistent cache)
+POOL=${POOL:-head}   # calibrated dcp/acp pools: uniform | layer | head (acp: per key/value head; dcp: per layer)
 BENCH_MODELS=${BENCH_MODELS:-"pre dcp"}   # pre, dcp (every DCP model), ftlocal, ftdense; speed of one policy does not
                                           # depend on the weights except for dcp/acp, so the default skips the last two
 # FoX (Pro)
@@ -73,6 +78,7 @@ FOX_SEQ=${FOX_SEQ:-2048}; FOX_BATCH=${FOX_BATCH:-16}; FOX_STEPS=${FOX_STEPS:-600
 FOX_WARMUP=${FOX_WARMUP:-60}
 FOX_POLICIES=${FOX_POLICIES:-"dense acp $WIN_POLICY $SINK_POLICY"}
 FOX_CONTEXTS=${FOX_CONTEXTS:-"2048 8192 16384"}; FOX_EVAL_TOKENS=${FOX_EVAL_TOKENS:-32768}  # tokens per eval batch
+FOX_NUM_DOCS=${FOX_NUM_DOCS:-4}  # documents of LONG scored at each context (the four novels)
 FOX_PASSKEY_LENGTHS=${FOX_PASSKEY_LENGTHS:-2048,8192,16384}
 FOX_BENCH_PROMPTS=${FOX_BENCH_PROMPTS:-"2048 8192 16384"}; FOX_BENCH_BUDGET_PROMPTS=${FOX_BENCH_BUDGET_PROMPTS:-16384}
 FOX_BENCH_NEW=${FOX_BENCH_NEW:-64}; FOX_EQ_BATCH=${FOX_EQ_BATCH:-4}; FOX_KV_BUDGET=${FOX_KV_BUDGET:-2}
@@ -80,7 +86,7 @@ FOX_MAX_BATCH=${FOX_MAX_BATCH:-64}; FOX_REPEATS=${FOX_REPEATS:-2}
 # time (s)
 DEADLINE=${DEADLINE:-565}; RESERVE=${RESERVE:-12}; JOBS=${JOBS:-8}
 T_PRE=${T_PRE:-140}; T_FT=${T_FT:-90}; T_FOX=${T_FOX:-110}; T_GQ=${T_GQ:-110}; T_FQ=${T_FQ:-60}
-T_GB=${T_GB:-55}; T_FB=${T_FB:-65}
+T_GB=${T_GB:-60}; T_FB=${T_FB:-60}
 
 RUNS=${RUNS:-/tmp/inference_runs}; rm -rf "$RUNS"; mkdir -p "$RUNS"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}   # shared by the processes
@@ -132,10 +138,9 @@ else
   export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
 fi
 python3 - > "$R/env.json" <<'PY' 2> "$R/logs/env.err"
-import json, os, platform, jax, flax
+import json, platform, jax, flax
 print(json.dumps({"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
-                  "flax": flax.__version__, "python": platform.python_version(),
-                  "env": {k: v for k, v in os.environ.items() if k.isupper() and k in os.environ.get("REPORT_VARS", "").split()}}))
+                  "flax": flax.__version__, "python": platform.python_version(), "devices": jax.device_count()}))
 PY
 stamp "env: $(cat "$R/env.json" | cut -c1-200)"
 cat > "$R/settings.env" <<EOF
@@ -143,14 +148,14 @@ SMOKE=$SMOKE DTYPE=$DTYPE TRAIN_DATA=$TRAIN_DATA LONG=$LONG HAYSTACK=$HAYSTACK
 GPT2_SHAPE="$GPT2_SHAPE" SEQ=$SEQ STEPS=$STEPS PRE_BATCH=$PRE_BATCH PRE_LR=$PRE_LR PRE_WARMUP=$PRE_WARMUP
 FT_STEPS=$FT_STEPS FT_LR=$FT_LR FT_ILR=$FT_ILR GAMMAS="$GAMMAS" DCP_IMPL=$DCP_IMPL WINDOW=$WINDOW SINKS=$SINKS
 EVAL_BATCHES=$EVAL_BATCHES NUM_DOCS=$NUM_DOCS PASSKEY_LENGTHS=$PASSKEY_LENGTHS PASSKEY_DEPTHS=$PASSKEY_DEPTHS PASSKEY_N=$PASSKEY_N
-BENCH_PROMPT=$BENCH_PROMPT BENCH_NEW=$BENCH_NEW EQ_BATCH=$EQ_BATCH KV_BUDGET=$KV_BUDGET MAX_BATCH=$MAX_BATCH REPEATS=$REPEATS BENCH_MODELS="$BENCH_MODELS"
+BENCH_PROMPT=$BENCH_PROMPT BENCH_NEW=$BENCH_NEW EQ_BATCH=$EQ_BATCH KV_BUDGET=$KV_BUDGET MAX_BATCH=$MAX_BATCH REPEATS=$REPEATS BENCH_MODELS="$BENCH_MODELS" POOL=$POOL BENCH_WARM=$BENCH_WARM FOX_NUM_DOCS=$FOX_NUM_DOCS
 FOX_ARCH=$FOX_ARCH FOX_PRESET=$FOX_PRESET FOX_SHAPE="$FOX_SHAPE" FOX_SEQ=$FOX_SEQ FOX_BATCH=$FOX_BATCH FOX_STEPS=$FOX_STEPS FOX_LR=$FOX_LR
 FOX_POLICIES="$FOX_POLICIES" FOX_CONTEXTS="$FOX_CONTEXTS" FOX_PASSKEY_LENGTHS=$FOX_PASSKEY_LENGTHS FOX_BENCH_PROMPTS="$FOX_BENCH_PROMPTS"
 FOX_BENCH_BUDGET_PROMPTS="$FOX_BENCH_BUDGET_PROMPTS" FOX_BENCH_NEW=$FOX_BENCH_NEW FOX_EQ_BATCH=$FOX_EQ_BATCH FOX_KV_BUDGET=$FOX_KV_BUDGET FOX_MAX_BATCH=$FOX_MAX_BATCH
 DEADLINE=$DEADLINE T_PRE=$T_PRE T_FT=$T_FT T_FOX=$T_FOX T_GQ=$T_GQ T_FQ=$T_FQ T_GB=$T_GB T_FB=$T_FB JOBS=$JOBS
 EOF
 # warm the token cache of the evaluation texts while the GPU pretrains (CPU only)
-( python3 - "$TRAIN_DATA" "$LONG" "$HAYSTACK" "$TOK" > "$R/logs/warm_cache.log" 2>&1 <<'PY'
+( JAX_PLATFORMS=cpu python3 - "$TRAIN_DATA" "$LONG" "$HAYSTACK" "$TOK" > "$R/logs/warm_cache.log" 2>&1 <<'PY'
 import sys
 from fox_jax.train import config as C, data as D
 train, long, hay, tok = sys.argv[1:]
@@ -237,28 +242,60 @@ stamp "GPT-2 models: ${GPT2_MODELS[*]}"
 for g in $GAMMAS; do stamp "  dcp_g$g: $(grep -E '^done' "$R"/logs/finetune_dcp_g$g*.log 2>/dev/null | tail -n 1 | cut -c1-200)"; done
 
 # ---------------------------------------------------------------------------------------------- S3 fox-train || gpt2-quality
-policies_of() {  # the cache policies evaluated for a GPT-2 model
+policies_of() {  # the cache policies of a GPT-2 model (eval --cache scores dense on the same tokens anyway)
   case $1 in
     pre|ftdense) echo "dense $WIN_POLICY $SINK_POLICY" ;;
     ftlocal) echo "$WIN_POLICY dense" ;;
     dcp_g*) echo "dcp dense" ;;
   esac; }
 run_dir() { case $1 in pre) echo "$PRE" ;; fox) echo "$FOX" ;; *) echo "$RUNS/$1" ;; esac; }
-eval_job() {  # eval_job MODEL POLICY CTX [overrides...]
+eval_job() {  # eval_job MODEL POLICY CTX [overrides...]: ppl under POLICY and dense on the same documents
   local m=$1 p=$2 c=$3; shift 3
   local d; d=$(run_dir "$m")
   XLA_PYTHON_CLIENT_PREALLOCATE=false job eval "$m" "$p" "$c" "$R/quality/${m}__$(safe "$p")__$c.log" \
-    $CLI eval --workdir "$d" --cache "$p" --num-docs "$NUM_DOCS" "$@"; }
+    $CLI eval --workdir "$d" --cache "$p" "$@"; }
 passkey_job() {  # passkey_job MODEL POLICY LENGTHS
   local m=$1 p=$2 l=$3 d; d=$(run_dir "$m")
   XLA_PYTHON_CLIENT_PREALLOCATE=false job passkey "$m" "$p" "$l" "$R/passkey/${m}__$(safe "$p").log" \
     $CLI passkey "$d" --lengths "$l" --depths "$PASSKEY_DEPTHS" --n "$PASSKEY_N" --cache "$p" --text "$HAYSTACK" \
     --out "$R/passkey/${m}__$(safe "$p")" --no-progress; }
+# bench_decode.py runs twice: first with --repeats 0 in the background of the quality stages (GPU shared,
+# nothing timed: it fills the persistent compilation cache), then timed, alone on the GPU, with the programs
+# loaded from that cache (same shapes: the calibration and the budget batch are deterministic).
+bench_job() {  # bench_job WARM MODEL POLICIES NAME ARGS...
+  local warm=$1 m=$2 p=$3 name=$4; shift 4
+  local dir=$R/bench kind=bench extra=()
+  [ "$warm" = 1 ] && dir=$R/bench/warm && kind=benchwarm && extra=(--repeats 0)
+  mkdir -p "$dir"
+  XLA_PYTHON_CLIENT_PREALLOCATE=$([ "$warm" = 1 ] && echo false || echo true) \
+    job $kind "$m" "$p" - "$dir/$name.log" python3 benchmarks/bench_decode.py --run "$(run_dir "$m")" --policies "$p" \
+    --dtype "$DTYPE" --pool "$POOL" --out "$dir/$name.json" "$@" "${extra[@]}"; }
+gpt2_benches() {  # gpt2_benches WARM: the GPT-2 models of BENCH_MODELS (WARM=1: queued in the pool)
+  local run=(); [ "$1" = 1 ] && run=(pool)
+  local args=(--prompt-lengths "$BENCH_PROMPT" --new-tokens "$BENCH_NEW" --equal-batch "$EQ_BATCH" --kv-budget "$KV_BUDGET"
+              --max-batch "$MAX_BATCH" --repeats "$REPEATS" --prefill budget --prompt-text "$HAYSTACK" --tokenizer "$TOK")
+  for m in "${GPT2_MODELS[@]}"; do
+    case $m in
+      pre) [[ " $BENCH_MODELS " == *" pre "* ]] && "${run[@]}" bench_job "$1" pre "dense,$WIN_POLICY,$SINK_POLICY" pre "${args[@]}" ;;
+      dcp_g*) [[ " $BENCH_MODELS " == *" dcp "* ]] && "${run[@]}" bench_job "$1" "$m" dcp "$m" "${args[@]}" ;;
+      ftlocal) [[ " $BENCH_MODELS " == *" ftlocal "* ]] && "${run[@]}" bench_job "$1" ftlocal "$WIN_POLICY" ftlocal "${args[@]}" ;;
+      ftdense) [[ " $BENCH_MODELS " == *" ftdense "* ]] && "${run[@]}" bench_job "$1" ftdense dense ftdense "${args[@]}" ;;
+    esac
+  done; true; }
+fox_benches() {  # fox_benches WARM
+  local run=(); [ "$1" = 1 ] && run=(pool)
+  local fp; fp=$(echo $FOX_POLICIES | tr ' ' ',')
+  local args=(--new-tokens "$FOX_BENCH_NEW" --max-batch "$FOX_MAX_BATCH" --repeats "$FOX_REPEATS" --prompt-text "$LONG"
+              --tokenizer "$TOK")
+  "${run[@]}" bench_job "$1" fox "$fp" fox_budget --prompt-lengths $FOX_BENCH_BUDGET_PROMPTS --kv-budget "$FOX_KV_BUDGET" \
+    --prefill budget "${args[@]}"
+  "${run[@]}" bench_job "$1" fox "$fp" fox_equal --prompt-lengths $FOX_BENCH_PROMPTS --equal-batch "$FOX_EQ_BATCH" \
+    --prefill none "${args[@]}"; }
 FOX=$RUNS/fox
 stage_begin fox-train+gpt2-quality "$T_FOX"
 GQ_END=$(( $(elapsed) + $(limit "$T_GQ") ))
 ( STAGE=fox-train; STAGE_END=$(( $(elapsed) + $(limit "$T_FOX") ))
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 job train fox - "$FOX_SEQ" "$R/logs/fox_train.log" \
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.35 job train fox - "$FOX_SEQ" "$R/logs/fox_train.log" \
     $CLI train --preset "$FOX_PRESET" --arch "$FOX_ARCH" --workdir "$FOX" --data "$TRAIN_DATA" $VAL_ARGS \
     --tokenizer "$TOK" --seq-len "$FOX_SEQ" --batch-size "$FOX_BATCH" --steps "$FOX_STEPS" --lr "$FOX_LR" \
     --warmup-steps "$FOX_WARMUP" --dtype "$DTYPE" --eval-every 0 --eval-batches 4 --log-every 50 \
@@ -268,9 +305,10 @@ wait "$WARM_PID" 2>/dev/null
 ( STAGE=gpt2-quality; STAGE_END=$GQ_END
   for m in "${GPT2_MODELS[@]}"; do
     for p in $(policies_of "$m"); do
-      pool eval_job "$m" "$p" "$SEQ" --num-batches "$EVAL_BATCHES"
+      [ "$p" != dense ] && pool eval_job "$m" "$p" "$SEQ" --num-docs "$NUM_DOCS"
       pool passkey_job "$m" "$p" "$PASSKEY_LENGTHS"
     done
+    [ "$m" = pre ] && [ "$BENCH_WARM" = 1 ] && gpt2_benches 1
   done; wait ) &
 GQ_PID=$!
 wait "$FOX_PID"; FOX_RC=$?
@@ -284,39 +322,24 @@ stage_begin fox-quality "$T_FQ"
 if [ -n "$FOX_STEP" ]; then
   for c in $FOX_CONTEXTS; do
     for p in $FOX_POLICIES; do
-      pool eval_job fox "$p" "$c" data.val="$LONG" data.seq_len="$c" batch_size=$(( FOX_EVAL_TOKENS / c > 0 ? FOX_EVAL_TOKENS / c : 1 )) --num-batches 1
+      [ "$p" != dense ] && pool eval_job fox "$p" "$c" --num-docs "$FOX_NUM_DOCS" data.val="$LONG" data.seq_len="$c" \
+        batch_size=$(( FOX_EVAL_TOKENS / c > 0 ? FOX_EVAL_TOKENS / c : 1 ))
     done
   done
   for p in $FOX_POLICIES; do pool passkey_job fox "$p" "$FOX_PASSKEY_LENGTHS"; done
+  [ "$BENCH_WARM" = 1 ] && fox_benches 1
   wait; stage_end 0
 else
   stamp "fox-quality: skipped (no FoX checkpoint)"; stage_end 1
 fi
 
 # ---------------------------------------------------------------------------------------------- S5/S6 bench
-bench_job() {  # bench_job MODEL POLICIES LOGNAME ARGS...
-  local m=$1 p=$2 name=$3; shift 3
-  job bench "$m" "$p" - "$R/bench/$name.log" python3 benchmarks/bench_decode.py --run "$(run_dir "$m")" --policies "$p" \
-    --dtype "$DTYPE" --out "$R/bench/$name.json" "$@"; }
 stage_begin bench-gpt2 "$T_GB"
-GB_ARGS=(--prompt-lengths "$BENCH_PROMPT" --new-tokens "$BENCH_NEW" --equal-batch "$EQ_BATCH" --kv-budget "$KV_BUDGET"
-         --max-batch "$MAX_BATCH" --repeats "$REPEATS" --prompt-text "$HAYSTACK" --tokenizer "$TOK")
-for m in "${GPT2_MODELS[@]}"; do
-  case $m in
-    pre) [[ " $BENCH_MODELS " == *" pre "* ]] && bench_job pre "dense,$WIN_POLICY,$SINK_POLICY" pre "${GB_ARGS[@]}" ;;
-    dcp_g*) [[ " $BENCH_MODELS " == *" dcp "* ]] && bench_job "$m" dcp "$m" "${GB_ARGS[@]}" ;;
-    ftlocal) [[ " $BENCH_MODELS " == *" ftlocal "* ]] && bench_job ftlocal "$WIN_POLICY" ftlocal "${GB_ARGS[@]}" ;;
-    ftdense) [[ " $BENCH_MODELS " == *" ftdense "* ]] && bench_job ftdense dense ftdense "${GB_ARGS[@]}" ;;
-  esac
-done
+gpt2_benches 0
 stage_end 0
 stage_begin bench-fox "$T_FB"
 if [ -n "$FOX_STEP" ]; then
-  FP=$(echo $FOX_POLICIES | tr ' ' ',')
-  FB_ARGS=(--new-tokens "$FOX_BENCH_NEW" --max-batch "$FOX_MAX_BATCH" --repeats "$FOX_REPEATS" --prompt-text "$LONG"
-           --tokenizer "$TOK")
-  bench_job fox "$FP" fox_budget --prompt-lengths $FOX_BENCH_BUDGET_PROMPTS --kv-budget "$FOX_KV_BUDGET" "${FB_ARGS[@]}"
-  bench_job fox "$FP" fox_equal --prompt-lengths $FOX_BENCH_PROMPTS --equal-batch "$FOX_EQ_BATCH" --no-prefill "${FB_ARGS[@]}"
+  fox_benches 0
   stage_end 0
 else
   stamp "bench-fox: skipped (no FoX checkpoint)"; stage_end 1

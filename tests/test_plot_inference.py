@@ -18,7 +18,7 @@ def _module():
 
 def _bench_row(mode, policy, prompt, batch, slots, tps, decode):
     return dict(mode=mode, policy=policy, prompt_len=prompt, new_tokens=128, batch=batch, slots=slots,
-                tokens_per_sec=tps, decode_tokens_per_sec=decode, bytes_per_row_slot=36864.0,
+                tokens_per_sec=tps, decode_tokens_per_sec=decode, kv_row_bytes=slots * 36864.0,
                 kv_allocated_bytes=batch * slots * 36864, kv_live_bytes=batch * slots * 30000,
                 live_tokens_final=slots * 0.8, sparsity_final=0.5, overflow=0)
 
@@ -33,13 +33,16 @@ def _results(tmp_path: Path) -> Path:
         json.dumps({"step": 12, "loss": 4.2, "val_ppl": 70.0, "val_sparsity": 0.7}) + "\n")
     (r / "runs/dcp_g0.3/config.json").write_text(json.dumps({"dcp": {"gamma": 0.3}, "model": {"model_type": "gpt2"}}))
     jobs = []
-    for model, policy, ppl in (("pre", "dense", 61.0), ("pre", "window:256", 75.5), ("dcp_g0.3", "dcp", 70.2)):
+    for model, policy, ppl, dense in (("pre", "window:256", 75.5, 61.0), ("dcp_g0.3", "dcp", 70.2, 65.0)):
         log = f"quality/{model}__{policy.replace(':', '_')}__1024.log"
-        (r / log).write_text(f"step 10, seq_len 1024: val_loss {4.1:.4f} | val_ppl {ppl:.2f} | 1000 tokens\n")
+        line = dict(step=10, seq_len=1024, num_docs=16, cache=policy, policy_ppl=ppl, dense_ppl=dense,
+                    policy_loss=4.3, dense_loss=4.1, ppl_ratio=ppl / dense, policy_overflow_rows=0)
+        (r / log).write_text(f"step 10, 16 documents x 1024 tokens: cache {policy} ppl {ppl} vs dense {dense}\n"
+                             + json.dumps(line) + "\n")
         jobs.append(dict(kind="eval", model=model, policy=policy, ctx="1024", rc=0, seconds=9, log=log))
-    (r / "quality/dcp_g0.3__dense__1024.log").write_text("Traceback\nValueError: eval reads 'fox-jax train' runs\n")
-    jobs.append(dict(kind="eval", model="dcp_g0.3", policy="dense", ctx="1024", rc=1, seconds=3,
-                     log="quality/dcp_g0.3__dense__1024.log"))
+    (r / "quality/pre__sinks_4p252__1024.log").write_text("Traceback\nValueError: something went wrong\n")
+    jobs.append(dict(kind="eval", model="pre", policy="sinks:4+252", ctx="1024", rc=1, seconds=3,
+                     log="quality/pre__sinks_4p252__1024.log"))
     (r / "passkey/pre__dense.log").write_text(json.dumps({"command": "passkey", "policy": "dense", "accuracy": 0.75}) + "\n")
     (r / "passkey/pre__dense/passkey.json").write_text(json.dumps(
         {"lengths": [256, 1024], "depths": [0, 1], "accuracy": [[1.0, 1.0], [0.5, 0.5]], "mean_accuracy": 0.75}))
@@ -65,22 +68,26 @@ def test_collect_join_table_and_plot(tmp_path):
     results = _results(tmp_path)
     summary = mod.main([str(results), "--out-dir", str(tmp_path / "out")])
     rows = {(r["model"], r["policy"]): r for r in summary["table"]}
-    assert set(rows) == {("pre", "dense"), ("pre", "window:256"), ("dcp_g0.3", "dcp"), ("dcp_g0.3", "dense")}
+    assert set(rows) == {("pre", "dense"), ("pre", "window:256"), ("pre", "sinks:4+252"), ("dcp_g0.3", "dcp"),
+                         ("dcp_g0.3", "dense")}
+    # dense ppl comes with every eval --cache (same documents)
+    assert rows[("pre", "dense")]["val_ppl"] == 61.0 and rows[("dcp_g0.3", "dense")]["val_ppl"] == 65.0
+    assert rows[("pre", "window:256")]["val_ppl"] == 75.5
     assert rows[("pre", "dense")]["passkey"] == 0.75
     assert rows[("pre", "window:256")]["budget_x_dense"] == pytest.approx(30000 / 12000)
     assert rows[("pre", "window:256")]["kv_less_x"] == pytest.approx(1024 / 256)
     # the dcp model's ratios are taken against the base model's dense row (same mode and prompt)
     assert rows[("dcp_g0.3", "dcp")]["budget_x_dense"] == pytest.approx(25000 / 12000)
     assert rows[("dcp_g0.3", "dcp")]["speed_from"] == "dcp_g0.3"
-    # a dense policy on the dcp model borrows the base model's dense speed; its failed eval is reported
+    # a dense policy on the dcp model borrows the base model's dense speed; a failed eval is reported
     assert rows[("dcp_g0.3", "dense")]["speed_from"] == "pre"
-    assert rows[("dcp_g0.3", "dense")]["quality_status"].startswith("error: ValueError")
+    assert rows[("pre", "sinks:4+252")]["quality_status"].startswith("error: ValueError")
     assert summary["models"]["dcp_g0.3"]["train"]["val_sparsity"] == 0.7
     assert summary["passkey"][0]["by_length"] == {"256": 1.0, "1024": 0.5}
     out = tmp_path / "out"
     assert (out / "inference.png").stat().st_size > 0
     md = (out / "summary.md").read_text()
-    assert "| pre | window:256 | 1,024 | 75.50 |" in md
+    assert "| pre | window:256 | 1,024 | 75.50 | 1.238 |" in md
     # the summary JSON alone reproduces the same table
     again = mod.main([str(out / "summary.json"), "--out-dir", str(tmp_path / "again")])
     assert again["table"] == summary["table"]
