@@ -1,26 +1,47 @@
-"""Decoding speed and KV-cache memory: dense cache vs the DCP packed (pruned) cache, GPT-2 with DCP.
+"""Decoding speed and KV memory of every cache policy, at equal batch and under a fixed KV budget.
 
-For each prompt length, ``fox_jax.decoding.generate`` runs the same model twice:
-  dense   ``packed=False``: every token stays cached (C = prompt + new − 1 columns), no pruning
-  packed  ``packed=True``: DCP step-mask pruning; the cache holds live slots only and is resized by the
-          host every ``--chunk`` steps (power-of-two buckets ≥ 64)
+One model — a run directory (``--run``, read with ``fox_jax.train.runs.open_run``: ``fox-jax train``,
+``finetune-dcp``, Hugging Face GPT-2 / official FoX) or a random init (``--model gpt2`` GPT-2 124M,
+``--model fox-pro:125M``, any ``ARCH:SIZE`` of ``fox_jax.config.preset``, ``--set key=value`` to reshape it)
+— is decoded greedily with ``fox_jax.decoding.generate(model, params, prompts, max_new_tokens=N,
+policy=POLICY, slots=S)`` for each policy of ``--policies`` (``dense,dcp,acp,window:256,sinks:4+252``; see
+``fox_jax.cache.policies.POLICY_FORMS``) and each prompt length.
 
-Reported per run (median of ``--repeats`` after one warm-up run that compiles everything):
-  tokens/s         B·N / wall time of generate (prefill + decode loop + host resizes, greedy)
-  decode tok/s     B·(N−1) / (generate time − prefill time)
-  KV live          bytes of the cached tokens (k, v; k_int for packed), final and mean over the steps
-  KV allocated     bytes of the cache buffers at the end (capacity × batch × per-token bytes)
-  live tokens      mean live tokens per layer and row at the last step; sparsity = 1 − live/context
+Modes (both may be given; neither = ``--equal-batch 8``):
+  --equal-batch B   every policy at batch B.
+  --kv-budget GiB   per policy the largest batch whose *allocated* KV fits the budget:
+                      pool per row = the policy's need: ``min_slots(policy, T + N − 1)`` for dense / window /
+                        sinks; for dcp / acp (data-dependent) the peak live counts of a calibration generate at
+                        batch ``--calib-batch`` with a full pool (``calibrate_slots``: × ``--safety`` 1.1, rounded
+                        up to a multiple of 64 (``--slot-multiple``), at most ``min_slots``): one count for every layer
+                        (``--pool uniform``, default), one per layer (``layer``) or, for acp, one per layer and
+                        key/value head (``head``);
+                      batch = floor(budget / allocated bytes of one row with that pool), at most ``--max-batch``
+                        (the bytes come from the caches' own accounting, ``cache_bytes(init_cache(...))``).
+                    A run whose pool overflowed (``Generation.overflow`` > 0: the policy wanted more slots)
+                    is repeated once with 1.25 × the pool; one that runs out of device memory with half the batch.
+  In equal-batch mode the pool is the same need (``--slots full`` gives every policy ``min_slots``).
 
-Without ``--checkpoint`` the DCP weights are random: q_int/k_int ~ N(0, 1/d) and β = ``--beta`` for
-every layer, which prunes at an arbitrary but reproducible rate (``--beta`` sets how much). Real
-speedups need a trained DCP model (``--checkpoint``, a directory written by
-``fox_jax.models.save_hf_gpt2``) and a GPU; on CPU this only checks that the measurement is right.
+Measured per (mode, policy, prompt length), median of ``--repeats`` after one warm-up call that compiles:
+  tokens/s          B·N / wall time of the whole generate (prefill + decode loop: one jitted program)
+  prefill s         wall time of generate with max_new_tokens=1 (``--prefill all|budget|none``)
+  decode tok/s      B·(N−1) / (generate − prefill)
+  KV allocated/live ``cache_bytes(Generation.caches)`` at the end (and per row); live mean ≈ live × mean/final
+  live tokens       mean over layers and rows of ``Generation.live_counts`` (final, mean over steps, peak)
+  overflow          max over rows of ``Generation.overflow``
+Ratios vs the dense row of the same mode and prompt length: tokens/s, decode tok/s, batch, KV saving (total
+and per row).
+
+Prompts: random tokens, or windows of real text (``--prompt-text FILE|DIR``, tokenized with the run's
+tokenizer or ``--tokenizer``): pruning of a trained model depends on the text. Random DCP weights
+(``--model gpt2`` with the dcp policy): q_int/k_int ~ N(0, 1/d), β = ``--beta``; speed only.
 
 Usage:
-  python benchmarks/bench_decode.py --quick                         # CPU smoke run, tiny model
-  python benchmarks/bench_decode.py --size gpt2 --prompt-lengths 256 512 896 --new-tokens 128 --batch 8
-  python benchmarks/bench_decode.py --checkpoint ckpt/gpt2-dcp --out results/decode.json
+  python benchmarks/bench_decode.py --quick                                    # CPU smoke run
+  python benchmarks/bench_decode.py --model gpt2 --policies dense,dcp,window:256 --prompt-lengths 896 \\
+      --new-tokens 128 --equal-batch 32 --kv-budget 2 --out decode_gpt2.json
+  python benchmarks/bench_decode.py --run runs/fox-pro --policies dense,acp,window:256,sinks:4+252 \\
+      --prompt-lengths 2048 8192 16384 --prompt-text data/long --kv-budget 2 --max-batch 64
 """
 
 from __future__ import annotations
@@ -40,107 +61,423 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fox_jax.decoding import cache_bytes, generate, prefill  # noqa: E402
-from fox_jax.models import load_hf_gpt2  # noqa: E402
-from fox_jax.models.gpt2 import GPT2, GPT2Config, gpt2_preset  # noqa: E402
+import fox_jax.models  # noqa: E402,F401  (registers the model families with fox_jax.config)
+from fox_jax.cache.policies import parse_policy  # noqa: E402
+from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset  # noqa: E402
+from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots  # noqa: E402
 
-QUICK_CONFIG = dict(n_layers=2, d_model=128, n_heads=4, n_positions=512, interaction_dim=32)
-
-
-def build_model(args) -> tuple[GPT2, dict]:
-    """The DCP GPT-2 under test: a checkpoint, or a random init with pruning interaction weights."""
-    if args.checkpoint:
-        cfg, params = load_hf_gpt2(args.checkpoint, dcp=True, rng=jax.random.PRNGKey(0), dtype=args.dtype)
-        return GPT2(cfg), params
-    cfg = (GPT2Config(**QUICK_CONFIG, dtype=args.dtype, dcp=True) if args.quick
-           else gpt2_preset(args.size, dtype=args.dtype, dcp=True))
-    params = cfg.init_params(jax.random.PRNGKey(0))
-    rng = np.random.default_rng(0)
-    for name in cfg.layer_names:
-        attn = params[name]["attn"]
-        for name in ("q_int", "k_int"):
-            shape = attn[name]["kernel"].shape
-            attn[name]["kernel"] = jnp.asarray(rng.standard_normal(shape) / math.sqrt(cfg.d_model), jnp.float32)
-        attn["beta"] = jnp.asarray(args.beta, jnp.float32)
-    return GPT2(cfg), params
+GiB = 2 ** 30
+SLOT_MULTIPLE = 64
+DATA_DEPENDENT = ("dcp", "acp")  # policies whose need is measured, not known in advance
+QUICK_SHAPE = dict(n_layers=2, d_model=128, n_heads=4)
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after one warm-up, and the last result."""
-    jax.block_until_ready(fn())
+# The model -----------------------------------------------------------------------------------------
+
+def _value(text: str):
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def model_config(spec: str, overrides: list[str]):
+    """``gpt2`` / ``gpt2-medium`` / ... or ``ARCH:SIZE`` (``fox-pro:125M``) plus ``key=value`` overrides."""
+    kw = {}
+    for o in overrides:
+        if "=" not in o:
+            raise ValueError(f"--set takes key=value, got {o!r}")
+        k, v = o.split("=", 1)
+        kw[k] = _value(v)
+    if spec.startswith("gpt2"):
+        return gpt2_preset(spec, **kw)
+    arch, _, size = spec.partition(":")
+    if arch not in ARCHS or size not in SIZES:
+        raise ValueError(f"--model {spec!r}: expected gpt2[-medium|-large|-xl] or ARCH:SIZE with ARCH in "
+                         f"{', '.join(ARCHS)} and SIZE in {', '.join(SIZES)} (e.g. fox-pro:125M)")
+    return preset(size, arch, **kw)
+
+
+def random_dcp(cfg, params, beta: float, rng):
+    """DCP interaction weights for a random-init model: q_int/k_int ~ N(0, 1/d), β = ``beta`` per layer."""
+    cfg, params = cfg.add_dcp_params(params, jax.random.PRNGKey(1))
+    gen = np.random.default_rng(rng)
+
+    def fill(path, x):
+        names = [getattr(p, "key", None) for p in path]
+        if "q_int" in names or "k_int" in names:
+            return jnp.asarray(gen.standard_normal(x.shape) / math.sqrt(cfg.d_model), jnp.float32)
+        if names[-1] == "beta":
+            return jnp.full(x.shape, beta, jnp.float32)
+        return x
+    return cfg, jax.tree_util.tree_map_with_path(fill, params)
+
+
+def load_model(args):
+    """(model, params, info): the run's model or a random init, with ``--dtype`` as compute dtype."""
+    if args.run:
+        from fox_jax.train.runs import open_run
+
+        run = open_run(args.run, step=args.step, flag="--run")
+        cfg, params = run.model, run.load_params()
+        info = dict(source="run", run=run.path, kind=run.kind, step=run.step, tokenizer=run.tokenizer)
+    else:
+        cfg = model_config(args.model, args.set)
+        params = cfg.init_params(jax.random.PRNGKey(0))
+        info = dict(source="random-init", spec=args.model, overrides=args.set, tokenizer=None)
+        if any(parse_policy(p).kind == "dcp" for p in args.policies) and not cfg.dcp:
+            cfg, params = random_dcp(cfg, params, args.beta, 0)
+            info.update(random_dcp_beta=args.beta)
+    cfg = cfg.replace(dtype=args.dtype)
+    return cfg.build(), params, info
+
+
+# Prompts -------------------------------------------------------------------------------------------
+
+class Prompts:
+    """[B, T] int32 prompts: windows of a token stream (real text) or random tokens."""
+
+    def __init__(self, vocab: int, stream: np.ndarray | None = None):
+        self.vocab, self.stream = vocab, stream
+
+    @classmethod
+    def from_text(cls, path: str, tokenizer_spec: str, vocab: int, max_tokens: int):
+        from fox_jax.train.tokenizers import load_tokenizer
+
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".txt")) \
+            if os.path.isdir(path) else [path]
+        tok = load_tokenizer(tokenizer_spec)
+        chunks, n = [], 0
+        for f in files:  # ~4 characters per token; read only what is needed
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                text = fh.read(max(4 * (max_tokens - n), 1 << 16) + 1024)
+            ids = tok.encode_batch([text])[0]
+            chunks.append(ids)
+            n += len(ids)
+            if n >= max_tokens:
+                break
+        stream = np.concatenate(chunks).astype(np.int64)
+        if stream.max(initial=0) >= vocab:
+            raise ValueError(f"--prompt-text: token id {int(stream.max())} ≥ the model's vocabulary {vocab}")
+        return cls(vocab, stream)
+
+    def get(self, batch: int, length: int, seed: int = 0) -> jax.Array:
+        if self.stream is None or len(self.stream) <= length:
+            return jax.random.randint(jax.random.PRNGKey(seed + length), (batch, length), 0, self.vocab, jnp.int32)
+        span = len(self.stream) - length
+        stride = max(span // max(batch, 1), 1)
+        starts = (np.arange(batch) * stride + seed) % span  # disjoint windows while the text lasts
+        return jnp.asarray(np.stack([self.stream[s:s + length] for s in starts]), jnp.int32)
+
+
+# Measurement ---------------------------------------------------------------------------------------
+
+def _ready(out):
+    jax.block_until_ready(out.tokens)
+    return out
+
+
+def timed(fn, repeats: int) -> tuple[float | None, list[float], object]:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after one warm-up (compile) call; with
+    ``repeats`` 0 only the warm-up runs (None: nothing timed; it fills the persistent compilation cache)."""
+    out = _ready(fn())
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = jax.block_until_ready(fn())
+        out = _ready(fn())
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+    return (statistics.median(times) if times else None), times, out
 
 
-def bench_one(model, params, prompt_len: int, args, packed: bool) -> dict:
-    cfg = model.cfg
-    prompt = jax.random.randint(jax.random.PRNGKey(1), (args.batch, prompt_len), 0, cfg.vocab_size)
-    n = args.new_tokens
-    seconds, out = timed(lambda: generate(model, params, prompt, max_new_tokens=n, packed=packed,
-                                          chunk_size=args.chunk), args.repeats)
-    prefill_s, _ = timed(lambda: prefill(model, params, prompt, capacity=prompt_len if packed else prompt_len + n - 1,
-                                         packed=packed), args.repeats)
-    token_bytes = np.asarray([c.token_bytes for c in out.caches])          # [L]
-    live = np.asarray(out.live_counts)                                      # [N, L, B]
-    live_bytes_per_step = (live.sum(axis=2) * token_bytes[None]).sum(axis=1)
-    mem = cache_bytes(out.caches)
-    context = prompt_len + n - 1
-    return dict(
-        prompt_len=prompt_len, new_tokens=n, batch=args.batch, cache="packed" if packed else "dense",
-        seconds=seconds, prefill_seconds=prefill_s,
-        tokens_per_sec=args.batch * n / seconds,
-        decode_tokens_per_sec=args.batch * (n - 1) / max(seconds - prefill_s, 1e-9),
-        kv_live_bytes_final=mem["live"], kv_live_bytes_mean=float(live_bytes_per_step.mean()),
-        kv_allocated_bytes=mem["allocated"], capacity=out.caches[0].capacity,
-        live_tokens_final=float(live[-1].mean()), sparsity_final=1.0 - float(live[-1].mean()) / context,
-    )
+def round_up(n: float, multiple: int = SLOT_MULTIPLE) -> int:
+    return max(multiple, int(math.ceil(n / multiple) * multiple))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--size", default="gpt2", help="GPT-2 preset (gpt2, gpt2-medium, ...) for random weights")
-    p.add_argument("--checkpoint", default=None, help="HF-format GPT-2 directory with DCP weights")
-    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[256, 512, 896])
+def _spec_stats(slots) -> tuple[float, list]:
+    """(mean slots per layer and key/value head, the spec as JSON) of an int / per-layer / per-head pool."""
+    if isinstance(slots, int):
+        return float(slots), slots
+    per_layer = [float(np.mean(s)) if isinstance(s, (list, tuple)) else float(s) for s in slots]
+    return float(np.mean(per_layer)), [list(s) if isinstance(s, (list, tuple)) else s for s in slots]
+
+
+class Bench:
+    def __init__(self, model, params, prompts: Prompts, args):
+        self.model, self.params, self.prompts, self.args = model, params, prompts, args
+        self.need: dict[tuple, dict] = {}          # (policy, T) -> {"slots": spec, ...calibration}
+
+    def generate(self, prompts, n: int, policy: str, slots):
+        return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots)
+
+    def context(self, t: int) -> int:
+        return t + self.args.new_tokens - 1        # tokens fed: the prompt and all but the last sample
+
+    def full_slots(self, policy: str, t: int) -> int:
+        return int(min_slots(policy, self.context(t)))
+
+    def row_bytes(self, policy: str, t: int, slots) -> int:
+        """Allocated KV bytes of one row with this pool (the caches' own accounting, nothing run)."""
+        caches = init_cache(self.model, 1, slots, policy=policy, max_context=self.context(t))
+        return cache_bytes(caches)["allocated"]
+
+    def needed_slots(self, policy: str, t: int) -> dict:
+        """The pool a policy needs per row: ``min_slots``, or for dcp/acp the calibrated peak live count."""
+        key = (policy, t)
+        if key in self.need:
+            return self.need[key]
+        a, full = self.args, self.full_slots(policy, t)
+        if parse_policy(policy).kind not in DATA_DEPENDENT:
+            self.need[key] = dict(slots=full, slots_rule="min_slots")
+            return self.need[key]
+        b = a.calib_batch
+        out = _ready(self.generate(self.prompts.get(b, t, seed=1), a.new_tokens, policy, full))
+        peaks = calibrate_slots(out.caches, margin=a.safety, multiple=a.slot_multiple)  # per layer (per head: acp)
+        cap = lambda x: min(int(x), full)  # noqa: E731
+        per_layer = [max(p) if isinstance(p, (list, tuple)) else p for p in peaks]
+        if a.pool == "uniform":
+            slots = cap(max(per_layer))
+        elif a.pool == "layer" or parse_policy(policy).kind != "acp":
+            slots = tuple(cap(p) for p in per_layer)
+        else:
+            slots = tuple(tuple(cap(h) for h in p) if isinstance(p, (list, tuple)) else cap(p) for p in peaks)
+        live = np.asarray(out.live_counts)                      # [N, L, B]
+        self.need[key] = dict(slots=slots, slots_rule=f"calibrated ({a.pool}): peak live at batch {b} × {a.safety}, "
+                              f"rounded up to {a.slot_multiple}", calib_batch=b, calib_peak_live_mean=float(live.max()),
+                              calib_peaks=_spec_stats(peaks)[1], calib_overflow=int(np.asarray(out.overflow).max()))
+        return self.need[key]
+
+    def measure(self, policy: str, t: int, batch: int, slots, mode: str) -> dict:
+        a = self.args
+        n = a.new_tokens
+        prompts = self.prompts.get(batch, t)
+        seconds, times, out = timed(lambda: self.generate(prompts, n, policy, slots), a.repeats)
+        prefill = None
+        if a.prefill == "all" or (a.prefill == "budget" and mode == "kv-budget"):
+            prefill, _, _ = timed(lambda: self.generate(prompts, 1, policy, slots), a.repeats)
+        mem = cache_bytes(out.caches)
+        live = np.asarray(out.live_counts, np.float64)          # [N, L, B]
+        overflow = np.asarray(out.overflow)
+        mean_slots, spec = _spec_stats(slots)
+        context = self.context(t)
+        decode = (batch * (n - 1) / (seconds - prefill)) if (seconds and prefill is not None and seconds > prefill
+                                                              and n > 1) else None
+        final = live[-1].mean()
+        return dict(
+            policy=parse_policy(policy).spec, prompt_len=t, new_tokens=n, batch=batch, slots=mean_slots,
+            slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
+            tokens_per_sec=batch * n / seconds if seconds else None, decode_tokens_per_sec=decode,
+            kv_allocated_bytes=mem["allocated"], kv_live_bytes=mem["live"], kv_row_bytes=mem["allocated"] / batch,
+            kv_live_bytes_mean=float(mem["live"] * live.mean() / final) if final > 0 else None,
+            live_tokens_final=float(final), live_tokens_mean=float(live.mean()),
+            live_tokens_peak=float(live.max()), live_tokens_per_layer_final=live[-1].mean(axis=1).tolist(),
+            sparsity_final=1.0 - float(final) / context,
+            overflow=int(overflow.max()), overflow_rows=int((overflow > 0).sum()))
+
+
+def is_oom(e: Exception) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+
+
+def bench_equal(bench: Bench, policy: str, t: int) -> dict:
+    a = bench.args
+    need = bench.needed_slots(policy, t) if a.slots == "need" else dict(slots=bench.full_slots(policy, t),
+                                                                         slots_rule="min_slots")
+    row = bench.measure(policy, t, a.equal_batch, need["slots"], "equal-batch")
+    return dict(mode="equal-batch", **row, **{k: v for k, v in need.items() if k != "slots"})
+
+
+def _grow(slots, full: int, multiple: int, factor: float = 1.25):
+    if isinstance(slots, int):
+        return min(round_up(slots * factor, multiple), full)
+    return tuple(_grow(s, full, multiple, factor) for s in slots)
+
+
+def bench_budget(bench: Bench, policy: str, t: int) -> dict:
+    a = bench.args
+    budget = int(a.kv_budget * GiB)
+    need = bench.needed_slots(policy, t)
+    full = bench.full_slots(policy, t)
+    slots, max_batch, notes = need["slots"], a.max_batch, []
+    overflow_retried, halvings = False, 0
+    while True:
+        per_row = bench.row_bytes(policy, t, slots)
+        batch = min(int(budget // per_row), max_batch)
+        if batch < 1:
+            return dict(mode="kv-budget", policy=parse_policy(policy).spec, prompt_len=t, slots=_spec_stats(slots)[0],
+                        batch=0, budget_bytes=budget, error=f"one row needs {per_row / GiB:.4f} GiB > the budget")
+        try:
+            row = bench.measure(policy, t, batch, slots, "kv-budget")
+        except Exception as e:  # noqa: BLE001 - out of device memory: retry with half the batch
+            if not is_oom(e) or batch == 1 or halvings >= 2:
+                raise
+            notes.append(f"out of memory at batch {batch}; retried with {batch // 2}")
+            max_batch, halvings = batch // 2, halvings + 1
+            continue
+        if row["overflow"] > 0 and not overflow_retried and parse_policy(policy).kind in DATA_DEPENDENT:
+            new = _grow(slots, full, a.slot_multiple)
+            if new != slots:
+                notes.append(f"overflow {row['overflow']} at {_spec_stats(slots)[0]:.0f} slots; retried with 1.25×")
+                slots, overflow_retried = new, True
+                continue
+        break
+    return dict(mode="kv-budget", **row, budget_bytes=budget, fits_budget=row["kv_allocated_bytes"] <= budget,
+                max_batch=a.max_batch, notes=notes, **{k: v for k, v in need.items() if k != "slots"})
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Ratios vs the dense row of the same mode and prompt length (None without one)."""
+    dense = {(r["mode"], r["prompt_len"]): r for r in rows if r.get("policy") == "dense" and "error" not in r}
+    for r in rows:
+        d = dense.get((r["mode"], r["prompt_len"]))
+        if d is None or "error" in r:
+            continue
+        ratio = lambda k: (r[k] / d[k]) if r.get(k) and d.get(k) else None  # noqa: E731
+        r["vs_dense"] = dict(tokens_per_sec=ratio("tokens_per_sec"), decode_tokens_per_sec=ratio("decode_tokens_per_sec"),
+                             batch=ratio("batch"),
+                             kv_allocated_saving=(d["kv_allocated_bytes"] / r["kv_allocated_bytes"]
+                                                  if r.get("kv_allocated_bytes") else None),
+                             kv_row_saving=(d["kv_row_bytes"] / r["kv_row_bytes"] if r.get("kv_row_bytes") else None))
+
+
+def print_table(rows: list[dict]) -> None:
+    mib = lambda x: "–" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
+    num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
+    print("\n| mode | policy | prompt | B | slots | tokens/s | decode tok/s | prefill s | KV alloc MiB | KV live MiB "
+          "| live tok/layer | sparsity | overflow | ×dense tok/s | ×less KV/row |")
+    print("|" + "---|" * 15)
+    for r in rows:
+        if "error" in r:
+            print(f"| {r.get('mode')} | {r.get('policy')} | {r.get('prompt_len')} | – | – | error: {r['error'][:80]} "
+                  "| | | | | | | | | |")
+            continue
+        v = r.get("vs_dense", {})
+        print(f"| {r['mode']} | {r['policy']} | {r['prompt_len']} | {r['batch']} | {r['slots']} | "
+              f"{num(r['tokens_per_sec'])} | {num(r['decode_tokens_per_sec'])} | {num(r['prefill_seconds'], '{:.4f}')} | "
+              f"{mib(r['kv_allocated_bytes'])} | {mib(r['kv_live_bytes'])} | {r['live_tokens_final']:.1f} | "
+              f"{100 * r['sparsity_final']:.0f}% | {r['overflow']} | {num(v.get('tokens_per_sec'), '{:.2f}')} | "
+              f"{num(v.get('kv_row_saving'), '{:.2f}')} |")
+
+
+def meta(args, model, info) -> dict:
+    import flax
+
+    dev = jax.devices()[0]
+    return dict(device=dev.device_kind, backend=jax.default_backend(), device_count=jax.device_count(),
+                jax=jax.__version__, jaxlib=getattr(jax.lib, "__version__", None) or _jaxlib_version(),
+                flax=flax.__version__, python=platform.python_version(), dtype=args.dtype, model=info,
+                config=model.cfg.to_dict(), policies=args.policies, prompt_lengths=args.prompt_lengths,
+                new_tokens=args.new_tokens, equal_batch=args.equal_batch, kv_budget_gib=args.kv_budget,
+                max_batch=args.max_batch, calib_batch=args.calib_batch, safety=args.safety, slots=args.slots, pool=args.pool,
+                slot_multiple=args.slot_multiple,
+                repeats=args.repeats, prefill=args.prefill, prompt_text=args.prompt_text, beta=args.beta,
+                time=time.strftime("%Y-%m-%dT%H:%M:%S"))
+
+
+def _jaxlib_version():
+    try:
+        import jaxlib
+        return jaxlib.__version__
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__.split("\n\n", 1)[1])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--run", help="a run directory (fox-jax train / finetune-dcp, HF GPT-2, official FoX)")
+    src.add_argument("--model", default="gpt2", help="random init: gpt2[-medium|-large|-xl] or ARCH:SIZE "
+                     "(fox-pro:125M, transformer-llama:tiny, ...); default gpt2")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides for --model "
+                   "(n_layers=4 d_model=256 ...)")
+    p.add_argument("--step", type=int, help="checkpoint step of --run (default: latest)")
+    p.add_argument("--policies", default="dense,dcp", type=lambda s: [x for x in s.split(",") if x],
+                   help="comma-separated cache policies (default dense,dcp)")
+    p.add_argument("--prompt-lengths", type=int, nargs="+", default=[896])
     p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--beta", type=float, default=1.5, help="β of every layer for random DCP weights")
-    p.add_argument("--chunk", type=int, default=64, help="decode steps between packed-cache resizes")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--equal-batch", type=int, help="mode 1: every policy at this batch")
+    p.add_argument("--kv-budget", type=float, help="mode 2: GiB of allocated KV; per policy the largest batch")
+    p.add_argument("--max-batch", type=int, default=256, help="cap of the batch in --kv-budget mode (default 256)")
+    p.add_argument("--calib-batch", type=int, default=4, help="batch of the dcp/acp calibration generate (default 4)")
+    p.add_argument("--safety", type=float, default=1.1, help="factor on the calibrated peak live count (default 1.1)")
+    p.add_argument("--pool", choices=("uniform", "layer", "head"), default="uniform",
+                   help="calibrated dcp/acp pool: one slot count for every layer (default), one per layer, or for acp "
+                        "one per layer and key/value head (memory follows the per-head live windows)")
+    p.add_argument("--slot-multiple", type=int, default=SLOT_MULTIPLE,
+                   help=f"calibrated pools are rounded up to a multiple of this (default {SLOT_MULTIPLE})")
+    p.add_argument("--slots", choices=("need", "full"), default="need",
+                   help="equal-batch pool: the policy's need (default) or min_slots (full context for dcp/acp)")
+    p.add_argument("--prompt-text", help="text file or directory of .txt: prompts are windows of it (default random)")
+    p.add_argument("--tokenizer", help="tokenizer for --prompt-text (default: the run's)")
+    p.add_argument("--beta", type=float, default=1.5, help="β of random DCP weights (default 1.5)")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default 3; 0: warm-up "
+                   "only, nothing timed: fills the persistent compilation cache for a later timed run)")
+    p.add_argument("--prefill", choices=("all", "budget", "none"), default="all",
+                   help="time the prefill (generate with max_new_tokens=1) in every mode (default), only in "
+                        "--kv-budget mode, or never")
+    p.add_argument("--no-prefill", dest="prefill", action="store_const", const="none", help="= --prefill none")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--out", default="bench_decode.json")
-    p.add_argument("--quick", action="store_true", help="CPU smoke run with a tiny model")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: short prompts, tiny budget; with --model "
+                   "gpt2 a 2-layer d128 GPT-2 (use e.g. --model fox-pro:tiny for FoX)")
     args = p.parse_args(argv)
     if args.quick:
-        args.prompt_lengths, args.new_tokens, args.batch, args.repeats, args.dtype, args.chunk = (
-            [64, 192], 24, 2, 3, "float32", 16)
-    model, params = build_model(args)
-    rows = []
-    for prompt_len in args.prompt_lengths:
-        for packed in (False, True):
-            row = bench_one(model, params, prompt_len, args, packed)
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+        if not args.run and args.model.startswith("gpt2"):
+            args.set = [f"{k}={v}" for k, v in QUICK_SHAPE.items()] + ["n_positions=256"] + args.set
+        args.prompt_lengths, args.new_tokens, args.dtype = [64], 8, "float32"
+        args.repeats = min(args.repeats, 1)
+        args.equal_batch = args.equal_batch or 2
+        args.kv_budget = args.kv_budget or 0.002
+        args.max_batch, args.calib_batch = min(args.max_batch, 8), 2
+    if args.equal_batch is None and args.kv_budget is None:
+        args.equal_batch = 8
+    for spec in args.policies:
+        parse_policy(spec)  # a bad spec fails here, before any compile
+    return args
 
-    print("\n| prompt | new | B | cache | tokens/s | decode tok/s | KV live final | KV live mean | KV allocated "
-          "| live tok/layer | sparsity |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    mib = lambda x: f"{x / 2**20:.2f} MiB"
-    for r in rows:
-        print(f"| {r['prompt_len']} | {r['new_tokens']} | {r['batch']} | {r['cache']} | {r['tokens_per_sec']:,.1f} | "
-              f"{r['decode_tokens_per_sec']:,.1f} | {mib(r['kv_live_bytes_final'])} | {mib(r['kv_live_bytes_mean'])} | "
-              f"{mib(r['kv_allocated_bytes'])} | {r['live_tokens_final']:.1f} | {100 * r['sparsity_final']:.0f}% |")
-    meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                python=platform.python_version(), dtype=args.dtype, checkpoint=args.checkpoint,
-                model=dict(n_layer=model.cfg.n_layers, n_embd=model.cfg.d_model, n_head=model.cfg.n_heads,
-                           interaction_dim=model.cfg.interaction_dim),
-                beta=None if args.checkpoint else args.beta, chunk=args.chunk, repeats=args.repeats)
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    model, params, info = load_model(args)
+    cfg = model.cfg
+    prompts = Prompts(cfg.vocab_size)
+    if args.prompt_text:
+        spec = args.tokenizer or info.get("tokenizer")
+        if not spec:
+            raise ValueError("--prompt-text needs --tokenizer (the model names none)")
+        batches = max(args.equal_batch or 0, args.max_batch if args.kv_budget else 0, args.calib_batch)
+        prompts = Prompts.from_text(args.prompt_text, spec, cfg.vocab_size, batches * max(args.prompt_lengths))
+        info.update(prompt_tokens=int(len(prompts.stream)))
+    bench = Bench(model, params, prompts, args)
+    result = {"meta": meta(args, model, info), "rows": []}
+    rows = result["rows"]
+
+    def save():
+        add_ratios(rows)
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f, indent=1)
+        os.replace(tmp, args.out)
+
+    modes = [m for m, on in (("equal-batch", args.equal_batch), ("kv-budget", args.kv_budget)) if on]
+    for t in args.prompt_lengths:
+        for policy in args.policies:
+            for mode in modes:
+                t0 = time.perf_counter()
+                try:
+                    row = bench_equal(bench, policy, t) if mode == "equal-batch" else bench_budget(bench, policy, t)
+                except Exception as e:  # noqa: BLE001 - one policy failing must not lose the others
+                    row = dict(mode=mode, policy=policy, prompt_len=t, error=f"{type(e).__name__}: {e}".split("\n")[0])
+                row["wall_seconds"] = time.perf_counter() - t0
+                rows.append(row)
+                print(json.dumps({k: v for k, v in row.items() if k not in ("times", "live_tokens_per_layer_final")}),
+                      flush=True)
+                save()
+    save()
+    print_table(rows)
     print(f"\nwrote {args.out}")
+    return result
 
 
 if __name__ == "__main__":

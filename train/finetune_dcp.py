@@ -214,7 +214,7 @@ class DCPTask(LMTask):
         if d.from_run:
             run = source_run(d.from_run, d.from_step)
             params = run.load_params()
-            log(f"restored {d.from_run} at step {run.step} ({run.model.arch}, {run.model.n_layers} layers, "
+            log(f"restored {d.from_run} at step {run.step} ({getattr(run.model, 'arch', run.model.model_type)}, {run.model.n_layers} layers, "
                 f"d={run.model.d_model}, vocab {run.model.vocab_size}, tokenizer {run.tokenizer})")
         elif d.hf_gpt2:
             from fox_jax.models.hf_gpt2 import load_hf_gpt2
@@ -268,7 +268,7 @@ class DCPTask(LMTask):
 
     def describe(self, cfg) -> str:
         d, m, o = cfg.dcp, cfg.model, cfg.optim
-        source = (f"{d.from_run} (step {d.from_step}, {m.arch})" if d.from_run else d.hf_gpt2 or "a random init")
+        source = (f"{d.from_run} (step {d.from_step}, {getattr(m, 'arch', m.model_type)})" if d.from_run else d.hf_gpt2 or "a random init")
         return (f"DCP fine-tuning of {source}: {m.n_layers} layers, d={m.d_model}; r={m.interaction_dim}, "
                 f"γ={d.gamma} ({d.gamma_normalization}; γ_eff={self.gamma_eff:.4f} on the causal mean); α "
                 f"{d.alpha_init}→{d.alpha_final} over {d.alpha_steps} steps; lr {o.lr:g} ({o.schedule}), warmup "
