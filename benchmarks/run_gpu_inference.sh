@@ -64,7 +64,7 @@ FT_STEPS=${FT_STEPS:-100}; FT_LR=${FT_LR:-3e-4}; FT_ILR=${FT_ILR:-3e-3}; GAMMAS=
 DCP_IMPL=${DCP_IMPL:-pallas}; WINDOW=${WINDOW:-256}; SINKS=${SINKS:-4}
 WIN_POLICY=window:$WINDOW; SINK_POLICY=sinks:$SINKS+$((WINDOW - SINKS))
 EVAL_BATCHES=${EVAL_BATCHES:-8}; NUM_DOCS=${NUM_DOCS:-16}   # eval --cache: the first SEQ tokens of NUM_DOCS val documents
-PASSKEY_LENGTHS=${PASSKEY_LENGTHS:-256,512,1024}; PASSKEY_DEPTHS=${PASSKEY_DEPTHS:-0,0.25,0.5,0.75,1}; PASSKEY_N=${PASSKEY_N:-4}
+PASSKEY_LENGTHS=${PASSKEY_LENGTHS-256,512,1024}; PASSKEY_DEPTHS=${PASSKEY_DEPTHS:-0,0.25,0.5,0.75,1}; PASSKEY_N=${PASSKEY_N:-4}
 BENCH_NEW=${BENCH_NEW:-128}; BENCH_PROMPT=${BENCH_PROMPT:-$((SEQ - BENCH_NEW))}; EQ_BATCH=${EQ_BATCH:-32}
 KV_BUDGET=${KV_BUDGET:-2}; MAX_BATCH=${MAX_BATCH:-256}; REPEATS=${REPEATS:-3}
 BENCH_WARM=${BENCH_WARM:-1}   # 1: compile the bench programs during the quality stages (persistent cache)
@@ -79,12 +79,15 @@ FOX_WARMUP=${FOX_WARMUP:-60}
 FOX_POLICIES=${FOX_POLICIES:-"dense acp $WIN_POLICY $SINK_POLICY"}
 FOX_CONTEXTS=${FOX_CONTEXTS:-"2048 8192 16384"}; FOX_EVAL_TOKENS=${FOX_EVAL_TOKENS:-32768}  # tokens per eval batch
 FOX_NUM_DOCS=${FOX_NUM_DOCS:-4}  # documents of LONG scored at each context (the four novels)
-FOX_PASSKEY_LENGTHS=${FOX_PASSKEY_LENGTHS:-2048,8192,16384}
+FOX_PASSKEY_LENGTHS=${FOX_PASSKEY_LENGTHS-2048,8192,16384}
 FOX_BENCH_PROMPTS=${FOX_BENCH_PROMPTS:-"2048 8192 16384"}; FOX_BENCH_BUDGET_PROMPTS=${FOX_BENCH_BUDGET_PROMPTS:-16384}
 FOX_BENCH_NEW=${FOX_BENCH_NEW:-64}; FOX_EQ_BATCH=${FOX_EQ_BATCH:-4}; FOX_KV_BUDGET=${FOX_KV_BUDGET:-2}
 FOX_MAX_BATCH=${FOX_MAX_BATCH:-64}; FOX_REPEATS=${FOX_REPEATS:-2}
 # time (s)
-DEADLINE=${DEADLINE:-565}; RESERVE=${RESERVE:-12}; JOBS=${JOBS:-8}
+DEADLINE=${DEADLINE:-565}; RESERVE=${RESERVE:-12}; JOBS=${JOBS:-3}
+# the stages, in order (one GPU: one training at a time; FoX first, its acp eviction is the headline)
+PLAN=${PLAN:-"fox_train fox_quality bench_fox pretrain finetune gpt2_quality bench_gpt2"}
+FT_PARALLEL=${FT_PARALLEL:-0}; FT_FORKS=${FT_FORKS-"ftlocal ftdense"}
 T_PRE=${T_PRE:-140}; T_FT=${T_FT:-90}; T_FOX=${T_FOX:-110}; T_GQ=${T_GQ:-110}; T_FQ=${T_FQ:-60}
 T_GB=${T_GB:-60}; T_FB=${T_FB:-60}
 
@@ -167,16 +170,17 @@ PY
 WARM_PID=$!
 
 # ---------------------------------------------------------------------------------------------- S1 pretrain
-PRE=$RUNS/gpt2
-stage_begin pretrain "$T_PRE"
-XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 job train gpt2 - "$SEQ" "$R/logs/pretrain.log" \
-  $CLI train --preset gpt2 --workdir "$PRE" --data "$TRAIN_DATA" $VAL_ARGS --tokenizer "$TOK" --seq-len "$SEQ" \
-  --batch-size "$PRE_BATCH" --steps "$STEPS" --lr "$PRE_LR" --warmup-steps "$PRE_WARMUP" --dtype "$DTYPE" \
-  --eval-every 0 --eval-batches "$EVAL_BATCHES" --log-every 50 --ckpt-every $(( STEPS / 4 > 0 ? STEPS / 4 : 1 )) \
-  --no-progress $GPT2_SHAPE
-stage_end $?
-PRE_STEP=$(last_step "$PRE"); save_run pre "$PRE" gpt2
-stamp "pretrain: last checkpoint step ${PRE_STEP:-none}; $(grep -E '^step|^done' "$R/logs/pretrain.log" | tail -n 1 | cut -c1-200)"
+PRE=$RUNS/gpt2; FOX=$RUNS/fox; PRE_STEP=; FOX_STEP=
+stage_pretrain() {
+  stage_begin pretrain "$T_PRE"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 job train gpt2 - "$SEQ" "$R/logs/pretrain.log" \
+    $CLI train --preset gpt2 --workdir "$PRE" --data "$TRAIN_DATA" $VAL_ARGS --tokenizer "$TOK" --seq-len "$SEQ" \
+    --batch-size "$PRE_BATCH" --steps "$STEPS" --lr "$PRE_LR" --warmup-steps "$PRE_WARMUP" --dtype "$DTYPE" \
+    --eval-every 0 --eval-batches "$EVAL_BATCHES" --log-every 50 --ckpt-every $(( STEPS / 4 > 0 ? STEPS / 4 : 1 )) \
+    --no-progress $GPT2_SHAPE
+  stage_end $?
+  PRE_STEP=$(last_step "$PRE"); save_run pre "$PRE" gpt2
+  stamp "pretrain: last checkpoint step ${PRE_STEP:-none}; $(grep -E '^step|^done' "$R/logs/pretrain.log" | tail -n 1 | cut -c1-200)"; }
 
 # ---------------------------------------------------------------------------------------------- S2 finetune
 fork_run() {  # fork_run SRC DST STEPS [PATTERN]: a 'fox-jax train' run continued as a fine-tune (hard-linked checkpoint)
@@ -213,13 +217,18 @@ ft_fork() {  # ft_fork NAME [PATTERN]
   job finetune "$1" "${2:-dense}" "$SEQ" "$R/logs/finetune_$1.log" $CLI train --workdir "$dir" --resume \
     --steps "$total" --log-every 10 --eval-every 0 --ckpt-every $(( FT_STEPS / 2 > 0 ? FT_STEPS / 2 : 1 )) --no-progress; }
 GPT2_MODELS=(pre)
+stage_finetune() {
 stage_begin finetune "$T_FT"
 if [ -n "$PRE_STEP" ]; then
-  export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
-  for g in $GAMMAS; do ft_dcp "$g" & done
-  ft_fork ftlocal "local:$WINDOW" &
-  ft_fork ftdense &
-  wait; unset XLA_PYTHON_CLIENT_MEM_FRACTION
+  if [ "$FT_PARALLEL" = 1 ]; then
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=0.2
+    for g in $GAMMAS; do ft_dcp "$g" & done
+    for m in $FT_FORKS; do ft_fork "$m" $([ "$m" = ftlocal ] && echo "local:$WINDOW") & done
+    wait; unset XLA_PYTHON_CLIENT_MEM_FRACTION
+  else  # one at a time: a single GPU runs one fine-tune at full speed, not four at a quarter
+    for g in $GAMMAS; do ft_dcp "$g"; done
+    for m in $FT_FORKS; do ft_fork "$m" $([ "$m" = ftlocal ] && echo "local:$WINDOW"); done
+  fi
   for g in $GAMMAS; do [ -n "$(last_step "$RUNS/dcp_g$g")" ] && GPT2_MODELS+=("dcp_g$g") && save_run "dcp_g$g" "$RUNS/dcp_g$g" gpt2-dcp; done
   for m in ftlocal ftdense; do
     if [ -n "$(last_step "$RUNS/$m")" ] && [ "$(last_step "$RUNS/$m")" != "$PRE_STEP" ]; then
@@ -240,6 +249,7 @@ else
 fi
 stamp "GPT-2 models: ${GPT2_MODELS[*]}"
 for g in $GAMMAS; do stamp "  dcp_g$g: $(grep -E '^done' "$R"/logs/finetune_dcp_g$g*.log 2>/dev/null | tail -n 1 | cut -c1-200)"; done
+}
 
 # ---------------------------------------------------------------------------------------------- S3 fox-train || gpt2-quality
 policies_of() {  # the cache policies of a GPT-2 model (eval --cache scores dense on the same tokens anyway)
@@ -291,33 +301,31 @@ fox_benches() {  # fox_benches WARM
     --prefill budget "${args[@]}"
   "${run[@]}" bench_job "$1" fox "$fp" fox_equal --prompt-lengths $FOX_BENCH_PROMPTS --equal-batch "$FOX_EQ_BATCH" \
     --prefill none "${args[@]}"; }
-FOX=$RUNS/fox
-stage_begin fox-train+gpt2-quality "$T_FOX"
-GQ_END=$(( $(elapsed) + $(limit "$T_GQ") ))
-( STAGE=fox-train; STAGE_END=$(( $(elapsed) + $(limit "$T_FOX") ))
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.35 job train fox - "$FOX_SEQ" "$R/logs/fox_train.log" \
+stage_fox_train() {
+  stage_begin fox-train "$T_FOX"
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.85 job train fox - "$FOX_SEQ" "$R/logs/fox_train.log" \
     $CLI train --preset "$FOX_PRESET" --arch "$FOX_ARCH" --workdir "$FOX" --data "$TRAIN_DATA" $VAL_ARGS \
     --tokenizer "$TOK" --seq-len "$FOX_SEQ" --batch-size "$FOX_BATCH" --steps "$FOX_STEPS" --lr "$FOX_LR" \
     --warmup-steps "$FOX_WARMUP" --dtype "$DTYPE" --eval-every 0 --eval-batches 4 --log-every 50 \
-    --ckpt-every $(( FOX_STEPS / 3 > 0 ? FOX_STEPS / 3 : 1 )) --no-progress $FOX_SHAPE ) &
-FOX_PID=$!
-wait "$WARM_PID" 2>/dev/null
-( STAGE=gpt2-quality; STAGE_END=$GQ_END
+    --ckpt-every $(( FOX_STEPS / 3 > 0 ? FOX_STEPS / 3 : 1 )) --no-progress $FOX_SHAPE
+  stage_end $?
+  FOX_STEP=$(last_step "$FOX"); [ -n "$FOX_STEP" ] && save_run fox "$FOX" fox
+  stamp "fox: last checkpoint step ${FOX_STEP:-none}; $(grep -E '^step|^done' "$R/logs/fox_train.log" | tail -n 1 | cut -c1-200)"; }
+stage_gpt2_quality() {
+  stage_begin gpt2-quality "$T_GQ"
+  wait "$WARM_PID" 2>/dev/null
   for m in "${GPT2_MODELS[@]}"; do
     for p in $(policies_of "$m"); do
       [ "$p" != dense ] && pool eval_job "$m" "$p" "$SEQ" --num-docs "$NUM_DOCS"
-      pool passkey_job "$m" "$p" "$PASSKEY_LENGTHS"
+      [ -n "$PASSKEY_LENGTHS" ] && pool passkey_job "$m" "$p" "$PASSKEY_LENGTHS"
     done
     [ "$m" = pre ] && [ "$BENCH_WARM" = 1 ] && gpt2_benches 1
-  done; wait ) &
-GQ_PID=$!
-wait "$FOX_PID"; FOX_RC=$?
-wait "$GQ_PID"
-stage_end $FOX_RC
-FOX_STEP=$(last_step "$FOX"); [ -n "$FOX_STEP" ] && save_run fox "$FOX" fox
-stamp "fox: last checkpoint step ${FOX_STEP:-none}; $(grep -E '^step|^done' "$R/logs/fox_train.log" | tail -n 1 | cut -c1-200)"
+  done; wait
+  stage_end 0; }
 
 # ---------------------------------------------------------------------------------------------- S4 fox-quality
+stage_fox_quality() {
+wait "$WARM_PID" 2>/dev/null
 stage_begin fox-quality "$T_FQ"
 if [ -n "$FOX_STEP" ]; then
   for c in $FOX_CONTEXTS; do
@@ -326,24 +334,23 @@ if [ -n "$FOX_STEP" ]; then
         batch_size=$(( FOX_EVAL_TOKENS / c > 0 ? FOX_EVAL_TOKENS / c : 1 ))
     done
   done
-  for p in $FOX_POLICIES; do pool passkey_job fox "$p" "$FOX_PASSKEY_LENGTHS"; done
+  [ -n "$FOX_PASSKEY_LENGTHS" ] && for p in $FOX_POLICIES; do pool passkey_job fox "$p" "$FOX_PASSKEY_LENGTHS"; done
   [ "$BENCH_WARM" = 1 ] && fox_benches 1
   wait; stage_end 0
 else
   stamp "fox-quality: skipped (no FoX checkpoint)"; stage_end 1
 fi
+}
 
 # ---------------------------------------------------------------------------------------------- S5/S6 bench
-stage_begin bench-gpt2 "$T_GB"
-gpt2_benches 0
-stage_end 0
-stage_begin bench-fox "$T_FB"
-if [ -n "$FOX_STEP" ]; then
-  fox_benches 0
-  stage_end 0
-else
-  stamp "bench-fox: skipped (no FoX checkpoint)"; stage_end 1
-fi
+stage_bench_gpt2() { stage_begin bench-gpt2 "$T_GB"; gpt2_benches 0; stage_end 0; }
+stage_bench_fox() {
+  stage_begin bench-fox "$T_FB"
+  if [ -n "$FOX_STEP" ]; then fox_benches 0; stage_end 0; else stamp "bench-fox: skipped (no FoX checkpoint)"; stage_end 1; fi; }
+snapshot() {  # what has finished so far, in $OUT (a cut command still returns it)
+  cp "$R/timeline.log" "$OUT/" 2>/dev/null; tar -czf "$OUT/inference.tar.gz.tmp" -C "$OUT" inference 2>/dev/null \
+    && mv "$OUT/inference.tar.gz.tmp" "$OUT/inference.tar.gz"; }
+for st in $PLAN; do "stage_$st"; snapshot; done
 
 # ---------------------------------------------------------------------------------------------- S7 collect
 stamp "collect"

@@ -59,6 +59,7 @@ class SlotGroup:
       lam_hi, lam_lo: [B, n, G, S] float32, Λ_j = hi + lo of the token in each slot for each of the G query
         heads of every key/value head (nats, ≤ 0), or None without forget gates.
       k_int: [B, S, r] float32 DCP interaction keys (per-row tables only), or None.
+      live: [B, nt] int32 occupied slots per row and table (kept with the tables, so counting costs nothing).
       peak: [nt] int32, the most slots any row has held in each table so far (sizes a pool:
         ``fox_jax.decoding.calibrate_slots``).
       heads: the key/value heads of the layer this group holds (static).
@@ -70,6 +71,7 @@ class SlotGroup:
     lam_hi: jax.Array | None
     lam_lo: jax.Array | None
     k_int: jax.Array | None
+    live: jax.Array
     peak: jax.Array
     heads: tuple = flax.struct.field(pytree_node=False)
 
@@ -80,6 +82,10 @@ class SlotGroup:
     def occupied(self) -> jax.Array:
         """[B, n, S] bool."""
         return jnp.broadcast_to(self.pos >= 0, self.k.shape[:3])
+
+    def held(self) -> jax.Array:
+        """[B] float32 live (slot, key/value head) entries per row."""
+        return jnp.sum(self.live, axis=1, dtype=jnp.float32) * (self.k.shape[1] // self.pos.shape[1])
 
     @property
     def entry_bytes(self) -> int:
@@ -128,12 +134,11 @@ class SlotKVCache:
 
     def live_count(self) -> jax.Array:
         """[B] float32 live tokens per row, averaged over the key/value heads."""
-        total = sum(jnp.sum(g.occupied(), axis=(1, 2), dtype=jnp.float32) for g in self.groups)
-        return total / self.kv_heads
+        return sum(g.held() for g in self.groups) / self.kv_heads
 
     def live_bytes(self) -> jax.Array:
         """[B] float32 bytes of the live entries per row."""
-        return sum(jnp.sum(g.occupied(), axis=(1, 2), dtype=jnp.float32) * g.entry_bytes for g in self.groups)
+        return sum(g.held() * g.entry_bytes for g in self.groups)
 
     def allocated_bytes(self) -> int:
         """Bytes the pool holds for all rows (k, v, Λ, k_int; the slot tables excluded)."""
@@ -193,7 +198,8 @@ def new_slot_cache(batch: int, slots, *, n_heads: int, kv_heads: int, head_dim: 
         k_int = None if interaction_dim is None or policy.kind != "dcp" else jnp.zeros((batch, count, interaction_dim),
                                                                                          jnp.float32)
         pos = jnp.full((batch, n if policy.per_head else 1, count), -1, jnp.int32)
-        groups.append(SlotGroup(kv(), kv(), pos, lam(), lam(), k_int, jnp.zeros((pos.shape[1],), jnp.int32), heads))
+        groups.append(SlotGroup(kv(), kv(), pos, lam(), lam(), k_int, jnp.zeros(pos.shape[:2], jnp.int32),
+                                jnp.zeros((pos.shape[1],), jnp.int32), heads))
     state = (lambda: jnp.zeros((batch, kv_heads, head_dim), dtype)) if kv_shift else (lambda: None)
     last = (lambda: jnp.zeros((batch, n_heads), jnp.float32)) if forget_gate else (lambda: None)
     capacity = max(c.slots for c in groups)
@@ -253,22 +259,26 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
     keep_old = tables(vis_old[:, :, :, -1], s)                               # [B, nt, S]
     keep_new = tables(vis_new[:, :, :, -1], t)                               # [B, nt, T]
     free = ~keep_old
-    if t == 1:  # a decode step: with no free slot the oldest cached token makes room
-        full = ~jnp.any(free, axis=2, keepdims=True) & keep_new
-        oldest = jnp.argmin(jnp.where(keep_old, pos, jnp.iinfo(jnp.int32).max), axis=2)[..., None]
-        free = free | (full & (jnp.arange(s) == oldest))
+    if t == 1:
+        # one reduction picks the slot: the lowest free one, or, when none is free, the oldest cached token
+        # (an overflow: it makes room); it also counts what the row holds
+        big = jnp.int32(2 ** 30)
+        key = jnp.where(free, big - jnp.arange(s), -pos)                     # kept slots hold positions ≥ 0
+        slot0 = jnp.argmax(key, axis=2)[..., None]                            # [B, nt, 1]
+        full = keep_new & ~jnp.take_along_axis(free, slot0, axis=2)
+        placed = keep_new
+        slot = jnp.where(placed, slot0, s)
         dropped = jnp.sum(full, axis=(1, 2), dtype=jnp.int32)
-        keep_old = keep_old & ~free
-    n_free = jnp.sum(free, axis=2, keepdims=True)
-    rank = jnp.cumsum(keep_new, axis=2) - 1                                   # [B, nt, T] token order
-    surplus = jnp.maximum(jnp.sum(keep_new, axis=2, keepdims=True) - n_free, 0)
-    placed = keep_new & (rank >= surplus)                                     # the newest survivors fit
-    if t == 1:  # the lowest free slot
-        slot = jnp.where(placed, jnp.argmax(free, axis=2)[..., None], s)
-    else:  # the k-th survivor to the k-th free slot, lowest first
+        held = jnp.sum(keep_old, axis=2, dtype=jnp.int32) + jnp.sum(placed & ~full, axis=2, dtype=jnp.int32)
+    else:  # the k-th survivor to the k-th free slot, lowest first; the oldest surplus survivors are dropped
+        n_free = jnp.sum(free, axis=2, keepdims=True)
+        rank = jnp.cumsum(keep_new, axis=2) - 1                               # [B, nt, T] token order
+        surplus = jnp.maximum(jnp.sum(keep_new, axis=2, keepdims=True) - n_free, 0)
+        placed = keep_new & (rank >= surplus)                                 # the newest survivors fit
         dropped = jnp.sum(surplus, axis=(1, 2), dtype=jnp.int32)
         order = jnp.argsort(~free, axis=2, stable=True)
         slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=2), s)
+        held = jnp.sum(keep_old, axis=2, dtype=jnp.int32) + jnp.sum(placed, axis=2, dtype=jnp.int32)
     rows = jnp.arange(b)[:, None, None]
     heads = jnp.arange(n)[None, :, None]
     slot_n = jnp.broadcast_to(slot, (b, n, t))
@@ -279,7 +289,7 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
         jnp.broadcast_to(p[:, None], slot.shape), mode="drop")
     new = group.replace(
         k=put(group.k, kt), v=put(group.v, vt), pos=pos,
-        peak=jnp.maximum(group.peak, jnp.max(jnp.sum(pos >= 0, axis=2, dtype=jnp.int32), axis=0)),
+        live=held, peak=jnp.maximum(group.peak, jnp.max(held, axis=0)),
         lam_hi=None if lam is None else put_lam(group.lam_hi, lam[0]),
         lam_lo=None if lam is None else put_lam(group.lam_lo, lam[1]),
         k_int=None if group.k_int is None else group.k_int.at[rows[:, :, 0], slot[:, 0]].set(
