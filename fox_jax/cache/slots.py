@@ -45,6 +45,7 @@ from fox_jax.cache.decay import accumulate_log_fgate
 from fox_jax.cache.policies import CachePolicy, parse_policy
 from fox_jax.ops._common import check_seq_start, dot_precision
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, keep_logits
+from fox_jax.ops.forgetting_attention import forgetting_attention
 
 
 @flax.struct.dataclass
@@ -110,6 +111,8 @@ class SlotKVCache:
       overflow: [B] int32 entries (tokens × heads) dropped because the pool had no free slot.
       policy: the ``CachePolicy`` (static).
       max_context: N, the longest context this cache serves (static; ``acp``'s threshold uses it).
+      fresh: nothing has been fed yet (static): a first chunk under ``dense`` or ``window`` then runs the
+        flash attention op over itself (``fox_jax.ops.forgetting_attention``) instead of the masked pool path.
     """
 
     groups: tuple
@@ -122,6 +125,7 @@ class SlotKVCache:
     overflow: jax.Array
     policy: CachePolicy = flax.struct.field(pytree_node=False)
     max_context: int = flax.struct.field(pytree_node=False)
+    fresh: bool = flax.struct.field(pytree_node=False, default=True)
 
     @property
     def kv_heads(self) -> int:
@@ -223,27 +227,31 @@ def _positional(policy: CachePolicy, p_query, p_key):
     return jnp.ones((), bool)
 
 
-def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, delta, z_old, z_new, k_int, scale):
+def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, delta, z_old, z_new, k_int, scale,
+                 attend: bool = True):
     """One group's attention for a chunk and its updated slots (module docstring, steps 1–3).
 
     q [B, T, n, G, D]; k, v [B, T, n, D]; p, real [B, T]; lam: (hi, lo) [B, T, n, G] or None; delta
     [B, n, G] or None; z_old [B, T, S], z_new [B, T, T], k_int [B, T, r] (DCP) or None. Scores and masks
-    are [B, n, G, T, keys] (masks broadcast over n when the tables are per row and over G)."""
+    are [B, n, G, T, keys] (masks broadcast over n when the tables are per row and over G). ``attend=False``
+    only updates the slots (the caller computed the attention) and returns None for it."""
     b, t, n, gq, d = q.shape
     s = group.slots
     per_head = group.pos.shape[1] > 1
     pos = group.pos                                                          # [B, nt, S]
     pj_old = pos[:, :, None, None, :]                                        # [B, nt, 1, 1, S]
     pj_new = p[:, None, None, None, :]                                       # [B, 1, 1, 1, T]
-    pi = p[:, None, None, :, None]                                           # [B, 1, 1, T, 1]
+    # queries: every chunk token, or (attend=False: a positional policy) only the last, whose view is kept
+    pq = p if attend else p[:, -1:]
+    pi = pq[:, None, None, :, None]                                          # [B, 1, 1, Tq, 1]
     vis_old = (pj_old >= 0) & _positional(policy, pi, pj_old)
-    causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+    causal = (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]) if attend else jnp.ones((1, t), bool)
     vis_new = causal & real[:, None, None, None, :] & _positional(policy, pi, pj_new)
     if policy.kind == "dcp":
         vis_old = vis_old & (jnp.cumsum(z_old <= 0, axis=1) == 0)[:, None, None]
         vis_new = vis_new & (cumulative_keep_log_mask(z_new, jnp.inf) == 0.0)[:, None, None]
     bias_old = bias_new = None
-    if lam is not None:
+    if lam is not None and attend:
         hi, lo = (x.transpose(0, 2, 3, 1) for x in lam)                     # [B, n, G, T]
         bias_old = (hi[..., None] - group.lam_hi[:, :, :, None]) + (lo[..., None] - group.lam_lo[:, :, :, None])
         bias_new = (hi[..., None] - hi[..., None, :]) + (lo[..., None] - lo[..., None, :])
@@ -295,6 +303,8 @@ def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, d
         k_int=None if group.k_int is None else group.k_int.at[rows[:, :, 0], slot[:, 0]].set(
             k_int.astype(jnp.float32), mode="drop"))
 
+    if not attend:
+        return None, new, dropped
     qt = q.transpose(0, 2, 3, 1, 4)                                          # [B, n, G, T, D]
     prec = dot_precision(q.dtype)
     dot = lambda keys: jnp.einsum("bngtd,bnsd->bngts", qt, keys.astype(q.dtype), preferred_element_type=jnp.float32,
@@ -376,6 +386,12 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     if threshold is not None and policy.kind == "acp":
         delta = jnp.minimum(jnp.broadcast_to(jnp.asarray(threshold, jnp.float32), (b, h)), 0.0).reshape(b, hkv, g)
     qg = q.reshape(b, t, hkv, g, d)
+    # a first chunk of a fresh cache under a policy the flash op expresses: the op over the chunk itself
+    flash = cache.fresh and t > 1 and policy.kind in ("dense", "window") and len(cache.groups) == 1
+    if flash:
+        o_flash = forgetting_attention(q, k.astype(q.dtype), v.astype(q.dtype), log_fgate, seq_start=cache.seq_start,
+                                       window_size=policy.window if policy.kind == "window" else None,
+                                       sm_scale=scale)
     outs, groups, dropped = [], [], jnp.zeros((b,), jnp.int32)
     z_new = None if policy.kind != "dcp" else keep_logits(q_int, k_int, beta)
     for group in cache.groups:
@@ -386,11 +402,13 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
         o, new, n_dropped = _group_chunk(
             group, policy, pick(qg), pick(k), pick(v), p, real,
             None if lam is None else (pick(lam[0]), pick(lam[1])),
-            None if delta is None else jnp.take(delta, idx, axis=1), z_old, z_new, k_int, scale)
+            None if delta is None else jnp.take(delta, idx, axis=1), z_old, z_new, k_int, scale, attend=not flash)
         outs.append((idx, o))
         groups.append(new)
         dropped = dropped + n_dropped
-    if len(outs) == 1 and cache.groups[0].heads == tuple(range(hkv)):
+    if flash:
+        o = o_flash
+    elif len(outs) == 1 and cache.groups[0].heads == tuple(range(hkv)):
         o = outs[0][1]
     else:
         o = jnp.zeros((b, t, hkv, g, d), jnp.float32)
@@ -400,7 +418,8 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     new_cache = cache.replace(
         groups=tuple(groups), length=cache.length + t, overflow=cache.overflow + dropped,
         lam_hi=None if lam_last is None else lam_last[0], lam_lo=None if lam_last is None else lam_last[1],
-        k_shift=k_shift if cache.k_shift is not None else None, v_shift=v_shift if cache.v_shift is not None else None)
+        k_shift=k_shift if cache.k_shift is not None else None, v_shift=v_shift if cache.v_shift is not None else None,
+        fresh=False)
     return o.astype(q.dtype), new_cache
 
 

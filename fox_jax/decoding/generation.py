@@ -244,6 +244,12 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+def _chunk_size(policy: CachePolicy, prefill_chunk: int, t: int) -> int:
+    """Prefill chunk: the whole prompt where a fresh cache runs the flash op over it (``dense``, ``window``:
+    linear memory), else ``prefill_chunk`` (the masked pool path holds [chunk, pool] scores)."""
+    return t if policy.kind in ("dense", "window") else min(prefill_chunk, t)
+
+
 def _left_pad(tokens, seq_start, chunk: int):
     """Left-pad [B, T] tokens to a multiple of ``chunk`` columns (more pads; positions are unchanged)."""
     extra = (-tokens.shape[1]) % chunk
@@ -253,11 +259,13 @@ def _left_pad(tokens, seq_start, chunk: int):
 
 
 def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
-    """Feed [B, T] tokens (T a multiple of ``chunk``) through the caches chunk by chunk (``lax.scan``).
-    Returns (caches, logits of the last column [B, V] float32, NLL [B, T] of ``targets`` or None)."""
+    """Feed [B, T] tokens (T a multiple of ``chunk``) through the caches chunk by chunk: the first chunk on
+    its own (a fresh cache may take the flash path), the rest in a ``lax.scan``. Returns (caches, logits of
+    the last column [B, V] float32, NLL [B, T] of ``targets`` or None)."""
     b, t = tokens.shape
-    xs = tokens.reshape(b, t // chunk, chunk).transpose(1, 0, 2)
-    ys = None if targets is None else targets.reshape(b, t // chunk, chunk).transpose(1, 0, 2)
+    split = lambda x: x.reshape(b, t // chunk, chunk).transpose(1, 0, 2)
+    xs = split(tokens)
+    ys = None if targets is None else split(targets)
 
     def body(caches, x):
         out = model.apply({"params": params}, x[0], cache=caches)
@@ -268,8 +276,14 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
             nll = lse - jnp.take_along_axis(logits, x[1][..., None], axis=-1)[..., 0]
         return out.cache, (logits[:, -1], nll)
 
-    caches, (last, nll) = lax.scan(body, caches, (xs, ys))
-    return caches, last[-1], None if nll is None else nll.transpose(1, 0, 2).reshape(b, t)
+    caches, (last, nll) = body(caches, (xs[0], None if ys is None else ys[0]))
+    if xs.shape[0] > 1:
+        caches, (lasts, nlls) = lax.scan(body, caches, (xs[1:], None if ys is None else ys[1:]))
+        last = lasts[-1]
+        nll = None if nll is None else jnp.concatenate([nll[None], nlls], axis=0).transpose(1, 0, 2).reshape(b, t)
+    elif nll is not None:
+        nll = nll.reshape(b, t)
+    return caches, last, nll
 
 
 @functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 11)))
@@ -323,7 +337,9 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
       temperature: 0 for greedy decoding, else the softmax temperature; top_k, top_p: sampling filters.
       stop_tokens: token ids that end a row (kept in the output).
       rng: PRNG key, required when temperature > 0.
-      prefill_chunk: prompt tokens per prefill chunk (the prompt is left-padded to a multiple of it).
+      prefill_chunk: prompt tokens per prefill chunk for ``dcp``, ``acp`` and ``sinks`` (the prompt is left-padded
+        to a multiple of it); ``dense`` and ``window`` prefill the whole prompt at once with the flash
+        attention op.
 
     Returns:
       ``Generation(tokens, lengths, live_counts, overflow, caches)``.
@@ -358,7 +374,7 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     _check_positions(cfg, seq_start, context)
     slots = min_slots(policy, context - int(jnp.min(seq_start))) if slots is None else slots
     _check_slots(policy, slots, context - int(jnp.min(seq_start)))
-    chunk = min(prefill_chunk, t)
+    chunk = _chunk_size(policy, prefill_chunk, t)
     tokens, seq_start = _left_pad(tokens, seq_start, chunk)
     caches = init_cache(model, b, slots, policy=policy, seq_start=seq_start, max_context=context)
     return _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
@@ -397,7 +413,7 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     _check_positions(cfg, seq_start, t)
     slots = min_slots(policy, t - int(jnp.min(seq_start))) if slots is None else slots
     _check_slots(policy, slots, t - int(jnp.min(seq_start)))
-    chunk = min(prefill_chunk, t)
+    chunk = _chunk_size(policy, prefill_chunk, t)
     padded, padded_start = _left_pad(tokens, seq_start, chunk)
     caches = init_cache(model, b, slots, policy=policy, seq_start=padded_start, max_context=t)
     nll, caches = _score(model, params, padded, caches, chunk)
