@@ -17,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 
-def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None):
-    """(run, model config, tokenizer) of a run or Hugging Face directory for decoding under ``policy``:
-    a DCP model keeps its interaction weights only for ``dcp`` (every other policy runs its dense part).
+def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None, check=None):
+    """(run, tokenizer) of a run or Hugging Face directory for decoding under ``policy``: a DCP model keeps
+    its interaction weights only for ``dcp`` (every other policy runs its dense part). ``check(run)``, if
+    given, runs before the tokenizer is looked for (argument checks that need only the config).
 
     Raises:
       ValueError: an unknown policy, ``dcp`` on a model without DCP, no tokenizer, a tokenizer with more
@@ -36,6 +37,8 @@ def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: st
             raise ValueError(f"--cache dcp needs a DCP model; {path} ({run.what}) has no DCP parameters")
     else:
         run = run.without_dcp()
+    if check is not None:
+        check(run)
     tokenizer_spec = tokenizer or run.tokenizer
     if tokenizer_spec is None:
         raise ValueError(f"--tokenizer is needed: {path} names none (no vocab.json + merges.txt or tokenizer.json)")

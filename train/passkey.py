@@ -483,8 +483,9 @@ def cmd_passkey(args) -> int:
     text_path = Path(args.text) if args.text else default_text_path()
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
-    run, tokenizer = load_for_decoding(args.run, step=args.step, policy=policy, tokenizer=args.tokenizer)
-    _check_lengths(lengths, run.model.max_positions, "--lengths")  # before any parameter is read
+    run, tokenizer = load_for_decoding(  # the lengths are checked before anything else is read
+        args.run, step=args.step, policy=policy, tokenizer=args.tokenizer,
+        check=lambda r: _check_lengths(lengths, r.model.max_positions, "--lengths"))
     text = text_path.read_text(encoding="utf-8")
     params = run.load_params()
     result = run_passkey(run.model.build(), params, tokenizer, text, lengths=lengths, depths=depths,
