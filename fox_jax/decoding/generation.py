@@ -244,6 +244,20 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
+def _fresh_caches(model, tokens, policy: CachePolicy, slots, seq_start, prefill_chunk: int, context: int):
+    """Check positions and the pool for ``context`` tokens fed, left-pad [B, T] ``tokens`` to a multiple of the
+    prefill chunk and make fresh caches: (padded tokens, caches, chunk)."""
+    b, t = tokens.shape
+    seq_start = check_seq_start(seq_start, b, t)
+    _check_positions(_config(model), seq_start, context)
+    real = context - int(jnp.min(seq_start))
+    slots = min_slots(policy, real) if slots is None else slots
+    _check_slots(policy, slots, real)
+    chunk = _chunk_size(policy, prefill_chunk, t)
+    tokens, seq_start = _left_pad(tokens, seq_start, chunk)
+    return tokens, init_cache(model, b, slots, policy=policy, seq_start=seq_start, max_context=context), chunk
+
+
 def _chunk_size(policy: CachePolicy, prefill_chunk: int, t: int) -> int:
     """Prefill chunk: the whole prompt where a fresh cache runs the flash op over it (``dense``, ``window``:
     linear memory), else ``prefill_chunk`` (the masked pool path holds [chunk, pool] scores)."""
@@ -369,14 +383,8 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
         raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
     stop_tokens = tuple(int(s) for s in stop_tokens)
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    seq_start = check_seq_start(seq_start, b, t)
     context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
-    _check_positions(cfg, seq_start, context)
-    slots = min_slots(policy, context - int(jnp.min(seq_start))) if slots is None else slots
-    _check_slots(policy, slots, context - int(jnp.min(seq_start)))
-    chunk = _chunk_size(policy, prefill_chunk, t)
-    tokens, seq_start = _left_pad(tokens, seq_start, chunk)
-    caches = init_cache(model, b, slots, policy=policy, seq_start=seq_start, max_context=context)
+    tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context)
     return _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
                      None if top_p is None else float(top_p), stop_tokens)
 
@@ -407,15 +415,7 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     b, t = tokens.shape
     if t < 2:
         raise ValueError(f"tokens must have T ≥ 2 to score a next token, got {tokens.shape}")
-    cfg = _config(model)
-    policy = parse_policy(policy)
-    seq_start = check_seq_start(seq_start, b, t)
-    _check_positions(cfg, seq_start, t)
-    slots = min_slots(policy, t - int(jnp.min(seq_start))) if slots is None else slots
-    _check_slots(policy, slots, t - int(jnp.min(seq_start)))
-    chunk = _chunk_size(policy, prefill_chunk, t)
-    padded, padded_start = _left_pad(tokens, seq_start, chunk)
-    caches = init_cache(model, b, slots, policy=policy, seq_start=padded_start, max_context=t)
+    padded, caches, chunk = _fresh_caches(model, tokens, parse_policy(policy), slots, seq_start, prefill_chunk, t)
     nll, caches = _score(model, params, padded, caches, chunk)
     overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
     return nll[:, padded.shape[1] - t:][:, :-1], overflow
