@@ -102,10 +102,12 @@ class LanguageModel(nn.Module):
         else:
             logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
                               kernel_init=normal_init(cfg.init_std), name="lm_head")(x)
+        if cache is not None:  # decoding: no DCP masks (the cache's policy applied them); DCP logits are float32
+            return ModelOutput(logits.astype(jnp.float32) if cfg.dcp else logits, cache=tuple(o.cache for o in outs))
         if cfg.dcp:
             return ModelOutput(logits.astype(jnp.float32),
                                aux=dcp_aux(jnp.stack([o.log_mask for o in outs]), segment_ids))
-        return ModelOutput(logits, cache=None if cache is None else tuple(o.cache for o in outs))
+        return ModelOutput(logits)
 
 
 def count_params(params) -> int:
