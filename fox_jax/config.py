@@ -262,7 +262,7 @@ class ModelConfig(FamilyConfig):
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).
         A DCP model's ``apply`` needs ``alpha`` and fills ``ModelOutput.aux`` (see ``LanguageModel``).
-        Not combinable with ``adaptive_threshold`` (ACP); decoding with caches is not implemented.
+        Not combinable with ``adaptive_threshold`` (ACP); decodes with the ``dcp`` cache policy (α = ∞).
       interaction_dim: r, width of the interaction queries/keys (64, the paper's recipe, §1.1).
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default, §1.1).
       dcp_impl: ``implementation`` of ``dcp_attention``: ``"xla"`` (blockwise, default) or ``"pallas"``

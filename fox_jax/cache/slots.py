@@ -108,7 +108,7 @@ class SlotKVCache:
       seq_start: [B] int32 left pads per row; the token in column c has position c − seq_start.
       lam_hi, lam_lo: [B, H] float32 Λ of the last token fed (the pair carried into the next chunk), or None.
       k_shift, v_shift: [B, Hkv, D] the unshifted k/v projections of the last token (KV-shift), or None.
-      overflow: [B] int32 entries (tokens × heads) dropped because the pool had no free slot.
+      overflow: [B] int32 entries dropped because the pool had no free slot (tokens; for per-head tables, tokens × heads).
       policy: the ``CachePolicy`` (static).
       max_context: N, the longest context this cache serves (static; ``acp``'s threshold uses it).
       fresh: nothing has been fed yet (static): a first chunk under ``dense`` or ``window`` then runs the

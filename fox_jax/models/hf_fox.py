@@ -146,7 +146,8 @@ def config_from_official(hf_config: dict, **overrides: Any) -> ModelConfig:
     if kv_heads is not None and fox:
         refuse("num_kv_heads", kv_heads, "the official FoX layer has no GQA (it raises NotImplementedError)")
     if not fox and hf_config.get("window_size") is not None:
-        refuse("window_size", hf_config["window_size"], "sliding-window attention is not implemented")
+        refuse("window_size", hf_config["window_size"], "fox_jax models have no sliding-window "
+               "layers (the attention op has window_size; to decode with a window use the cache policy window:W)")
     kw: dict[str, Any] = dict(
         vocab_size=int(get("vocab_size", 32000)), d_model=hidden, n_layers=int(get("num_hidden_layers", 24)),
         n_heads=heads, n_kv_heads=None if kv_heads is None or int(kv_heads) == heads else int(kv_heads),
