@@ -205,15 +205,18 @@ def test_gradients_finite_and_reach_interaction_params(arch):
             assert float(jnp.abs(attn["fgate_proj"]["kernel"]).max()) > 0.0
 
 
-def test_alpha_required_and_decoding_not_implemented():
+def test_alpha_required_and_decoding_uses_the_step_mask():
     cfg = tiny("fox-llama", dcp=True)
     params = cfg.init_params(jax.random.PRNGKey(0))
     tokens, _ = tokens_and_segments()
     model = LanguageModel(cfg)
     with pytest.raises(ValueError, match="alpha"):
         model.apply({"params": params}, tokens)
-    with pytest.raises(NotImplementedError, match="DCP"):
-        model.apply({"params": params}, tokens, cache=(None,) * cfg.n_layers, alpha=float("inf"))
+    # with a cache a DCP model decodes at α = ∞ (no alpha needed): the training path's logits at α = ∞
+    out = model.apply({"params": params}, tokens, cache=cfg.init_cache(tokens.shape[0], T, policy="dcp"))
+    want = model.apply({"params": params}, tokens, alpha=float("inf")).logits
+    assert out.logits.dtype == jnp.float32 and len(out.cache) == cfg.n_layers
+    np.testing.assert_allclose(out.logits, want, atol=1e-4, rtol=1e-4)  # float32, two summation orders
     # A dense model ignores alpha; its output has no aux.
     dense = tiny("fox-llama")
     out = LanguageModel(dense).apply({"params": dense.init_params(jax.random.PRNGKey(0))}, tokens, alpha=1.0)
