@@ -80,10 +80,6 @@ class SlotGroup:
     def slots(self) -> int:
         return self.k.shape[2]
 
-    def occupied(self) -> jax.Array:
-        """[B, n, S] bool."""
-        return jnp.broadcast_to(self.pos >= 0, self.k.shape[:3])
-
     def held(self) -> jax.Array:
         """[B] float32 live (slot, key/value head) entries per row."""
         return jnp.sum(self.live, axis=1, dtype=jnp.float32) * (self.k.shape[1] // self.pos.shape[1])
