@@ -140,8 +140,9 @@ def _check_slots(policy: CachePolicy, slots, context: int) -> None:
         if slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots}")
         if policy.kind in ("dense", "window", "sinks") and slots < need:
-            raise ValueError(f"the KV budget is too small for one sequence: cache policy {policy.spec} needs "
-                             f"{need} slots per row for {context} tokens, got {slots}")
+            raise ValueError(f"the KV pool is too small for one sequence: cache policy {policy.spec} needs {need} slots "
+                             f"per row and layer for the {context} tokens fed (prompt + new tokens − 1, the last "
+                             f"sample is never fed back), got {slots}")
 
 
 @functools.partial(jax.jit, static_argnums=0)
