@@ -8,7 +8,14 @@ Implementations (all bf16 q/k/v, float32 log forget gates):
   pallas        fox_jax forgetting_attention(implementation="pallas")
   pallas-acp    same with adaptive_threshold="auto"
   pallas-acp-trained  same, on the log forget gates of a trained FoX (--gates-from RUN_DIR; TrainedGates)
+  mosaic        fox_jax forgetting_attention(implementation="mosaic"): the Hopper Mosaic GPU forward,
+                the same Triton backward kernels
+  mosaic-acp    same with adaptive_threshold="auto"
   fla           fla-core's PyTorch/Triton parallel_forgetting_attn (if importable), same process
+  fox-triton    the official FoX Triton kernel (PyTorch), loaded by path from --fox-triton DIR (a copy for
+                benchmarking only; never imported by the package), same process
+  fox-triton-acp  same with adaptive_threshold="auto"
+  torch-cudnn   torch SDPA with the cuDNN backend, plain causal (no gates)
 
 Inputs follow docs/design/anchors_h200.md: per-head forget-gate logits ~ N(μ_h, 1), μ_h evenly spaced in
 [0, 6] across heads; q/k rows normalised to L2 norm √D (as with QK-norm), so the ACP auto bound holds.
@@ -58,6 +65,7 @@ ANCHOR_SHAPES = [  # (B, T, H, D)
 ]
 QUICK_SHAPES = [(1, 64, 2, 32), (1, 96, 2, 64)]
 IMPLS = ["cudnn", "xla-dense", "xla-blockwise", "pallas", "pallas-acp", "fla"]  # + "pallas-acp-trained"
+TORCH_IMPLS = ("fla", "fox-triton", "fox-triton-acp", "torch-cudnn")  # timed with triton.testing.do_bench
 # grid-order variants (KernelConfig.interleave_heads), for tuning runs
 VARIANTS = {"pallas-heads": ("pallas", True), "pallas-acp-blocks": ("pallas-acp", False)}
 # "pallas-default": the library's default tiles even when --sweep picked others (side-by-side check);
@@ -158,6 +166,11 @@ def jax_fns(impl, d, config=None):
         impl, inter = VARIANTS[impl]
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384)
         config = dataclasses.replace(base, interleave_heads=inter)
+    if impl == "mosaic-triton-bwd":  # the Mosaic forward with the Triton backward kernels
+        from fox_jax.kernels import default_mosaic_config
+        base = config if config is not None else fpallas.resolve_config(d, 16384, 16384, None, False)
+        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), backward=False)
+        impl, config = "mosaic", dataclasses.replace(base, mosaic=mc)
     if impl == "cudnn":
         def f(q, k, v, lf):
             del lf
@@ -167,14 +180,17 @@ def jax_fns(impl, d, config=None):
         kw = {"dense": dict(implementation="dense"), "xla-dense": dict(implementation="dense"),
               "xla-blockwise": dict(implementation="xla"), "pallas": dict(implementation="pallas"),
               "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto"),
+              "mosaic": dict(implementation="mosaic"),
+              "mosaic-acp": dict(implementation="mosaic", adaptive_threshold="auto"),
               "pallas-acp-trained": dict(implementation="pallas", adaptive_threshold="auto")}[impl]
-        if impl.startswith("pallas") and config is not None:
+        if (impl.startswith("pallas") or impl == "mosaic") and config is not None:
             def f(q, k, v, lf, _kw=kw):
                 lam = decay_cumsum(lf)
                 delta = None
                 if "adaptive_threshold" in _kw:
                     delta = acp_lib.resolve_threshold("auto", q, k, scale)
-                return fpallas.attention(q, k, v, lam, None, None, delta, scale=scale, config=config)
+                return fpallas.attention(q, k, v, lam, None, None, delta, scale=scale, config=config,
+                                         implementation="mosaic" if _kw["implementation"] == "mosaic" else "pallas")
         else:
             def f(q, k, v, lf, _kw=kw):
                 return forgetting_attention(q, k, v, lf, sm_scale=scale, **_kw)
@@ -222,29 +238,87 @@ def fla_available():
         return False
 
 
-def bench_fla(arrays, d):
+def load_fox_triton(path):
+    """The official FoX op from a directory holding its forgetting_attention.py (benchmark use only)."""
+    import importlib.util
+
+    file = os.path.join(path, "forgetting_attention.py") if os.path.isdir(path) else path
+    spec = importlib.util.spec_from_file_location("fox_triton_official", file)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.forgetting_attention
+
+
+def bench_torch(impl, arrays, d, fox_triton=None):
+    """fwd and fwd+bwd ms (triton.testing.do_bench medians) of a PyTorch implementation."""
     import torch
     import triton
-    from fla.ops.forgetting_attn import parallel_forgetting_attn
 
     q, k, v, lf, do = (torch.from_numpy(np.asarray(x.astype(jnp.float32))).cuda() for x in arrays)
     q, k, v, do = (x.to(torch.bfloat16) for x in (q, k, v, do))
-    q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), lf.requires_grad_(True)
     scale = d ** -0.5
+    if impl == "fla":
+        from fla.ops.forgetting_attn import parallel_forgetting_attn
+        op, inputs = (lambda q, k, v, lf: parallel_forgetting_attn(q, k, v, lf, scale=scale)), (q, k, v, lf)
+    elif impl in ("fox-triton", "fox-triton-acp"):
+        thr = "auto" if impl == "fox-triton-acp" else None
+        op = lambda q, k, v, lf: fox_triton(q, k, v, lf, head_first=False, sm_scale=scale,  # noqa: E731
+                                            adaptive_threshold=thr)
+        inputs = (q, k, v, lf)
+    elif impl == "torch-cudnn":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+        do = do.transpose(1, 2).contiguous()
+
+        def op(q, k, v):
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        inputs = (qt, kt, vt)
+    else:
+        raise ValueError(impl)
+    for x in inputs:
+        x.requires_grad_(True)
     res = {}
     try:
-        fwd = lambda: parallel_forgetting_attn(q, k, v, lf, scale=scale)  # noqa: E731
-        res["fwd"] = float(triton.testing.do_bench(fwd, warmup=25, rep=100, return_mode="median"))
+        res["fwd"] = float(triton.testing.do_bench(lambda: op(*inputs), warmup=25, rep=100, return_mode="median"))
 
         def fwd_bwd():
-            o = parallel_forgetting_attn(q, k, v, lf, scale=scale)
-            return torch.autograd.grad(o, (q, k, v, lf), do)
+            return torch.autograd.grad(op(*inputs), inputs, do)
         res["fwd_bwd"] = float(triton.testing.do_bench(fwd_bwd, warmup=25, rep=100, return_mode="median"))
     except Exception as e:  # noqa: BLE001
         res["error"] = f"{type(e).__name__}: {str(e)[:200]}"
-    del q, k, v, lf, do
+    del q, k, v, lf, do, inputs
     torch.cuda.empty_cache()
     return res
+
+
+def mosaic_sweep(shapes, configs):
+    """fwd and fwd+bwd ms of the Mosaic kernels per (shape, MosaicConfig), one row each: for picking tilings."""
+    rows = []
+    for (b, t, h, d) in shapes:
+        q, k, v, lf, do = make_inputs(b, t, h, d)
+        for mc in configs:
+            base = fpallas.resolve_config(d, t, t, None, False)
+            cfg = dataclasses.replace(base, mosaic=mc)
+
+            def f(q, k, v, lf, _cfg=cfg):
+                return fpallas.attention(q, k, v, decay_cumsum(lf), None, None, None, scale=d ** -0.5,
+                                         implementation="mosaic", config=_cfg)
+
+            def fb(q, k, v, lf, do, _f=f):
+                return jax.vjp(_f, q, k, v, lf)[1](do)
+            row = dict(shape=dict(B=b, T=t, H=h, D=d), config=dataclasses.asdict(mc))
+            fl = fwd_flops(b, t, h, d)
+            for mode, fn, args in (("fwd", f, (q, k, v, lf)), ("fwd_bwd", fb, (q, k, v, lf, do))):
+                try:
+                    row[mode] = time_jax(jax.jit(fn), args)
+                    row[f"tflops_{mode}"] = (1.0 if mode == "fwd" else 3.5) * fl / row[mode] / 1e9
+                except Exception as e:  # noqa: BLE001
+                    row[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            log(f"   mosaic sweep B{b} T{t} H{h} D{d} {mc}: fwd {row.get('fwd', row.get('fwd_error'))} "
+                f"fwd+bwd {row.get('fwd_bwd', row.get('fwd_bwd_error'))}")
+            rows.append(row)
+    return rows
 
 
 # --------------------------------------------------------------------------------------------------
@@ -553,7 +627,7 @@ def _max_err(a, b):
     return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
 
 
-def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
+def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox_triton=None):
     """Benchmark ``impls`` on ``shapes``; ``trained`` (a ``TrainedGates``) enables "pallas-acp-trained"
     (ACP "auto" on the trained model's gates instead of the synthetic ones)."""
     results = []
@@ -587,7 +661,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
                 f"(synthetic {frac})")
         jobs = {}
         for impl in impls:
-            if impl == "fla":
+            if impl in TORCH_IMPLS:
                 continue
             if impl == "pallas-acp-trained" and lf_tr is None:
                 shape_res["impls"][impl] = dict(error="needs --gates-from RUN_DIR")
@@ -616,7 +690,8 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
                 slow = impl in ("xla-dense", "xla-blockwise")
                 ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
                 r[mode] = ms
-                if impl in ("pallas", "pallas-default", "pallas-prev", "pallas-acp", "pallas-acp-trained", "xla-blockwise", *VARIANTS):
+                if impl in ("pallas", "pallas-default", "pallas-prev", "pallas-acp", "pallas-acp-trained", "xla-blockwise",
+                            "mosaic", "mosaic-acp", *VARIANTS):
                     outs[(impl, mode)] = exe(*args)
                 log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
             except Exception as e:  # noqa: BLE001
@@ -635,6 +710,12 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
                 a, bb = outs[("pallas", mode)], outs[("pallas-acp", mode)]
                 checks[f"pallas_acp_vs_dense_{mode}_max_abs"] = max(
                     _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
+            for other in ("mosaic", "mosaic-acp"):
+                base = "pallas" if other == "mosaic" else "pallas-acp"
+                if (base, mode) in outs and (other, mode) in outs:
+                    a, bb = outs[(base, mode)], outs[(other, mode)]
+                    checks[f"{other}_vs_{base}_{mode}_max_abs"] = max(
+                        _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
             if ("pallas", mode) in outs and ("pallas-prev", mode) in outs:
                 a, bb = outs[("pallas", mode)], outs[("pallas-prev", mode)]
                 checks[f"pallas_vs_prev_tiles_{mode}_max_abs"] = max(
@@ -652,12 +733,17 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None):
         if checks:
             log(f"   checks: {checks}")
         del outs
-        if "fla" in impls:
-            if fla_available():
-                shape_res["impls"]["fla"] = bench_fla(arrays, d)
-                log(f"   fla            {shape_res['impls']['fla']}")
-            else:
+        for impl in [i for i in impls if i in TORCH_IMPLS]:
+            if impl == "fla" and not fla_available():
                 shape_res["impls"]["fla"] = dict(error="fla-core / torch CUDA not importable")
+            elif impl.startswith("fox-triton") and fox_triton is None:
+                shape_res["impls"][impl] = dict(error="needs --fox-triton DIR")
+            else:
+                try:
+                    shape_res["impls"][impl] = bench_torch(impl, arrays, d, fox_triton)
+                except Exception as e:  # noqa: BLE001
+                    shape_res["impls"][impl] = dict(error=f"{type(e).__name__}: {str(e)[:200]}")
+            log(f"   {impl:14s} {shape_res['impls'][impl]}")
         for impl, r in shape_res["impls"].items():
             fwd, fb = r.get("fwd"), r.get("fwd_bwd")
             r["bwd"] = None if fwd is None or fb is None else fb - fwd
@@ -746,6 +832,12 @@ def main(argv=None):
                     help="a training run (fox-jax train workdir): add the row pallas-acp-trained, ACP 'auto' "
                          "on that model's log forget gates of one validation window (see TrainedGates)")
     ap.add_argument("--gates-step", type=int, default=None, help="checkpoint step for --gates-from (latest)")
+    ap.add_argument("--fox-triton", default=None, metavar="DIR",
+                    help="directory of the official FoX Triton kernel's forgetting_attention.py (benchmark-only copy, "
+                         "e.g. ../shared/anchors/fox_triton): enables fox-triton and fox-triton-acp")
+    ap.add_argument("--mosaic-sweep", default=None, metavar="BQxBKxST[xBBQxBBKxBST],...",
+                    help="first time the Mosaic kernels at these tilings on --shapes: forward block_q x block_k x "
+                         "stages, then the backward's (BBQ = 0: the Triton backward), e.g. 64x128x2x64x64x2")
     ap.add_argument("--skip-dense-bwd-above", type=int, default=8192,
                     help="skip xla-dense fwd+bwd above this T (its logits do not fit)")
     args = ap.parse_args(argv)
@@ -758,7 +850,7 @@ def main(argv=None):
     log(json.dumps(info))
     out = dict(versions=info, flop_convention="fwd = 2·B·H·T²·D (causal); fwd+bwd = 3.5×fwd; bwd = 2.5×fwd",
                timing="median wall time of async-dispatched jitted calls; bwd = (fwd+bwd) − fwd; "
-                      "fla via triton.testing.do_bench (median)")
+                      "PyTorch implementations (fla, fox-triton, torch-cudnn) via triton.testing.do_bench (median)")
     if args.bwd_sweep:
         if not args.shapes:
             shapes = BWD_SWEEP_QUICK if args.quick else BWD_SWEEP_SHAPES
@@ -782,6 +874,28 @@ def main(argv=None):
         trained = TrainedGates(args.gates_from, args.gates_step)
         if "pallas-acp-trained" not in impls:
             impls.append("pallas-acp-trained")
+    fox_triton = None
+    if args.fox_triton:
+        try:
+            fox_triton = load_fox_triton(args.fox_triton)
+        except Exception as e:  # noqa: BLE001  (no torch/triton here: its rows say why)
+            out["fox_triton_error"] = f"{type(e).__name__}: {e}"
+            log(f"official FoX kernel not loadable: {out['fox_triton_error']}")
+    if args.mosaic_sweep:
+        from fox_jax.kernels import MosaicConfig
+        def mosaic_config(spec):  # BQxBKxST[xBWD_BQxBWD_BKxBWD_ST], BWD_BQ = 0: the Triton backward
+            x = [int(y) for y in spec.split("x")]
+            if len(x) == 3:
+                return MosaicConfig(*x)
+            return MosaicConfig(*x[:3], backward=x[3] > 0, bwd_block_q=x[3] or 64, bwd_block_k=x[4],
+                                bwd_stages=x[5])
+        mcs = [mosaic_config(c) for c in args.mosaic_sweep.split(",")]
+        out["mosaic_sweep"] = mosaic_sweep(shapes, mcs)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        if not impls:
+            return
     configs = {}
     if args.sweep:
         try:
@@ -801,7 +915,7 @@ def main(argv=None):
     results = []
     for shape in shapes:  # write the JSON after every shape so a timeout keeps what was measured
         try:
-            results += run([shape], impls, args.workers, configs, args.skip_dense_bwd_above, trained)
+            results += run([shape], impls, args.workers, configs, args.skip_dense_bwd_above, trained, fox_triton)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
             out.setdefault("errors", []).append(dict(shape=shape, error=traceback.format_exc()[-2000:]))

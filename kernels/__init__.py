@@ -12,16 +12,20 @@ from fox_jax.kernels.forgetting_attention import (
     padded_head_dim,
     resolve_tiles,
 )
+from fox_jax.kernels.forgetting_attention_mgpu import MosaicConfig, default_mosaic_config, mosaic_forward
 
 __all__ = [
     "KernelConfig",
+    "MosaicConfig",
     "TileConfig",
     "attention_backward",
     "attention_forward",
     "default_config",
+    "default_mosaic_config",
     "flash_backward_dkv",
     "flash_backward_dq",
     "flash_forward",
+    "mosaic_forward",
     "padded_head_dim",
     "resolve_tiles",
 ]

@@ -60,6 +60,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+from fox_jax.kernels.forgetting_attention_mgpu import MosaicConfig
+
 LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
 _POS_INF = float("inf")
@@ -111,6 +113,10 @@ class KernelConfig:
     dkv: TileConfig
     interleave_heads: bool | None = None
     interleave_bwd_from: int | None = None
+    mosaic: MosaicConfig | None = None
+
+    # mosaic: run the forward with the Hopper Mosaic GPU kernel (kernels/forgetting_attention_mgpu.py) at
+    # this tiling instead of the Triton forward at ``fwd`` (the backward kernels are the same either way).
 
     # interleave_bwd_from: when the grid order is otherwise unset, the dense dQ and dK/dV kernels
     # interleave heads for Tk ≥ this length (None: never). Measured at D=128 on an H200: −6 % backward

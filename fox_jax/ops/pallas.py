@@ -12,6 +12,7 @@ it prints a warning there). Elsewhere they run with ``interpret=True`` (slow; fo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import NamedTuple
@@ -20,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.kernels import forgetting_attention as fa_kernels
+from fox_jax.kernels import forgetting_attention_mgpu as mgpu_kernels
 from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig, default_config, resolve_tiles
 from fox_jax.ops.tiles import TileVisits, exclude_dropped, rows_with_kept_pair, tile_visits
 
@@ -84,7 +86,13 @@ def kernel_visits(config: KernelConfig, tq: int, tk: int, **visits) -> KernelVis
         return tile_visits(tq, tk, t.block_q, t.block_k, **visits)
 
     dmask = None if visits.get("log_mask") is None else at(fa_kernels.dmask_tile(config))
-    return KernelVisits(at(config.fwd), at(config.dq), at(config.dkv), dmask)
+    fwd, dq, dkv = config.fwd, config.dq, config.dkv
+    if config.mosaic is not None:  # the Mosaic kernels' loop ranges are per tile of two warpgroups
+        mc = config.mosaic
+        fwd = TileConfig(mc.tile_q, mc.block_k)
+        if mc.backward:
+            dq, dkv = TileConfig(*mc.dq_tiling), TileConfig(*mc.dkv_tiling)
+    return KernelVisits(at(fwd), at(dq), at(dkv), dmask)
 
 
 def _seq_start(t: TileVisits, b: int) -> jax.Array:
@@ -124,6 +132,12 @@ def kernel_attention(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, sca
 
 def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret):
     f = visits.fwd
+    if config.mosaic is not None:
+        if log_mask is not None or interpret:
+            raise NotImplementedError("the Mosaic forward runs on a Hopper GPU, without a DCP mask")
+        o, lse = mgpu_kernels.mosaic_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.row_ranges(),
+                                             scale=scale, config=config.mosaic, window_size=f.window_size)
+        return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
     o, lse = fa_kernels.attention_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.kv_start,
                                           scale=scale, config=config, interpret=interpret,
                                           seg_bounds=_bounds(f, True), log_mask=log_mask, live=f.live,
@@ -139,6 +153,11 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
 def _kernels_bwd(scale, config, interpret, res, do):
     q, k, v, lam, log_mask, segment_ids, visits, o, lse = res
     dq_t, dkv_t = visits.dq, visits.dkv
+    if config.mosaic is not None and config.mosaic.backward:
+        grads = mgpu_kernels.mosaic_backward(
+            q, k, v, lam, _seq_start(visits.fwd, q.shape[0]), segment_ids, dq_t.row_ranges(), dkv_t.col_ranges(),
+            o, lse, do, scale=scale, config=config.mosaic, window_size=visits.fwd.window_size)
+        return grads + (None, None, None, None)
     grads = fa_kernels.attention_backward(
         q, k, v, lam, _seq_start(visits.fwd, q.shape[0]), segment_ids, dq_t.kv_start, dkv_t.q_end, o, lse, do,
         scale=scale, config=config, interpret=interpret, seg_bounds_dq=_bounds(dq_t, True),
@@ -234,7 +253,8 @@ def attention(
       seq_start: [B] int (left padding) or None; segment_ids: [B, Tk] int or None.
       delta: [B, H] float32 ACP threshold (already resolved, ≤ 0) or None (no pruning).
       scale: logit scale.
-      implementation: ``"pallas"``; ``"mosaic"`` raises NotImplementedError (no Hopper kernel here).
+      implementation: ``"pallas"`` (Triton kernels), or ``"mosaic"``: the forward on the Hopper Mosaic GPU
+        kernel (kernels/forgetting_attention_mgpu.py; bf16/fp16, D ≤ 128, an sm_90 GPU), the same backward.
       config: tiling (``KernelConfig``); default per head dim and backend.
       interpret: run the kernels in interpret mode; default: when the backend is not GPU.
       segment_skipping: with segment_ids, skip the tiles outside each block's document-aware range
@@ -248,13 +268,11 @@ def attention(
       vmap and grad).
 
     Raises:
-      NotImplementedError: implementation="mosaic".
+      NotImplementedError: implementation="mosaic" off a Hopper GPU, in interpret mode, or for float32
+        inputs or D > 128.
       ValueError: D > 256, or shapes that do not match.
     """
-    if implementation == "mosaic":
-        raise NotImplementedError(
-            "implementation='mosaic' (Hopper Mosaic GPU kernel) is not implemented; use 'pallas'")
-    if implementation != "pallas":
+    if implementation not in ("pallas", "mosaic"):
         raise ValueError(f"fox_jax.ops.pallas.attention: unknown implementation {implementation!r}")
     b, tq, h, d = q.shape
     tk = k.shape[1]
@@ -263,6 +281,8 @@ def attention(
     if interpret is None:
         interpret = _interpret_default()
     cfg = resolve_config(d, tq, tk, config, interpret)
+    if implementation == "mosaic":
+        cfg = _with_mosaic(cfg, q, k, interpret)
     if seq_start is None:
         seq_start = jnp.zeros((b,), jnp.int32)
     seq_start = seq_start.astype(jnp.int32)
@@ -274,6 +294,34 @@ def attention(
     visits = kernel_visits(cfg, tq, tk, seq_start=seq_start, lam=None if delta is None else lam, delta=delta,
                            segment_ids=segment_ids if segment_skipping else None, window_size=window_size)
     return kernel_attention(q, k, v, lam, None, segment_ids, visits, None, float(scale), cfg, bool(interpret))
+
+
+def mosaic_supported(q: jax.Array, k: jax.Array) -> str | None:
+    """None when the Mosaic forward takes these inputs, else why not (dtype, head dim, device)."""
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
+        return f"bfloat16 or float16 q, k, v (got {q.dtype}, {k.dtype})"
+    if q.shape[-1] > 128:
+        return f"head_dim ≤ 128 (got {q.shape[-1]})"
+    if jax.default_backend() != "gpu":
+        return f"a Hopper GPU (the backend is {jax.default_backend()!r})"
+    kind = str(jax.devices()[0].device_kind)
+    if not any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200")):
+        return f"a Hopper (sm_90) GPU (got {kind!r})"
+    return None
+
+
+def _with_mosaic(cfg: KernelConfig, q, k, interpret: bool) -> KernelConfig:
+    """``cfg`` with the Mosaic forward switched on (its tiling unless ``cfg.mosaic`` sets one)."""
+    why = mosaic_supported(q, k)
+    if why is None and interpret:
+        why = "interpret=False (it has no interpret mode)"
+    if why is not None:
+        raise NotImplementedError(f"implementation='mosaic' (the Hopper Mosaic GPU forward) needs {why}; "
+                                  "use implementation='pallas'")
+    if cfg.mosaic is not None:
+        return cfg
+    d_pad = -(-q.shape[-1] // 64) * 64
+    return dataclasses.replace(cfg, mosaic=mgpu_kernels.default_mosaic_config(d_pad))
 
 
 def _visit_counts(visits: KernelVisits, batch: int, heads: int) -> dict[str, tuple[jax.Array, jax.Array]]:

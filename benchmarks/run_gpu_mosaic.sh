@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One H200 call for the Mosaic GPU forward (issue 13): a smoke check, the GPU tests, a forward tiling sweep and
+# the side-by-side attention benchmark (cuDNN jax + torch, our Triton and Mosaic paths, the official FoX Triton
+# kernel, dense and ACP). Needs the official kernel's copy in .gpu/fox_triton/ (benchmark-only; gitignored):
+#   mkdir -p .gpu/fox_triton && cp ../shared/anchors/fox_triton/{forgetting_attention.py,LICENSE} .gpu/fox_triton/
+# Usage (device machine, repo root): bash benchmarks/run_gpu_mosaic.sh   (STAGES="smoke tests sweep bench")
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+STAGES=${STAGES:-"smoke tests sweep bench"}
+SHAPES=${SHAPES:-4x4096x32x64,8x2048x16x128,2x8192x16x128,1x16384x16x128,1x16384x24x64}
+SWEEP=${SWEEP:-64x128x3x64x64x2,64x128x3x64x64x3,64x128x3x128x64x2,64x128x3x0x64x2}
+IMPLS=${IMPLS:-cudnn,torch-cudnn,pallas,mosaic,mosaic-triton-bwd,fox-triton,fla,pallas-acp,mosaic-acp,fox-triton-acp}
+nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+for s in $STAGES; do
+  case $s in
+    smoke) timeout ${SMOKE_S:-90} python3 .gpu/mosaic_smoke.py 2>&1 | grep -v -i deprecat | tail -n 20 | tee "$OUT/mosaic_smoke.log" ;;
+    tests) timeout ${TESTS_S:-240} python3 -m pytest -q -m gpu tests/test_mosaic.py -p no:cacheprovider 2>&1 \
+             | tail -n 30 | tee "$OUT/gpu_tests_mosaic.log" ;;
+    sweep) timeout ${SWEEP_S:-120} python3 benchmarks/bench_attention.py --mosaic-sweep $SWEEP \
+             --shapes ${SWEEP_SHAPES:-1x16384x24x64,1x16384x16x128} --impls "" --out "$OUT/mosaic_sweep.json" 2>&1 \
+             | grep "mosaic sweep" | tee "$OUT/mosaic_sweep.log" ;;
+    bench) timeout ${BENCH_S:-330} python3 benchmarks/bench_attention.py --impls $IMPLS --shapes $SHAPES \
+             --fox-triton .gpu/fox_triton --out "$OUT/attention_mosaic.json" 2>&1 | grep -v -i deprecat \
+             | tail -n 40 | tee "$OUT/attention_mosaic.log" ;;
+  esac
+done

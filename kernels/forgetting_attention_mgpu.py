@@ -1,0 +1,811 @@
+"""Hopper (sm_90) Mosaic GPU forward kernel for forgetting attention (``implementation="mosaic"``).
+
+    o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j          (docs/design/fox_acp.md §1.1)
+
+A FlashAttention-3 style kernel written with ``jax.experimental.pallas.mosaic_gpu``: one CTA per
+(head, tile of 2·block_q query rows, batch row) with three warpgroups. Warpgroups 0 and 1 each own
+block_q query rows; they compute S = Q·Kᵀ and O += P·V with ``wgmma`` (float32 accumulators) and
+take turns on the tensor cores (a "schedule" barrier: one does its softmax while the other
+multiplies). Warpgroup 2 streams the key blocks of the tile's range with TMA into ``stages`` shared
+memory slots, each with a produced and a consumed barrier.
+
+The decay enters the logits in float32 and base 2: s = q·k·scale·log2(e) + Λ_i·log2(e) − Λ_j·log2(e);
+the query-side Λ is loaded once per warpgroup as a row vector, the key-side Λ travels with each key
+block (TMA into shared memory, then a column vector in the WGMMA layout).
+
+Tile skipping is data: per (b, h, tile) the key-block range [lo, hi) — seq_start, ACP, document
+bounds, window and causal end, the ``fox_jax.ops.tiles.TileVisits`` row ranges at the tiling
+(2·block_q, block_k) — is read from memory by all three warpgroups, so skipped blocks are never
+loaded. Each compute warpgroup runs the blocks of the range in three loops: masked blocks before
+seq_start's edge, unmasked blocks, masked blocks on its causal diagonal (with segment ids or a window,
+every block is masked); then it only releases the blocks it does not need (the other warpgroup's
+causal tail), so that the producer never waits forever.
+
+Rows with no visible key output 0 with lse = −inf. Layout: q [B, Tq, H, D], k/v [B, Tk, Hkv, D] as
+the op takes them (GQA: key head = h // (H / Hkv)); Tq a multiple of 2·block_q, Tk of block_k,
+D a multiple of 64 (the wrapper pads). Like every Mosaic GPU kernel it needs an sm_90 GPU to run;
+off-GPU it can only be lowered (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``),
+which checks shapes, layouts and the wgmma constraints. It imports nothing from fox_jax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+_M_INIT = -1e30  # running-max start: finite, so exp2(m_old − m_new) is never (−inf) − (−inf)
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Tiling of the Mosaic forward kernel (hashable: usable as a static argument).
+
+    Attributes:
+      block_q: forward query rows per compute warpgroup (a multiple of 64; a CTA's tile is 2·block_q rows).
+      block_k: forward keys per block (a multiple of 64, ≤ 256).
+      stages: shared-memory slots of the forward's key/value pipeline (≥ 2).
+      backward: run the backward with the Mosaic dQ and dK/dV kernels (False: the Triton kernels).
+      bwd_block_q, bwd_block_k: the backward's block: the dQ kernel holds 2·bwd_block_q query rows and
+        streams bwd_block_k keys; the dK/dV kernel holds 2·bwd_block_k keys and streams bwd_block_q rows.
+      bwd_stages: shared-memory slots of the backward pipelines.
+    """
+
+    block_q: int = 64
+    block_k: int = 128
+    stages: int = 2
+    backward: bool = True
+    bwd_block_q: int = 64
+    bwd_block_k: int = 64
+    bwd_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "bwd_block_q", "bwd_block_k"):
+            if getattr(self, name) < 64 or getattr(self, name) % 64:
+                raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {getattr(self, name)}")
+        if self.block_k < 64 or self.block_k % 64 or self.block_k > 256:
+            raise ValueError(f"MosaicConfig.block_k must be a multiple of 64 in [64, 256], got {self.block_k}")
+        if self.stages < 2 or self.bwd_stages < 2:
+            raise ValueError(f"MosaicConfig.stages and bwd_stages must be ≥ 2, got {self.stages}, {self.bwd_stages}")
+
+    @property
+    def tile_q(self) -> int:
+        """Forward query rows per CTA (two compute warpgroups)."""
+        return 2 * self.block_q
+
+    @property
+    def dq_tiling(self) -> tuple[int, int]:
+        """(query rows, keys) of one tile of the dQ kernel's loop ranges."""
+        return 2 * self.bwd_block_q, self.bwd_block_k
+
+    @property
+    def dkv_tiling(self) -> tuple[int, int]:
+        """(query rows, keys) of one tile of the dK/dV kernel's loop ranges."""
+        return self.bwd_block_q, 2 * self.bwd_block_k
+
+
+def default_mosaic_config(head_dim: int) -> MosaicConfig:
+    """The forward tiling for a head dim (64 or 128 after padding): 64-row warpgroups, 128-key blocks;
+    three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v))."""
+    return MosaicConfig(64, 128, 3 if head_dim <= 64 else 2)
+
+
+def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
+    """Shared memory of the largest of the kernels (forward: q tiles, k/v slots, Λ/segment slots, lse;
+    backward: two resident tiles per warpgroup, two streamed tiles per slot, vectors)."""
+    fwd = (2 * config.block_q * head_dim * itemsize + 2 * config.stages * config.block_k * head_dim * itemsize
+           + 2 * config.stages * config.block_k * 4 + 2 * config.block_q * 4)
+    if not config.backward:
+        return fwd
+    bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
+    dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
+    dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 4 * st * bq * 4 + 2 * bk * 4
+    return max(fwd, dq, dkv)
+
+
+SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
+
+
+def _row(x, shape):
+    return lax.broadcast_in_dim(x, shape, [0])
+
+
+def _col(x, shape):
+    return lax.broadcast_in_dim(x, shape, [1])
+
+
+def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q, seg_k, *, offset: int,
+                         scale: float, config: MosaicConfig, window_size: int | None = None):
+    """The kernel on padded arrays.
+
+    Args:
+      q: [B, Tq, H, D] bfloat16/float16, Tq a multiple of ``config.tile_q``, D a multiple of 64;
+      k, v: [B, Tk, Hkv, D] (same dtype), Tk a multiple of ``config.block_k``;
+      lam_q2: [B, H, Tq] float32, Λ of each query row times log2(e); lam_k2: [B, H, Tk] float32;
+      kv_lo, kv_hi: [B, H, Tq / tile_q] int32, the key-block range of each tile (hi ≤ Tk / block_k);
+      seq_start: [B] int32 (keys before it are invisible); seg_q [B, Tq], seg_k [B, Tk] int32 or None;
+      offset: absolute position of query row 0 (unpadded Tk − Tq); scale: logit scale;
+      window_size: None or W: row r sees keys j > r − W.
+    Returns:
+      o [B, Tq, H, D] in q.dtype and lse2 [B, H, Tq] float32 in base 2 (−inf for empty rows).
+    """
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    bq, bk, stages = config.block_q, config.block_k, config.stages
+    group = h // hkv
+    n_tiles = tq // config.tile_q
+    dtype = q.dtype
+    segments = seg_q is not None
+    always_mask = segments or window_size is not None
+    qk_scale = float(scale) * LOG2E
+    row_layout = plgpu.Layout.WGMMA.reduce(1)
+    col_layout = plgpu.Layout.WGMMA.reduce(0)
+
+    def kernel(q_ref, k_ref, v_ref, lq_ref, lk_ref, lo_ref, hi_ref, ss_ref, *rest):
+        if segments:
+            sq_ref, sk_ref, o_ref, lse_ref, scoped = rest
+        else:
+            sq_ref = sk_ref = None
+            o_ref, lse_ref, scoped = rest
+        (q_smem2, k_smem, v_smem, lk_smem, sk_smem, lse_smem2), (k_full, v_full, q_full), \
+            (k_free, v_free), schedule = scoped
+        bi = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        ti = lax.axis_index("q_tiles")
+        wg = lax.axis_index("wg")
+        n_lo = lo_ref[bi, head, ti]
+        n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
+
+        def take_turn():
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
+
+        def slot_of(n):
+            return lax.rem(n - n_lo, jnp.int32(stages))
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem = q_smem2.at[wg]
+            q_base = ti * config.tile_q + wg * bq
+            row0 = offset + q_base  # absolute position of this warpgroup's first row
+            n_hi = jnp.clip(pl.cdiv(row0 + bq, jnp.int32(bk)), n_lo, n_tile)
+            n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)  # below: no causal mask
+            ss = ss_ref[bi]
+            n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)      # below: seq_start mask
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), head], q_smem, q_full.at[wg])
+            lq = plgpu.load(lq_ref.at[bi, head, pl.ds(q_base, bq)], (), layout=row_layout, optimized=False)
+            sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
+                                                               optimized=False)
+            plgpu.barrier_wait(q_full.at[wg])
+
+            m_i = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), row_layout)
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+
+            @pl.when(n_hi > n_lo)
+            def _():
+                plgpu.barrier_wait(k_full.at[0])
+
+            pl.when(wg == 1)(take_turn)
+
+            def step(n, carry, masked: bool):
+                acc, m_i, l_i = carry
+                slot = slot_of(n)
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
+                sk = None if sk_smem is None else plgpu.load(sk_smem.at[slot], (), layout=col_layout)
+                plgpu.barrier_arrive(k_free.at[slot])
+                shape = (bq, bk)
+                s = s * qk_scale + _row(lq, shape) - _col(lk, shape)
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                    c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + n * bk
+                    vis = (c <= r) & (c >= ss)
+                    if window_size is not None:
+                        vis = vis & (r - c < window_size)
+                    if sk is not None:
+                        vis = vis & (_row(sq, shape) == _col(sk, shape))
+                    s = jnp.where(vis, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - _row(m_new, shape))
+                acc = acc * _row(alpha, acc.shape)
+                l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(schedule)    # tensor cores free
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(n + 1 < n_hi)
+                    def _():
+                        plgpu.barrier_wait(k_full.at[slot_of(n + 1)])
+
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
+
+            def release(n, _):  # a block the other warpgroup needs and this one does not
+                slot = slot_of(n)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                take_turn()
+                take_turn()
+
+            carry = (acc, m_i, l_i)
+            masked = functools.partial(step, masked=True)
+            if always_mask:
+                carry = lax.fori_loop(n_lo, n_hi, masked, carry)
+            else:
+                carry = lax.fori_loop(n_lo, n_edge, masked, carry)
+                carry = lax.fori_loop(n_edge, n_full, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(n_full, n_hi, masked, carry)
+            acc, m_i, l_i = carry
+            lax.fori_loop(n_hi, n_tile, release, None)
+            pl.when(wg == 0)(take_turn)
+
+            seen = l_i > 0
+            inv = 1.0 / jnp.where(seen, l_i, 1.0)
+            q_smem[...] = (acc * _row(inv, acc.shape)).astype(dtype)
+            lse_smem = lse_smem2.at[wg]
+            lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[bi, pl.ds(q_base, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_base, bq)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(group))
+
+            def fetch(n, slot):
+                keys = (bi, pl.ds(n * bk, bk), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_full.at[slot])
+                plgpu.copy_gmem_to_smem(lk_ref.at[bi, head, pl.ds(n * bk, bk)], lk_smem.at[slot], k_full.at[slot])
+                if sk_ref is not None:
+                    plgpu.copy_gmem_to_smem(sk_ref.at[bi, pl.ds(n * bk, bk)], sk_smem.at[slot], k_full.at[slot])
+                return keys
+
+            for i in range(stages):
+                @pl.when(n_lo + i < n_tile)
+                def _():
+                    keys = fetch(n_lo + i, i)
+                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[i], v_full.at[i])
+
+            @pl.loop(n_lo + stages, n_tile)
+            def _(n):
+                slot = slot_of(n)
+                plgpu.barrier_wait(k_free.at[slot])
+                keys = fetch(n, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
+
+    def entry(*refs):
+        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+        smem = (
+            plgpu.SMEM((2, bq, d), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=swizzled),
+            plgpu.SMEM((stages, bk), jnp.float32),
+            plgpu.SMEM((stages, bk), jnp.int32) if segments else None,
+            plgpu.SMEM((2, bq), jnp.float32),
+        )
+        k_arrivals = 3 if segments else 2  # k, its Λ (and segment ids) land on one barrier
+        pl.run_scoped(
+            lambda *scoped: kernel(*refs, scoped),
+            smem,
+            (plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+             plgpu.Barrier(num_barriers=2)),
+            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),
+            collective_axes="wg",
+        )
+
+    args = [q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start]
+    if segments:
+        args += [seg_q, seg_k]
+    o, lse2 = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
+        grid=(h, n_tiles, b),
+        grid_names=("heads", "q_tiles", "batch"),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+    )(*args)
+    del tk
+    return o, lse2
+
+
+def _round_up(a: int, m: int) -> int:
+    return -(-a // m) * m
+
+
+def _pad_axis(x, axis: int, new_len: int, value=0, edge: bool = False):
+    pad = new_len - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, mode="edge") if edge else jnp.pad(x, widths, constant_values=value)
+
+
+def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: float, config: MosaicConfig,
+                   window_size: int | None = None):
+    """Forgetting-attention forward with the Mosaic kernel on unpadded arrays.
+
+    Args:
+      q: [B, Tq, H, D] bfloat16/float16 (D ≤ 128); k, v: [B, Tk, Hkv, D] (Tq ≤ Tk, bottom-right aligned);
+      lam: [B, Tk, H] float32 Λ (cumsum of log f, zero before seq_start);
+      seq_start: [B] int32; segment_ids: [B, Tk] int32 or None;
+      row_ranges: (lo, hi) int32, each broadcastable to [B, H, ceil(Tq / config.tile_q)], the key-block
+        range of each tile (``TileVisits.row_ranges()`` at the tiling (tile_q, block_k));
+      scale: logit scale; config: ``MosaicConfig``; window_size: None or a static W.
+    Returns:
+      o [B, Tq, H, D] in q.dtype, lse [B, H, Tq] float32 (natural log, −inf for empty rows).
+    Raises:
+      ValueError: a dtype other than bfloat16/float16, D > 128, or a tiling over the shared memory.
+    """
+    b, tq, h, d = q.shape
+    tk = k.shape[1]
+    if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(f"the Mosaic kernel takes bfloat16 or float16 q, k, v of one dtype, got "
+                         f"{q.dtype}, {k.dtype}, {v.dtype}")
+    if d > 128:
+        raise ValueError(f"the Mosaic kernel takes head_dim ≤ 128, got {d}")
+    d_pad = _round_up(d, 64)
+    if smem_bytes(config, d_pad) > SMEM_LIMIT:
+        raise ValueError(f"{config} needs {smem_bytes(config, d_pad)} bytes of shared memory at D={d_pad}, "
+                         f"over {SMEM_LIMIT}")
+    tq_pad, tk_pad = _round_up(tq, config.tile_q), _round_up(tk, config.block_k)
+    n_tiles = tq_pad // config.tile_q
+    qp = _pad_axis(_pad_axis(q, 3, d_pad), 1, tq_pad)
+    kp = _pad_axis(_pad_axis(k, 3, d_pad), 1, tk_pad)
+    vp = _pad_axis(_pad_axis(v, 3, d_pad), 1, tk_pad)
+    lam2 = lam.astype(jnp.float32).transpose(0, 2, 1) * LOG2E  # [B, H, Tk]
+    lam_q2 = _pad_axis(lam2[:, :, tk - tq:], 2, tq_pad, edge=True)
+    lam_k2 = _pad_axis(lam2, 2, tk_pad, edge=True)
+    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, n_tiles)) for x in row_ranges)
+    seg_q = seg_k = None
+    if segment_ids is not None:
+        seg_q = _pad_axis(segment_ids[:, tk - tq:].astype(jnp.int32), 1, tq_pad, value=-1)
+        seg_k = _pad_axis(segment_ids.astype(jnp.int32), 1, tk_pad, value=-2)
+    o, lse2 = mosaic_flash_forward(qp, kp, vp, lam_q2, lam_k2, lo, hi, seq_start.astype(jnp.int32), seg_q, seg_k,
+                                   offset=tk - tq, scale=scale, config=config, window_size=window_size)
+    lse = jnp.where(jnp.isfinite(lse2), lse2 / LOG2E, -jnp.inf)
+    return o[:, :tq, :, :d], lse[:, :, :tq]
+
+
+# ---------------------------------------------------------------------------------------------------
+# Backward: a dQ kernel (query tiles over key blocks) and a dK/dV kernel (key tiles over query blocks)
+# ---------------------------------------------------------------------------------------------------
+#
+# Both have the forward's shape: one CTA per (head, tile, batch row), warpgroups 0 and 1 each own half of
+# the tile (kept in shared memory), warpgroup 2 streams the other side's blocks through ``stages`` slots.
+# Every compute warpgroup waits on every block of the tile's range in order (the blocks outside its own
+# range are waited on and released at once), so a slot is never refilled before both have let it go.
+# P is recomputed from the forward's lse: P = exp2(s − lse·log2 e), dS = P ⊙ (dO·Vᵀ − δ), δ = rowsum(O ⊙ dO).
+
+
+def _produce(n_lo, n_tile, stages: int, full, free, fetch):
+    """Memory warpgroup: ``fetch(n, slot)`` for every block n of [n_lo, n_tile), slot (n − n_lo) mod stages,
+    each slot refilled only after both compute warpgroups released it."""
+    for i in range(stages):
+        @pl.when(n_lo + i < n_tile)
+        def _():
+            fetch(n_lo + i, i)
+
+    @pl.loop(n_lo + stages, n_tile)
+    def _(n):
+        slot = lax.rem(n - n_lo, jnp.int32(stages))
+        plgpu.barrier_wait(free.at[slot])
+        fetch(n, slot)
+
+
+def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry):
+    """Compute warpgroup: ``step(n, slot, carry, masked)`` over consecutive ``phases`` [(start, stop, masked)]
+    inside [n_lo, n_tile); the blocks of the range before the first and after the last phase are waited on
+    and released without work."""
+    def slot_of(n):
+        return lax.rem(n - n_lo, jnp.int32(stages))
+
+    def release(n, c):
+        slot = slot_of(n)
+        plgpu.barrier_wait(full.at[slot])
+        plgpu.barrier_arrive(free.at[slot])
+        return c
+
+    def work(masked):
+        def body(n, c):
+            slot = slot_of(n)
+            plgpu.barrier_wait(full.at[slot])
+            c = step(n, slot, c, masked)
+            plgpu.barrier_arrive(free.at[slot])
+            return c
+        return body
+
+    carry = lax.fori_loop(n_lo, phases[0][0], release, carry)
+    for start, stop, masked in phases:
+        carry = lax.fori_loop(start, stop, work(masked), carry)
+    return lax.fori_loop(phases[-1][1], n_tile, release, carry)
+
+
+def _visible(r, c, ss, window_size, seg_r=None, seg_c=None):
+    """Element mask: key position c visible from query position r (causal, seq_start, window, documents)."""
+    vis = (c <= r) & (c >= ss)
+    if window_size is not None:
+        vis = vis & (r - c < window_size)
+    if seg_r is not None:
+        vis = vis & (seg_r == seg_c)
+    return vis
+
+
+def _swizzled():
+    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+
+
+def _params():
+    return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
+                             offset: int, scale: float, block_q: int, block_k: int, stages: int,
+                             window_size: int | None = None):
+    """dQ and the query-side decay gradient Σ_j dS_ij on padded arrays.
+
+    Args:
+      as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype), lse2 [B, H, Tq] float32 (base-2 lse,
+      +inf on empty rows), delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)]
+      the key-block ranges at the tiling (2·block_q, block_k).
+    Returns:
+      dq [B, Tq, H, D] in q.dtype and dΛ_q [B, H, Tq] float32.
+    """
+    b, tq, h, d = q.shape
+    hkv = k.shape[2]
+    bq, bk = block_q, block_k
+    group = h // hkv
+    dtype = q.dtype
+    segments = seg_q is not None
+    always_mask = segments or window_size is not None
+    qk_scale = float(scale) * LOG2E
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
+        if segments:
+            sq_ref, sk_ref, dq_ref, dlq_ref, scoped = rest
+        else:
+            sq_ref = sk_ref = None
+            dq_ref, dlq_ref, scoped = rest
+        (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free) = scoped
+        bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+        wg = lax.axis_index("wg")
+        n_lo = lo_ref[bi, head, ti]
+        n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
+            q_base = ti * (2 * bq) + wg * bq
+            row0 = offset + q_base
+            rows = (bi, pl.ds(q_base, bq), head)
+            plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, res_full.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, res_full.at[wg])
+            vec = (bi, head, pl.ds(q_base, bq))
+            lq = plgpu.load(lq_ref.at[vec], (), layout=row_layout, optimized=False)
+            lse = plgpu.load(lse_ref.at[vec], (), layout=row_layout, optimized=False)
+            dl = plgpu.load(dl_ref.at[vec], (), layout=row_layout, optimized=False)
+            sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
+                                                         optimized=False)
+            ss = ss_ref[bi]
+            n_hi = jnp.clip(pl.cdiv(row0 + bq, jnp.int32(bk)), n_lo, n_tile)
+            n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)
+            n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)
+            plgpu.barrier_wait(res_full.at[wg])
+            shape = (bq, bk)
+
+            def step(n, slot, carry, masked):
+                dq_acc, dlq = carry
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
+                s = s * qk_scale + _row(lq, shape) - _col(lk, shape)
+                if masked:
+                    r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                    c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + n * bk
+                    sk = None if sk_smem is None else _col(plgpu.load(sk_smem.at[slot], (), layout=col_layout), shape)
+                    s = jnp.where(_visible(r, c, ss, window_size, None if sq is None else _row(sq, shape), sk),
+                                  s, -jnp.inf)
+                p = jnp.exp2(s - _row(lse, shape))
+
+                def dov(acc_ref):
+                    plgpu.wgmma(acc_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                dp = pl.run_scoped(dov, plgpu.ACC(shape, jnp.float32))
+                ds = p * (dp - _row(dl, shape))
+
+                def dsk(acc_ref):
+                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+
+                dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+                return dq_acc, dlq + ds.sum(axis=1)
+
+            dq0 = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
+            dl0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            phases = [(n_lo, n_hi, True)] if always_mask else [
+                (n_lo, n_edge, True), (n_edge, n_full, False), (n_full, n_hi, True)]
+            dq_acc, dlq = _consume(n_lo, n_tile, phases, stages, full, free, step, (dq0, dl0))
+            q_smem[...] = (dq_acc * float(scale)).astype(dtype)
+            out_smem = out_smem2.at[wg]
+            out_smem[...] = dlq
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+            plgpu.copy_smem_to_gmem(out_smem, dlq_ref.at[vec])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(group))
+
+            def fetch(n, slot):
+                keys = (bi, pl.ds(n * bk, bk), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(lk_ref.at[bi, head, pl.ds(n * bk, bk)], lk_smem.at[slot], full.at[slot])
+                if sk_ref is not None:
+                    plgpu.copy_gmem_to_smem(sk_ref.at[bi, pl.ds(n * bk, bk)], sk_smem.at[slot], full.at[slot])
+
+            _produce(n_lo, n_tile, stages, full, free, fetch)
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((2, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((2, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bk), jnp.float32),
+            plgpu.SMEM((stages, bk), jnp.int32) if segments else None,
+            plgpu.SMEM((2, bq), jnp.float32),
+        )
+        barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                    plgpu.Barrier(num_arrivals=4 if segments else 3, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
+
+    args = [q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv_hi, seq_start]
+    if segments:
+        args += [seg_q, seg_k]
+    return plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
+        grid=(h, tq // (2 * bq), b), grid_names=("heads", "q_tiles", "batch"),
+        num_threads=3, thread_name="wg", compiler_params=_params(),
+    )(*args)
+
+
+def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
+                              offset: int, scale: float, block_q: int, block_k: int, stages: int,
+                              window_size: int | None = None):
+    """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays.
+
+    Args:
+      as ``mosaic_flash_backward_dq``; Tk a multiple of 2·block_k, Tq of block_q; q_lo, q_hi
+      [B, H, Tk / (2·block_k)]: the query-block ranges (``TileVisits.col_ranges()`` at the tiling
+      (block_q, 2·block_k)).
+    Returns:
+      dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
+      dΛ_k [B, H, Tk] float32.
+    """
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    bq, bk = block_q, block_k
+    group = h // hkv
+    dtype = q.dtype
+    segments = seg_q is not None
+    always_mask = segments or window_size is not None
+    qk_scale = float(scale) * LOG2E
+    row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
+        if segments:
+            sq_ref, sk_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
+        else:
+            sq_ref = sk_ref = None
+            dk_ref, dv_ref, dlk_ref, scoped = rest
+        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, lse_smem, dl_smem, sq_smem, out_smem2), \
+            (res_full, full, free) = scoped
+        bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
+        wg = lax.axis_index("wg")
+        kv_head = lax.div(head, jnp.int32(group))
+        m_lo = lo_ref[bi, head, ti]
+        m_tile = jnp.maximum(hi_ref[bi, head, ti], m_lo)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
+            k0 = ti * (2 * bk) + wg * bk
+            keys = (bi, pl.ds(k0, bk), kv_head)
+            plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, res_full.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, res_full.at[wg])
+            lk = plgpu.load(lk_ref.at[bi, head, pl.ds(k0, bk)], (), layout=row_layout, optimized=False)
+            sk = None if sk_ref is None else plgpu.load(sk_ref.at[bi, pl.ds(k0, bk)], (), layout=row_layout,
+                                                         optimized=False)
+            ss = ss_ref[bi]
+            # this warpgroup's query blocks: from the one holding its first key's position (causal), none if
+            # all its keys are before seq_start; blocks below m_full cross its causal diagonal
+            m_begin = jnp.clip(lax.div(jnp.maximum(k0 - offset, 0), jnp.int32(bq)), m_lo, m_tile)
+            m_begin = jnp.where(k0 + bk <= ss, m_tile, m_begin)
+            m_full = jnp.clip(pl.cdiv(jnp.maximum(k0 + bk - 1 - offset, 0), jnp.int32(bq)), m_begin, m_tile)
+            m_full = jnp.where(k0 < ss, m_tile, m_full)  # keys straddling seq_start: mask every block
+            plgpu.barrier_wait(res_full.at[wg])
+            shape = (bk, bq)
+
+            def step(m, slot, carry, masked):
+                dk_acc, dv_acc, dlk = carry
+
+                def kq(acc_ref):
+                    plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                st = pl.run_scoped(kq, plgpu.ACC(shape, jnp.float32))
+                lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)
+                lse = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+                dl = plgpu.load(dl_smem.at[slot], (), layout=col_layout)
+                st = st * qk_scale + _col(lq, shape) - _row(lk, shape)
+                if masked:
+                    c = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + k0
+                    r = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + (offset + m * bq)
+                    sq = None if sq_smem is None else _col(plgpu.load(sq_smem.at[slot], (), layout=col_layout), shape)
+                    st = jnp.where(_visible(r, c, ss, window_size, sq, None if sk is None else _row(sk, shape)),
+                                   st, -jnp.inf)
+                pt = jnp.exp2(st - _col(lse, shape))
+
+                def dv_dp(refs):
+                    dv_ref_, dpt_ref = refs
+                    plgpu.wgmma(dv_ref_, pt.astype(dtype), do_smem.at[slot])
+                    plgpu.wgmma(dpt_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+
+                zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
+                dst = pt * (dpt - _col(dl, shape))
+
+                def dsq(acc_ref):
+                    plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
+
+                dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
+                return dk_acc, dv_acc, dlk - dst.sum(axis=1)
+
+            acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
+            dl0 = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), row_layout)
+            phases = [(m_begin, m_tile, True)] if always_mask else [(m_begin, m_full, True), (m_full, m_tile, False)]
+            dk_acc, dv_acc, dlk = _consume(m_lo, m_tile, phases, stages, full, free, step, (acc0, acc0, dl0))
+            k_smem[...] = (dk_acc * float(scale)).astype(dtype)
+            v_smem[...] = dv_acc.astype(dtype)
+            out_smem = out_smem2.at[wg]
+            out_smem[...] = dlk
+            plgpu.commit_smem()
+            out_rows = (bi, pl.ds(k0, bk), head)
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[out_rows])
+            plgpu.copy_smem_to_gmem(out_smem, dlk_ref.at[bi, head, pl.ds(k0, bk)])
+            plgpu.wait_smem_to_gmem(0)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+
+            def fetch(m, slot):
+                rows = (bi, pl.ds(m * bq, bq), head)
+                vec = (bi, head, pl.ds(m * bq, bq))
+                plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(lq_ref.at[vec], lq_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], full.at[slot])
+                plgpu.copy_gmem_to_smem(dl_ref.at[vec], dl_smem.at[slot], full.at[slot])
+                if sq_ref is not None:
+                    plgpu.copy_gmem_to_smem(sq_ref.at[bi, pl.ds(m * bq, bq)], sq_smem.at[slot], full.at[slot])
+
+            _produce(m_lo, m_tile, stages, full, free, fetch)
+
+    def entry(*refs):
+        smem = (
+            plgpu.SMEM((2, bk, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((2, bk, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.float32),
+            plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
+            plgpu.SMEM((2, bk), jnp.float32),
+        )
+        barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+                    plgpu.Barrier(num_arrivals=6 if segments else 5, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
+
+    args = [q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_hi, seq_start]
+    if segments:
+        args += [seg_q, seg_k]
+    out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
+    return plgpu.kernel(
+        entry,
+        out_type=(out, out, jax.ShapeDtypeStruct((b, h, tk), jnp.float32)),
+        grid=(h, tk // (2 * bk), b), grid_names=("heads", "k_tiles", "batch"),
+        num_threads=3, thread_name="wg", compiler_params=_params(),
+    )(*args)
+
+
+def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges, o, lse, do, *, scale: float,
+                    config: MosaicConfig, window_size: int | None = None):
+    """Gradients of ``mosaic_forward``'s o with respect to q, k, v and Λ, with the Mosaic backward kernels.
+
+    Args:
+      q, k, v, lam, seq_start, segment_ids, scale, config, window_size: as ``mosaic_forward``;
+      dq_ranges: (lo, hi) key-block ranges, broadcastable to [B, H, ceil(Tq / (2·bwd_block_q))]
+        (``TileVisits.row_ranges()`` at the tiling (2·bwd_block_q, bwd_block_k));
+      dkv_ranges: (lo, hi) query-block ranges, broadcastable to [B, H, ceil(Tk / (2·bwd_block_k))]
+        (``TileVisits.col_ranges()`` at the tiling (bwd_block_q, 2·bwd_block_k));
+      o [B, Tq, H, D] and lse [B, H, Tq] (natural log) from the forward; do: the cotangent of o.
+    Returns:
+      dq [B, Tq, H, D], dk, dv [B, Tk, Hkv, D] (input dtypes) and dΛ [B, Tk, H] float32
+      (= Σ_j dS_tj − Σ_i dS_it; the caller's cumsum turns it into d log f).
+    """
+    b, tq, h, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    bq, bk, stages = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
+    d_pad = _round_up(d, 64)
+    tq_pad = _round_up(tq, math.lcm(2 * bq, bq))
+    tk_pad = _round_up(tk, math.lcm(bk, 2 * bk))
+    pad = lambda x, t: _pad_axis(_pad_axis(x, 3, d_pad), 1, t)  # noqa: E731
+    qp, dop = pad(q, tq_pad), pad(do.astype(q.dtype), tq_pad)
+    kp, vp = pad(k, tk_pad), pad(v, tk_pad)
+    lam2 = lam.astype(jnp.float32).transpose(0, 2, 1) * LOG2E
+    lam_q2 = _pad_axis(lam2[:, :, tk - tq:], 2, tq_pad, edge=True)
+    lam_k2 = _pad_axis(lam2, 2, tk_pad, edge=True)
+    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
+    delta = _pad_axis(delta, 2, tq_pad)
+    lse2 = _pad_axis(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf), 2, tq_pad, value=jnp.inf)
+    seg_q = seg_k = None
+    if segment_ids is not None:
+        seg_q = _pad_axis(segment_ids[:, tk - tq:].astype(jnp.int32), 1, tq_pad, value=-1)
+        seg_k = _pad_axis(segment_ids.astype(jnp.int32), 1, tk_pad, value=-2)
+    ss = seq_start.astype(jnp.int32)
+    common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size)
+    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
+    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lam_q2, lam_k2, lse2, delta, lo, hi, ss, seg_q, seg_k,
+                                          **common)
+    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
+    dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lam_q2, lam_k2, lse2, delta, lo, hi, ss, seg_q,
+                                               seg_k, **common)
+    dq, dk, dv = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
+    if h != hkv:  # GQA: sum the query heads of each key/value head in float32
+        dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
+        dv = dv.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
+    dlam = dlam_k[:, :, :tk].at[:, :, tk - tq:].add(dlam_q[:, :, :tq])
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), dlam.transpose(0, 2, 1)

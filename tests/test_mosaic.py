@@ -1,0 +1,248 @@
+"""Tests of ``implementation="mosaic"``: the Hopper Mosaic GPU forward (kernels/forgetting_attention_mgpu.py)
+with the Triton backward kernels.
+
+The Mosaic kernel cannot run off an sm_90 GPU (Mosaic GPU has no interpret mode for warp-specialised
+kernels), so on CPU:
+* the whole op (forward kernel + dQ, dK/dV kernels) is *lowered* for CUDA over a grid of options — the
+  Mosaic lowering runs in Python and checks layouts, wgmma shapes, barrier and TMA arguments, so an
+  API or layout mistake fails here, not first on the GPU;
+* the algorithm (the same tiles, 2·block_q rows × block_k keys, the same skip rule: TileVisits row
+  ranges; masks on the seq_start edge, the causal diagonal, every tile with segment ids or a window)
+  is the blockwise XLA path at the Mosaic tiling, checked against the dense float32 oracle;
+* the op's refusals (CPU, float32, D > 128, a DCP mask).
+``-m gpu`` runs the kernel on the H200 against the dense float32 oracle (outputs and all four
+gradients) over awkward shapes, and checks ACP(δ = −∞) is bitwise dense.
+
+Tolerances as tests/test_pallas.py (relative to the reference's max magnitude): bf16 2e-2 output,
+3e-2 gradients; fp16 1e-2 / 1.5e-2 — P is rounded to the input dtype before the P·V matmul.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.kernels import MosaicConfig, default_mosaic_config
+from fox_jax.kernels import forgetting_attention_mgpu as mgpu
+from fox_jax.ops import forgetting_attention, forgetting_attention_reference
+from fox_jax.ops import acp as acp_lib
+from fox_jax.ops import pallas as fpallas
+from fox_jax.ops.reference import decay_cumsum
+from fox_jax.ops.tiles import tile_visits
+
+_TOL = {jnp.bfloat16: (2e-2, 3e-2), jnp.float16: (1e-2, 1.5e-2), jnp.float32: (2e-5, 2e-5)}
+
+
+def _inputs(b, tq, tk, h, hkv, d, dtype, seed=0):
+    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+    q = jax.random.normal(ks[0], (b, tq, h, d), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (b, tk, hkv, d), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (b, tk, hkv, d), jnp.float32).astype(dtype)
+    lf = jax.nn.log_sigmoid(jax.random.uniform(ks[3], (b, tk, h), minval=0.0, maxval=5.0))
+    w = jax.random.normal(ks[4], (b, tq, h, d), jnp.float32)
+    return q, k, v, lf, w
+
+
+def _value_and_grads(fn, q, k, v, lf, w):
+    def loss(q, k, v, lf):
+        o = fn(q, k, v, lf)
+        return jnp.sum(o.astype(jnp.float32) * w), o
+
+    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, lf)
+    return o, grads
+
+
+def _assert_close(name, got, want, tol):
+    got = np.asarray(jnp.asarray(got, jnp.float32))
+    want = np.asarray(jnp.asarray(want, jnp.float32))
+    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
+    scale = max(float(np.max(np.abs(want))), 1e-3)
+    err = float(np.max(np.abs(got - want)))
+    assert err <= tol * scale + 1e-5, f"{name}: max err {err:.3e} > {tol:.1e} × {scale:.3e}"
+
+
+def _check_against_reference(impl, q, k, v, lf, w, dtype, **kw):
+    o, grads = _value_and_grads(lambda *a: forgetting_attention(*a, implementation=impl, **kw), q, k, v, lf, w)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(
+        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw), f32(q), f32(k), f32(v), lf, w)
+    tol_o, tol_g = _TOL[dtype]
+    _assert_close("o", o, o_ref, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, tol_g)
+    return o, grads
+
+
+def _segments(b, tk, cuts):
+    t = jnp.arange(tk)
+    return jnp.broadcast_to(sum((t >= c).astype(jnp.int32) for c in cuts), (b, tk))
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: lowering for CUDA
+# ---------------------------------------------------------------------------------------------------
+
+
+def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, acp=False, window_size=None,
+              config=None):
+    cfg = fpallas.resolve_config(d, tq, tk, None, interpret=False)
+    cfg = dataclasses.replace(cfg, mosaic=config or default_mosaic_config(64 if d <= 64 else 128))
+
+    def loss(q, k, v, lam, ss, seg, delta):
+        visits = fpallas.kernel_visits(cfg, tq, tk, seq_start=ss, lam=lam if acp else None,
+                                       delta=delta if acp else None, segment_ids=seg, window_size=window_size)
+        o = fpallas.kernel_attention(q, k, v, lam, None, seg, visits, None, d ** -0.5, cfg, False)
+        return jnp.sum(o.astype(jnp.float32))
+
+    args = [jax.ShapeDtypeStruct((b, tq, h, d), dtype), jax.ShapeDtypeStruct((b, tk, hkv, d), dtype),
+            jax.ShapeDtypeStruct((b, tk, hkv, d), dtype), jax.ShapeDtypeStruct((b, tk, h), jnp.float32),
+            jax.ShapeDtypeStruct((b,), jnp.int32) if seq_start else None,
+            jax.ShapeDtypeStruct((b, tk), jnp.int32) if segments else None,
+            jax.ShapeDtypeStruct((b, h), jnp.float32)]
+    grad = jax.grad(loss, argnums=(0, 1, 2, 3))
+    return jax.jit(grad).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("b,tq,tk,h,hkv,d,dtype,opts", [
+    pytest.param(2, 1000, 1000, 4, 2, 64, jnp.bfloat16, dict(acp=True), id="d64-gqa-acp-seqstart"),
+    pytest.param(1, 700, 1300, 2, 2, 128, jnp.bfloat16, dict(segments=True), id="d128-tq<tk-segments"),
+    pytest.param(1, 256, 256, 2, 1, 128, jnp.float16, dict(seq_start=False), id="d128-fp16-mqa"),
+    pytest.param(2, 300, 300, 2, 2, 48, jnp.bfloat16, dict(window_size=100), id="d48-padded-window"),
+    pytest.param(1, 512, 512, 2, 2, 64, jnp.bfloat16,
+                 dict(config=MosaicConfig(128, 64, 4, bwd_block_q=128, bwd_stages=3)), id="d64-bq128-bk64"),
+    pytest.param(2, 1000, 1000, 4, 2, 128, jnp.bfloat16, dict(acp=True, segments=True,
+                 config=MosaicConfig(backward=False)), id="d128-triton-backward"),
+])
+def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
+    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
+    Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
+    text = _lower_op(b, tq, tk, h, hkv, d, dtype, **opts)
+    calls = text.count("stablehlo.custom_call @mosaic_gpu")
+    triton = text.count("__gpu$xla.gpu.triton")
+    if opts.get("config") is not None and not opts["config"].backward:
+        assert (calls, triton) == (1, 2), (calls, triton)
+    else:
+        assert (calls, triton) == (3, 0), (calls, triton)
+
+
+def test_config_checks_and_smem_budget():
+    with pytest.raises(ValueError, match="block_q"):
+        MosaicConfig(96, 128, 2)
+    with pytest.raises(ValueError, match="block_k"):
+        MosaicConfig(64, 512, 2)
+    with pytest.raises(ValueError, match="stages"):
+        MosaicConfig(64, 128, 1)
+    with pytest.raises(ValueError, match="bwd_block_k"):
+        MosaicConfig(bwd_block_k=32)
+    assert MosaicConfig().dq_tiling == (128, 64) and MosaicConfig().dkv_tiling == (64, 128)
+    for d in (64, 128):
+        assert mgpu.smem_bytes(default_mosaic_config(d), d) <= mgpu.SMEM_LIMIT
+    q = jnp.zeros((1, 256, 1, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        mgpu.mosaic_forward(q, q, q, jnp.zeros((1, 256, 1)), jnp.zeros((1,), jnp.int32), None,
+                            (jnp.zeros((1, 1, 1), jnp.int32),) * 2, scale=1.0, config=MosaicConfig(128, 256, 4))
+
+
+def test_op_refuses_what_the_kernel_does_not_cover():
+    q, k, v, lf, _ = _inputs(1, 64, 64, 2, 2, 64, jnp.bfloat16)
+    if jax.default_backend() != "gpu":
+        with pytest.raises(NotImplementedError, match="Hopper"):
+            forgetting_attention(q, k, v, lf, implementation="mosaic")
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
+    with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
+        forgetting_attention(q32, k32, v32, lf, implementation="mosaic")
+    with pytest.raises(ValueError, match="head_dim ≤ 128"):
+        mgpu.mosaic_forward(jnp.zeros((1, 128, 1, 256), jnp.bfloat16), jnp.zeros((1, 128, 1, 256), jnp.bfloat16),
+                            jnp.zeros((1, 128, 1, 256), jnp.bfloat16), jnp.zeros((1, 128, 1)),
+                            jnp.zeros((1,), jnp.int32), None, (jnp.zeros((1, 1, 1), jnp.int32),) * 2, scale=1.0,
+                            config=MosaicConfig())
+
+
+# ---------------------------------------------------------------------------------------------------
+# CPU: the algorithm at the kernel's tiling (blockwise XLA path)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tq,tk,hkv,seq_start,segments,threshold", [
+    pytest.param(300, 300, 2, (0, 77), None, None, id="seqstart-edge"),
+    pytest.param(200, 333, 1, (140, 0), (100, 250), None, id="tq<tk-mqa-segments"),
+    pytest.param(384, 384, 2, None, None, "auto", id="acp-auto"),
+])
+def test_kernel_tiling_blockwise_matches_reference(tq, tk, hkv, seq_start, segments, threshold):
+    """The blockwise path at the Mosaic forward's tiles (128 query rows × 128 keys) and skip rules equals the
+    dense float32 oracle (outputs and gradients): the algorithm the kernel runs, covered on CPU."""
+    cfg = default_mosaic_config(64)
+    b, h, d = 2, 4, 64
+    q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, jnp.float32, seed=tq + tk)
+    if threshold is not None:  # rows of norm √D (as with QK-norm) so that the "auto" bound holds
+        q, k = (x / jnp.linalg.norm(x, axis=-1, keepdims=True) * d ** 0.5 for x in (q, k))
+        lf = 8.0 * lf  # forget fast enough that whole 128 × 128 tiles fall under δ
+    kw = dict(seq_start=None if seq_start is None else jnp.asarray(seq_start, jnp.int32),
+              segment_ids=None if segments is None else _segments(b, tk, segments))
+    o, grads = _value_and_grads(lambda *a: forgetting_attention(
+        *a, implementation="xla", block_q=cfg.tile_q, block_k=cfg.block_k, adaptive_threshold=threshold, **kw),
+        q, k, v, lf, w)
+    o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, **kw), q, k, v, lf, w)
+    # dense: float32 summation order only. ACP "auto": the pruned weight per row is ≤ ε = e^-10 (fox_acp.md §5),
+    # so the output moves by ≤ 2ε·max|v| ≈ 4e-4 at most; gradients within the same order.
+    tol = 2e-5 if threshold is None else 1e-3
+    _assert_close("o", o, o_ref, tol)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, tol)
+    if threshold is not None:  # and the tiling really skips tiles on these gates
+        lam = decay_cumsum(lf)
+        delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5)
+        lo, hi = tile_visits(tq, tk, cfg.tile_q, cfg.block_k, lam=lam, delta=delta).row_ranges()
+        full_lo, full_hi = tile_visits(tq, tk, cfg.tile_q, cfg.block_k).row_ranges()
+        assert int(jnp.sum(jnp.maximum(hi - lo, 0))) < int(jnp.sum(jnp.broadcast_to(full_hi - full_lo, lo.shape)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# GPU (H200): the kernel itself
+# ---------------------------------------------------------------------------------------------------
+
+_GPU_CASES = [
+    pytest.param(1, 2048, 2048, 4, 4, 64, jnp.bfloat16, None, None, id="T2048-D64"),
+    pytest.param(1, 4096, 4096, 2, 2, 128, jnp.bfloat16, None, None, id="T4096-D128"),
+    pytest.param(2, 1000, 1500, 4, 2, 128, jnp.bfloat16, (0, 333), (500, 1200), id="T1500-D128-gqa-seqstart-seg"),
+    pytest.param(2, 777, 777, 4, 4, 64, jnp.bfloat16, (100, 0), None, id="T777-D64-seqstart"),
+    pytest.param(1, 333, 333, 4, 1, 64, jnp.float16, None, None, id="T333-D64-fp16-mqa"),
+    pytest.param(1, 100, 900, 2, 2, 96, jnp.bfloat16, (50,), None, id="T100of900-D96"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,tq,tk,h,hkv,d,dtype,seq_start,segments", _GPU_CASES)
+def test_gpu_mosaic_matches_reference(b, tq, tk, h, hkv, d, dtype, seq_start, segments):
+    if fpallas.mosaic_supported(jnp.zeros((1,), dtype), jnp.zeros((1,), dtype)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, dtype, seed=tk + d)
+    kw = dict(seq_start=None if seq_start is None else jnp.asarray(seq_start, jnp.int32),
+              segment_ids=None if segments is None else _segments(b, tk, segments))
+    o, _ = _check_against_reference("mosaic", q, k, v, lf, w, dtype, **kw)
+    o_pallas = forgetting_attention(q, k, v, lf, implementation="pallas", **kw)
+    _assert_close("o vs pallas", o, o_pallas, _TOL[dtype][0])
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_window():
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, lf, w = _inputs(1, 1000, 1000, 2, 2, 128, jnp.bfloat16, seed=3)
+    _check_against_reference("mosaic", q, k, v, lf, w, jnp.bfloat16, window_size=300)
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_acp_minus_inf_is_bitwise_dense():
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, lf, w = _inputs(1, 4096, 4096, 4, 4, 128, jnp.bfloat16, seed=7)
+    run = lambda thr: _value_and_grads(lambda *a: forgetting_attention(  # noqa: E731
+        *a, adaptive_threshold=thr, implementation="mosaic"), q, k, v, lf, w)
+    base, minus_inf = run(None), run(-jnp.inf)
+    for a, b in zip(jax.tree_util.tree_leaves(base), jax.tree_util.tree_leaves(minus_inf)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
