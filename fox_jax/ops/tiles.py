@@ -155,6 +155,25 @@ class TileVisits:
         q_idx = jnp.argsort(~vis.T, axis=1, stable=True).astype(jnp.int32)
         return kv_idx, jnp.sum(vis, axis=1, dtype=jnp.int32), q_idx, jnp.sum(vis, axis=0, dtype=jnp.int32)
 
+    def key_lists(self) -> tuple[jax.Array, jax.Array]:
+        """The visited tiles of each query block as a compacted list (the DCP loops of the forward and
+        dQ kernels): ``compact_tiles`` of ``visited``.
+
+        Returns:
+          (idx [1 or B, 1 or H, nq, nk], count [1 or B, 1 or H, nq]) int32: query block m visits key
+          blocks idx[..., m, :count[..., m]], ascending (the rest of the row is 0).
+        """
+        return compact_tiles(self.visited())
+
+    def query_lists(self) -> tuple[jax.Array, jax.Array]:
+        """The visited tiles of each key block as a compacted list (the DCP loop of the dK/dV kernel).
+
+        Returns:
+          (idx [1 or B, 1 or H, nk, nq], count [1 or B, 1 or H, nk]) int32: key block n visits query
+          blocks idx[..., n, :count[..., n]], ascending (the rest of the row is 0).
+        """
+        return compact_tiles(jnp.swapaxes(self.visited(), -1, -2))
+
     def tile_kept(self, m, n, *, by_rows: bool) -> jax.Array | None:
         """[B, H or 1] bool: whether tile (m, n) is kept by ACP and DCP for each batch row and head
         (None: no such constraint). ``by_rows``: test ACP with ``kv_start`` (forward, dQ), else with
@@ -168,6 +187,34 @@ class TileVisits:
             live = self.live[:, m, n][:, None]
             keep = live if keep is None else keep & live
         return keep
+
+
+def compact_tiles(flags: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Compact per-tile flags into index lists: the positions of the True entries of each row, ascending.
+
+    A cumsum and a scatter (O(n) per row; no sort, no host sync; works under jit, vmap and
+    ``shard_map``). The kernels loop ``for i in range(count): visit(idx[i])``, with no per-tile branch.
+
+    Args:
+      flags: [..., n] bool (or int, nonzero = True), e.g. ``TileVisits.visited()``.
+    Returns:
+      (idx [..., n] int32, count [...] int32): idx[..., :count] holds the indices of the True entries
+      in ascending order; idx[..., count:] is 0 (a valid index, never visited).
+    Raises:
+      ValueError: ``flags`` of rank 0.
+    """
+    if flags.ndim == 0:
+        raise ValueError("compact_tiles: flags must have at least one axis, got a scalar")
+    flags = flags.astype(bool)
+    *lead, n = flags.shape
+    rows = flags.reshape(-1, n)
+    pos = jnp.cumsum(rows, axis=1, dtype=jnp.int32)  # 1-based slot of each True entry
+    dest = jnp.where(rows, pos - 1, n)  # False entries go out of range and are dropped
+    row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
+    src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), rows.shape)
+    idx = jnp.zeros(rows.shape, jnp.int32).at[row_ids, dest].set(src, mode="drop")
+    count = pos[:, -1] if n else jnp.zeros((rows.shape[0],), jnp.int32)
+    return idx.reshape(*lead, n), count.reshape(lead)
 
 
 def tile_visits(
