@@ -43,7 +43,9 @@ block-sparse layout of splash attention's ``MaskInfo``, docs/design/pallas_gpu.m
 block) the ascending live key blocks and their count (forward, dQ), per (b, key block) the live query
 blocks (dK/dV), built by the caller per kernel tiling in XLA. The loop is ``for i in range(count)``
 over ``idx[i]`` with no per-tile branch (a ``lax.cond`` per tile kept Triton from pipelining the
-loads), and every listed tile gets the full element mask. A fourth kernel, dlogI (grid (query block, key block, batch), heads
+loads). Each list holds the tiles that need the element mask (causal diagonal, key padding, seq_start
+or window edge, document boundary) first, then the fully visible ones; the two parts run as two loops,
+masked and unmasked, as in the dense path. A fourth kernel, dlogI (grid (query block, key block, batch), heads
 looped inside), writes the mask gradient Σ_h dS[b, h, i, j] one tile at a time: O(B·T²) like the mask
 itself, never per head.
 
@@ -115,7 +117,11 @@ class KernelConfig:
     dkv: TileConfig
     interleave_heads: bool | None = None
     interleave_bwd_from: int | None = None
+    dcp_unmasked_interior: bool = True
 
+    # dcp_unmasked_interior: with a DCP mask, the tile lists the caller builds put the fully visible
+    # tiles in an unmasked loop after the masked ones (False: every listed tile gets the element mask;
+    # same result, one loop — for comparisons).
     # interleave_bwd_from: when the grid order is otherwise unset, the dense dQ and dK/dV kernels
     # interleave heads for Tk ≥ this length (None: never). Measured at D=128 on an H200: −6 % backward
     # at T=16384, but +1–4 % at T ≤ 8192 (benchmarks/NOTES.md, "Backward sweep").
@@ -307,12 +313,12 @@ def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interlea
     Pops the optional inputs (ACP start, document bounds, segment ids, DCP mask and tile list) from
     ``rest`` in the order ``_query_side_optional_inputs`` passes them, leaving the outputs there, and
     returns (q, lq, ss, sq, sk_ref, qpos, bounds, dcp) with bounds = ``_key_loop_bounds`` of this block
-    and dcp = (mask_ref [bq, Tk_pad], (idx_ref [nk_pow2], count_ref [])) or (None, None).
+    and dcp = (mask_ref [bq, Tk_pad], (idx_ref [nk_pow2], n_masked_ref [], count_ref [])) or (None, None).
     """
     lo_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
-    dcp = (rest.pop(0), (rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
+    dcp = (rest.pop(0), (rest.pop(0), rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
     m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
     ss = ss_ref[()]
     sq = sq_ref[...] if g.has_seg else None
@@ -323,18 +329,21 @@ def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interlea
 
 
 def _run_tile_list(step, carry, tile_list):
-    """DCP: one loop over a compacted tile list, ``step(idx[i], carry, masked=True)`` for
-    i < count — no per-tile branch, so the loads of the next tile can be pipelined. Every listed tile
-    gets the full element mask (causal, length, seq_start, window, segments): the list does not say
-    which tiles are interior."""
-    idx_ref, count_ref = tile_list
-    return lax.fori_loop(0, count_ref[()], lambda i, c: step(idx_ref[i], c, masked=True), carry)
+    """DCP: two loops over a compacted tile list (idx_ref, n_masked_ref, count_ref) —
+    ``step(idx[i], masked=True)`` for i < n_masked (tiles on the causal diagonal, the key padding,
+    the seq_start or window edge or a document boundary: full element mask), then
+    ``step(idx[i], masked=False)`` for n_masked ≤ i < count (fully visible tiles). No per-tile branch,
+    so the loads of the next tile can be pipelined."""
+    idx_ref, n_masked_ref, count_ref = tile_list
+    n_masked = n_masked_ref[()]
+    carry = lax.fori_loop(0, n_masked, lambda i, c: step(idx_ref[i], c, masked=True), carry)
+    return lax.fori_loop(n_masked, count_ref[()], lambda i, c: step(idx_ref[i], c, masked=False), carry)
 
 
 def _run_key_loops(g: _Geom, step, carry, bounds, tile_list=None):
     """The key-block loops of a query block: masked [lo, min(lo_full, mid)), unmasked [lo_full, mid),
     masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids. With ``tile_list``
-    (DCP: (idx_ref, count_ref), the live key blocks in the loop range), one masked loop over the list."""
+    (DCP: the live key blocks in the loop range, ``_run_tile_list``), the loops over the list."""
     if tile_list is not None:
         return _run_tile_list(step, carry, tile_list)
     lo, lo_full, mid, hi = bounds
@@ -379,14 +388,16 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
 
 
 def _tile_list_specs(spec, blk, tile_list):
-    """BlockSpecs of a compacted tile list (idx [B, Hl, n_blocks, L_pow2], count [B, Hl, n_blocks]) for
-    the program of (block, head, batch): Hl = 1 (lists shared by the heads) or H (per head, with ACP)."""
-    idx, count = tile_list
+    """BlockSpecs of a compacted tile list (idx [B, Hl, n_blocks, L_pow2], n_masked and count
+    [B, Hl, n_blocks]) for the program of (block, head, batch): Hl = 1 (lists shared by the heads) or
+    H (per head, with ACP)."""
+    idx = tile_list[0]
     per_head = idx.shape[1] > 1
 
     def head(j):
         return j if per_head else 0
     return [spec((None, None, None, idx.shape[-1]), lambda i, j, z: (z, head(j), blk(i), 0)),
+            spec((None, None, None), lambda i, j, z: (z, head(j), blk(i))),
             spec((None, None, None), lambda i, j, z: (z, head(j), blk(i)))]
 
 
@@ -395,7 +406,7 @@ def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_
     """BlockSpecs and arrays of the optional inputs of the query-block kernels (forward and dQ), in the
     order the kernels pop them: the ACP key-block start of each query block, the document-aware key
     block range (lo, hi) of each query block, the query and key segment ids, then the DCP log mask
-    [B, Tq_pad, Tk_pad] and the key-block list (idx [B, Hl, nq, nk_pow2], count [B, Hl, nq])."""
+    [B, Tq_pad, Tk_pad] and the key-block list (idx [B, Hl, nq, nk_pow2], n_masked, count [B, Hl, nq])."""
     specs, args = [], []
     if kv_start is not None:
         specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
@@ -426,10 +437,12 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
         seg_bounds: None or (kv_lo, kv_hi), each [B, ceil(tq/block_q)] int32 — document-aware skipping
         (``fox_jax.ops.acp.segment_block_bounds`` with this tile's blocks); only with segment ids.
         log_mask: None or [B, Tq_pad, Tk_pad] float32 DCP log mask (finite), added to every head's
-        scores; kv_list: with it, (idx [B, Hl, ceil(tq/block_q), nk_pow2], count [B, Hl,
-        ceil(tq/block_q)]) int32, Hl ∈ {1, H}: query block m visits exactly the key blocks
+        scores; kv_list: with it, (idx [B, Hl, ceil(tq/block_q), nk_pow2], n_masked, count
+        [B, Hl, ceil(tq/block_q)]) int32, Hl ∈ {1, H}: query block m visits exactly the key blocks
         idx[b, h, m, :count[b, h, m]] (this tile's blocks; each < ceil(tk/block_k); nk_pow2 a power of
-        two ≥ 1), every one with the full element mask, instead of its loop ranges. Both or neither.
+        two ≥ 1) instead of its loop ranges, the first n_masked with the element mask (causal,
+        padding, seq_start, window, segments) and the rest without it — so those must be fully
+        visible. Both or neither.
       tq, tk: real lengths; scale: logit scale.
     Returns:
       o [B, Tq_pad, H, D] in q.dtype and lse [B, H, Tq_pad] float32 (natural log; −inf for empty rows).
@@ -571,7 +584,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     hi_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
-    mask_t_ref, tile_list = (rest.pop(0), (rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
+    mask_t_ref, tile_list = (rest.pop(0), (rest.pop(0), rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
     dk_ref, dv_ref, dlk_ref = rest
 
     n = _block_id(interleave)
@@ -633,7 +646,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32),
              jnp.zeros((bk,), jnp.float32))
     masked_step = functools.partial(step, masked=True)
-    if tile_list is not None:  # DCP: the live query blocks of this key block, each masked
+    if tile_list is not None:  # DCP: the live query blocks of this key block
         carry = _run_tile_list(step, carry, tile_list)
     elif g.has_seg:
         carry = lax.fori_loop(lo, hi, masked_step, carry)
@@ -660,9 +673,10 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
       seg_bounds: None or (q_lo, q_hi), each [B, ceil(tk/block_k)] int32: document-aware query-block
         range of each key block (``segment_block_bounds`` with this tile's blocks; segment ids only).
       log_mask_t: None or [B, Tk_pad, Tq_pad] float32, the DCP log mask transposed; q_list: with it,
-        (idx [B, Hl, ceil(tk/block_k), nq_pow2], count [B, Hl, ceil(tk/block_k)]) int32, Hl ∈ {1, H}:
-        key block n visits exactly the query blocks idx[b, h, n, :count[b, h, n]] (this tile's
-        blocks), every one with the full element mask, instead of its loop range.
+        (idx [B, Hl, ceil(tk/block_k), nq_pow2], n_masked, count [B, Hl, ceil(tk/block_k)]) int32,
+        Hl ∈ {1, H}: key block n visits exactly the query blocks idx[b, h, n, :count[b, h, n]] (this
+        tile's blocks) instead of its loop range, the first n_masked with the element mask (as in
+        ``flash_forward``).
     Returns:
       dk, dv [B, Tk_pad, H, D] per *query* head (in k.dtype without GQA, float32 with GQA, for the
       caller's group sum) and the key-side decay gradient −Σ_i dS_ij [B, H, Tk_pad] float32.
@@ -871,19 +885,20 @@ def _interleave(config: KernelConfig, tile: TileConfig, ranges, *, backward: boo
 
 
 def _pad_list(tile_list, b: int, n_blocks: int, name: str):
-    """A compacted tile list (idx [1 or B, Hl, n_blocks, L], count [1 or B, Hl, n_blocks]) as int32
-    [B, Hl, n_blocks, L_pow2] and [B, Hl, n_blocks] (the index row zero-padded to a power of two for
-    the kernels' row loads)."""
-    if not isinstance(tile_list, (tuple, list)) or len(tile_list) != 2:
-        raise ValueError(f"{name} must be a pair (idx, count), got {type(tile_list).__name__}")
-    idx, count = (jnp.asarray(x) for x in tile_list)
-    if idx.ndim != 4 or count.shape != idx.shape[:3] or idx.shape[2] != n_blocks or idx.shape[0] not in (1, b):
-        raise ValueError(f"{name}: idx must be [B, Hl, {n_blocks}, L] and count [B, Hl, {n_blocks}], "
-                         f"got {idx.shape} and {count.shape}")
+    """A compacted tile list (idx [1 or B, Hl, n_blocks, L], n_masked and count [1 or B, Hl, n_blocks])
+    as int32 [B, Hl, n_blocks, L_pow2] and [B, Hl, n_blocks] (the index row zero-padded to a power of
+    two for the kernels' row loads)."""
+    if not isinstance(tile_list, (tuple, list)) or len(tile_list) != 3:
+        raise ValueError(f"{name} must be a triple (idx, n_masked, count), got {type(tile_list).__name__}")
+    idx, n_masked, count = (jnp.asarray(x) for x in tile_list)
+    if (idx.ndim != 4 or idx.shape[2] != n_blocks or idx.shape[0] not in (1, b)
+            or count.shape != idx.shape[:3] or n_masked.shape != idx.shape[:3]):
+        raise ValueError(f"{name}: idx must be [B, Hl, {n_blocks}, L] and n_masked, count [B, Hl, {n_blocks}], "
+                         f"got {idx.shape}, {n_masked.shape} and {count.shape}")
     hl, length = idx.shape[1], idx.shape[3]
     idx = _pad_to(jnp.broadcast_to(idx.astype(jnp.int32), (b, hl, n_blocks, length)), 3,
                   1 << max(length - 1, 0).bit_length())
-    return idx, jnp.broadcast_to(count.astype(jnp.int32), (b, hl, n_blocks))
+    return (idx,) + tuple(jnp.broadcast_to(x.astype(jnp.int32), (b, hl, n_blocks)) for x in (n_masked, count))
 
 
 def _pad_mask(log_mask, p: _Padded):
@@ -911,10 +926,11 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
         block skipping (``fox_jax.ops.acp.segment_block_bounds`` for the forward tiling); needs
         segment_ids. Without it, segment ids are handled by masking alone.
         log_mask: None or [B, Tq, Tk] float32 DCP log mask (finite; shared by the heads);
-        kv_list: with it, (idx [B or 1, Hl, nq, L], count [B or 1, Hl, nq]) int (nq =
+        kv_list: with it, (idx [B or 1, Hl, nq, L], n_masked, count [B or 1, Hl, nq]) int (nq =
         ceil(Tq/config.fwd.block_q), Hl ∈ {1, H}, L ≥ 1): query block m visits exactly the key blocks
-        idx[b, h, m, :count[b, h, m]] (forward tiling, each < ceil(Tk/config.fwd.block_k)), each with
-        the full element mask — no per-tile branch (``fox_jax.ops.tiles.TileVisits.key_lists``).
+        idx[b, h, m, :count[b, h, m]] (forward tiling, each < ceil(Tk/config.fwd.block_k)), the first
+        n_masked with the element mask, the others (which must be fully visible) without — no
+        per-tile branch (``fox_jax.ops.tiles.TileVisits.key_lists``).
         window_size: None or a static int W ≥ 1, sliding window: query row r (absolute position)
         sees keys r − W < j ≤ r; the kernels skip the key blocks outside it and mask its edge.
     Returns:
@@ -947,9 +963,10 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
       seg_bounds_dkv = (q_lo, q_hi) [B, ceil(Tk/config.dkv.block_k)] int32 or None (document-aware
       skipping for the dQ / dK/dV tilings, ``segment_block_bounds``; need segment_ids);
       log_mask [B, Tq, Tk] (DCP) with kv_list_dq (idx [B or 1, Hl, ceil(Tq/config.dq.block_q), L],
-      count [B or 1, Hl, ceil(Tq/config.dq.block_q)]: the key blocks each dQ query block visits, as
-      ``kv_list`` of ``attention_forward``), q_list_dkv (idx [B or 1, Hl, ceil(Tk/config.dkv.block_k),
-      L], count: the query blocks each dK/dV key block visits, ``TileVisits.query_lists``) and
+      n_masked, count [B or 1, Hl, ceil(Tq/config.dq.block_q)]: the key blocks each dQ query block
+      visits, as ``kv_list`` of ``attention_forward``), q_list_dkv (idx [B or 1, Hl,
+      ceil(Tk/config.dkv.block_k), L], n_masked, count: the query blocks each dK/dV key block visits,
+      ``TileVisits.query_lists``) and
       live_dmask [B, ceil(Tq/bq), ceil(Tk/bk)] bool/int, the live tiles of the mask-gradient tiling
       (``dmask_tile``).
     Returns:
