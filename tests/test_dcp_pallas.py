@@ -317,3 +317,29 @@ def test_kernel_tile_lists_match_dense_with_gradients(case):
         assert np.all(np.isfinite(a)), name
         np.testing.assert_allclose(a, r, atol=g_tol * (1 + float(np.abs(r).max())), rtol=g_rtol, err_msg=name)
     assert float(jnp.abs(g_ref[4]).max()) > 1e-3  # the mask gradient is exercised
+
+
+def test_auto_implementation_and_config_values(monkeypatch):
+    """``implementation="auto"`` (the default of the op and of both model configs) is Pallas on a GPU
+    for a finite floor and D ≤ 256, XLA otherwise; saved configs with "xla" / "pallas" still load."""
+    from fox_jax import config as fox_config
+    from fox_jax.ops.context_pruning import IMPLEMENTATIONS, resolve_implementation
+
+    assert fox_config.DCP_IMPLS == IMPLEMENTATIONS
+    assert resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert resolve_implementation("pallas") == "pallas" and resolve_implementation("xla") == "xla"
+    with pytest.raises(ValueError, match="implementation"):
+        resolve_implementation("cudnn")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_implementation("auto") == "pallas"
+    assert resolve_implementation("auto", floor=-jnp.inf) == "xla"
+    assert resolve_implementation("auto", head_dim=512) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert resolve_implementation("auto") == "xla"
+    for cls in (fox_config.ModelConfig, fox_config.GPT2Config):
+        assert cls().dcp_impl == "auto"
+        for impl in ("xla", "pallas"):
+            saved = {**cls().to_dict(), "dcp_impl": impl}
+            assert fox_config.config_from_dict(saved).dcp_impl == impl
+        with pytest.raises(ValueError, match="dcp_impl"):
+            cls(dcp_impl="cudnn")
