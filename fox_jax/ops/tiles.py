@@ -23,7 +23,9 @@ the needed tiles changes nothing but the speed. The constraints (the role splash
 (``fox_jax.ops.blockwise``) visits the union over batch rows and heads of the described tiles, in
 ascending order (``TileVisits.schedule``), and masks the rest exactly; the Pallas glue
 (``fox_jax.ops.pallas``) builds one per kernel tiling and hands the arrays to the kernels, which loop
-over the ranges per (b, h) and skip the tiles that are not live.
+over the ranges per (b, h) — or, with a DCP mask, over compacted lists of the visited tiles
+(``compact_tiles``, ``TileVisits.key_lists`` / ``query_lists``: per block the ascending live tiles, those
+that need the element mask first, ``TileVisits.element_masked``), with no per-tile branch.
 
 Also here, since the kernels' glue and the DCP op share it: the dropped-pair rule of a DCP log mask
 (``exclude_dropped``, ``rows_with_kept_pair``).
