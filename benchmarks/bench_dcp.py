@@ -4,16 +4,22 @@ For each shape and target sparsity, a DCP mask is built the way the models build
 (``cumulative_keep_log_mask(keep_logits(q_int, k_int, β), α=∞)``, r = 64) with β found by bisection
 so that the fraction of causal pairs dropped is near the target; then fwd and fwd+bwd (gradients into
 q, k, v, the mask and the gates) of both implementations are timed side by side, with dense Pallas
-forgetting attention (no mask) as the reference point. Prints a table, writes JSON (device, versions,
-shapes, achieved sparsity, fraction of the causal tiles each Pallas kernel skips).
+forgetting attention (no mask) as the reference point: the table ends with DCP Pallas / dense Pallas
+ratios (the target: ≤ 1 at ≥ 50 % sparsity). Prints the table, writes JSON (device, versions, shapes,
+achieved sparsity, fraction of the causal tiles each Pallas kernel skips, the ratios).
 
     python benchmarks/bench_dcp.py --out benchmarks/results/h200_dcp_attention.json
     python benchmarks/bench_dcp.py --quick --out /tmp/dcp.json      # CPU smoke run (interpret mode)
+
+``--all-masked`` adds the Pallas path with every listed tile element-masked
+(``KernelConfig.dcp_unmasked_interior=False``), to measure what the unmasked interior loop buys;
+``--no-xla`` leaves out the (slow) blockwise XLA path.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -29,6 +35,7 @@ from bench_attention import fmt, fwd_flops, log, time_jax, versions  # noqa: E40
 from fox_jax.ops import forgetting_attention  # noqa: E402
 from fox_jax.ops import pallas as fpallas  # noqa: E402
 from fox_jax.ops.context_pruning import (  # noqa: E402
+    LOG_FLOOR,
     cumulative_keep_log_mask,
     dcp_attention,
     dropped_key_blocks,
@@ -63,6 +70,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one tiny shape (CPU, interpret mode)")
     ap.add_argument("--shapes", default=None, help="e.g. 8x1024x12x64,4x2048x16x128")
     ap.add_argument("--sparsities", default=None, help="comma-separated targets, default 0.5,0.9")
+    ap.add_argument("--all-masked", action="store_true",
+                    help="also time the Pallas path with every listed tile element-masked")
+    ap.add_argument("--no-xla", action="store_true", help="leave out the blockwise XLA path")
     args = ap.parse_args(argv)
     shapes = ([tuple(int(y) for y in s.split("x")) for s in args.shapes.split(",")] if args.shapes
               else QUICK_SHAPES if args.quick else SHAPES)
@@ -76,9 +86,17 @@ def main(argv=None) -> int:
         lf = jax.nn.log_sigmoid(jnp.asarray(rng.normal(3.0, 1.0, size=(b, t, h)), jnp.float32))
         do = jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16)
         dense = lambda q, k, v, m, lf: forgetting_attention(q, k, v, lf, implementation="pallas")  # noqa: E731
-        impls = {"xla": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf),
-                 "pallas": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas"),
-                 "dense pallas (no mask)": dense}
+        impls = {} if args.no_xla else {"xla": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf,
+                                                                                     implementation="xla")}
+        impls["pallas"] = lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas")
+        if args.all_masked:
+            cfg_all = dataclasses.replace(fpallas.resolve_config(d, t, t), dcp_unmasked_interior=False)
+
+            def all_masked(q, k, v, m, lf, _cfg=cfg_all):
+                return fpallas.dcp_attention(q, k, v, m, jnp.cumsum(lf, axis=1), None, scale=d ** -0.5,
+                                             floor=LOG_FLOOR, config=_cfg)
+            impls["pallas all masked"] = all_masked
+        impls["dense pallas (no mask)"] = dense
         for target in targets:
             lm, achieved = make_mask(b, t, target)
             cfg = fpallas.resolve_config(d, t, t)
@@ -101,6 +119,10 @@ def main(argv=None) -> int:
                     except Exception as e:  # noqa: BLE001 - OOM or unsupported: record and go on
                         row["ms"][f"{name}|{mode}"] = None
                         row.setdefault("errors", {})[f"{name}|{mode}"] = f"{type(e).__name__}: {str(e)[:200]}"
+            dense_ms = {m: row["ms"].get(f"dense pallas (no mask)|{m}") for m in ("fwd", "fwd_bwd")}
+            row["ratio_vs_dense"] = {f"{n}|{m}": (None if row["ms"].get(f"{n}|{m}") is None or not dense_ms[m]
+                                                  else row["ms"][f"{n}|{m}"] / dense_ms[m])
+                                     for n in impls if n.startswith("pallas") for m in ("fwd", "fwd_bwd")}
             log(json.dumps(row))
             rows.append(row)
     lines = ["| B×T×H×D | sparsity | " + " | ".join(f"{n} {m}" for n in impls for m in ("fwd", "fwd+bwd")) + " |",
@@ -113,6 +135,17 @@ def main(argv=None) -> int:
                  for n in impls for m in ("fwd", "fwd_bwd")]
         shape = f"{s['B']}×{s['T']}×{s['H']}×{s['D']}"
         lines.append(f"| {shape} | {100 * r['sparsity']:.0f}% | " + " | ".join(cells) + " |")
+    ratio_names = [n for n in impls if n.startswith("pallas")]
+    lines += ["", "| B×T×H×D | sparsity | tiles skipped fwd/dq/dkv | "
+              + " | ".join(f"{n} / dense {m}" for n in ratio_names for m in ("fwd", "fwd+bwd")) + " |",
+              "|---" * (3 + 2 * len(ratio_names)) + "|"]
+    for r in rows:
+        s = r["shape"]
+        sk = r["causal_tiles_skipped"]
+        cells = [("—" if r["ratio_vs_dense"].get(f"{n}|{m}") is None else f"{r['ratio_vs_dense'][f'{n}|{m}']:.2f}×")
+                 for n in ratio_names for m in ("fwd", "fwd_bwd")]
+        lines.append(f"| {s['B']}×{s['T']}×{s['H']}×{s['D']} | {100 * r['sparsity']:.0f}% | "
+                     f"{100 * sk['fwd']:.0f}/{100 * sk['dq']:.0f}/{100 * sk['dkv']:.0f}% | " + " | ".join(cells) + " |")
     table = "\n".join(lines)
     log("\nms (dense-equivalent TFLOP/s: the dense causal FLOPs, whatever the mask drops)\n" + table)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)

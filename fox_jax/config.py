@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 GPT2_VOCAB = 50257
 REMAT_POLICIES = ("none", "full", "dots")  # ModelFamily.remat: no remat, save only block inputs, save matmuls
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtype names (params are always float32)
+DCP_IMPLS = ("auto", "xla", "pallas")  # dcp_impl: fox_jax.ops.context_pruning.IMPLEMENTATIONS
 
 
 # Numeric ranges of config fields ---------------------------------------------------------------
@@ -265,8 +266,9 @@ class ModelConfig(FamilyConfig):
         Not combinable with ``adaptive_threshold`` (ACP); decodes with the ``dcp`` cache policy (α = ∞).
       interaction_dim: r, width of the interaction queries/keys (64, the paper's recipe, §1.1).
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default, §1.1).
-      dcp_impl: ``implementation`` of ``dcp_attention``: ``"xla"`` (blockwise, default) or ``"pallas"``
-        (the Pallas kernels with the mask; interpret mode off GPU; not yet timed on a GPU).
+      dcp_impl: ``implementation`` of ``dcp_attention`` (``DCP_IMPLS``): ``"auto"`` (default: the
+        Pallas kernels on GPU, the blockwise XLA code elsewhere), ``"xla"`` or ``"pallas"`` (the
+        kernels; interpret mode off GPU). Changes speed only, not the math.
 
     Raises:
       ValueError: from ``__post_init__``, naming the field: a numeric field outside ``RANGES``, an unknown
@@ -301,7 +303,7 @@ class ModelConfig(FamilyConfig):
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
-    dcp_impl: str = "xla"
+    dcp_impl: str = "auto"
 
     model_type: ClassVar[str] = "lm"
     LAYER_PREFIX: ClassVar[str] = "layers_"
@@ -335,8 +337,8 @@ class ModelConfig(FamilyConfig):
             raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.dcp, bool):
             raise ValueError(f"ModelConfig.dcp must be a bool, got {self.dcp!r}")
-        if self.dcp_impl not in ("xla", "pallas"):
-            raise ValueError(f"ModelConfig.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
+        if self.dcp_impl not in DCP_IMPLS:
+            raise ValueError(f"ModelConfig.dcp_impl must be one of {DCP_IMPLS}, got {self.dcp_impl!r}")
         if self.dcp and self.adaptive_threshold is not None:
             raise ValueError("ModelConfig.adaptive_threshold (ACP) cannot be combined with dcp=True: DCP "
                              "attention (dcp_attention) does not implement ACP block pruning; set "
@@ -498,8 +500,9 @@ class GPT2Config(FamilyConfig):
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default).
-      dcp_impl: ``implementation`` of ``dcp_attention`` for the DCP and sparse-pattern paths:
-        ``"xla"`` (blockwise, default) or ``"pallas"`` (kernels; interpret mode off GPU).
+      dcp_impl: ``implementation`` of ``dcp_attention`` for the DCP and sparse-pattern paths
+        (``DCP_IMPLS``): ``"auto"`` (default: Pallas kernels on GPU, blockwise XLA elsewhere),
+        ``"xla"`` or ``"pallas"`` (kernels; interpret mode off GPU).
       sparse_pattern: ``None`` (default: full causal attention), or a fixed sparse attention pattern
         for a dense model: ``"local:W"`` or ``"strided:S"`` with W, S positive ints (see the module
         docstring and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
@@ -527,7 +530,7 @@ class GPT2Config(FamilyConfig):
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
     sparse_pattern: str | None = None
-    dcp_impl: str = "xla"
+    dcp_impl: str = "auto"
 
     model_type: ClassVar[str] = "gpt2"
     LAYER_PREFIX: ClassVar[str] = "h_"
@@ -551,8 +554,8 @@ class GPT2Config(FamilyConfig):
             if self.dcp:
                 raise ValueError(f"GPT2Config.sparse_pattern={self.sparse_pattern!r} needs dcp=False: a fixed "
                                  "pattern replaces the learned DCP mask (use one or the other)")
-        if self.dcp_impl not in ("xla", "pallas"):
-            raise ValueError(f"GPT2Config.dcp_impl must be 'xla' or 'pallas', got {self.dcp_impl!r}")
+        if self.dcp_impl not in DCP_IMPLS:
+            raise ValueError(f"GPT2Config.dcp_impl must be one of {DCP_IMPLS}, got {self.dcp_impl!r}")
 
     @property
     def dim_per_head(self) -> int:

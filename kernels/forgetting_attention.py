@@ -38,8 +38,14 @@ only on the tiles that need them: each key loop is split into a masked boundary 
 
 DCP (Dynamic Context Pruning, docs/design/dcp.md §1.4): all three kernels optionally add a log mask shared by
 the heads, ``log_mask[b, i, j]`` (float32, natural log, [B, Tq_pad, Tk_pad]; the dK/dV kernel reads its
-transpose), to the scores, and skip tiles whose ``live`` flag is 0 (every visible pair dropped: computed
-by the caller per kernel tiling). A fourth kernel, dlogI (grid (query block, key block, batch), heads
+transpose), to the scores. They then visit a compacted tile list instead of their loop ranges (the
+block-sparse layout of splash attention's ``MaskInfo``, docs/design/pallas_gpu.md §2.4): per (b, query
+block) the ascending live key blocks and their count (forward, dQ), per (b, key block) the live query
+blocks (dK/dV), built by the caller per kernel tiling in XLA. The loop is ``for i in range(count)``
+over ``idx[i]`` with no per-tile branch (a ``lax.cond`` per tile kept Triton from pipelining the
+loads). Each list holds the tiles that need the element mask (causal diagonal, key padding, seq_start
+or window edge, document boundary) first, then the fully visible ones; the two parts run as two loops,
+masked and unmasked, as in the dense path. A fourth kernel, dlogI (grid (query block, key block, batch), heads
 looped inside), writes the mask gradient Σ_h dS[b, h, i, j] one tile at a time: O(B·T²) like the mask
 itself, never per head.
 
@@ -113,11 +119,15 @@ class KernelConfig:
     dkv: TileConfig
     interleave_heads: bool | None = None
     interleave_bwd_from: int | None = None
+    dcp_unmasked_interior: bool = True
     mosaic: MosaicConfig | None = None
 
-    # mosaic: run the forward with the Hopper Mosaic GPU kernel (kernels/forgetting_attention_mgpu.py) at
-    # this tiling instead of the Triton forward at ``fwd`` (the backward kernels are the same either way).
+    # mosaic: run with the Hopper Mosaic GPU kernels (kernels/forgetting_attention_mgpu.py) at their own
+    # tilings instead of the Triton kernels (the forward always; the backward when mosaic.backward).
 
+    # dcp_unmasked_interior: with a DCP mask, the tile lists the caller builds put the fully visible
+    # tiles in an unmasked loop after the masked ones (False: every listed tile gets the element mask;
+    # same result, one loop — for comparisons).
     # interleave_bwd_from: when the grid order is otherwise unset, the dense dQ and dK/dV kernels
     # interleave heads for Tk ≥ this length (None: never). Measured at D=128 on an H200: −6 % backward
     # at T=16384, but +1–4 % at T ≤ 8192 (benchmarks/NOTES.md, "Backward sweep").
@@ -199,7 +209,7 @@ class _Geom:
     has_seg: bool
     has_acp: bool
     has_sb: bool = False  # document-aware block bounds given (segment ids only)
-    has_mask: bool = False  # DCP log mask (+ per-tile live flags) given
+    has_mask: bool = False  # DCP log mask (+ compacted tile lists) given
     window_size: int | None = None  # sliding window: row r sees keys r − W < j ≤ r
 
     @property
@@ -207,11 +217,11 @@ class _Geom:
         return self.tk - self.tq
 
 
-def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds, log_mask=None, live=None, window_size=None) -> _Geom:
+def _geom(tq, tk, h, hkv, scale, seg_q, ranges, seg_bounds, log_mask=None, tiles=None, window_size=None) -> _Geom:
     if seg_bounds is not None and seg_q is None:
         raise ValueError("seg_bounds (document-aware skipping) need segment ids")
-    if (log_mask is None) != (live is None):
-        raise ValueError("log_mask and live (per-tile flags) go together")
+    if (log_mask is None) != (tiles is None):
+        raise ValueError("log_mask and its tiles (per-tile live flags or compacted tile lists) go together")
     return _Geom(tq, tk, h, h // hkv, float(scale), seg_q is not None, ranges is not None,
                  seg_bounds is not None, log_mask is not None, window_size)
 
@@ -306,15 +316,15 @@ def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: 
 def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interleave: bool, q_ref, lq_ref, ss_ref):
     """Shared prologue of the forward and dQ kernels (one query block against a loop over key blocks).
 
-    Pops the optional inputs (ACP start, document bounds, segment ids, DCP mask and live flags) from
+    Pops the optional inputs (ACP start, document bounds, segment ids, DCP mask and tile list) from
     ``rest`` in the order ``_query_side_optional_inputs`` passes them, leaving the outputs there, and
     returns (q, lq, ss, sq, sk_ref, qpos, bounds, dcp) with bounds = ``_key_loop_bounds`` of this block
-    and dcp = (mask_ref [bq, Tk_pad], live_ref [nk_pow2]) or (None, None).
+    and dcp = (mask_ref [bq, Tk_pad], (idx_ref [nk_pow2], n_masked_ref [], count_ref [])) or (None, None).
     """
     lo_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
-    dcp = (rest.pop(0), rest.pop(0)) if g.has_mask else (None, None)
+    dcp = (rest.pop(0), (rest.pop(0), rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
     m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
     ss = ss_ref[()]
     sq = sq_ref[...] if g.has_seg else None
@@ -324,22 +334,25 @@ def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interlea
     return q_ref[...], lq_ref[...], ss, sq, sk_ref, qpos, bounds, dcp
 
 
-def _when_live(step, live_ref):
-    """``step`` run only on tiles whose DCP live flag is set (else the carry passes through)."""
-    if live_ref is None:
-        return step
+def _run_tile_list(step, carry, tile_list):
+    """DCP: two loops over a compacted tile list (idx_ref, n_masked_ref, count_ref) —
+    ``step(idx[i], masked=True)`` for i < n_masked (tiles on the causal diagonal, the key padding,
+    the seq_start or window edge or a document boundary: full element mask), then
+    ``step(idx[i], masked=False)`` for n_masked ≤ i < count (fully visible tiles). No per-tile branch,
+    so the loads of the next tile can be pipelined."""
+    idx_ref, n_masked_ref, count_ref = tile_list
+    n_masked = n_masked_ref[()]
+    carry = lax.fori_loop(0, n_masked, lambda i, c: step(idx_ref[i], c, masked=True), carry)
+    return lax.fori_loop(n_masked, count_ref[()], lambda i, c: step(idx_ref[i], c, masked=False), carry)
 
-    def guarded(n, carry, masked):
-        return lax.cond(live_ref[n] != 0, lambda c: step(n, c, masked=masked), lambda c: c, carry)
-    return guarded
 
-
-def _run_key_loops(g: _Geom, step, carry, bounds, live_ref=None):
+def _run_key_loops(g: _Geom, step, carry, bounds, tile_list=None):
     """The key-block loops of a query block: masked [lo, min(lo_full, mid)), unmasked [lo_full, mid),
-    masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids. With ``live_ref``
-    (DCP), tiles whose flag is 0 are skipped."""
+    masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids. With ``tile_list``
+    (DCP: the live key blocks in the loop range, ``_run_tile_list``), the loops over the list."""
+    if tile_list is not None:
+        return _run_tile_list(step, carry, tile_list)
     lo, lo_full, mid, hi = bounds
-    step = _when_live(step, live_ref)
     masked_step = functools.partial(step, masked=True)
     if g.has_seg:
         return lax.fori_loop(lo, hi, masked_step, carry)
@@ -352,7 +365,7 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, lq_ref, lk_ref, ss_ref = refs[:6]
     rest = refs[6:]
-    q, lq, ss, sq, sk_ref, qpos, bounds, (mask_ref, live_ref) = _query_block_setup(
+    q, lq, ss, sq, sk_ref, qpos, bounds, (mask_ref, tile_list) = _query_block_setup(
         g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
     o_ref, lse_ref = rest
     d = q.shape[-1]
@@ -373,19 +386,33 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
 
     carry = (jnp.zeros((bq, d), jnp.float32), jnp.full((bq,), _NEG_INF, jnp.float32),
              jnp.zeros((bq,), jnp.float32))
-    acc, m_i, l_i = _run_key_loops(g, step, carry, bounds, live_ref)
+    acc, m_i, l_i = _run_key_loops(g, step, carry, bounds, tile_list)
     empty = l_i == 0.0
     l_safe = jnp.where(empty, 1.0, l_i)
     o_ref[...] = (acc * (1.0 / l_safe)[:, None]).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, _NEG_INF, m_i + jnp.log(l_safe))
 
 
+def _tile_list_specs(spec, blk, tile_list):
+    """BlockSpecs of a compacted tile list (idx [B, Hl, n_blocks, L_pow2], n_masked and count
+    [B, Hl, n_blocks]) for the program of (block, head, batch): Hl = 1 (lists shared by the heads) or
+    H (per head, with ACP)."""
+    idx = tile_list[0]
+    per_head = idx.shape[1] > 1
+
+    def head(j):
+        return j if per_head else 0
+    return [spec((None, None, None, idx.shape[-1]), lambda i, j, z: (z, head(j), blk(i), 0)),
+            spec((None, None, None), lambda i, j, z: (z, head(j), blk(i))),
+            spec((None, None, None), lambda i, j, z: (z, head(j), blk(i)))]
+
+
 def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_bounds, seg_q, seg_k,
-                                log_mask=None, live=None):
+                                log_mask=None, tile_list=None):
     """BlockSpecs and arrays of the optional inputs of the query-block kernels (forward and dQ), in the
     order the kernels pop them: the ACP key-block start of each query block, the document-aware key
     block range (lo, hi) of each query block, the query and key segment ids, then the DCP log mask
-    [B, Tq_pad, Tk_pad] and live flags [B, nq, nk_pow2]."""
+    [B, Tq_pad, Tk_pad] and the key-block list (idx [B, Hl, nq, nk_pow2], n_masked, count [B, Hl, nq])."""
     specs, args = [], []
     if kv_start is not None:
         specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
@@ -397,15 +424,14 @@ def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_
         specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))), spec((None, tk_pad), lambda i, j, z: (z, 0))]
         args += [seg_q, seg_k]
     if log_mask is not None:
-        specs += [spec((None, bq, tk_pad), lambda i, j, z: (z, qblk(i), 0)),
-                  spec((None, None, live.shape[-1]), lambda i, j, z: (z, qblk(i), 0))]
-        args += [log_mask, live]
+        specs += [spec((None, bq, tk_pad), lambda i, j, z: (z, qblk(i), 0))] + _tile_list_specs(spec, qblk, tile_list)
+        args += [log_mask, *tile_list]
     return specs, args
 
 
 def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, tq: int, tk: int,
                   scale: float, tile: TileConfig, interpret: bool,
-                  interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None,
+                  interleave_heads: bool = False, seg_bounds=None, log_mask=None, kv_list=None,
                   window_size=None):
     """Forward kernel on padded inputs.
 
@@ -417,8 +443,12 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
         seg_bounds: None or (kv_lo, kv_hi), each [B, ceil(tq/block_q)] int32 — document-aware skipping
         (``fox_jax.ops.acp.segment_block_bounds`` with this tile's blocks); only with segment ids.
         log_mask: None or [B, Tq_pad, Tk_pad] float32 DCP log mask (finite), added to every head's
-        scores; live: [B, ceil(tq/block_q), nk_pow2] int32 per-tile flags for this tile's blocks (0:
-        skip the tile), nk_pow2 a power of two ≥ ceil(tk/block_k). Both or neither.
+        scores; kv_list: with it, (idx [B, Hl, ceil(tq/block_q), nk_pow2], n_masked, count
+        [B, Hl, ceil(tq/block_q)]) int32, Hl ∈ {1, H}: query block m visits exactly the key blocks
+        idx[b, h, m, :count[b, h, m]] (this tile's blocks; each < ceil(tk/block_k); nk_pow2 a power of
+        two ≥ 1) instead of its loop ranges, the first n_masked with the element mask (causal,
+        padding, seq_start, window, segments) and the rest without it — so those must be fully
+        visible. Both or neither.
       tq, tk: real lengths; scale: logit scale.
     Returns:
       o [B, Tq_pad, H, D] in q.dtype and lse [B, H, Tq_pad] float32 (natural log; −inf for empty rows).
@@ -428,7 +458,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live, window_size)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, kv_list, window_size)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -445,7 +475,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
     ]
     args = [q, k, v, lam_q, lam_k, seq_start]
     extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
-                                                          seg_q, seg_k, log_mask, live)
+                                                          seg_q, seg_k, log_mask, kv_list)
     in_specs += extra_specs
     args += extra_args
     return pl.pallas_call(
@@ -471,7 +501,7 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
     refs = list(refs)
     q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, ss_ref = refs[:9]
     rest = refs[9:]
-    q, lq, ss, sq, sk_ref, qpos, bounds, (mask_ref, live_ref) = _query_block_setup(
+    q, lq, ss, sq, sk_ref, qpos, bounds, (mask_ref, tile_list) = _query_block_setup(
         g, rest, bq, bk, nq, interleave, q_ref, lq_ref, ss_ref)
     dq_ref, dlq_ref = rest
     d = q.shape[-1]
@@ -493,15 +523,15 @@ def _dq_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
         return dq, dlq + jnp.sum(ds, axis=1)
 
     dq, dlq = _run_key_loops(g, step, (jnp.zeros((bq, d), jnp.float32), jnp.zeros((bq,), jnp.float32)), bounds,
-                             live_ref)
+                             tile_list)
     dq_ref[...] = (dq * g.scale).astype(dq_ref.dtype)
     dlq_ref[...] = dlq
 
 
 def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_start, seg_q, seg_k, *,
                       tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                      interleave_heads: bool = False, seg_bounds=None, log_mask=None, live=None,
-                  window_size=None):
+                      interleave_heads: bool = False, seg_bounds=None, log_mask=None, kv_list=None,
+                      window_size=None):
     """dQ kernel on padded inputs (shapes as in ``flash_forward``; do like q).
 
     Args:
@@ -509,7 +539,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
       delta: [B, H, Tq_pad] float32 rowsum(o·do), 0 on padded rows.
       kv_start: [B, H, ceil(tq/block_q)] int32 or None (ACP, computed with this tile's blocks).
       seg_bounds: None or (kv_lo, kv_hi) [B, ceil(tq/block_q)] int32 (as in ``flash_forward``).
-      log_mask, live: DCP mask and this tile's live flags (as in ``flash_forward``).
+      log_mask, kv_list: DCP mask and this tile's key-block lists (as in ``flash_forward``).
     Returns:
       dq [B, Tq_pad, H, D] in q.dtype and the query-side decay gradient Σ_j dS_ij [B, H, Tq_pad] f32.
     """
@@ -517,7 +547,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nq = _cdiv(tq, bq)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, live, window_size)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, kv_start, seg_bounds, log_mask, kv_list, window_size)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -532,7 +562,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
                 rowspec, rowspec, spec((None,), lambda i, j, z: (z,))]
     args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
     extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
-                                                          seg_q, seg_k, log_mask, live)
+                                                          seg_q, seg_k, log_mask, kv_list)
     in_specs += extra_specs
     args += extra_args
     return pl.pallas_call(
@@ -560,7 +590,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     hi_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
     sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
-    mask_t_ref, live_ref = (rest.pop(0), rest.pop(0)) if g.has_mask else (None, None)
+    mask_t_ref, tile_list = (rest.pop(0), (rest.pop(0), rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
     dk_ref, dv_ref, dlk_ref = rest
 
     n = _block_id(interleave)
@@ -621,9 +651,10 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
     carry = (jnp.zeros((bk, d), jnp.float32), jnp.zeros((bk, d), jnp.float32),
              jnp.zeros((bk,), jnp.float32))
-    step = _when_live(step, live_ref)
     masked_step = functools.partial(step, masked=True)
-    if g.has_seg:
+    if tile_list is not None:  # DCP: the live query blocks of this key block
+        carry = _run_tile_list(step, carry, tile_list)
+    elif g.has_seg:
         carry = lax.fori_loop(lo, hi, masked_step, carry)
     else:
         carry = lax.fori_loop(lo, mid, masked_step, carry)
@@ -638,7 +669,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
 def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end, seg_q, seg_k, *,
                        tq: int, tk: int, scale: float, tile: TileConfig, interpret: bool,
-                       interleave_heads: bool = False, seg_bounds=None, log_mask_t=None, live_t=None,
+                       interleave_heads: bool = False, seg_bounds=None, log_mask_t=None, q_list=None,
                        window_size=None):
     """dK/dV kernel on padded inputs (shapes as in ``flash_backward_dq``).
 
@@ -647,8 +678,11 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
         block visits, computed with this tile's blocks.
       seg_bounds: None or (q_lo, q_hi), each [B, ceil(tk/block_k)] int32: document-aware query-block
         range of each key block (``segment_block_bounds`` with this tile's blocks; segment ids only).
-      log_mask_t: None or [B, Tk_pad, Tq_pad] float32, the DCP log mask transposed; live_t:
-        [B, ceil(tk/block_k), nq_pow2] int32 per-tile flags for this tile's blocks, key-block major.
+      log_mask_t: None or [B, Tk_pad, Tq_pad] float32, the DCP log mask transposed; q_list: with it,
+        (idx [B, Hl, ceil(tk/block_k), nq_pow2], n_masked, count [B, Hl, ceil(tk/block_k)]) int32,
+        Hl ∈ {1, H}: key block n visits exactly the query blocks idx[b, h, n, :count[b, h, n]] (this
+        tile's blocks) instead of its loop range, the first n_masked with the element mask (as in
+        ``flash_forward``).
     Returns:
       dk, dv [B, Tk_pad, H, D] per *query* head (in k.dtype without GQA, float32 with GQA, for the
       caller's group sum) and the key-side decay gradient −Σ_i dS_ij [B, H, Tk_pad] float32.
@@ -657,7 +691,7 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
     tk_pad, hkv = k.shape[1], k.shape[2]
     bq, bk = tile.block_q, tile.block_k
     nk = _cdiv(tk, bk)
-    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds, log_mask_t, live_t, window_size)
+    g = _geom(tq, tk, h, hkv, scale, seg_q, q_end, seg_bounds, log_mask_t, q_list, window_size)
     grp = g.group
     spec = _spec_factory(interleave_heads)
 
@@ -679,9 +713,9 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
                      spec((None, bk), lambda i, j, z: (z, i))]
         args += [seg_q, seg_k]
     if log_mask_t is not None:
-        in_specs += [spec((None, bk, tq_pad), lambda i, j, z: (z, i, 0)),
-                     spec((None, None, live_t.shape[-1]), lambda i, j, z: (z, i, 0))]
-        args += [log_mask_t, live_t]
+        in_specs += [spec((None, bk, tq_pad), lambda i, j, z: (z, i, 0))] + _tile_list_specs(spec, lambda i: i,
+                                                                                             q_list)
+        args += [log_mask_t, *q_list]
     out_dtype = k.dtype if grp == 1 else jnp.float32
     out_kv = spec((None, bk, None, d), lambda i, j, z: (z, i, j, 0))
     return pl.pallas_call(
@@ -856,10 +890,21 @@ def _interleave(config: KernelConfig, tile: TileConfig, ranges, *, backward: boo
     return backward and config.interleave_bwd_from is not None and tk >= config.interleave_bwd_from
 
 
-def _pow2_cols(live):
-    """[B, n, m] flags as int32 with the last axis zero-padded to a power of two (kernel row loads)."""
-    m = live.shape[-1]
-    return _pad_to(live.astype(jnp.int32), 2, 1 << max(m - 1, 0).bit_length())
+def _pad_list(tile_list, b: int, n_blocks: int, name: str):
+    """A compacted tile list (idx [1 or B, Hl, n_blocks, L], n_masked and count [1 or B, Hl, n_blocks])
+    as int32 [B, Hl, n_blocks, L_pow2] and [B, Hl, n_blocks] (the index row zero-padded to a power of
+    two for the kernels' row loads)."""
+    if not isinstance(tile_list, (tuple, list)) or len(tile_list) != 3:
+        raise ValueError(f"{name} must be a triple (idx, n_masked, count), got {type(tile_list).__name__}")
+    idx, n_masked, count = (jnp.asarray(x) for x in tile_list)
+    if (idx.ndim != 4 or idx.shape[2] != n_blocks or idx.shape[0] not in (1, b)
+            or count.shape != idx.shape[:3] or n_masked.shape != idx.shape[:3]):
+        raise ValueError(f"{name}: idx must be [B, Hl, {n_blocks}, L] and n_masked, count [B, Hl, {n_blocks}], "
+                         f"got {idx.shape}, {n_masked.shape} and {count.shape}")
+    hl, length = idx.shape[1], idx.shape[3]
+    idx = _pad_to(jnp.broadcast_to(idx.astype(jnp.int32), (b, hl, n_blocks, length)), 3,
+                  1 << max(length - 1, 0).bit_length())
+    return (idx,) + tuple(jnp.broadcast_to(x.astype(jnp.int32), (b, hl, n_blocks)) for x in (n_masked, count))
 
 
 def _pad_mask(log_mask, p: _Padded):
@@ -873,7 +918,7 @@ def _check_config(config: KernelConfig, tq: int, tk: int):
 
 
 def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: float,
-                      config: KernelConfig, interpret: bool, seg_bounds=None, log_mask=None, live=None,
+                      config: KernelConfig, interpret: bool, seg_bounds=None, log_mask=None, kv_list=None,
                       window_size=None):
     """Forgetting-attention forward on unpadded arrays.
 
@@ -887,8 +932,11 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
         block skipping (``fox_jax.ops.acp.segment_block_bounds`` for the forward tiling); needs
         segment_ids. Without it, segment ids are handled by masking alone.
         log_mask: None or [B, Tq, Tk] float32 DCP log mask (finite; shared by the heads);
-        live: with it, [B, ceil(Tq/config.fwd.block_q), ceil(Tk/config.fwd.block_k)] bool/int — tiles
-        to visit (``fox_jax.ops.context_pruning.dropped_key_blocks`` negated, forward tiling).
+        kv_list: with it, (idx [B or 1, Hl, nq, L], n_masked, count [B or 1, Hl, nq]) int (nq =
+        ceil(Tq/config.fwd.block_q), Hl ∈ {1, H}, L ≥ 1): query block m visits exactly the key blocks
+        idx[b, h, m, :count[b, h, m]] (forward tiling, each < ceil(Tk/config.fwd.block_k)), the first
+        n_masked with the element mask, the others (which must be fully visible) without — no
+        per-tile branch (``fox_jax.ops.tiles.TileVisits.key_lists``).
         window_size: None or a static int W ≥ 1, sliding window: query row r (absolute position)
         sees keys r − W < j ≤ r; the kernels skip the key blocks outside it and mask its edge.
     Returns:
@@ -901,13 +949,15 @@ def attention_forward(q, k, v, lam, seq_start, segment_ids, kv_start, *, scale: 
     o, lse = flash_forward(qp, kp, vp, lam_q, lam_k, seq_start.astype(jnp.int32), kv_start, seg_q,
                            seg_k, tq=p.tq, tk=p.tk, scale=scale, tile=config.fwd, interpret=interpret,
                            interleave_heads=_interleave(config, config.fwd, kv_start), seg_bounds=seg_bounds,
-                           log_mask=mask, live=None if live is None else _pow2_cols(live), window_size=window_size)
+                           log_mask=mask, window_size=window_size,
+                           kv_list=None if kv_list is None else _pad_list(kv_list, q.shape[0],
+                                                                         _cdiv(p.tq, config.fwd.block_q), "kv_list"))
     return o[:, :p.tq, :, :p.d], lse[:, :, :p.tq]
 
 
 def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_dkv, o, lse, do, *,
                        scale: float, config: KernelConfig, interpret: bool, seg_bounds_dq=None,
-                       seg_bounds_dkv=None, log_mask=None, live_dq=None, live_dkv=None, live_dmask=None,
+                       seg_bounds_dkv=None, log_mask=None, kv_list_dq=None, q_list_dkv=None, live_dmask=None,
                        window_size=None):
     """Gradients of ``attention_forward``'s o with respect to q, k, v and Λ.
 
@@ -918,8 +968,13 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
       seg_bounds_dq = (kv_lo, kv_hi) [B, ceil(Tq/config.dq.block_q)] and
       seg_bounds_dkv = (q_lo, q_hi) [B, ceil(Tk/config.dkv.block_k)] int32 or None (document-aware
       skipping for the dQ / dK/dV tilings, ``segment_block_bounds``; need segment_ids);
-      log_mask [B, Tq, Tk] (DCP) with live_dq / live_dkv / live_dmask, the tiles to visit for the dQ,
-      dK/dV and mask-gradient (``dmask_tile``) tilings, each [B, n_query_blocks, n_key_blocks].
+      log_mask [B, Tq, Tk] (DCP) with kv_list_dq (idx [B or 1, Hl, ceil(Tq/config.dq.block_q), L],
+      n_masked, count [B or 1, Hl, ceil(Tq/config.dq.block_q)]: the key blocks each dQ query block
+      visits, as ``kv_list`` of ``attention_forward``), q_list_dkv (idx [B or 1, Hl,
+      ceil(Tk/config.dkv.block_k), L], n_masked, count: the query blocks each dK/dV key block visits,
+      ``TileVisits.query_lists``) and
+      live_dmask [B, ceil(Tq/bq), ceil(Tk/bk)] bool/int, the live tiles of the mask-gradient tiling
+      (``dmask_tile``).
     Returns:
       dq [B, Tq, H, D], dk, dv [B, Tk, Hkv, D] (input dtypes) and dΛ [B, Tk, H] float32
       (= Σ_j dS_tj − Σ_i dS_it; the caller's cumsum turns it into d log f by a reverse cumsum); with
@@ -947,13 +1002,16 @@ def attention_backward(q, k, v, lam, seq_start, segment_ids, kv_start_dq, q_end_
                                    interleave_heads=_interleave(config, config.dq, kv_start_dq, backward=True,
                                                                 tk=p.tk),
                                    seg_bounds=seg_bounds_dq, log_mask=mask,
-                                   live=None if mask is None else _pow2_cols(live_dq), **common)
+                                   kv_list=None if mask is None else _pad_list(kv_list_dq, b, _cdiv(tq, config.dq.block_q),
+                                                                               "kv_list_dq"), **common)
     dk, dv, dlam_k = flash_backward_dkv(qp, kp, vp, dop, lam_q, lam_k, lse2, delta, ss, q_end_dkv,
                                         seg_q, seg_k, tile=config.dkv,
                                         interleave_heads=_interleave(config, config.dkv, q_end_dkv,
                                                                      backward=True, tk=p.tk),
                                         seg_bounds=seg_bounds_dkv, log_mask_t=mask_t,
-                                        live_t=None if mask is None else _pow2_cols(jnp.swapaxes(live_dkv, 1, 2)),
+                                        q_list=None if mask is None else _pad_list(q_list_dkv, b,
+                                                                                   _cdiv(p.tk, config.dkv.block_k),
+                                                                                   "q_list_dkv"),
                                         **common)
     dq = dq[:, :tq, :, :d]
     dk = dk[:, :p.tk, :, :d]

@@ -7,6 +7,8 @@ order): 2e-5 on outputs, 5e-5·(1 + max|ref|) absolute + 1e-4 relative on gradie
 3e-2 on O(1) outputs (bf16 has 8 mantissa bits; P is rounded to bf16 before P·V as on the GPU).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,8 +21,12 @@ from fox_jax.ops.context_pruning import (
     dcp_attention,
     dcp_attention_reference,
     dropped_key_blocks,
+    exclude_dropped,
     keep_logits,
+    visible_pairs,
 )
+from fox_jax.ops.reference import decay_cumsum
+from fox_jax.ops.tiles import TileVisits
 
 
 def _inputs(rng, b, tq, tk, h, hkv, d, dtype=jnp.float32, beta=0.5, alpha=1.5):
@@ -217,3 +223,123 @@ def test_rows_without_kept_pair_agree_across_implementations_and_tilings():
             assert np.all(np.isfinite(np.asarray(a))), (name, gname)
             np.testing.assert_allclose(a, r, atol=5e-5 * (1 + float(jnp.abs(r).max())), rtol=1e-4,
                                        err_msg=f"{name} d{gname}")
+
+
+# The kernels' tile lists at the kernel level: seq_start and a sliding window too -----------------------
+
+def _extra_visible(tq, tk, seq_start, segment_ids, window_size):
+    """[B, Tq, Tk] bool: causal (bottom-right), same document, keys ≥ seq_start, inside the window."""
+    vis = np.asarray(visible_pairs(tq, tk, None if segment_ids is None else jnp.asarray(segment_ids)))
+    vis = vis & (np.arange(tk)[None, None, :] >= np.asarray(seq_start)[:, None, None])
+    if window_size is not None:
+        lag = (tk - tq + np.arange(tq))[:, None] - np.arange(tk)[None, :]
+        vis = vis & (lag < window_size)[None]
+    return vis
+
+
+def _kernel_dense(q, k, v, log_fgate, log_mask, keep):
+    """Dense float32 oracle over the pairs ``keep`` [B, Tq, Tk] (visible and kept); rows without one are 0."""
+    b, tq, h, d = q.shape
+    tk, group = k.shape[1], h // k.shape[2]
+    kf, vf = (jnp.repeat(x.astype(jnp.float32), group, axis=2) for x in (k, v))
+    s = jnp.einsum("bihd,bjhd->bhij", q.astype(jnp.float32), kf, precision=jax.lax.Precision.HIGHEST) * d ** -0.5
+    lam = decay_cumsum(log_fgate).transpose(0, 2, 1)
+    s = s + lam[:, :, tk - tq:, None] - lam[:, :, None, :] + log_mask[:, None]
+    keep = jnp.asarray(keep)[:, None]
+    p = jax.nn.softmax(jnp.where(keep, s, jnp.finfo(jnp.float32).min), axis=-1) * keep
+    return jnp.einsum("bhij,bjhd->bihd", p, vf, precision=jax.lax.Precision.HIGHEST)
+
+
+def _structured_mask(rng, b, tq, tk):
+    """log I with the old keys of late queries mostly dropped (whole tiles die), random drops elsewhere,
+    soft kept values, and one query row with every key dropped."""
+    lag = (tk - tq + np.arange(tq))[:, None] - np.arange(tk)[None, :]
+    drop = np.where(lag[None] > 24, rng.uniform(size=(b, tq, tk)) < 0.97, rng.uniform(size=(b, tq, tk)) < 0.2)
+    lm = np.where(drop, LOG_FLOOR, -rng.uniform(0.0, 3.0, (b, tq, tk)))
+    lm[:, tq // 2] = LOG_FLOOR
+    return jnp.asarray(lm, jnp.float32)
+
+
+KERNEL_CASES = {  # dtype, window_size, dcp_unmasked_interior
+    "f32": (jnp.float32, None, True),
+    "f32_window": (jnp.float32, 40, True),
+    "f32_all_tiles_masked": (jnp.float32, None, False),
+    "bf16": (jnp.bfloat16, None, True),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(KERNEL_CASES))
+def test_kernel_tile_lists_match_dense_with_gradients(case):
+    """``kernel_attention`` with DCP tile lists, GQA, Tq < Tk (neither a multiple of the blocks), packed
+    documents, seq_start and (one case) a window, interpret mode, against the dense float32 oracle:
+    outputs and gradients into q, k, v, log_fgate and the mask. Checks that the case has skipped tiles,
+    listed tiles without the element mask (except the all-masked case) and an all-dropped row.
+
+    Tolerances: float32 as the module's; bfloat16 inputs (q, k, v, o, dq, dk, dv in bf16, P rounded to
+    bf16 before each matmul as on the GPU) 3e-2 on O(1) outputs and 1e-2·(1 + max|ref|) on gradients,
+    against the oracle on the same bf16-rounded inputs (measured: 8e-3 on outputs, at most 1.2e-2 on
+    gradients whose max|ref| is 10–20, i.e. 4–10× inside)."""
+    dtype, window, split = KERNEL_CASES[case]
+    b, tq, tk, h, hkv, d = 2, 45, 61, 4, 2, 16
+    rng = np.random.default_rng(31)
+    q = jnp.asarray(rng.normal(size=(b, tq, h, d)), dtype)
+    k, v = (jnp.asarray(rng.normal(size=(b, tk, hkv, d)), dtype) for _ in range(2))
+    lf = jax.nn.log_sigmoid(jnp.asarray(rng.normal(2.0, 1.0, size=(b, tk, h)), jnp.float32))
+    lm = _structured_mask(rng, b, tq, tk)
+    ss = jnp.asarray([0, 9], jnp.int32)
+    seg = np.stack([np.arange(tk) >= 16, np.zeros(tk, bool)]).astype(np.int32)  # two documents; one
+    keep = _extra_visible(tq, tk, np.asarray(ss), seg, window) & (np.asarray(lm) > LOG_FLOOR)
+    kept_rows = jnp.asarray(keep.any(axis=-1))
+    assert not np.asarray(kept_rows).all()  # an all-dropped row (it outputs 0)
+    config = dataclasses.replace(fpallas.resolve_config(d, tq, tk), dcp_unmasked_interior=split)
+    visits = fpallas.kernel_visits(config, tq, tk, seq_start=ss, segment_ids=jnp.asarray(seg), log_mask=lm,
+                                   floor=LOG_FLOOR, window_size=window)
+    _, n_masked, count = (np.asarray(x) for x in visits.fwd.key_lists(jnp.asarray(seg), masked_first=split))
+    causal = np.asarray(TileVisits(tq, tk, config.fwd.block_q, config.fwd.block_k).visited())
+    assert count.sum() < causal.sum() * b  # some causal tiles are skipped
+    assert (n_masked < count).any() == split  # some listed tiles run without the element mask
+
+    def fast(q, k, v, lf, m):
+        m = exclude_dropped(m, LOG_FLOOR, LOG_FLOOR - 1e30)
+        return fpallas.kernel_attention(q, k, v, decay_cumsum(lf), m, jnp.asarray(seg), visits, kept_rows,
+                                        d ** -0.5, config, True)
+
+    args = (q, k, v, lf, lm)
+    o, g = _out_and_grads(fast, args)
+    o_ref, g_ref = _out_and_grads(lambda *a: _kernel_dense(*a, keep), args)
+    assert o.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(o)[~np.asarray(kept_rows)], 0.0)
+    o_tol, g_tol, g_rtol = (2e-5, 5e-5, 1e-4) if dtype == jnp.float32 else (3e-2, 1e-2, 0.0)
+    np.testing.assert_allclose(np.asarray(o, np.float32), o_ref, atol=o_tol, rtol=o_tol)
+    for name, a, r in zip(("q", "k", "v", "log_fgate", "log_mask"), g, g_ref):
+        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, r, atol=g_tol * (1 + float(np.abs(r).max())), rtol=g_rtol, err_msg=name)
+    assert float(jnp.abs(g_ref[4]).max()) > 1e-3  # the mask gradient is exercised
+
+
+def test_auto_implementation_and_config_values(monkeypatch):
+    """``implementation="auto"`` (the default of the op and of both model configs) is Pallas on a GPU
+    for a finite floor and D ≤ 256, XLA otherwise; saved configs with "xla" / "pallas" still load."""
+    from fox_jax import config as fox_config
+    from fox_jax.ops.context_pruning import IMPLEMENTATIONS, resolve_implementation
+
+    assert fox_config.DCP_IMPLS == IMPLEMENTATIONS
+    assert resolve_implementation("auto") == ("pallas" if jax.default_backend() == "gpu" else "xla")
+    assert resolve_implementation("pallas") == "pallas" and resolve_implementation("xla") == "xla"
+    with pytest.raises(ValueError, match="implementation"):
+        resolve_implementation("cudnn")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_implementation("auto") == "pallas"
+    assert resolve_implementation("auto", floor=-jnp.inf) == "xla"
+    assert resolve_implementation("auto", head_dim=512) == "xla"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert resolve_implementation("auto") == "xla"
+    for cls in (fox_config.ModelConfig, fox_config.GPT2Config):
+        assert cls().dcp_impl == "auto"
+        for impl in ("xla", "pallas"):
+            saved = {**cls().to_dict(), "dcp_impl": impl}
+            assert fox_config.config_from_dict(saved).dcp_impl == impl
+        with pytest.raises(ValueError, match="dcp_impl"):
+            cls(dcp_impl="cudnn")

@@ -17,7 +17,7 @@ from fox_jax.ops import pallas as fpallas
 from fox_jax.ops import forgetting_attention, forgetting_attention_reference
 from fox_jax.ops.blockwise import blockwise_attention
 from fox_jax.ops.reference import decay_cumsum
-from fox_jax.ops.tiles import TileVisits, dropped_key_blocks, tile_visits, visible_pairs
+from fox_jax.ops.tiles import TileVisits, compact_tiles, dropped_key_blocks, tile_visits, visible_pairs
 
 B, T, H, BQ, BK = 2, 64, 2, 16, 16
 
@@ -270,3 +270,81 @@ def test_window_never_loads_the_keys_before_it(impl):
     for name, a, r in zip(("q", "k", "v", "log_fgate"), g, want_g):
         np.testing.assert_allclose(a, r, rtol=2e-5, atol=2e-5 * float(jnp.abs(r).max()), err_msg=f"d{name}")
     assert not np.any(np.asarray(g[1][:, :64])) and not np.any(np.asarray(g[2][:, :64]))
+
+
+# Compacted tile lists (the DCP loops of the Pallas kernels) -----------------------------------------
+
+def _np_lists(flags, first=None):
+    """Numpy reference of ``compact_tiles``: per row, the True indices with ``first`` ascending, then the
+    others ascending; (lists as Python lists, n_first, count)."""
+    flags = np.asarray(flags, bool)
+    first = np.ones_like(flags) if first is None else np.broadcast_to(np.asarray(first, bool), flags.shape)
+    rows = flags.reshape(-1, flags.shape[-1])
+    fr = first.reshape(rows.shape)
+    lists = [list(np.flatnonzero(r & f)) + list(np.flatnonzero(r & ~f)) for r, f in zip(rows, fr)]
+    n_first = np.array([np.sum(r & f) for r, f in zip(rows, fr)]).reshape(flags.shape[:-1])
+    return lists, n_first, rows.sum(axis=1).reshape(flags.shape[:-1])
+
+
+def _check_lists(got, flags, first=None):
+    idx, n_first, count = (np.asarray(x) for x in got)
+    lists, want_first, want_count = _np_lists(flags, first)
+    np.testing.assert_array_equal(count, want_count)
+    np.testing.assert_array_equal(n_first, want_first)
+    flat = idx.reshape(-1, idx.shape[-1])
+    for row, want, c in zip(flat, lists, want_count.reshape(-1)):
+        assert list(row[:c]) == want
+        assert np.all(row[c:] == 0)  # padding: a valid index that is never visited
+
+
+@pytest.mark.parametrize("n", [1, 5, 16, 33])
+def test_compact_tiles_match_numpy(n):
+    """Random live maps with all-dead and all-live rows, with and without a 'masked first' split, under
+    jit and vmap: the ascending live indices, the split point and the count."""
+    rng = np.random.default_rng(n)
+    flags = rng.uniform(size=(3, 4, n)) < 0.5
+    flags[0, 0] = False  # an all-dead row
+    flags[0, 1] = True  # an all-live row
+    first = rng.uniform(size=(3, 1, n)) < 0.4  # broadcast over the second axis
+    _check_lists(jax.jit(compact_tiles)(jnp.asarray(flags)), flags)
+    _check_lists(compact_tiles(jnp.asarray(flags), jnp.asarray(first)), flags, first)
+    _check_lists(jax.vmap(compact_tiles)(jnp.asarray(flags), jnp.asarray(np.broadcast_to(first, flags.shape))),
+                 flags, first)
+    with pytest.raises(ValueError, match="at least one axis"):
+        compact_tiles(jnp.asarray(True))
+
+
+def _hidden_tiles(tq, tk, bq, bk, seq_start, segment_ids, window_size):
+    """[B, nq, nk] brute force: tiles holding a (real row, any column) pair the geometry hides."""
+    vis = _dense_visible(tq, tk, seq_start, segment_ids)
+    if window_size is not None:
+        vis = vis & _dense_window(tq, tk, window_size)
+    nq, nk = -(-tq // bq), -(-tk // bk)
+    hidden = np.ones((vis.shape[0], nq * bq, nk * bk), bool)
+    hidden[:, :tq, :tk] = ~vis
+    hidden[:, tq:, :] = False  # padded rows do not count
+    return hidden.reshape(-1, nq, bq, nk, bk).any(axis=(2, 4))
+
+
+@pytest.mark.parametrize("tq,tk,bq,bk", [(64, 64, 16, 16), (37, 37, 8, 16), (20, 50, 16, 8), (50, 50, 32, 16)])
+@pytest.mark.parametrize("window_size", [None, 19, 40])
+def test_tile_lists_follow_the_visits(tq, tk, bq, bk, window_size):
+    """``key_lists`` / ``query_lists`` list exactly the visited tiles (seq_start, documents, window and
+    DCP live tiles together; awkward lengths, Tq < Tk), the ones with a hidden pair first; and
+    ``element_masked`` equals the brute-force set of tiles holding a hidden pair."""
+    rng = np.random.default_rng(tq + tk)
+    ss = jnp.asarray([0, 13], jnp.int32)
+    seg = np.stack([np.arange(tk) // 11, np.zeros(tk, int)])  # packed documents; one document
+    lm = jnp.asarray(np.where(rng.uniform(size=(B, tq, tk)) < 0.7, -100.0, -1.0), jnp.float32)
+    visits = tile_visits(tq, tk, bq, bk, seq_start=ss, segment_ids=jnp.asarray(seg), log_mask=lm,
+                         window_size=window_size)
+    hidden = _hidden_tiles(tq, tk, bq, bk, np.asarray(ss), seg, window_size)
+    np.testing.assert_array_equal(visits.element_masked(jnp.asarray(seg)), hidden)
+    assert np.any(hidden[1]) and (window_size is not None or np.any(~hidden[1]))  # both kinds occur
+    vis = np.asarray(visits.visited())
+    _check_lists(visits.key_lists(jnp.asarray(seg)), vis, hidden[:, None])
+    _check_lists(visits.query_lists(jnp.asarray(seg)), np.swapaxes(vis, -1, -2), np.swapaxes(hidden, -1, -2)[:, None])
+    _check_lists(visits.key_lists(jnp.asarray(seg), masked_first=False), vis)
+    # without documents only the geometry counts
+    hidden_geo = _hidden_tiles(tq, tk, bq, bk, np.asarray(ss), None, window_size)
+    np.testing.assert_array_equal(visits.element_masked(), hidden_geo)

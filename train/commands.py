@@ -12,6 +12,7 @@ import dataclasses
 import textwrap
 import typing
 
+from fox_jax import config as fox_config
 from fox_jax.cache.policies import POLICY_FORMS
 from fox_jax.train import config as config_lib
 
@@ -80,7 +81,7 @@ PATH_KEYS = ("data.train", "data.val", "data.tokenizer", "dcp.hf_gpt2", "dcp.fro
 _SECTIONS = {"data": config_lib.DataConfig, "optim": config_lib.OptimConfig, "dcp": config_lib.DCPConfig,
              "model": config_lib.ModelConfig}
 _CHOICES = {"partitioner": ("auto", "shardy", "gspmd"), "model.dtype": ("float32", "bfloat16"),
-            "dcp.gamma_normalization": config_lib.GAMMA_NORMALIZATIONS, "model.dcp_impl": ("xla", "pallas")}
+            "dcp.gamma_normalization": config_lib.GAMMA_NORMALIZATIONS, "model.dcp_impl": fox_config.DCP_IMPLS}
 _EXTRA_HELP = {"model.n_positions": "learned positions, the maximum sequence length",
                "data.train": "; or a directory written by 'python -m fox_jax.train.data' (its tokenizer/ is then "
                              "the default --tokenizer)"}

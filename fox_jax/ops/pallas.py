@@ -130,6 +130,16 @@ def kernel_attention(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, sca
     return _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret)[0]
 
 
+def _tile_lists(t: TileVisits, rows: bool, log_mask, segment_ids, config: KernelConfig):
+    """DCP: the compacted tile lists of a kernel's loops (``TileVisits.key_lists`` for the query-block
+    kernels, ``query_lists`` for dK/dV; masked tiles first, unless ``config.dcp_unmasked_interior`` is
+    off), or None without a mask (the kernels then loop over ranges)."""
+    if log_mask is None:
+        return None
+    lists = t.key_lists if rows else t.query_lists
+    return lists(segment_ids, masked_first=config.dcp_unmasked_interior)
+
+
 def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, config, interpret):
     f = visits.fwd
     if config.mosaic is not None:
@@ -140,8 +150,8 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
         return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
     o, lse = fa_kernels.attention_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.kv_start,
                                           scale=scale, config=config, interpret=interpret,
-                                          seg_bounds=_bounds(f, True), log_mask=log_mask, live=f.live,
-                                          window_size=f.window_size)
+                                          seg_bounds=_bounds(f, True), log_mask=log_mask,
+                                          kv_list=_tile_lists(f, True, log_mask, segment_ids, config), window_size=f.window_size)
     if kept_rows is not None:
         # Rows without a kept pair: output 0, and lse = −inf so that every backward kernel sees P = 0
         # there (the forward's lse of such a row covers only the tiles it visited, not the other kernels').
@@ -161,7 +171,8 @@ def _kernels_bwd(scale, config, interpret, res, do):
     grads = fa_kernels.attention_backward(
         q, k, v, lam, _seq_start(visits.fwd, q.shape[0]), segment_ids, dq_t.kv_start, dkv_t.q_end, o, lse, do,
         scale=scale, config=config, interpret=interpret, seg_bounds_dq=_bounds(dq_t, True),
-        seg_bounds_dkv=_bounds(dkv_t, False), log_mask=log_mask, live_dq=dq_t.live, live_dkv=dkv_t.live,
+        seg_bounds_dkv=_bounds(dkv_t, False), log_mask=log_mask, kv_list_dq=_tile_lists(dq_t, True, log_mask, segment_ids, config),
+        q_list_dkv=_tile_lists(dkv_t, False, log_mask, segment_ids, config),
         live_dmask=None if visits.dmask is None else visits.dmask.live, window_size=visits.fwd.window_size)
     dmask = None if log_mask is None else grads[4]
     return grads[:4] + (dmask, None, None, None)

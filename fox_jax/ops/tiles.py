@@ -23,7 +23,9 @@ the needed tiles changes nothing but the speed. The constraints (the role splash
 (``fox_jax.ops.blockwise``) visits the union over batch rows and heads of the described tiles, in
 ascending order (``TileVisits.schedule``), and masks the rest exactly; the Pallas glue
 (``fox_jax.ops.pallas``) builds one per kernel tiling and hands the arrays to the kernels, which loop
-over the ranges per (b, h) and skip the tiles that are not live.
+over the ranges per (b, h) — or, with a DCP mask, over compacted lists of the visited tiles
+(``compact_tiles``, ``TileVisits.key_lists`` / ``query_lists``: per block the ascending live tiles, those
+that need the element mask first, ``TileVisits.element_masked``), with no per-tile branch.
 
 Also here, since the kernels' glue and the DCP op share it: the dropped-pair rule of a DCP log mask
 (``exclude_dropped``, ``rows_with_kept_pair``).
@@ -155,6 +157,59 @@ class TileVisits:
         q_idx = jnp.argsort(~vis.T, axis=1, stable=True).astype(jnp.int32)
         return kv_idx, jnp.sum(vis, axis=1, dtype=jnp.int32), q_idx, jnp.sum(vis, axis=0, dtype=jnp.int32)
 
+    def element_masked(self, segment_ids: jax.Array | None = None) -> jax.Array:
+        """[1 or B, nq, nk] bool: the tiles that hold a pair hidden by the geometry — the causal diagonal,
+        key padding (columns ≥ tk), the seq_start boundary, the window edge, or (with ``segment_ids``
+        [B, Tk] int) more than one document — and so need the element mask. The others are fully
+        visible: every (real row, column) pair counts, and only the DCP log mask itself differs.
+        Computed from the block bounds (no [T, T] array); rows past tq are padding and do not count."""
+        offset = self.tk - self.tq
+        m = jnp.arange(self.nq, dtype=jnp.int32)[:, None]
+        n = jnp.arange(self.nk, dtype=jnp.int32)[None, :]
+        r0 = offset + m * self.block_q  # first absolute row of the query block
+        r_last = jnp.minimum(r0 + (self.block_q - 1), self.tk - 1)
+        c0 = n * self.block_k
+        c_last = c0 + (self.block_k - 1)
+        hidden = (c_last > r0) | (c_last >= self.tk)
+        if self.window_size is not None:
+            hidden = hidden | (r_last - c0 >= self.window_size)
+        hidden = hidden[None]
+        if self.seq_start is not None:
+            hidden = hidden | (c0 < self.seq_start[:, None, None])
+        if segment_ids is not None:
+            hidden = hidden | ~_one_document_tiles(segment_ids, self.tq, self.block_q, self.block_k)
+        return hidden
+
+    def key_lists(self, segment_ids: jax.Array | None = None, *,
+                  masked_first: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The visited tiles of each query block as a compacted list (the DCP loops of the forward and
+        dQ kernels): ``compact_tiles(visited, first=element_masked)``.
+
+        Args:
+          segment_ids: [B, Tk] int or None, for ``element_masked``.
+          masked_first: False: every listed tile counts as masked (n_masked = count).
+        Returns:
+          (idx [1 or B, 1 or H, nq, nk], n_masked, count [1 or B, 1 or H, nq]) int32: query block m
+          visits key blocks idx[..., m, :count[..., m]]; the first n_masked of them need the element
+          mask, the rest are fully visible; each part ascending (the rest of the row is 0).
+        """
+        first = self.element_masked(segment_ids)[:, None] if masked_first else None
+        return compact_tiles(self.visited(), first)
+
+    def query_lists(self, segment_ids: jax.Array | None = None, *,
+                    masked_first: bool = True) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The visited tiles of each key block as a compacted list (the DCP loop of the dK/dV kernel).
+
+        Returns:
+          (idx [1 or B, 1 or H, nk, nq], n_masked, count [1 or B, 1 or H, nk]) int32: key block n
+          visits query blocks idx[..., n, :count[..., n]], the first n_masked with the element mask
+          (as ``key_lists``, transposed).
+        """
+        first = None
+        if masked_first:
+            first = jnp.swapaxes(self.element_masked(segment_ids), -1, -2)[:, None]
+        return compact_tiles(jnp.swapaxes(self.visited(), -1, -2), first)
+
     def tile_kept(self, m, n, *, by_rows: bool) -> jax.Array | None:
         """[B, H or 1] bool: whether tile (m, n) is kept by ACP and DCP for each batch row and head
         (None: no such constraint). ``by_rows``: test ACP with ``kv_start`` (forward, dQ), else with
@@ -168,6 +223,62 @@ class TileVisits:
             live = self.live[:, m, n][:, None]
             keep = live if keep is None else keep & live
         return keep
+
+
+def compact_tiles(flags: jax.Array, first: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Compact per-tile flags into index lists: the positions of the True entries of each row, ascending.
+
+    With ``first``, the True entries whose ``first`` flag is set come first (ascending), then the
+    others (ascending) — e.g. the tiles that need the element mask, then the fully visible ones.
+    A cumsum and a scatter (O(n) per row; no sort, no host sync; works under jit, vmap and
+    ``shard_map``). The kernels loop ``for i in range(count): visit(idx[i])`` with no per-tile branch.
+
+    Args:
+      flags: [..., n] bool (or int, nonzero = True), e.g. ``TileVisits.visited()``.
+      first: None or bool broadcastable with ``flags`` (the result has their broadcast shape).
+    Returns:
+      (idx [..., n], n_first [...], count [...]) int32: idx[..., :count] holds the indices of the
+      True entries, those with ``first`` in idx[..., :n_first]; idx[..., count:] is 0 (a valid
+      index, never visited). n_first = count without ``first``.
+    Raises:
+      ValueError: ``flags`` of rank 0.
+    """
+    if flags.ndim == 0:
+        raise ValueError("compact_tiles: flags must have at least one axis, got a scalar")
+    flags = flags.astype(bool)
+    if first is not None:
+        flags, first = jnp.broadcast_arrays(flags, jnp.asarray(first, bool))
+    first_flags = flags if first is None else flags & first
+    *lead, n = flags.shape
+    rows = flags.reshape(-1, n)
+    rows_first = first_flags.reshape(-1, n)
+    pos_first = jnp.cumsum(rows_first, axis=1, dtype=jnp.int32)  # 1-based slot among the first entries
+    n_first = pos_first[:, -1:] if n else jnp.zeros((rows.shape[0], 1), jnp.int32)
+    pos_rest = n_first + jnp.cumsum(rows & ~rows_first, axis=1, dtype=jnp.int32)
+    dest = jnp.where(rows_first, pos_first - 1, jnp.where(rows, pos_rest - 1, n))  # n: out of range, dropped
+    row_ids = jnp.arange(rows.shape[0], dtype=jnp.int32)[:, None]
+    src = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), rows.shape)
+    idx = jnp.zeros(rows.shape, jnp.int32).at[row_ids, dest].set(src, mode="drop")
+    count = jnp.sum(rows, axis=1, dtype=jnp.int32)
+    return idx.reshape(*lead, n), n_first[:, 0].reshape(lead), count.reshape(lead)
+
+
+def _one_document_tiles(segment_ids: jax.Array, tq: int, block_q: int, block_k: int) -> jax.Array:
+    """[B, nq, nk] bool: tiles whose real query rows and real key columns all share one segment id
+    (queries are the last tq of the Tk ids)."""
+    seg = segment_ids.astype(jnp.int32)
+    b, tk = seg.shape
+
+    def block_min_max(x, blk):
+        nb = -(-x.shape[1] // blk)
+        pad = nb * blk - x.shape[1]
+        lo = jnp.pad(x, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).max).reshape(b, nb, blk)
+        hi = jnp.pad(x, ((0, 0), (0, pad)), constant_values=jnp.iinfo(jnp.int32).min).reshape(b, nb, blk)
+        return lo.min(axis=2), hi.max(axis=2)
+
+    q_lo, q_hi = block_min_max(seg[:, tk - tq:], block_q)
+    k_lo, k_hi = block_min_max(seg, block_k)
+    return ((q_lo == q_hi)[:, :, None] & (k_lo == k_hi)[:, None, :] & (q_lo[:, :, None] == k_lo[:, None, :]))
 
 
 def tile_visits(
