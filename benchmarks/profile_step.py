@@ -489,12 +489,16 @@ def profile_one(arch, size, seq_len, variant, overrides, args) -> dict:
             shutil.rmtree(trace_dir, ignore_errors=True)
     summary = summarize(events, args.steps, infos, module, args.top)
     step_ms = statistics.median(walls)
+    try:  # XLA's buffer assignment: the step's temporaries (activations, logits, ...) in GiB
+        temp_gib = compiled.memory_analysis().temp_size_in_bytes / 2**30
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        temp_gib = None
     flops = 3 * model_cfg.flops_per_token(seq_len) * batch * seq_len
     from fox_jax.train.metrics import device_peak_flops
     peak = device_peak_flops(args.dtype)
     return dict(arch=arch, size=size, seq_len=seq_len, batch=batch, variant=variant, overrides=overrides,
                 step_ms=step_ms, wall_ms=walls, compile_s=compile_s, mfu=flops / (step_ms / 1e3) / peak if peak else None,
-                trace_source=source, hlo_module=module, **summary)
+                temp_gib=temp_gib, trace_source=source, hlo_module=module, **summary)
 
 
 def _module_name(text: str) -> str:
@@ -515,6 +519,8 @@ def print_report(rows: list[dict]) -> None:
     print("| wall (median) | " + " | ".join(f"{r['step_ms']:.1f}" for r in ok) + " |")
     print("| MFU | " + " | ".join(f"{100 * r['mfu']:.1f}%" if r.get("mfu") else "–" for r in ok) + " |")
     print("| device total | " + " | ".join(f"{r['total_ms']:.1f}" for r in ok) + " |")
+    print("| temp memory (GiB) | " + " | ".join(f"{r['temp_gib']:.2f}" if r.get("temp_gib") is not None else "–"
+                                            for r in ok) + " |")
     for c in CATEGORIES:
         print(f"| {c} | " + " | ".join(f"{r['per_step_ms'][c]:.2f}" for r in ok) + " |")
     for r in ok:
