@@ -196,7 +196,8 @@ def device_events(trace: dict) -> tuple[list[KernelEvent], str]:
     """The kernel events of a trace and where they came from (``"gpu"`` or ``"cpu"``).
 
     GPU: complete events on the ``Stream ...`` threads of ``/device:GPU:*`` processes (the derived
-    "XLA Ops" / "XLA Modules" lines are skipped, so nothing is counted twice). CPU (no GPU process):
+    "XLA Ops" / "XLA Modules" lines are skipped, so nothing is counted twice; a trace without stream
+    threads falls back to the "XLA Ops" line, source ``"gpu-xla-ops"``). CPU (no GPU process):
     the XLA CPU thunks, i.e. host events carrying an ``hlo_op`` argument.
 
     Raises:
@@ -212,16 +213,20 @@ def device_events(trace: dict) -> tuple[list[KernelEvent], str]:
     gpu_pids = {pid for pid, name in procs.items() if re.search(r"/device:(GPU|gpu)", name)}
     out = []
     if gpu_pids:
-        for e in events:
-            if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
-                continue
-            tname = threads.get((e.get("pid"), e.get("tid")), "")
-            if not tname.lower().startswith("stream"):
-                continue
-            args = e.get("args") or {}
-            out.append(KernelEvent(str(e.get("name", "")), str(args.get("hlo_op", "")),
-                                   str(args.get("hlo_module", "")), float(e.get("dur", 0.0))))
-        source = "gpu"
+        # kernels live on the "Stream #N" threads; a trace without them falls back to the "XLA Ops" line
+        for wanted, source in (("stream", "gpu"), ("xla ops", "gpu-xla-ops")):
+            for e in events:
+                if e.get("ph") != "X" or e.get("pid") not in gpu_pids:
+                    continue
+                tname = threads.get((e.get("pid"), e.get("tid")), "")
+                if not tname.lower().startswith(wanted):
+                    continue
+                args = e.get("args") or {}
+                hlo_op = str(args.get("hlo_op", "")) or (str(e.get("name", "")) if wanted == "xla ops" else "")
+                out.append(KernelEvent(str(e.get("name", "")), hlo_op, str(args.get("hlo_module", "")),
+                                       float(e.get("dur", 0.0))))
+            if out:
+                break
     else:
         for e in events:
             args = e.get("args") or {}
