@@ -31,6 +31,7 @@ GPT2_VOCAB = 50257
 REMAT_POLICIES = ("none", "full", "dots")  # ModelFamily.remat: no remat, save only block inputs, save matmuls
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtype names (params are always float32)
 DCP_IMPLS = ("auto", "xla", "pallas")  # dcp_impl: fox_jax.ops.context_pruning.IMPLEMENTATIONS
+LOSS_IMPLS = ("logits", "chunked")  # ModelConfig.loss_impl
 
 
 # Numeric ranges of config fields ---------------------------------------------------------------
@@ -269,6 +270,17 @@ class ModelConfig(FamilyConfig):
       dcp_impl: ``implementation`` of ``dcp_attention`` (``DCP_IMPLS``): ``"auto"`` (default: the
         Pallas kernels on GPU, the blockwise XLA code elsewhere), ``"xla"`` or ``"pallas"`` (the
         kernels; interpret mode off GPU). Changes speed only, not the math.
+      vocab_pad_multiple: the untied LM-head matmul runs on the vocabulary padded with zero columns
+        to a multiple of this (128: 50257 -> 50304, aligned shapes for the GPU matmuls); the logits
+        are sliced back to ``vocab_size``, so outputs, parameters and gradients are unchanged. 1 = no
+        padding (the previous behaviour). Ignored with ``tie_embeddings``.
+      loss_impl: how training/evaluation (``fox_jax.train.loop.LMTask``) compute the next-token loss:
+        ``"logits"`` (the model's logits in the compute dtype, cast to float32, optax's cross-entropy;
+        the previous behaviour) or ``"chunked"`` (``fox_jax.ops.cross_entropy.lm_head_cross_entropy``:
+        LM head and cross-entropy fused, float32 logits one chunk of tokens at a time, no [tokens, V]
+        float32 logits or gradient). ``"chunked"`` needs an untied head and no DCP (else ``"logits"``
+        is used).
+      loss_chunk: tokens per chunk of ``loss_impl="chunked"``.
 
     Raises:
       ValueError: from ``__post_init__``, naming the field: a numeric field outside ``RANGES``, an unknown
@@ -304,6 +316,9 @@ class ModelConfig(FamilyConfig):
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
     dcp_impl: str = "auto"
+    vocab_pad_multiple: int = 128
+    loss_impl: str = "logits"
+    loss_chunk: int = 8192
 
     model_type: ClassVar[str] = "lm"
     LAYER_PREFIX: ClassVar[str] = "layers_"
@@ -312,7 +327,7 @@ class ModelConfig(FamilyConfig):
         n_kv_heads=Range(1, integer=True, optional=True), head_dim=Range(1, integer=True, optional=True),
         hidden_ratio=POSITIVE, mlp_dim=Range(1, integer=True, optional=True), rope_base=Range(1, lo_open=True),
         norm_eps=POSITIVE, init_std=POSITIVE, attention_block=POSITIVE_INT, interaction_dim=POSITIVE_INT,
-        dcp_beta_init=FINITE)
+        dcp_beta_init=FINITE, vocab_pad_multiple=POSITIVE_INT, loss_chunk=POSITIVE_INT)
 
     def __post_init__(self):
         if self.arch not in ARCHS:
@@ -339,6 +354,8 @@ class ModelConfig(FamilyConfig):
             raise ValueError(f"ModelConfig.dcp must be a bool, got {self.dcp!r}")
         if self.dcp_impl not in DCP_IMPLS:
             raise ValueError(f"ModelConfig.dcp_impl must be one of {DCP_IMPLS}, got {self.dcp_impl!r}")
+        if self.loss_impl not in LOSS_IMPLS:
+            raise ValueError(f"ModelConfig.loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
         if self.dcp and self.adaptive_threshold is not None:
             raise ValueError("ModelConfig.adaptive_threshold (ACP) cannot be combined with dcp=True: DCP "
                              "attention (dcp_attention) does not implement ACP block pruning; set "

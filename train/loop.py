@@ -28,6 +28,7 @@ import optax
 from tqdm.auto import tqdm
 
 from fox_jax.models import count_params
+from fox_jax.ops.cross_entropy import lm_head_cross_entropy
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
@@ -109,9 +110,27 @@ def next_token_ce(logits: jax.Array, batch: dict) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
 
 
+def uses_chunked_loss(model_cfg) -> bool:
+    """Whether the loss fuses the LM head (``ModelConfig.loss_impl == "chunked"``: an untied head, no DCP)."""
+    return (getattr(model_cfg, "loss_impl", "logits") == "chunked" and not getattr(model_cfg, "dcp", False)
+            and not getattr(model_cfg, "tie_embeddings", True))
+
+
+def chunked_token_losses(model_cfg, params, out, batch) -> jax.Array:
+    """Per-token cross-entropy [B, T] float32 from ``out.hidden`` (``return_hidden=True``) and the LM head
+    ``params["lm_head"]["kernel"]``, fused and chunked (``fox_jax.ops.cross_entropy.lm_head_cross_entropy``)."""
+    return lm_head_cross_entropy(out.hidden, params["lm_head"]["kernel"], batch["targets"],
+                                 chunk_size=model_cfg.loss_chunk, pad_multiple=model_cfg.vocab_pad_multiple)
+
+
 def token_losses(model, params, batch) -> jax.Array:
-    """Per-token cross-entropy [B, T] in float32 (next-token prediction)."""
-    out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"))
+    """Per-token cross-entropy [B, T] in float32 (next-token prediction; ``ModelConfig.loss_impl`` decides
+    whether through the logits or fused with the LM head)."""
+    chunked = uses_chunked_loss(getattr(model, "cfg", None))
+    kw = dict(return_hidden=True) if chunked else {}
+    out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"), **kw)
+    if chunked:
+        return chunked_token_losses(model.cfg, params, out, batch)
     return next_token_ce(out.logits, batch)
 
 
@@ -159,13 +178,16 @@ class LMTask:
 
     def loss(self, model, params, batch, scalars):
         kw = dict(mutable=["intermediates"]) if self.collect_acp else {}
+        chunked = uses_chunked_loss(getattr(model, "cfg", None))
+        if chunked:
+            kw["return_hidden"] = True
         out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"), **kw)
         metrics = {}
         if self.collect_acp:
             out, inter = out
             fractions = jax.tree_util.tree_leaves(inter)
             metrics["acp_fraction_skipped"] = jnp.mean(jnp.stack(fractions)) if fractions else jnp.zeros((), jnp.float32)
-        losses = next_token_ce(out.logits, batch)
+        losses = chunked_token_losses(model.cfg, params, out, batch) if chunked else next_token_ce(out.logits, batch)
         return masked_mean(losses, batch)[0], metrics
 
     def param_metrics(self, params) -> dict:

@@ -42,11 +42,14 @@ class ModelOutput:
         (0 kept, ≈ −92.1 dropped), ``sparsity`` [n_layers] float32 fraction of causal pairs dropped (no
         gradient), ``sparsity_loss`` float32 scalar (γ = 1, "causal" normalisation, 0 when T < 3). A
         GPT-2 with a fixed ``sparse_pattern``: ``log_masks`` and ``sparsity`` only.
+      hidden: None, or with ``LanguageModel(...)(..., return_hidden=True)`` the final-normed hidden
+        states [B, T, d] in the compute dtype (then ``logits`` is None: the loss applies the head).
     """
 
     logits: jax.Array
     cache: Any = None
     aux: dict = flax.struct.field(default_factory=dict)
+    hidden: Any = None
 
 
 class ModelFamily(Protocol):

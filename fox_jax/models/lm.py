@@ -15,6 +15,7 @@ see ``ForgettingAttentionLayer``), and the model fills ``ModelOutput.aux`` as ``
 
 from __future__ import annotations
 
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -24,6 +25,7 @@ from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
+from fox_jax.ops.cross_entropy import padded_vocab
 
 
 class Block(nn.Module):
@@ -47,6 +49,31 @@ class Block(nn.Module):
         return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h))
 
 
+class LMHead(nn.Module):
+    """The untied LM head: logits = x · W, W [d, vocab_size] float32 (param ``kernel``, as ``nn.Dense``).
+
+    The matmul runs in ``dtype`` on W zero-padded to ``padded_vocab(vocab_size, pad_multiple)`` columns
+    (aligned GPU matmul shapes) and the logits are sliced back: the values equal ``nn.Dense``'s.
+
+    Call args: x [B, T, d]. Returns: [B, T, vocab_size] in ``dtype``.
+    """
+
+    vocab_size: int
+    init_std: float = 0.02
+    dtype: Any = jnp.float32
+    pad_multiple: int = 1
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel = self.param("kernel", normal_init(self.init_std), (x.shape[-1], self.vocab_size), jnp.float32)
+        w = kernel.astype(self.dtype)
+        vp = padded_vocab(self.vocab_size, self.pad_multiple)
+        if vp > self.vocab_size:
+            w = jnp.pad(w, ((0, 0), (0, vp - self.vocab_size)))
+        y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (0,)), ((), ())))
+        return y[..., :self.vocab_size] if vp > self.vocab_size else y
+
+
 class LanguageModel(nn.Module):
     """A decoder-only LM: FoX (LLaMA) or Transformer (LLaMA), chosen by ``cfg.arch``.
 
@@ -62,6 +89,10 @@ class LanguageModel(nn.Module):
       alpha: keyword-only, DCP only (as ``GPT2``): required when ``cfg.dcp``, ignored otherwise. α of
         the α-sigmoid (docs/design/dcp.md §2): a Python float ≥ 1, ``float('inf')`` for the inference step
         mask, or a traced float32 scalar (e.g. from ``cosine_alpha_schedule``; no recompile per value).
+      return_hidden: keyword-only; True skips the LM head and returns ``ModelOutput(logits=None,
+        hidden=[B, T, d] final-normed hidden states in the compute dtype)``, for a loss that applies the
+        head itself (``fox_jax.ops.cross_entropy.lm_head_cross_entropy`` with ``params["lm_head"]
+        ["kernel"]``). Not with a cache or DCP.
     Returns:
       ``ModelOutput``: ``logits`` [B, T, vocab_size] in the compute dtype (cast to float32 for the
       loss), **float32** with DCP; ``cache`` the updated tuple of caches when one was given (else None);
@@ -72,14 +103,17 @@ class LanguageModel(nn.Module):
                            segment_ids=...)`` (§3.1; 0 when T < 3): multiply by γ and add to the CE.
     Raises:
       ValueError: a cache with the wrong number of layers, or together with segment_ids/positions;
-        DCP without ``alpha`` and without a cache.
+        DCP without ``alpha`` and without a cache; ``return_hidden`` with a cache or DCP.
     """
 
     cfg: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None) -> ModelOutput:
+    def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None,
+                 return_hidden: bool = False) -> ModelOutput:
         cfg = self.cfg
+        if return_hidden and (cache is not None or cfg.dcp):
+            raise ValueError("return_hidden=True is for training losses: not with a cache or a DCP model")
         if cfg.dcp and alpha is None and cache is None:
             raise ValueError("alpha is required when ModelConfig.dcp is True (use float('inf') for inference)")
         if cache is not None and len(cache) != cfg.n_layers:
@@ -97,11 +131,12 @@ class LanguageModel(nn.Module):
             x = out.x
             outs.append(out)
         x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
+        if return_hidden:
+            return ModelOutput(None, hidden=x)
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=dtype, param_dtype=jnp.float32,
-                              kernel_init=normal_init(cfg.init_std), name="lm_head")(x)
+            logits = LMHead(cfg.vocab_size, cfg.init_std, dtype, cfg.vocab_pad_multiple, name="lm_head")(x)
         if cache is not None:  # decoding: no DCP masks (the cache's policy applied them); DCP logits are float32
             return ModelOutput(logits.astype(jnp.float32) if cfg.dcp else logits, cache=tuple(o.cache for o in outs))
         if cfg.dcp:
@@ -128,4 +163,4 @@ class LanguageModelModules(FamilyModules):
 
 register_family(ModelConfig.model_type, LanguageModelModules())
 
-__all__ = ["ARCHS", "SIZES", "Block", "LanguageModel", "ModelConfig", "count_params", "preset"]
+__all__ = ["ARCHS", "SIZES", "Block", "LMHead", "LanguageModel", "ModelConfig", "count_params", "preset"]

@@ -1,0 +1,139 @@
+"""The fused, chunked LM-head cross-entropy (fox_jax.ops.cross_entropy) and the padded LM head, against
+the previous path (the model's logits, optax's cross-entropy), in float32 and bfloat16."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from fox_jax.models import preset
+from fox_jax.ops.cross_entropy import lm_head_cross_entropy, padded_vocab
+from fox_jax.train import config as config_lib
+from fox_jax.train.loop import LMTask, token_losses
+
+B, T, D, V = 3, 37, 24, 203  # awkward: T and V prime, V not a multiple of any pad
+
+
+def _inputs(dtype, seed=0):
+    k = jax.random.split(jax.random.PRNGKey(seed), 4)
+    h = jax.random.normal(k[0], (B, T, D)).astype(dtype)
+    w = 0.3 * jax.random.normal(k[1], (D, V), jnp.float32)
+    t = jax.random.randint(k[2], (B, T), 0, V)
+    cot = jax.random.uniform(k[3], (B, T))  # a per-token cotangent, not only the mean
+    return h, w, t, cot
+
+
+def _reference(h, w, t):
+    """The same math unfused: f32 logits of the compute-dtype matmul, optax's cross-entropy."""
+    z = jnp.einsum("btd,dv->btv", h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(z, t)
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+
+def test_padded_vocab():
+    assert padded_vocab(50257, 128) == 50304 and padded_vocab(50304, 128) == 50304
+    assert padded_vocab(203, 1) == 203 and padded_vocab(203, 64) == 256
+    with pytest.raises(ValueError):
+        padded_vocab(0, 128)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("chunk,pad", [(8192, 128), (40, 128), (7, 1), (1, 64)])
+def test_matches_unfused(dtype, chunk, pad):
+    """Losses and gradients equal the unfused computation of the same math.
+
+    float32: only summation order differs (tolerance 1e-5 relative). bfloat16: the losses come from the
+    same f32 logits (1e-5); the fused backward rounds the logit gradient softmax − onehot to bfloat16
+    once (relative 2⁻⁹) and dh is bfloat16 either way, so gradients agree to 2e-2 of their largest entry.
+    """
+    h, w, t, cot = _inputs(dtype)
+    fused = lambda h, w: jnp.sum(lm_head_cross_entropy(h, w, t, chunk_size=chunk, pad_multiple=pad) * cot)  # noqa: E731
+    ref = lambda h, w: jnp.sum(_reference(h, w, t) * cot)  # noqa: E731
+    l1, (dh1, dw1) = jax.value_and_grad(fused, (0, 1))(h, w)
+    l2, (dh2, dw2) = jax.value_and_grad(ref, (0, 1))(h, w)
+    losses = lm_head_cross_entropy(h, w, t, chunk_size=chunk, pad_multiple=pad)
+    assert losses.shape == (B, T) and losses.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(losses), np.asarray(_reference(h, w, t)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    assert dh1.dtype == h.dtype and dw1.dtype == jnp.float32
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert _rel(dh1, dh2) < tol and _rel(dw1, dw2) < tol
+
+
+def test_jit_and_errors():
+    h, w, t, _ = _inputs(jnp.float32)
+    out = jax.jit(lambda h, w: lm_head_cross_entropy(h, w, t, chunk_size=50))(h, w)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(_reference(h, w, t)), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="hidden"):
+        lm_head_cross_entropy(h[0], w, t)
+    with pytest.raises(ValueError, match="kernel"):
+        lm_head_cross_entropy(h, w.T, t)
+    with pytest.raises(ValueError, match="targets"):
+        lm_head_cross_entropy(h, w, t[:, 1:])
+    with pytest.raises(ValueError, match="chunk_size"):
+        lm_head_cross_entropy(h, w, t, chunk_size=0)
+
+
+def _loss_and_grads(dtype, **overrides):
+    m = preset("tiny", "fox-pro", vocab_size=257, dtype=dtype, **overrides)
+    cfg = config_lib.ExperimentConfig(model=m, steps=10, batch_size=2)
+    params = m.init_params(jax.random.PRNGKey(0))
+    toks = np.random.default_rng(1).integers(0, 257, (2, 46))
+    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+    task, model = LMTask(cfg), m.build()
+    (loss, _), grads = jax.value_and_grad(lambda p: task.loss(model, p, batch, {}), has_aux=True)(params)
+    return loss, grads, token_losses(model, params, batch), model, params, batch
+
+
+OLD = dict(vocab_pad_multiple=1, loss_impl="logits")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_model_losses_equal_the_old_path(dtype):
+    """LMTask's loss and gradients with the padded head, and with the chunked loss, against the old path.
+
+    Padded head: the zero columns change no logit; float32 and bfloat16 agree to summation order (1e-5).
+    Chunked: float32 agrees to 1e-5. bfloat16: the old path rounds the logits to bfloat16 before the
+    float32 softmax (|z|·2⁻⁹ per logit, ~1e-4 on the loss here) and rounds the scaled logit gradient to
+    bfloat16; the new one keeps float32 logits: losses agree to 1e-3, gradients to 3e-2 of their largest
+    entry per parameter.
+    """
+    l0, g0, tl0, *_ = _loss_and_grads(dtype, **OLD)
+    lp, gp, tlp, *_ = _loss_and_grads(dtype, vocab_pad_multiple=128, loss_impl="logits")
+    lc, gc, tlc, *_ = _loss_and_grads(dtype, vocab_pad_multiple=128, loss_impl="chunked", loss_chunk=30)
+    assert jax.tree_util.tree_structure(g0) == jax.tree_util.tree_structure(gc)
+    np.testing.assert_allclose(float(lp), float(l0), rtol=1e-5)
+    assert max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_rel, gp, g0))) < 1e-5
+    tol_l, tol_g = (1e-5, 1e-5) if dtype == "float32" else (1e-3, 3e-2)
+    np.testing.assert_allclose(float(lc), float(l0), rtol=tol_l)
+    np.testing.assert_allclose(np.asarray(tlc), np.asarray(tl0), rtol=tol_l, atol=tol_l * 10)
+    assert max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_rel, gc, g0))) < tol_g
+
+
+def test_padded_head_logits_and_params():
+    _, _, _, model0, params, batch = _loss_and_grads("float32", **OLD)
+    _, _, _, model1, params1, _ = _loss_and_grads("float32")
+    assert jax.tree_util.tree_map(jnp.shape, params) == jax.tree_util.tree_map(jnp.shape, params1)
+    assert params["lm_head"]["kernel"].shape == (128, 257)
+    a = model0.apply({"params": params}, batch["inputs"]).logits
+    b = model1.apply({"params": params}, batch["inputs"]).logits
+    assert a.shape == b.shape == (2, 45, 257)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    out = model1.apply({"params": params}, batch["inputs"], return_hidden=True)
+    assert out.logits is None and out.hidden.shape == (2, 45, 128)
+
+
+def test_config_checks():
+    with pytest.raises(ValueError, match="loss_impl"):
+        preset("tiny", "fox-pro", loss_impl="fused")
+    with pytest.raises(ValueError, match="vocab_pad_multiple"):
+        preset("tiny", "fox-pro", vocab_pad_multiple=0)
+    m = preset("tiny", "fox-pro", vocab_size=257, dcp=True)
+    params = m.init_params(jax.random.PRNGKey(0))
+    with pytest.raises(ValueError, match="return_hidden"):
+        m.build().apply({"params": params}, jnp.zeros((1, 8), jnp.int32), alpha=1.0, return_hidden=True)

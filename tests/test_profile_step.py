@@ -1,0 +1,105 @@
+"""benchmarks/profile_step.py: the trace parser and categories on synthetic traces, and the CPU smoke run."""
+
+import gzip
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import profile_step as ps  # noqa: E402
+
+HLO = """HloModule jit_step, is_scheduled=true
+
+%fused_concat (p0: bf16[8,4], p1: bf16[8,4]) -> bf16[8,8] {
+  %p0 = bf16[8,4]{1,0} parameter(0)
+  %p1 = bf16[8,4]{1,0} parameter(1)
+  ROOT %concatenate.1 = bf16[8,8]{1,0} concatenate(%p0, %p1), dimensions={1}
+}
+
+%fused_reduce (p0: f32[8,8]) -> f32[8] {
+  %p0 = f32[8,8]{1,0} parameter(0)
+  %c = f32[] constant(0)
+  ROOT %reduce.2 = f32[8]{0} reduce(%p0, %c), dimensions={1}, to_apply=%add
+}
+
+ENTRY %main (a: bf16[8,4]) -> f32[8] {
+  %a = bf16[8,4]{1,0} parameter(0)
+  %loop_concatenate_fusion = bf16[8,8]{1,0} fusion(%a, %a), kind=kLoop, calls=%fused_concat, metadata={op_name="jit(step)/transpose(jvp(LanguageModel))/layers_3/mlp/concatenate"}
+  %input_reduce_fusion = f32[8]{0} fusion(%loop_concatenate_fusion), kind=kInput, calls=%fused_reduce, metadata={op_name="jit(step)/jvp(LanguageModel)/layers_0/attn_norm/reduce_sum"}
+  %custom-call.3 = bf16[8,8]{1,0} custom-call(%a), custom_call_target="__cublas$gemm"
+  %custom-call.4 = bf16[8,8]{1,0} custom-call(%a), custom_call_target="__gpu$xla.gpu.triton"
+  ROOT %multiply.5 = f32[8]{0} multiply(%input_reduce_fusion, %input_reduce_fusion)
+}
+"""
+
+
+def _trace(path):
+    ev = [
+        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "pid": 1, "tid": 7, "name": "thread_name", "args": {"name": "Stream #7(Compute)"}},
+        {"ph": "M", "pid": 1, "tid": 8, "name": "thread_name", "args": {"name": "XLA Ops"}},
+        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/host:CPU"}},
+    ]
+    kernels = [("loop_concatenate_fusion", "loop_concatenate_fusion", 100.0),
+               ("input_reduce_fusion", "input_reduce_fusion", 200.0),
+               ("nvjet_tst_128x256", "custom-call.3", 400.0),
+               ("_fwd_kernel", "custom-call.4", 800.0),
+               ("multiply_5", "", 10.0)]
+    for step in range(2):
+        for name, op, dur in kernels:
+            args = {"hlo_module": "jit_step", "hlo_op": op} if op else {"hlo_module": "jit_step"}
+            ev.append({"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": dur, "name": name, "args": args})
+            ev.append({"ph": "X", "pid": 1, "tid": 8, "ts": 0, "dur": dur, "name": op or name})  # derived line
+        ev.append({"ph": "X", "pid": 1, "tid": 7, "ts": 0, "dur": 999.0, "name": "other_module_kernel",
+                   "args": {"hlo_module": "jit_other", "hlo_op": "fusion.9"}})
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": ev}, f)
+
+
+def test_gpu_trace_categories(tmp_path):
+    run = tmp_path / "plugins" / "profile" / "2026_01_01"
+    run.mkdir(parents=True)
+    _trace(str(run / "host.trace.json.gz"))
+    path = ps.find_trace(str(tmp_path))
+    events, source = ps.device_events(ps.load_trace(path))
+    assert source == "gpu" and len(events) == 12  # the "XLA Ops" line is not counted
+    infos = ps.parse_hlo(HLO)
+    assert infos["loop_concatenate_fusion"].root == "concatenate"
+    assert "reduce" in infos["input_reduce_fusion"].fused_ops
+    s = ps.summarize(events, 2, infos, module="jit_step")
+    ms = s["per_step_ms"]
+    assert ms["concatenate"] == pytest.approx(0.1) and ms["reduction"] == pytest.approx(0.2)
+    assert ms["gemm"] == pytest.approx(0.4) and ms["attention"] == pytest.approx(0.8)
+    assert ms["elementwise"] == pytest.approx(0.01)  # "multiply_5" found as multiply.5
+    assert s["total_ms"] == pytest.approx(1.51)  # the other module's kernel is left out
+    assert s["kernels"][0]["kernel"] == "_fwd_kernel"
+    assert any(o["jax_op"].endswith("layers_*/mlp/concatenate") for o in s["ops"])
+
+
+def test_missing_trace_is_a_clear_error(tmp_path):
+    (tmp_path / "x.xplane.pb").write_bytes(b"")
+    with pytest.raises(ps.TraceError, match="trace.json.gz"):
+        ps.find_trace(str(tmp_path))
+
+
+def test_parse_variant():
+    assert ps.parse_variant("old:vocab_pad_multiple=1,loss_impl=logits") == (
+        "old", {"vocab_pad_multiple": 1, "loss_impl": "logits"})
+    assert ps.parse_variant("new") == ("new", {})
+    with pytest.raises(ValueError, match="key=value"):
+        ps.parse_variant("bad:oops")
+
+
+def test_quick_cpu_run(tmp_path):
+    out = tmp_path / "p.json"
+    rows = ps.main(["--quick", "--variants", "old:vocab_pad_multiple=1", "new:loss_impl=chunked",
+                    "--out", str(out)])
+    assert [r.get("error") for r in rows] == [None, None]
+    data = json.loads(out.read_text())
+    assert data["meta"]["backend"] == "cpu" and len(data["rows"]) == 2
+    for r in data["rows"]:
+        assert r["trace_source"] == "cpu" and r["total_ms"] > 0 and r["kernels"]
+        assert set(r["per_step_ms"]) == set(ps.CATEGORIES)
+        assert r["per_step_ms"]["gemm"] > 0
