@@ -246,3 +246,23 @@ def test_gpu_mosaic_acp_minus_inf_is_bitwise_dense():
     base, minus_inf = run(None), run(-jnp.inf)
     for a, b in zip(jax.tree_util.tree_leaves(base), jax.tree_util.tree_leaves(minus_inf)):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_forward_with_triton_backward():
+    """``MosaicConfig(backward=False)``: the Mosaic forward's lse feeds the Triton backward kernels."""
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    b, t, h, hkv, d = 2, 1100, 4, 2, 128
+    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=11)
+    ss = jnp.asarray([0, 200], jnp.int32)
+    cfg = dataclasses.replace(fpallas.resolve_config(d, t, t), mosaic=MosaicConfig(backward=False))
+    o, grads = _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+        q_, k_, v_, decay_cumsum(lf_, ss), ss, None, None, scale=d ** -0.5, implementation="mosaic", config=cfg),
+        q, k, v, lf, w)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss),
+                                        f32(q), f32(k), f32(v), lf, w)
+    _assert_close("o", o, o_ref, 2e-2)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        _assert_close(name, g, gr, 3e-2)
