@@ -68,7 +68,8 @@ def main(argv=None) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    cfg = fpallas.resolve_config(args.d, 2048, 2048, interpret=False)
+    resolve = fpallas.resolve_dcp_config if args.dcp else fpallas.resolve_config
+    cfg = resolve(args.d, 2048, 2048, interpret=False)
     tiles = [("fwd", cfg.fwd), ("dq", cfg.dq), ("dkv", cfg.dkv)] + ([("dlogI", dmask_tile(cfg))] if args.dcp else [])
     ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,6 +36,7 @@ __all__ = [
     "kernel_attention",
     "kernel_visits",
     "resolve_config",
+    "resolve_dcp_config",
     "tile_counts",
 ]
 
@@ -63,6 +64,22 @@ def resolve_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None 
     else:
         fa_kernels.padded_head_dim(head_dim)  # validates
     return resolve_tiles(config, tq, tk)
+
+
+def resolve_dcp_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None = None,
+                       interpret: bool | None = None) -> KernelConfig:
+    """``resolve_config`` for the kernels with a DCP mask: by default the dense tiling, but at most two
+    pipeline stages in the D > 64 backward kernels. The mask tiles of their tile-list loops are
+    software-pipelined too, and with the dense default's 3–4 stages the D = 128 dK/dV kernel asks for
+    290 KB of shared memory (sm_90 has 227 KB; benchmarks/offline_triton_check.py --dcp)."""
+    if interpret is None:
+        interpret = _interpret_default()
+    d_pad = fa_kernels.padded_head_dim(head_dim)
+    if config is None and not interpret and d_pad > 64:
+        base = default_config(d_pad)
+        config = dataclasses.replace(base, dq=dataclasses.replace(base.dq, num_stages=min(base.dq.num_stages, 2)),
+                                     dkv=dataclasses.replace(base.dkv, num_stages=min(base.dkv.num_stages, 2)))
+    return resolve_config(head_dim, tq, tk, config, interpret)
 
 
 class KernelVisits(NamedTuple):
@@ -227,7 +244,7 @@ def dcp_attention(
     tk = k.shape[1]
     if interpret is None:
         interpret = _interpret_default()
-    config = resolve_config(d, tq, tk, config, interpret)
+    config = resolve_dcp_config(d, tq, tk, config, interpret)
     if lam is None:  # behind a barrier: a literal zero Λ would be constant-folded (see forgetting_attention)
         lam = jax.lax.optimization_barrier(jnp.zeros((b, tk, h), jnp.float32))
     kept_rows = rows_with_kept_pair(jax.lax.stop_gradient(log_mask), floor, segment_ids)
