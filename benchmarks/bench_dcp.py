@@ -90,7 +90,7 @@ def main(argv=None) -> int:
                                                                                      implementation="xla")}
         impls["pallas"] = lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas")
         if args.all_masked:
-            cfg_all = dataclasses.replace(fpallas.resolve_config(d, t, t), dcp_unmasked_interior=False)
+            cfg_all = dataclasses.replace(fpallas.resolve_dcp_config(d, t, t), dcp_unmasked_interior=False)
 
             def all_masked(q, k, v, m, lf, _cfg=cfg_all):
                 return fpallas.dcp_attention(q, k, v, m, jnp.cumsum(lf, axis=1), None, scale=d ** -0.5,

@@ -385,7 +385,8 @@ def categorize(name: str, hlo_op: str, info: HloInfo | None, attention_names=Non
     """
     attention_names = attention_names or attention_kernel_names()
     text = f"{name} {hlo_op}".lower()
-    if any(k.lower() in text for k in attention_names) or re.search(r"mosaic|fmha|cudnn|flash|pallas", text):
+    if any(k.lower().lstrip("_") in text for k in attention_names) or re.search(
+            r"mosaic|fmha|cudnn|flash|pallas", text):
         return "attention"
     if info is not None:
         target = info.target.lower()
@@ -563,6 +564,11 @@ def main(argv=None):
         args.configs, args.batch_tokens, args.steps, args.warmup, args.dtype = (
             ["fox-pro:tiny:64"], 128, 2, 1, "float32")
     variants = [parse_variant(v) for v in args.variants]
+    meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
+                jaxlib=getattr(jax.lib, "__version__", None) or _version("jaxlib"), flax=_version("flax"),
+                optax=_version("optax"), python=platform.python_version(), dtype=args.dtype,
+                remat=args.remat, steps=args.steps, warmup=args.warmup, batch_tokens=args.batch_tokens,
+                argv=sys.argv[1:] if argv is None else list(argv))
     rows = []
     for entry in args.configs:
         arch, size, seq = entry.split(":")
@@ -577,15 +583,12 @@ def main(argv=None):
             rows.append(row)
             brief = {k: v for k, v in row.items() if k not in ("kernels", "ops", "wall_ms")}
             print(json.dumps(brief), flush=True)
-    print_report(rows)
-    if args.out:
-        meta = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jax=jax.__version__,
-                    jaxlib=getattr(jax.lib, "__version__", None) or _version("jaxlib"), flax=_version("flax"),
-                    optax=_version("optax"), python=platform.python_version(), dtype=args.dtype,
-                    remat=args.remat, steps=args.steps, warmup=args.warmup, batch_tokens=args.batch_tokens,
-                    argv=sys.argv[1:] if argv is None else list(argv))
-        with open(args.out, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            print_report([row])  # each row's tables as soon as it is measured: a run cut short keeps them
+            if args.out:  # and the JSON after every row
+                with open(args.out, "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if len(rows) > 1:
+        print_report(rows)
     return rows
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One H200 call for the Mosaic GPU forward (issue 13): a smoke check, the GPU tests, a forward tiling sweep and
 # the side-by-side attention benchmark (cuDNN jax + torch, our Triton and Mosaic paths, the official FoX Triton
-# kernel, dense and ACP). Needs the official kernel's copy in .gpu/fox_triton/ (benchmark-only; gitignored):
+# kernel, dense and ACP). Needs the official kernel's copy in .gpu/fox_triton/ (benchmark-only; gitignored) and,
+# for the profile stage, grain's wheels in .whl/:
 #   mkdir -p .gpu/fox_triton && cp ../shared/anchors/fox_triton/{forgetting_attention.py,LICENSE} .gpu/fox_triton/
 # Then the DCP attention benchmark (compacted live-tile lists) and a profiled 760M training step (Triton vs Mosaic
 # attention, padded vocabulary + chunked cross-entropy). Each stage has its own time limit (*_S variables).
@@ -13,6 +14,10 @@ STAGES=${STAGES:-"smoke tests sweep bench dcp profile"}
 SHAPES=${SHAPES:-4x4096x32x64,8x2048x16x128,2x8192x16x128,1x16384x16x128,1x16384x24x64}
 SWEEP=${SWEEP:-64x128x3x64x64x2,64x128x3x64x64x3,64x128x3x128x64x2,64x128x3x0x64x2}
 IMPLS=${IMPLS:-cudnn,torch-cudnn,pallas,mosaic,mosaic-triton-bwd,fox-triton,fla,pallas-acp,mosaic-acp,fox-triton-acp}
+if [[ " $STAGES " == *" profile "* ]]; then  # the training stack imports grain: carry its wheels in .whl/
+  python3 -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl 2>&1 | tail -n 2
+  export PYTHONPATH=$PWD:/tmp/wheels
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 for s in $STAGES; do

@@ -266,3 +266,29 @@ def test_gpu_mosaic_forward_with_triton_backward():
     _assert_close("o", o, o_ref, 2e-2)
     for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
         _assert_close(name, g, gr, 3e-2)
+
+
+def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
+    """``implementation="auto"`` resolves to the Mosaic kernels on a Hopper GPU for bf16/fp16, D ≤ 128 and
+    Tq ≥ 128, and to the Triton kernels for anything else (float32, D > 128, decoding-length queries,
+    another GPU); cuDNN keeps plain causal attention. The device is faked: only the choice is tested."""
+    from fox_jax.ops import resolve_implementation
+
+    class Dev:
+        device_kind = "NVIDIA H200"
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(jax, "devices", lambda *a: [Dev()])
+    bf = lambda *s: jnp.zeros(s, jnp.bfloat16)  # noqa: E731
+    assert fpallas.mosaic_auto_ok(bf(1, 128, 2, 64), bf(1, 128, 2, 64))
+    assert not fpallas.mosaic_auto_ok(bf(1, 1, 2, 64), bf(1, 900, 2, 64))            # decoding
+    assert not fpallas.mosaic_auto_ok(bf(1, 512, 2, 256), bf(1, 512, 2, 256))         # D > 128
+    f32 = jnp.zeros((1, 512, 2, 64), jnp.float32)
+    assert not fpallas.mosaic_auto_ok(f32, f32)
+    assert resolve_implementation("auto", mosaic_ok=True) == "mosaic"
+    assert resolve_implementation("auto", cudnn_ok=True, mosaic_ok=True) == "cudnn"
+    assert resolve_implementation("auto") == "pallas"
+    assert resolve_implementation("pallas", mosaic_ok=True) == "pallas"
+    assert fpallas.forward_tiling("mosaic", 64, 4096, 4096) == (128, 128)
+    Dev.device_kind = "NVIDIA A100-SXM4-80GB"
+    assert not fpallas.mosaic_auto_ok(bf(1, 512, 2, 64), bf(1, 512, 2, 64))

@@ -14,7 +14,7 @@ from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
-from fox_jax.ops.pallas import resolve_config
+from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
 
 
 @flax.struct.dataclass
@@ -178,9 +178,9 @@ class ForgettingAttentionLayer(nn.Module):
         t = q.shape[1]
         lam = jax.lax.stop_gradient(jnp.cumsum(log_fgate, axis=1))
         delta = acp.resolve_threshold(threshold, q, k, cfg.dim_per_head ** -0.5)
-        if resolve_implementation(cfg.attention_impl) in ("pallas", "mosaic"):
-            fwd = resolve_config(cfg.dim_per_head, t, t).fwd
-            bq, bk = fwd.block_q, fwd.block_k
+        impl = resolve_implementation(cfg.attention_impl, mosaic_ok=mosaic_auto_ok(q, k))
+        if impl in ("pallas", "mosaic"):
+            bq, bk = forward_tiling(impl, cfg.dim_per_head, t, t)
         else:
             bq = bk = min(cfg.attention_block, -(-t // 8) * 8)
         starts = acp.kv_block_start(lam, delta, tq=t, block_q=bq, block_k=bk)

@@ -33,16 +33,19 @@ def _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold,
             and window_size is None and q.shape[1] == k.shape[1] and q.dtype in (jnp.bfloat16, jnp.float16))
 
 
-def resolve_implementation(implementation: str, cudnn_ok: bool = False) -> str:
+def resolve_implementation(implementation: str, cudnn_ok: bool = False, mosaic_ok: bool = False) -> str:
     """The implementation ``forgetting_attention`` runs for ``implementation`` on this backend.
 
     Args:
       implementation: one of ``IMPLEMENTATIONS``.
       cudnn_ok: whether the call is plain causal attention that cuDNN covers (no gates, seq_start,
         segment ids, window or threshold; Tq == Tk; bf16/fp16).
+      mosaic_ok: whether the Hopper Mosaic kernels take the call (``fox_jax.ops.pallas.mosaic_auto_ok``:
+        an sm_90 GPU, bf16/fp16, D ≤ 128, Tq ≥ 128).
     Returns:
-      ``"auto"`` resolved: ``"cudnn"`` when eligible on GPU, else ``"pallas"`` on GPU, else ``"xla"``;
-      any other name unchanged.
+      ``"auto"`` resolved: on GPU ``"cudnn"`` when eligible, else ``"mosaic"`` when ``mosaic_ok`` (faster
+      than the Triton kernels at every measured shape: benchmarks/README.md), else ``"pallas"``; elsewhere
+      ``"xla"``; any other name unchanged.
     Raises:
       ValueError: an unknown implementation.
       NotImplementedError: ``"cudnn"`` for a call it does not cover.
@@ -52,7 +55,7 @@ def resolve_implementation(implementation: str, cudnn_ok: bool = False) -> str:
     if implementation == "auto":
         if jax.default_backend() != "gpu":
             return "xla"
-        return "cudnn" if cudnn_ok else "pallas"
+        return "cudnn" if cudnn_ok else "mosaic" if mosaic_ok else "pallas"
     if implementation == "cudnn" and not cudnn_ok:
         raise NotImplementedError(
             "implementation='cudnn' is plain causal attention: it needs log_fgate=None, no seq_start, "
@@ -170,7 +173,8 @@ def forgetting_attention(
     seq_start, window_size = _check_inputs(q, k, v, log_fgate, seq_start, segment_ids, adaptive_threshold,
                                            window_size)
     impl = resolve_implementation(
-        implementation, _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold, window_size))
+        implementation, _cudnn_eligible(q, k, log_fgate, seq_start, segment_ids, adaptive_threshold, window_size),
+        mosaic_ok=implementation == "auto" and kernel_config is None and pallas_impl.mosaic_auto_ok(q, k))
     kwargs = dict(sm_scale=sm_scale, seq_start=seq_start, segment_ids=segment_ids,
                   adaptive_threshold=adaptive_threshold, window_size=window_size, log_epsilon=log_epsilon, impl=impl,
                   block_q=block_q, block_k=block_k, kernel_config=kernel_config)

@@ -34,7 +34,10 @@ __all__ = [
     "dcp_attention",
     "default_config",
     "kernel_attention",
+    "forward_tiling",
     "kernel_visits",
+    "mosaic_auto_ok",
+    "mosaic_supported",
     "resolve_config",
     "resolve_dcp_config",
     "tile_counts",
@@ -336,6 +339,22 @@ def mosaic_supported(q: jax.Array, k: jax.Array) -> str | None:
     if not any(name in kind for name in ("H100", "H200", "H800", "H20", "GH200")):
         return f"a Hopper (sm_90) GPU (got {kind!r})"
     return None
+
+
+def mosaic_auto_ok(q: jax.Array, k: jax.Array) -> bool:
+    """Whether ``implementation="auto"`` runs the Mosaic kernels: ``mosaic_supported`` and at least one
+    forward tile of queries (Tq ≥ 128; shorter calls, such as decoding, stay on the Triton kernels)."""
+    return q.shape[1] >= 128 and mosaic_supported(q, k) is None
+
+
+def forward_tiling(implementation: str, head_dim: int, tq: int, tk: int) -> tuple[int, int]:
+    """(block_q, block_k) of the forward's skip ranges for a resolved ``"pallas"`` / ``"mosaic"`` call
+    with the default tiling (ACP statistics are computed at it)."""
+    if implementation == "mosaic":
+        mc = mgpu_kernels.default_mosaic_config(-(-head_dim // 64) * 64)
+        return mc.tile_q, mc.block_k
+    fwd = resolve_config(head_dim, tq, tk).fwd
+    return fwd.block_q, fwd.block_k
 
 
 def _with_mosaic(cfg: KernelConfig, q, k, interpret: bool) -> KernelConfig:
