@@ -34,23 +34,8 @@ from fox_jax.ops import pallas as fpallas
 from fox_jax.ops.reference import decay_cumsum
 from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig
 
-_TOL = {  # (output, gradients), relative to the reference's max magnitude
-    jnp.float32: (2e-5, 2e-5),
-    jnp.bfloat16: (2e-2, 3e-2),
-    jnp.float16: (1e-2, 1.5e-2),
-}
-
-
-def _inputs(b, tq, tk, h, hkv, d, dtype, seed=0, gate_lo=0.0, gate_hi=5.0):
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-    q = jax.random.normal(ks[0], (b, tq, h, d), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (b, tk, hkv, d), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (b, tk, hkv, d), jnp.float32).astype(dtype)
-    logits = jax.random.uniform(ks[3], (b, tk, h), minval=gate_lo, maxval=gate_hi)
-    lf = jax.nn.log_sigmoid(logits)  # float32
-    w = jax.random.normal(ks[4], (b, tq, h, d), jnp.float32)  # cotangent weights of the loss
-    return q, k, v, lf, w
-
+from _attention_checks import TOL as _TOL, assert_close as _assert_close, inputs as _inputs  # noqa: E402
+from _attention_checks import value_and_grads as _value_and_grads  # noqa: E402
 
 def _check_pallas_against_reference(q, k, v, lf, w, dtype, **kw):
     """Pallas output and q/k/v/log_fgate gradients vs the float32 oracle on the same (rounded) inputs,
@@ -64,24 +49,6 @@ def _check_pallas_against_reference(q, k, v, lf, w, dtype, **kw):
     for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
         _assert_close(name, g, gr, tol_g)
     return o, grads
-
-
-def _value_and_grads(fn, q, k, v, lf, w):
-    def loss(q, k, v, lf):
-        o = fn(q, k, v, lf)
-        return jnp.sum(o.astype(jnp.float32) * w), o
-
-    (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, lf)
-    return o, grads
-
-
-def _assert_close(name, got, want, tol):
-    got = np.asarray(jnp.asarray(got, jnp.float32))
-    want = np.asarray(jnp.asarray(want, jnp.float32))
-    assert np.all(np.isfinite(got)), f"{name}: non-finite values"
-    scale = max(float(np.max(np.abs(want))), 1e-3)
-    err = float(np.max(np.abs(got - want)))
-    assert err <= tol * scale + 1e-5, f"{name}: max err {err:.3e} > {tol:.1e} × {scale:.3e}"
 
 
 # b, tq, tk, h, hkv, d, dtype, seq_start, segments
