@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fox_jax.ops import forgetting_attention, forgetting_attention_reference
+
 TOL = {  # (output, gradients), relative to the reference's max magnitude
     jnp.float32: (2e-5, 2e-5),
     jnp.bfloat16: (2e-2, 3e-2),
@@ -46,3 +48,18 @@ def assert_close(name, got, want, tol):
     scale = max(float(np.max(np.abs(want))), 1e-3)
     err = float(np.max(np.abs(got - want)))
     assert err <= tol * scale + 1e-5, f"{name}: max err {err:.3e} > {tol:.1e} × {scale:.3e}"
+
+
+def check_against_reference(implementation, q, k, v, lf, w, dtype, **kw):
+    """``forgetting_attention(implementation=...)``'s output and q/k/v/log_fgate gradients vs the float32 oracle
+    on the same (rounded) inputs, within ``TOL[dtype]``; returns the implementation's (o, grads)."""
+    o, grads = value_and_grads(lambda *a: forgetting_attention(*a, implementation=implementation, **kw),
+                               q, k, v, lf, w)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = value_and_grads(
+        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw), f32(q), f32(k), f32(v), lf, w)
+    tol_o, tol_g = TOL[dtype]
+    assert_close("o", o, o_ref, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
+        assert_close(name, g, gr, tol_g)
+    return o, grads

@@ -35,18 +35,8 @@ from fox_jax.ops.reference import decay_cumsum
 from fox_jax.ops.tiles import tile_visits
 
 from _attention_checks import TOL as _TOL, assert_close as _assert_close, inputs as _inputs  # noqa: E402
+from _attention_checks import check_against_reference as _check_against_reference  # noqa: E402
 from _attention_checks import value_and_grads as _value_and_grads  # noqa: E402
-
-def _check_against_reference(impl, q, k, v, lf, w, dtype, **kw):
-    o, grads = _value_and_grads(lambda *a: forgetting_attention(*a, implementation=impl, **kw), q, k, v, lf, w)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o_ref, grads_ref = _value_and_grads(
-        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw), f32(q), f32(k), f32(v), lf, w)
-    tol_o, tol_g = _TOL[dtype]
-    _assert_close("o", o, o_ref, tol_o)
-    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
-        _assert_close(name, g, gr, tol_g)
-    return o, grads
 
 
 def _segments(b, tk, cuts):

@@ -34,21 +34,12 @@ from fox_jax.ops import pallas as fpallas
 from fox_jax.ops.reference import decay_cumsum
 from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig
 
-from _attention_checks import TOL as _TOL, assert_close as _assert_close, inputs as _inputs  # noqa: E402
-from _attention_checks import value_and_grads as _value_and_grads  # noqa: E402
+from _attention_checks import assert_close as _assert_close, inputs as _inputs  # noqa: E402
+from _attention_checks import check_against_reference, value_and_grads as _value_and_grads  # noqa: E402
 
 def _check_pallas_against_reference(q, k, v, lf, w, dtype, **kw):
-    """Pallas output and q/k/v/log_fgate gradients vs the float32 oracle on the same (rounded) inputs,
-    within ``_TOL[dtype]``; returns the Pallas (o, grads)."""
-    o, grads = _value_and_grads(lambda *a: forgetting_attention(*a, implementation="pallas", **kw), q, k, v, lf, w)
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    o_ref, grads_ref = _value_and_grads(
-        lambda q_, k_, v_, lf_: forgetting_attention_reference(q_, k_, v_, lf_, **kw), f32(q), f32(k), f32(v), lf, w)
-    tol_o, tol_g = _TOL[dtype]
-    _assert_close("o", o, o_ref, tol_o)
-    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
-        _assert_close(name, g, gr, tol_g)
-    return o, grads
+    """``check_against_reference`` for ``implementation="pallas"``."""
+    return check_against_reference("pallas", q, k, v, lf, w, dtype, **kw)
 
 
 # b, tq, tk, h, hkv, d, dtype, seq_start, segments
