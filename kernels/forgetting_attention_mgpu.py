@@ -1,8 +1,12 @@
-"""Hopper (sm_90) Mosaic GPU forward kernel for forgetting attention (``implementation="mosaic"``).
+"""Hopper (sm_90) Mosaic GPU kernels for forgetting attention (``implementation="mosaic"``).
 
     o_i = Σ_{visible j} softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j          (docs/design/fox_acp.md §1.1)
 
-A FlashAttention-3 style kernel written with ``jax.experimental.pallas.mosaic_gpu``: one CTA per
+Three kernels: the forward (``mosaic_flash_forward``), dQ (``mosaic_flash_backward_dq``) and dK/dV
+(``mosaic_flash_backward_dkv``); ``mosaic_forward`` / ``mosaic_backward`` pad the op's arrays and call them.
+The backward's section below says how it differs from the forward.
+
+The forward is a FlashAttention-3 style kernel written with ``jax.experimental.pallas.mosaic_gpu``: one CTA per
 (head, tile of 2·block_q query rows, batch row) with three warpgroups. Warpgroups 0 and 1 each own
 block_q query rows; they compute S = Q·Kᵀ and O += P·V with ``wgmma`` (float32 accumulators) and
 take turns on the tensor cores (a "schedule" barrier: one does its softmax while the other
@@ -23,7 +27,7 @@ causal tail), so that the producer never waits forever.
 
 Rows with no visible key output 0 with lse = −inf. Layout: q [B, Tq, H, D], k/v [B, Tk, Hkv, D] as
 the op takes them (GQA: key head = h // (H / Hkv)); Tq a multiple of 2·block_q, Tk of block_k,
-D a multiple of 64 (the wrapper pads). Like every Mosaic GPU kernel it needs an sm_90 GPU to run;
+D a multiple of 64 (the wrappers pad). Like every Mosaic GPU kernel they need an sm_90 GPU to run;
 off-GPU it can only be lowered (``jax.jit(...).trace(...).lower(lowering_platforms=("cuda",))``),
 which checks shapes, layouts and the wgmma constraints. It imports nothing from fox_jax.
 """
