@@ -1,5 +1,5 @@
-"""Tests of ``implementation="mosaic"``: the Hopper Mosaic GPU forward (kernels/forgetting_attention_mgpu.py)
-with the Triton backward kernels.
+"""Tests of ``implementation="mosaic"``: the Hopper Mosaic GPU kernels (kernels/forgetting_attention_mgpu.py):
+the forward, dQ and dK/dV kernels (or, with ``MosaicConfig(backward=False)``, the Triton backward kernels).
 
 The Mosaic kernel cannot run off an sm_90 GPU (Mosaic GPU has no interpret mode for warp-specialised
 kernels), so on CPU:

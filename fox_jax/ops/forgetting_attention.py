@@ -145,9 +145,10 @@ def forgetting_attention(
         nothing). See ``acp.resolve_threshold``.
       log_epsilon: log ε of the auto threshold (default −10).
       implementation: ``"xla"`` (blockwise pure JAX), ``"pallas"`` (pallas_call kernel; interpret mode
-        off-GPU), ``"mosaic"`` (Hopper kernel), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]),
+        off-GPU), ``"mosaic"`` (the Hopper Mosaic GPU kernels), ``"dense"`` (naive XLA, materialises [B, H, Tq, Tk]),
         ``"cudnn"`` (``jax.nn.dot_product_attention``; plain causal attention only, the Transformer
-        baseline) or ``"auto"`` (cuDNN when eligible on GPU, else Pallas on GPU, else XLA).
+        baseline) or ``"auto"`` (on GPU: cuDNN when eligible, else Mosaic on Hopper for bf16/fp16,
+        D ≤ 128 and Tq ≥ 128, else Pallas; elsewhere XLA; ``resolve_implementation``).
       block_q, block_k: tile sizes of the XLA blockwise implementation.
       kernel_config: tiles of the Pallas kernels (``kernels.KernelConfig``: forward, dQ and dK/dV tiles,
         warps, stages); default: tuned per head dim.

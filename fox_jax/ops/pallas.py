@@ -284,8 +284,9 @@ def attention(
       seq_start: [B] int (left padding) or None; segment_ids: [B, Tk] int or None.
       delta: [B, H] float32 ACP threshold (already resolved, ≤ 0) or None (no pruning).
       scale: logit scale.
-      implementation: ``"pallas"`` (Triton kernels), or ``"mosaic"``: the forward on the Hopper Mosaic GPU
-        kernel (kernels/forgetting_attention_mgpu.py; bf16/fp16, D ≤ 128, an sm_90 GPU), the same backward.
+      implementation: ``"pallas"`` (the Triton kernels) or ``"mosaic"`` (the Hopper Mosaic GPU kernels of
+        kernels/forgetting_attention_mgpu.py; bf16/fp16, D ≤ 128, an sm_90 GPU; with
+        ``MosaicConfig(backward=False)`` in ``config.mosaic`` the backward is the Triton one).
       config: tiling (``KernelConfig``); default per head dim and backend.
       interpret: run the kernels in interpret mode; default: when the backend is not GPU.
       segment_skipping: with segment_ids, skip the tiles outside each block's document-aware range
@@ -328,7 +329,7 @@ def attention(
 
 
 def mosaic_supported(q: jax.Array, k: jax.Array) -> str | None:
-    """None when the Mosaic forward takes these inputs, else why not (dtype, head dim, device)."""
+    """None when the Mosaic kernels take these inputs, else why not (dtype, head dim, device)."""
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype:
         return f"bfloat16 or float16 q, k, v (got {q.dtype}, {k.dtype})"
     if q.shape[-1] > 128:
@@ -358,13 +359,13 @@ def forward_tiling(implementation: str, head_dim: int, tq: int, tk: int) -> tupl
 
 
 def _with_mosaic(cfg: KernelConfig, q, k, interpret: bool) -> KernelConfig:
-    """``cfg`` with the Mosaic forward switched on (its tiling unless ``cfg.mosaic`` sets one)."""
+    """``cfg`` with the Mosaic kernels switched on (their default tiling unless ``cfg.mosaic`` sets one)."""
     why = mosaic_supported(q, k)
     if why is None and interpret:
         why = "interpret=False (it has no interpret mode)"
     if why is not None:
-        raise NotImplementedError(f"implementation='mosaic' (the Hopper Mosaic GPU forward) needs {why}; "
-                                  "use implementation='pallas'")
+        raise NotImplementedError(f"implementation='mosaic' (the Hopper Mosaic GPU kernels) needs {why}; "
+                                  "use implementation='auto' (or 'pallas')")
     if cfg.mosaic is not None:
         return cfg
     d_pad = -(-q.shape[-1] // 64) * 64
