@@ -9,7 +9,7 @@ kernels), so on CPU:
 * the algorithm (the same tiles, 2·block_q rows × block_k keys, the same skip rule: TileVisits row
   ranges; masks on the seq_start edge, the causal diagonal, every tile with segment ids or a window)
   is the blockwise XLA path at the Mosaic tiling, checked against the dense float32 oracle;
-* the op's refusals (CPU, float32, D > 128, a DCP mask).
+* the op's refusals (CPU, float32, D > 128) and what `"auto"` picks on a (faked) Hopper device.
 ``-m gpu`` runs the kernel on the H200 against the dense float32 oracle (outputs and all four
 gradients) over awkward shapes, and checks ACP(δ = −∞) is bitwise dense.
 
