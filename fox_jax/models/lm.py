@@ -25,7 +25,7 @@ from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
-from fox_jax.ops.cross_entropy import padded_vocab
+from fox_jax.ops.cross_entropy import padded_head
 
 
 class Block(nn.Module):
@@ -53,7 +53,8 @@ class LMHead(nn.Module):
     """The untied LM head: logits = x · W, W [d, vocab_size] float32 (param ``kernel``, as ``nn.Dense``).
 
     The matmul runs in ``dtype`` on W zero-padded to ``padded_vocab(vocab_size, pad_multiple)`` columns
-    (aligned GPU matmul shapes) and the logits are sliced back: the values equal ``nn.Dense``'s.
+    (aligned GPU matmul shapes; ``fox_jax.ops.cross_entropy.padded_head``) and the logits are sliced
+    back: the values equal ``nn.Dense``'s.
 
     Call args: x [B, T, d]. Returns: [B, T, vocab_size] in ``dtype``.
     """
@@ -66,12 +67,9 @@ class LMHead(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", normal_init(self.init_std), (x.shape[-1], self.vocab_size), jnp.float32)
-        w = kernel.astype(self.dtype)
-        vp = padded_vocab(self.vocab_size, self.pad_multiple)
-        if vp > self.vocab_size:
-            w = jnp.pad(w, ((0, 0), (0, vp - self.vocab_size)))
+        w = padded_head(kernel, self.dtype, self.pad_multiple)
         y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (0,)), ((), ())))
-        return y[..., :self.vocab_size] if vp > self.vocab_size else y
+        return y[..., :self.vocab_size] if w.shape[1] > self.vocab_size else y
 
 
 class LanguageModel(nn.Module):

@@ -19,7 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-__all__ = ["lm_head_cross_entropy", "padded_vocab"]
+__all__ = ["lm_head_cross_entropy", "padded_head", "padded_vocab"]
 
 
 def padded_vocab(vocab_size: int, multiple: int) -> int:
@@ -33,6 +33,15 @@ def padded_vocab(vocab_size: int, multiple: int) -> int:
     if multiple <= 1:
         return vocab_size
     return -(-vocab_size // multiple) * multiple
+
+
+def padded_head(kernel: jax.Array, dtype, pad_multiple: int) -> jax.Array:
+    """The LM-head weight [d, V] cast to ``dtype`` and zero-padded to ``padded_vocab(V, pad_multiple)``
+    columns: the matmul operand of ``models.lm.LMHead`` and of ``lm_head_cross_entropy``."""
+    vocab = kernel.shape[1]
+    vp = padded_vocab(vocab, pad_multiple)
+    w = kernel.astype(dtype)
+    return jnp.pad(w, ((0, 0), (0, vp - vocab))) if vp > vocab else w
 
 
 def _chunk_losses(hc, w, tc, vocab: int, with_grad: bool):
@@ -78,10 +87,7 @@ def _unchunk(x, t: int):
 def _forward(hidden, kernel, targets, chunk, pad_multiple, with_grad):
     b, t, d = hidden.shape
     vocab = kernel.shape[1]
-    vp = padded_vocab(vocab, pad_multiple)
-    w = kernel.astype(hidden.dtype)
-    if vp > vocab:
-        w = jnp.pad(w, ((0, 0), (0, vp - vocab)))
+    w = padded_head(kernel, hidden.dtype, pad_multiple)
     hs, ts, _ = _chunked(hidden, targets.astype(jnp.int32), chunk)
 
     def body(carry, xs):
