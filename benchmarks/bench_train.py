@@ -22,6 +22,9 @@ import time
 import jax
 import numpy as np
 
+import os
+import sys
+
 from fox_jax.models import preset
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
@@ -29,9 +32,13 @@ from fox_jax.train.metrics import device_peak_flops
 from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
 from fox_jax.sharding import kernel_sharding_enabled
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from profile_step import parse_variant  # noqa: E402  (the same KEY=VALUE parser as its --variants)
 
-def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto"):
-    overrides = dict(dtype=dtype, remat=remat, adaptive_threshold="auto" if acp else None)
+
+def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",
+              model_overrides=None):
+    overrides = dict(dtype=dtype, remat=remat, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
     if size == "tiny":
         overrides["vocab_size"] = 257
     model_cfg = preset(size, arch, **overrides)
@@ -94,6 +101,8 @@ def main(argv=None):
     p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"), default="auto",
                    help="XLA SPMD partitioner (fox_jax.sharding.select_partitioner)")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--overrides", default="", metavar="KEY=VALUE,...",
+                   help="ModelConfig overrides for every config, e.g. attention_impl=pallas,loss_impl=chunked")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
     args = p.parse_args(argv)
@@ -101,6 +110,7 @@ def main(argv=None):
         args.configs, args.batch_tokens, args.steps, args.warmup, args.dtype = (
             ["fox-pro:tiny:128", "transformer-pro:tiny:128"], 1024, 2, 1, "float32")
     acps = {"off": [False], "on": [True], "both": [False, True]}[args.acp]
+    model_overrides = parse_variant(f"overrides:{args.overrides}")[1]
     rows = []
     for entry in args.configs:
         arch, size, seq = entry.split(":")
@@ -109,7 +119,8 @@ def main(argv=None):
                 continue
             try:
                 row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
-                                args.remat, args.mesh, args.dtype, args.partitioner)
+                                args.remat, args.mesh, args.dtype, args.partitioner, model_overrides)
+                row["overrides"] = model_overrides
             except Exception as e:  # OOM or unsupported: record and go on
                 row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp, error=f"{type(e).__name__}: {str(e)[:200]}")
             rows.append(row)

@@ -10,11 +10,11 @@
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-STAGES=${STAGES:-"smoke tests sweep bench dcp profile"}
+STAGES=${STAGES:-"smoke tests sweep bench dcp profile"}  # and "train" (the training table; its own call)
 SHAPES=${SHAPES:-4x4096x32x64,8x2048x16x128,2x8192x16x128,1x16384x16x128,1x16384x24x64}
 SWEEP=${SWEEP:-64x128x3x64x64x2,64x128x3x64x64x3,64x128x3x128x64x2,64x128x3x0x64x2}
 IMPLS=${IMPLS:-cudnn,torch-cudnn,pallas,mosaic,mosaic-triton-bwd,fox-triton,fla,pallas-acp,mosaic-acp,fox-triton-acp}
-if [[ " $STAGES " == *" profile "* ]]; then  # the training stack imports grain: carry its wheels in .whl/
+if [[ " $STAGES " == *" profile "* || " $STAGES " == *" train "* ]]; then  # the training stack imports grain: carry its wheels in .whl/
   python3 -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl 2>&1 | tail -n 2
   export PYTHONPATH=$PWD:/tmp/wheels
 fi
@@ -37,6 +37,12 @@ for s in $STAGES; do
              mosaic:attention_impl=mosaic,vocab_pad_multiple=1,loss_impl=logits \
              mosaic-pad-chunked:attention_impl=mosaic,vocab_pad_multiple=128,loss_impl=chunked} \
              --out "$OUT/profile_step.json" 2>&1 | grep -v -i deprecat | tail -n 80 | tee "$OUT/profile_step.log" ;;
+    train) # the training table, one row per (config, ACP): Mosaic (auto on Hopper) and, with TRAIN_OVERRIDES,
+           # e.g. attention_impl=pallas for the Triton kernels; split TRAIN_CONFIGS over calls (~45-130 s per compile)
+           timeout ${TRAIN_S:-540} python3 benchmarks/bench_train.py --configs ${TRAIN_CONFIGS:-fox-pro:760M:16384 \
+             fox-pro:760M:2048 fox-llama:760M:16384 transformer-pro:760M:16384} --acp both --batch-tokens 16384 \
+             --steps 5 --warmup 1 --overrides "${TRAIN_OVERRIDES:-}" --out "$OUT/train_table.json" 2>&1 \
+             | grep -v -i deprecat | tail -n 30 | tee "$OUT/train_table.log" ;;
     bench) timeout ${BENCH_S:-330} python3 benchmarks/bench_attention.py --impls $IMPLS --shapes $SHAPES \
              --fox-triton .gpu/fox_triton --out "$OUT/attention_mosaic.json" 2>&1 | grep -v -i deprecat \
              | tail -n 40 | tee "$OUT/attention_mosaic.log" ;;
