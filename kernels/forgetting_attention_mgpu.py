@@ -141,7 +141,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
       o [B, Tq, H, D] in q.dtype and lse2 [B, H, Tq] float32 in base 2 (−inf for empty rows).
     """
     b, tq, h, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
+    hkv = k.shape[2]
     bq, bk, stages = config.block_q, config.block_k, config.stages
     group = h // hkv
     n_tiles = tq // config.tile_q
@@ -303,11 +303,10 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                 plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
 
     def entry(*refs):
-        swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
         smem = (
-            plgpu.SMEM((2, bq, d), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, bk, d), dtype, transforms=swizzled),
-            plgpu.SMEM((stages, bk, d), dtype, transforms=swizzled),
+            plgpu.SMEM((2, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bk), jnp.float32),
             plgpu.SMEM((stages, bk), jnp.int32) if segments else None,
             plgpu.SMEM((2, bq), jnp.float32),
@@ -333,9 +332,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         grid_names=("heads", "q_tiles", "batch"),
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
+        compiler_params=_params(),
     )(*args)
-    del tk
     return o, lse2
 
 
@@ -784,8 +782,8 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     tk, hkv = k.shape[1], k.shape[2]
     bq, bk, stages = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     d_pad = _round_up(d, 64)
-    tq_pad = _round_up(tq, math.lcm(2 * bq, bq))
-    tk_pad = _round_up(tk, math.lcm(bk, 2 * bk))
+    tq_pad = _round_up(tq, 2 * bq)  # the dQ tiles hold 2·bq rows, the dK/dV kernel streams bq-row blocks
+    tk_pad = _round_up(tk, 2 * bk)  # the dK/dV tiles hold 2·bk keys, the dQ kernel streams bk-key blocks
     pad = lambda x, t: _pad_axis(_pad_axis(x, 3, d_pad), 1, t)  # noqa: E731
     qp, dop = pad(q, tq_pad), pad(do.astype(q.dtype), tq_pad)
     kp, vp = pad(k, tk_pad), pad(v, tk_pad)
