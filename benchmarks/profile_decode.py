@@ -1,0 +1,152 @@
+"""Where a decode step spends its device time: a ``jax.profiler`` trace of ``fox_jax.decoding.generate``.
+
+For each cache policy, the same model and prompts are generated twice inside one trace: with
+``max_new_tokens=1`` (prefill and the first sample) and with ``--new-tokens N``. The difference of the two,
+divided by the N − 1 decode steps, is the decode step: its wall time, its kernels (count and time per
+category, the categories of ``profile_step.py``), and the top kernels and JAX ops by time. The bound is the
+bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` TB/s.
+
+    python benchmarks/profile_decode.py --model gpt2 --batch 32 --prompt 896 --new-tokens 128 \\
+        --policies dense,window:256 --out $OUT/profile_decode.json
+    python benchmarks/profile_decode.py --quick        # CPU smoke run (tiny model; "kernels" are XLA CPU thunks)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_decode import model_config  # noqa: E402  (also puts the repo root on sys.path)
+from profile_step import (CATEGORIES, device_events, find_trace, load_trace, parse_hlo,  # noqa: E402
+                          summarize)
+
+from fox_jax.cache.policies import parse_policy  # noqa: E402
+from fox_jax.decoding import cache_bytes, generate  # noqa: E402
+from fox_jax.decoding import generation as gen  # noqa: E402
+
+
+def _hlo_text(model, params, tokens, policy, new_tokens: int) -> str:
+    """The optimized HLO of the generate program (the same preamble as ``generate``)."""
+    padded, caches, chunk = gen._fresh_caches(model, tokens, policy, None, None, 512,
+                                              tokens.shape[1] + new_tokens - 1)
+    lowered = gen._generate.lower(model, params, padded, caches, jax.random.PRNGKey(0), chunk, new_tokens,
+                                  0.0, None, None, ())
+    return lowered.compile().as_text()
+
+
+def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: int, top: int,
+                   bandwidth_tb_s: float, weight_bytes: int) -> dict:
+    policy = parse_policy(spec)
+    run = lambda n: generate(model, params, tokens, max_new_tokens=n, policy=policy)
+    for n in (1, new_tokens):  # compile both programs
+        jax.block_until_ready(run(n).tokens)
+    walls = {1: [], new_tokens: []}
+    for _ in range(repeats):
+        for n in walls:
+            t0 = time.perf_counter()
+            jax.block_until_ready(run(n).tokens)
+            walls[n].append(time.perf_counter() - t0)
+    step_ms = (statistics.median(walls[new_tokens]) - statistics.median(walls[1])) / (new_tokens - 1) * 1e3
+    out = run(new_tokens)
+    kv = cache_bytes(out.caches)
+    infos = parse_hlo(_hlo_text(model, params, tokens, policy, new_tokens))
+    summaries = {}
+    for n in (1, new_tokens):
+        trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
+        try:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                jax.block_until_ready(run(n).tokens)
+            events, source = device_events(load_trace(find_trace(trace_dir)))
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        summaries[n] = (summarize(events, 1, infos, None, 10 ** 6), len(events), source)
+    (s1, n1, _), (sn, nn, source) = summaries[1], summaries[new_tokens]
+    steps = new_tokens - 1
+    per_cat = {c: (sn["per_step_ms"][c] - s1["per_step_ms"][c]) / steps for c in CATEGORIES}
+
+    def diff(rows_n, rows_1, key):
+        base = {r[key]: r for r in rows_1}
+        rows = []
+        for r in rows_n:
+            b = base.get(r[key], {"ms": 0.0, "calls": 0})
+            rows.append(dict(r, ms=(r["ms"] - b["ms"]) / steps, calls=(r["calls"] - b["calls"]) / steps))
+        return sorted([r for r in rows if r["calls"] > 0.5], key=lambda r: -r["ms"])[:top]
+
+    live = kv["live"]
+    bound_ms = (weight_bytes + live) / (bandwidth_tb_s * 1e12) * 1e3
+    return dict(policy=policy.spec, step_ms=step_ms, kernels_per_step=(nn - n1) / steps,
+                device_ms_per_step=sum(per_cat.values()), per_step_ms=per_cat,
+                kernels=diff(sn["kernels"], s1["kernels"], "kernel"), ops=diff(sn["ops"], s1["ops"], "jax_op"),
+                kv_bytes_allocated=kv["allocated"], kv_bytes_live=live, weight_bytes=weight_bytes,
+                bound_ms=bound_ms, trace_source=source, walls_s={str(k): v for k, v in walls.items()})
+
+
+def print_report(row: dict) -> None:
+    print(f"\n== {row['policy']}: {row['step_ms']:.3f} ms/step wall, {row['device_ms_per_step']:.3f} ms device, "
+          f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
+          f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "
+          f"allocated {row['kv_bytes_allocated'] / 2**20:.0f} MiB)")
+    print("  " + "  ".join(f"{c} {row['per_step_ms'][c]:.3f}" for c in CATEGORIES))
+    print(f"  {'ms/step':>8} {'calls':>6}  {'category':<11} kernel / JAX op")
+    for r in row["ops"]:
+        print(f"  {r['ms']:8.4f} {r['calls']:6.1f}  {r['category']:<11} {r['jax_op'][:110]}")
+    for r in row["kernels"][:10]:
+        print(f"  {r['ms']:8.4f} {r['calls']:6.1f}  {r['category']:<11} {r['kernel'][:60]} {r['hlo_op'][:40]}")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2", help="gpt2 or ARCH:SIZE (random init, as bench_decode.py)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    p.add_argument("--policies", default="dense,window:256")
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--prompt", type=int, default=896)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--param-dtype", default="float32", choices=("bfloat16", "float32"),
+                   help="dtype the parameters are stored in (float32: as init_params / checkpoints give them)")
+    p.add_argument("--bandwidth", type=float, default=4.8, help="TB/s of the bound (H200: 4.8)")
+    p.add_argument("--out", default="profile_decode.json")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny model and short prompts")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.set = args.set or ["n_layers=2", "d_model=64", "n_heads=2", "vocab_size=256"]
+        args.batch, args.prompt, args.new_tokens, args.repeats = 2, 16, 6, 1
+    cfg = model_config(args.model, args.set).replace(dtype=args.dtype)
+    params = cfg.init_params(jax.random.PRNGKey(0))
+    if args.param_dtype != "float32":  # every parameter stored in the compute dtype (gates and norms too)
+        params = jax.tree_util.tree_map(lambda x: x.astype(args.param_dtype), params)
+    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    model = cfg.build()
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.prompt), 0, cfg.vocab_size, jnp.int32)
+    rows = []
+    for spec in [s for s in args.policies.split(",") if s]:
+        row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
+                             args.bandwidth, weight_bytes)
+        row.update(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens)
+        print_report(row)
+        rows.append(row)
+        meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
+                    dtype=args.dtype, param_dtype=args.param_dtype, date=time.strftime("%Y-%m-%d %H:%M:%S"))
+        with open(args.out, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"\nwrote {args.out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
