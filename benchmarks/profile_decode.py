@@ -1,7 +1,7 @@
 """Where a decode step spends its device time: a ``jax.profiler`` trace of ``fox_jax.decoding.generate``.
 
-For each cache policy, the same model and prompts are generated twice inside one trace: with
-``max_new_tokens=1`` (prefill and the first sample) and with ``--new-tokens N``. The difference of the two,
+For each cache policy, the same model and prompts are generated twice, each in its own trace and with the same KV
+pool: with ``max_new_tokens=1`` (prefill and the first sample) and with ``--new-tokens N``. The difference of the two,
 divided by the N − 1 decode steps, is the decode step: its wall time, its kernels (count and time per
 category, the categories of ``profile_step.py``), and the top kernels and JAX ops by time. The bound is the
 bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` TB/s.
@@ -33,13 +33,13 @@ from profile_step import (CATEGORIES, device_events, find_trace, load_trace, par
                           summarize)
 
 from fox_jax.cache.policies import parse_policy  # noqa: E402
-from fox_jax.decoding import cache_bytes, generate  # noqa: E402
+from fox_jax.decoding import cache_bytes, generate, min_slots  # noqa: E402
 from fox_jax.decoding import generation as gen  # noqa: E402
 
 
-def _hlo_text(model, params, tokens, policy, new_tokens: int) -> str:
+def _hlo_text(model, params, tokens, policy, slots, new_tokens: int) -> str:
     """The optimized HLO of the generate program (the same preamble as ``generate``)."""
-    padded, caches, chunk = gen._fresh_caches(model, tokens, policy, None, None, 512,
+    padded, caches, chunk = gen._fresh_caches(model, tokens, policy, slots, None, 512,
                                               tokens.shape[1] + new_tokens - 1)
     lowered = gen._generate.lower(model, params, padded, caches, jax.random.PRNGKey(0), chunk, new_tokens,
                                   0.0, None, None, ())
@@ -49,7 +49,9 @@ def _hlo_text(model, params, tokens, policy, new_tokens: int) -> str:
 def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: int, top: int,
                    bandwidth_tb_s: float, weight_bytes: int) -> dict:
     policy = parse_policy(spec)
-    run = lambda n: generate(model, params, tokens, max_new_tokens=n, policy=policy)
+    # the same pool for both programs (the one N new tokens need), so their prefills are the same work
+    slots = min_slots(policy, tokens.shape[1] + new_tokens - 1)
+    run = lambda n: generate(model, params, tokens, max_new_tokens=n, policy=policy, slots=slots)
     for n in (1, new_tokens):  # compile both programs
         jax.block_until_ready(run(n).tokens)
     walls = {1: [], new_tokens: []}
@@ -61,7 +63,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
     step_ms = (statistics.median(walls[new_tokens]) - statistics.median(walls[1])) / (new_tokens - 1) * 1e3
     out = run(new_tokens)
     kv = cache_bytes(out.caches)
-    infos = parse_hlo(_hlo_text(model, params, tokens, policy, new_tokens))
+    infos = parse_hlo(_hlo_text(model, params, tokens, policy, slots, new_tokens))
     summaries = {}
     for n in (1, new_tokens):
         trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
