@@ -3,6 +3,7 @@ and Dynamic Context Pruning (DCP).
 
 Public surface:
   fox_jax.ops.forgetting_attention    the attention op (xla / pallas / cudnn / dense implementations)
+  fox_jax.ops.decode_attention        one query per row over a ring KV cache's live range (xla / pallas / cudnn)
   fox_jax.ops.acp                     ACP thresholds, block ranges, pruning statistics
   fox_jax.ops.alpha_sigmoid, fox_jax.ops.context_pruning   DCP building blocks
   fox_jax.config.ModelConfig, preset  model configuration and the paper's sizes (also GPT2Config)

@@ -1,12 +1,15 @@
-"""Pure ops: forgetting attention (public op, dense reference, ACP helpers)."""
+"""Pure ops: forgetting attention (public op, dense reference, ACP helpers) and decode attention over a ring cache."""
 
 from fox_jax.ops import acp, context_pruning, tiles
 from fox_jax.ops.alpha_sigmoid import alpha_sigmoid, alpha_sigmoid_step, cosine_alpha_schedule
+from fox_jax.ops.decode_attention import DECODE_IMPLEMENTATIONS, decode_attention
 from fox_jax.ops.forgetting_attention import (IMPLEMENTATIONS, forgetting_attention, resolve_implementation,
                                               sharded_attention)
-from fox_jax.ops.reference import attention_mask, decay_cumsum, forgetting_attention_reference
+from fox_jax.ops.reference import (attention_mask, decay_cumsum, decode_attention_reference,
+                                   forgetting_attention_reference)
 
 __all__ = [
+    "DECODE_IMPLEMENTATIONS",
     "IMPLEMENTATIONS",
     "acp",
     "alpha_sigmoid",
@@ -15,6 +18,8 @@ __all__ = [
     "cosine_alpha_schedule",
     "attention_mask",
     "decay_cumsum",
+    "decode_attention",
+    "decode_attention_reference",
     "forgetting_attention",
     "forgetting_attention_reference",
     "resolve_implementation",

@@ -102,3 +102,50 @@ def forgetting_attention_reference(
     s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
     p = jax.nn.softmax(s, axis=-1) * mask  # empty rows: uniform * 0 = 0, finite gradients
     return jnp.einsum("bhij,bjhd->bihd", p, vf, precision=jax.lax.Precision.HIGHEST)
+
+
+def decode_attention_reference(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    lo: jax.Array,
+    hi: jax.Array,
+    valid: jax.Array | None = None,
+    lam_q: tuple[jax.Array, jax.Array] | None = None,
+    lam_k: tuple[jax.Array, jax.Array] | None = None,
+    sm_scale: float | None = None,
+) -> jax.Array:
+    """Dense float32 oracle of ``fox_jax.ops.decode_attention`` (one query per row and head over a ring).
+
+    Independent of the op's paths: it gathers the live keys of each (row, kv head) in *logical* order
+    (key j of [lo, hi) from slot j mod C) and takes a plain softmax over them,
+
+        o = Σ_j softmax_j(scale·q·k_j + (Λq_hi − Λk_hi,j) + (Λq_lo − Λk_lo,j)) v_j      (FoX Eq. 4–6)
+
+    Args:
+      q: [B, Hkv, G, D]; k, v: [B, Hkv, C, D]; lo, hi: [B, Hkv] int with 0 ≤ lo, 0 ≤ hi − lo ≤ C;
+      valid: optional [B, nt, C] bool (nt ∈ {1, Hkv}); lam_q: optional (hi, lo) pair of [B, Hkv, G]
+      float32; lam_k: optional (hi, lo) pair of [B, Hkv, G, C] float32; sm_scale: default 1/√D.
+
+    Returns:
+      [B, Hkv, G, D] float32; 0 for a query with no visible key.
+    """
+    b, hkv, grp, d = q.shape
+    cap = k.shape[2]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    lo = jnp.asarray(lo, jnp.int32)
+    t = jnp.arange(cap, dtype=jnp.int32)
+    slot = (lo[..., None] + t) % cap                                     # [B, Hkv, C]: slot of the t-th live key
+    live = t < (jnp.asarray(hi, jnp.int32) - lo)[..., None]
+    if valid is not None:
+        live = live & jnp.take_along_axis(jnp.broadcast_to(valid, (b, hkv, cap)), slot, axis=2)
+    gather = lambda x: jnp.take_along_axis(x.astype(jnp.float32), slot[..., None], axis=2)  # noqa: E731
+    kk, vv = gather(k), gather(v)                                       # [B, Hkv, C, D] in logical order
+    s = jnp.einsum("bhgd,bhtd->bhgt", q.astype(jnp.float32), kk, precision=jax.lax.Precision.HIGHEST) * scale
+    if lam_k is not None:
+        lk_hi, lk_lo = (jnp.take_along_axis(x, slot[:, :, None, :], axis=3) for x in lam_k)
+        s = s + ((lam_q[0][..., None] - lk_hi) + (lam_q[1][..., None] - lk_lo))
+    mask = live[:, :, None, :]
+    p = jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min), axis=-1) * mask  # no key: 0
+    return jnp.einsum("bhgt,bhtd->bhgd", p, vv, precision=jax.lax.Precision.HIGHEST)

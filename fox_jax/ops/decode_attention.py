@@ -1,0 +1,282 @@
+"""Decode attention: one query per (row, head) against the live range of a ring KV cache.
+
+The op the caches call once per decode step and head group (read-after-write: the new token is in the
+ring already). Implementations: ``"xla"`` (masked einsums over the whole ring: the portable path and
+the CPU default), ``"pallas"`` (the flash-decoding kernel of kernels/decode_attention.py: reads only
+the live blocks), ``"cudnn"`` (cuDNN flash attention with the decay and the range as a bias; GPU,
+bf16/fp16) and ``"auto"``. The dense float32 oracle is ``fox_jax.ops.reference.decode_attention_reference``.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fox_jax.kernels import decode_attention as dk
+from fox_jax.ops._common import QKV_DTYPES, dot_precision
+
+DECODE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
+
+# What "auto" runs on a GPU when the Pallas kernel takes the call: set from one H200 run of
+# benchmarks/bench_decode_attention.py (its "winner" column). Until then the kernel, which reads only
+# the live blocks where the XLA path reads the whole ring every step.
+GPU_AUTO_IMPLEMENTATION = "pallas"
+
+try:  # cuDNN in the ring's own [B, N, S, D] layout (BNSH): no transposed copy of the cache per call
+    from jax._src.cudnn import fused_attention_stablehlo as _cudnn_fa  # private; the public API is BTNH only
+    _CUDNN_BNTH = "qkv_layout" in inspect.signature(_cudnn_fa.dot_product_attention).parameters
+except (ImportError, AttributeError, ValueError, TypeError):  # pragma: no cover - depends on the jax build
+    _cudnn_fa, _CUDNN_BNTH = None, False
+
+
+def _is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _check_pair(name: str, pair, shape: tuple) -> None:
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise ValueError(f"{name} must be a (hi, lo) pair of float32 arrays of shape {list(shape)}, "
+                         f"got {type(pair).__name__}")
+    for part, x in zip(("hi", "lo"), pair):
+        if tuple(x.shape) != shape or x.dtype != jnp.float32:
+            raise ValueError(f"{name} ({part}) must be float32 {list(shape)}, got {x.dtype}{list(x.shape)}")
+
+
+def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k) -> None:
+    """One-line ValueErrors naming the argument and the expected shape / dtype."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, Hkv, G, D] (one query per row and head), got shape {q.shape}")
+    if q.dtype not in QKV_DTYPES:
+        raise ValueError(f"q must be float32, bfloat16 or float16, got {q.dtype}")
+    b, hkv, grp, d = q.shape
+    for name, x in (("k", k), ("v", v)):
+        if x.ndim != 4 or x.shape[:2] != (b, hkv) or x.shape[3] != d:
+            raise ValueError(f"{name} must be [B, Hkv, C, D] = [{b}, {hkv}, C, {d}] to match q {list(q.shape)}, "
+                             f"got {list(x.shape)}")
+        if x.dtype != q.dtype:
+            raise ValueError(f"{name} must have q's dtype {q.dtype}, got {x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"v must have k's shape {list(k.shape)}, got {list(v.shape)}")
+    cap = k.shape[2]
+    if cap < 1:
+        raise ValueError(f"k must hold at least one slot (C ≥ 1), got {list(k.shape)}")
+    for name, x in (("lo", lo), ("hi", hi)):
+        if tuple(jnp.shape(x)) != (b, hkv) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"{name} must be an int array [B, Hkv] = [{b}, {hkv}], "
+                             f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
+    if valid is not None:
+        if valid.ndim != 3 or valid.shape[0] != b or valid.shape[1] not in (1, hkv) or valid.shape[2] != cap \
+                or valid.dtype != jnp.bool_:
+            raise ValueError(f"valid must be bool [B, nt, C] with nt ∈ {{1, Hkv}} = [{b}, 1 or {hkv}, {cap}], "
+                             f"got {valid.dtype}{list(valid.shape)}")
+    if (lam_q is None) != (lam_k is None):
+        raise ValueError("lam_q and lam_k go together (the decay is Λ_query − Λ_key): pass both or neither")
+    if lam_q is not None:
+        _check_pair("lam_q", lam_q, (b, hkv, grp))
+        _check_pair("lam_k", lam_k, (b, hkv, grp, cap))
+    if not (_is_tracer(lo) or _is_tracer(hi)):
+        lo_np, hi_np = np.asarray(lo).astype(np.int64), np.asarray(hi).astype(np.int64)
+        if (lo_np < 0).any():
+            raise ValueError(f"lo must be ≥ 0 (a logical key index), got min {lo_np.min()}")
+        n = hi_np - lo_np
+        if (n < 0).any() or (n > cap).any():
+            raise ValueError(f"hi − lo must lie in [0, C = {cap}] (the ring holds at most C keys), "
+                             f"got values in [{n.min()}, {n.max()}]")
+
+
+def visible_slots(lo: jax.Array, hi: jax.Array, capacity: int, valid: jax.Array | None = None) -> jax.Array:
+    """[B, Hkv, C] bool: physical slot c holds a key of the logical range [lo, hi) (and is ``valid``).
+
+    Slot c holds logical key j ≡ c (mod C) of the range iff (c − lo) mod C < hi − lo. Ranges are
+    clamped as the kernel clamps them (lo ≥ 0, 0 ≤ hi − lo ≤ C).
+    """
+    lo = jnp.maximum(jnp.asarray(lo, jnp.int32), 0)
+    n = jnp.clip(jnp.asarray(hi, jnp.int32) - lo, 0, capacity)
+    c = jnp.arange(capacity, dtype=jnp.int32)
+    vis = jnp.mod(c - lo[..., None], capacity) < n[..., None]
+    if valid is not None:
+        vis = vis & valid
+    return vis
+
+
+def _decay(lam_q, lam_k):
+    """[B, Hkv, G, C] float32 decay Λ_q − Λ_k from the pairs: (q_hi − k_hi) + (q_lo − k_lo)."""
+    return (lam_q[0][..., None] - lam_k[0]) + (lam_q[1][..., None] - lam_k[1])
+
+
+def _xla(q, k, v, lo, hi, valid, lam_q, lam_k, scale):
+    """Masked einsums over the whole ring, float32 scores and softmax (the portable path)."""
+    prec = dot_precision(q.dtype)
+    s = jnp.einsum("bhgd,bhcd->bhgc", q, k, preferred_element_type=jnp.float32, precision=prec) * scale
+    if lam_k is not None:
+        s = s + _decay(lam_q, lam_k)
+    vis = visible_slots(lo, hi, k.shape[2], valid)[:, :, None, :]
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    w = jnp.exp(s - jnp.where(m == -jnp.inf, 0.0, m))
+    l = jnp.sum(w, axis=-1, keepdims=True)
+    o = jnp.einsum("bhgc,bhcd->bhgd", (w / jnp.where(l > 0, l, 1.0)).astype(v.dtype), v,
+                   preferred_element_type=jnp.float32, precision=prec)
+    return o.astype(q.dtype)
+
+
+def cudnn_supported(q: jax.Array) -> str | None:
+    """None when ``implementation="cudnn"`` takes this call, else what it needs (GPU, bf16/fp16,
+    D ≤ 256 and a multiple of 8)."""
+    if jax.default_backend() != "gpu":
+        return f"a GPU (the backend is {jax.default_backend()!r})"
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        return f"bfloat16 or float16 q, k, v (got {q.dtype})"
+    if q.shape[-1] > 256 or q.shape[-1] % 8:
+        return f"head_dim ≤ 256 and a multiple of 8 (got {q.shape[-1]})"
+    return None
+
+
+def _cudnn(q, k, v, lo, hi, valid, lam_q, lam_k, scale, public_api: bool = False):
+    """cuDNN flash attention (one query row): the range, the slot mask and the decay as a [B, H, 1, C]
+    bias in q's dtype (masked slots at finfo.min / 2), ``kv_seqlen`` = the highest live physical slot
+    of the row (+1) so cuDNN can stop early when the ranges do not wrap. Rows with no visible key are
+    zeroed afterwards. The decay rounded to bf16 costs ≤ |Λ_q − Λ_k|·2⁻⁹ per logit (a relative
+    weight error ≤ 2⁻⁹/e ≈ 7e-4 at the worst-placed key)."""
+    b, hkv, grp, d = q.shape
+    cap = k.shape[2]
+    vis = visible_slots(lo, hi, cap, valid)  # [B, Hkv, C]
+    bias = jnp.zeros((b, hkv, grp, cap), jnp.float32) if lam_k is None else _decay(lam_q, lam_k)
+    bias = jnp.where(vis[:, :, None, :], bias, jnp.finfo(q.dtype).min / 2).astype(q.dtype)
+    bias = bias.reshape(b, hkv * grp, 1, cap)
+    lo32 = jnp.maximum(jnp.asarray(lo, jnp.int32), 0)
+    hi32 = jnp.clip(jnp.asarray(hi, jnp.int32), lo32, lo32 + cap)
+    wraps = (lo32 // cap) != ((hi32 - 1) // cap)
+    top = jnp.where(hi32 > lo32, jnp.where(wraps, cap, jnp.mod(hi32 - 1, cap) + 1), 0)
+    kv_len = jnp.maximum(jnp.max(top, axis=1), 1).astype(jnp.int32)  # [B]
+    if _CUDNN_BNTH and not public_api:
+        o = _cudnn_fa.dot_product_attention(
+            q.reshape(b, hkv * grp, 1, d), k, v, bias, None, jnp.ones((b,), jnp.int32), kv_len, scale=scale,
+            mask_type=_cudnn_fa.MaskType.PADDING, qkv_layout="BNTH")
+        o = o.reshape(b, hkv, grp, d)
+    else:  # the public API takes [B, T, N, D]: K and V are transposed (a copy of the ring per call)
+        o = jax.nn.dot_product_attention(
+            q.reshape(b, 1, hkv * grp, d), k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), bias=bias,
+            scale=scale, key_value_seq_lengths=kv_len, implementation="cudnn")
+        o = o.reshape(b, hkv, grp, d)
+    any_vis = jnp.any(vis, axis=-1)[:, :, None, None]
+    return jnp.where(any_vis, o, jnp.zeros((), o.dtype))
+
+
+def gpu_auto_implementation(q: jax.Array, k: jax.Array, *, has_lam: bool, has_valid: bool) -> str:
+    """What ``implementation="auto"`` runs on a GPU: ``GPU_AUTO_IMPLEMENTATION`` (set from the H200
+    benchmark) when it takes the call, ``"pallas"`` when the kernel does (C a multiple of 16, D ≤ 256),
+    else ``"xla"``."""
+    del has_lam, has_valid  # the measured choice may depend on them; today it does not
+    pallas_ok = k.shape[2] % dk.MIN_BLOCK == 0 and q.shape[-1] <= dk.MAX_HEAD_DIM
+    if GPU_AUTO_IMPLEMENTATION == "cudnn" and cudnn_supported(q) is None:
+        return "cudnn"
+    return "pallas" if pallas_ok else "xla"
+
+
+def resolve_decode_implementation(implementation: str, q: jax.Array, k: jax.Array, *, has_lam: bool = False,
+                                  has_valid: bool = False) -> str:
+    """``implementation`` with ``"auto"`` resolved: ``"xla"`` off GPU, ``gpu_auto_implementation`` on GPU.
+
+    Raises:
+      ValueError: an unknown implementation.
+      NotImplementedError: ``"cudnn"`` where it does not apply (``cudnn_supported``).
+    """
+    if implementation not in DECODE_IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {DECODE_IMPLEMENTATIONS}, got {implementation!r}")
+    if implementation == "auto":
+        if jax.default_backend() != "gpu":
+            return "xla"
+        return gpu_auto_implementation(q, k, has_lam=has_lam, has_valid=has_valid)
+    if implementation == "cudnn":
+        why = cudnn_supported(q)
+        if why is not None:
+            raise NotImplementedError(f"implementation='cudnn' needs {why}; use implementation='auto'")
+    return implementation
+
+
+def decode_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    lo: jax.Array,
+    hi: jax.Array,
+    valid: jax.Array | None = None,
+    lam_q: tuple[jax.Array, jax.Array] | None = None,
+    lam_k: tuple[jax.Array, jax.Array] | None = None,
+    sm_scale: float | None = None,
+    implementation: str = "auto",
+    block_k: int | None = None,
+    num_splits: int | None = None,
+) -> jax.Array:
+    """Attention of one query per (row, head) over the live range of a ring KV cache (FoX Eq. 4–6).
+
+        o = Σ_{j ∈ [lo, hi), valid} softmax_j(sm_scale · q·k_j + (Λq_hi − Λk_hi,j) + (Λq_lo − Λk_lo,j)) v_j
+
+    Ring convention: logical key index j (a column of the cache) lives in physical slot j mod C; the
+    caller's live range is [lo, hi) with 0 ≤ hi − lo ≤ C, so each live key appears once. Λ (the
+    cumulative log forget gate, FoX Eq. 4–6) is a float32 pair hi + lo (fox_jax/cache/decay.py) so that
+    the decay Λ_q − Λ_k keeps float32 relative precision at |Λ| ≫ 1; without Λ it is plain softmax
+    attention. A query with no visible key outputs 0 (never NaN).
+
+    Args:
+      q: [B, Hkv, G, D] float32 / bfloat16 / float16: one query per row; G = H // Hkv query heads per
+        key/value head (query head h·G + g).
+      k, v: [B, Hkv, C, D], q's dtype: ring buffers.
+      lo, hi: [B, Hkv] int: the logical range [lo, hi) to read; nothing outside it is read by
+        ``"pallas"``. Concrete values must satisfy 0 ≤ lo and 0 ≤ hi − lo ≤ C; traced values outside
+        are clamped to that (lo < 0 → 0, hi − lo into [0, C]).
+      valid: optional [B, nt, C] bool, nt ∈ {1, Hkv}: physical slots that hold a key (slot pools: DCP,
+        sinks); nt = 1 is shared by the heads.
+      lam_q: optional (hi, lo) pair, each [B, Hkv, G] float32: Λ of the query.
+      lam_k: optional (hi, lo) pair, each [B, Hkv, G, C] float32: Λ of the key in each physical slot
+        (per query head). Both or neither.
+      sm_scale: logit scale, default 1/√D.
+      implementation: ``"xla"`` (masked einsums over all C slots, float32 softmax), ``"pallas"``
+        (flash-decoding, split over the key range, reading only the live blocks; interpret mode off
+        GPU), ``"cudnn"`` (GPU, bf16/fp16: ``jax.nn``'s cuDNN flash attention with the decay and the
+        mask as a bias in q's dtype; reads the whole ring up to the highest live slot), ``"auto"``
+        (``"xla"`` off GPU; on GPU ``gpu_auto_implementation``).
+      block_k: ``"pallas"``: keys per block, a power of two ≥ 16 dividing C (default
+        ``fox_jax.kernels.decode_attention.default_decode_config``).
+      num_splits: ``"pallas"``: programs per (row, kv head) sharing its live blocks (default: enough
+        to fill the GPU).
+
+    Returns:
+      [B, Hkv, G, D] in q's dtype. Scores, softmax and accumulation are float32 in every
+      implementation; bf16/fp16 inputs round the softmax weights to the input dtype before P·V.
+
+    Raises:
+      ValueError: a bad shape / dtype (naming the argument), concrete lo / hi outside the ring, an
+        unknown implementation, a block_k that is not a power of two ≥ 16 dividing C, num_splits < 1.
+      NotImplementedError: ``"cudnn"`` off GPU or for float32 inputs.
+    """
+    _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k)
+    impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None,
+                                         has_valid=valid is not None)
+    scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
+    lo = jnp.asarray(lo, jnp.int32)
+    hi = jnp.asarray(hi, jnp.int32)
+    if impl == "xla":
+        return _xla(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
+    if impl == "cudnn":
+        return _cudnn(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
+    cap = k.shape[2]
+    if block_k is not None and (block_k < dk.MIN_BLOCK or block_k & (block_k - 1) or cap % block_k):
+        raise ValueError(f"block_k must be a power of two ≥ {dk.MIN_BLOCK} dividing C = {cap}, got {block_k}")
+    if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or num_splits < 1):
+        raise ValueError(f"num_splits must be an int ≥ 1, got {num_splits!r}")
+    if q.shape[-1] > dk.MAX_HEAD_DIM:
+        raise ValueError(f"implementation='pallas' needs head_dim ≤ {dk.MAX_HEAD_DIM}, got {q.shape[-1]}")
+    interpret = jax.default_backend() != "gpu"
+    config = dk.default_decode_config(q.shape[0] * q.shape[1], cap, interpret=interpret, block_k=block_k,
+                                      num_splits=None if num_splits is None else int(num_splits))
+    return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
+
+
+__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "cudnn_supported", "decode_attention",
+           "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]

@@ -1,0 +1,286 @@
+"""Tests of ``fox_jax.ops.decode_attention`` (one query per row and head over a ring KV cache).
+
+Every implementation is compared with the dense float32 oracle ``decode_attention_reference``, which
+gathers the live keys in logical order (an independent formulation of the ring convention). On CPU the
+Pallas kernel runs in interpret mode with 16-key blocks (``default_decode_config(interpret=True)``), so
+small rings (C = 48–96, not all powers of two) still give multi-block loops, wraps and splits. One call
+carries six awkward (row, head) ranges at once (``_ranges``): empty, a full ring that wraps, shorter than
+a block, a short range across the wrap, block-aligned, and from column 0 with an unaligned end.
+``-m gpu`` runs the Triton-lowered kernel and the cuDNN path on decode-sized shapes.
+
+Tolerances (max abs error relative to the oracle's max |o|, ``_tol``):
+* float32 inputs: the implementations compute in float32 like the oracle (IEEE matmuls: the kernel asks
+  Triton for ``precision=HIGHEST``); only the summation order differs → 2e-6 (measured ≤ 5e-7).
+  Tight on purpose: dropping the low part of the Λ pairs at |Λ| ≈ 600 moves outputs by ~1e-5
+  (``test_lambda_pairs_matter`` checks that this tolerance sees it).
+* bfloat16 inputs: the oracle runs in float32 on the same rounded inputs; the implementations round the
+  softmax weights to bf16 before P·V (2⁻⁸ relative per term) → 1e-2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from fox_jax.kernels import decode_attention as dk
+from fox_jax.ops import decode_attention, decode_attention_reference
+from fox_jax.ops.decode_attention import resolve_decode_implementation, visible_slots
+
+_B, _HKV = 2, 3
+
+
+def _ranges(cap: int) -> tuple[np.ndarray, np.ndarray]:
+    """[B=2, Hkv=3] logical ranges [lo, hi) for a ring of capacity C (a multiple of 16, ≥ 48)."""
+    lo = np.array([[37, 2 * cap + 5, cap + 3],
+                   [2 * cap - 5, 16, 0]], np.int32)
+    hi = np.array([[37, 3 * cap + 5, cap + 10],           # empty | full ring, wraps | 7 keys inside a block
+                   [2 * cap + 6, 16 + 32, cap - 7]], np.int32)  # 11 keys across the wrap | 2 aligned blocks | [0, C − 7)
+    return lo, hi
+
+
+def _inputs(cap, grp, d, dtype, lam: bool, valid_nt: int | None, seed=0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((_B, _HKV, grp, d)).astype(np.float32)
+    k = rng.standard_normal((_B, _HKV, cap, d)).astype(np.float32)
+    v = rng.standard_normal((_B, _HKV, cap, d)).astype(np.float32)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    lo, hi = _ranges(cap)
+    kw = dict(lo=jnp.asarray(lo), hi=jnp.asarray(hi))
+    if lam:
+        kw["lam_q"], kw["lam_k"] = _lambda_pairs(rng, grp, cap)
+    if valid_nt is not None:
+        valid = rng.random((_B, valid_nt, cap)) > 0.3
+        if valid_nt > 1:
+            valid[1, 2] = False  # a non-empty range with no valid slot: output 0
+        kw["valid"] = jnp.asarray(valid)
+    return q, k, v, kw
+
+
+def _lambda_pairs(rng, grp: int, cap: int):
+    """Λ pairs at |Λ| ≈ 600 (float32 spacing 6e-5 there): hi = float32 value, lo = a residual up to half
+    a spacing, so the decay (Λq_hi − Λk_hi) + (Λq_lo − Λk_lo) needs both parts. Decays of the keys
+    spread over [−4, 0] so many keys matter."""
+    half_ulp = float(np.spacing(np.float32(600.0))) / 2
+    q_true = -600.0 + rng.uniform(-0.5, 0.5, (_B, _HKV, grp))
+    k_true = q_true[..., None] + rng.uniform(0.0, 4.0, (_B, _HKV, grp, cap))
+    pair = lambda x: (x.astype(np.float32), (x - x.astype(np.float32).astype(np.float64)).astype(np.float32))  # noqa: E731
+    qh, ql = pair(q_true + rng.uniform(-half_ulp, half_ulp, q_true.shape))
+    kh, kl = pair(k_true + rng.uniform(-half_ulp, half_ulp, k_true.shape))
+    return (jnp.asarray(qh), jnp.asarray(ql)), (jnp.asarray(kh), jnp.asarray(kl))
+
+
+def _tol(dtype) -> float:
+    return 2e-6 if dtype == jnp.float32 else 1e-2
+
+
+def _err(o, ref) -> float:
+    o, ref = np.asarray(o, np.float32), np.asarray(ref, np.float32)
+    return float(np.max(np.abs(o - ref)) / max(1.0, np.max(np.abs(ref))))
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(implementation: str, block_k, num_splits):
+    return jax.jit(functools.partial(decode_attention, implementation=implementation, block_k=block_k,
+                                     num_splits=num_splits))
+
+
+# cap, G, D, dtype, Λ pairs, valid nt, splits (None: the interpret default, 1)
+_CASES = [
+    pytest.param(80, 1, 64, jnp.float32, True, None, None, id="G1-D64-f32-lam-C80"),
+    pytest.param(48, 2, 48, jnp.float32, False, 1, 3, id="G2-D48-f32-valid1-3splits"),
+    pytest.param(80, 4, 96, jnp.bfloat16, True, 3, 2, id="G4-D96-bf16-lam-validHkv-2splits"),
+    pytest.param(64, 6, 64, jnp.bfloat16, True, None, 4, id="G6-D64-bf16-lam-4splits"),
+    pytest.param(96, 4, 64, jnp.float32, True, 3, 5, id="G4-D64-f32-lam-validHkv-5splits"),
+]
+
+
+@pytest.mark.parametrize("cap,grp,d,dtype,lam,valid_nt,splits", _CASES)
+def test_matches_reference(cap, grp, d, dtype, lam, valid_nt, splits):
+    q, k, v, kw = _inputs(cap, grp, d, dtype, lam, valid_nt, seed=cap + grp + d)
+    ref = decode_attention_reference(q, k, v, **kw)
+    assert float(jnp.max(jnp.abs(ref[0, 0]))) == 0.0  # the empty range
+    if valid_nt == _HKV:
+        assert float(jnp.max(jnp.abs(ref[1, 2]))) == 0.0  # a range with no valid slot
+    for impl in ("xla", "pallas"):
+        o = _jitted(impl, None, splits)(q, k, v, **kw)
+        assert o.shape == q.shape and o.dtype == q.dtype, impl
+        err = _err(o, ref)
+        assert err <= _tol(dtype), f"{impl}: max error {err:.2e} > {_tol(dtype):.0e}"
+        np.testing.assert_array_equal(np.asarray(o[0, 0], np.float32), 0.0)  # exactly 0, never NaN
+
+
+def test_lambda_pairs_matter():
+    """The float32 tolerance sees the low parts of the Λ pairs: an op given Λ without them is off by
+    more than 5× the tolerance, so a path that dropped them would fail ``test_matches_reference``."""
+    q, k, v, kw = _inputs(80, 1, 64, jnp.float32, True, None)
+    ref = decode_attention_reference(q, k, v, **kw)
+    hi_only = dict(kw, lam_q=(kw["lam_q"][0], jnp.zeros_like(kw["lam_q"][1])),
+                   lam_k=(kw["lam_k"][0], jnp.zeros_like(kw["lam_k"][1])))
+    assert _err(_jitted("xla", None, None)(q, k, v, **hi_only), ref) > 5 * _tol(jnp.float32)
+
+
+def test_visible_slots_and_reference_agree_on_the_ring():
+    """``visible_slots`` (the XLA path's physical mask) and the oracle's logical gather count the same
+    keys for every range of ``_ranges`` (including hi − lo = C and the empty range)."""
+    lo, hi = _ranges(48)
+    vis = np.asarray(visible_slots(jnp.asarray(lo), jnp.asarray(hi), 48))
+    np.testing.assert_array_equal(vis.sum(-1), hi - lo)
+    c = np.arange(48)
+    for b in range(_B):
+        for h in range(_HKV):
+            np.testing.assert_array_equal(np.flatnonzero(vis[b, h]), np.sort(np.arange(lo[b, h], hi[b, h]) % 48))
+    assert not vis[0, 0].any() and vis[0, 1].all() and c[vis[1, 0]].tolist() == [*range(6), *range(43, 48)]
+
+
+def test_auto_and_errors():
+    q, k, v, kw = _inputs(48, 2, 32, jnp.float32, False, None)
+    if jax.default_backend() != "gpu":
+        assert resolve_decode_implementation("auto", q, k) == "xla"
+        with pytest.raises(NotImplementedError, match="implementation='cudnn' needs a GPU"):
+            decode_attention(q, k, v, implementation="cudnn", **kw)
+    bad = [
+        (dict(q=q[0]), "q must be"),
+        (dict(k=k[:, :2]), "k must be"),
+        (dict(v=v.astype(jnp.bfloat16)), "v must have q's dtype"),
+        (dict(lo=kw["lo"][:, :2]), "lo must be an int array"),
+        (dict(hi=kw["hi"].astype(jnp.float32)), "hi must be an int array"),
+        (dict(lo=kw["lo"] - 100), "lo must be ≥ 0"),
+        (dict(hi=kw["lo"] + 49), r"hi − lo must lie in \[0, C = 48\]"),
+        (dict(valid=jnp.ones((_B, 2, 48), bool)), "valid must be bool"),
+        (dict(valid=jnp.ones((_B, 1, 48), jnp.int32)), "valid must be bool"),
+        (dict(lam_q=(jnp.zeros((_B, _HKV, 2)),) * 2), "lam_q and lam_k go together"),
+        (dict(lam_q=(jnp.zeros((_B, _HKV, 2)),) * 2, lam_k=(jnp.zeros((_B, _HKV, 2, 47)),) * 2),
+         r"lam_k \(hi\) must be float32"),
+        (dict(implementation="triton"), "implementation must be one of"),
+        (dict(implementation="pallas", block_k=32), "block_k must be a power of two ≥ 16 dividing C = 48"),
+        (dict(implementation="pallas", num_splits=0), "num_splits must be an int ≥ 1"),
+    ]
+    for override, msg in bad:
+        args = dict(q=q, k=k, v=v, **kw)
+        args.update(override)
+        with pytest.raises(ValueError, match=msg):
+            decode_attention(args.pop("q"), args.pop("k"), args.pop("v"), **args)
+
+
+def test_head_dim_chunks_and_config():
+    assert dk.head_dim_chunks(96) == ((0, 64), (64, 32))
+    assert dk.head_dim_chunks(48) == ((0, 32), (32, 16))
+    assert dk.head_dim_chunks(128) == ((0, 128),)
+    assert dk.head_dim_chunks(112) == ((0, 64), (64, 32), (96, 16))
+    assert dk.largest_block_k(8320, 128) == 128 and dk.largest_block_k(8320, 256) == 128
+    assert dk.largest_block_k(80, 64) == 16 and dk.largest_block_k(40, 64) is None
+    with pytest.raises(ValueError, match="multiple of 16"):
+        dk.default_decode_config(8, 40)
+    gpu = dk.default_decode_config(8 * 12, 8320)  # FoX 125M, B8: splits fill the SMs
+    assert gpu.block_k == 64 and 8 * 12 * gpu.num_splits >= 4 * dk.H200_SMS
+    assert dk.default_decode_config(32 * 12, 1024).num_splits == 2
+    assert dk.default_decode_config(4, 48, interpret=True) == dk.DecodeConfig(16, 1)
+
+
+def test_kernel_lowers_to_triton_for_cuda():
+    """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
+    pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
+    row per block, one split), and without Λ with a shared slot mask, so a change that breaks the Triton
+    lowering fails here, not first on the GPU."""
+    sds = jax.ShapeDtypeStruct
+    b, hkv, cap = 2, 2, 1024
+
+    def lower(grp, d, config, lam, valid_nt):
+        f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
+        args = [sds((b, hkv, grp, d), jnp.bfloat16), sds((b, hkv, cap, d), jnp.bfloat16),
+                sds((b, hkv, cap, d), jnp.bfloat16), sds((b, hkv), jnp.int32), sds((b, hkv), jnp.int32),
+                None if valid_nt is None else sds((b, valid_nt, cap), jnp.bool_),
+                (sds((b, hkv, grp), jnp.float32),) * 2 if lam else None,
+                (sds((b, hkv, grp, cap), jnp.float32),) * 2 if lam else None]
+        return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert lower(6, 96, dk.DecodeConfig(64, 4), True, hkv).count("__gpu$xla.gpu.triton") == 1
+    assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
+    assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
+
+
+# --------------------------------------------------------------------------------------------------
+# GPU: the Triton-lowered kernel and cuDNN (run on the H200 with `pytest -m gpu`)
+# --------------------------------------------------------------------------------------------------
+
+# B, Hkv, G, D, C, Λ pairs, valid nt, block_k, num_splits
+_GPU_CASES = [
+    pytest.param(8, 12, 1, 64, 8320, True, None, None, None, id="fox125m-C8320-default"),
+    pytest.param(4, 8, 4, 128, 4096, True, None, 128, 3, id="gqa-D128-bk128-3splits"),
+    pytest.param(4, 4, 2, 96, 1024, True, 4, 64, 1, id="D96-validHkv-1split"),
+    pytest.param(32, 12, 1, 64, 1024, False, 1, None, None, id="gpt2-valid1"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hkv,grp,d,cap,lam,valid_nt,block_k,splits", _GPU_CASES)
+def test_gpu_matches_reference(b, hkv, grp, d, cap, lam, valid_nt, block_k, splits):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, kw = _gpu_inputs(b, hkv, grp, d, cap, lam, valid_nt)
+    ref = decode_attention_reference(q, k, v, **kw)
+    o = jax.jit(functools.partial(decode_attention, implementation="pallas", block_k=block_k,
+                                  num_splits=splits))(q, k, v, **kw)
+    assert _err(o, ref) <= 1e-2
+    o32 = jax.jit(functools.partial(decode_attention, implementation="pallas", block_k=block_k, num_splits=splits))(
+        *(x.astype(jnp.float32) for x in (q, k, v)), **kw)
+    assert _err(o32, ref) <= 1e-5  # float32, sums over up to 8k keys
+
+
+def _gpu_inputs(b, hkv, grp, d, cap, lam, valid_nt):
+    rng = np.random.default_rng(cap + d)
+    q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+               for s in ((b, hkv, grp, d), (b, hkv, cap, d), (b, hkv, cap, d)))
+    n = rng.integers(0, cap + 1, (b, hkv))
+    n[0, 0], n[-1, -1] = 0, cap
+    lo = rng.integers(0, 3 * cap, (b, hkv))
+    kw = dict(lo=jnp.asarray(lo, jnp.int32), hi=jnp.asarray(lo + n, jnp.int32))
+    if lam:
+        q_true = -600.0 + rng.uniform(-0.5, 0.5, (b, hkv, grp))
+        k_true = q_true[..., None] + rng.uniform(0.0, 8.0, (b, hkv, grp, cap))
+        split = lambda x: (jnp.asarray(x, jnp.float32), jnp.asarray(x - x.astype(np.float32), jnp.float32))  # noqa: E731
+        kw["lam_q"], kw["lam_k"] = split(q_true), split(k_true)
+    if valid_nt is not None:
+        kw["valid"] = jnp.asarray(rng.random((b, valid_nt, cap)) > 0.3)
+    return q, k, v, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hkv,grp,d,cap,lam,valid_nt,block_k,splits", _GPU_CASES)
+def test_gpu_cudnn_matches_reference(b, hkv, grp, d, cap, lam, valid_nt, block_k, splits):
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, kw = _gpu_inputs(b, hkv, grp, d, cap, lam, valid_nt)
+    ref = decode_attention_reference(q, k, v, **kw)
+    o = jax.jit(functools.partial(decode_attention, implementation="cudnn"))(q, k, v, **kw)
+    assert _err(o, ref) <= 1e-2  # the decay as a bf16 bias: ≤ 7e-4 relative weight error (_cudnn)
+
+
+def test_bench_quick(tmp_path, monkeypatch):
+    """benchmarks/bench_decode_attention.py --quick runs the kernel (interpret mode) on CPU, checks it
+    against the oracle and writes its JSON rows; the sweep's candidates fit the ring."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_decode_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_decode_attention", path)
+    bench = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, bench)  # its dataclasses look their module up
+    spec.loader.exec_module(bench)
+    out = tmp_path / "q.json"
+    assert bench.main(["--quick", "--impls", "pallas", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    (row,) = data["rows"]
+    assert row["impl"] == "pallas" and row["us"] > 0 and row["max_err"] <= 1e-2 and row["error"] is None
+    assert data["winners"] == {"quick-gqa": "pallas"}
+    fox = next(s for s in bench.SHAPES if s.name == "fox-125m-C8320")
+    cands = bench.sweep_candidates(fox, 1)
+    assert all(fox.cap % c.block_k == 0 for c in cands) and {c.block_k for c in cands} == {32, 64, 128}
+    acp = next(s for s in bench.SHAPES if s.name.startswith("acp"))
+    assert max(c.num_splits for c in bench.sweep_candidates(acp, 1) if c.block_k == 64) == 4  # 256 live keys
