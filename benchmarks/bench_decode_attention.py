@@ -211,22 +211,12 @@ def sweep_candidates(s: Shape, stage: int, best=None):
                  for ns in SWEEP_SPLITS if ns <= max(1, -(-live // bk))]
     else:
         cands = [dk.DecodeConfig(best.block_k, best.num_splits, w, st) for w, st in SWEEP_WARPS_STAGES]
-    return [c for c in cands if shared_estimate(s, c) <= SHARED_LIMIT]
-
-
-SHARED_LIMIT = 220 * 1024  # sm_90: 227 KB per block
+    return [c for c in cands if shared_estimate(s, c) <= dk.SHARED_LIMIT]
 
 
 def shared_estimate(s: Shape, c: dk.DecodeConfig) -> int:
-    """Shared memory of the pipelined loads: (stages − 1) buffers of a K and a V block (bf16), the Λ_k pair
-    block (16 rows when G > 1) and the slot mask; within ~10 % of Triton's for the --offline candidates."""
-    grp = s.h // s.hkv
-    per_stage = c.block_k * s.d * 2 * 2
-    if s.lam:
-        per_stage += c.block_k * 8 * (1 if grp == 1 else max(16, grp))
-    if s.valid:
-        per_stage += c.block_k
-    return (c.num_stages - 1) * per_stage
+    """The kernel's shared-memory estimate for this shape (bf16 K/V): ``dk.shared_bytes``."""
+    return dk.shared_bytes(c, s.d, 2, s.h // s.hkv, s.lam, s.valid)
 
 
 def run_rows(shapes, impls, configs_for, n_chain, workers, bandwidth, check=True, target_s=0.3):

@@ -68,12 +68,14 @@ class DecodeConfig:
             raise ValueError(f"num_splits must be ≥ 1, got {self.num_splits}")
 
 
-# GPU defaults, before any GPU measurement (benchmarks/bench_decode_attention.py --sweep sets them):
-# 64-key blocks with 3 loads in flight (16–32 KB of K/V per stage at D = 64–128) and enough splits
-# that B·Hkv·num_splits fills the SMs about four times over.
+# GPU defaults from one H200 sweep (benchmarks/bench_decode_attention.py --sweep, 2026-12-02, jax 0.11.2,
+# bf16, results in benchmarks/results/decode/): 64-key blocks with 3 loads in flight, and splits so that
+# B·Hkv·num_splits ≈ 3 programs per SM (FoX 125M B8 at C 8320: 4 splits 69 µs vs 6 splits 102 µs; GPT-2 B32:
+# 1 split 54 µs vs 2 splits 58 µs; 32k ring 214 µs = 3.7 TB/s of K/V).
 _GPU_BLOCK_K = 64
-_GPU_TARGET_PROGRAMS = 4 * H200_SMS
+_GPU_TARGET_PROGRAMS = 3 * H200_SMS
 _GPU_MIN_BLOCKS_PER_SPLIT = 4
+SHARED_LIMIT = 220 * 1024  # sm_90 allows 227 KB of shared memory per block
 # Interpret mode (CPU tests): 16-key blocks so short rings still give many blocks, wraps and splits.
 _INTERPRET_BLOCK_K = 16
 
@@ -88,13 +90,30 @@ def largest_block_k(capacity: int, preferred: int) -> int | None:
     return None
 
 
+def shared_bytes(config: DecodeConfig, head_dim: int, itemsize: int, group: int = 1, lam: bool = True,
+                 valid: bool = False) -> int:
+    """Estimated shared memory of the kernel: (num_stages − 1) pipelined buffers (at least one) of a K and a V
+    block, the Λ_k pair block (one row when G = 1, else ≥ 16 rows) and the slot mask; within ~10 % of what
+    Triton reports for sm_90 (bench_decode_attention.py --offline)."""
+    per_stage = config.block_k * head_dim * itemsize * 2
+    if lam:
+        per_stage += config.block_k * 8 * (1 if group == 1 else max(MIN_BLOCK, group))
+    if valid:
+        per_stage += config.block_k
+    return max(config.num_stages - 1, 1) * per_stage
+
+
 def default_decode_config(batch_heads: int, capacity: int, *, interpret: bool = False,
-                          block_k: int | None = None, num_splits: int | None = None) -> DecodeConfig:
+                          block_k: int | None = None, num_splits: int | None = None, head_dim: int = 64,
+                          itemsize: int = 2, group: int = 1, lam: bool = True,
+                          valid: bool = False) -> DecodeConfig:
     """The tiling for B·Hkv = ``batch_heads`` programs over a ring of ``capacity`` keys.
 
     block_k: the given one, else the largest power of two ≤ 64 (16 in interpret mode) dividing C.
-    num_splits: the given one, else enough to give ≈ 4 programs per SM of an H200 (132 SMs) with at
-    least 4 blocks of the capacity per split (1 in interpret mode). A heuristic until the GPU sweep.
+    num_splits: the given one, else ≈ 3 programs per SM of an H200 (132 SMs; measured best, see
+    ``_GPU_TARGET_PROGRAMS``) with at least 4 blocks of the capacity per split (1 in interpret mode).
+    num_stages: 3, fewer when the pipelined K/V blocks of this head_dim / dtype would not fit the shared
+    memory (``shared_bytes`` ≤ ``SHARED_LIMIT``; e.g. float32 at D = 128 with 128-key blocks).
 
     Raises:
       ValueError: C is not a multiple of 16 (no block size fits the ring).
@@ -108,9 +127,12 @@ def default_decode_config(batch_heads: int, capacity: int, *, interpret: bool = 
         if interpret:
             num_splits = 1
         else:
-            want = -(-_GPU_TARGET_PROGRAMS // max(batch_heads, 1))
+            want = _GPU_TARGET_PROGRAMS // max(batch_heads, 1)
             num_splits = max(1, min(want, capacity // (block_k * _GPU_MIN_BLOCKS_PER_SPLIT)))
-    return DecodeConfig(block_k=block_k, num_splits=num_splits)
+    config = DecodeConfig(block_k=block_k, num_splits=num_splits)
+    while config.num_stages > 1 and shared_bytes(config, head_dim, itemsize, group, lam, valid) > SHARED_LIMIT:
+        config = dataclasses.replace(config, num_stages=config.num_stages - 1)
+    return config
 
 
 def head_dim_chunks(d: int) -> tuple[tuple[int, int], ...]:
@@ -333,5 +355,5 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     return o.reshape(b, hkv, grp, d_run)[..., :d]
 
 
-__all__ = ["DecodeConfig", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",
+__all__ = ["DecodeConfig", "SHARED_LIMIT", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",
            "largest_block_k"]

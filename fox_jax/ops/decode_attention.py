@@ -20,9 +20,10 @@ from fox_jax.ops._common import QKV_DTYPES, dot_precision
 
 DECODE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 
-# What "auto" runs on a GPU when the Pallas kernel takes the call: set from one H200 run of
-# benchmarks/bench_decode_attention.py (its "winner" column). Until then the kernel, which reads only
-# the live blocks where the XLA path reads the whole ring every step.
+# What "auto" runs on a GPU: the winner of every shape of one H200 run of benchmarks/bench_decode_attention.py
+# (2026-12-02, results/decode/decode_attention_h200.json): the Pallas kernel at its default tiling beat XLA and
+# cuDNN on all six shapes with a full ring (by up to 1.3× at 32k) and by 3.7× when 256 of 8192 slots are live
+# (it reads only the live blocks; XLA and cuDNN read the whole ring).
 GPU_AUTO_IMPLEMENTATION = "pallas"
 
 try:  # cuDNN in the ring's own [B, N, S, D] layout (BNSH): no transposed copy of the cache per call
@@ -274,7 +275,9 @@ def decode_attention(
         raise ValueError(f"implementation='pallas' needs head_dim ≤ {dk.MAX_HEAD_DIM}, got {q.shape[-1]}")
     interpret = jax.default_backend() != "gpu"
     config = dk.default_decode_config(q.shape[0] * q.shape[1], cap, interpret=interpret, block_k=block_k,
-                                      num_splits=None if num_splits is None else int(num_splits))
+                                      num_splits=None if num_splits is None else int(num_splits),
+                                      head_dim=q.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize, group=q.shape[2],
+                                      lam=lam_k is not None, valid=valid is not None)
     return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
 
 
