@@ -3,7 +3,7 @@
 A moving result between identical runs means a race in a kernel. Also compares dense Pallas with
 ACP at threshold −inf (same tiles, different code path). Prints one line per check; exit 1 on mismatch.
 
-    python benchmarks/check_determinism.py --shape 1x16384x16x128 --repeats 3
+    python benchmarks/checks/check_determinism.py --shape 1x16384x16x128 --repeats 3
 """
 
 import argparse

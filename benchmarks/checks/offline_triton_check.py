@@ -6,8 +6,8 @@ it with Triton for sm_90 (num_warps / num_stages of the default tiles) and runs 
 ``ptxas -v``. Needs ``pip install triton==3.6.0`` (CPU wheels work; nothing runs on a device).
 Results of session 3 are in benchmarks/NOTES.md ("DCP kernels").
 
-    python benchmarks/offline_triton_check.py --d 128            # forward, dQ, dK/dV
-    python benchmarks/offline_triton_check.py --d 128 --dcp      # + the DCP mask and the dlogI kernel
+    python benchmarks/checks/offline_triton_check.py --d 128            # forward, dQ, dK/dV
+    python benchmarks/checks/offline_triton_check.py --d 128 --dcp      # + the DCP mask and the dlogI kernel
 """
 
 from __future__ import annotations
@@ -22,14 +22,12 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax._src.pallas.triton.lowering as triton_lowering
+import jax._src.pallas.triton.pallas_call_registration as triton_registration
 
-import jax._src.pallas.triton.lowering as triton_lowering  # noqa: E402
-import jax._src.pallas.triton.pallas_call_registration as triton_registration  # noqa: E402
-
-from fox_jax.ops import pallas as fpallas  # noqa: E402
-from fox_jax.ops.context_pruning import LOG_FLOOR  # noqa: E402
-from fox_jax.kernels.forgetting_attention import dmask_tile  # noqa: E402
+from fox_jax.ops import pallas as fpallas
+from fox_jax.ops.context_pruning import LOG_FLOOR
+from fox_jax.kernels.forgetting_attention import dmask_tile
 
 
 def capture_ttir(d: int, dcp: bool, b: int = 2, t: int = 2048, h: int = 8) -> list[str]:

@@ -9,8 +9,8 @@ Reads each run's ``metrics.jsonl`` (and, when present, the per-position loss JSO
 * ``<out>/per_position_vs_<REF>.png`` (``--reference REF``): the same minus run REF's curve;
 * a markdown table on stdout (last validation loss / perplexity, median tokens/s, ACP pruned).
 
-    python benchmarks/plot_experiment.py benchmarks/results/experiment_small/*/ --out benchmarks/results/experiment_small \
-        --reference transformer-pro
+    python benchmarks/plots/plot_experiment.py benchmarks/results/quality/h200_archs/*/ \
+        --out benchmarks/results/quality/h200_archs --reference transformer-pro
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import json
 import math
 import os
 import statistics
-import sys
 
 import matplotlib
 import numpy as np
@@ -29,7 +28,6 @@ import numpy as np
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # train/ when run as a script
 
 
 def read_run(path: str) -> dict:

@@ -1,6 +1,6 @@
 """Quality vs speed and memory of the cache policies: summary JSON, a plot and a markdown table.
 
-Input: the results folder of ``benchmarks/run_gpu_inference.sh`` (``models.txt``, ``jobs.jsonl``, ``quality/*.log``,
+Input: the results folder of ``benchmarks/quality.sh`` (``models.txt``, ``jobs.jsonl``, ``quality/*.log``,
 ``passkey/*/passkey.json``, ``bench/*.json``, ``runs/*/metrics.jsonl``, ``env.json``, ``stages.jsonl``) — it is
 collected into ``summary.json`` first — or a ``summary.json`` written earlier.
 
@@ -19,8 +19,8 @@ policy) without a bench row of its own borrows the row of the family's base mode
 (``speed_from`` names it).
 
 Usage:
-  python benchmarks/plot_inference.py RESULTS_DIR [--out-dir DIR]
-  python benchmarks/plot_inference.py summary.json --out-dir DIR
+  python benchmarks/plots/plot_inference.py RESULTS_DIR [--out-dir DIR]
+  python benchmarks/plots/plot_inference.py summary.json --out-dir DIR
 """
 
 from __future__ import annotations
