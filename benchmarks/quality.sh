@@ -1,37 +1,54 @@
 #!/usr/bin/env bash
-# Pruned inference, end to end, in ONE command on ONE H200 (hard limit 10 min; nothing survives the command):
-#   S1 pretrain    GPT-2 124M shape (fox-jax train --preset gpt2, seq 1024) on Gutenberg, STEPS steps
-#   S2 finetune    from its last checkpoint, in parallel on the GPU, FT_STEPS steps each at the same batch:
-#                  DCP at each γ of GAMMAS (finetune-dcp --from-run), a fixed local:WINDOW pattern and a dense
-#                  control (the pretraining run continued: its config forked with model.sparse_pattern /
-#                  without, lr FT_LR constant, no weight decay)
-#   S3 fox-train   FoX (Pro), reduced shape, at 2048 context   || in parallel: S3 gpt2-quality, JOBS at a time
-#                  (fox-jax eval --cache POLICY: ppl under the policy and dense on the same documents; fox-jax
-#                  passkey --cache POLICY; for every GPT-2 model) and a warm-up pass of the GPT-2 benchmarks
-#   S4 fox-quality eval --cache on the long novels at FOX_CONTEXTS (2k-16k) and passkey, policies FOX_POLICIES,
-#                  and a warm-up pass of the FoX benchmarks
-#   S5 bench-gpt2  benchmarks/bench_decode.py at equal batch and under a KV budget, alone on the GPU (the warm-up
-#                  pass left its programs in the persistent compilation cache)
-#   S6 bench-fox   the same for FoX at prompts FOX_BENCH_PROMPTS (KV budget at FOX_BENCH_BUDGET_PROMPTS)
-#   S7 collect     summary.json + summary.md + inference.png (plot_inference.py) and ONE tarball in $OUT
-# Every stage runs under `timeout` with its budget, capped by what is left before DEADLINE (565 s after the
-# start); a stage that fails or is cut is logged (timeline.log, stages.jsonl, jobs.jsonl) and the rest runs.
-# Default budgets (s): setup ~10, S1 140, S2 90, S3 110, S4 60, S5 60, S6 60, reserve 12 -> about 542 s.
+# The quality stage of benchmarks/run_gpu.sh (STAGES=quality): models trained and scored with the project's own
+# commands (fox-jax train / finetune-dcp / eval --cache / passkey / dcp-eval / zeroshot, bench_decode.py on the
+# trained models), in one device command. Three plans (QUALITY=...), each a list of steps (PLAN) run in order:
 #
-# Needs (carried: run with carry [".gpu/data", ".whl"]): the grain wheels in .whl/ and the data folder of
-# benchmarks/prepare_gpu_inference.sh in .gpu/data (train_tok/ pre-tokenized, or train.txt + val.txt; tok/;
-# long/). Usage on the device machine, repo root:   bash benchmarks/run_gpu_inference.sh
-# Everything is env-tunable (defaults below); SMOKE=1 shrinks everything for a CPU check of the plumbing:
-#   SMOKE=1 OUT=/tmp/inf DATA_DIR=/tmp/smoke_data bash benchmarks/run_gpu_inference.sh
-# H200 sizing (benchmarks/results/h200_check_issue11): GPT-2 124M pretraining 229k tokens/s at 8 x 1024, so
+# QUALITY=inference (default): pruned inference, the table of docs/inference.md
+#   fox_train    FoX (Pro), reduced shape, at 2048 context, FOX_STEPS steps
+#   fox_quality  eval --cache POLICY on the long novels at FOX_CONTEXTS (2k-16k; ppl under the policy and dense on
+#                the same documents) and passkey --cache POLICY, for the policies FOX_POLICIES; a warm-up pass of
+#                the FoX decode benchmarks (compiles into the persistent compilation cache)
+#   bench_fox    benchmarks/bench_decode.py at equal batch and under a KV budget, alone on the GPU
+#   pretrain     GPT-2 124M shape (fox-jax train --preset gpt2, seq 1024) on Gutenberg, STEPS steps
+#   finetune     from its last checkpoint, FT_STEPS steps each: DCP at each γ of GAMMAS (finetune-dcp --from-run),
+#                a fixed local:WINDOW pattern and a dense control (FT_FORKS: the pretraining run continued, its
+#                config forked with model.sparse_pattern / without, lr FT_LR constant, no weight decay)
+#   gpt2_quality eval --cache / passkey --cache for every GPT-2 model, JOBS at a time, and the benchmarks' warm-up
+#   bench_gpt2   bench_decode.py on the GPT-2 models (BENCH_MODELS)
+#   then summary.json + summary.md + inference.png (benchmarks/plots/plot_inference.py).
+# QUALITY=dcp: Dynamic Context Pruning, the table of docs/dcp.md (was run_gpu_dcp.sh)
+#   pretrain (8 x 512 GPT-2 shape, 1000 steps of 32 x 1024) -> finetune (DCP at γ 0.1 / 0.3 / 1.0, 200 steps of
+#   8 x 1024) -> dcp_eval (fox-jax dcp-eval: ppl vs sparsity against local / strided baselines at matched
+#   sparsity, drop plots, context switch) -> zeroshot (fox-jax zeroshot, dense and the middle γ; EVAL_DIR)
+# QUALITY=archs: models of several architectures on the same batches, the first experiment of docs/results.md
+#   (was run_gpu_experiment.sh / run_gpu_train.sh)
+#   archs        fox-jax train for each run of ARCH_RUNS (NAME = an --arch, NAME-acp = that arch with
+#                model.adaptive_threshold=auto; ARCH_SHAPE, ARCH_STEPS x ARCH_BATCH x ARCH_SEQ, data seed 0), each
+#                under ARCH_RUN_LIMIT s, then fox-jax eval (per-position loss); ARCH_GPUS > 1 spreads the runs over
+#                that many GPUs; then bench_attention.py --gates-from the fox-pro run and plot_experiment.py.
+#                The 125M FoX (LLaMA) run of docs/results.md: ARCH_RUNS=fox-llama ARCH_SHAPE= ARCH_STEPS=800.
+# Every step runs under `timeout` with its budget (T_*), capped by what is left before DEADLINE (s after the start;
+# the runner passes its stage budget); a step that fails or is cut is logged (timeline.log, stages.jsonl,
+# jobs.jsonl) and the rest runs. Inference budgets (s): setup ~10, fox_train 110, fox_quality 60, bench_fox 60,
+# pretrain 140, finetune 90, gpt2_quality 110, bench_gpt2 60, reserve 12.
+#
+# Needs the runner's setup (grain importable, PYTHONPATH) and the data folder of `STAGES=prepare` in .gpu/data
+# (train_tok/ pre-tokenized, or train.txt + val.txt; tok/; long/; eval/). Writes everything into $R.
+#   STAGES=quality bash benchmarks/run_gpu.sh                                  # device machine, repo root
+#   QUALITY=dcp STAGES=quality bash benchmarks/run_gpu.sh
+#   SMOKE=1 STAGES=quality OUT=/tmp/q DATA_DIR=/tmp/smoke_data bash benchmarks/run_gpu.sh   # CPU: the plumbing
+# H200 sizing (results/quality/h200_inference): GPT-2 124M pretraining 229k tokens/s at 8 x 1024, so
 # 1400 steps of 16 x 1024 = 22.9M tokens ~ 100 s + ~35 s start/compile/checkpoint; DCP fine-tuning ran at
 # 70k tokens/s (xla masks; DCP_IMPL=pallas is the default here, with an xla retry if it fails): 100 steps of
-# 16 x 1024 ~ 25 s each. γ: on the 8-layer model of benchmarks/results/dcp_h200, 200 steps of 8 x 1024 at
-# γ 0.1 / 0.3 / 1.0 gave 50 / 65 / 95% sparsity -> GAMMAS="0.3 0.6" for ~60-85%.
+# 16 x 1024 ~ 25 s each. γ: on the 8-layer model of results/quality/h200_dcp, 200 steps of 8 x 1024 at
+# γ 0.1 / 0.3 / 1.0 gave 50 / 65 / 95% sparsity -> GAMMAS="0.3 0.6" for ~60-85%. QUALITY=dcp on the H200:
+# pretraining 430-510k tokens/s (1000 steps of 32 x 1024 in < 170 s incl. compile), fine-tuning ~105k tokens/s
+# (< 70 s per γ), zero-shot < 40 s per model; dcp-eval needs more than 90 s. QUALITY=archs: d 512 x 8 layers,
+# 32 x 2048 tokens per step, ~390k tokens/s, 300 steps ~ 50 s plus ~60 s of compilation and evaluations.
 set -uo pipefail
 ROOT=$PWD
 T0=$(date +%s)
-OUT=${OUT:-/tmp/out}; R=$OUT/inference; mkdir -p "$R"/{logs,runs,quality,passkey,bench}
+R=${R:-${OUT:-/tmp/out}/quality}; mkdir -p "$R"/{logs,runs,quality,passkey,bench}
 export PYTHONUNBUFFERED=1
 SMOKE=${SMOKE:-0}
 
@@ -47,7 +64,20 @@ if [ "$SMOKE" = 1 ]; then  # tiny everything (CPU): the plumbing, not the number
   : "${FOX_KV_BUDGET:=0.004}" "${FOX_MAX_BATCH:=4}" "${DTYPE:=float32}" "${DCP_IMPL:=xla}" "${JOBS:=2}"
   : "${DEADLINE:=3000}" "${T_PRE:=300}" "${T_FT:=400}" "${T_FOX:=300}" "${T_GQ:=900}" "${T_FQ:=600}"
   : "${T_GB:=300}" "${T_FB:=300}" "${NUM_DOCS:=2}" "${FOX_NUM_DOCS:=2}" "${FOX_EVAL_TOKENS:=512}"
+  : "${ARCH_RUNS:=fox-pro fox-pro-acp}" "${ARCH_PRESET:=tiny}" "${ARCH_STEPS:=2}" "${ARCH_SEQ:=128}"
+  : "${ARCH_SHAPE:=model.n_layers=2 model.d_model=64 model.n_heads=2}" "${ARCH_BATCH:=2}" "${ARCH_EVAL_DOCS:=2}"
+  : "${T_ARCHS:=900}" "${GATES_ARGS:=--quick}"
+  : "${ZS_LIMIT:=4}" "${ZS_TASKS:=piqa}" "${T_DE:=600}" "${T_ZS:=600}" "${DE_BATCHES:=1}"
 fi
+QUALITY=${QUALITY:-inference}
+case $QUALITY in  # the plans' defaults (every one can still be set from outside)
+  inference) ;;
+  dcp) : "${PLAN:=pretrain finetune dcp_eval zeroshot}" "${FT_FORKS:=}" "${GAMMAS:=0.1 0.3 1.0}"
+       : "${GPT2_SHAPE:=model.n_layers=8 model.d_model=512 model.n_heads=8}" "${STEPS:=1000}" "${PRE_BATCH:=32}"
+       : "${PRE_LR:=1e-3}" "${PRE_WARMUP:=60}" "${FT_STEPS:=200}" "${FT_BATCH:=8}" "${T_PRE:=200}" "${T_FT:=240}" ;;
+  archs) : "${PLAN:=archs}" ;;
+  *) echo "QUALITY=$QUALITY: expected inference, dcp or archs" >&2; exit 2 ;;
+esac
 DATA_DIR=${DATA_DIR:-$ROOT/.gpu/data}
 if [ -f "$DATA_DIR/train_tok/meta.json" ]; then
   TRAIN_DATA=${TRAIN_DATA:-$DATA_DIR/train_tok}; VAL_ARGS=${VAL_ARGS:-}; TOK=${TOK:-$DATA_DIR/train_tok/tokenizer}
@@ -60,7 +90,7 @@ DTYPE=${DTYPE:-bfloat16}
 # GPT-2
 GPT2_SHAPE=${GPT2_SHAPE:-}; SEQ=${SEQ:-1024}; STEPS=${STEPS:-1400}; PRE_BATCH=${PRE_BATCH:-16}
 PRE_LR=${PRE_LR:-6e-4}; PRE_WARMUP=${PRE_WARMUP:-100}
-FT_STEPS=${FT_STEPS:-100}; FT_LR=${FT_LR:-3e-4}; FT_ILR=${FT_ILR:-3e-3}; GAMMAS=${GAMMAS:-"0.3 0.6"}
+FT_STEPS=${FT_STEPS:-100}; FT_BATCH=${FT_BATCH:-$PRE_BATCH}; FT_LR=${FT_LR:-3e-4}; FT_ILR=${FT_ILR:-3e-3}; GAMMAS=${GAMMAS:-"0.3 0.6"}
 DCP_IMPL=${DCP_IMPL:-pallas}; WINDOW=${WINDOW:-256}; SINKS=${SINKS:-4}
 WIN_POLICY=window:$WINDOW; SINK_POLICY=sinks:$SINKS+$((WINDOW - SINKS))
 EVAL_BATCHES=${EVAL_BATCHES:-8}; NUM_DOCS=${NUM_DOCS:-16}   # eval --cache: the first SEQ tokens of NUM_DOCS val documents
@@ -83,13 +113,21 @@ FOX_PASSKEY_LENGTHS=${FOX_PASSKEY_LENGTHS-2048,8192,16384}
 FOX_BENCH_PROMPTS=${FOX_BENCH_PROMPTS:-"2048 8192 16384"}; FOX_BENCH_BUDGET_PROMPTS=${FOX_BENCH_BUDGET_PROMPTS:-16384}
 FOX_BENCH_NEW=${FOX_BENCH_NEW:-64}; FOX_EQ_BATCH=${FOX_EQ_BATCH:-4}; FOX_KV_BUDGET=${FOX_KV_BUDGET:-2}
 FOX_MAX_BATCH=${FOX_MAX_BATCH:-64}; FOX_REPEATS=${FOX_REPEATS:-2}
+# QUALITY=dcp: dcp-eval and zeroshot (EVAL_DIR: the eval sets of STAGES=prepare)
+DE_BATCHES=${DE_BATCHES:-8}; EVAL_DIR=${EVAL_DIR:-$DATA_DIR/eval}; ZS_LIMIT=${ZS_LIMIT:-500}
+ZS_TASKS=${ZS_TASKS:-lambada,piqa,winogrande,hellaswag,arc_easy}
+# QUALITY=archs
+ARCH_RUNS=${ARCH_RUNS:-"fox-pro fox-pro-acp fox-llama transformer-pro"}; ARCH_PRESET=${ARCH_PRESET:-125M}
+ARCH_SHAPE=${ARCH_SHAPE-"model.d_model=512 model.n_layers=8 model.n_heads=8"}; ARCH_STEPS=${ARCH_STEPS:-300}
+ARCH_SEQ=${ARCH_SEQ:-2048}; ARCH_BATCH=${ARCH_BATCH:-32}; ARCH_EVAL_DOCS=${ARCH_EVAL_DOCS:-32}
+ARCH_RUN_LIMIT=${ARCH_RUN_LIMIT:-200}; ARCH_GPUS=${ARCH_GPUS:-1}; GATES_ARGS=${GATES_ARGS:-}
 # time (s)
 DEADLINE=${DEADLINE:-565}; RESERVE=${RESERVE:-12}; JOBS=${JOBS:-3}
 # the stages, in order (one GPU: one training at a time; FoX first, its acp eviction is the headline)
 PLAN=${PLAN:-"fox_train fox_quality bench_fox pretrain finetune gpt2_quality bench_gpt2"}
 FT_PARALLEL=${FT_PARALLEL:-0}; FT_FORKS=${FT_FORKS-"ftlocal ftdense"}
 T_PRE=${T_PRE:-140}; T_FT=${T_FT:-90}; T_FOX=${T_FOX:-110}; T_GQ=${T_GQ:-110}; T_FQ=${T_FQ:-60}
-T_GB=${T_GB:-60}; T_FB=${T_FB:-60}
+T_GB=${T_GB:-60}; T_FB=${T_FB:-60}; T_DE=${T_DE:-240}; T_ZS=${T_ZS:-110}; T_ARCHS=${T_ARCHS:-540}
 
 RUNS=${RUNS:-/tmp/inference_runs}; rm -rf "$RUNS"; mkdir -p "$RUNS"
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jax_cache}   # shared by the processes
@@ -133,13 +171,8 @@ save_run() {  # save_run NAME DIR FAMILY: config + metrics (small) into the resu
   echo "$1 $2 $3" >> "$R/models.txt"; true; }
 
 # ---------------------------------------------------------------------------------------------- S0 setup
-stamp "start: OUT=$OUT DATA_DIR=$DATA_DIR TRAIN_DATA=$TRAIN_DATA SMOKE=$SMOKE DEADLINE=${DEADLINE}s"
-if ! python3 -c "import grain" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl 2>&1 | tail -n 2
-  export PYTHONPATH=$ROOT:/tmp/wheels
-else
-  export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}
-fi
+stamp "start: QUALITY=$QUALITY PLAN=$PLAN R=$R DATA_DIR=$DATA_DIR TRAIN_DATA=$TRAIN_DATA SMOKE=$SMOKE DEADLINE=${DEADLINE}s"
+export PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH}   # grain: the runner's setup installs .whl/ when needed
 python3 - > "$R/env.json" <<'PY' 2> "$R/logs/env.err"
 import json, platform, jax, flax
 print(json.dumps({"device": jax.devices()[0].device_kind, "backend": jax.default_backend(), "jax": jax.__version__,
@@ -147,15 +180,17 @@ print(json.dumps({"device": jax.devices()[0].device_kind, "backend": jax.default
 PY
 stamp "env: $(cat "$R/env.json" | cut -c1-200)"
 cat > "$R/settings.env" <<EOF
-SMOKE=$SMOKE DTYPE=$DTYPE TRAIN_DATA=$TRAIN_DATA LONG=$LONG HAYSTACK=$HAYSTACK
+QUALITY=$QUALITY PLAN="$PLAN" SMOKE=$SMOKE DTYPE=$DTYPE TRAIN_DATA=$TRAIN_DATA LONG=$LONG HAYSTACK=$HAYSTACK
 GPT2_SHAPE="$GPT2_SHAPE" SEQ=$SEQ STEPS=$STEPS PRE_BATCH=$PRE_BATCH PRE_LR=$PRE_LR PRE_WARMUP=$PRE_WARMUP
-FT_STEPS=$FT_STEPS FT_LR=$FT_LR FT_ILR=$FT_ILR GAMMAS="$GAMMAS" DCP_IMPL=$DCP_IMPL WINDOW=$WINDOW SINKS=$SINKS
+FT_STEPS=$FT_STEPS FT_BATCH=$FT_BATCH FT_LR=$FT_LR FT_ILR=$FT_ILR GAMMAS="$GAMMAS" DCP_IMPL=$DCP_IMPL WINDOW=$WINDOW SINKS=$SINKS
 EVAL_BATCHES=$EVAL_BATCHES NUM_DOCS=$NUM_DOCS PASSKEY_LENGTHS=$PASSKEY_LENGTHS PASSKEY_DEPTHS=$PASSKEY_DEPTHS PASSKEY_N=$PASSKEY_N
 BENCH_PROMPT=$BENCH_PROMPT BENCH_NEW=$BENCH_NEW EQ_BATCH=$EQ_BATCH KV_BUDGET=$KV_BUDGET MAX_BATCH=$MAX_BATCH REPEATS=$REPEATS BENCH_MODELS="$BENCH_MODELS" POOL=$POOL BENCH_WARM=$BENCH_WARM FOX_NUM_DOCS=$FOX_NUM_DOCS
 FOX_ARCH=$FOX_ARCH FOX_PRESET=$FOX_PRESET FOX_SHAPE="$FOX_SHAPE" FOX_SEQ=$FOX_SEQ FOX_BATCH=$FOX_BATCH FOX_STEPS=$FOX_STEPS FOX_LR=$FOX_LR
 FOX_POLICIES="$FOX_POLICIES" FOX_CONTEXTS="$FOX_CONTEXTS" FOX_PASSKEY_LENGTHS=$FOX_PASSKEY_LENGTHS FOX_BENCH_PROMPTS="$FOX_BENCH_PROMPTS"
 FOX_BENCH_BUDGET_PROMPTS="$FOX_BENCH_BUDGET_PROMPTS" FOX_BENCH_NEW=$FOX_BENCH_NEW FOX_EQ_BATCH=$FOX_EQ_BATCH FOX_KV_BUDGET=$FOX_KV_BUDGET FOX_MAX_BATCH=$FOX_MAX_BATCH
-DEADLINE=$DEADLINE T_PRE=$T_PRE T_FT=$T_FT T_FOX=$T_FOX T_GQ=$T_GQ T_FQ=$T_FQ T_GB=$T_GB T_FB=$T_FB JOBS=$JOBS
+ARCH_RUNS="$ARCH_RUNS" ARCH_PRESET=$ARCH_PRESET ARCH_SHAPE="$ARCH_SHAPE" ARCH_STEPS=$ARCH_STEPS ARCH_SEQ=$ARCH_SEQ ARCH_BATCH=$ARCH_BATCH
+ZS_LIMIT=$ZS_LIMIT ZS_TASKS=$ZS_TASKS EVAL_DIR=$EVAL_DIR
+DEADLINE=$DEADLINE T_PRE=$T_PRE T_FT=$T_FT T_FOX=$T_FOX T_GQ=$T_GQ T_FQ=$T_FQ T_GB=$T_GB T_FB=$T_FB T_DE=$T_DE T_ZS=$T_ZS T_ARCHS=$T_ARCHS JOBS=$JOBS
 EOF
 # warm the token cache of the evaluation texts while the GPU pretrains (CPU only)
 ( JAX_PLATFORMS=cpu python3 - "$TRAIN_DATA" "$LONG" "$HAYSTACK" "$TOK" > "$R/logs/warm_cache.log" 2>&1 <<'PY'
@@ -205,7 +240,7 @@ ft_dcp() {  # ft_dcp GAMMA: DCP_IMPL first; if that fails before its first check
   local g=$1 dir=$RUNS/dcp_g$1 impl
   for impl in $DCP_IMPL xla; do
     job finetune "dcp_g$g" dcp "$SEQ" "$R/logs/finetune_dcp_g${g}_$impl.log" $CLI finetune-dcp --from-run "$PRE" \
-      --workdir "$dir" --batch-size "$PRE_BATCH" --steps "$FT_STEPS" --lr "$FT_LR" --interaction-lr "$FT_ILR" \
+      --workdir "$dir" --batch-size "$FT_BATCH" --steps "$FT_STEPS" --lr "$FT_LR" --interaction-lr "$FT_ILR" \
       --gamma "$g" --dtype "$DTYPE" --dcp-impl "$impl" --eval-every 0 --eval-batches "$EVAL_BATCHES" --log-every 10 \
       --ckpt-every $(( FT_STEPS / 2 > 0 ? FT_STEPS / 2 : 1 )) --no-progress && return 0
     [ -n "$(last_step "$dir")" ] || [ "$impl" = xla ] && return 1   # cut after a checkpoint: keep it
@@ -347,19 +382,70 @@ stage_bench_gpt2() { stage_begin bench-gpt2 "$T_GB"; gpt2_benches 0; stage_end 0
 stage_bench_fox() {
   stage_begin bench-fox "$T_FB"
   if [ -n "$FOX_STEP" ]; then fox_benches 0; stage_end 0; else stamp "bench-fox: skipped (no FoX checkpoint)"; stage_end 1; fi; }
-snapshot() {  # what has finished so far, in $OUT (a cut command still returns it)
-  cp "$R/timeline.log" "$OUT/" 2>/dev/null; tar -czf "$OUT/inference.tar.gz.tmp" -C "$OUT" inference 2>/dev/null \
-    && mv "$OUT/inference.tar.gz.tmp" "$OUT/inference.tar.gz"; }
-for st in $PLAN; do "stage_$st"; snapshot; done
+# ---------------------------------------------------------------------------------------------- QUALITY=dcp
+hf_export() {  # the pretrained GPT-2 as a Hugging Face directory ($PRE/hf; a run cut before its end has none yet)
+  [ -f "$PRE/hf/model.safetensors" ] && return 0
+  [ -n "$PRE_STEP" ] || return 1
+  stamp "pretraining was cut: exporting its step-$PRE_STEP checkpoint"   # a resume to its own step trains nothing
+  timeout -k 5 "$(stage_left)" $CLI train --workdir "$PRE" --resume --steps "$PRE_STEP" --no-progress \
+    >> "$R/logs/hf_export.log" 2>&1; }
+stage_dcp_eval() {
+  stage_begin dcp-eval "$T_DE"
+  local runs=(); for g in $GAMMAS; do [ -n "$(last_step "$RUNS/dcp_g$g")" ] && runs+=("$RUNS/dcp_g$g"); done
+  if hf_export && [ ${#runs[@]} -gt 0 ]; then
+    job dcp-eval gpt2 dcp "$SEQ" "$R/logs/dcp_eval.log" $CLI dcp-eval --dense "$PRE/hf" --runs "${runs[@]}" \
+      --data "$TRAIN_DATA" --seq-len "$SEQ" --num-batches "$DE_BATCHES" --batch-size 8 --dtype "$DTYPE" \
+      --out "$R/dcp_eval" --no-progress
+    stage_end $?
+  else
+    stamp "dcp-eval: skipped (no exported pretrained model or no DCP fine-tune)"; stage_end 1
+  fi; }
+stage_zeroshot() {
+  stage_begin zeroshot "$T_ZS"
+  local mid; mid=$(echo $GAMMAS | awk '{print $(NF > 1 ? 2 : 1)}'); mkdir -p "$R/zeroshot"
+  hf_export && job zeroshot pre dense - "$R/logs/zeroshot_dense.log" $CLI zeroshot --hf-gpt2 "$PRE/hf" \
+    --tasks "$ZS_TASKS" --eval-dir "$EVAL_DIR" --limit "$ZS_LIMIT" --batch-size 32 --output "$R/zeroshot/dense.json" \
+    --no-progress
+  [ -n "$(last_step "$RUNS/dcp_g$mid")" ] && job zeroshot "dcp_g$mid" dcp - "$R/logs/zeroshot_dcp_g$mid.log" \
+    $CLI zeroshot --workdir "$RUNS/dcp_g$mid" --dcp --tasks "$ZS_TASKS" --eval-dir "$EVAL_DIR" --limit "$ZS_LIMIT" \
+    --batch-size 32 --output "$R/zeroshot/dcp_g$mid.json" --no-progress
+  stage_end $?; }
 
-# ---------------------------------------------------------------------------------------------- S7 collect
+# ---------------------------------------------------------------------------------------------- QUALITY=archs
+arch_run() {  # arch_run NAME: train NAME (an --arch, or ARCH-acp), then its per-position evaluation
+  local name=$1 arch=${1%-acp} extra=()
+  [ "$arch" != "$name" ] && extra=(model.adaptive_threshold=auto)
+  job train "$name" - "$ARCH_SEQ" "$R/logs/train_$name.log" timeout -k 5 "$ARCH_RUN_LIMIT" $CLI train \
+    --preset "$ARCH_PRESET" --arch "$arch" --workdir "$RUNS/$name" --data "$TRAIN_DATA" $VAL_ARGS --tokenizer "$TOK" \
+    --steps "$ARCH_STEPS" --seq-len "$ARCH_SEQ" --batch-size "$ARCH_BATCH" --no-progress $ARCH_SHAPE eval_every=50 \
+    eval_batches=8 log_every=10 ckpt_every=50 optim.warmup_steps=30 "${extra[@]}"
+  job eval "$name" - "$ARCH_SEQ" "$R/logs/eval_$name.log" $CLI eval --workdir "$RUNS/$name" --num-docs "$ARCH_EVAL_DOCS"
+  save_run "$name" "$RUNS/$name" arch; cp "$RUNS/$name"/eval/*.json "$R/runs/$name/" 2>/dev/null; true; }
+stage_archs() {
+  stage_begin archs "$T_ARCHS"
+  local g i name
+  for g in $(seq 0 $(( ARCH_GPUS - 1 ))); do  # run i on GPU i mod ARCH_GPUS, the GPUs in parallel
+    ( [ "$ARCH_GPUS" -gt 1 ] && export CUDA_VISIBLE_DEVICES=$g
+      i=0; for name in $ARCH_RUNS; do [ $(( i % ARCH_GPUS )) = "$g" ] && arch_run "$name"; i=$(( i + 1 )); done ) &
+  done; wait
+  [ -n "$(last_step "$RUNS/fox-pro")" ] && job bench fox-pro acp - "$R/logs/attention_trained_gates.log" \
+    python3 benchmarks/bench_attention.py --impls pallas,pallas-acp --gates-from "$RUNS/fox-pro" $GATES_ARGS \
+    --out "$R/attention_trained_gates.json"
+  local ref=; [[ " $ARCH_RUNS " == *" transformer-pro "* ]] && ref="--reference transformer-pro"
+  timeout 60 python3 benchmarks/plots/plot_experiment.py "$R"/runs/*/ --out "$R" $ref > "$R/summary.md" \
+    2> "$R/logs/plot.log"
+  stage_end $?; }
+
+for st in $PLAN; do "stage_$st"; done
+
+# ---------------------------------------------------------------------------------------------- collect
 stamp "collect"
-for m in "${GPT2_MODELS[@]}" fox; do  # the eval JSONs the runs wrote
-  d=$(run_dir "$m"); [ -d "$d/eval" ] && mkdir -p "$R/runs/$m/eval" && cp "$d"/eval/*.json "$R/runs/$m/eval/" 2>/dev/null
-done
-timeout 20 python3 benchmarks/plot_inference.py "$R" --out-dir "$R" > "$R/logs/plot.log" 2>&1 \
-  || stamp "plot_inference.py failed: $(tail -n 1 "$R/logs/plot.log")"
+if [ "$QUALITY" = inference ]; then
+  for m in "${GPT2_MODELS[@]}" fox; do  # the eval JSONs the runs wrote
+    d=$(run_dir "$m"); [ -d "$d/eval" ] && mkdir -p "$R/runs/$m/eval" && cp "$d"/eval/*.json "$R/runs/$m/eval/" 2>/dev/null
+  done
+  timeout 20 python3 benchmarks/plots/plot_inference.py "$R" --out-dir "$R" > "$R/logs/plot.log" 2>&1 \
+    || stamp "plot_inference.py failed: $(tail -n 1 "$R/logs/plot.log")"
+fi
+wait "$WARM_PID" 2>/dev/null
 stamp "done; total $(elapsed)s"
-cp "$R/timeline.log" "$OUT/"; cp "$R"/summary.json "$R"/summary.md "$R"/inference*.png "$OUT/" 2>/dev/null
-tar -czf "$OUT/inference.tar.gz" -C "$OUT" inference && rm -rf "$R"
-ls -la "$OUT"

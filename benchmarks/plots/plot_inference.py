@@ -115,7 +115,7 @@ def train_summary(run_dir: str) -> dict:
 
 
 def collect(results: str) -> dict:
-    """summary dict of a run_gpu_inference.sh results folder."""
+    """summary dict of a quality.sh (QUALITY=inference) results folder."""
     families, models = {}, {}
     if os.path.exists(os.path.join(results, "models.txt")):
         for line in open(os.path.join(results, "models.txt")):
@@ -354,7 +354,7 @@ def plot(summary: dict, path: str) -> str | None:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("input", help="results folder of run_gpu_inference.sh, or a summary.json")
+    p.add_argument("input", help="results folder of quality.sh, or a summary.json")
     p.add_argument("--out-dir", help="where summary.json / summary.md / inference.png go (default: next to the input)")
     args = p.parse_args(argv)
     if os.path.isdir(args.input):
