@@ -66,7 +66,7 @@ if [ "$SMOKE" = 1 ]; then  # tiny everything (CPU): the plumbing, not the number
   : "${T_GB:=300}" "${T_FB:=300}" "${NUM_DOCS:=2}" "${FOX_NUM_DOCS:=2}" "${FOX_EVAL_TOKENS:=512}"
   : "${ARCH_RUNS:=fox-pro fox-pro-acp}" "${ARCH_PRESET:=tiny}" "${ARCH_STEPS:=2}" "${ARCH_SEQ:=128}"
   : "${ARCH_SHAPE:=model.n_layers=2 model.d_model=64 model.n_heads=2}" "${ARCH_BATCH:=2}" "${ARCH_EVAL_DOCS:=2}"
-  : "${T_ARCHS:=900}" "${GATES_ARGS:=--quick}"
+  : "${T_ARCHS:=1800}" "${ARCH_RUN_LIMIT:=900}" "${GATES_ARGS:=--quick}"
   : "${ZS_LIMIT:=4}" "${ZS_TASKS:=piqa}" "${T_DE:=600}" "${T_ZS:=600}" "${DE_BATCHES:=1}"
 fi
 QUALITY=${QUALITY:-inference}

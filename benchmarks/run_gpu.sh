@@ -164,7 +164,10 @@ PY' "$d" "$E2E_STEPS" "$OUT/e2e{tag}.json"; }
 stage_quality() {  # models trained and scored: QUALITY=inference (default) | dcp | archs (benchmarks/quality.sh)
   t env DEADLINE=$(( STAGE_END - $(elapsed) - 15 )) R="$W/quality" bash benchmarks/quality.sh
   local rc=$?
-  cp "$W/quality/summary.json" "$OUT/quality.json" 2>/dev/null; return $rc; }
+  local j  # the plan's main JSON: inference summary, or the dcp-eval tables
+  for j in "$W/quality/summary.json" "$W/quality/dcp_eval/dcp_eval.json"; do
+    [ -f "$j" ] && cp "$j" "$OUT/quality.json" && break
+  done; return $rc; }
 
 # ------------------------------------------------------------------------------------------------- setup
 : > "$OUT/timeline.log"
