@@ -40,7 +40,6 @@ import json
 import math
 import os
 import platform
-import sys
 import time
 import traceback
 
@@ -48,14 +47,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from fox_jax.ops import forgetting_attention  # noqa: E402
-from fox_jax.ops import acp as acp_lib  # noqa: E402
-from fox_jax.ops import pallas as fpallas  # noqa: E402
-from fox_jax.ops.reference import decay_cumsum  # noqa: E402
-from fox_jax.kernels import forgetting_attention as fk  # noqa: E402
-from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig  # noqa: E402
+from fox_jax.ops import forgetting_attention
+from fox_jax.ops import acp as acp_lib
+from fox_jax.ops import pallas as fpallas
+from fox_jax.ops.reference import decay_cumsum
+from fox_jax.kernels import forgetting_attention as fk
+from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig
 
 ANCHOR_SHAPES = [  # (B, T, H, D)
     (4, 4096, 32, 64),

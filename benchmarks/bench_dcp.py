@@ -8,7 +8,7 @@ forgetting attention (no mask) as the reference point: the table ends with DCP P
 ratios (the target: ≤ 1 at ≥ 50 % sparsity). Prints the table, writes JSON (device, versions, shapes,
 achieved sparsity, fraction of the causal tiles each Pallas kernel skips, the ratios).
 
-    python benchmarks/bench_dcp.py --out benchmarks/results/h200_dcp_attention.json
+    python benchmarks/bench_dcp.py --out $OUT/dcp.json
     python benchmarks/bench_dcp.py --quick --out /tmp/dcp.json      # CPU smoke run (interpret mode)
 
 ``--all-masked`` adds the Pallas path with every listed tile element-masked
@@ -28,13 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from bench_attention import fmt, fwd_flops, log, time_jax, versions  # noqa: E402
-from fox_jax.ops import forgetting_attention  # noqa: E402
-from fox_jax.ops import pallas as fpallas  # noqa: E402
-from fox_jax.ops.context_pruning import (  # noqa: E402
+from fox_jax.ops import forgetting_attention
+from fox_jax.ops import pallas as fpallas
+from fox_jax.ops.context_pruning import (
     LOG_FLOOR,
     cumulative_keep_log_mask,
     dcp_attention,
@@ -42,7 +38,9 @@ from fox_jax.ops.context_pruning import (  # noqa: E402
     keep_logits,
     sparsity,
 )
-from fox_jax.kernels.forgetting_attention import dmask_tile  # noqa: E402
+from fox_jax.kernels.forgetting_attention import dmask_tile
+
+from bench_attention import fmt, fwd_flops, log, time_jax, versions  # a sibling script (benchmarks/ on sys.path)
 
 SHAPES = [(8, 1024, 12, 64), (4, 2048, 16, 128), (1, 8192, 16, 128)]
 QUICK_SHAPES = [(1, 64, 2, 32)]

@@ -52,19 +52,16 @@ import math
 import os
 import platform
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import fox_jax.models  # noqa: E402,F401  (registers the model families with fox_jax.config)
-from fox_jax.cache.policies import parse_policy  # noqa: E402
-from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset  # noqa: E402
-from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots  # noqa: E402
+import fox_jax.models  # noqa: F401  (registers the model families with fox_jax.config)
+from fox_jax.cache.policies import parse_policy
+from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset
+from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots
 
 GiB = 2 ** 30
 SLOT_MULTIPLE = 64

@@ -58,7 +58,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fox_jax.kernels import decode_attention as dk  # noqa: E402
 from fox_jax.ops import decode_attention, decode_attention_reference  # noqa: E402

@@ -22,9 +22,6 @@ import time
 import jax
 import numpy as np
 
-import os
-import sys
-
 from fox_jax.models import preset
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
@@ -32,8 +29,7 @@ from fox_jax.train.metrics import device_peak_flops
 from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
 from fox_jax.sharding import kernel_sharding_enabled
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from profile_step import parse_variant  # noqa: E402  (the same KEY=VALUE parser as its --variants)
+from profile_step import parse_variant  # a sibling script: the same KEY=VALUE parser as its --variants
 
 
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",

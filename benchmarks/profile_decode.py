@@ -15,26 +15,22 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from fox_jax.cache.policies import parse_policy
+from fox_jax.decoding import cache_bytes, generate, min_slots
+from fox_jax.decoding import generation as gen
 
-from bench_decode import model_config  # noqa: E402  (also puts the repo root on sys.path)
-from profile_step import (CATEGORIES, device_events, find_trace, load_trace, parse_hlo,  # noqa: E402
-                          summarize)
-
-from fox_jax.cache.policies import parse_policy  # noqa: E402
-from fox_jax.decoding import cache_bytes, generate, min_slots  # noqa: E402
-from fox_jax.decoding import generation as gen  # noqa: E402
+# sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
+from bench_decode import model_config
+from profile_step import CATEGORIES, device_events, find_trace, load_trace, parse_hlo, summarize
 
 
 def _hlo_text(model, params, tokens, policy, slots, new_tokens: int) -> str:

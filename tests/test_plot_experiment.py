@@ -1,14 +1,14 @@
-"""benchmarks/plot_experiment.py on the committed H200 experiment runs (benchmarks/results/experiment_small)."""
+"""benchmarks/plots/plot_experiment.py on the committed H200 experiment runs (benchmarks/results/quality/h200_archs)."""
 
 import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-RUNS = ROOT / "benchmarks" / "results" / "experiment_small"
+RUNS = ROOT / "benchmarks" / "results" / "quality" / "h200_archs"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("plot_experiment", ROOT / "benchmarks" / "plot_experiment.py")
+    spec = importlib.util.spec_from_file_location("plot_experiment", ROOT / "benchmarks/plots/plot_experiment.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,4 +1,4 @@
-"""benchmarks/plot_inference.py on a small synthetic results folder of run_gpu_inference.sh."""
+"""benchmarks/plots/plot_inference.py on a small synthetic results folder of quality.sh."""
 
 import importlib.util
 import json
@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("plot_inference", ROOT / "benchmarks" / "plot_inference.py")
+    spec = importlib.util.spec_from_file_location("plot_inference", ROOT / "benchmarks" / "plots" / "plot_inference.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -44,7 +44,7 @@ def resolve_implementation(implementation: str, cudnn_ok: bool = False, mosaic_o
         an sm_90 GPU, bf16/fp16, D ≤ 128, Tq ≥ 128).
     Returns:
       ``"auto"`` resolved: on GPU ``"cudnn"`` when eligible, else ``"mosaic"`` when ``mosaic_ok`` (faster
-      than the Triton kernels at every measured shape: benchmarks/README.md), else ``"pallas"``; elsewhere
+      than the Triton kernels at every measured shape: benchmarks/NOTES.md), else ``"pallas"``; elsewhere
       ``"xla"``; any other name unchanged.
     Raises:
       ValueError: an unknown implementation.

@@ -74,7 +74,7 @@ def resolve_dcp_config(head_dim: int, tq: int, tk: int, config: KernelConfig | N
     """``resolve_config`` for the kernels with a DCP mask: by default the dense tiling, but at most two
     pipeline stages in the D > 64 backward kernels. The mask tiles of their tile-list loops are
     software-pipelined too, and with the dense default's 3–4 stages the D = 128 dK/dV kernel asks for
-    290 KB of shared memory (sm_90 has 227 KB; benchmarks/offline_triton_check.py --dcp)."""
+    290 KB of shared memory (sm_90 has 227 KB; benchmarks/checks/offline_triton_check.py --dcp)."""
     if interpret is None:
         interpret = _interpret_default()
     d_pad = fa_kernels.padded_head_dim(head_dim)

@@ -1,0 +1,207 @@
+#!/usr/bin/env bash
+# The one GPU runner: every benchmark, check and quality pipeline of benchmarks/ as a named stage.
+#
+#   STAGES="tests attention" bash benchmarks/run_gpu.sh         # device machine, repo root (carry [".whl", ".gpu"])
+#   STAGES=prepare bash benchmarks/run_gpu.sh                    # CPU machine, once: builds .gpu/ (below)
+#
+# A call runs the stages of STAGES in order. Each one runs under `timeout` with its budget (T_<STAGE> s, e.g.
+# T_ATTENTION=200, T_PROFILE_DECODE=120; defaults in BUDGET below), capped by what is left before DEADLINE (s after
+# the start, default 570: one device command may run 600 s). A stage that fails or is cut is logged and the next
+# one runs. Stage commands are in the stage_* functions below, one per stage, written out in full.
+#
+# Shared setup, once per call: grain's wheels from .whl/ (the training stack imports grain) when grain is missing;
+# PYTHONPATH=. (no install needed); one persistent compilation cache for every process of the call
+# (JAX_COMPILATION_CACHE_DIR, default /tmp/fox_jax_cache: a later stage or a warm-up pass reuses the programs).
+# .gpu/ (ignored by git; carried to the device) is written by STAGES=prepare on the CPU machine:
+#   .gpu/data/        train_tok/ (the first TRAIN_MB MB of the Gutenberg shards pre-tokenized with GPT-2 BPE,
+#                     python -m fox_jax.train.data), val.txt (VAL_MB MB of corpus_val: passkey haystack), tok/
+#                     (GPT-2 vocab + merges), long/ (four novels: FoX at 2k-16k), eval/ (zero-shot sets)
+#   .gpu/fox_triton/  the official FoX Triton kernel (benchmark-only copy; bench_attention.py --fox-triton)
+#   .gpu/prev/        with PREV_REV=<commit>: that commit's fox_jax kernels train benchmarks (for PREV=.gpu/prev)
+# About 40 MB for TRAIN_MB=48; the carry limit is 64 MiB with the wheels.
+#
+# Outputs, in $OUT (default /tmp/out; the device tool returns at most 8 files, 2 folders deep):
+#   <stage>.json        the stage's main JSON (with PREV: also <stage>_prev.json)
+#   timeline.log        start, environment, one line per stage (budget, seconds, rc)
+#   run.tar.gz          everything: <stage>.log (the stage's stdout + stderr) and <stage>/ (its other files)
+# rewritten after every stage, so a cut call still returns what finished. JSON files beyond 6 stay in the tarball.
+#
+# PREV=DIR (an earlier tree, e.g. .gpu/prev): the stages attention, dcp, train, decode and e2e also run there, in
+# the same call on the same machine, writing <stage>_prev.json next to <stage>.json: a change keeps the speed.
+set -uo pipefail
+ROOT=$PWD
+T0=$(date +%s)
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; OUT=$(cd "$OUT" && pwd); W=$OUT/work; mkdir -p "$W"
+GPU=${GPU_DIR:-$ROOT/.gpu}
+STAGES=${STAGES:-"tests attention"}
+DEADLINE=${DEADLINE:-570}
+PREV=${PREV:-}
+declare -A BUDGET=(
+  [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [train]=540 [scaling]=330 [profile]=400
+  [decode]=300 [decode-attention]=240 [profile-decode]=240 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
+
+# ------------------------------------------------------------------------------------------------- settings
+# attention / sweep (bench_attention.py): the anchor shapes + the 760M layer; every implementation side by side
+SHAPES=${SHAPES:-4x4096x32x64,8x2048x16x128,2x8192x16x128,1x16384x16x128,1x16384x24x64}
+IMPLS=${IMPLS:-cudnn,torch-cudnn,pallas,mosaic,mosaic-triton-bwd,fox-triton,fla,pallas-acp,mosaic-acp,fox-triton-acp}
+SWEEP=${SWEEP:-64x128x3x64x64x2,64x128x3x64x64x3,64x128x3x128x64x2,64x128x3x0x64x2}
+SWEEP_SHAPES=${SWEEP_SHAPES:-1x16384x24x64,1x16384x16x128}
+# dcp (bench_dcp.py)
+DCP_SHAPES=${DCP_SHAPES:-8x1024x12x64,4x2048x16x128,1x8192x16x128}; DCP_ARGS=${DCP_ARGS:---no-xla --all-masked}
+# train / scaling (bench_train.py); ~45-130 s per compile: split TRAIN_CONFIGS over calls
+TRAIN_CONFIGS=${TRAIN_CONFIGS:-"fox-pro:760M:16384 fox-pro:760M:2048 fox-llama:760M:16384 transformer-pro:760M:16384"}
+TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}   # ModelConfig KEY=VALUE,..., e.g. attention_impl=pallas (the Triton kernels)
+SCALING_CONFIG=${SCALING_CONFIG:-fox-pro:760M:16384}; MESHES=${MESHES:-"data=2 fsdp=2"}   # 2 GPUs: weak scaling
+# profile (profile_step.py): each variant = ModelConfig overrides
+PROFILE_CONFIGS=${PROFILE_CONFIGS:-fox-pro:760M:16384}
+PROFILE_VARIANTS=${PROFILE_VARIANTS:-"triton:attention_impl=pallas,vocab_pad_multiple=1,loss_impl=logits \
+mosaic:attention_impl=mosaic,vocab_pad_multiple=1,loss_impl=logits \
+mosaic-pad-chunked:attention_impl=mosaic,vocab_pad_multiple=128,loss_impl=chunked"}
+# decode / profile-decode (bench_decode.py, profile_decode.py): random-init models, speed and KV memory only
+DECODE_POLICIES=${DECODE_POLICIES:-dense,dcp,window:256,sinks:4+252}
+FOX_DECODE_POLICIES=${FOX_DECODE_POLICIES:-dense,acp,window:256,sinks:4+252}
+# tests: the GPU tests (pytest -m gpu)
+TEST_FILES=${TEST_FILES:-"tests/test_pallas.py tests/test_mosaic.py tests/test_dcp_pallas.py"}
+# e2e: the training commands end to end (tokens/s from their metrics.jsonl)
+E2E_STEPS=${E2E_STEPS:-30}
+
+# ------------------------------------------------------------------------------------------------- helpers
+elapsed() { echo $(( $(date +%s) - T0 )); }
+stamp() { printf '[%4ss %s] %s\n' "$(elapsed)" "$(date +%H:%M:%S)" "$*" | tee -a "$OUT/timeline.log"; }
+STAGE_END=0
+t() {  # t CMD...: CMD under the time left in the current stage
+  local left=$(( STAGE_END - $(elapsed) ))
+  [ "$left" -ge 5 ] || { echo "no time left in the stage for: $*"; return 124; }
+  timeout -k 10 "$left" "$@"; }
+each_tree() {  # each_tree CMD...: CMD in this tree and, with PREV, in $PREV first; "{tag}" in CMD -> "" / "_prev"
+  local tree tag a args rc=0
+  for tree in ${PREV:+"$PREV"} "$ROOT"; do
+    [ "$tree" = "$ROOT" ] && tag= || tag=_prev
+    args=(); for a in "$@"; do args+=("${a//\{tag\}/$tag}"); done
+    echo "== ${tree}: ${args[*]}"
+    (cd "$tree" && PYTHONPATH=$PWD${WHEELS:+:$WHEELS} "${args[@]}") || rc=$?
+  done; return $rc; }
+pack() {  # $OUT: run.tar.gz (work/), timeline.log and at most 6 JSON files (the others are in the tarball)
+  local j
+  for j in $(ls -t "$OUT"/*.json 2>/dev/null | tail -n +7); do mv "$j" "$W/"; done
+  tar -czf "$OUT/run.tar.gz.tmp" -C "$W" . && mv "$OUT/run.tar.gz.tmp" "$OUT/run.tar.gz"; }
+
+# ------------------------------------------------------------------------------------------------- stages
+stage_prepare() {  # CPU machine, repo root: .gpu/ for the device (SHARED: the shared data folder)
+  local shared=${SHARED:-$ROOT/../shared}; [ -d "$shared" ] || shared=/work/shared
+  local d=$GPU/data stage; stage=$(mktemp -d)
+  mkdir -p "$d/long" "$d/tok" "$GPU/fox_triton"
+  cp "$shared"/data/tokenizers/gpt2/vocab.json "$shared"/data/tokenizers/gpt2/merges.txt "$d/tok/"
+  cp "$shared"/data/long/*.txt "$d/long/"
+  rm -rf "$d/eval"; cp -r "$shared/data/eval" "$d/eval"
+  head -c $(( ${VAL_MB:-1} * 1000000 )) "$shared"/data/corpus_val/gutenberg_val.txt > "$d/val.txt"
+  (set +o pipefail; cat "$shared"/data/corpus/gutenberg_train_0*.txt | head -c $(( ${TRAIN_MB:-48} * 1000000 )) \
+    > "$stage/train.txt")
+  rm -rf "$d/train_tok"
+  python3 -m fox_jax.train.data "$d/train_tok" --data "$stage/train.txt" --val-data "$shared/data/corpus_val" \
+    --tokenizer "$d/tok"; rm -rf "$stage"
+  cp "$shared"/anchors/fox_triton/forgetting_attention.py "$shared"/anchors/fox_triton/LICENSE "$GPU/fox_triton/"
+  if [ -n "${PREV_REV:-}" ]; then
+    rm -rf "$GPU/prev"; mkdir -p "$GPU/prev"
+    git archive "$PREV_REV" fox_jax kernels train benchmarks | tar -x -C "$GPU/prev"
+  fi
+  du -sh "$d"/* "$GPU"/fox_triton "$GPU"/prev .whl 2>/dev/null; true; }
+stage_tests() {  # the GPU tests: dense float32 oracles, outputs and gradients (Pallas/Triton, Mosaic, DCP kernels)
+  t python3 -m pytest -q -m gpu $TEST_FILES -p no:cacheprovider; }
+stage_attention() {  # forgetting attention side by side: cuDNN (jax, torch), ours (Triton, Mosaic), official FoX, fla
+  local fox=; [ -d "$GPU/fox_triton" ] && fox="--fox-triton $GPU/fox_triton"
+  each_tree t python3 benchmarks/bench_attention.py --impls "$IMPLS" --shapes "$SHAPES" $fox \
+    --out "$OUT/attention{tag}.json"; }
+stage_sweep() {  # Mosaic tilings (BQxBKxSTAGES forward x BBQxBBKxBSTAGES backward)
+  t python3 benchmarks/bench_attention.py --mosaic-sweep "$SWEEP" --shapes "$SWEEP_SHAPES" --impls "" \
+    --out "$OUT/sweep.json"; }
+stage_dcp() {  # DCP attention: the Pallas kernels (live-tile lists) vs dense Pallas at 50% / 90% of pairs dropped
+  each_tree t python3 benchmarks/bench_dcp.py $DCP_ARGS --shapes "$DCP_SHAPES" --sparsities 0.5,0.9 \
+    --out "$OUT/dcp{tag}.json"; }
+stage_train() {  # the training table: one row per (config, ACP off/auto), 16k tokens per step
+  each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp both --batch-tokens 16384 \
+    --steps 5 --warmup 1 --overrides "$TRAIN_OVERRIDES" --out "$OUT/train{tag}.json"; }
+stage_scaling() {  # 2 GPUs (nvidia-h200-x2): the 760M at 16k on each mesh of MESHES, 16k tokens per GPU
+  local m rc=0
+  for m in $MESHES; do
+    t python3 benchmarks/bench_train.py --configs "$SCALING_CONFIG" --batch-tokens 32768 --mesh "$m" \
+      --steps 5 --warmup 1 --out "$OUT/scaling_${m/=/}.json" || rc=$?
+  done; return $rc; }
+stage_profile() {  # where a training step's device time goes, per kernel category, variants side by side
+  t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 \
+    --variants $PROFILE_VARIANTS --out "$OUT/profile.json"; }
+stage_decode() {  # decoding under every cache policy, equal batch and a 2 GiB KV budget: GPT-2 124M, FoX (Pro) 125M
+  each_tree t python3 benchmarks/bench_decode.py --model gpt2 --policies "$DECODE_POLICIES" --prompt-lengths 896 \
+    --new-tokens 128 --equal-batch 32 --kv-budget 2 --out "$OUT/decode{tag}.json"
+  t python3 benchmarks/bench_decode.py --model fox-pro:125M --policies "$FOX_DECODE_POLICIES" \
+    --prompt-lengths 2048 8192 --new-tokens 64 --equal-batch 4 --kv-budget 2 --max-batch 64 \
+    --out "$OUT/decode_fox.json"; }
+stage_decode_attention() {  # the decode attention op alone: xla / Pallas kernel / cuDNN, tiling sweep, GPU tests
+  t python3 -m pytest tests/test_decode_attention.py -m "gpu or not gpu" -q -n 0 -p no:cacheprovider
+  t python3 benchmarks/bench_decode_attention.py --sweep --out "$OUT/decode_attention.json"; }
+stage_profile_decode() {  # where a decode step's device time goes (difference of N and 1 new tokens)
+  t python3 benchmarks/profile_decode.py --model gpt2 --batch 32 --prompt 896 --new-tokens 128 \
+    --policies dense,window:256 --out "$OUT/profile_decode.json"; }
+stage_determinism() {  # the Pallas kernels twice on identical inputs, bit for bit (race detector)
+  t python3 benchmarks/checks/check_determinism.py --shape 1x16384x16x128 --repeats 3; }
+stage_window() {  # the sliding window on the GPU: Triton kernels vs the float32 reference, and its speed
+  t python3 benchmarks/checks/check_window_gpu.py; }
+stage_e2e() {  # the training commands end to end: pretrain-gpt2, then finetune-dcp of it; median tokens/s
+  local d=$GPU/data
+  each_tree t bash -c '
+    set -e; W=/tmp/e2e{tag}; rm -rf "$W"
+    python3 -m fox_jax.train.cli pretrain-gpt2 --workdir "$W/pre" --data "$0/train_tok" --tokenizer "$0/train_tok/tokenizer" \
+      --seq-len 1024 --batch-size 8 --steps "$1" --dtype bfloat16 --eval-every 0 --eval-batches 2 --ckpt-every 0 \
+      --log-every 1 --no-progress
+    python3 -m fox_jax.train.cli finetune-dcp --hf-gpt2 "$W/pre/hf" --workdir "$W/dcp" --data "$0/train_tok" \
+      --batch-size 8 --steps "$1" --dtype bfloat16 --eval-every 0 --eval-batches 2 --ckpt-every 0 --log-every 1 \
+      --no-progress
+    python3 - "$W" "$2" <<\PY
+import json, statistics, sys
+rows = {}
+for run in ("pre", "dcp"):  # the first two steps compile
+    rates = [r["tokens_per_sec"] for r in map(json.loads, open(f"{sys.argv[1]}/{run}/metrics.jsonl")) if "tokens_per_sec" in r][2:]
+    rows[run] = {"steps": len(rates), "median_tokens_per_sec": statistics.median(rates) if rates else None}
+json.dump(rows, open(sys.argv[2], "w"), indent=1); print(json.dumps(rows))
+PY' "$d" "$E2E_STEPS" "$OUT/e2e{tag}.json"; }
+stage_quality() {  # models trained and scored: QUALITY=inference (default) | dcp | archs (benchmarks/quality.sh)
+  t env DEADLINE=$(( STAGE_END - $(elapsed) - 15 )) R="$W/quality" bash benchmarks/quality.sh
+  local rc=$?
+  local j  # the plan's main JSON: inference summary, or the dcp-eval tables
+  for j in "$W/quality/summary.json" "$W/quality/dcp_eval/dcp_eval.json"; do
+    [ -f "$j" ] && cp "$j" "$OUT/quality.json" && break
+  done; return $rc; }
+
+# ------------------------------------------------------------------------------------------------- setup
+: > "$OUT/timeline.log"
+stamp "start: STAGES=\"$STAGES\" OUT=$OUT DEADLINE=${DEADLINE}s${PREV:+ PREV=$PREV} $(git rev-parse --short HEAD 2>/dev/null)"
+export PYTHONUNBUFFERED=1
+WHEELS=
+if [[ " $STAGES " != " prepare " ]] && ! python3 -c "import grain" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl 2>&1 | tail -n 2; WHEELS=/tmp/wheels
+fi
+export PYTHONPATH=$ROOT${WHEELS:+:$WHEELS}
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fox_jax_cache}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}
+if [[ " $STAGES " != " prepare " ]]; then
+  stamp "gpu: $(nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader 2>/dev/null | paste -sd';')"
+  stamp "$(python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -n 1)"
+fi
+
+# ------------------------------------------------------------------------------------------------- run
+for s in $STAGES; do
+  var=T_$(echo "$s" | tr 'a-z-' 'A-Z_'); budget=${!var:-${BUDGET[$s]:-}}
+  if [ -z "$budget" ]; then stamp "unknown stage '$s' (stages: ${!BUDGET[*]})"; continue; fi
+  left=$(( DEADLINE - $(elapsed) ))
+  [ "$s" = prepare ] && left=$budget   # CPU, no device limit
+  [ "$left" -lt "$budget" ] && budget=$left
+  if [ "$budget" -lt 10 ]; then stamp "skip $s: ${budget}s left"; continue; fi
+  STAGE_END=$(( $(elapsed) + budget )); start=$(elapsed); mkdir -p "$W/$s"
+  stamp "begin $s (budget ${budget}s)"
+  "stage_${s//-/_}" > "$W/$s.log" 2>&1; rc=$?
+  grep -v -i -e deprecat -e "^\s*warnings.warn" "$W/$s.log" | tail -n "${TAIL:-30}"
+  stamp "end   $s rc=$rc after $(( $(elapsed) - start ))s"
+  rmdir "$W/$s" 2>/dev/null; pack
+done
+cp "$OUT/timeline.log" "$W/"; pack; rm -rf "$W"
+ls -la "$OUT"
