@@ -86,3 +86,21 @@ def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa:
     assert cli.main(["eval", "--workdir", run, "--cache", "dense", "--num-docs", "2"]) == 0
     s = _summary(capsys)
     assert s["ppl_ratio"] == 1.0
+
+
+def test_generate_names_max_new_tokens_beyond_the_positions(tmp_path, capsys):
+    """A GPT-2 of 64 learned positions (zero weights, nothing compiled): the error names the flag."""
+    import jax
+
+    from fox_jax.models import GPT2Config
+    from fox_jax.models.hf_gpt2 import save_hf_gpt2
+    from test_runs import GPT2_TINY
+
+    cfg = GPT2Config(**GPT2_TINY)
+    params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0)))
+    save_hf_gpt2(cfg, params, tmp_path / "hf")
+    assert cli.main(["generate", str(tmp_path / "hf"), "--tokenizer", "bytes", "--prompt", "abc",
+                     "--max-new-tokens", "100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the longest prompt (4 tokens with <|endoftext|>) and --max-new-tokens 100 " \
+        "need 103 positions; the model has 64" in err, err

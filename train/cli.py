@@ -2,7 +2,7 @@
 
     fox-jax train --preset tiny --workdir runs/tiny                 # built-in corpus, CPU-friendly
     fox-jax train --preset 125M --data DIR --val-data DIR --tokenizer DIR --workdir runs/fox125m
-    fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
+    fox-jax train --workdir runs/tiny --resume --steps 600          # continue and extend (see --resume-schedule)
     fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
 
 Any config field can be overridden with ``key=value`` arguments anywhere on the command line, e.g.

@@ -406,9 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
 _EXAMPLES = """examples:
   fox-jax train --preset tiny --workdir runs/tiny                 # built-in corpus, CPU-friendly
   fox-jax train --preset 125M --data DIR --val-data DIR --tokenizer DIR --workdir runs/fox125m
-  fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
+  fox-jax train --workdir runs/tiny --resume --steps 600          # continue and extend a run (see --resume-schedule)
   fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
-  fox-jax generate runs/tiny --prompt "It was a" --cache window:64  # text + one JSON line (tokens/s, KV bytes)
+  fox-jax generate runs/tiny --prompt "def main(" --temperature 0.8   # tiny run: Python-shaped fragments + a JSON line
   fox-jax eval  --workdir runs/tiny --cache acp                   # perplexity as generation sees it
   fox-jax train --help                                            # every flag and config field
 

@@ -106,6 +106,11 @@ def cmd_generate(args) -> int:
     cfg = run.model
     if args.top_k is not None and args.top_k > cfg.vocab_size:
         raise ValueError(f"--top-k must be at most the model's {cfg.vocab_size} token ids, got {args.top_k}")
+    longest = 1 + max(len(x) for x in tok.encode_batch(prompts))  # with the <|endoftext|> in front
+    if cfg.max_positions is not None and longest + args.max_new_tokens - 1 > cfg.max_positions:
+        raise ValueError(f"the longest prompt ({longest} tokens with <|endoftext|>) and --max-new-tokens "
+                         f"{args.max_new_tokens} need {longest + args.max_new_tokens - 1} positions; the model has "
+                         f"{cfg.max_positions}: shorten the prompt or lower --max-new-tokens")
     # every prompt starts with <|endoftext|>, as every training document does (fox_jax.train.data)
     ids = [np.asarray([tok.eot_id, *x], np.int32) for x in tok.encode_batch(prompts)]
     rows = len(ids)
