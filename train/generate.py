@@ -81,7 +81,7 @@ def cmd_generate(args) -> int:
     import jax
 
     from fox_jax.decoding import cache_bytes, generate, min_slots, parse_policy
-    from fox_jax.sharding import data_parallel_size, make_mesh
+    from fox_jax.sharding import data_parallel_size, make_mesh, select_partitioner
 
     prompts = list(args.prompt or [])
     for f in args.prompt_file or []:
@@ -102,18 +102,19 @@ def cmd_generate(args) -> int:
     check_sampling_flags(args.temperature, args.top_k, args.top_p)
     policy = parse_policy(args.cache)
     mesh = make_mesh(args.mesh) if args.mesh else None   # a bad --mesh: before any file is read
+    if mesh is not None:
+        select_partitioner(mesh, "auto")  # as training: GSPMD on multi-GPU meshes, so the kernels run per shard
     run, tok = load_for_decoding(args.run, step=args.step, policy=policy.spec, tokenizer=args.tokenizer)
     cfg = run.model
     if args.top_k is not None and args.top_k > cfg.vocab_size:
         raise ValueError(f"--top-k must be at most the model's {cfg.vocab_size} token ids, got {args.top_k}")
-    longest = 1 + max(len(x) for x in tok.encode_batch(prompts))  # with the <|endoftext|> in front
+    # every prompt starts with <|endoftext|>, as every training document does (fox_jax.train.data)
+    ids = [np.asarray([tok.eot_id, *x], np.int32) for x in tok.encode_batch(prompts)]
+    rows, longest = len(ids), max(len(x) for x in ids)
     if cfg.max_positions is not None and longest + args.max_new_tokens - 1 > cfg.max_positions:
         raise ValueError(f"the longest prompt ({longest} tokens with <|endoftext|>) and --max-new-tokens "
                          f"{args.max_new_tokens} need {longest + args.max_new_tokens - 1} positions; the model has "
                          f"{cfg.max_positions}: shorten the prompt or lower --max-new-tokens")
-    # every prompt starts with <|endoftext|>, as every training document does (fox_jax.train.data)
-    ids = [np.asarray([tok.eot_id, *x], np.int32) for x in tok.encode_batch(prompts)]
-    rows = len(ids)
     if mesh is not None:  # rows over data x fsdp: fill the batch with copies of the last prompt (dropped below)
         ids += [ids[-1]] * (-rows % data_parallel_size(mesh))
     width = max(len(x) for x in ids)

@@ -500,9 +500,10 @@ def cmd_passkey(args) -> int:
     policy = policy_spec(args.cache)  # an unknown policy: ValueError before reading anything
     mesh = None
     if args.mesh:
-        from fox_jax.sharding import make_mesh
+        from fox_jax.sharding import make_mesh, select_partitioner
 
         mesh = make_mesh(args.mesh)
+        select_partitioner(mesh, "auto")  # as training: GSPMD on multi-GPU meshes, so the kernels run per shard
     text_path = Path(args.text) if args.text else default_text_path()
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
