@@ -145,16 +145,30 @@ def param_logical_axes(path: tuple, ndim: int) -> tuple[str | None, ...]:
                      "to fox_jax.sharding.PARAM_RULES")
 
 
-def param_sharding(mesh: Mesh, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
-    """Sharding of one parameter: its logical axes mapped by ``LOGICAL_AXIS_RULES``; a dimension that
-    the mesh axis does not divide evenly is replicated instead."""
+def logical_sharding(mesh: Mesh, names: tuple[str | None, ...] | None, shape: tuple[int, ...]) -> NamedSharding:
+    """Sharding of an array of ``shape`` whose dimensions carry the logical ``names`` (None: replicated),
+    mapped by ``LOGICAL_AXIS_RULES``; a dimension that its mesh axes do not divide evenly is replicated
+    instead.
+
+    Raises:
+      ValueError: ``names`` given with another length than ``shape``.
+    """
+    names = (None,) * len(shape) if names is None else tuple(names)
+    if len(names) != len(shape):
+        raise ValueError(f"logical axes {names} do not match an array of shape {tuple(shape)}")
     spec = []
-    for dim, name in zip(shape, param_logical_axes(path, len(shape))):
+    for dim, name in zip(shape, names):
         axis = LOGICAL_AXIS_RULES.get(name) if name else None
         axes = (axis,) if isinstance(axis, str) else (axis or ())
         size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
         spec.append(axis if axes and size > 1 and dim % size == 0 else None)
     return NamedSharding(mesh, P(*spec))
+
+
+def param_sharding(mesh: Mesh, path: tuple, shape: tuple[int, ...]) -> NamedSharding:
+    """Sharding of one parameter: its logical axes (``param_logical_axes``) mapped by ``logical_sharding``
+    (a dimension that the mesh axis does not divide evenly is replicated)."""
+    return logical_sharding(mesh, param_logical_axes(path, len(shape)), shape)
 
 
 def state_shardings(mesh: Mesh, tree):
@@ -165,6 +179,43 @@ def state_shardings(mesh: Mesh, tree):
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (batch) dimension split over data × fsdp, the rest replicated."""
     return NamedSharding(mesh, logical_to_spec(("batch",)))
+
+
+def cache_shardings(mesh: Mesh, caches):
+    """Shardings of KV caches (one cache or a pytree of them, e.g. the per-layer tuple of
+    ``fox_jax.cache.slots.SlotKVCache``): each cache's ``logical_axes()`` (the cache's structure with a
+    tuple of logical names, or None, per array) mapped by ``logical_sharding``, so batch goes over
+    ``data`` × ``fsdp`` and key/value heads over ``tensor`` where those divide; the rest is replicated.
+
+    Returns:
+      a pytree of ``NamedSharding`` with the structure of ``caches``.
+    """
+    is_cache = lambda x: hasattr(x, "logical_axes")
+    axes = jax.tree_util.tree_map(lambda c: c.logical_axes() if is_cache(c) else None, caches, is_leaf=is_cache)
+    return jax.tree_util.tree_map(lambda x, names: logical_sharding(mesh, names, x.shape), caches, axes)
+
+
+def data_parallel_size(mesh: Mesh) -> int:
+    """Devices a batch is split over: the product of the mesh axes of logical ``batch`` (data × fsdp)."""
+    return int(np.prod([mesh.shape[a] for a in LOGICAL_AXIS_RULES["batch"] if a in mesh.shape]))
+
+
+def place_for_decoding(mesh: Mesh, params, tokens, caches, *, flag: str = "mesh"):
+    """(params, tokens, caches) placed on ``mesh`` for decoding (``fox_jax.decoding.generate``,
+    ``token_losses_under_policy``): params by ``state_shardings`` (the training rules), tokens [B, T] with
+    B over ``data`` × ``fsdp``, caches by ``cache_shardings``.
+
+    Raises:
+      ValueError: B not a multiple of the mesh's data × fsdp size (one line naming ``flag``; pad the batch,
+        as the ``fox-jax`` commands do, or choose a smaller data axis).
+    """
+    n = data_parallel_size(mesh)
+    if tokens.shape[0] % n:
+        raise ValueError(f"{flag}: the batch of {tokens.shape[0]} rows does not split over the mesh's data x fsdp "
+                         f"= {n} devices; pad the batch to a multiple of {n} or use a smaller data axis")
+    params = jax.device_put(params, state_shardings(mesh, params))
+    tokens = jax.device_put(tokens, NamedSharding(mesh, logical_to_spec(("batch", None))))
+    return params, tokens, jax.device_put(caches, cache_shardings(mesh, caches))
 
 
 PARTITIONERS = ("auto", "shardy", "gspmd")

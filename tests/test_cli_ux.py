@@ -66,13 +66,16 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
         else:
             assert f"{f.name}=" in text
     assert "model.n_layers=4" in text and "optim.lr=0.003" in text and "heartbeat_secs=60" in text
+    assert "model.vocab_size=257" in text  # what the tiny run saves (the byte tokenizer's)
     assert "[steps; default the preset's; tiny 300]" in text  # --steps
 
 
 def test_parser_constants_match_the_handlers():
     from fox_jax.models.hf_gpt2 import DCP_NAME
+    from fox_jax.train.tokenizers import ByteTokenizer
 
     assert commands.DCP_NAME == DCP_NAME
+    assert commands.BYTES_VOCAB == ByteTokenizer.vocab_size
     assert zeroshot.TASKS == commands.ZEROSHOT_TASKS
 
 
@@ -144,5 +147,5 @@ def test_train_log_has_heartbeats_no_bar_and_a_loss_png(tiny_run, capsys):
 
     assert cli.main(["eval", "--workdir", str(workdir), "--num-docs", "2", "--num-batches", "1"]) == 0
     text = capsys.readouterr().out
-    assert "why the two means differ: they average different tokens" in text and "packed" in text
-    assert "read from each document's first token" in text
+    assert "they average different tokens" in text and "packed windows" in text
+    assert "the tokens eval --cache scores" in text and "document starts" in text

@@ -159,8 +159,10 @@ def test_empty_and_tiny_corpora_raise(tmp_path):
     with pytest.raises(ValueError, match="--data: .*hold no documents"):
         load_corpus(DataConfig(train=(str(tmp_path / "seps.txt"),), seq_len=8))
     write_txt(tmp_path / "one.txt", make_docs(1))
-    with pytest.raises(ValueError, match="1 document.*at least 2"):
+    with pytest.raises(ValueError, match=r"1 document.*at least 2: separate the documents of a \.txt file by a line "
+                                         r"<\|endoftext\|>") as e:
         load_corpus(DataConfig(train=(str(tmp_path / "one.txt"),), seq_len=8))
+    assert "max_docs" not in str(e.value)  # it cannot help here
     write_txt(tmp_path / "two.txt", make_docs(2, length=50))
     with pytest.raises(ValueError, match=r"has \d+ tokens, but data.seq_len=4096"):
         load_corpus(DataConfig(train=(str(tmp_path / "two.txt"),), seq_len=4096))

@@ -28,9 +28,10 @@ def test_generate_command_prints_text_and_one_json_line(train_run, capsys, polic
     assert len(s["mean_live_tokens_per_layer"]) == cfg.model.n_layers
     if policy.startswith("window"):
         assert max(s["mean_live_tokens_per_layer"]) <= 8 and s["slots"] == 8
-    # the same tokens as the Python API on the same checkpoint (step 4, the latest)
+    # the same tokens as the Python API on the same checkpoint (step 4, the latest), prompts after <|endoftext|>
     tok = load_tokenizer(cfg.data.tokenizer)
-    ids = tok.encode_batch(["import os", "x = 1"])
+    ids = [[tok.eot_id, *x] for x in tok.encode_batch(["import os", "x = 1"])]
+    assert s["prompt_tokens"] == [len(x) for x in ids]
     width = max(map(len, ids))
     prompt = np.full((2, width), tok.eot_id, np.int32)
     for i, x in enumerate(ids):
@@ -56,16 +57,50 @@ def test_generate_command_errors(train_run, capsys, tmp_path):  # noqa: F811
     assert "needs a DCP model" in error(["generate", run, "--prompt", "a", "--cache", "dcp"])
     assert "at least one --prompt" in error(["generate", run])
     assert "--prompt-file" in error(["generate", run, "--prompt-file", str(tmp_path / "nope.txt")])
+    (tmp_path / "empty.txt").write_text("\n")
+    assert f"--prompt-file {tmp_path / 'empty.txt'} is empty" in error(["generate", run, "--prompt-file",
+                                                                        str(tmp_path / "empty.txt")])
     assert "--max-new-tokens must be a positive int" in error(["generate", run, "--prompt", "a", "--max-new-tokens", "0"])
+    # sampling flags are checked as flags, before anything is read
+    assert "--top-p must be in (0, 1], got 1.5" in error(["generate", run, "--prompt", "a", "--temperature", "1",
+                                                          "--top-p", "1.5"])
+    assert "--top-k must be a positive int" in error(["generate", run, "--prompt", "a", "--temperature", "1",
+                                                      "--top-k", "0"])
+    assert "--top-k must be at most the model's 257 token ids" in error(["generate", run, "--prompt", "a",
+                                                                        "--temperature", "1", "--top-k", "300"])
+    assert "--temperature must be ≥ 0" in error(["generate", run, "--prompt", "a", "--temperature", "-1"])
+    assert "--top-p samples, but --temperature 0 decodes greedily" in error(["generate", run, "--prompt", "a",
+                                                                            "--top-p", "0.9"])
+    assert "--mesh: unknown axis 'model'" in error(["generate", run, "--prompt", "a", "--mesh", "model=2"])
 
 
 def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa: F811
     run = str(train_run[0])
     assert cli.main(["eval", "--workdir", run, "--cache", "window:4", "--num-docs", "2"]) == 0
-    s = _summary(capsys)
+    out = capsys.readouterr().out
+    assert "document starts" in out.splitlines()[0] and "not of its val_ppl" in out  # names its tokens
+    s = json.loads(out.strip().splitlines()[-1])
     assert s["cache"] == "window:4" and 1 <= s["num_docs"] <= 2 and s["dense_tokens"] == s["policy_tokens"] > 0
     assert s["policy_overflow_rows"] == 0 and s["ppl_ratio"] == pytest.approx(s["policy_ppl"] / s["dense_ppl"])
     assert s["policy_ppl"] != s["dense_ppl"]  # a 4-token window changes the predictions of a 16-token context
     assert cli.main(["eval", "--workdir", run, "--cache", "dense", "--num-docs", "2"]) == 0
     s = _summary(capsys)
     assert s["ppl_ratio"] == 1.0
+
+
+def test_generate_names_max_new_tokens_beyond_the_positions(tmp_path, capsys):
+    """A GPT-2 of 64 learned positions (zero weights, nothing compiled): the error names the flag."""
+    import jax
+
+    from fox_jax.models import GPT2Config
+    from fox_jax.models.hf_gpt2 import save_hf_gpt2
+    from test_runs import GPT2_TINY
+
+    cfg = GPT2Config(**GPT2_TINY)
+    params = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0)))
+    save_hf_gpt2(cfg, params, tmp_path / "hf")
+    assert cli.main(["generate", str(tmp_path / "hf"), "--tokenizer", "bytes", "--prompt", "abc",
+                     "--max-new-tokens", "100"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "the longest prompt (4 tokens with <|endoftext|>) and --max-new-tokens 100 " \
+        "need 103 positions; the model has 64" in err, err

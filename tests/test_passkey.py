@@ -263,6 +263,8 @@ def test_cli_on_a_tiny_run(train_run, text_file, tmp_path, capsys):  # noqa: F81
     summary = json.loads(stdout[-1])
     assert summary["command"] == "passkey" and summary["policy"] == "dense" and summary["prompts"] == 12 and 0 <= summary["accuracy"] <= 1
     assert any(line.startswith("passkey retrieval, cache dense") for line in stdout)
+    assert any(line.startswith("digit accuracy ") and "exact 1 time in 90,000" in line and "--cache dense" in line
+               for line in stdout)  # the chance level and what models score
     report = json.loads((out / "passkey.json").read_text())
     _check_result(report, [144, 160], [0.0, 1.0], 3)
     assert report["step"] == 4 and report["source"] == str(run) and report["text"] == str(text_file)

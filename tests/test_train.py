@@ -258,3 +258,23 @@ def test_resume_refuses_a_preset_that_describes_another_model(cli_run, tmp_path,
     assert cli.main(["train", "--preset", "tiny", "--workdir", str(workdir), "--resume", "--steps", "9",
                      "--no-progress", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
                      "model.attention_block=16"]) == 0
+    assert "recomputed for the new steps" in capsys.readouterr().out  # stretch, the default, says so
+
+
+def test_cli_resume_with_rewarm(cli_run, tmp_path, capsys):
+    """An 8-step run resumed to 10 steps with --resume-schedule rewarm: the line, config.json and the logged
+    learning rates follow the rewarmed schedule (a 2-step segment warms up over 1 step: steps 9 and 10 run at
+    0 and the peak)."""
+    import shutil
+
+    workdir = tmp_path / "run"
+    shutil.copytree(cli_run, workdir)
+    capsys.readouterr()
+    assert cli.main(["train", "--workdir", str(workdir), "--resume", "--steps", "10", "--resume-schedule", "rewarm",
+                     "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "--resume with --steps 10 (the run had 8)" in out and "warming up again" in out
+    cfg = config_lib.load_json(workdir / "config.json")
+    assert cfg.optim.schedule_segments == ("0:8", "8") and cfg.optim.resume_schedule == "rewarm"
+    rows = {r["step"]: r for r in read_metrics(workdir) if "lr" in r}
+    assert rows[9]["lr"] == 0.0 and rows[10]["lr"] == pytest.approx(cfg.optim.lr)

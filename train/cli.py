@@ -2,7 +2,7 @@
 
     fox-jax train --preset tiny --workdir runs/tiny                 # built-in corpus, CPU-friendly
     fox-jax train --preset 125M --data DIR --val-data DIR --tokenizer DIR --workdir runs/fox125m
-    fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
+    fox-jax train --workdir runs/tiny --resume --steps 600          # continue and extend (see --resume-schedule)
     fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
 
 Any config field can be overridden with ``key=value`` arguments anywhere on the command line, e.g.
@@ -21,6 +21,7 @@ import sys
 
 import importlib
 import json
+import math
 
 from fox_jax.train import config as config_lib
 from fox_jax.train.commands import GPT2_FLAGS, PATH_KEYS, alias_flags, build_parser, flag_dest
@@ -102,22 +103,25 @@ def cmd_eval(args) -> int:
                                    num_batches=args.num_batches, num_docs=args.num_docs, cache=args.cache,
                                    kv_slots=args.kv_slots)
     if args.cache is not None:
-        print(f"step {report['step']}, {report['num_docs']} documents x {report['seq_len']} tokens: cache "
-              f"{report['cache']} ppl {report['policy_ppl']:.3f} vs dense {report['dense_ppl']:.3f} "
-              f"(ratio {report['ppl_ratio']:.4f}){'; OVERFLOW in ' + str(report['policy_overflow_rows']) + ' rows: the pool was too small for the policy' if report['policy_overflow_rows'] else ''}")
+        print(f"step {report['step']}, document starts ({report['dense_tokens']} next-token predictions in the first "
+              f"{report['seq_len']} tokens of {report['num_docs']} validation documents, the tokens of plain eval's "
+              f"per-position loss, not of its val_ppl): cache {report['cache']} ppl {report['policy_ppl']:.3f} vs "
+              f"dense {report['dense_ppl']:.3f} (ratio {report['ppl_ratio']:.4f})"
+              f"{'; OVERFLOW in ' + str(report['policy_overflow_rows']) + ' rows: the pool was too small for the policy' if report['policy_overflow_rows'] else ''}")
         print(json.dumps({k: v for k, v in report.items() if not k.endswith("per_position_loss")}))
         return 0
-    print(f"step {report['step']}, seq_len {report['seq_len']}: val_loss {report['val_loss']:.4f} | "
-          f"val_ppl {report['val_ppl']:.2f} | {report['val_tokens']} tokens")
+    print(f"step {report['step']}, packed windows ({report['val_tokens']} tokens of validation windows of "
+          f"{report['seq_len']}, documents cut anywhere, as in training): val_loss {report['val_loss']:.4f} | "
+          f"val_ppl {report['val_ppl']:.2f}")
     pairs = [(x, c) for x, c in zip(report["per_position_loss"], report["per_position_count"]) if c]
-    mean = sum(x * c for x, c in pairs) / max(sum(c for _, c in pairs), 1)
-    print(f"per-position loss (mean {mean:.4f} over {report['num_docs']} documents): {report['per_position_json']} "
-          f"and {report['per_position_png']}")
-    print("why the two means differ: they average different tokens. val_loss covers every token of the packed "
-          "validation windows (documents cut anywhere, several per window, like the training batches); the "
-          f"per-position loss covers only the first {report['seq_len']} tokens of {report['num_docs']} documents, "
-          "read from each document's first token, so it counts each document's opening positions (little "
-          "context) and only those documents")
+    n = sum(c for _, c in pairs)
+    mean = sum(x * c for x, c in pairs) / max(n, 1)
+    print(f"step {report['step']}, document starts ({int(n)} next-token predictions in the first {report['seq_len']} "
+          f"tokens of {report['num_docs']} validation documents, the tokens eval --cache scores): per-position loss "
+          f"mean {mean:.4f} | ppl {math.exp(min(mean, 50.0)):.2f}; by position: {report['per_position_json']} and "
+          f"{report['per_position_png']}")
+    print("the two differ because they average different tokens (document starts have little context: their loss "
+          "is usually the higher)")
     return 0
 
 

@@ -19,6 +19,7 @@ from fox_jax.train import config as config_lib
 ZEROSHOT_TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge", "copa", "boolq")
 DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided target sparsities
 DCP_NAME = "dcp_interaction.safetensors"  # = fox_jax.models.hf_gpt2.DCP_NAME (checked by the tests)
+BYTES_VOCAB = 257  # = fox_jax.train.tokenizers.ByteTokenizer.vocab_size (checked by the tests)
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -69,7 +70,8 @@ RUN_FLAGS = (("--steps", "steps"), ("--grad-accum", "grad_accum"), ("--lr", "opt
              ("--warmup-steps", "optim.warmup_steps"), ("--weight-decay", "optim.weight_decay"),
              ("--clip-norm", "optim.clip_norm"), ("--seed", "seed"), ("--data-seed", "data.seed"),
              ("--log-every", "log_every"), ("--eval-every", "eval_every"), ("--eval-batches", "eval_batches"),
-             ("--ckpt-every", "ckpt_every"), ("--dtype", "model.dtype"), ("--remat", "model.remat"))
+             ("--ckpt-every", "ckpt_every"), ("--dtype", "model.dtype"), ("--remat", "model.remat"),
+             ("--resume-schedule", "optim.resume_schedule"))
 DCP_FLAGS = (("--from-step", "dcp.from_step"), ("--interaction-lr", "dcp.interaction_lr"), ("--gamma", "dcp.gamma"),
              ("--gamma-normalization", "dcp.gamma_normalization"), ("--interaction-dim", "model.interaction_dim"),
              ("--beta-init", "model.dcp_beta_init"), ("--alpha-init", "dcp.alpha_init"),
@@ -81,6 +83,7 @@ PATH_KEYS = ("data.train", "data.val", "data.tokenizer", "dcp.hf_gpt2", "dcp.fro
 _SECTIONS = {"data": config_lib.DataConfig, "optim": config_lib.OptimConfig, "dcp": config_lib.DCPConfig,
              "model": config_lib.ModelConfig}
 _CHOICES = {"partitioner": ("auto", "shardy", "gspmd"), "model.dtype": ("float32", "bfloat16"),
+            "optim.resume_schedule": config_lib.RESUME_SCHEDULES,
             "dcp.gamma_normalization": config_lib.GAMMA_NORMALIZATIONS, "model.dcp_impl": fox_config.DCP_IMPLS}
 _EXTRA_HELP = {"model.n_positions": "learned positions, the maximum sequence length",
                "data.train": "; or a directory written by 'python -m fox_jax.train.data' (its tokenizer/ is then "
@@ -141,6 +144,12 @@ def _field_type(cls, name: str, key: str):
     return int if hint.startswith(("int", "<class 'int'>")) else float if "float" in hint else str
 
 
+DECODE_MESH_HELP = ("device mesh for sharded decoding, the syntax of train's --mesh: e.g. data=8 or data=4,tensor=2 "
+                    "(prompt rows and KV caches over data x fsdp, heads over tensor, parameters by the training "
+                    "rules; the batch is padded to a multiple of data x fsdp; see docs/multi_gpu.md). Default: "
+                    "one device")
+
+
 def _add_multihost(p) -> None:
     g = p.add_argument_group("multi-host (one process per host; see docs/multi_gpu.md)")
     g.add_argument("--distributed", action="store_true",
@@ -170,11 +179,13 @@ _OVERRIDES_NOTE = ("config fields: set any of them with key=value anywhere on th
 def _add_train(sub) -> None:
     """``fox-jax train`` and its alias ``pretrain-gpt2`` (handler ``fox_jax.train.cli.cmd_train``)."""
     tiny = config_lib.preset("tiny")
+    # what a run saves: the model's vocabulary is the tokenizer's (bytes by default) unless given
+    tiny = dataclasses.replace(tiny, model=tiny.model.replace(vocab_size=BYTES_VOCAB))
     epilog = config_fields_epilog(tiny, _OVERRIDES_NOTE + (
-        "The values\nbelow are those of --preset tiny; 125M/360M/760M change "
-        "model.* (sizes, bfloat16, GPT-2 vocabulary),\ndata.seq_len (2048), optim.lr/warmup_steps and the loop "
-        "(steps, batch_size, intervals); gpt2...gpt2-xl\nare GPT-2 models (see pretrain-gpt2). Ranges and meanings: "
-        "train/config.py and fox_jax/models/lm.py."))
+        "The values\nbelow are those of --preset tiny (model.vocab_size: the tokenizer's, 257 for bytes and 50257 "
+        "for GPT-2's,\nunless given); 125M/360M/760M change model.* (sizes, bfloat16, GPT-2 vocabulary), data.seq_len "
+        "(2048),\noptim.lr/warmup_steps and the loop (steps, batch_size, intervals); gpt2...gpt2-xl are GPT-2 models "
+        "(see\npretrain-gpt2). Ranges and meanings: train/config.py and fox_jax/config.py."))
     t = sub.add_parser("train", help="train a model", formatter_class=_Formatter, epilog=epilog,
                        description="Train a FoX / Transformer language model, or a GPT-2 (--preset gpt2...); "
                        "writes config.json, checkpoints/, metrics.jsonl, loss.png and tb/ in --workdir.")
@@ -257,7 +268,11 @@ def _add_zeroshot(sub) -> None:
 def _add_dcp_eval(sub) -> None:
     """``fox-jax dcp-eval`` (handler ``fox_jax.train.dcp_eval.cmd_dcp_eval``)."""
     e = sub.add_parser("dcp-eval", help="DCP evaluation: ppl vs sparsity against dense/local/strided, drop plots, "
-                                        "context switch")
+                                        "context switch", formatter_class=_Formatter,
+                       description=textwrap.fill("Score DCP models (--runs) against their dense base model (--dense): "
+                       "perplexity against sparsity next to local-window and strided attention at matched sparsity, "
+                       "plots of the dropped keys on a text, and the context-switch experiment; writes JSON, markdown "
+                       "and PNGs in --out (docs/dcp.md).", width=106))
     e.add_argument("--dense", required=True, help="the dense base model: a HF GPT-2 directory")
     e.add_argument("--runs", nargs="+", required=True,
                    help="DCP models: 'fox-jax finetune-dcp' run directories or HF dirs with " + DCP_NAME)
@@ -299,7 +314,9 @@ def _add_eval(sub) -> None:
                    "generation sees them, next to the dense cache on the same tokens; also for fine-tuned runs")
     e.add_argument("--kv-slots", type=int, metavar="N", help="with --cache: KV slots per row and layer (default: "
                    "what the policy can need)")
-    _add_aliases(e, DATA_FLAGS + MESH_FLAGS, None, {k: "the run's" for _, k in DATA_FLAGS})
+    _add_aliases(e, DATA_FLAGS + MESH_FLAGS, None, {**{k: "the run's" for _, k in DATA_FLAGS},
+                                                     "mesh": "one device; given: batches, --cache's caches and "
+                                                             "the parameters are sharded as in training"})
     _add_multihost(e)
     e.add_argument("overrides", nargs="*", metavar="key=value", help="overrides of data.* and batch settings, "
                    "e.g. data.seq_len=4096 (the model is fixed by the checkpoint)")
@@ -332,6 +349,7 @@ def _add_passkey(sub) -> None:
     p.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files of the HF directory)")
     p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys and haystack offsets (default %(default)s)")
+    p.add_argument("--mesh", help=DECODE_MESH_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler="fox_jax.train.passkey:cmd_passkey", distributed=False, coordinator=None, num_processes=None,
                    process_id=None)
@@ -365,6 +383,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default %(default)s)")
     g.add_argument("--step", type=int, help="checkpoint step of a run (default: latest)")
     g.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files of the HF directory)")
+    g.add_argument("--mesh", help=DECODE_MESH_HELP)
     g.set_defaults(handler="fox_jax.train.generate:cmd_generate", distributed=False, coordinator=None,
                    num_processes=None, process_id=None)
 
@@ -387,9 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
 _EXAMPLES = """examples:
   fox-jax train --preset tiny --workdir runs/tiny                 # built-in corpus, CPU-friendly
   fox-jax train --preset 125M --data DIR --val-data DIR --tokenizer DIR --workdir runs/fox125m
-  fox-jax train --workdir runs/tiny --resume --steps 600          # continue (and extend) a run
+  fox-jax train --workdir runs/tiny --resume --steps 600          # continue and extend a run (see --resume-schedule)
   fox-jax eval  --workdir runs/tiny                               # val loss/ppl + per-position loss
-  fox-jax generate runs/tiny --prompt "It was a" --cache window:64  # text + one JSON line (tokens/s, KV bytes)
+  fox-jax generate runs/tiny --prompt "def main(" --temperature 0.8   # tiny run: Python-shaped fragments + a JSON line
   fox-jax eval  --workdir runs/tiny --cache acp                   # perplexity as generation sees it
   fox-jax train --help                                            # every flag and config field
 

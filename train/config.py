@@ -67,6 +67,13 @@ class OptimConfig:
       b1, b2, eps: Adam's moment decays and epsilon.
       weight_decay: decoupled weight decay, not applied to norm weights and biases.
       clip_norm: gradient clipping by global norm; 0 = off.
+      resume_schedule: what a ``--resume`` with another ``--steps`` does to the schedule: "stretch"
+        (recompute it for the new steps: the rate jumps to the longer cosine's value at the resume step),
+        "continue" (keep the old schedule; past its end the rate stays at min_lr_ratio·lr) or "rewarm" (a
+        new warmup from 0 at the resume step, then the cosine to the new steps).
+      schedule_segments: written by ``--resume`` with continue / rewarm (leave it to them): entries "START"
+        or "START:END"; segment i runs from START to the next segment's START, warming up over warmup_steps
+        and decaying until END (default: steps). Empty = one segment from step 0.
 
     Every numeric field is checked against ``RANGES`` on construction (ValueError naming ``optim.<field>``).
     """
@@ -80,6 +87,8 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     clip_norm: float = 1.0
+    resume_schedule: str = "stretch"
+    schedule_segments: tuple[str, ...] = ()
 
     RANGES: ClassVar[dict[str, Range]] = dict(
         lr=POSITIVE, warmup_steps=Range(0, integer=True, optional=True), min_lr_ratio=Range(0, 1),
@@ -90,9 +99,34 @@ class OptimConfig:
         check_ranges(self, "optim.")
         if self.schedule not in LR_SCHEDULES:
             raise ValueError(f"optim.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+        if self.resume_schedule not in RESUME_SCHEDULES:
+            raise ValueError(f"optim.resume_schedule (--resume-schedule) must be one of {RESUME_SCHEDULES}, "
+                             f"got {self.resume_schedule!r}")
+        self.segments(None)
+
+    def segments(self, steps: int | None) -> list[tuple[int, int | None]]:
+        """``schedule_segments`` as [(start, end)] (end None: ``steps``); [(0, steps)] when empty.
+
+        Raises:
+          ValueError: a malformed entry, a first start other than 0, starts not increasing, an end ≤ its start.
+        """
+        out: list[tuple[int, int | None]] = []
+        for entry in self.schedule_segments or ("0",):
+            start, _, end = str(entry).partition(":")
+            try:
+                seg = (int(start), int(end) if end else None)
+            except ValueError:
+                seg = (-1, None)
+            if seg[0] < 0 or (seg[1] is not None and seg[1] <= seg[0]) or (out and seg[0] <= out[-1][0]) \
+                    or (not out and seg[0] != 0):
+                raise ValueError(f"optim.schedule_segments: bad entry {entry!r} in {self.schedule_segments!r}; "
+                                 "expected START or START:END with END > START, starts increasing from 0")
+            out.append(seg)
+        return [(a, steps if b is None else b) for a, b in out]
 
 
 LR_SCHEDULES = ("cosine", "constant")
+RESUME_SCHEDULES = ("stretch", "continue", "rewarm")
 GAMMA_NORMALIZATIONS = ("code", "causal")
 
 
@@ -168,7 +202,7 @@ class ExperimentConfig:
       eval_batches: validation batches per evaluation.
       keep_checkpoints: how many checkpoints to keep.
       async_checkpoints: save in the background (waits for the last save before exit).
-      mesh: device mesh, e.g. ``"data=2,fsdp=2"`` (default: all devices on ``data``).
+      mesh: device mesh, e.g. ``"data=2,fsdp=2"`` (training default: all devices on ``data``).
       partitioner: XLA's SPMD partitioner, ``"auto"`` / ``"shardy"`` / ``"gspmd"``
         (``fox_jax.sharding.select_partitioner``; auto = GSPMD on multi-GPU meshes, where Shardy
         crashes compiling the sharded attention kernels' backward with jax 0.11.2).
@@ -307,7 +341,7 @@ def finetune_defaults(model: Any = None) -> ExperimentConfig:
 # and the settings that do not change the math (the mesh, the partitioner, the DCP attention kernels) may
 # change. Entries are config keys; a section name covers its fields.
 RESUMABLE = ("steps", "log_every", "eval_every", "eval_batches", "ckpt_every", "keep_checkpoints",
-             "async_checkpoints", "heartbeat_secs", "mesh", "partitioner", "model.dcp_impl")
+             "async_checkpoints", "heartbeat_secs", "mesh", "partitioner", "model.dcp_impl", "optim.resume_schedule")
 
 
 def check_resume(saved: dict, given: dict, resumable: tuple[str, ...] = RESUMABLE, *, what: str = "this config") -> None:

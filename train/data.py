@@ -435,9 +435,14 @@ def load_corpus(data_cfg: DataConfig, *, tokenizer: Tokenizer | None = None) -> 
     elif prepared is not None:
         train, val = _take_docs(everything, starts, order), _read_split(cfg.train, "val", tok, cfg)
     else:
+        if len(order) < 2 <= len(starts):
+            raise ValueError(f"--data: data.max_docs={cfg.max_docs} keeps {len(order)} of the {len(starts)} documents, "
+                             "and holding out validation documents needs at least 2: raise data.max_docs or pass --val-data")
         if len(order) < 2:
-            raise ValueError(f"--data: the corpus has {len(order)} document(s); holding out validation documents "
-                             f"needs at least 2: add documents, raise data.max_docs, or pass --val-data")
+            raise ValueError(f"--data: the corpus has {len(order)} document(s), and holding out validation "
+                             f"documents needs at least 2: separate the documents of a .txt file by a line "
+                             f"{cfg.separator} (data.separator), give one file per document (a directory or a "
+                             f"glob), or pass --val-data")
         n_val = min(max(1, round(cfg.val_fraction * len(order))), len(order) - 1)
         train = _take_docs(everything, starts, order[n_val:])
         val = _take_docs(everything, starts, order[:n_val])

@@ -22,21 +22,40 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fox_jax.sharding import (batch_sharding, data_parallel_size, make_mesh, select_partitioner, state_shardings,
+                              under_mesh)
 from fox_jax.train import config as config_lib
 from fox_jax.train import data as data_lib
 from fox_jax.train.runs import open_run
-from fox_jax.train.loop import LMTask, evaluate, token_losses
+from fox_jax.train.loop import LMTask, evaluate, to_global, token_losses
 
 
-def per_position_loss(model, params, windows: dict, batch_size: int):
-    """Mean loss at each position over documents: ([T] float64 mean, [T] counts)."""
+def pad_rows(batch: dict, multiple: int) -> dict:
+    """Rows of a dict of [B, ...] arrays padded to a multiple of ``multiple`` with copies of the last row, whose
+    ``mask`` (when there is one) is zero: so a batch splits over a mesh's data axes (``--mesh``)."""
+    b = next(iter(batch.values())).shape[0]
+    extra = -b % multiple
+    if not extra:
+        return batch
+    out = {k: np.concatenate([v, np.repeat(v[-1:], extra, axis=0)]) for k, v in batch.items()}
+    if "mask" in out:
+        out["mask"][b:] = 0
+    return out
+
+
+def per_position_loss(model, params, windows: dict, batch_size: int, mesh=None):
+    """Mean loss at each position over documents: ([T] float64 mean, [T] counts); sharded over ``mesh``
+    (rows over data × fsdp) when given."""
     loss_fn = jax.jit(lambda p, b: token_losses(model, p, b))
+    sharding, multiple = None, 1
+    if mesh is not None:
+        loss_fn, sharding, multiple = under_mesh(mesh, loss_fn), batch_sharding(mesh), data_parallel_size(mesh)
     n = windows["inputs"].shape[0]
     total = np.zeros(windows["inputs"].shape[1])
     count = np.zeros_like(total)
     for i in range(0, n, batch_size):
-        batch = {k: v[i:i + batch_size] for k, v in windows.items()}
-        losses = np.asarray(loss_fn(params, {k: jnp.asarray(v) for k, v in batch.items() if k != "mask"}))
+        batch = pad_rows({k: v[i:i + batch_size] for k, v in windows.items()}, multiple)
+        losses = np.asarray(loss_fn(params, to_global({k: v for k, v in batch.items() if k != "mask"}, sharding)))
         mask = batch["mask"].astype(np.float64)
         total += (losses * mask).sum(0)
         count += mask.sum(0)
@@ -85,26 +104,32 @@ def plot_per_position(path: str, mean: np.ndarray, count: np.ndarray, title: str
     plt.close(fig)
 
 
-def policy_loss(model, params, windows: dict, batch_size: int, policy, slots=None, prefill_chunk: int = 512):
+def policy_loss(model, params, windows: dict, batch_size: int, policy, slots=None, prefill_chunk: int = 512,
+                mesh=None):
     """Per-position loss of the document windows under a cache policy (``token_losses_under_policy``: the
-    visibility prefill + decode have): ([T − 1] float64 mean, [T − 1] counts, rows that overflowed)."""
+    visibility prefill + decode have; sharded over ``mesh`` when given, the last batch padded to a multiple of
+    its data × fsdp size): ([T − 1] float64 mean, [T − 1] counts, rows that overflowed)."""
     from fox_jax.decoding import token_losses_under_policy
 
-    inputs, mask = windows["inputs"], windows["mask"][:, :-1].astype(np.float64)
-    total, count, overflowed = np.zeros(inputs.shape[1] - 1), np.zeros(inputs.shape[1] - 1), 0
-    for i in range(0, inputs.shape[0], batch_size):
-        nll, overflow = token_losses_under_policy(model, params, jnp.asarray(inputs[i:i + batch_size]),
-                                                  policy=policy, slots=slots, prefill_chunk=prefill_chunk)
-        m = mask[i:i + batch_size]
-        total += (np.asarray(nll, np.float64) * m).sum(0)
-        count += m.sum(0)
-        overflowed += int(np.sum(np.asarray(overflow) > 0))
+    multiple = 1 if mesh is None else data_parallel_size(mesh)
+    total, count, overflowed = np.zeros(windows["inputs"].shape[1] - 1), np.zeros(windows["inputs"].shape[1] - 1), 0
+    for i in range(0, windows["inputs"].shape[0], batch_size):
+        inputs = windows["inputs"][i:i + batch_size]
+        rows = pad_rows({"inputs": inputs, "mask": windows["mask"][i:i + batch_size, :-1].astype(np.float64)},
+                        multiple)
+        nll, overflow = token_losses_under_policy(model, params, jnp.asarray(rows["inputs"]), policy=policy,
+                                                  slots=slots, prefill_chunk=prefill_chunk, mesh=mesh)
+        total += (np.asarray(nll, np.float64) * rows["mask"]).sum(0)
+        count += rows["mask"].sum(0)
+        overflowed += int(np.sum(np.asarray(overflow)[:len(inputs)] > 0))
     return total / np.maximum(count, 1), count, overflowed
 
 
-def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64, prefill_chunk: int = 512) -> dict:
+def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64, prefill_chunk: int = 512,
+                    mesh=None) -> dict:
     """Teacher-forced perplexity of the first ``seq_len`` tokens of validation documents under a cache
-    policy next to the dense cache on the same tokens (``fox-jax eval --cache``)."""
+    policy next to the dense cache on the same tokens (``fox-jax eval --cache``; sharded over ``mesh`` when
+    given)."""
     from fox_jax.cache.policies import parse_policy
 
     spec = parse_policy(policy).spec
@@ -117,7 +142,7 @@ def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64,
         if name == "policy" and spec == "dense" and slots is None:
             out.update({k.replace("dense", "policy"): v for k, v in out.items() if k.startswith("dense")})
             break
-        mean, count, overflowed = policy_loss(model, params, windows, cfg.batch_size, pol, sl, prefill_chunk)
+        mean, count, overflowed = policy_loss(model, params, windows, cfg.batch_size, pol, sl, prefill_chunk, mesh)
         loss = float(np.sum(mean * count) / max(np.sum(count), 1))
         out.update({f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)), f"{name}_tokens": int(count.sum()),
                     f"{name}_overflow_rows": overflowed,
@@ -152,19 +177,26 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     if model_overrides:
         raise ValueError(f"eval cannot change the model ({', '.join(model_overrides)}): the checkpoint fixes it; "
                          "only data.* and batch settings may be overridden")
-    ignored = [o for o in overrides or [] if not o.startswith(("data.", "batch_size=", "eval_batches=", "mesh="))]
+    ignored = [o for o in overrides or [] if not o.startswith(("data.", "batch_size=", "eval_batches=", "mesh=",
+                                                               "partitioner="))]
     if ignored:
-        raise ValueError(f"eval takes only data.*, batch_size, eval_batches and mesh overrides; "
+        raise ValueError(f"eval takes only data.*, batch_size, eval_batches, mesh and partitioner overrides; "
                          f"{', '.join(ignored)} would have no effect")
     train_len = run.seq_len
     cfg = config_lib.apply_overrides(run.config, overrides or [])
+    # the mesh only when given now (--mesh / mesh=): the run's own is the training machine's
+    mesh = None
+    if any(o.startswith("mesh=") for o in overrides or []):
+        mesh = make_mesh(cfg.mesh or None)
+        select_partitioner(mesh, cfg.partitioner)
     if cache is not None:  # the policy's perplexity next to the dense cache's, on the same document windows
         from fox_jax.cache.policies import parse_policy
 
         policy = parse_policy(cache)  # a bad spec: before any parameter is read
         if policy.kind == "dcp" and not cfg.model.dcp:
             raise ValueError(f"--cache dcp needs a DCP model; {workdir} ({run.what}) has none")
-        report = evaluate_policy(run, cfg, run.load_params(), policy=policy, slots=kv_slots, num_docs=num_docs)
+        report = evaluate_policy(run, cfg, run.load_params(), policy=policy, slots=kv_slots, num_docs=num_docs,
+                                 mesh=mesh)
         out_dir = os.path.join(workdir, "eval")
         os.makedirs(out_dir, exist_ok=True)
         name = policy.spec.replace(":", "-").replace("+", "-")
@@ -180,10 +212,17 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
     model = cfg.model.build()
     batches = data_lib.make_val_batches(corpus, cfg.batch_size, num_batches or cfg.eval_batches)
     task = LMTask(cfg)
-    val_loss = evaluate(task, jax.jit(lambda p, b: task.eval_step(model, p, b)), params, batches)["val_loss"]
+    eval_fn, sharding = jax.jit(lambda p, b: task.eval_step(model, p, b)), None
+    if mesh is not None:
+        if cfg.batch_size % data_parallel_size(mesh):
+            raise ValueError(f"--batch-size {cfg.batch_size} does not split over the --mesh's data x fsdp = "
+                             f"{data_parallel_size(mesh)} devices; pass a multiple of it")
+        params = jax.device_put(params, state_shardings(mesh, params))
+        eval_fn, sharding = under_mesh(mesh, eval_fn), batch_sharding(mesh)
+    val_loss = evaluate(task, eval_fn, params, batches, sharding)["val_loss"]
     n_tokens = int(sum(b["targets"].size for b in batches))
     windows = data_lib.document_windows(corpus, num_docs)
-    mean, count = per_position_loss(model, params, windows, cfg.batch_size)
+    mean, count = per_position_loss(model, params, windows, cfg.batch_size, mesh)
 
     out_dir = os.path.join(workdir, "eval")
     os.makedirs(out_dir, exist_ok=True)

@@ -1,10 +1,12 @@
 """``fox-jax generate``: text from a run directory or a Hugging Face directory under a KV-cache policy.
 
-Prompts come from ``--prompt`` (repeatable) and ``--prompt-file`` (each file one prompt); they are encoded,
-left-padded into one batch and decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop)
+Prompts come from ``--prompt`` (repeatable) and ``--prompt-file`` (each file one prompt); they are encoded after
+an ``<|endoftext|>`` token (every training document starts with one), left-padded into one batch and decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop)
 under ``--cache POLICY`` with a pool of ``--kv-slots`` slots per row and layer, or the largest pool that fits
 ``--kv-budget`` GiB. Prints each continuation, then one JSON line: tokens/s, KV bytes (allocated, live at the
-end, peak live), mean live tokens per layer, overflow.
+end, peak live), mean live tokens per layer, overflow. ``--mesh`` shards the batch and the caches over devices
+(``fox_jax.decoding.generate(mesh=...)``; the batch is filled to a multiple of data × fsdp with copies of
+the last prompt, whose outputs are dropped).
 """
 
 from __future__ import annotations
@@ -56,11 +58,30 @@ def slots_for_budget(cfg, batch: int, budget_bytes: float) -> int:
     return int(budget_bytes // (per_slot * batch))
 
 
+def check_sampling_flags(temperature: float, top_k: int | None, top_p: float | None) -> None:
+    """The sampling flags of ``fox-jax generate``, checked before anything is read.
+
+    Raises:
+      ValueError: ``--temperature`` < 0, ``--top-k`` < 1, ``--top-p`` outside (0, 1], or ``--top-k`` /
+        ``--top-p`` with greedy decoding (``--temperature 0``), which would ignore them.
+    """
+    if not temperature >= 0:
+        raise ValueError(f"--temperature must be ≥ 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"--top-k must be a positive int, got {top_k}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"--top-p must be in (0, 1], got {top_p}")
+    if temperature == 0 and (top_k is not None or top_p is not None):
+        raise ValueError(f"{'--top-k' if top_k is not None else '--top-p'} samples, but --temperature 0 decodes "
+                         "greedily; give a --temperature > 0 (e.g. 0.8)")
+
+
 def cmd_generate(args) -> int:
     """The ``fox-jax generate`` handler."""
     import jax
 
     from fox_jax.decoding import cache_bytes, generate, min_slots, parse_policy
+    from fox_jax.sharding import data_parallel_size, make_mesh, select_partitioner
 
     prompts = list(args.prompt or [])
     for f in args.prompt_file or []:
@@ -68,6 +89,8 @@ def cmd_generate(args) -> int:
         if not p.is_file():
             raise FileNotFoundError(f"--prompt-file {f}: no such file")
         prompts.append(p.read_text(encoding="utf-8"))
+        if not prompts[-1].strip():
+            raise ValueError(f"--prompt-file {f} is empty (to generate from <|endoftext|> alone pass --prompt '')")
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or --prompt-file FILE")
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--kv-slots", args.kv_slots),
@@ -76,12 +99,24 @@ def cmd_generate(args) -> int:
             raise ValueError(f"{flag} must be a positive int, got {value}")
     if args.kv_slots is not None and args.kv_budget is not None:
         raise ValueError("give --kv-slots or --kv-budget, not both")
+    check_sampling_flags(args.temperature, args.top_k, args.top_p)
     policy = parse_policy(args.cache)
+    mesh = make_mesh(args.mesh) if args.mesh else None   # a bad --mesh: before any file is read
+    if mesh is not None:
+        select_partitioner(mesh, "auto")  # as training: GSPMD on multi-GPU meshes, so the kernels run per shard
     run, tok = load_for_decoding(args.run, step=args.step, policy=policy.spec, tokenizer=args.tokenizer)
     cfg = run.model
-    ids = [np.asarray(x, np.int32) for x in tok.encode_batch(prompts)]
-    if any(len(x) == 0 for x in ids):
-        raise ValueError("a prompt encodes to no tokens")
+    if args.top_k is not None and args.top_k > cfg.vocab_size:
+        raise ValueError(f"--top-k must be at most the model's {cfg.vocab_size} token ids, got {args.top_k}")
+    # every prompt starts with <|endoftext|>, as every training document does (fox_jax.train.data)
+    ids = [np.asarray([tok.eot_id, *x], np.int32) for x in tok.encode_batch(prompts)]
+    rows, longest = len(ids), max(len(x) for x in ids)
+    if cfg.max_positions is not None and longest + args.max_new_tokens - 1 > cfg.max_positions:
+        raise ValueError(f"the longest prompt ({longest} tokens with <|endoftext|>) and --max-new-tokens "
+                         f"{args.max_new_tokens} need {longest + args.max_new_tokens - 1} positions; the model has "
+                         f"{cfg.max_positions}: shorten the prompt or lower --max-new-tokens")
+    if mesh is not None:  # rows over data x fsdp: fill the batch with copies of the last prompt (dropped below)
+        ids += [ids[-1]] * (-rows % data_parallel_size(mesh))
     width = max(len(x) for x in ids)
     tokens = np.full((len(ids), width), tok.eot_id, np.int32)
     for i, x in enumerate(ids):
@@ -99,16 +134,17 @@ def cmd_generate(args) -> int:
     model = cfg.build()
     kwargs = dict(max_new_tokens=args.max_new_tokens, policy=policy, slots=slots, seq_start=seq_start,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_tokens=stops,
-                  rng=jax.random.PRNGKey(args.seed), prefill_chunk=args.prefill_chunk)
+                  rng=jax.random.PRNGKey(args.seed), prefill_chunk=args.prefill_chunk, mesh=mesh)
     start = time.perf_counter()
     out = generate(model, params, tokens, **kwargs)
-    new_tokens = np.asarray(out.tokens)
+    new_tokens = np.asarray(out.tokens)[:rows]
     seconds = time.perf_counter() - start
-    lengths = np.asarray(out.lengths)
+    lengths = np.asarray(out.lengths)[:rows]
+    ids = ids[:rows]
     for i, prompt in enumerate(prompts):
         text = tok.decode([t for t in new_tokens[i, :lengths[i]] if t != tok.eot_id])
         print(f"--- prompt {i} ({len(ids[i])} tokens) ---\n{prompt}\n--- generated ({lengths[i]} tokens) ---\n{text}")
-    live = np.asarray(out.live_counts)                                 # [N, L, B]
+    live = np.asarray(out.live_counts)[:, :, :rows]                    # [N, L, B]
     per_token = np.asarray([c.groups[0].entry_bytes * c.kv_heads for c in out.caches])  # bytes per live token
     steps = max(int(lengths.max()), 1)
     summary = {
@@ -117,11 +153,13 @@ def cmd_generate(args) -> int:
         "seconds": round(seconds, 3), "compile_included": True,
         "tokens_per_s": round(float(lengths.sum()) / seconds, 1),
         "slots": out.caches[0].capacity,
-        "kv_bytes_allocated": cache_bytes(out.caches)["allocated"],
-        "kv_bytes_live": cache_bytes(out.caches)["live"],
+        # the prompts' rows only (without the copies that fill a --mesh batch)
+        "kv_bytes_allocated": cache_bytes(out.caches)["allocated"] * rows // len(tokens),
+        "kv_bytes_live": int(round(sum(float(np.asarray(c.live_bytes())[:rows].sum()) for c in out.caches))),
         "kv_bytes_peak_live": int((live[:steps] * per_token[None, :, None]).sum(axis=(1, 2)).max()),
         "mean_live_tokens_per_layer": [round(float(x), 1) for x in live[steps - 1].mean(axis=1)],
-        "overflow": np.asarray(out.overflow).tolist(),
+        "overflow": np.asarray(out.overflow)[:rows].tolist(),
+        **({"mesh": dict(mesh.shape), "padded_rows": len(tokens) - rows} if mesh is not None else {}),
     }
     if any(summary["overflow"]):
         print(f"warning: the KV pool ({summary['slots']} slots per row) was too small for cache policy {policy.spec}: "
@@ -132,4 +170,4 @@ def cmd_generate(args) -> int:
     return 0
 
 
-__all__ = ["cmd_generate", "load_for_decoding", "slots_for_budget"]
+__all__ = ["check_sampling_flags", "cmd_generate", "load_for_decoding", "slots_for_budget"]

@@ -59,14 +59,62 @@ def weight_decay_mask(params) -> Any:
 
 def make_schedule(cfg: config_lib.ExperimentConfig) -> optax.Schedule:
     """Linear warmup 0 → lr over ``warmup_steps``, then (``optim.schedule``) a cosine decay to
-    ``min_lr_ratio·lr`` at ``steps``, or constant."""
+    ``min_lr_ratio·lr`` at ``steps``, or constant. A run resumed with ``optim.resume_schedule`` continue or
+    rewarm has several segments (``optim.schedule_segments``), each this schedule from its start to its end
+    (``optax.join_schedules``)."""
     o = cfg.optim
-    if o.schedule == "constant":
-        return optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else optax.constant_schedule(o.lr)
-    warmup = min(o.warmup_steps or 0, max(cfg.steps - 1, 0))
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
-        decay_steps=max(cfg.steps, warmup + 1), end_value=o.lr * o.min_lr_ratio)
+
+    def one(length: int) -> optax.Schedule:
+        if o.schedule == "constant":
+            return optax.linear_schedule(0.0, o.lr, o.warmup_steps) if o.warmup_steps else optax.constant_schedule(o.lr)
+        warmup = min(o.warmup_steps or 0, max(length - 1, 0))
+        return optax.warmup_cosine_decay_schedule(
+            init_value=0.0, peak_value=o.lr, warmup_steps=warmup,
+            decay_steps=max(length, warmup + 1), end_value=o.lr * o.min_lr_ratio)
+
+    segments = o.segments(cfg.steps)
+    if len(segments) == 1:
+        return one(segments[0][1])
+    return optax.join_schedules([one(end - start) for start, end in segments], [start for start, _ in segments[1:]])
+
+
+def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.ExperimentConfig,
+                    step: int) -> config_lib.ExperimentConfig:
+    """The config a resume at ``step`` continues with when ``--steps`` changed: ``optim.schedule_segments`` set
+    for ``optim.resume_schedule`` (continue: the old schedule's last segment keeps its end; rewarm: besides, a
+    new segment starts at ``step``; stretch: unchanged, the schedule follows the new steps), and a line
+    saying how the learning rate moves at ``step``. Segments that start after ``step`` (a continuation
+    abandoned by ``--resume-step``) are dropped. Unchanged steps, or none left to train: ``cfg`` as it is."""
+    o = cfg.optim
+    kept = tuple(e for e in o.schedule_segments if int(str(e).partition(":")[0]) <= step)
+    if kept != o.schedule_segments:
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(o, schedule_segments=kept))
+    if saved.steps == cfg.steps or step >= cfg.steps:
+        return cfg
+    segments = [f"{a}:{b}" for a, b in dataclasses.replace(saved.optim, schedule_segments=kept).segments(saved.steps)]
+    if o.resume_schedule == "continue":
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_segments=tuple(segments)))
+    elif o.resume_schedule == "rewarm":
+        if int(segments[-1].partition(":")[0]) == step:
+            segments = segments[:-1]
+        cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_segments=(*segments, str(step))))
+    with jax.default_device(jax.devices("cpu")[0]):
+        before = float(make_schedule(saved)(max(step - 1, 0)))
+        after = float(make_schedule(cfg)(step))
+    what = {"stretch": "recomputed for the new steps (optim.resume_schedule=stretch)",
+            "continue": "the old one (optim.resume_schedule=continue)",
+            "rewarm": f"warming up again from 0 over {min(o.warmup_steps or 0, max(cfg.steps - step - 1, 0))} steps "
+                      "(optim.resume_schedule=rewarm)"}
+    msg = (f"--resume with --steps {cfg.steps} (the run had {saved.steps}): the learning-rate schedule is "
+           f"{what[o.resume_schedule]}; step {step} ran at lr {before:.3g}, step {step + 1} runs at {after:.3g}")
+    if o.resume_schedule == "stretch":
+        msg += "; --resume-schedule continue keeps the old schedule, rewarm warms up again"
+    elif o.resume_schedule == "continue" and o.schedule == "cosine" and o.min_lr_ratio == 0:
+        end = int(segments[-1].partition(":")[2])
+        msg += (f" (its cosine ends at 0 at step {end}: the steps after it train at lr 0; --resume-schedule rewarm "
+                "warms up again)")
+    log("warning: " + msg if abs(after - before) > 0.1 * o.lr else msg)  # a jump of more than 10% of the peak
+    return cfg
 
 
 def make_optimizer(cfg: config_lib.ExperimentConfig,
@@ -322,13 +370,14 @@ def resume_config(saved: config_lib.ExperimentConfig, given: config_lib.Experime
     """The config a resume continues with: the saved run's, with ``RESUMABLE`` fields from ``given``.
 
     Fields ``given`` leaves to be resolved (None, and the model's vocabulary, which the tokenizer sets)
-    are not compared.
+    are not compared, nor ``optim.schedule_segments`` (the saved run's schedule history; ``resume_schedule``).
 
     Raises:
       ValueError: ``given`` differs from the saved run's outside ``RESUMABLE`` (``config_lib.check_resume``).
     """
     a, b = config_lib.to_dict(saved), config_lib.to_dict(given)
     b["model"]["vocab_size"] = a["model"]["vocab_size"]
+    b["optim"]["schedule_segments"] = a["optim"].get("schedule_segments", ())  # the run's history (resume_schedule)
 
     def fill(x, y):  # None in y: taken from x
         return {k: (fill(x.get(k, {}), v) if isinstance(v, dict) and isinstance(x.get(k), dict)
@@ -377,7 +426,10 @@ def run(cfg: config_lib.ExperimentConfig, workdir: str, task: Callable[[Any], An
     if resume and not has_ckpt:
         log(f"--resume: no checkpoint in {ckpt_dir}; starting a new run")
     if has_ckpt and os.path.exists(cfg_path):
-        cfg = resume_config(config_lib.load_json(cfg_path), cfg)
+        saved = config_lib.load_json(cfg_path)
+        cfg = resume_config(saved, cfg).resolved()
+        step = resume_step if resume_step is not None else max(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
+        cfg = resume_schedule(saved.resolved(), cfg, step)
     cfg = cfg.resolved()
     task = task(cfg)
 

@@ -84,6 +84,15 @@ class SlotGroup:
         """[B] float32 live (slot, key/value head) entries per row."""
         return jnp.sum(self.live, axis=1, dtype=jnp.float32) * (self.k.shape[1] // self.pos.shape[1])
 
+    def logical_axes(self) -> "SlotGroup":
+        """This group's structure with a tuple of logical axis names per array (``fox_jax.sharding``): batch
+        over ``batch``, key/value heads over ``kv_heads`` (per-head slot tables too), the rest replicated."""
+        table = ("batch", "kv_heads" if self.pos.shape[1] > 1 else None, None)
+        lam = None if self.lam_hi is None else ("batch", "kv_heads", None, None)
+        return self.replace(k=("batch", "kv_heads", None, None), v=("batch", "kv_heads", None, None), pos=table,
+                            lam_hi=lam, lam_lo=lam, k_int=None if self.k_int is None else ("batch", None, None),
+                            live=table[:2], peak=(None,))
+
     @property
     def entry_bytes(self) -> int:
         """Bytes of one (slot, key/value head) entry: k, v and the Λ pairs of its query heads (k_int
@@ -131,6 +140,14 @@ class SlotKVCache:
     def capacity(self) -> int:
         """The largest slot count of a group (the most tokens one head can hold)."""
         return max(g.slots for g in self.groups)
+
+    def logical_axes(self) -> "SlotKVCache":
+        """This cache's structure with a tuple of logical axis names per array, e.g. k/v [B, n, S, D] →
+        ("batch", "kv_heads", None, None); ``fox_jax.sharding.cache_shardings`` maps them onto a mesh."""
+        lam = None if self.lam_hi is None else ("batch", "heads")
+        shift = None if self.k_shift is None else ("batch", "kv_heads", None)
+        return self.replace(groups=tuple(g.logical_axes() for g in self.groups), length=(), seq_start=("batch",),
+                            lam_hi=lam, lam_lo=lam, k_shift=shift, v_shift=shift, overflow=("batch",))
 
     def live_count(self) -> jax.Array:
         """[B] float32 live tokens per row, averaged over the key/value heads."""

@@ -33,6 +33,7 @@ from jax import lax
 
 from fox_jax.cache.policies import CachePolicy, parse_policy
 from fox_jax.ops._common import check_seq_start
+from fox_jax.sharding import place_for_decoding, under_mesh
 
 
 class Generation(NamedTuple):
@@ -335,7 +336,7 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
 
 def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense", slots=None, seq_start=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, stop_tokens=(),
-             rng: jax.Array | None = None, prefill_chunk: int = 512) -> Generation:
+             rng: jax.Array | None = None, prefill_chunk: int = 512, mesh=None) -> Generation:
     """Autoregressive generation under a cache policy, prefill and decode loop in one jitted program.
 
     Token i is sampled with key ``fold_in(rng, i)``, so the result does not depend on the prefill chunking.
@@ -355,6 +356,10 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
       prefill_chunk: prompt tokens per prefill chunk for ``dcp``, ``acp`` and ``sinks`` (the prompt is left-padded
         to a multiple of it); ``dense`` and ``window`` prefill the whole prompt at once with the flash
         attention op.
+      mesh: a ``jax.sharding.Mesh`` (``fox_jax.sharding.make_mesh``) to run sharded on, as training: params by
+        the training rules, prompt rows over ``data`` × ``fsdp``, caches by their ``logical_axes()`` (rows over
+        ``data`` × ``fsdp``, key/value heads over ``tensor``); B must be a multiple of data × fsdp. The tokens
+        equal the unsharded ones (docs/multi_gpu.md). None: wherever the inputs are (one device).
 
     Returns:
       ``Generation(tokens, lengths, live_counts, overflow, caches)``.
@@ -362,7 +367,7 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     Raises:
       ValueError: bad arguments (one line each): an unknown policy, a pool too small for one sequence,
         positions beyond the model's ``max_positions`` (GPT-2's n_positions), a policy the model cannot
-        run (``dcp`` without DCP weights, ``acp`` without forget gates).
+        run (``dcp`` without DCP weights, ``acp`` without forget gates), a batch the mesh's data axes do not divide.
       TypeError: not a fox_jax model.
     """
     tokens = _check_tokens(prompt_tokens, "prompt_tokens")
@@ -386,8 +391,12 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     rng = jax.random.PRNGKey(0) if rng is None else rng
     context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
     tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context)
-    return _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
-                     None if top_p is None else float(top_p), stop_tokens)
+    run = _generate
+    if mesh is not None:
+        params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
+        run = under_mesh(mesh, _generate)
+    return run(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
+               None if top_p is None else float(top_p), stop_tokens)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))
@@ -398,7 +407,7 @@ def _score(model, params, tokens, caches, chunk):
 
 
 def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=None, seq_start=None,
-                              prefill_chunk: int = 512) -> tuple[jax.Array, jax.Array]:
+                              prefill_chunk: int = 512, mesh=None) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced next-token losses with exactly the visibility generation has under ``policy``.
 
     The tokens are fed through the caches in chunks (the prefill path of ``generate``), so every
@@ -406,7 +415,7 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
 
     Args:
       tokens: [B, T] int (T ≥ 2), left-padded; seq_start: optional [B] int pads.
-      policy, slots, prefill_chunk: as ``generate`` (default pool: ``min_slots(policy, T)``).
+      policy, slots, prefill_chunk, mesh: as ``generate`` (default pool: ``min_slots(policy, T)``).
 
     Returns:
       (nll [B, T − 1] float32, the loss of token t + 1 given tokens ≤ t (meaningless where token t is a
@@ -417,7 +426,11 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     if t < 2:
         raise ValueError(f"tokens must have T ≥ 2 to score a next token, got {tokens.shape}")
     padded, caches, chunk = _fresh_caches(model, tokens, parse_policy(policy), slots, seq_start, prefill_chunk, t)
-    nll, caches = _score(model, params, padded, caches, chunk)
+    score = _score
+    if mesh is not None:
+        params, padded, caches = place_for_decoding(mesh, params, padded, caches)
+        score = under_mesh(mesh, _score)
+    nll, caches = score(model, params, padded, caches, chunk)
     overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
     return nll[:, padded.shape[1] - t:][:, :-1], overflow
 
