@@ -43,7 +43,7 @@ Requests, as lm-eval's Hugging Face model handles them:
   window with as much preceding context as fits (lm-eval's ``get_rolling_token_windows`` with
   ``context_len=1``, ``<|endoftext|>`` before the first token); the sum over all tokens.
 - ``generate_until``: prompts left-truncated to ``max_length − max_gen_toks`` tokens, left-padded to a
-  power-of-two width, decoded by ``fox_jax.decoding.generate`` under ``cache`` (greedy unless the task sets
+  power-of-two width (the KV pool sized for that width, so batches share one compiled program), decoded by ``fox_jax.decoding.generate`` under ``cache`` (greedy unless the task sets
   ``do_sample``/``temperature``; ``top_k``/``top_p`` pass through); rows stop at ``<|endoftext|>`` and at
   stop strings that are one token; the text is cut at the first stop string (lm-eval's ``until``).
 
@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -251,7 +252,7 @@ class FoxJaxLM(TemplateLM):
         """Continuations of ``Instance.args == (context, gen_kwargs)`` under the ``cache`` policy."""
         import jax
 
-        from fox_jax.decoding import generate
+        from fox_jax.decoding import generate, min_slots
         from fox_jax.train.progress import progress_bar
 
         eos = self.tok_decode([self.eot_token_id])
@@ -290,8 +291,10 @@ class FoxJaxLM(TemplateLM):
                     enc = self._tok.encode_batch([s])[0] if s else []
                     if len(enc) == 1:
                         stops.add(int(enc[0]))
+                # the pool for the padded width (not the batch's longest prompt): one compiled program per width
+                slots = min_slots(self.policy, width + max_new - 1)
                 gen = generate(self.model, self.params, tokens, max_new_tokens=max_new, policy=self.policy,
-                               seq_start=seq_start, temperature=temperature, top_k=kwargs.get("top_k"),
+                               slots=slots, seq_start=seq_start, temperature=temperature, top_k=kwargs.get("top_k"),
                                top_p=kwargs.get("top_p"), stop_tokens=tuple(sorted(stops)),
                                rng=jax.random.PRNGKey(self.seed), prefill_chunk=self.prefill_chunk)
                 new, lengths = np.asarray(gen.tokens), np.asarray(gen.lengths)
@@ -390,6 +393,7 @@ def cmd_zeroshot_lm_eval(args) -> int:
         raise ValueError(f"--dcp needs a DCP model: {source} ({opened.what}) has no DCP parameters")
     lm = FoxJaxLM(run=source, step=args.step, batch_size=args.batch_size, cache="dcp" if args.dcp else "dense",
                   max_length=args.max_length, tokenizer=args.tokenizer)
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in-process: no fork under JAX
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # the table is the output; lm-eval's warnings stay
     logging.getLogger("lm_eval.api.task").addFilter(_NoCustomDatasetHint())
     out = lm_eval.simple_evaluate(model=lm, tasks=[HARNESS_TASKS[n] for n in names], limit=args.limit,
@@ -407,6 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     """lm-eval's command line with ``fox_jax`` registered; adds ``--include_path TASKS_DIR`` when absent."""
     from lm_eval.__main__ import cli_evaluate
 
+    os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in-process: no fork under JAX
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not any(a.split("=")[0] == "--include_path" for a in argv):
         argv += ["--include_path", str(TASKS_DIR)]
