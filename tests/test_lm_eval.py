@@ -183,6 +183,8 @@ def test_model_argument_errors(tmp_path, tiny):
     with pytest.raises(ValueError, match="--tasks: unknown task.*mmlu"):
         lm_eval_model.parse_harness_tasks("piqa,mmlu")
     assert lm_eval_model.parse_harness_tasks("all,wikitext2")[-2:] == ["boolq", "wikitext2"]
+    with pytest.raises(FileNotFoundError, match="eval_dir .*nowhere: no such directory"):
+        lm_eval_model.task_manager(tmp_path / "nowhere").load(["fox_copa"])
 
 
 def test_missing_lm_eval_is_one_line(monkeypatch, capsys):

@@ -17,7 +17,8 @@ Model arguments (``--model_args k=v,...`` or ``FoxJaxLM(**kwargs)``):
 ``run``         a run of ``fox-jax train`` / ``finetune-dcp``, or a Hugging Face GPT-2 / official FoX
                 directory (anything ``fox_jax.train.runs.open_run`` reads); required
 ``step``        checkpoint step (default: the latest)
-``batch_size``  rows per forward pass / generate call (default 8; lm-eval's ``--batch_size`` too)
+``batch_size``  rows per forward pass / generate call (``FoxJaxLM`` default 8; on lm-eval's command line
+                ``--batch_size``, default 1, unless ``--model_args`` gives it)
 ``cache``       KV-cache policy of ``generate_until`` (``dense``, ``dcp``, ``acp``, ``acp:LOG_EPS``,
                 ``window:W``, ``sinks:S+W``; default dense). ``dcp`` also scores log-likelihoods with the
                 DCP model (its α = ∞ step mask); every other policy keeps the dense weights, and
@@ -68,7 +69,7 @@ try:
     from lm_eval.api.model import TemplateLM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import Collator, handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError as e:  # the optional extra
     raise MissingExtraError(f'lm-eval is not installed ({e}); install it with: pip install -e ".[eval]"') from None
 
@@ -138,6 +139,18 @@ class FoxJaxLM(TemplateLM):
         self._setup(opened.model, opened.load_params(), tok, max_length=max_length, batch_size=batch_size,
                     policy=policy, max_gen_toks=max_gen_toks, prefill_chunk=prefill_chunk, seed=seed)
         self.run = opened
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "FoxJaxLM":
+        """``--model_args k=v,...``; see ``create_from_arg_obj``."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "FoxJaxLM":
+        """The model of ``arg_dict``; lm-eval's own settings (``--batch_size``, ``--device``, ...) fill in only
+        what ``arg_dict`` leaves out (lm-eval's base class would pass ``batch_size`` twice)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
 
     @classmethod
     def from_params(cls, cfg, params, tokenizer, *, max_length: int | None = None, batch_size: int = 8,
