@@ -24,7 +24,7 @@ import json
 import math
 
 from fox_jax.train import config as config_lib
-from fox_jax.train.commands import GPT2_FLAGS, PATH_KEYS, alias_flags, build_parser, flag_dest
+from fox_jax.train.commands import GPT2_FLAGS, PATH_KEYS, MissingExtraError, alias_flags, build_parser, flag_dest
 
 
 def explicit_overrides(args) -> list[str]:
@@ -226,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
                if e.intact_step is not None and command in _STEP_FLAGS else None)
         print(f"fox-jax {command}: error: {e.describe(how)}", file=sys.stderr)
         return 2
-    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError) as e:
+    except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError,
+            MissingExtraError) as e:
         print(f"fox-jax {command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -17,9 +17,25 @@ from fox_jax.cache.policies import POLICY_FORMS
 from fox_jax.train import config as config_lib
 
 ZEROSHOT_TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc_challenge", "copa", "boolq")
+# fox-jax zeroshot --harness: the scorer that runs the tasks, as the handler of the command
+ZEROSHOT_HARNESSES = {"fox-jax": "fox_jax.train.zeroshot:cmd_zeroshot",
+                      "lm-eval": "fox_jax.train.lm_eval_model:cmd_zeroshot_lm_eval"}
 DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided target sparsities
 DCP_NAME = "dcp_interaction.safetensors"  # = fox_jax.models.hf_gpt2.DCP_NAME (checked by the tests)
 BYTES_VOCAB = 257  # = fox_jax.train.tokenizers.ByteTokenizer.vocab_size (checked by the tests)
+
+
+class MissingExtraError(ImportError):
+    """An optional dependency a command needs is not installed; the message is one line naming the
+    ``pip install`` that adds it (``fox_jax.train.cli`` prints it and exits with 2)."""
+
+
+class _Harness(argparse.Action):
+    """``--harness NAME``: stores NAME and makes ``ZEROSHOT_HARNESSES[NAME]`` the command's handler."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        namespace.handler = ZEROSHOT_HARNESSES[value]
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -241,10 +257,12 @@ def _add_finetune_dcp(sub) -> None:
 
 
 def _add_zeroshot(sub) -> None:
-    """``fox-jax zeroshot`` (handler ``fox_jax.train.zeroshot.cmd_zeroshot``)."""
+    """``fox-jax zeroshot`` (handler ``fox_jax.train.zeroshot.cmd_zeroshot``, or with ``--harness lm-eval``
+    ``fox_jax.train.lm_eval_model.cmd_zeroshot_lm_eval``)."""
     z = sub.add_parser("zeroshot", help="zero-shot accuracy (LAMBADA, PIQA, WinoGrande, HellaSwag, ARC, ...)",
                        formatter_class=_Formatter,
-                       description="Zero-shot log-likelihood scoring of a model on local task files (JSONL).")
+                       description="Zero-shot log-likelihood scoring of a model on local task files (JSONL), by "
+                       "the built-in scorer or by lm-evaluation-harness (--harness lm-eval); same table and JSON.")
     src = z.add_mutually_exclusive_group(required=True)
     src.add_argument("--workdir", help="a run of 'fox-jax train' (FoX/Transformer) or 'fox-jax finetune-dcp', or a "
                      "Hugging Face GPT-2 / official FoX directory (official FoX: give --max-length)")
@@ -253,7 +271,12 @@ def _add_zeroshot(sub) -> None:
                    "--from-run run) with its interaction params and the α=∞ step mask (default: dense "
                    "attention, DCP params ignored)")
     z.add_argument("--step", type=int, help="checkpoint step for --workdir (default: latest)")
-    z.add_argument("--tasks", default="all", help=f"comma-separated: {','.join(ZEROSHOT_TASKS)} (default all)")
+    z.add_argument("--tasks", default="all", help=f"comma-separated: {','.join(ZEROSHOT_TASKS)} (default all); "
+                   "with --harness lm-eval also wikitext2 (rolling log-likelihood)")
+    z.add_argument("--harness", choices=tuple(ZEROSHOT_HARNESSES), default="fox-jax", action=_Harness,
+                   help="fox-jax: the built-in scorer (no extra dependency; DCP sparsity per task); lm-eval: "
+                   "EleutherAI's lm-evaluation-harness on the same local files (pip install -e \".[eval]\"; "
+                   "model 'fox_jax', tasks in train/lm_eval_tasks) (default %(default)s)")
     z.add_argument("--limit", type=int, help="score only the first N examples of each task")
     z.add_argument("--eval-dir", help="directory of the eval sets (default: ../shared/data/eval)")
     z.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files in --hf-gpt2)")

@@ -273,7 +273,7 @@ def encode_pairs(tokenizer, pairs: Sequence[tuple[str, str]]) -> list[tuple[np.n
     return out
 
 
-def _bucket(n: int, max_length: int) -> int:
+def bucket_length(n: int, max_length: int) -> int:
     """Padded model-input length: the next power of two ≥ n (at least 16), capped at max_length."""
     return min(max(16, 1 << max(n - 1, 0).bit_length()), max_length)
 
@@ -324,7 +324,7 @@ def score_requests(
     with progress_bar(total=n, desc=desc, unit="req", progress=progress, leave=False) as bar:
         for start in range(0, n, batch_size):
             idx = order[start:start + batch_size]
-            t = _bucket(max(len(rows[i]) for i in idx) - 1, max_length) + 1
+            t = bucket_length(max(len(rows[i]) for i in idx) - 1, max_length) + 1
             tokens = np.full((batch_size, t), pad_id, np.int32)
             lengths = np.zeros(batch_size, np.int32)
             for r, i in enumerate(idx):
@@ -617,28 +617,42 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
     return scorer, tokenizer, max_length, desc
 
 
-def cmd_zeroshot(args) -> int:
-    """The ``fox-jax zeroshot`` handler: print a table and write the JSON report."""
-    tasks = parse_tasks(args.tasks)
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+def resolve_eval_dir(args) -> Path:
+    """``--eval-dir``, else ``default_eval_dir()``. Raises FileNotFoundError (naming --eval-dir) when absent."""
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
     if not eval_dir.is_dir():
         raise FileNotFoundError(f"--eval-dir {eval_dir}: no such directory (the shared/data/eval sets)")
-    scorer, tokenizer, max_length, desc = load_scorer(args)
-    results = evaluate_tasks(scorer, tokenizer, tasks, eval_dir, limit=args.limit, batch_size=args.batch_size,
-                             max_length=max_length, progress=not args.no_progress)
+    return eval_dir
+
+
+def write_report(args, desc: dict, report: dict, results: dict[str, dict[str, float]], *, stem: str = "zeroshot") -> Path:
+    """Write ``{**desc, **report, "results": results}`` as JSON to ``--output``, else next to the run's other
+    evaluations (``<workdir>/eval/<stem>[_dcp].json`` for runs with checkpoints, ``<dir>/<stem>[_dcp].json``
+    for a Hugging Face directory); print the table and the path. Returns the path."""
     suffix = "_dcp" if desc["dcp"] else ""
     if args.output:
         output = Path(args.output)
     elif "step" in desc:  # a run with checkpoints: next to its other evaluations
-        output = Path(desc["source"]) / "eval" / f"zeroshot{suffix}.json"
+        output = Path(desc["source"]) / "eval" / f"{stem}{suffix}.json"
     else:  # a Hugging Face directory
-        output = Path(desc["source"]) / f"zeroshot{suffix}.json"
+        output = Path(desc["source"]) / f"{stem}{suffix}.json"
     output.parent.mkdir(parents=True, exist_ok=True)
-    report = {**desc, "max_length": max_length, "limit": args.limit, "eval_dir": str(eval_dir), "results": results}
-    output.write_text(json.dumps(report, indent=2) + "\n")
+    output.write_text(json.dumps({**desc, **report, "results": results}, indent=2) + "\n")
     print(format_table(results))
     print(f"wrote {output}")
     sys.stdout.flush()
+    return output
+
+
+def cmd_zeroshot(args) -> int:
+    """The ``fox-jax zeroshot`` handler (``--harness fox-jax``, the default): print a table and write the JSON
+    report. ``--harness lm-eval`` runs ``fox_jax.train.lm_eval_model.cmd_zeroshot_lm_eval`` instead."""
+    tasks = parse_tasks(args.tasks)
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    eval_dir = resolve_eval_dir(args)
+    scorer, tokenizer, max_length, desc = load_scorer(args)
+    results = evaluate_tasks(scorer, tokenizer, tasks, eval_dir, limit=args.limit, batch_size=args.batch_size,
+                             max_length=max_length, progress=not args.no_progress)
+    write_report(args, desc, {"max_length": max_length, "limit": args.limit, "eval_dir": str(eval_dir)}, results)
     return 0
