@@ -15,10 +15,11 @@ Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first real to
 
 Pool size (``slots``): by default what the policy can ever need for the prompt plus the new tokens
 (``min_slots``: everything for dense/dcp/acp, W for ``window:W``, S + W for ``sinks:S+W``), so
-nothing overflows. A smaller pool is the fixed KV budget: ``dense``/``window``/``sinks`` need at least
-``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp`` keep a
-data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches count
-(``Generation.overflow``; the tokens are then not the policy's and the CLI says so).
+nothing overflows; every cache rounds its capacity up to a multiple of ``RING_BLOCK`` (the decode kernel's
+block). A smaller pool is the fixed KV budget: a policy with a ``fixed_budget`` (dense, window, sinks) needs
+at least ``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp``
+keep a data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches
+count (``Generation.overflow``; the tokens are then not the policy's and the CLI says so).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.cache.policies import CachePolicy, parse_policy
+from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.ops._common import check_seq_start
 
 
@@ -45,6 +46,8 @@ class Generation(NamedTuple):
         the caches that produced each token; rows after the loop stopped repeat the last value.
       overflow: [B] int32 entries the pool had no slot for (0: the output is exactly the policy's).
       caches: the final per-layer caches (continue with ``extend`` / ``generate(..., caches=...)``).
+      provable (property): whether the policy's promise holds for this model (``CachePolicy.provable``;
+        False: ``acp`` ran as a heuristic).
     """
 
     tokens: jax.Array
@@ -52,6 +55,10 @@ class Generation(NamedTuple):
     live_counts: jax.Array
     overflow: jax.Array
     caches: tuple
+
+    @property
+    def provable(self) -> bool:
+        return all(c.provable for c in self.caches)
 
 
 def _config(model):
@@ -74,10 +81,11 @@ def init_cache(model, batch_size: int, slots, *, policy="dense", seq_start=None,
     return _config(model).init_cache(batch_size, slots, policy=policy, seq_start=seq_start, max_context=max_context)
 
 
-def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = 8, max_groups: int = 3):
+def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = RING_BLOCK, max_groups: int = 3):
     """A pool sized from what caches actually held (their ``peak`` live counts, e.g. after generating or
     scoring representative text under a ``dcp`` or ``acp`` policy): per layer an int, or for per-head
-    tables (``acp``) one count per key/value head, each ⌈peak · margin⌉ rounded up to ``multiple``.
+    tables (``acp``) one count per key/value head, each ⌈peak · margin⌉ rounded up to ``multiple`` (the
+    caches round to ``RING_BLOCK`` in any case).
 
     With per-head counts, the heads of a layer are binned into at most ``max_groups`` sizes (the sorted
     sizes cut at their largest gaps, each bin sized by its largest head): every distinct size is one more
@@ -139,7 +147,7 @@ def _check_slots(policy: CachePolicy, slots, context: int) -> None:
     if isinstance(slots, int):
         if slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots}")
-        if policy.kind in ("dense", "window", "sinks") and slots < need:
+        if policy.fixed_budget and slots < need:
             raise ValueError(f"the KV pool is too small for one sequence: cache policy {policy.spec} needs {need} slots "
                              f"per row and layer for the {context} tokens fed (prompt + new tokens − 1, the last "
                              f"sample is never fed back), got {slots}")
@@ -177,9 +185,11 @@ def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     if b != cache.seq_start.shape[0]:
         raise ValueError(f"tokens must be [B, T] with B = {cache.seq_start.shape[0]} (the caches' batch), got {tokens.shape}")
     fed = int(cache.length) + t
-    if cache.policy.kind == "dense" and fed - int(jnp.min(cache.seq_start)) > cache.capacity:
-        raise ValueError(f"the dense KV cache is full: {int(cache.length)} tokens fed, {t} more requested, "
-                         f"{cache.capacity} slots per row")
+    policy = cache.policy
+    if policy.fixed_budget and policy.max_live(fed - int(jnp.min(cache.seq_start))) > cache.capacity:
+        raise ValueError(f"the KV cache is full: cache policy {policy.spec} would hold "
+                         f"{policy.max_live(fed - int(jnp.min(cache.seq_start)))} tokens per row after {int(cache.length)} "
+                         f"columns fed and {t} more, the cache holds {cache.capacity}")
     _check_positions(_config(model), cache.seq_start, fed)
     return _forward(model, params, tokens, caches)
 
@@ -260,9 +270,9 @@ def _fresh_caches(model, tokens, policy: CachePolicy, slots, seq_start, prefill_
 
 
 def _chunk_size(policy: CachePolicy, prefill_chunk: int, t: int) -> int:
-    """Prefill chunk: the whole prompt where a fresh cache runs the flash op over it (``dense``, ``window``:
-    linear memory), else ``prefill_chunk`` (the masked pool path holds [chunk, pool] scores)."""
-    return t if policy.kind in ("dense", "window") else min(prefill_chunk, t)
+    """Prefill chunk: the whole prompt where a fresh cache runs the flash op over it (a policy with a
+    ``flash_prefill`` form: linear memory), else ``prefill_chunk`` (the masked path holds [chunk, cache] scores)."""
+    return t if policy.flash_prefill() is not None else min(prefill_chunk, t)
 
 
 def _left_pad(tokens, seq_start, chunk: int):

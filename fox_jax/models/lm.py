@@ -153,10 +153,11 @@ class LanguageModelModules(FamilyModules):
     module = LanguageModel
 
     def cache_layout(self, cfg) -> dict:
-        """k/v of ``kv_heads`` heads, forget gates for FoX, KV-shift states for Pro, k_int with DCP."""
+        """k/v of ``kv_heads`` heads, forget gates for FoX, KV-shift states for Pro, k_int with DCP, and
+        whether the logits are bounded by QK-norm weights."""
         return dict(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head,
                     forget_gate=cfg.use_fgate, kv_shift=cfg.kv_shift,
-                    interaction_dim=cfg.interaction_dim if cfg.dcp else None)
+                    interaction_dim=cfg.interaction_dim if cfg.dcp else None, qk_norm=cfg.qk_norm)
 
 
 register_family(ModelConfig.model_type, LanguageModelModules())
