@@ -1,7 +1,7 @@
 """Decoding: the caches against an independent numpy reference for every cache policy (property based), ring
 wrap-around and per-head ACP starts, ACP's ε bound, the heuristic ACP's independence of the chunking, float32
 decays at 64k tokens; the policy objects; the engine (``fox_jax.decoding``) against the models' full forward for
-every family and policy, and ``generate``'s options and errors.
+every family and policy, precast weights, and ``generate``'s options and errors.
 
 Tolerances: float32 everywhere with HIGHEST-precision matmuls (``fox_jax.ops._common.dot_precision``). The
 layer-level references are float64 and see O(1) logits over ≤ 25 keys, so the caches' float32 softmax is
@@ -459,6 +459,10 @@ def test_acp_eviction_stays_within_epsilon_of_dense():
         if policy != "dense":
             held = np.asarray(cache.groups[0].held_positions(cache) >= 0).sum(2)   # [B, Hkv]: per-head suffixes
             assert np.all(held[:, 0] < t / 2) and np.all(held[:, 1] == t)  # kv head 1 reads a head that never forgets
+            # δ came from the first chunk's bound and stays in the cache: a later step needs no facts (so a
+            # decode step recomputes nothing from the QK-norm weights)
+            np.testing.assert_allclose(cache.state.delta, acp_ops.threshold_from_bound(u, t, log_eps), rtol=1e-6)
+            attend(cache, *(jnp.asarray(x[:, :1]) for x in (q, k, v, lf)))
     # the dropped weight per query head, from the dense float64 weights
     pos = np.broadcast_to(np.arange(t), (B, t))
     lam = np.cumsum(lf.astype(np.float64), axis=1)
@@ -914,12 +918,13 @@ def primitive_eqns(jaxpr) -> list:
 @pytest.mark.parametrize("family,policy", [("fox-llama", "dense"), ("fox-pro", "acp"), ("fox-pro", "sinks:2+3"),
                                            ("fox-dcp", "dcp"), ("gpt2-dcp", "dcp")])
 def test_decode_step_does_not_loop_over_the_cache(family, policy):
-    """One decode step reads each slot's stored k, v and Λ_j directly: no loop (scan, while) and no sort at
-    all (the lowest free slot is an argmax), and a cumulative op (DCP's votes) runs over the chunk (one
-    token), never over the slots."""
+    """One decode step on a live cache reads each slot's stored k, v and Λ_j directly: no loop (scan, while)
+    and no sort at all (a pool's lowest free slot is an argmax; a ring's slot is ``length mod C``), a
+    cumulative op (DCP's votes) runs over the chunk (one token), never over the slots."""
     model, params, _ = family_model(family)
     slots = 8
     caches = init_cache(model, 3, slots, policy=policy, seq_start=PADS, max_context=16)
+    caches = tuple(c.replace(fresh=False) for c in caches)  # as after a prefill
     jaxpr = jax.make_jaxpr(lambda p, c, tok: model.apply({"params": p}, tok, cache=c))(
         params, caches, jnp.zeros((3, 1), jnp.int32))
     eqns = primitive_eqns(jaxpr)
@@ -1315,8 +1320,38 @@ def test_generate_and_input_errors():
 
 
 # ---------------------------------------------------------------------------------------------
-# A heuristic acp that does not depend on the chunking; what the caches say about provability
+# The decode loop's work: precast weights; a heuristic acp that does not depend on the chunking; provability
 # ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["fox-pro", "gpt2-dcp"])
+def test_precast_weights_give_bit_identical_logits(family):
+    """With bf16 compute, the weights the model casts to bf16 at every call are cast once before the loop
+    (``cast_plan`` / ``precast``): the matrices of the bf16 layers (and the embedding / LM head), never the
+    float32 ones (forget gate, KV-shift, DCP interaction, norms, β). A step with precast weights gives the same
+    logits bit for bit and converts no parameter any more."""
+    model, params, policy = family_model(family)
+    model = type(model)(model.cfg.replace(dtype="bfloat16"))
+    caches = init_cache(model, 3, 16, policy=policy, seq_start=PADS, max_context=16)
+    tokens = padded_batch(1)
+    plan = generation.cast_plan(model, params, caches)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    cast = {p for p, dt in zip(paths, plan) if dt is not None}
+    assert set(dt for dt in plan if dt is not None) == {"bfloat16"}
+    first = model.cfg.layer_names[0]
+    proj = ("c_attn", "c_fc") if family.startswith("gpt2") else ("q_proj", "o_proj", "gate_proj")
+    assert all(any(first in p and name in p for p in cast) for name in proj), sorted(cast)
+    keep32 = ("q_int", "k_int", "beta", "ln_") if family.startswith("gpt2") else (
+        "fgate_proj", "k_shift_proj", "q_int", "norm", "beta")
+    assert not any(name in p for p in cast for name in keep32), sorted(cast)
+    raw, _ = generation._forward(model, params, tokens, caches)
+    pre = generation.precast(params, plan)
+    fast, _ = generation._forward(model, pre, tokens, caches)
+    np.testing.assert_array_equal(np.asarray(raw), np.asarray(fast))
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, cache=caches).logits)(pre).jaxpr
+    param_vars = {id(v) for v in jaxpr.invars[:len(plan)]}
+    assert not [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+                and id(e.invars[0]) in param_vars and e.params["new_dtype"] == jnp.bfloat16]
+
 
 def test_heuristic_acp_logits_do_not_depend_on_the_chunking():
     """FoX (LLaMA) has no QK-norm, so ``acp`` is a heuristic (the cache says so: ``provable`` False, one

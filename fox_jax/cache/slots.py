@@ -395,8 +395,8 @@ class SlotKVCache:
       k_shift, v_shift: [B, Hkv, D] the unshifted k/v projections of the last token (KV-shift), or None.
       overflow: [B] int32 entries the storage could not hold although the policy kept them (tokens; for
         per-head tables, tokens × heads).
-      state: the policy rule's per-layer state (``fox_jax.cache.visibility``; acp without QK-norm: the
-        running maxima of the q and k norms), or None.
+      state: the policy rule's per-layer state (``fox_jax.cache.visibility``; acp: the running maxima of
+        the q and k norms without QK-norm, the threshold from the first chunk's QK-norm bound with it), or None.
       policy: the ``CachePolicy`` (static).
       max_context: N, the longest context this cache serves (static; ``acp``'s threshold uses it).
       provable: whether the policy's promise holds for this model (static; ``CachePolicy.provable``).
@@ -555,7 +555,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     if log_fgate is not None:
         lam = accumulate_log_fgate(cache.lam_hi, cache.lam_lo, jnp.where(real[..., None], log_fgate, 0.0))
     chunk = Chunk(cols, pos, real, cache.seq_start, q, k, lam, LayerFacts() if facts is None else facts, scale,
-                  cache.max_context)
+                  cache.max_context, cache.fresh)
     rule = rule_for(policy)
     aux, state = rule.prepare(policy, cache.state, chunk)
     flash = policy.flash_prefill()  # a first chunk on a fresh cache: the flash op over the chunk itself

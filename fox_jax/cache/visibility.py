@@ -57,6 +57,7 @@ class Chunk(NamedTuple):
       seq_start: [B] int32. q: [B, T, H, D], k: [B, T, Hkv, D] (ready for attention).
       lam: (hi, lo) Λ of the chunk's tokens, each [B, T, H] float32, or None without forget gates.
       facts: ``LayerFacts``. scale: the logit scale. max_context: N, the most keys a query can see.
+      fresh: the cache had been fed nothing before this chunk (static).
     """
 
     cols: jax.Array
@@ -69,6 +70,7 @@ class Chunk(NamedTuple):
     facts: LayerFacts
     scale: float
     max_context: int
+    fresh: bool = True
 
 
 class Keys(NamedTuple):
@@ -166,6 +168,13 @@ class NormMaxima(NamedTuple):
     k: jax.Array
 
 
+class ProvenThreshold(NamedTuple):
+    """acp with QK-norm: δ [H] float32 per query head, set from the layer's logit bound by the first chunk (−∞:
+    not set, hides nothing); later calls read it, so a decode step recomputes nothing from the weights."""
+
+    delta: jax.Array
+
+
 @register_rule(ACP)
 class ACPRule(Rule):
     """Λ_n − Λ_j ≥ δ_n for every query n ∈ (j, i], for some query head of the key/value head.
@@ -174,40 +183,46 @@ class ACPRule(Rule):
     or, without one, U_n = scale·max_{m ≤ n}‖q_m‖·max_{m ≤ n}‖k_m‖ from the running maxima kept in the cache
     (a heuristic that depends only on the tokens up to n, so any chunking gives the same visibility). Query n
     hides every key j with Λ_n − Λ_j < δ_n for all query heads of the key/value head; Λ is non-increasing, so
-    those keys are a prefix and ``first_visible`` is one past the last of them.
+    those keys are a prefix and ``first_visible`` is one past the last of them. The state is ``NormMaxima``
+    (heuristic) or ``ProvenThreshold`` (provable: δ from the first chunk's bound; the weights do not change
+    while a cache is filled).
     """
 
     def init_state(self, policy, batch, layout):
         if policy.provable(layout):
-            return None
+            return ProvenThreshold(jnp.full((layout["n_heads"],), -jnp.inf, jnp.float32))
         return NormMaxima(jnp.zeros((batch, layout["n_heads"]), jnp.float32),
                           jnp.zeros((batch, layout["kv_heads"]), jnp.float32))
 
     def state_axes(self, state):
+        if isinstance(state, ProvenThreshold):
+            return ProvenThreshold(("heads",))
         return None if state is None else NormMaxima(("batch", "heads"), ("batch", "kv_heads"))
 
     def prepare(self, policy, state, chunk):
-        """δ [B, T, H] float32 for every query of the chunk, and the updated running maxima."""
+        """δ [B, T, H] float32 for every query of the chunk, and the updated state."""
         b, t, h, _ = chunk.q.shape
         if chunk.lam is None:
             raise ValueError("cache policy 'acp' needs forget gates (log_fgate)")
-        bound = chunk.facts.logit_bound
-        if bound is not None:
-            u = jnp.broadcast_to(jnp.asarray(bound, jnp.float32), (b, t, h))
-        elif state is None:
-            raise ValueError("cache policy 'acp' needs the layer's logit bound (QK-norm) or a cache made for a model "
-                             "without QK-norm (which keeps running maxima of the q and k norms)")
-        else:
-            norm = lambda x: jnp.where(chunk.real[..., None], jnp.sqrt(jnp.sum(jnp.square(
+        threshold = lambda u: jnp.minimum(threshold_from_bound(u, chunk.max_context, policy.log_epsilon), 0.0)  # noqa: E731
+        if isinstance(state, NormMaxima):
+            norm = lambda x: jnp.where(chunk.real[..., None], jnp.sqrt(jnp.sum(jnp.square(  # noqa: E731
                 lax.stop_gradient(x).astype(jnp.float32)), axis=-1)), 0.0)
             qn, kn = norm(chunk.q), norm(chunk.k)                                  # [B, T, H], [B, T, Hkv]
             if t > 1:
                 qn, kn = lax.cummax(qn, axis=1), lax.cummax(kn, axis=1)
             qn, kn = jnp.maximum(state.q[:, None], qn), jnp.maximum(state.k[:, None], kn)
-            u = chunk.scale * qn * jnp.repeat(kn, h // kn.shape[2], axis=2)
-            state = NormMaxima(qn[:, -1], kn[:, -1])
-        delta = jnp.minimum(threshold_from_bound(u, chunk.max_context, policy.log_epsilon), 0.0)
-        return delta, state
+            return threshold(chunk.scale * qn * jnp.repeat(kn, h // kn.shape[2], axis=2)), NormMaxima(qn[:, -1],
+                                                                                                    kn[:, -1])
+        if chunk.fresh or state is None:
+            if chunk.facts.logit_bound is None:
+                raise ValueError("cache policy 'acp' needs the layer's logit bound (QK-norm) or a cache made for a "
+                                 "model without QK-norm (which keeps running maxima of the q and k norms)")
+            delta = threshold(jnp.broadcast_to(jnp.asarray(chunk.facts.logit_bound, jnp.float32), (h,)))
+            state = None if state is None else ProvenThreshold(delta)
+        else:
+            delta = state.delta
+        return jnp.broadcast_to(delta, (b, t, h)), state
 
     def first_visible(self, policy, delta, chunk, keys):
         b, t, h = delta.shape
@@ -239,4 +254,5 @@ class DCPRule(Rule):
         return vis_old, vis_new
 
 
-__all__ = ["Chunk", "Keys", "LayerFacts", "NEG", "NormMaxima", "RULES", "Rule", "register_rule", "rule_for"]
+__all__ = ["Chunk", "Keys", "LayerFacts", "NEG", "NormMaxima", "ProvenThreshold", "RULES", "Rule", "register_rule",
+           "rule_for"]

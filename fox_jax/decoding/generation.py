@@ -20,6 +20,9 @@ block). A smaller pool is the fixed KV budget: a policy with a ``fixed_budget`` 
 at least ``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp``
 keep a data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches
 count (``Generation.overflow``; the tokens are then not the policy's and the CLI says so).
+
+The decode loop multiplies by the weights as the model would cast them, cast once before the loop
+(``cast_plan``: only leaves that every use casts to one dtype; the results are bit-identical).
 """
 
 from __future__ import annotations
@@ -151,6 +154,48 @@ def _check_slots(policy: CachePolicy, slots, context: int) -> None:
             raise ValueError(f"the KV pool is too small for one sequence: cache policy {policy.spec} needs {need} slots "
                              f"per row and layer for the {context} tokens fed (prompt + new tokens − 1, the last "
                              f"sample is never fed back), got {slots}")
+
+
+def cast_plan(model, params, caches) -> tuple:
+    """Which parameters the model only ever casts, and to what: for each leaf of ``params`` (tree order) the
+    dtype name that every use of it in one decode step converts it to, or None (used otherwise, or not cast).
+
+    Read from the jaxpr of ``model.apply`` on a [B, 1] chunk with ``caches`` (traced abstractly once per model
+    and shapes). Casting those leaves once (``precast``) before a loop removes the per-step converts and
+    changes no result: the model's own convert becomes the identity.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    c_leaves, c_def = jax.tree.flatten(caches)
+    spec = lambda xs: tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs)  # noqa: E731
+    return _cast_plan(model, treedef, spec(leaves), c_def, spec(c_leaves))
+
+
+@functools.lru_cache(maxsize=32)
+def _cast_plan(model, treedef, leaves, c_def, c_leaves) -> tuple:
+    caches = jax.tree.unflatten(c_def, c_leaves)
+    tokens = jax.ShapeDtypeStruct((caches[0].seq_start.shape[0], 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, c, tok: model.apply({"params": p}, tok, cache=c).logits)(
+        jax.tree.unflatten(treedef, leaves), caches, tokens).jaxpr
+    invars = jaxpr.invars[:len(leaves)]
+    uses = {id(v): [] for v in invars}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if id(x) in uses:
+                uses[id(x)].append(eqn)
+    returned = {id(v) for v in jaxpr.outvars}
+    plan = []
+    for v in invars:
+        eqns = uses[id(v)]
+        to = {jnp.dtype(e.params["new_dtype"]).name for e in eqns if e.primitive.name == "convert_element_type"}
+        only_casts = bool(eqns) and len(to) == 1 and all(e.primitive.name == "convert_element_type" for e in eqns)
+        plan.append(to.pop() if only_casts and id(v) not in returned else None)
+    return tuple(plan)
+
+
+def precast(params, plan: tuple):
+    """``params`` with each leaf cast to its ``cast_plan`` dtype (the others unchanged)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(treedef, [x if dt is None else x.astype(dt) for x, dt in zip(leaves, plan)])
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -311,9 +356,11 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
     return caches, last, nll
 
 
-@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 11)))
-def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens):
+@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 12)))
+def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+              plan):
     b = tokens.shape[0]
+    params = precast(params, plan)  # the converts the model would do every step, done once
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
     caches, logits, _ = _scan_chunks(model, params, tokens, caches, chunk)
@@ -397,11 +444,12 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
     tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context)
     return _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
-                     None if top_p is None else float(top_p), stop_tokens)
+                     None if top_p is None else float(top_p), stop_tokens, cast_plan(model, params, caches))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _score(model, params, tokens, caches, chunk):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _score(model, params, tokens, caches, chunk, plan):
+    params = precast(params, plan)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     caches, _, nll = _scan_chunks(model, params, tokens, caches, chunk, targets)
     return nll, caches
@@ -427,10 +475,10 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     if t < 2:
         raise ValueError(f"tokens must have T ≥ 2 to score a next token, got {tokens.shape}")
     padded, caches, chunk = _fresh_caches(model, tokens, parse_policy(policy), slots, seq_start, prefill_chunk, t)
-    nll, caches = _score(model, params, padded, caches, chunk)
+    nll, caches = _score(model, params, padded, caches, chunk, cast_plan(model, params, caches))
     overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
     return nll[:, padded.shape[1] - t:][:, :-1], overflow
 
 
-__all__ = ["Generation", "cache_bytes", "calibrate_slots", "decode_step", "extend", "generate", "init_cache", "live_counts",
-           "min_slots", "prefill", "sample_logits", "token_losses_under_policy"]
+__all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "extend", "generate", "init_cache",
+           "live_counts", "min_slots", "precast", "prefill", "sample_logits", "token_losses_under_policy"]

@@ -134,7 +134,10 @@ class LanguageModel(nn.Module):
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = LMHead(cfg.vocab_size, cfg.init_std, dtype, cfg.vocab_pad_multiple, name="lm_head")(x)
+            # decoding multiplies by the head as stored: no per-step copy of a padded head (the padding only
+            # aligns the training matmul's shapes)
+            logits = LMHead(cfg.vocab_size, cfg.init_std, dtype, 1 if cache is not None else cfg.vocab_pad_multiple,
+                            name="lm_head")(x)
         if cache is not None:  # decoding: no DCP masks (the cache's policy applied them); DCP logits are float32
             return ModelOutput(logits.astype(jnp.float32) if cfg.dcp else logits, cache=tuple(o.cache for o in outs))
         if cfg.dcp:
