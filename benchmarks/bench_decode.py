@@ -28,6 +28,8 @@ Measured per (mode, policy, prompt length), median of ``--repeats`` after one wa
   tokens/s          B·N / wall time of the whole generate (prefill + decode loop: one jitted program)
   prefill s         wall time of generate with max_new_tokens=1 (``--prefill all|budget|none``)
   decode tok/s      B·(N−1) / (generate − prefill)
+  capacity          entries per row and key/value head the caches allocated (mean over layers and heads: the
+                    slots asked for, rounded up to a multiple of ``RING_BLOCK``)
   KV allocated/live ``cache_bytes(Generation.caches)`` at the end (and per row); live mean ≈ live × mean/final
   live tokens       mean over layers and rows of ``Generation.live_counts`` (final, mean over steps, peak)
   overflow          max over rows of ``Generation.overflow``
@@ -267,7 +269,7 @@ class Bench:
         final = live[-1].mean()
         return dict(
             policy=parse_policy(policy).spec, provable=out.provable, prompt_len=t, new_tokens=n, batch=batch,
-            slots=mean_slots,
+            slots=mean_slots, capacity=float(np.mean([g.slots for c in out.caches for g in c.groups for _ in g.heads])),
             slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
             tokens_per_sec=batch * n / seconds if seconds else None, decode_tokens_per_sec=decode,
             kv_allocated_bytes=mem["allocated"], kv_live_bytes=mem["live"], kv_row_bytes=mem["allocated"] / batch,
