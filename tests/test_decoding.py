@@ -502,7 +502,7 @@ def test_calibrated_per_head_capacities_hold_the_live_sets():
     fast gets one block, the one that never forgets its whole context, each a multiple of ``RING_BLOCK``;
     the same sequence fed with those capacities overflows nowhere, gives the same outputs and allocates less."""
     rng = np.random.default_rng(8)
-    t, hkv, chunks = 130, 2, (64, 1, 1, 64)
+    t, hkv, chunks = 130, 2, (65, 65)
     q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
     lf = np.log(rng.uniform([0.1, 0.1, 1.0, 1.0], [0.5, 0.5, 1.0, 1.0], (B, t, H))).astype(np.float32)
     facts = LayerFacts(logit_bound=jnp.ones((H,), jnp.float32))

@@ -208,9 +208,9 @@ class RingGroup(_Entries):
             hi = jnp.broadcast_to(length + 1, (b, n)).astype(jnp.int32)
             lo = jnp.minimum(jnp.broadcast_to(new_start, (b, n)), hi)
             valid = None
-            if p:  # pinned slots and ring: read every slot, masked
-                valid, lo = new.held_mask(length + 1, seq), hi - c
-            o = decode_attention(q[:, 0], new.k, new.v, lo=lo, hi=hi, valid=valid,
+            if p:  # pinned slots and ring: read every slot (the logical range [0, C) is the physical one), masked
+                valid, lo, hi = new.held_mask(length + 1, seq), jnp.zeros_like(lo), jnp.full_like(hi, c)
+            o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=lo, hi=hi, valid=valid,
                                  lam_q=None if lam is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
                                  lam_k=None if lam is None else (new.lam_hi, new.lam_lo), sm_scale=chunk.scale)
             return o[:, None].astype(jnp.float32), new, dropped
@@ -314,7 +314,8 @@ class PoolGroup(_Entries):
         # a chunk reads the pool as it was and itself
         if t == 1:
             hi = jnp.broadcast_to(new.hi[:, None], (b, n))
-            o = decode_attention(q[:, 0], new.k, new.v, lo=jnp.zeros_like(hi), hi=hi, valid=occupied,
+            o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=jnp.zeros_like(hi), hi=hi,
+                                 valid=occupied,
                                  lam_q=None if lam is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
                                  lam_k=None if lam is None else (new.lam_hi, new.lam_lo), sm_scale=chunk.scale)
             return o[:, None].astype(jnp.float32), new, dropped
