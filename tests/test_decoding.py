@@ -59,6 +59,7 @@ def test_policies_answer_what_the_engine_asks():
     assert [p.fixed_budget for p in (dense, window, sinks, dcp, acp)] == [True, True, True, False, False]
     assert [p.per_head for p in (dense, window, sinks, dcp, acp)] == [False, False, False, False, True]
     assert [p.storage for p in (dense, window, sinks, dcp, acp)] == ["ring", "ring", "ring", "pool", "ring"]
+    assert [p.forward_exact for p in (dense, window, sinks, dcp, acp)] == [True, False, False, True, False]
     assert (dense.flash_prefill(), window.flash_prefill(), sinks.flash_prefill(), acp.flash_prefill()) == (
         {}, {"window_size": 7}, None, None)
     assert [p.max_live(100) for p in (dense, window, sinks, dcp, acp)] == [100, 7, 16, 100, 100]

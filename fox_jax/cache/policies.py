@@ -66,6 +66,8 @@ class CachePolicy:
       storage: "ring" (slot of column c is c mod C; the live set is a suffix [start, length) per row or
         head, plus ``pinned`` first positions) or "pool" (slots freed by the rule and reused lowest first).
       needs: {layout key: what it means} the model's cache layout must provide (``check``).
+      forward_exact: the model's own full forward (no cache) applies exactly this visibility (dense; dcp on
+        a DCP model, at α = ∞), so scoring may skip the cache.
     """
 
     name: ClassVar[str] = ""
@@ -74,6 +76,7 @@ class CachePolicy:
     fixed_budget: ClassVar[bool] = True
     storage: ClassVar[str] = "ring"
     needs: ClassVar[dict] = {}
+    forward_exact: ClassVar[bool] = False
 
     @classmethod
     def parse(cls, arg: str, spec: str) -> CachePolicy:
@@ -173,6 +176,7 @@ class Dense(CachePolicy):
 
     name: ClassVar[str] = "dense"
     form: ClassVar[str] = "dense"
+    forward_exact: ClassVar[bool] = True
 
     def flash_prefill(self) -> dict:
         return {}
@@ -188,6 +192,7 @@ class DCP(CachePolicy):
     fixed_budget: ClassVar[bool] = False
     storage: ClassVar[str] = "pool"
     needs: ClassVar[dict] = {"interaction_dim": "a DCP model (trained or fine-tuned with DCP: cfg.dcp=True)"}
+    forward_exact: ClassVar[bool] = True
 
 
 @register_policy
