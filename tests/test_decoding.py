@@ -462,7 +462,8 @@ def test_acp_eviction_stays_within_epsilon_of_dense():
             assert np.all(held[:, 0] < t / 2) and np.all(held[:, 1] == t)  # kv head 1 reads a head that never forgets
             # δ came from the first chunk's bound and stays in the cache: a later step needs no facts (so a
             # decode step recomputes nothing from the QK-norm weights)
-            np.testing.assert_allclose(cache.state.delta, acp_ops.threshold_from_bound(u, t, log_eps), rtol=1e-6)
+            np.testing.assert_allclose(cache.state.delta, np.broadcast_to(acp_ops.threshold_from_bound(u, t, log_eps),
+                                                                          (B, H)), rtol=1e-6)
             attend(cache, *(jnp.asarray(x[:, :1]) for x in (q, k, v, lf)))
     # the dropped weight per query head, from the dense float64 weights
     pos = np.broadcast_to(np.arange(t), (B, t))

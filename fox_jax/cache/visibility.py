@@ -169,8 +169,9 @@ class NormMaxima(NamedTuple):
 
 
 class ProvenThreshold(NamedTuple):
-    """acp with QK-norm: δ [H] float32 per query head, set from the layer's logit bound by the first chunk (−∞:
-    not set, hides nothing); later calls read it, so a decode step recomputes nothing from the weights."""
+    """acp with QK-norm: δ [B, H] float32 per row and query head, set from the layer's logit bound by the first
+    chunk (−∞: not set, hides nothing); later calls read it, so a decode step recomputes nothing from the
+    weights. Per row, so a row refilled while others decode can set its own."""
 
     delta: jax.Array
 
@@ -190,13 +191,13 @@ class ACPRule(Rule):
 
     def init_state(self, policy, batch, layout):
         if policy.provable(layout):
-            return ProvenThreshold(jnp.full((layout["n_heads"],), -jnp.inf, jnp.float32))
+            return ProvenThreshold(jnp.full((batch, layout["n_heads"]), -jnp.inf, jnp.float32))
         return NormMaxima(jnp.zeros((batch, layout["n_heads"]), jnp.float32),
                           jnp.zeros((batch, layout["kv_heads"]), jnp.float32))
 
     def state_axes(self, state):
         if isinstance(state, ProvenThreshold):
-            return ProvenThreshold(("heads",))
+            return ProvenThreshold(("batch", "heads"))
         return None if state is None else NormMaxima(("batch", "heads"), ("batch", "kv_heads"))
 
     def prepare(self, policy, state, chunk):
@@ -218,11 +219,11 @@ class ACPRule(Rule):
             if chunk.facts.logit_bound is None:
                 raise ValueError("cache policy 'acp' needs the layer's logit bound (QK-norm) or a cache made for a "
                                  "model without QK-norm (which keeps running maxima of the q and k norms)")
-            delta = threshold(jnp.broadcast_to(jnp.asarray(chunk.facts.logit_bound, jnp.float32), (h,)))
+            delta = threshold(jnp.broadcast_to(jnp.asarray(chunk.facts.logit_bound, jnp.float32), (b, h)))
             state = None if state is None else ProvenThreshold(delta)
         else:
             delta = state.delta
-        return jnp.broadcast_to(delta, (b, t, h)), state
+        return jnp.broadcast_to(delta[:, None], (b, t, h)), state
 
     def first_visible(self, policy, delta, chunk, keys):
         b, t, h = delta.shape
