@@ -147,44 +147,58 @@ class RingGroup(_Entries):
     def append(self, step: _Step, q, k, v, lam):
         """Visibility, placement and attention of a chunk for this group. q [B, T, n, G, D]; k, v [B, T, n, D];
         lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, group, dropped [B])."""
-        cache, chunk = step.cache, step.chunk
-        b, t, n, g, d = q.shape
-        length, seq = cache.length, cache.seq_start
-        c, p = self.slots, self.pinned
-        ring = c - p
-        col = self.columns(length, seq)
-        held = self.held_mask(length, seq)
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
-        keys = Keys(self.heads, col, held, None if lam is None else _decay(lam_q, (self.lam_hi, self.lam_lo)),
-                    None if lam is None else _decay(lam_q, lam_q), None)
+        keys = self._keys(step.cache, lam_q)
+        start_t = self._visible_from(step, keys)
+        new, dropped = self._place(step, k, v, lam_q, start_t)
+        if not step.attend:
+            return None, new, dropped
+        if q.shape[1] == 1:
+            return self._read(step, new, q, lam_q), new, dropped
+        return self._attend(step, keys, start_t, q, k, v), new, dropped
 
-        # visibility: the first column each query sees; a key once hidden stays hidden
-        first = step.rule.first_visible(cache.policy, step.aux, chunk, keys)
-        start_t = jnp.maximum(first, self.start[..., None])                                       # [B, nt, T]
-        if t > 1:
-            start_t = lax.cummax(start_t, axis=2)
+    def _keys(self, cache, lam_q) -> Keys:
+        """What the slots hold before the chunk, and the chunk's decays, as the rule sees them."""
+        length, seq = cache.length, cache.seq_start
+        decay = lambda lam_k: None if lam_q is None else _decay(lam_q, lam_k)  # noqa: E731
+        return Keys(self.heads, self.columns(length, seq), self.held_mask(length, seq),
+                    decay((self.lam_hi, self.lam_lo)), decay(lam_q), None)
 
-        # placement: the ring keeps its last C − pinned columns; what the rule kept beyond them overflowed
+    def _visible_from(self, step: _Step, keys: Keys) -> jax.Array:
+        """Visibility: [B, nt, T] the first column each query sees; a key once hidden stays hidden (a running
+        maximum over the queries, from the ring's ``start``)."""
+        first = step.rule.first_visible(step.cache.policy, step.aux, step.chunk, keys)
+        start_t = jnp.maximum(first, self.start[..., None])
+        return lax.cummax(start_t, axis=2) if start_t.shape[2] > 1 else start_t
+
+    def _place(self, step: _Step, k, v, lam_q, start_t) -> tuple[RingGroup, jax.Array]:
+        """Placement: the ring keeps its last C − pinned columns (what the rule kept beyond them overflowed,
+        counted); the chunk is written at slot pinned + (column mod (C − pinned)), a decode step with one
+        ``dynamic_update_slice`` for every row, sink positions also to their pinned slots."""
+        cache, chunk = step.cache, step.chunk
+        b, t, n, _ = k.shape
+        length, c, p = cache.length, self.slots, self.pinned
+        ring = c - p
         wanted = start_t[..., -1]
         new_start = jnp.maximum(wanted, length + t - ring)
         dropped = jnp.sum(new_start - wanted, axis=1)
-        kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))                  # [B, n, T, D]
+        kt, vt = (x.transpose(0, 2, 1, 3) for x in (k, v))                                       # [B, n, T, D]
         pos = chunk.pos
-        if t == 1:  # every row writes the same ring slot
+        if t == 1:
             slot = p + jnp.mod(length, ring)
-            put = lambda buf, x, axis: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), slot, axis=axis)
+            put = lambda buf, x, axis: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), slot, axis=axis)  # noqa: E731
             new = self.replace(k=put(self.k, kt, 2), v=put(self.v, vt, 2))
-            if lam is not None:
+            if lam_q is not None:
                 new = new.replace(lam_hi=put(self.lam_hi, lam_q[0], 3), lam_lo=put(self.lam_lo, lam_q[1], 3))
-            if p:  # a sink position also goes to its pinned slot
+            if p:
                 rows = jnp.arange(b)
                 pin = jnp.where((pos[:, 0] >= 0) & (pos[:, 0] < p), pos[:, 0], c)
-                new = new.replace(k=new.k.at[rows, :, pin].set(kt[:, :, 0], mode="drop"),
-                                  v=new.v.at[rows, :, pin].set(vt[:, :, 0], mode="drop"))
-                if lam is not None:
-                    new = new.replace(lam_hi=new.lam_hi.at[rows, :, :, pin].set(lam_q[0][..., 0], mode="drop"),
-                                      lam_lo=new.lam_lo.at[rows, :, :, pin].set(lam_q[1][..., 0], mode="drop"))
-        else:  # the chunk's last C − pinned columns, sink positions to their pinned slots
+                pin_kv = lambda buf, x: buf.at[rows, :, pin].set(x[:, :, 0].astype(buf.dtype), mode="drop")  # noqa: E731
+                new = new.replace(k=pin_kv(new.k, kt), v=pin_kv(new.v, vt))
+                if lam_q is not None:
+                    pin_lam = lambda buf, x: buf.at[rows, :, :, pin].set(x[..., 0], mode="drop")  # noqa: E731
+                    new = new.replace(lam_hi=pin_lam(new.lam_hi, lam_q[0]), lam_lo=pin_lam(new.lam_lo, lam_q[1]))
+        else:
             slot = jnp.where(chunk.cols >= length + t - ring, p + jnp.mod(chunk.cols, ring), c)       # [T]
             if p:
                 slot = jnp.where((pos >= 0) & (pos < p), pos, slot[None])                          # [B, T]
@@ -196,33 +210,39 @@ class RingGroup(_Entries):
                 put = lambda buf, x: buf.at[:, :, slot].set(x.astype(buf.dtype), mode="drop")         # noqa: E731
                 put_lam = lambda buf, x: buf.at[:, :, :, slot].set(x, mode="drop")                   # noqa: E731
             new = self.replace(k=put(self.k, kt), v=put(self.v, vt))
-            if lam is not None:
+            if lam_q is not None:
                 new = new.replace(lam_hi=put_lam(self.lam_hi, lam_q[0]), lam_lo=put_lam(self.lam_lo, lam_q[1]))
-        live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - seq, 0, p)[:, None]
-        new = new.replace(start=new_start, peak=jnp.maximum(self.peak, jnp.max(live, axis=0)))
+        live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - cache.seq_start, 0, p)[:, None]
+        return new.replace(start=new_start, peak=jnp.maximum(self.peak, jnp.max(live, axis=0))), dropped
 
-        # attention
-        if not step.attend:
-            return None, new, dropped
-        if t == 1:  # read after write: [start, length] of the ring
-            hi = jnp.broadcast_to(length + 1, (b, n)).astype(jnp.int32)
-            lo = jnp.minimum(jnp.broadcast_to(new_start, (b, n)), hi)
-            valid = None
-            if p:  # pinned slots and ring: read every slot (the logical range [0, C) is the physical one), masked
-                valid, lo, hi = new.held_mask(length + 1, seq), jnp.zeros_like(lo), jnp.full_like(hi, c)
-            o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=lo, hi=hi, valid=valid,
-                                 lam_q=None if lam is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
-                                 lam_k=None if lam is None else (new.lam_hi, new.lam_lo), sm_scale=chunk.scale)
-            return o[:, None].astype(jnp.float32), new, dropped
-        pinned_slot = (jnp.arange(c) < p)[None, None, None]
-        vis_old = held[:, :, None, :] & (pinned_slot | (col[:, :, None, :] >= start_t[..., None]))  # [B, nt, T, S]
+    def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
+        """Attention of a decode step, after its write: the ring's [start, length] through the decode op
+        (with pinned slots: every slot, masked). Returns [B, 1, n, G, D] float32."""
+        cache, c = step.cache, self.slots
+        b, _, n = q.shape[:3]
+        hi = jnp.broadcast_to(cache.length + 1, (b, n)).astype(jnp.int32)
+        lo = jnp.minimum(jnp.broadcast_to(new.start, (b, n)), hi)
+        valid = None
+        if self.pinned:  # the logical range [0, C) is the physical one
+            valid, lo, hi = new.held_mask(cache.length + 1, cache.seq_start), jnp.zeros_like(lo), jnp.full_like(hi, c)
+        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=lo, hi=hi, valid=valid,
+                             lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
+                             lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
+        return o[:, None].astype(jnp.float32)
+
+    def _attend(self, step: _Step, keys: Keys, start_t, q, k, v) -> jax.Array:
+        """Attention of a chunk of T > 1: the ring as it was (pinned slots, and columns ≥ each query's start)
+        and the chunk's own keys. Returns [B, T, n, G, D] float32."""
+        chunk, t = step.chunk, q.shape[1]
+        pinned_slot = (jnp.arange(self.slots) < self.pinned)[None, None, None]
+        vis_old = keys.held[:, :, None, :] & (pinned_slot | (keys.col[:, :, None, :] >= start_t[..., None]))
         causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        sink = (pos >= 0) & (pos < p)
+        sink = (chunk.pos >= 0) & (chunk.pos < self.pinned)
         vis_new = causal & chunk.real[:, None, None, :] & (sink[:, None, None, :]
                                                          | (chunk.cols[None, None, None, :] >= start_t[..., None]))
-        o = _attend_chunk(q, self.k, self.v, kt, vt, vis_old[:, :, None], vis_new[:, :, None], keys.decay_old,
-                          keys.decay_new, chunk.scale)
-        return o, new, dropped
+        kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))
+        return _attend_chunk(q, self.k, self.v, kt, vt, vis_old[:, :, None], vis_new[:, :, None], keys.decay_old,
+                             keys.decay_new, chunk.scale)
 
 
 @flax.struct.dataclass
@@ -274,53 +294,64 @@ class PoolGroup(_Entries):
 
     def append(self, step: _Step, q, k, v, lam):
         """As ``RingGroup.append``, for a pool."""
-        cache, chunk = step.cache, step.chunk
-        b, t, n, g, d = q.shape
-        s = self.slots
-        held = self.pos >= 0                                                                     # [B, 1, S]
-        lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)
-        keys = Keys(self.heads, self.pos + cache.seq_start[:, None, None], held,
-                    None if lam is None else _decay(lam_q, (self.lam_hi, self.lam_lo)),
-                    None if lam is None else _decay(lam_q, lam_q), self.k_int)
+        lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
+        keys = self._keys(step.cache, lam_q)
+        vis_old, vis_new = self._visibility(step, keys)
+        new, dropped = self._place(step, k, v, lam_q, vis_old, vis_new)
+        if q.shape[1] == 1:
+            return self._read(step, new, q, lam_q), new, dropped
+        kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))
+        return _attend_chunk(q, self.k, self.v, kt, vt, vis_old, vis_new, keys.decay_old, keys.decay_new,
+                             step.chunk.scale), new, dropped
 
-        # visibility: the rule's masks within what is held, causal and real
-        rule_old, rule_new = step.rule.masks(cache.policy, step.aux, chunk, keys)
-        vis_old = held[:, :, None, None, :] & rule_old                                           # [B, ·, ·, T, S]
+    def _keys(self, cache, lam_q) -> Keys:
+        decay = lambda lam_k: None if lam_q is None else _decay(lam_q, lam_k)  # noqa: E731
+        return Keys(self.heads, self.pos + cache.seq_start[:, None, None], self.pos >= 0,
+                    decay((self.lam_hi, self.lam_lo)), decay(lam_q), self.k_int)
+
+    def _visibility(self, step: _Step, keys: Keys) -> tuple[jax.Array, jax.Array]:
+        """Visibility: the rule's masks within what is held, causal and real: (vis_old [B, ·, ·, T, S],
+        vis_new [B, ·, ·, T, T])."""
+        chunk = step.chunk
+        t = chunk.cols.shape[0]
+        rule_old, rule_new = step.rule.masks(step.cache.policy, step.aux, chunk, keys)
         causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
-        vis_new = causal & chunk.real[:, None, None, None, :] & rule_new                          # [B, ·, ·, T, T]
+        return keys.held[:, :, None, None, :] & rule_old, causal & chunk.real[:, None, None, None, :] & rule_new
 
-        # placement: the slots hold what the chunk's last query sees (a row keeps a token while any head does)
-        last = lambda x, keys_: jnp.any(jnp.broadcast_to(x[..., -1, :], (b, n, g, keys_)), axis=(1, 2))[:, None]
+    def _place(self, step: _Step, k, v, lam_q, vis_old, vis_new) -> tuple[PoolGroup, jax.Array]:
+        """Placement: the slots hold what the chunk's last query sees (a row keeps a token while any head
+        does); the survivors go to the lowest free slots (``_allocate``); ``hi`` follows the highest."""
+        chunk = step.chunk
+        b, t, n, _ = k.shape
+        g, s = vis_old.shape[2], self.slots
+        last = lambda x, keys_: jnp.any(jnp.broadcast_to(x[..., -1, :], (b, n, g, keys_)), axis=(1, 2))[:, None]  # noqa: E731
         keep_old, keep_new = last(vis_old, s), last(vis_new, t)                                   # [B, 1, S | T]
-        slot, placed, dropped, count = _allocate(self.pos, keep_old, keep_new)
+        slot, _, dropped, count = _allocate(self.pos, keep_old, keep_new)
         rows, hs = jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None]
         sn = jnp.broadcast_to(slot, (b, n, t))
-        kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))                  # [B, n, T, D]
-        put = lambda buf, x: buf.at[rows, hs, sn].set(x.astype(buf.dtype), mode="drop")           # noqa: E731
+        put = lambda buf, x: buf.at[rows, hs, sn].set(x.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")  # noqa: E731
         put_lam = lambda buf, x: buf.at[rows, hs, :, sn].set(x.transpose(0, 1, 3, 2), mode="drop")  # noqa: E731
         pos = jnp.where(keep_old, self.pos, -1).at[rows, jnp.zeros_like(rows), slot].set(
             jnp.broadcast_to(chunk.pos[:, None], slot.shape), mode="drop")
-        occupied = pos >= 0
         new = self.replace(
-            k=put(self.k, kt), v=put(self.v, vt), pos=pos, count=count,
-            hi=jnp.max(jnp.where(occupied, jnp.arange(s, dtype=jnp.int32) + 1, 0), axis=(1, 2)),
+            k=put(self.k, k), v=put(self.v, v), pos=pos, count=count,
+            hi=jnp.max(jnp.where(pos >= 0, jnp.arange(s, dtype=jnp.int32) + 1, 0), axis=(1, 2)),
             peak=jnp.maximum(self.peak, jnp.max(count, axis=0)),
-            lam_hi=None if lam is None else put_lam(self.lam_hi, lam_q[0]),
-            lam_lo=None if lam is None else put_lam(self.lam_lo, lam_q[1]),
+            lam_hi=None if lam_q is None else put_lam(self.lam_hi, lam_q[0]),
+            lam_lo=None if lam_q is None else put_lam(self.lam_lo, lam_q[1]),
             k_int=None if self.k_int is None else self.k_int.at[rows[:, :, 0], slot[:, 0]].set(
                 chunk.facts.k_int.astype(jnp.float32), mode="drop"))
+        return new, dropped
 
-        # attention: a decode step reads the pool after the write (the token's slot was free or made room),
-        # a chunk reads the pool as it was and itself
-        if t == 1:
-            hi = jnp.broadcast_to(new.hi[:, None], (b, n))
-            o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=jnp.zeros_like(hi), hi=hi,
-                                 valid=occupied,
-                                 lam_q=None if lam is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
-                                 lam_k=None if lam is None else (new.lam_hi, new.lam_lo), sm_scale=chunk.scale)
-            return o[:, None].astype(jnp.float32), new, dropped
-        o = _attend_chunk(q, self.k, self.v, kt, vt, vis_old, vis_new, keys.decay_old, keys.decay_new, chunk.scale)
-        return o, new, dropped
+    def _read(self, step: _Step, new: PoolGroup, q, lam_q) -> jax.Array:
+        """Attention of a decode step after its write (the token's slot was free or made room): the row's
+        [0, hi) through the decode op, masked by occupancy. Returns [B, 1, n, G, D] float32."""
+        b, _, n = q.shape[:3]
+        hi = jnp.broadcast_to(new.hi[:, None], (b, n))
+        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=jnp.zeros_like(hi), hi=hi,
+                             valid=new.pos >= 0, lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
+                             lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
+        return o[:, None].astype(jnp.float32)
 
 
 def _allocate(pos, keep_old, keep_new):
