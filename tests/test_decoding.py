@@ -207,7 +207,9 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
         the groups' ``peak`` is the peak live count over the rows;
     (f) each held slot stores the k/v (Λ pair, DCP k_int) of the token at its position;
     (g) with per-head tables (acp) each key/value head keeps its own set (its own ring ``start``): (c) is
-        checked per head.
+        checked per head;
+    (h) ``cache_bytes``: allocated = every entry of every row and head, live = the held entries, each entry
+        k + v (+ the Λ pairs of its query heads, + DCP's k_int per head share).
 
     Returns [B] bool, whether each row overflowed."""
     policy = parse_policy(policy)
@@ -312,6 +314,12 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
                         assert held[n] == want[r][n], ("(c)/(g) live set", r, n, held[n], want[r][n])
                 overflowed[r] = expected > 0
             last_overflow[r] = over[r]
+        entry = 2 * D * 4 + (8 * (H // hkv) if gates else 0) + (R_INT * 4 / hkv if isinstance(policy, DCP) else 0)
+        held_entries = sum(int((np.asarray(g.held_positions(cache)) >= 0).sum()) * (len(g.heads) if not per_head
+                                                                                     else 1) for g in cache.groups)
+        assert generation.cache_bytes([cache]) == {  # (h)
+            "allocated": int(round(B * sum(len(g.heads) * g.slots for g in cache.groups) * entry)),
+            "live": int(round(held_entries * entry))}
         for g in cache.groups:  # (e) the recorded peak: the most any row held, per table
             want_peak = [peak[:, n].max() for n in g.heads] if per_head else [peak[:, list(g.heads)].max()]
             np.testing.assert_array_equal(g.peak, want_peak)
