@@ -10,10 +10,12 @@ policy=POLICY, slots=S)`` for each policy of ``--policies`` (``dense,dcp,acp,win
 Modes (both may be given; neither = ``--equal-batch 8``):
   --equal-batch B   every policy at batch B.
   --kv-budget GiB   per policy the largest batch whose *allocated* KV fits the budget:
-                      pool per row = the policy's need: ``min_slots(policy, T + N − 1)`` for dense / window /
-                        sinks; for dcp / acp (data-dependent) the peak live counts of a calibration generate at
+                      pool per row = the policy's need: ``min_slots(policy, T + N − 1)`` for a policy with a
+                        fixed budget (dense / window / sinks); for the others (dcp / acp, data-dependent) the peak
+                        live counts of a calibration generate at
                         batch ``--calib-batch`` with a full pool (``calibrate_slots``: × ``--safety`` 1.1, rounded
-                        up to a multiple of 64 (``--slot-multiple``), at most ``min_slots``): one count for every layer
+                        up to a multiple of ``RING_BLOCK`` = 64 (``--slot-multiple``), at most ``min_slots``): one
+                        count for every layer
                         (``--pool uniform``, default), one per layer (``layer``) or, for acp, one per layer and
                         key/value head (``head``);
                       batch = floor(budget / allocated bytes of one row with that pool), at most ``--max-batch``
@@ -26,9 +28,13 @@ Measured per (mode, policy, prompt length), median of ``--repeats`` after one wa
   tokens/s          B·N / wall time of the whole generate (prefill + decode loop: one jitted program)
   prefill s         wall time of generate with max_new_tokens=1 (``--prefill all|budget|none``)
   decode tok/s      B·(N−1) / (generate − prefill)
+  capacity          entries per row and key/value head the caches allocated (mean over layers and heads: the
+                    slots asked for, rounded up to a multiple of ``RING_BLOCK``)
   KV allocated/live ``cache_bytes(Generation.caches)`` at the end (and per row); live mean ≈ live × mean/final
   live tokens       mean over layers and rows of ``Generation.live_counts`` (final, mean over steps, peak)
   overflow          max over rows of ``Generation.overflow``
+  provable          ``Generation.provable``: whether the policy's promise holds for the model (acp without
+                    QK-norm: False, a heuristic)
 Ratios vs the dense row of the same mode and prompt length: tokens/s, decode tok/s, batch, KV saving (total
 and per row).
 
@@ -59,13 +65,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import fox_jax.models  # noqa: F401  (registers the model families with fox_jax.config)
-from fox_jax.cache.policies import parse_policy
+from fox_jax.cache.policies import RING_BLOCK, parse_policy
 from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset
 from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots
 
 GiB = 2 ** 30
-SLOT_MULTIPLE = 64
-DATA_DEPENDENT = ("dcp", "acp")  # policies whose need is measured, not known in advance
+SLOT_MULTIPLE = RING_BLOCK
 QUICK_SHAPE = dict(n_layers=2, d_model=128, n_heads=4)
 
 
@@ -122,7 +127,7 @@ def load_model(args):
         cfg = model_config(args.model, args.set)
         params = cfg.init_params(jax.random.PRNGKey(0))
         info = dict(source="random-init", spec=args.model, overrides=args.set, tokenizer=None)
-        if any(parse_policy(p).kind == "dcp" for p in args.policies) and not cfg.dcp:
+        if any("interaction_dim" in parse_policy(p).needs for p in args.policies) and not cfg.dcp:
             cfg, params = random_dcp(cfg, params, args.beta, 0)
             info.update(random_dcp_beta=args.beta)
     cfg = cfg.replace(dtype=args.dtype)
@@ -218,12 +223,12 @@ class Bench:
         return cache_bytes(caches)["allocated"]
 
     def needed_slots(self, policy: str, t: int) -> dict:
-        """The pool a policy needs per row: ``min_slots``, or for dcp/acp the calibrated peak live count."""
+        """The pool a policy needs per row: ``min_slots`` for a fixed budget, else the calibrated peak live count."""
         key = (policy, t)
         if key in self.need:
             return self.need[key]
         a, full = self.args, self.full_slots(policy, t)
-        if parse_policy(policy).kind not in DATA_DEPENDENT:
+        if parse_policy(policy).fixed_budget:
             self.need[key] = dict(slots=full, slots_rule="min_slots")
             return self.need[key]
         b = a.calib_batch
@@ -233,7 +238,7 @@ class Bench:
         per_layer = [max(p) if isinstance(p, (list, tuple)) else p for p in peaks]
         if a.pool == "uniform":
             slots = cap(max(per_layer))
-        elif a.pool == "layer" or parse_policy(policy).kind != "acp":
+        elif a.pool == "layer" or not parse_policy(policy).per_head:
             slots = tuple(cap(p) for p in per_layer)
         else:
             slots = tuple(tuple(cap(h) for h in p) if isinstance(p, (list, tuple)) else cap(p) for p in peaks)
@@ -260,7 +265,8 @@ class Bench:
                                                               and n > 1) else None
         final = live[-1].mean()
         return dict(
-            policy=parse_policy(policy).spec, prompt_len=t, new_tokens=n, batch=batch, slots=mean_slots,
+            policy=parse_policy(policy).spec, provable=out.provable, prompt_len=t, new_tokens=n, batch=batch,
+            slots=mean_slots, capacity=float(np.mean([g.slots for c in out.caches for g in c.groups for _ in g.heads])),
             slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
             tokens_per_sec=batch * n / seconds if seconds else None, decode_tokens_per_sec=decode,
             kv_allocated_bytes=mem["allocated"], kv_live_bytes=mem["live"], kv_row_bytes=mem["allocated"] / batch,
@@ -311,7 +317,7 @@ def bench_budget(bench: Bench, policy: str, t: int) -> dict:
             notes.append(f"out of memory at batch {batch}; retried with {batch // 2}")
             max_batch, halvings = batch // 2, halvings + 1
             continue
-        if row["overflow"] > 0 and not overflow_retried and parse_policy(policy).kind in DATA_DEPENDENT:
+        if row["overflow"] > 0 and not overflow_retried and not parse_policy(policy).fixed_budget:
             new = _grow(slots, full, a.slot_multiple)
             if new != slots:
                 notes.append(f"overflow {row['overflow']} at {_spec_stats(slots)[0]:.0f} slots; retried with 1.25×")
@@ -340,16 +346,16 @@ def add_ratios(rows: list[dict]) -> None:
 def print_table(rows: list[dict]) -> None:
     mib = lambda x: "–" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
-    print("\n| mode | policy | prompt | B | slots | tokens/s | decode tok/s | prefill s | KV alloc MiB | KV live MiB "
-          "| live tok/layer | sparsity | overflow | ×dense tok/s | ×less KV/row |")
-    print("|" + "---|" * 15)
+    print("\n| mode | policy | provable | prompt | B | slots | tokens/s | decode tok/s | prefill s | KV alloc MiB "
+          "| KV live MiB | live tok/layer | sparsity | overflow | ×dense tok/s | ×less KV/row |")
+    print("|" + "---|" * 16)
     for r in rows:
         if "error" in r:
-            print(f"| {r.get('mode')} | {r.get('policy')} | {r.get('prompt_len')} | – | – | error: {r['error'][:80]} "
+            print(f"| {r.get('mode')} | {r.get('policy')} | – | {r.get('prompt_len')} | – | – | error: {r['error'][:80]} "
                   "| | | | | | | | | |")
             continue
         v = r.get("vs_dense", {})
-        print(f"| {r['mode']} | {r['policy']} | {r['prompt_len']} | {r['batch']} | {r['slots']} | "
+        print(f"| {r['mode']} | {r['policy']} | {r['provable']} | {r['prompt_len']} | {r['batch']} | {r['slots']} | "
               f"{num(r['tokens_per_sec'])} | {num(r['decode_tokens_per_sec'])} | {num(r['prefill_seconds'], '{:.4f}')} | "
               f"{mib(r['kv_allocated_bytes'])} | {mib(r['kv_live_bytes'])} | {r['live_tokens_final']:.1f} | "
               f"{100 * r['sparsity_final']:.0f}% | {r['overflow']} | {num(v.get('tokens_per_sec'), '{:.2f}')} | "

@@ -177,6 +177,12 @@ class FamilyConfig:
         return family_modules(self.model_type).init_cache(self, batch_size, slots, policy=policy,
                                                           seq_start=seq_start, max_context=max_context)
 
+    def cache_layout(self) -> dict:
+        """What this model's decoding caches store and a cache policy may rely on (``FamilyModules.cache_layout``:
+        n_heads, kv_heads, head_dim, forget_gate, kv_shift, interaction_dim, qk_norm), e.g. for
+        ``CachePolicy.provable(cfg.cache_layout())``."""
+        return family_modules(self.model_type).cache_layout(self)
+
     def to_dict(self) -> dict:
         return {"model_type": self.model_type, **dataclasses.asdict(self)}
 

@@ -1,15 +1,20 @@
-"""Decoding: the slot cache against an independent numpy reference for every cache policy (property based),
-ACP's ε bound, float32 decays at 64k tokens; the engine (``fox_jax.decoding``) against the models' full
-forward for every family and policy, and ``generate``'s options and errors.
+"""Decoding: the caches against an independent numpy reference for every cache policy (property based), ring
+wrap-around and per-head ACP starts, ACP's ε bound, the heuristic ACP's independence of the chunking, float32
+decays at 64k tokens; the policy objects; the engine (``fox_jax.decoding``) against the models' full forward for
+every family and policy, precast weights, and ``generate``'s options and errors.
 
 Tolerances: float32 everywhere with HIGHEST-precision matmuls (``fox_jax.ops._common.dot_precision``). The
-layer-level references are float64 and see O(1) logits over ≤ 25 keys, so the slot cache's float32 softmax is
+layer-level references are float64 and see O(1) logits over ≤ 25 keys, so the caches' float32 softmax is
 ~1e-7 off (the ``reference`` checks of the author measured ≤ 3e-7): 1e-5 leaves room without hiding a wrong
 mask (one key more or less moves an output by ~1e-1). Model-level comparisons add the same terms in another
-order (tiles, chunks, the slot layout), ~1e-6 apart on logits of std ~0.1: 1e-4, as before the engine change.
+order (tiles, chunks, the ring layout), ~1e-6 apart on logits of std ~0.1: 1e-4, as before the engine change.
 """
 
+import dataclasses
 import functools
+import math
+import warnings
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -17,8 +22,10 @@ import numpy as np
 import pytest
 
 from fox_jax.cache.decay import accumulate_log_fgate
-from fox_jax.cache.policies import DEFAULT_LOG_EPSILON, POLICY_FORMS, parse_policy
-from fox_jax.cache.slots import new_slot_cache, slot_attention
+from fox_jax.cache.policies import (ACP, DCP, DEFAULT_LOG_EPSILON, POLICIES, POLICY_FORMS, RING_BLOCK,
+                                    HeuristicEvictionWarning, Sinks, Window, parse_policy, register_policy)
+from fox_jax.cache.slots import PoolGroup, RingGroup, new_slot_cache, slot_attention
+from fox_jax.cache.visibility import RULES, ACPRule, LayerFacts, register_rule, rule_for
 from fox_jax.decoding import (decode_step, extend, generate, init_cache, live_counts, prefill,
                               token_losses_under_policy)
 from fox_jax.decoding import generation
@@ -26,6 +33,7 @@ from fox_jax.models import LanguageModel, preset
 from fox_jax.models.gpt2 import GPT2, GPT2Config
 from fox_jax.ops import acp as acp_ops
 from fox_jax.ops import forgetting_attention
+from fox_jax.ops.decode_attention import decode_attention
 
 try:  # the property test needs hypothesis; without it that one test skips and the module still collects
     from hypothesis import HealthCheck, given, settings, strategies as st
@@ -38,34 +46,110 @@ INF = float("inf")
 
 
 # =============================================================================================
+# The policy objects (jax-free) and the decode attention op
+# =============================================================================================
+
+def test_policies_answer_what_the_engine_asks():
+    """Every registered policy has a rule, parses back from its spec, and answers the engine's questions."""
+    assert set(RULES) == set(POLICIES.values())
+    for spec in ("dense", "dcp", "acp", "acp:-4.5", "window:7", "sinks:4+12"):
+        policy = parse_policy(spec)
+        assert parse_policy(policy.spec) == policy and str(policy) == spec and parse_policy(policy) is policy
+    dense, window, sinks, dcp, acp = map(parse_policy, ("dense", "window:7", "sinks:4+12", "dcp", "acp"))
+    assert [p.fixed_budget for p in (dense, window, sinks, dcp, acp)] == [True, True, True, False, False]
+    assert [p.per_head for p in (dense, window, sinks, dcp, acp)] == [False, False, False, False, True]
+    assert [p.storage for p in (dense, window, sinks, dcp, acp)] == ["ring", "ring", "ring", "pool", "ring"]
+    assert [p.forward_exact for p in (dense, window, sinks, dcp, acp)] == [True, False, False, True, False]
+    assert (dense.flash_prefill(), window.flash_prefill(), sinks.flash_prefill(), acp.flash_prefill()) == (
+        {}, {"window_size": 7}, None, None)
+    assert [p.max_live(100) for p in (dense, window, sinks, dcp, acp)] == [100, 7, 16, 100, 100]
+    assert [p.max_live(5) for p in (window, sinks)] == [5, 5] and sinks.pinned == 4 and window.pinned == 0
+    assert dense.capacity(65) == 128 and dense.capacity(1) == RING_BLOCK and sinks.capacity(3, block=1) == 5
+    fox, pro, gpt2 = (dict(forget_gate=True, qk_norm=False, interaction_dim=None),
+                      dict(forget_gate=True, qk_norm=True, interaction_dim=8),
+                      dict(forget_gate=False, qk_norm=False, interaction_dim=None))
+    assert acp.provable(pro) and not acp.provable(fox) and all(p.provable(fox) for p in (dense, window, dcp))
+    assert acp.missing(gpt2) is not None and dcp.missing(fox) is not None and dcp.missing(pro) is None
+    with pytest.raises(ValueError, match="forget gate"):
+        acp.check(gpt2)
+    with pytest.raises(ValueError, match="DCP"):
+        dcp.check(fox)
+    with pytest.warns(HeuristicEvictionWarning, match="heuristic"):
+        acp.check(fox)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        acp.check(pro)  # provable: no warning
+    for bad in ("lru", "window:0", "sinks:4", "window", "dense:3", "sinks:-1+4"):
+        with pytest.raises(ValueError) as err:
+            parse_policy(bad)
+        assert POLICY_FORMS in str(err.value)
+    with pytest.raises(ValueError, match="log ε < 0"):
+        parse_policy("acp:1")
+
+
+def test_decode_attention_reads_its_range_across_the_wrap():
+    """``decode_attention`` over a ring: logical key i in slot i mod C, only [lo, hi) read (here across the
+    wrap, per (row, head), an empty range gives 0), ``valid`` masks slots, the decay pair is added."""
+    rng = np.random.default_rng(0)
+    b, hkv, g, c, d = 2, 2, 3, 8, 4
+    q = rng.standard_normal((b, hkv, g, d)).astype(np.float32)
+    k, v = (rng.standard_normal((b, hkv, c, d)).astype(np.float32) for _ in range(2))
+    lam_q = [rng.uniform(-3, 0, (b, hkv, g)).astype(np.float32) for _ in range(2)]
+    lam_k = [rng.uniform(-3, 0, (b, hkv, g, c)).astype(np.float32) for _ in range(2)]
+    lo, hi = np.array([[5, 9], [0, 3]]), np.array([[11, 14], [8, 3]])                 # row 1 head 1: empty
+    valid = rng.uniform(size=(b, 1, c)) < 0.8
+    o = np.asarray(decode_attention(*map(jnp.asarray, (q, k, v)), lo=jnp.asarray(lo), hi=jnp.asarray(hi),
+                                    valid=jnp.asarray(valid), lam_q=tuple(map(jnp.asarray, lam_q)),
+                                    lam_k=tuple(map(jnp.asarray, lam_k))))
+    for r in range(b):
+        for n in range(hkv):
+            slots = [i % c for i in range(lo[r, n], hi[r, n]) if valid[r, 0, i % c]]
+            if not slots:
+                np.testing.assert_array_equal(o[r, n], 0.0)
+                continue
+            s = q[r, n].astype(np.float64) @ k[r, n, slots].T / np.sqrt(d)
+            s += (lam_q[0][r, n][:, None] - lam_k[0][r, n][:, slots]) + (lam_q[1][r, n][:, None] - lam_k[1][r, n][:, slots])
+            w = np.exp(s - s.max(1, keepdims=True))
+            np.testing.assert_allclose(o[r, n], (w / w.sum(1, keepdims=True)) @ v[r, n, slots], atol=1e-6)
+
+
+# =============================================================================================
 # Layer level: slot_attention (fox_jax.cache.slots) against a numpy reference of each policy
 # =============================================================================================
 
-attend = jax.jit(slot_attention)  # one compile per (policy, slot layout, chunk length)
+attend = jax.jit(slot_attention)  # one compile per (policy, storage layout, chunk length)
 B, H, D, R_INT = 2, 4, 4, 4       # rows, query heads, head dim, DCP interaction dim
 
 
-def reference_visibility(policy, pos, lam=None, delta=None, z=None):
+def reference_visibility(policy, pos, lam=None, delta=None, z=None, hkv=None):
     """[B, T, T, H'] bool, query column i sees key column j, from the rules of ``fox_jax.cache.policies``
     alone (H' = H for acp, else 1). Whole sequence at once, float64; pads never see nor are seen.
 
-    pos [B, T] token positions (negative on left pads); lam [B, T, H] Λ; delta [H] the ACP threshold;
-    z [B, T, T] DCP keep logits (queries on axis 1)."""
+    pos [B, T] token positions (negative on left pads); lam [B, T, H] Λ; delta: the ACP threshold, [H] or per
+    query [B, T, H]; hkv: key/value heads (acp); z [B, T, T] DCP keep logits (queries on axis 1)."""
     policy = parse_policy(policy)
     real = pos >= 0
+    t = pos.shape[1]
     pi, pj = pos[:, :, None], pos[:, None, :]
     vis = real[:, :, None] & real[:, None, :] & (pj <= pi)
-    if policy.kind == "window":
+    if isinstance(policy, Window):
         vis &= pi - pj < policy.window
-    elif policy.kind == "sinks":
+    elif isinstance(policy, Sinks):
         vis &= (pj < policy.sinks) | (pi - pj < policy.window)
-    elif policy.kind == "dcp":  # j survives query i iff every query n ∈ (j, i] voted z_{n,j} > 0
-        t = pos.shape[1]
+    elif isinstance(policy, DCP):  # j survives query i iff every query n ∈ (j, i] voted z_{n,j} > 0
         vote_drop = (z <= 0) & (np.arange(t)[:, None] > np.arange(t)[None, :])[None]
         vis &= ~np.logical_or.accumulate(vote_drop, axis=1)
+    if isinstance(policy, ACPWindow):  # the extension example: acp within a window
+        vis &= pi - pj < policy.window
     vis = vis[..., None]
-    if policy.kind == "acp":  # j is invisible once the decay Λ_i − Λ_j fell below δ
-        vis = vis & ((lam[:, :, None, :] - lam[:, None, :, :]) >= np.asarray(delta)[None, None, None, :])
+    if isinstance(policy, ACP):  # query n hides j when Λ_n − Λ_j < δ_n for every query head of the kv head;
+        delta = np.asarray(delta)  # once hidden, hidden for every later query
+        delta = delta[:, :, None, :] if delta.ndim == 3 else delta[None, None, None, :]
+        hidden = (lam[:, :, None, :] - lam[:, None, :, :]) < delta                       # [B, n, j, H]
+        hidden = hidden.reshape(*hidden.shape[:3], hkv, -1).all(-1)                      # [B, n, j, Hkv]
+        hidden &= (np.arange(t)[:, None] > np.arange(t)[None, :])[None, :, :, None]
+        vis = vis & ~np.logical_or.accumulate(hidden, axis=1)
+        vis = np.repeat(vis, H // hkv, axis=3)
     return vis
 
 
@@ -86,8 +170,7 @@ def reference_attention(q, k, v, lam, vis):
 
 def reference_retained(vis, pos, fed, hkv):
     """What the policy says a cache holds after ``fed`` columns, [B][Hkv] sets of positions: what the last
-    fed query sees (``fox_jax.cache.slots``, step 2); with per-head visibility (acp) per key/value head, a
-    token staying while any of its query heads sees it."""
+    fed query sees; with per-head visibility (acp) per key/value head."""
     g = vis.shape[3] // hkv
     out = []
     for r in range(pos.shape[0]):
@@ -100,24 +183,36 @@ def reference_retained(vis, pos, fed, hkv):
     return out
 
 
-def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
-    """Feed random q/k/v (and gates, δ, DCP logits) in ``chunks`` through a fresh slot cache and check,
-    after every chunk, the invariants of ``fox_jax.cache.slots`` against the numpy reference:
+def acp_bound(delta, n, log_eps=DEFAULT_LOG_EPSILON):
+    """(U [H] float32, the δ the ACP rule forms from it in float64): U = (log ε − log N − δ)/2, so that
+    δ = −(2U + log N) + log ε (the layer-level tests pick δ and hand the rule the bound; U is arithmetic here)."""
+    u = ((log_eps - math.log(n) - np.asarray(delta, np.float64)) / 2).astype(np.float32)
+    return u, np.minimum(-(2 * u.astype(np.float64) + math.log(n)) + log_eps, 0.0)
 
-    (a) every occupied slot holds a distinct real position < the tokens fed;
-    (b) live count ≤ slots (and ``live_count()`` is the mean over key/value heads);
-    (c) the occupied positions are exactly what the policy lets the last query see (``reference_retained``);
+
+def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
+    """Feed random q/k/v (and gates, δ, DCP logits) in ``chunks`` through a fresh cache (capacities as asked:
+    ``block=1``) and check, after every chunk, the invariants of ``fox_jax.cache.slots`` against the numpy
+    reference:
+
+    (a) every slot that holds a key holds a distinct real position < the tokens fed;
+    (b) live count ≤ capacity (and ``live_count()`` is the mean over key/value heads);
+    (c) the held positions are exactly what the policy lets the last query see (``reference_retained``);
         after an overflow they stay a subset of it;
     (d) until a row overflows its outputs equal the reference (1e-5, module docstring), and its overflow
-        counter is > 0 exactly when the policy wanted more tokens than the slots, by the surplus; a chunk
-        of T > 1 that overflows still attended to the pool as it was (a decode step evicts first);
-    (e) the highest occupied slot < the peak live count so far (freed slots are reused lowest first), and
-        the groups' ``peak`` is that peak over the rows;
-    (f) each occupied slot stores the k/v (Λ pair, DCP k_int) of the token at its position;
-    (g) with per-head tables (acp) each key/value head keeps its own set: (c) is checked per head.
+        counter is > 0 exactly when the policy wanted more tokens than the capacity, by the surplus; a chunk
+        of T > 1 that overflows still attended to the cache as it was (a decode step writes first);
+    (e) placement: a pool (dcp) fills its lowest free slots (the highest occupied slot < the peak live count
+        so far); a ring holds column c in slot pinned + (c mod (C − pinned)) and a sink position p in slot p;
+        the groups' ``peak`` is the peak live count over the rows;
+    (f) each held slot stores the k/v (Λ pair, DCP k_int) of the token at its position;
+    (g) with per-head tables (acp) each key/value head keeps its own set (its own ring ``start``): (c) is
+        checked per head;
+    (h) ``cache_bytes``: allocated = every entry of every row and head, live = the held entries, each entry
+        k + v (+ the Λ pairs of its query heads, + DCP's k_int per head share).
 
     Returns [B] bool, whether each row overflowed."""
-    kind = parse_policy(policy).kind
+    policy = parse_policy(policy)
     rng = np.random.default_rng(seed)
     t = sum(chunks)
     pos = np.arange(t)[None] - pads[:, None]
@@ -125,18 +220,20 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
     q = rng.standard_normal((B, t, H, D)).astype(np.float32)
     k = rng.standard_normal((B, t, hkv, D)).astype(np.float32)
     v = rng.standard_normal((B, t, hkv, D)).astype(np.float32)
-    lf = lam = delta = z = q_int = k_int = beta = None
+    lf = lam = delta = z = facts = None
     if gates:  # f ∈ (0.3, 1): Λ falls by ~0.4 per token
         lf = np.log(rng.uniform(0.3, 1.0, (B, t, H))).astype(np.float32)
         lam = np.cumsum(np.where(real[..., None], lf, 0).astype(np.float64), axis=1)
     causal = real[:, :, None] & real[:, None, :] & (pos[:, None, :] <= pos[:, :, None])
-    if kind == "acp":  # δ ∈ (−3, −0.2): keys are evicted 1 to ~8 tokens after they were written
+    if isinstance(policy, ACP):  # δ ∈ (−3, −0.2): keys are evicted 1 to ~8 tokens after they were written
         delta = -rng.uniform(0.2, 3.0, H)
         decay = lam[:, :, None, :] - lam[:, None, :, :]
         for h in range(H):  # keep every decay clear of δ by more than float32 noise, so the test is exact
             while np.min(np.abs(decay[..., h][causal] - delta[h])) < 1e-4:
                 delta[h] -= 3e-4
-    if kind == "dcp":
+        u, delta = acp_bound(delta, t)
+        facts = LayerFacts(logit_bound=jnp.asarray(u))
+    if isinstance(policy, DCP):
         q_int = rng.standard_normal((B, t, R_INT)).astype(np.float32)
         k_int = rng.standard_normal((B, t, R_INT)).astype(np.float32)
         beta = float(rng.uniform(-0.5, 1.5))
@@ -144,28 +241,26 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
         while np.min(np.abs(dot + beta)) < 1e-4:  # no vote within float32 noise of 0
             beta += 3e-4
         z = dot + beta
-    vis = reference_visibility(policy, pos, lam, delta, z)
+    vis = reference_visibility(policy, pos, lam, delta, z, hkv)
     ref = reference_attention(q, k, v, lam, vis)
 
     cache = new_slot_cache(B, slots, n_heads=H, kv_heads=hkv, head_dim=D, dtype=jnp.float32, forget_gate=gates,
-                           kv_shift=False, interaction_dim=R_INT if kind == "dcp" else None, policy=policy,
-                           seq_start=pads)
-    per_head = kind == "acp"
+                           kv_shift=False, interaction_dim=R_INT if isinstance(policy, DCP) else None, qk_norm=True,
+                           policy=policy, seq_start=pads, max_context=t, block=1)
+    per_head = policy.per_head
     head_slots = [next(g.slots for g in cache.groups if n in g.heads) for n in range(hkv)]
     assert sorted(n for g in cache.groups for n in g.heads) == list(range(hkv))
+    assert all(isinstance(g, PoolGroup if isinstance(policy, DCP) else RingGroup) for g in cache.groups)
     overflowed = np.zeros(B, bool)
     last_overflow = np.zeros(B, int)
     peak = np.zeros((B, hkv), int)
     c0 = 0
     for c in chunks:
         sl = slice(c0, c0 + c)
-        kw = {}
-        if kind == "acp":
-            kw["threshold"] = jnp.asarray(delta, jnp.float32)
-        if kind == "dcp":
-            kw.update(q_int=jnp.asarray(q_int[:, sl]), k_int=jnp.asarray(k_int[:, sl]), beta=jnp.float32(beta))
+        if isinstance(policy, DCP):
+            facts = LayerFacts(q_int=jnp.asarray(q_int[:, sl]), k_int=jnp.asarray(k_int[:, sl]), beta=jnp.float32(beta))
         o, cache = attend(cache, jnp.asarray(q[:, sl]), jnp.asarray(k[:, sl]), jnp.asarray(v[:, sl]),
-                          None if lf is None else jnp.asarray(lf[:, sl]), **kw)
+                          None if lf is None else jnp.asarray(lf[:, sl]), facts=facts)
         fed = c0 = c0 + c
         o = np.asarray(o)
         assert np.all(np.isfinite(o))
@@ -175,7 +270,7 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
         for r in range(B):
             held = {}
             for g in cache.groups:
-                table = np.asarray(g.pos)[r]                                       # [nt, S]
+                table = np.asarray(g.held_positions(cache))[r]                             # [nt, C]
                 assert table.shape == (len(g.heads) if per_head else 1, g.slots)
                 for ni, n in enumerate(g.heads):
                     col = table[ni if per_head else 0]
@@ -185,7 +280,12 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
                     assert np.all(held_pos < fed - pads[r]), "(a) a position not fed yet"
                     assert len(held_pos) <= g.slots                                            # (b)
                     peak[r, n] = max(peak[r, n], len(held_pos))
-                    assert len(occ) == 0 or occ.max() < peak[r, n], "(e) not lowest-free-first"
+                    if isinstance(g, PoolGroup):
+                        assert len(occ) == 0 or occ.max() < peak[r, n], "(e) not lowest-free-first"
+                    else:
+                        pin, ring = g.pinned, g.slots - g.pinned
+                        np.testing.assert_array_equal(occ, np.where(held_pos < pin, held_pos,
+                                                                    pin + (held_pos + pads[r]) % ring), "(e) ring slot")
                     cols = held_pos + pads[r]                                                  # (f)
                     np.testing.assert_array_equal(np.asarray(g.k)[r, ni, occ], k[r, cols, n])    # [n, S, D]
                     np.testing.assert_array_equal(np.asarray(g.v)[r, ni, occ], v[r, cols, n])
@@ -193,7 +293,7 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
                         gq = H // hkv
                         pair = np.asarray(g.lam_hi, np.float64)[r, ni][:, occ] + np.asarray(g.lam_lo)[r, ni][:, occ]
                         np.testing.assert_allclose(pair.T, lam[r, cols, n * gq:(n + 1) * gq], atol=1e-9, rtol=0)
-                    if kind == "dcp":
+                    if isinstance(policy, DCP):
                         np.testing.assert_array_equal(np.asarray(g.k_int)[r, occ], k_int[r, cols])
                     held[n] = set(held_pos.tolist())
             assert live[r] == pytest.approx(np.mean([len(held[n]) for n in range(hkv)]))      # (b)
@@ -205,7 +305,7 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
                 surplus = [max(len(want[r][n]) - head_slots[n], 0) for n in range(hkv)]
                 expected = sum(surplus) if per_head else surplus[0]
                 assert over[r] == expected, ("(d) overflow counter", r, int(over[r]), surplus)
-                if expected == 0 or c > 1:  # a chunk attends to the pool as it was: still the policy's
+                if expected == 0 or c > 1:  # a chunk attends to the cache as it was: still the policy's
                     mask = real[r, sl]
                     np.testing.assert_allclose(o[r][mask], ref[r, sl][mask], atol=1e-5, rtol=0,
                                                err_msg=f"(d) outputs of row {r}, columns {sl}")
@@ -214,7 +314,13 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
                         assert held[n] == want[r][n], ("(c)/(g) live set", r, n, held[n], want[r][n])
                 overflowed[r] = expected > 0
             last_overflow[r] = over[r]
-        for g in cache.groups:  # (e) the pool's recorded peak: the most any row held, per table
+        entry = 2 * D * 4 + (8 * (H // hkv) if gates else 0) + (R_INT * 4 / hkv if isinstance(policy, DCP) else 0)
+        held_entries = sum(int((np.asarray(g.held_positions(cache)) >= 0).sum()) * (len(g.heads) if not per_head
+                                                                                     else 1) for g in cache.groups)
+        assert generation.cache_bytes([cache]) == {  # (h)
+            "allocated": int(round(B * sum(len(g.heads) * g.slots for g in cache.groups) * entry)),
+            "live": int(round(held_entries * entry))}
+        for g in cache.groups:  # (e) the recorded peak: the most any row held, per table
             want_peak = [peak[:, n].max() for n in g.heads] if per_head else [peak[:, list(g.heads)].max()]
             np.testing.assert_array_equal(g.peak, want_peak)
         if gates:  # the carry into the next chunk: Λ of the last column
@@ -228,10 +334,10 @@ CACHE_KINDS = ("dense", "window", "sinks", "dcp", "acp")
 if given is not None:
     @st.composite
     def slot_cache_cases(draw, kind):
-        """(policy, Hkv, gates, chunk sizes, left pads, slots, seed) for a policy of ``kind``: W and S random
-        (acp's δ and dcp's votes come from the seed), GQA (H = 4, Hkv = 2) or not (Hkv = 4), 2–7 pushes of
-        1–3 tokens, up to 4 left pads, pools from below to above the policy's ``max_live`` (acp: also one
-        count per key/value head)."""
+        """(policy, Hkv, gates, chunk sizes, left pads, capacities, seed) for a policy of ``kind``: W and S
+        random (acp's δ and dcp's votes come from the seed), GQA (H = 4, Hkv = 2) or not (Hkv = 4), 2–7 pushes
+        of 1–3 tokens, up to 4 left pads, capacities from below to above the policy's ``max_live`` (rings wrap;
+        acp: also one capacity per key/value head; sinks: at least S + 1)."""
         if kind == "window":
             policy = f"window:{draw(st.integers(1, 5))}"
         elif kind == "sinks":
@@ -256,8 +362,8 @@ if given is not None:
               suppress_health_check=[HealthCheck.too_slow])
     @given(data=st.data())
     def test_slot_cache_invariants_for_random_chunks_and_policies(kind, data):
-        """``check_slot_cache`` on random cases, 4 per policy kind (20 in all, ~1 min on one core: each case
-        compiles its chunk lengths; derandomised: the same cases on every run)."""
+        """``check_slot_cache`` on random cases, 4 per policy kind (20 in all: each case compiles its chunk
+        lengths; derandomised: the same cases on every run)."""
         check_slot_cache(*data.draw(slot_cache_cases(kind), label="case"))
 else:  # pragma: no cover
     @pytest.mark.parametrize("kind", CACHE_KINDS)
@@ -266,13 +372,75 @@ else:  # pragma: no cover
 
 
 def test_slot_cache_fixed_case():
-    """``check_slot_cache`` without hypothesis: acp with per-head pools whose equal counts group non-adjacent
-    heads (counts 9, 4, 9, 4), a prefill, decode steps and chunks, pads; the 4-slot heads overflow."""
+    """``check_slot_cache`` without hypothesis: acp with per-head capacities whose equal values group
+    non-adjacent heads (9, 4, 9, 4), a prefill, decode steps and chunks, pads; the 4-entry rings wrap and
+    overflow."""
     assert check_slot_cache("acp", 4, True, (5, 1, 1, 5, 1, 1), np.array([0, 3]), (9, 4, 9, 4), 11).any()
 
 
-ACP_CHUNKS = (8, 1, 1) * 4  # prefills and decode steps; both ACP tests share the compiled shapes
+@dataclasses.dataclass(frozen=True)
+class ACPWindow(ACP):
+    """docs/inference.md's example of a new policy: acp, and at most the last W tokens."""
+
+    window: int = 1024
+    name: ClassVar[str] = "acpwin"
+    form: ClassVar[str] = "acpwin:W"
+
+    @classmethod
+    def parse(cls, arg: str, spec: str) -> "ACPWindow":
+        return cls(window=int(arg))
+
+    @property
+    def spec(self) -> str:
+        return f"acpwin:{self.window}"
+
+    def max_live(self, context: int) -> int:
+        return max(1, min(self.window, context))
+
+
+class ACPWindowRule(ACPRule):
+    def first_visible(self, policy, delta, chunk, keys):
+        return jnp.maximum(super().first_visible(policy, delta, chunk, keys), chunk.cols - (policy.window - 1))
+
+
+def test_a_new_policy_is_a_class_and_a_rule():
+    """The example of docs/inference.md ("Adding a cache policy"): registered with ``register_policy`` and
+    ``register_rule`` (two files in the library; here, this module), it parses and runs through
+    ``check_slot_cache`` (ring wrap, per-head starts, overflow, outputs against the reference)."""
+    try:
+        register_policy(ACPWindow)
+        register_rule(ACPWindow)(ACPWindowRule)
+        policy = parse_policy("acpwin:4")
+        assert policy == ACPWindow(window=4) and rule_for(policy).__class__ is ACPWindowRule
+        check_slot_cache(policy, 2, True, (5, 1, 1, 5, 1, 1), np.array([0, 3]), (5, 3), 12)
+    finally:
+        POLICIES.pop("acpwin", None)
+        RULES.pop(ACPWindow, None)
+
+
+@pytest.mark.parametrize("policy,slots,chunks", [("window:5", 5, (7, 1, 1, 1, 8) + (1,) * 12),
+                                                 ("sinks:2+3", 6, (7, 1, 1, 1, 8) + (1,) * 12),
+                                                 ("dense", 64, (40, 1, 1, 24, 1, 1))])
+def test_rings_wrap_many_times(policy, slots, chunks):
+    """``check_slot_cache`` through prefill chunks and decode steps: rings of exactly W (window:5) and of 4
+    behind 2 pinned slots (sinks:2+3) wrap 5–7 times in 30 columns; a dense ring of 64 overflows at 68 columns
+    and keeps the newest 64."""
+    over = check_slot_cache(policy, 2, True, chunks, np.array([0, 3]), slots, 5)
+    assert over.tolist() == [policy == "dense"] * 2
+
+
+ACP_CHUNKS = (8, 1, 1) * 4  # prefills and decode steps; the ACP tests share the compiled shapes
 ACP_T = sum(ACP_CHUNKS)
+
+
+def feed(cache, chunks, *arrays, facts=None):
+    """Feed [B, T, ...] arrays chunk by chunk; returns (outputs [B, T, ...] numpy, the cache)."""
+    res, c0 = [], 0
+    for c in chunks:
+        o, cache = attend(cache, *(None if x is None else jnp.asarray(x[:, c0:c0 + c]) for x in arrays), facts=facts)
+        res.append(np.asarray(o))
+        c0 += c
+    return np.concatenate(res, axis=1), cache
 
 
 def test_acp_eviction_stays_within_epsilon_of_dense():
@@ -280,8 +448,9 @@ def test_acp_eviction_stays_within_epsilon_of_dense():
     rescaled to norms ≤ 1.5 and 2, D = 4, so U = 1.5·2/√4 = 1.5) and δ = −(2U + log N) + log ε for N ≥ the
     keys a query can see, query i's weight on an evicted key j (Λ_i − Λ_j < δ) is
     e^{s_ij + Λ_i − Λ_j} / Σ ≤ e^{U + δ} / e^{−U} (the query sees itself with decay 0), so the dropped
-    weight ρ_i ≤ N·e^{2U + δ} = ε. The dense output is (1 − ρ)·o_acp + ρ·ō_dropped (o_acp renormalises
-    the kept weights), so |o_acp − o_dense| = ρ·|o_acp − ō_dropped| ≤ 2ε·max|v| elementwise."""
+    weight ρ_i ≤ N·e^{2U + δ} = ε. A key/value head keeps a key while any of its query heads sees it, which
+    only lowers ρ. The dense output is (1 − ρ)·o_acp + ρ·ō_dropped (o_acp renormalises the kept weights), so
+    |o_acp − o_dense| = ρ·|o_acp − ō_dropped| ≤ 2ε·max|v| elementwise."""
     rng = np.random.default_rng(3)
     t, hkv, log_eps, chunks = ACP_T, 2, -4.0, ACP_CHUNKS
     unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
@@ -290,27 +459,25 @@ def test_acp_eviction_stays_within_epsilon_of_dense():
     v = rng.standard_normal((B, t, hkv, D)).astype(np.float32)
     # fast to never forgetting heads: keys leave after ~8, ~15, ~45 tokens, or stay
     lf = np.log(rng.uniform([0.1, 0.3, 0.6, 0.97], [0.5, 0.8, 1.0, 1.0], (B, t, H))).astype(np.float32)
-    delta = np.asarray(acp_ops.threshold_from_bound(jnp.full((H,), 1.5 * 2.0 / np.sqrt(D)), t, log_eps))
+    u = np.full((H,), 1.5 * 2.0 / np.sqrt(D), np.float32)
     outs = {}
-    for policy in ("dense", "acp"):
+    for policy in ("dense", f"acp:{log_eps:g}"):
         cache = new_slot_cache(B, t, n_heads=H, kv_heads=hkv, head_dim=D, dtype=jnp.float32, forget_gate=True,
-                               kv_shift=False, policy=policy)
-        res, c0 = [], 0
-        for c in chunks:
-            o, cache = attend(cache, jnp.asarray(q[:, c0:c0 + c]), jnp.asarray(k[:, c0:c0 + c]),
-                              jnp.asarray(v[:, c0:c0 + c]), jnp.asarray(lf[:, c0:c0 + c]),
-                              threshold=jnp.asarray(delta) if policy == "acp" else None)
-            res.append(np.asarray(o))
-            c0 += c
-        outs[policy] = np.concatenate(res, axis=1)
-        if policy == "acp":
-            held = np.asarray(cache.groups[0].pos >= 0).sum(2)   # [B, Hkv]: per-head tables
+                               kv_shift=False, qk_norm=True, policy=policy, max_context=t)
+        outs[policy], cache = feed(cache, chunks, q, k, v, lf, facts=LayerFacts(logit_bound=jnp.asarray(u)))
+        if policy != "dense":
+            held = np.asarray(cache.groups[0].held_positions(cache) >= 0).sum(2)   # [B, Hkv]: per-head suffixes
             assert np.all(held[:, 0] < t / 2) and np.all(held[:, 1] == t)  # kv head 1 reads a head that never forgets
-    # the dropped weight per query, from the dense float64 weights
+            # δ came from the first chunk's bound and stays in the cache: a later step needs no facts (so a
+            # decode step recomputes nothing from the QK-norm weights)
+            np.testing.assert_allclose(cache.state.delta, np.broadcast_to(acp_ops.threshold_from_bound(u, t, log_eps),
+                                                                          (B, H)), rtol=1e-6)
+            attend(cache, *(jnp.asarray(x[:, :1]) for x in (q, k, v, lf)))
+    # the dropped weight per query head, from the dense float64 weights
     pos = np.broadcast_to(np.arange(t), (B, t))
     lam = np.cumsum(lf.astype(np.float64), axis=1)
     causal = reference_visibility("dense", pos)
-    seen = reference_visibility("acp", pos, lam, delta)
+    seen = reference_visibility("acp", pos, lam, acp_ops.threshold_from_bound(u, t, log_eps), hkv=hkv)
     s = np.einsum("bihd,bjhd->bijh", q.astype(np.float64), np.repeat(k, H // hkv, 2)) / np.sqrt(D)
     s = np.where(causal, s + lam[:, :, None] - lam[:, None], -np.inf)
     w = np.exp(s - s.max(axis=2, keepdims=True))
@@ -318,7 +485,7 @@ def test_acp_eviction_stays_within_epsilon_of_dense():
     eps = np.exp(log_eps)
     assert 0.0 < rho.max() <= eps
     bound = 2 * eps * np.abs(v).max()
-    diff = np.abs(outs["acp"] - outs["dense"])
+    diff = np.abs(outs["acp:-4"] - outs["dense"])
     assert diff.max() <= bound + 1e-6, (diff.max(), bound)  # + float32 noise of the two runs
     assert diff.max() > 1e-5  # the eviction is visible, so the bound is not vacuous here
 
@@ -326,29 +493,89 @@ def test_acp_eviction_stays_within_epsilon_of_dense():
 def test_acp_never_evicts_without_forgetting():
     """All forget gates 1 (log f = 0): every decay is 0 ≥ δ, so ACP keeps every token and equals dense."""
     rng = np.random.default_rng(4)
-    t, hkv = ACP_T, 2
+    t, hkv, pads = ACP_T, 2, np.array([0, 2])
     q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
     lf = np.zeros((B, t, H), np.float32)
-    delta = acp_ops.threshold_from_bound(jnp.full((H,), 5.0), t, -0.1)  # as aggressive as a bound gets
+    u = np.full((H,), 5.0, np.float32)  # δ as aggressive as a bound gets: ε = e^{-0.1}
     outs = {}
-    for policy in ("dense", "acp"):
+    for policy in ("dense", "acp:-0.1"):
         cache = new_slot_cache(B, t, n_heads=H, kv_heads=hkv, head_dim=D, dtype=jnp.float32, forget_gate=True,
-                               kv_shift=False, policy=policy, seq_start=np.array([0, 2]))
-        res, c0 = [], 0
-        for c in ACP_CHUNKS:
-            o, cache = attend(cache, *(jnp.asarray(x[:, c0:c0 + c]) for x in (q, k, v, lf)),
-                              threshold=delta if policy == "acp" else None)
-            res.append(np.asarray(o))
-            c0 += c
-            np.testing.assert_array_equal(cache.live_count(), np.maximum(c0 - np.array([0, 2]), 0))
-        outs[policy] = np.concatenate(res, axis=1)
+                               kv_shift=False, qk_norm=True, policy=policy, seq_start=pads, max_context=t)
+        outs[policy], cache = feed(cache, ACP_CHUNKS, q, k, v, lf, facts=LayerFacts(logit_bound=jnp.asarray(u)))
+        np.testing.assert_array_equal(cache.live_count(), np.maximum(t - pads, 0))
     # the same masks; dense's first chunk runs the flash op (another summation order): a few ulp apart
-    np.testing.assert_allclose(outs["acp"], outs["dense"], atol=1e-6, rtol=0)
+    np.testing.assert_allclose(outs["acp:-0.1"], outs["dense"], atol=1e-6, rtol=0)
+
+
+def test_calibrated_per_head_capacities_hold_the_live_sets():
+    """``calibrate_slots`` from the per-head peaks of an acp run: the key/value head whose query heads forget
+    fast gets one block, the one that never forgets its whole context, each a multiple of ``RING_BLOCK``;
+    the same sequence fed with those capacities overflows nowhere, gives the same outputs and allocates less."""
+    rng = np.random.default_rng(8)
+    t, hkv, chunks = 130, 2, (65, 65)
+    q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
+    lf = np.log(rng.uniform([0.1, 0.1, 1.0, 1.0], [0.5, 0.5, 1.0, 1.0], (B, t, H))).astype(np.float32)
+    facts = LayerFacts(logit_bound=jnp.ones((H,), jnp.float32))
+    make = lambda slots: new_slot_cache(B, slots, n_heads=H, kv_heads=hkv, head_dim=D, dtype=jnp.float32,  # noqa: E731
+                                        forget_gate=True, kv_shift=False, qk_norm=True, policy="acp", max_context=t)
+    full, cache = feed(make(t), chunks, q, k, v, lf, facts=facts)
+    slots = generation.calibrate_slots([cache])[0]
+    assert slots == (RING_BLOCK, 3 * RING_BLOCK)  # ⌈1.1 · 130⌉ → 192
+    fit, fitted = feed(make(slots), chunks, q, k, v, lf, facts=facts)
+    assert int(fitted.overflow.max()) == 0 and [g.slots for g in fitted.groups] == list(slots)
+    np.testing.assert_allclose(fit, full, atol=1e-6, rtol=0)
+    assert fitted.allocated_bytes() < cache.allocated_bytes()
+
+
+def heuristic_delta(q, k, pads, n, log_eps):
+    """δ [B, T, H] of the heuristic acp rule from its definition: U_n = max_{m ≤ n}‖q_m‖ · max_{m ≤ n}‖k_m‖/√D
+    over real tokens (per query head and its key/value head), δ_n = min(−(2U_n + log N) + log ε, 0)."""
+    t = q.shape[1]
+    real = (np.arange(t)[None] >= pads[:, None])[..., None]
+    qn = np.maximum.accumulate(np.where(real, np.linalg.norm(q.astype(np.float64), axis=-1), 0), axis=1)
+    kn = np.maximum.accumulate(np.where(real, np.linalg.norm(k.astype(np.float64), axis=-1), 0), axis=1)
+    u = qn * np.repeat(kn, q.shape[2] // k.shape[2], axis=2) / np.sqrt(q.shape[3])
+    return np.minimum(-(2 * u + math.log(n)) + log_eps, 0.0)
+
+
+def test_heuristic_acp_is_independent_of_the_chunking():
+    """acp without QK-norm (a heuristic; the cache warns once): δ_n comes from the running maxima of the q and
+    k norms kept in the cache and the rule is cumulative, so feeding 70 columns in chunks of 7 or in one pass
+    gives the same outputs to float32 rounding (≤ 1e-6 here; the earlier per-chunk bound moved them by ~1e-3)
+    and the same live sets, equal to the float64 reference of the rule. Heads forget fast, so the rule does
+    evict."""
+    rng = np.random.default_rng(7)
+    t, hkv, pads, log_eps = 70, 2, np.array([0, 3]), -3.0
+    q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
+    lf = np.log(rng.uniform([0.1, 0.3, 0.7, 0.9], [0.5, 0.8, 1.0, 1.0], (B, t, H))).astype(np.float32)
+    real = np.arange(t)[None] >= pads[:, None]
+    lam = np.cumsum(np.where(real[..., None], lf, 0).astype(np.float64), axis=1)
+    delta = heuristic_delta(q, k, pads, t, log_eps)
+    pos = np.arange(t)[None] - pads[:, None]
+    causal = (pos[:, None, :] <= pos[:, :, None]) & (pos[:, None, :] >= 0)
+    decay = lam[:, :, None, :] - lam[:, None, :, :]
+    assert np.min(np.abs(decay - delta[:, :, None, :])[causal]) > 1e-5  # no decision within float32 noise of δ
+    ref = reference_attention(q, k, v, lam, reference_visibility("acp", pos, lam, delta, hkv=hkv))
+    outs, lives = [], []
+    for chunks in ((7,) * 10, (t,)):  # chunks of 1, 7, 64 and one pass, of a model: the model-level test
+        with pytest.warns(HeuristicEvictionWarning):
+            cache = new_slot_cache(B, t, n_heads=H, kv_heads=hkv, head_dim=D, dtype=jnp.float32, forget_gate=True,
+                                   kv_shift=False, qk_norm=False, policy=f"acp:{log_eps:g}", seq_start=pads,
+                                   max_context=t)
+        assert not cache.provable and cache.state is not None
+        o, cache = feed(cache, chunks, q, k, v, lf)
+        outs.append(np.where(real[..., None, None], o, 0))
+        lives.append(np.asarray(cache.live_count()))
+    np.testing.assert_allclose(outs[-1], np.where(real[..., None, None], ref, 0), atol=1e-5)
+    for o, live in zip(outs[:-1], lives[:-1]):
+        np.testing.assert_allclose(o, outs[-1], atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(live, lives[-1])
+    assert np.all(lives[-1] < t - pads - 5)  # it evicts
 
 
 def test_window_policy_equals_the_ops_sliding_window():
-    """window:W on a pool of W slots (prefill, steps, chunks; GQA, gates, left pads) equals the attention
-    op's own sliding window, ``forgetting_attention(..., window_size=W)``, over the whole sequence."""
+    """window:W on a ring of exactly W entries (prefill, steps, chunks; GQA, gates, left pads) equals the
+    attention op's own sliding window, ``forgetting_attention(..., window_size=W)``, over the whole sequence."""
     rng = np.random.default_rng(6)
     t, hkv, w, pads = 13, 2, 4, np.array([0, 3])
     q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
@@ -356,7 +583,8 @@ def test_window_policy_equals_the_ops_sliding_window():
     ref = np.asarray(forgetting_attention(*(jnp.asarray(x) for x in (q, k, v, lf)), window_size=w,
                                           seq_start=jnp.asarray(pads), implementation="xla"))
     cache = new_slot_cache(B, w, n_heads=H, kv_heads=hkv, head_dim=D, dtype=jnp.float32, forget_gate=True,
-                           kv_shift=False, policy=f"window:{w}", seq_start=pads)
+                           kv_shift=False, policy=f"window:{w}", seq_start=pads, block=1)
+    assert cache.capacity == w
     res, c0 = [], 0
     for c in (5, 1, 1, 5, 1):
         o, cache = attend(cache, *(jnp.asarray(x[:, c0:c0 + c]) for x in (q, k, v, lf)))
@@ -371,8 +599,8 @@ def test_window_policy_equals_the_ops_sliding_window():
 @pytest.mark.slow
 def test_decode_decay_float32_accurate_at_64k_tokens():
     """64k tokens, one key/value head read by two query heads (a fast and a slow forgetter), D = 8: the cache
-    holds Λ_j as float32 pairs (``accumulate_log_fgate``), and decode steps over the 64k slots match a float64
-    numpy reference, although |Λ| reaches ~655 where float32's spacing is 6e-5."""
+    holds Λ_j as float32 pairs (``accumulate_log_fgate``), and decode steps over the 64k ring entries match a
+    float64 numpy reference, although |Λ| reaches ~655 where float32's spacing is 6e-5."""
     n, steps, d = 65536, 3, 8
     rng = np.random.default_rng(0)
     log_fgate = np.stack([rng.uniform(-0.02, 0.0, n), rng.uniform(-2e-4, 0.0, n)], -1)[None].astype(np.float32)
@@ -380,17 +608,18 @@ def test_decode_decay_float32_accurate_at_64k_tokens():
     k = rng.standard_normal((1, n, 1, d)).astype(np.float32)
     v = rng.standard_normal((1, n, 1, d)).astype(np.float32)
     lam64 = np.cumsum(log_fgate[0].astype(np.float64), axis=0)  # [n, H]
-    p = n - steps  # the first p tokens as a prefill would store them (slot j holds token j), then steps
+    p = n - steps  # the first p tokens as a prefill would store them (column j in slot j), then steps
     zero = jnp.zeros((1, 2), jnp.float32)
     hi, lo = accumulate_log_fgate(zero, zero, jnp.asarray(log_fgate[:, :p]))   # [1, p, 2]
     cache = new_slot_cache(1, n, n_heads=2, kv_heads=1, head_dim=d, dtype=jnp.float32, forget_gate=True,
                            kv_shift=False)
+    assert cache.capacity == n
     fill = lambda buf, x: buf.at[..., :p].set(jnp.asarray(x, buf.dtype))        # the slot axis last
     fill_kv = lambda buf, x: buf.at[:, :, :p].set(jnp.asarray(x).transpose(0, 2, 1, 3))  # [B, n, S, D]
     g = cache.groups[0]
-    g = g.replace(k=fill_kv(g.k, k[:, :p]), v=fill_kv(g.v, v[:, :p]), pos=fill(g.pos, np.arange(p)[None, None]),
+    g = g.replace(k=fill_kv(g.k, k[:, :p]), v=fill_kv(g.v, v[:, :p]),
                   lam_hi=fill(g.lam_hi, hi.transpose(0, 2, 1)[:, None]), lam_lo=fill(g.lam_lo, lo.transpose(0, 2, 1)[:, None]))
-    cache = cache.replace(groups=(g,), length=jnp.asarray(p, jnp.int32), lam_hi=hi[:, -1], lam_lo=lo[:, -1])
+    cache = cache.replace(groups=(g,), length=jnp.asarray(p, jnp.int32), lam_hi=hi[:, -1], lam_lo=lo[:, -1], fresh=False)
     step = jax.jit(slot_attention)
     for c in range(p, n):
         o, cache = step(cache, jnp.asarray(q[:, c:c + 1]), jnp.asarray(k[:, c:c + 1]), jnp.asarray(v[:, c:c + 1]),
@@ -403,12 +632,26 @@ def test_decode_decay_float32_accurate_at_64k_tokens():
         # (off by 6e-5 at |Λ| ≈ 655) would move the weights of the fast head by 6e-5 relative: ≫ 2e-6.
         np.testing.assert_allclose(np.asarray(o[0, 0]), o64, atol=2e-6, rtol=0, err_msg=f"column {c}")
     g = cache.groups[0]
-    assert int(cache.length) == n and int(jnp.sum(g.pos >= 0)) == n and int(cache.overflow[0]) == 0
+    assert int(cache.length) == n and int(cache.live_count()[0]) == n and int(cache.overflow[0]) == 0
     # the decay the cache forms, (hi_i − hi_j) + (lo_i − lo_j), from the stored pairs (slot j = token j)
     decay = np.asarray((cache.lam_hi[:, :, None] - g.lam_hi[:, 0]) + (cache.lam_lo[:, :, None] - g.lam_lo[:, 0]))[0].T
     # relative 1e-6 of the decay itself (float32 rounds it to 6e-8 relative); the decay of the newest
     # slots is ~1e-2, where a float32 Λ of ~655 would be off by 6e-5 (1e-2 relative)
     np.testing.assert_allclose(decay, lam64[-1] - lam64, rtol=1e-6, atol=1e-9)
+
+
+def test_cache_logical_axes():
+    """``logical_axes()``: a tuple of logical names per array, one name per dimension, for every storage."""
+    for policy, kw in (("acp", dict(forget_gate=True, kv_shift=True)), ("dcp", dict(forget_gate=True, kv_shift=False,
+                                                                                  interaction_dim=R_INT))):
+        cache = new_slot_cache(B, (8, 70) if policy == "acp" else 8, n_heads=H, kv_heads=2, head_dim=D,
+                               dtype=jnp.float32, qk_norm=False, policy=policy, **kw)
+        axes = cache.logical_axes()
+        is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)  # noqa: E731
+        arrays = jax.tree.leaves(cache)
+        names = jax.tree.leaves(axes, is_leaf=is_axes)
+        assert len(arrays) == len(names) and all(len(a.shape) == len(n) for a, n in zip(arrays, names))
+        assert axes.groups[0].k == ("batch", "kv_heads", None, None) and axes.seq_start == ("batch",)
 
 
 # =============================================================================================
@@ -520,7 +763,7 @@ def family_model(family):
 
 def live_positions(cache, b):
     """Sorted positions a per-row-table cache holds for row b."""
-    pos = np.asarray(cache.groups[0].pos)[b, 0]
+    pos = np.asarray(cache.groups[0].held_positions(cache))[b, 0]
     return sorted(int(p) for p in pos[pos >= 0])
 
 
@@ -590,7 +833,8 @@ def test_chunks_on_a_live_cache_equal_the_full_forward(family):
 
 def test_kv_shift_continuation_is_exact():
     """Decoding token by token leaves exactly the cache a single prefill over all tokens builds: the same
-    slot tables, shifted keys/values per slot, Λ pairs, and the shift states (the last unshifted projections)."""
+    ring entries (column c in slot c), shifted keys/values per slot, Λ pairs, and the shift states (the last
+    unshifted projections)."""
     model, params = tiny_lm("fox-pro")
     t, p = 12, 6
     tokens = padded_batch(t)
@@ -601,10 +845,11 @@ def test_kv_shift_continuation_is_exact():
     for mine, ref in zip(caches, one_pass):
         assert mine.k_shift is not None and mine.lam_hi is not None
         (g,), (r,) = mine.groups, ref.groups
-        np.testing.assert_array_equal(g.pos, r.pos)
-        np.testing.assert_array_equal(g.pos[:, 0], np.where(np.arange(t)[None] < t - PADS[:, None],
-                                                            np.arange(t)[None], -1))  # slot j: position j
-        held = np.asarray(g.pos)[:, 0] >= 0                                              # [B, S]
+        table = np.asarray(g.held_positions(mine))[:, 0]                                 # [B, C]
+        np.testing.assert_array_equal(table, r.held_positions(ref)[:, 0])
+        s = np.arange(g.slots)[None]
+        np.testing.assert_array_equal(table, np.where((s >= PADS[:, None]) & (s < t), s - PADS[:, None], -1))
+        held = table >= 0                                                                # [B, S]
         keep = held[:, None, :, None]                                                    # k, v: [B, n, S, D]
         for name in ("k", "v"):
             np.testing.assert_allclose(np.where(keep, getattr(g, name), 0), np.where(keep, getattr(r, name), 0),
@@ -645,25 +890,26 @@ def test_chunk_through_model_apply_continues_the_cache():
     assert int(out.cache[0].length) == 12
 
 
-def test_pool_overflow_raises_or_counts():
-    """A dense pool does not grow: ``extend`` refuses a chunk that does not fit; the model call itself (no
-    host check) keeps what fits and counts the rest: of a chunk, its oldest surplus tokens are dropped; for a
-    decode step the oldest cached token makes room (``dcp``/``acp`` pools count overflow the same way; the
-    layer-level tests check the counter for every policy)."""
-    model, params = plain_gpt2()
-    tokens = padded_batch(12)
-    _, caches = prefill(model, params, tokens[:, :6], seq_start=PADS, slots=8)
+def test_ring_overflow_raises_or_counts():
+    """A dense ring does not grow: ``extend`` refuses a chunk that does not fit; the model call itself (no
+    host check) keeps the newest columns and counts the rest: a chunk or a decode step overwrites the oldest
+    entries (``dcp``'s pool and ``acp``'s rings count overflow the same way; the layer-level tests check the
+    counter for every policy)."""
+    model, params = tiny_lm("fox-llama")
+    tokens = padded_batch(RING_BLOCK + 4)
+    _, caches = prefill(model, params, tokens[:, :RING_BLOCK - 2], seq_start=PADS, slots=RING_BLOCK - 2)
+    assert caches[0].capacity == RING_BLOCK
     with pytest.raises(ValueError, match="full"):
-        extend(model, params, caches, tokens[:, 6:9])
-    out = apply_with_cache(model, params, tokens[:, 6:9], caches)
-    # 9 − PADS tokens for 8 slots: row 0 drops 1 (position 6, the chunk's oldest); the others fit
+        extend(model, params, caches, tokens[:, RING_BLOCK - 2:RING_BLOCK + 3])
+    out = apply_with_cache(model, params, tokens[:, RING_BLOCK - 2:RING_BLOCK + 3], caches)
+    # 67 − PADS real tokens for 64 entries: row 0 drops positions 0..2, row 1 fits exactly, row 2 fits
     for cache in out.cache:
-        np.testing.assert_array_equal(cache.overflow, [1, 0, 0])
-        assert live_positions(cache, 0) == [0, 1, 2, 3, 4, 5, 7, 8]
-    np.testing.assert_array_equal(live_counts(out.cache)[0], [8, 6, 4])
-    step = apply_with_cache(model, params, tokens[:, 9:10], out.cache)
-    np.testing.assert_array_equal(step.cache[0].overflow, [2, 0, 0])
-    assert live_positions(step.cache[0], 0) == [1, 2, 3, 4, 5, 7, 8, 9]  # position 0 made room
+        np.testing.assert_array_equal(cache.overflow, [3, 0, 0])
+        assert live_positions(cache, 0) == list(range(3, RING_BLOCK + 3))
+    np.testing.assert_array_equal(live_counts(out.cache)[0], [RING_BLOCK, RING_BLOCK, RING_BLOCK - 2])
+    step = apply_with_cache(model, params, tokens[:, RING_BLOCK + 3:RING_BLOCK + 4], out.cache)
+    np.testing.assert_array_equal(step.cache[0].overflow, [4, 1, 0])
+    assert live_positions(step.cache[0], 1) == list(range(1, RING_BLOCK + 1))  # position 0 made room
 
 
 def primitive_eqns(jaxpr) -> list:
@@ -682,12 +928,13 @@ def primitive_eqns(jaxpr) -> list:
 @pytest.mark.parametrize("family,policy", [("fox-llama", "dense"), ("fox-pro", "acp"), ("fox-pro", "sinks:2+3"),
                                            ("fox-dcp", "dcp"), ("gpt2-dcp", "dcp")])
 def test_decode_step_does_not_loop_over_the_cache(family, policy):
-    """One decode step reads each slot's stored k, v and Λ_j directly: no loop (scan, while) and no sort at
-    all (the lowest free slot is an argmax), and a cumulative op (DCP's votes) runs over the chunk (one
-    token), never over the slots."""
+    """One decode step on a live cache reads each slot's stored k, v and Λ_j directly: no loop (scan, while)
+    and no sort at all (a pool's lowest free slot is an argmax; a ring's slot is ``length mod C``), a
+    cumulative op (DCP's votes) runs over the chunk (one token), never over the slots."""
     model, params, _ = family_model(family)
     slots = 8
     caches = init_cache(model, 3, slots, policy=policy, seq_start=PADS, max_context=16)
+    caches = tuple(c.replace(fresh=False) for c in caches)  # as after a prefill
     jaxpr = jax.make_jaxpr(lambda p, c, tok: model.apply({"params": p}, tok, cache=c))(
         params, caches, jnp.zeros((3, 1), jnp.int32))
     eqns = primitive_eqns(jaxpr)
@@ -712,10 +959,12 @@ def test_dcp_cache_frees_and_reuses_slots(family):
     t, p = 12, 6
     tokens = padded_batch(t)
     _, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=t, policy="dcp")
+    size = caches[0].capacity
     for layer in range(2):  # the prefill writes its survivors into the first slots, in token order
         pos = np.asarray(caches[layer].groups[0].pos)[:, 0]
         live = (pos >= 0).sum(1, keepdims=True)
-        np.testing.assert_array_equal(pos >= 0, np.arange(t)[None] < live)
+        np.testing.assert_array_equal(pos >= 0, np.arange(size)[None] < live)
+        np.testing.assert_array_equal(caches[layer].groups[0].hi, live[:, 0])  # the read bound
         assert all(list(row[:n]) == sorted(row[:n]) for row, n in zip(pos, live[:, 0]))
     reused = 0
     ever_used = [np.asarray(c.groups[0].pos)[:, 0] >= 0 for c in caches]
@@ -726,8 +975,9 @@ def test_dcp_cache_frees_and_reuses_slots(family):
             after = np.asarray(cache.groups[0].pos)[:, 0]
             for b in range(3):
                 slot = int(np.flatnonzero(after[b] == c - PADS[b])[0])
-                free = [s for s in range(t) if before[layer][b, s] < 0 or before[layer][b, s] not in after[b]]
+                free = [s for s in range(size) if before[layer][b, s] < 0 or before[layer][b, s] not in after[b]]
                 assert slot == min(free), (layer, b, c)
+                assert int(cache.groups[0].hi[b]) == int(np.flatnonzero(after[b] >= 0).max()) + 1
                 reused += bool(ever_used[layer][b, slot])
                 ever_used[layer][b, slot] = True
     assert reused > 0
@@ -748,7 +998,8 @@ def assert_greedy(reference, prompt, generated, pads=PADS):
 @pytest.mark.parametrize("family", ["gpt2-dcp", "fox-dcp"])
 def test_generate_dcp_equals_the_training_path(family):
     """DCP generation (chunked prefill + decode loop) equals the training path at α = ∞, token for token,
-    with live counts equal to the step mask's; a pool of exactly the peak live count changes nothing."""
+    with live counts equal to the step mask's; a pool of the peak live count (rounded up to ``RING_BLOCK``)
+    changes nothing (pools of exactly the peak: the layer-level property test)."""
     model, params, _ = family_model(family)
     prompt = padded_batch(8)
     n = 16
@@ -774,7 +1025,7 @@ def test_generate_dcp_equals_the_training_path(family):
                        slots=peak)
         np.testing.assert_array_equal(fit.tokens, out.tokens)
         np.testing.assert_array_equal(fit.live_counts, out.live_counts)
-        assert int(fit.overflow.max()) == 0 and fit.caches[0].capacity == peak
+        assert int(fit.overflow.max()) == 0 and fit.caches[0].capacity == -(-peak // RING_BLOCK) * RING_BLOCK
 
 
 @pytest.mark.slow
@@ -806,30 +1057,34 @@ def policy_attention(policy, calls):
     mask to the whole sequence at once, written from the rules of ``fox_jax.cache.policies``: positions come
     from the segments (pads are segment 0), Λ = cumsum(log f), and acp's δ is the forward's own QK-norm
     bound (``adaptive_threshold="auto"``: N = the sequence length, log ε = −10) moved to the policy's log ε
-    (δ is affine in log ε). Pad queries see themselves only, so nothing turns NaN."""
+    (δ is affine in log ε); a key/value head hides a key once all its query heads do, for good. Pad queries
+    see themselves only, so nothing turns NaN."""
     policy = parse_policy(policy)
 
     def attention(q, k, v, log_fgate, *, segment_ids, adaptive_threshold=None, **_):
-        calls.append(policy.kind)
+        calls.append(policy.spec)
         b, t, h, d = q.shape
+        hkv = k.shape[2]
         k, v = (jnp.repeat(x, h // x.shape[2], axis=2) for x in (k, v))
         is_real = segment_ids > 0
         pos = jnp.cumsum(segment_ids, axis=1) - 1
         pi, pj = pos[:, :, None, None], pos[:, None, :, None]
         diag = (jnp.arange(t)[:, None] == jnp.arange(t)[None, :])[None, :, :, None]
         vis = is_real[:, :, None, None] & is_real[:, None, :, None] & (pj <= pi)
-        if policy.kind == "window":
+        if isinstance(policy, Window):
             vis &= pi - pj < policy.window
-        elif policy.kind == "sinks":
+        elif isinstance(policy, Sinks):
             vis &= (pj < policy.sinks) | (pi - pj < policy.window)
         s = jnp.einsum("bihd,bjhd->bijh", q, k, precision=jax.lax.Precision.HIGHEST).astype(jnp.float32) * d ** -0.5
         if log_fgate is not None:
             lam = jnp.cumsum(jnp.where(is_real[..., None], log_fgate, 0.0), axis=1)
             decay = lam[:, :, None, :] - lam[:, None, :, :]
             s = s + decay
-            if policy.kind == "acp":
+            if isinstance(policy, ACP):  # a key/value head hides j once every query head of it does
                 delta = adaptive_threshold - DEFAULT_LOG_EPSILON + policy.log_epsilon   # [B, H]
-                vis &= decay >= delta[:, None, None, :]
+                hidden = (decay < delta[:, None, None, :]).reshape(b, t, t, hkv, h // hkv).all(-1)
+                hidden &= (jnp.arange(t)[:, None] > jnp.arange(t)[None, :])[None, :, :, None]
+                vis &= ~jnp.repeat(jnp.cumsum(hidden, axis=1) > 0, h // hkv, axis=3)   # hidden for later queries
         w = jax.nn.softmax(jnp.where(vis | (diag & ~is_real[:, :, None, None]), s, -jnp.inf), axis=2)
         return jnp.einsum("bijh,bjhd->bihd", w, v.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST
                           ).astype(q.dtype)
@@ -894,17 +1149,17 @@ def test_generation_equals_recomputation_under_the_policy(family, policy, monkey
     np.testing.assert_allclose(np.where(mask, masked_forward(model, params, seq, policy, monkeypatch), 0),
                                np.where(mask, logits, 0), atol=1e-5)
     pol = parse_policy(policy)
-    if pol.kind == "window":  # and the training path with the op's own sliding window
+    if isinstance(pol, Window):  # and the training path with the op's own sliding window
         np.testing.assert_allclose(np.where(mask, masked_forward(model, params, seq, pol.window, monkeypatch,
                                                                  op=window_attention), 0),
                                    np.where(mask, logits, 0), atol=1e-5)
     fed = 8 - PADS[None, None] + np.arange(n)[:, None, None]             # [n, 1, B] before each sample
-    if pol.kind == "acp":
+    if isinstance(pol, ACP):
         assert np.all(out.live_counts <= fed) and np.all(out.live_counts[-1, :, 0] < fed[-1, 0, 0])  # evicts
     else:
         np.testing.assert_array_equal(out.live_counts, np.broadcast_to(np.minimum(fed, pol.max_live(t)),
                                                                        out.live_counts.shape))
-    if pol.kind == "acp":  # the scoring path (prefill chunks of 4) gives the same losses
+    if isinstance(pol, ACP):  # the scoring path (prefill chunks of 4) gives the same losses
         nll, overflow = token_losses_under_policy(model, params, seq, policy=policy, seq_start=PADS,
                                                   prefill_chunk=4)
         lp = jax.nn.log_softmax(logits, axis=-1)
@@ -925,7 +1180,7 @@ def test_gpt2_local_pattern_decodes_as_window():
     assert np.abs(np.where(real(t), full - full_forward(model, params, tokens)[0], 0)).max() > 1e-2  # not dense
     logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, policy="window:4")
     np.testing.assert_allclose(np.where(real(p), logits, 0), np.where(real(p), full[:, :p], 0), atol=1e-5)
-    assert caches[0].capacity == 4
+    assert caches[0].capacity == RING_BLOCK  # a ring of W = 4 rounded up to the decode kernel's block
     for c in range(p, t):
         step_logits, caches = decode_step(model, params, caches, tokens[:, c])
         np.testing.assert_allclose(step_logits, full[:, c], atol=1e-5, err_msg=f"column {c}")
@@ -1065,10 +1320,84 @@ def test_generate_and_input_errors():
     with pytest.raises(ValueError, match="max_new_tokens"):
         generate(model, params, tokens, max_new_tokens=0)
     longer = padded_batch(12)
-    _, caches = prefill(model, params, longer[:, :6], seq_start=PADS, slots=12)
-    for c in range(6, 12):
-        _, caches = decode_step(model, params, caches, longer[:, c])
-    with pytest.raises(ValueError, match="full"):  # the dense pool does not grow
+    _, caches = prefill(model, params, longer[:, :6], seq_start=PADS, slots=12)   # a ring of 64
+    _, caches = decode_step(model, params, caches, longer[:, 6])
+    caches = tuple(c.replace(length=c.length + RING_BLOCK - 7) for c in caches)  # as if 64 columns were fed
+    with pytest.raises(ValueError, match="full"):  # the dense ring does not grow
         decode_step(model, params, caches, longer[:, 0])
     with pytest.raises(ValueError, match="segment_ids"):
         model.apply({"params": params}, tokens, segment_ids=jnp.zeros_like(tokens), cache=init_cache(model, 3, 8))
+
+
+# ---------------------------------------------------------------------------------------------
+# The decode loop's work: precast weights; a heuristic acp that does not depend on the chunking; provability
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["fox-pro", "gpt2-dcp"])
+def test_precast_weights_give_bit_identical_logits(family):
+    """With bf16 compute, the weights the model casts to bf16 at every call are cast once before the loop
+    (``cast_plan`` / ``precast``): the matrices of the bf16 layers (and the embedding / LM head), never the
+    float32 ones (forget gate, KV-shift, DCP interaction, norms, β). A step with precast weights gives the same
+    logits bit for bit and converts no parameter any more."""
+    model, params, policy = family_model(family)
+    model = type(model)(model.cfg.replace(dtype="bfloat16"))
+    caches = init_cache(model, 3, 16, policy=policy, seq_start=PADS, max_context=16)
+    tokens = padded_batch(1)
+    plan = generation.cast_plan(model, params, caches)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    cast = {p for p, dt in zip(paths, plan) if dt is not None}
+    assert set(dt for dt in plan if dt is not None) == {"bfloat16"}
+    first = model.cfg.layer_names[0]
+    proj = ("c_attn", "c_fc") if family.startswith("gpt2") else ("q_proj", "o_proj", "gate_proj")
+    assert all(any(first in p and name in p for p in cast) for name in proj), sorted(cast)
+    keep32 = ("q_int", "k_int", "beta", "ln_") if family.startswith("gpt2") else (
+        "fgate_proj", "k_shift_proj", "q_int", "norm", "beta")
+    assert not any(name in p for p in cast for name in keep32), sorted(cast)
+    raw, _ = generation._forward(model, params, tokens, caches)
+    pre = generation.precast(params, plan)
+    fast, _ = generation._forward(model, pre, tokens, caches)
+    np.testing.assert_array_equal(np.asarray(raw), np.asarray(fast))
+    jaxpr = jax.make_jaxpr(lambda p: model.apply({"params": p}, tokens, cache=caches).logits)(pre).jaxpr
+    param_vars = {id(v) for v in jaxpr.invars[:len(plan)]}
+    assert not [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+                and id(e.invars[0]) in param_vars and e.params["new_dtype"] == jnp.bfloat16]
+
+
+def test_heuristic_acp_logits_do_not_depend_on_the_chunking():
+    """FoX (LLaMA) has no QK-norm, so ``acp`` is a heuristic (the cache says so: ``provable`` False, one
+    warning): its threshold comes from the running maxima of the q and k norms kept in the cache, so the
+    logits of 71 tokens fed in chunks of 1, 7 and 64 and in one pass agree to float32 rounding (1e-5; the
+    per-chunk estimate of the earlier engine moved them by 1.5e-4 to 1.9e-3), with the same live counts, and
+    the cache does evict (forget gates f ≈ 0.12)."""
+    model, params = tiny_lm("fox-llama", fgate_bias=-2.0)
+    t = 71                                                            # 10·7 + 1 and 64 + 7: four chunk shapes
+    tokens = padded_batch(t)
+    runs = []
+    for chunk in (1, 7, 64, t):
+        with pytest.warns(HeuristicEvictionWarning, match="heuristic"):
+            caches = init_cache(model, 3, t, policy="acp:-4", seq_start=PADS, max_context=t)
+        assert not caches[0].provable
+        logits = []
+        for c in range(0, t, chunk):
+            out, caches = extend(model, params, caches, tokens[:, c:c + chunk])
+            logits.append(np.asarray(out))
+        runs.append((np.concatenate(logits, axis=1), np.asarray(live_counts(caches))))
+    mask = real(t)
+    for logits, lives in runs[:-1]:
+        np.testing.assert_allclose(np.where(mask, logits, 0), np.where(mask, runs[-1][0], 0), atol=1e-5)
+        np.testing.assert_array_equal(lives, runs[-1][1])
+    assert np.all(runs[-1][1] < (t - PADS)[None] / 2)  # it evicts
+
+
+def test_caches_say_whether_the_policy_is_provable():
+    """``provable`` of the caches (and so of ``Generation``): acp on FoX (Pro) is provable (QK-norm bound), on
+    FoX (LLaMA) a heuristic, which ``init_cache`` warns about; every other policy's rule is exact."""
+    for arch, policy, want in (("fox-pro", "acp", True), ("fox-llama", "acp", False), ("fox-llama", "window:4", True)):
+        model, _ = tiny_lm(arch)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            caches = init_cache(model, 3, 8, policy=policy)
+        assert any(issubclass(w.category, HeuristicEvictionWarning) for w in caught) is not want
+        assert all(c.provable is want for c in caches)
+        assert parse_policy(policy).provable(model.cfg.cache_layout()) is want
+    assert greedy("fox-pro").provable is True

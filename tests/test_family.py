@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fox_jax.cache.policies import RING_BLOCK
 from fox_jax.cache.slots import SlotKVCache
 from fox_jax.models import MODEL_TYPES, GPT2Config, ModelConfig, ModelOutput, config_from_dict, preset
 from fox_jax.nn.attention import LayerOutput
@@ -44,7 +45,7 @@ def test_every_call_returns_model_output(family):
     np.testing.assert_allclose(dcp.logits, dense.logits, atol=1e-4)  # β₀ = 1e4 keeps every pair
     caches = cfg.init_cache(2, 16)
     assert len(caches) == cfg.n_layers and all(isinstance(c, SlotKVCache) for c in caches)
-    assert all(c.policy.kind == "dense" and c.capacity == 16 for c in caches)
+    assert all(c.policy.spec == "dense" and c.capacity == RING_BLOCK for c in caches)  # 16 rounded up
     step = model.apply({"params": params}, tokens[:, :5], cache=caches)
     assert isinstance(step, ModelOutput) and step.aux == {} and len(step.cache) == cfg.n_layers
     assert int(step.cache[0].length) == 5
@@ -75,13 +76,13 @@ def test_dcp_and_acp_caches(family):
     cfg = FAMILIES[family](dcp=True, interaction_dim=8)
     params = cfg.init_params(jax.random.PRNGKey(0))
     caches = cfg.init_cache(2, 8, policy="dcp")
-    assert all(isinstance(c, SlotKVCache) and c.policy.kind == "dcp" for c in caches)
-    assert all(g.k_int is not None and g.k_int.shape == (2, 8, 8) for c in caches for g in c.groups)
+    assert all(isinstance(c, SlotKVCache) and c.policy.spec == "dcp" for c in caches)
+    assert all(g.k_int is not None and g.k_int.shape == (2, RING_BLOCK, 8) for c in caches for g in c.groups)
     out = cfg.build().apply({"params": params}, jnp.zeros((2, 4), jnp.int32), cache=caches)
     assert isinstance(out, ModelOutput) and out.aux == {} and out.logits.dtype == jnp.float32
     assert all(isinstance(c, SlotKVCache) and int(c.length) == 4 for c in out.cache)
     # a dense cache for the same DCP model (its unpruned baseline) stores no interaction keys
-    assert all(g.k_int is None for c in cfg.init_cache(2, 8) for g in c.groups)
+    assert all(getattr(g, "k_int", None) is None for c in cfg.init_cache(2, 8) for g in c.groups)
     with pytest.raises(ValueError, match="DCP"):
         FAMILIES[family]().init_cache(2, 8, policy="dcp")
     with pytest.raises(ValueError, match="dense, dcp, acp"):
@@ -90,12 +91,12 @@ def test_dcp_and_acp_caches(family):
         with pytest.raises(ValueError, match="forget gate"):
             cfg.init_cache(2, 8, policy="acp")
         return
-    # acp: per-(row, key/value head) tables; one slot count per key/value head makes head groups
+    # acp: one ring start per (row, key/value head); one capacity per key/value head makes head groups
     plain = FAMILIES[family]()
     caches = plain.init_cache(2, 8, policy="acp", max_context=32)
-    assert all(c.max_context == 32 and c.groups[0].pos.shape == (2, plain.kv_heads, 8) for c in caches)
-    grouped = plain.init_cache(2, [(4, 8)] * plain.n_layers, policy="acp")
-    assert [g.slots for g in grouped[0].groups] == [4, 8] and grouped[0].capacity == 8
+    assert all(c.max_context == 32 and c.groups[0].start.shape == (2, plain.kv_heads) for c in caches)
+    grouped = plain.init_cache(2, [(4, 100)] * plain.n_layers, policy="acp")
+    assert [g.slots for g in grouped[0].groups] == [RING_BLOCK, 2 * RING_BLOCK] and grouped[0].capacity == 128
     with pytest.raises(ValueError, match="forget gate"):
         preset("tiny", "transformer-pro", vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=2).init_cache(
             2, 8, policy="acp")

@@ -5,6 +5,7 @@ import json
 import numpy as np
 import pytest
 
+from fox_jax.cache.policies import RING_BLOCK
 from fox_jax.decoding import generate
 from fox_jax.train import cli
 from fox_jax.train.tokenizers import load_tokenizer
@@ -26,8 +27,10 @@ def test_generate_command_prints_text_and_one_json_line(train_run, capsys, polic
     assert s["overflow"] == [0, 0] and s["tokens_per_s"] > 0
     assert 0 < s["kv_bytes_live"] <= s["kv_bytes_peak_live"] <= s["kv_bytes_allocated"]
     assert len(s["mean_live_tokens_per_layer"]) == cfg.model.n_layers
-    if policy.startswith("window"):
-        assert max(s["mean_live_tokens_per_layer"]) <= 8 and s["slots"] == 8
+    # acp is provable only with QK-norm (the heuristic warns on stderr); the positional rules always are
+    assert s["provable"] is (cfg.model.qk_norm if policy == "acp" else True)
+    if policy.startswith("window"):  # a ring of W = 8 entries, rounded up to the decode kernel's block
+        assert max(s["mean_live_tokens_per_layer"]) <= 8 and s["slots"] == RING_BLOCK
     # the same tokens as the Python API on the same checkpoint (step 4, the latest), prompts after <|endoftext|>
     tok = load_tokenizer(cfg.data.tokenizer)
     ids = [[tok.eot_id, *x] for x in tok.encode_batch(["import os", "x = 1"])]
@@ -82,6 +85,7 @@ def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa:
     s = json.loads(out.strip().splitlines()[-1])
     assert s["cache"] == "window:4" and 1 <= s["num_docs"] <= 2 and s["dense_tokens"] == s["policy_tokens"] > 0
     assert s["policy_overflow_rows"] == 0 and s["ppl_ratio"] == pytest.approx(s["policy_ppl"] / s["dense_ppl"])
+    assert s["provable"] is True
     assert s["policy_ppl"] != s["dense_ppl"]  # a 4-token window changes the predictions of a 16-token context
     assert cli.main(["eval", "--workdir", run, "--cache", "dense", "--num-docs", "2"]) == 0
     s = _summary(capsys)

@@ -196,6 +196,7 @@ def test_run_passkey_on_a_tiny_random_model(tiny_model, tmp_path):
                             batch_size=5, seed=0, progress=False)
     _check_result(result, lengths, depths, 3)
     assert result["policy"] == "dense" and result["slots"] is None and result["max_new_tokens"] == 8
+    assert result["provable"] is True
     assert all(len(r["generated"].encode()) <= 8 * 3 for r in result["records"])
     pk.plot_heatmap(result, tmp_path / "h.png")
     data = (tmp_path / "h.png").read_bytes()
@@ -232,7 +233,7 @@ def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
                             policy="window:32", slots=40, batch_size=3, progress=False)
     _check_result(result, [200, 256], [0.25, 0.75], 2)
     assert result["accuracy"] == [[1.0, 1.0], [1.0, 1.0]] and result["mean_digit_accuracy"] == 1.0
-    assert result["policy"] == "window:32" and result["slots"] == 40
+    assert result["policy"] == "window:32" and result["slots"] == 40 and result["provable"] is True
     assert [c[1:4] for c in calls] == [("window:32", 40, 8)] * 3
     assert calls[0][0] == (3, 248) and list(calls[1][4]) == [0, 56, 56]  # lengths mixed: left pads
     assert result["overflow_rows"] == 0 and all(r["overflow"] == 0 for r in result["records"])
@@ -262,6 +263,7 @@ def test_cli_on_a_tiny_run(train_run, text_file, tmp_path, capsys):  # noqa: F81
     stdout = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(stdout[-1])
     assert summary["command"] == "passkey" and summary["policy"] == "dense" and summary["prompts"] == 12 and 0 <= summary["accuracy"] <= 1
+    assert summary["provable"] is True
     assert any(line.startswith("passkey retrieval, cache dense") for line in stdout)
     assert any(line.startswith("digit accuracy ") and "exact 1 time in 90,000" in line and "--cache dense" in line
                for line in stdout)  # the chance level and what models score

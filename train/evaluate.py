@@ -129,15 +129,17 @@ def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64,
                     mesh=None) -> dict:
     """Teacher-forced perplexity of the first ``seq_len`` tokens of validation documents under a cache
     policy next to the dense cache on the same tokens (``fox-jax eval --cache``; sharded over ``mesh`` when
-    given)."""
+    given); ``provable`` says whether the policy's promise holds for the model (False: ``acp`` without QK-norm,
+    a heuristic)."""
     from fox_jax.cache.policies import parse_policy
 
-    spec = parse_policy(policy).spec
+    parsed = parse_policy(policy)
+    spec = parsed.spec
     corpus = data_lib.load_corpus(cfg.data)
     windows = data_lib.document_windows(corpus, num_docs)
     model = cfg.model.build()
     out = {"step": run.step, "seq_len": cfg.data.seq_len, "num_docs": int(windows["inputs"].shape[0]), "cache": spec,
-           "slots": slots}
+           "slots": slots, "provable": parsed.provable(cfg.model.cache_layout())}
     for name, pol, sl in (("dense", "dense", None), ("policy", spec, slots)):
         if name == "policy" and spec == "dense" and slots is None:
             out.update({k.replace("dense", "policy"): v for k, v in out.items() if k.startswith("dense")})
@@ -193,8 +195,9 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
         from fox_jax.cache.policies import parse_policy
 
         policy = parse_policy(cache)  # a bad spec: before any parameter is read
-        if policy.kind == "dcp" and not cfg.model.dcp:
-            raise ValueError(f"--cache dcp needs a DCP model; {workdir} ({run.what}) has none")
+        missing = policy.missing(cfg.model.cache_layout())
+        if missing is not None:
+            raise ValueError(f"--cache {policy.spec} needs {missing}; {workdir} ({run.what}) is not one")
         report = evaluate_policy(run, cfg, run.load_params(), policy=policy, slots=kv_slots, num_docs=num_docs,
                                  mesh=mesh)
         out_dir = os.path.join(workdir, "eval")

@@ -4,9 +4,10 @@ Prompts come from ``--prompt`` (repeatable) and ``--prompt-file`` (each file one
 an ``<|endoftext|>`` token (every training document starts with one), left-padded into one batch and decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop)
 under ``--cache POLICY`` with a pool of ``--kv-slots`` slots per row and layer, or the largest pool that fits
 ``--kv-budget`` GiB. Prints each continuation, then one JSON line: tokens/s, KV bytes (allocated, live at the
-end, peak live), mean live tokens per layer, overflow. ``--mesh`` shards the batch and the caches over devices
-(``fox_jax.decoding.generate(mesh=...)``; the batch is filled to a multiple of data × fsdp with copies of
-the last prompt, whose outputs are dropped).
+end, peak live), mean live tokens per layer, overflow, and whether the policy's promise is ``provable`` for the
+model (``acp`` without QK-norm is a heuristic; a warning on stderr says so too). ``--mesh`` shards the batch and
+the caches over devices (``fox_jax.decoding.generate(mesh=...)``; the batch is filled to a multiple of data ×
+fsdp with copies of the last prompt, whose outputs are dropped).
 """
 
 from __future__ import annotations
@@ -34,9 +35,9 @@ def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: st
 
     spec = parse_policy(policy)
     run = open_run(path, step=step)
-    if spec.kind == "dcp":
+    if "interaction_dim" in spec.needs:  # the policy reads DCP's interaction keys
         if not run.model.dcp:
-            raise ValueError(f"--cache dcp needs a DCP model; {path} ({run.what}) has no DCP parameters")
+            raise ValueError(f"--cache {spec.spec} needs a DCP model; {path} ({run.what}) has no DCP parameters")
     else:
         run = run.without_dcp()
     if check is not None:
@@ -52,10 +53,13 @@ def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: st
 
 
 def slots_for_budget(cfg, batch: int, budget_bytes: float) -> int:
-    """The most slots per row and layer whose pool (k, v, forget gates, interaction keys) fits ``budget_bytes``."""
+    """The most slots per row and layer whose pool (k, v, forget gates, interaction keys) fits ``budget_bytes``:
+    a multiple of ``RING_BLOCK`` (the caches round capacities up to it), 0 when not even one block fits."""
+    from fox_jax.cache.policies import RING_BLOCK
+
     caches = cfg.init_cache(1, 1, policy="dcp" if cfg.dcp else "dense")
-    per_slot = sum(c.allocated_bytes() for c in caches)  # one slot of one row, every layer
-    return int(budget_bytes // (per_slot * batch))
+    per_slot = sum(c.allocated_bytes() / c.capacity for c in caches)  # one slot of one row, every layer
+    return int(budget_bytes // (per_slot * batch)) // RING_BLOCK * RING_BLOCK
 
 
 def check_sampling_flags(temperature: float, top_k: int | None, top_p: float | None) -> None:
@@ -126,7 +130,7 @@ def cmd_generate(args) -> int:
     if args.kv_budget is not None:
         slots = slots_for_budget(cfg, len(ids), args.kv_budget * 2 ** 30)
         need = min_slots(policy, width + args.max_new_tokens - 1)
-        if slots < 1 or (policy.kind in ("dense", "window", "sinks") and slots < need):
+        if slots < 1 or (policy.fixed_budget and slots < need):
             raise ValueError(f"--kv-budget {args.kv_budget} GiB is too small for one sequence: {slots} slots per row "
                              f"and layer, cache policy {policy.spec} needs {need}")
     stops = () if args.no_stop else (tok.eot_id,)
@@ -159,6 +163,7 @@ def cmd_generate(args) -> int:
         "kv_bytes_peak_live": int((live[:steps] * per_token[None, :, None]).sum(axis=(1, 2)).max()),
         "mean_live_tokens_per_layer": [round(float(x), 1) for x in live[steps - 1].mean(axis=1)],
         "overflow": np.asarray(out.overflow)[:rows].tolist(),
+        "provable": out.provable,
         **({"mesh": dict(mesh.shape), "padded_rows": len(tokens) - rows} if mesh is not None else {}),
     }
     if any(summary["overflow"]):

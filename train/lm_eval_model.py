@@ -172,7 +172,7 @@ class FoxJaxLM(TemplateLM):
         from fox_jax.cache.policies import parse_policy
 
         policy = parse_policy(cache)
-        if (policy.kind == "dcp") != bool(cfg.dcp):
+        if ("interaction_dim" in policy.needs) != bool(cfg.dcp):
             raise ValueError(f"fox_jax model: cache={policy.spec} with a {'DCP' if cfg.dcp else 'dense'} config; "
                              "cache=dcp runs a DCP config, every other policy a dense one (cfg.replace(dcp=False) "
                              "and its dense params)")
@@ -319,7 +319,7 @@ class FoxJaxLM(TemplateLM):
         return collator.get_original(out)
 
     def _note_policy(self) -> None:
-        if self.policy.kind not in ("dense", "dcp") and not self._warned_policy:
+        if not self.policy.forward_exact and not self._warned_policy:
             logger.warning("fox_jax: cache=%s shapes generate_until only; log-likelihood requests run the full "
                            "(dense) forward", self.policy.spec)
             self._warned_policy = True

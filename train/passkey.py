@@ -327,7 +327,8 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
     Returns:
       JSON-able dict: ``policy`` (spec string), ``slots``, ``lengths``, ``depths``, ``n`` (per cell),
       ``accuracy`` and ``digit_accuracy`` ([len(lengths)][len(depths)] fractions), ``mean_accuracy``,
-      ``mean_digit_accuracy``, ``max_new_tokens``, ``reserve``, ``seed``, ``overflow_rows`` (rows whose
+      ``mean_digit_accuracy``, ``max_new_tokens``, ``reserve``, ``seed``, ``provable`` (whether the policy's
+      promise holds for the model: False for ``acp`` without QK-norm, a heuristic), ``overflow_rows`` (rows whose
       policy ran out of slots, when the engine reports it; their results are not the policy's) and
       ``records``: one dict per prompt (length, depth, index, answer, prediction, generated, exact,
       digit_accuracy, prompt_tokens, needle_pos, depth_actual, offset, live_tokens: mean over layers of
@@ -386,7 +387,9 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
         li, di = lengths.index(rec["length"]), depths.index(rec["depth"])
         acc[li, di] += rec["exact"] / n_per_cell
         dacc[li, di] += rec["digit_accuracy"] / n_per_cell
-    result = {"policy": policy_spec(policy), "slots": slots, "lengths": lengths, "depths": depths, "n": int(n_per_cell),
+    provable = None if cfg is None else parse_policy(policy).provable(cfg.cache_layout())
+    result = {"policy": policy_spec(policy), "provable": provable, "slots": slots, "lengths": lengths, "depths": depths,
+              "n": int(n_per_cell),
               "accuracy": acc.round(6).tolist(), "digit_accuracy": dacc.round(6).tolist(),
               "mean_accuracy": float(acc.mean()), "mean_digit_accuracy": float(dacc.mean()),
               "max_new_tokens": max_new, "reserve": reserve, "seed": int(seed), "batch_size": int(batch_size)}
@@ -405,7 +408,9 @@ def format_table(result: dict) -> str:
     depths = result["depths"]
     corner = "length \\ depth"
     head = f"{corner:>14} " + " ".join(f"{d:>6.2f}" for d in depths) + f" {'mean':>7}"
-    lines = [f"passkey retrieval, cache {result['policy']}: exact-match accuracy (%), {result['n']} prompts per cell",
+    heuristic = " (a heuristic on this model: not provable)" if result.get("provable") is False else ""
+    lines = [f"passkey retrieval, cache {result['policy']}{heuristic}: exact-match accuracy (%), {result['n']} prompts "
+             "per cell",
              head, "-" * len(head)]
     for length, row in zip(result["lengths"], result["accuracy"]):
         lines.append(f"{length:>14} " + " ".join(f"{100 * a:>6.1f}" for a in row) + f" {100 * np.mean(row):>7.1f}")
@@ -528,7 +533,8 @@ def cmd_passkey(args) -> int:
     os.replace(tmp, json_path)
     plot_heatmap(result, png_path)
     print(format_table(result))
-    summary = {"command": "passkey", "policy": policy, "slots": args.kv_slots, "accuracy": round(result["mean_accuracy"], 4),
+    summary = {"command": "passkey", "policy": policy, "provable": result["provable"], "slots": args.kv_slots,
+               "accuracy": round(result["mean_accuracy"], 4),
                "digit_accuracy": round(result["mean_digit_accuracy"], 4),
                "prompts": len(result["records"]), "lengths": lengths, "depths": depths,
                **({"overflow_rows": result["overflow_rows"]} if "overflow_rows" in result else {}),

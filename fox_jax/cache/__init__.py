@@ -3,15 +3,18 @@
 One cache for every model family and every policy, an explicit pytree per layer made by the model config's
 ``init_cache`` and passed to and returned by the models (``model.apply(..., tokens, cache=caches).cache``):
 
-  SlotKVCache   a fixed pool of slots per row (the KV budget); freed slots are reused (slots.py)
-  CachePolicy   what a query sees and so what the cache frees: dense, dcp, acp, window:W, sinks:S+W
-                (policies.py, jax-free)
-  decay.py      Λ as float32 pairs, so decays stay accurate at any length
+  CachePolicy    one class per policy (dense, dcp, acp, window:W, sinks:S+W): what the engine asks of a
+                 policy, and the storage it wants (policies.py, jax-free; ``parse_policy`` reads the registry)
+  visibility.py  one visibility rule per policy class (jax), fed with model facts (``LayerFacts``)
+  SlotKVCache    the storage per layer: rings indexed by column (dense, window, sinks, acp per head) or a slot
+                 pool (dcp), and the attention of a chunk (slots.py)
+  decay.py       Λ as float32 pairs, so decays stay accurate at any length
 
 Importing this package imports no jax (the CLI parses ``--cache`` policies before jax loads): the cache
 itself is ``fox_jax.cache.slots`` (also re-exported by ``fox_jax.decoding``).
 """
 
-from fox_jax.cache.policies import POLICY_FORMS, CachePolicy, parse_policy
+from fox_jax.cache.policies import (POLICIES, POLICY_FORMS, RING_BLOCK, CachePolicy, HeuristicEvictionWarning,
+                                    parse_policy)
 
-__all__ = ["CachePolicy", "POLICY_FORMS", "parse_policy"]
+__all__ = ["CachePolicy", "HeuristicEvictionWarning", "POLICIES", "POLICY_FORMS", "RING_BLOCK", "parse_policy"]

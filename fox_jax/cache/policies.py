@@ -1,5 +1,13 @@
 """Cache policies: which cached keys a query still sees, and therefore which the cache may free.
 
+One class per policy, registered under its name (``POLICIES``; ``parse_policy`` reads the registry). A policy
+answers everything the engine asks about it: its canonical ``spec``, whether its live set is per key/value head
+(``per_head``), whether a pool below ``max_live`` is an error (``fixed_budget``) or an overflow to count, the
+storage it wants (``storage``: a ring indexed by column, or a slot pool), the capacity a requested pool
+becomes (``capacity``), the flash-op form of a first prefill (``flash_prefill``), what the model must provide
+(``needs``, ``check``) and whether its promise is proven for a model (``provable``). How a policy decides
+visibility (jax) is its rule in ``fox_jax.cache.visibility``; a new policy is a class here and a rule there.
+
 Every policy is a *monotone* visibility rule: once key j is invisible to query i it is invisible to every
 later query, so the cache frees it for good (``fox_jax.cache.slots``) and generation equals a full
 recomputation under the policy's mask. Positions p are token positions (0 = a row's first real token).
@@ -10,14 +18,17 @@ recomputation under the policy's mask. Positions p are token positions (0 = a ro
   dcp          Dynamic Context Pruning at inference (docs/design/dcp.md §5.2): key j survives query i iff
                every query n ∈ (j, i] voted to keep it, z_{n,j} = q_int_n·k_int_jᵀ/√r + β > 0. Needs a
                model trained or fine-tuned with DCP.
-  acp[:LOG_EPS] forget-gate eviction (docs/design/inference.md §3): key j is invisible to query i once the
-               decay Λ_i − Λ_j < δ, δ = −(2U + log N) + log ε the ACP threshold (fox_acp.md §5.1), so the
-               attention weight the query loses is ≤ ε (default log ε = −10). Λ is non-increasing, so the
-               decay of key j only falls as i grows: the eviction is irreversible. With QK-norm, U comes from
-               the norm weights and the bound is **provable**; without QK-norm U is estimated from the
-               chunk's own q and k norms and the eviction is a **heuristic** (``provable`` says which).
-               Per (row, key/value head): with GQA a key/value head keeps a token while any of its query
-               heads sees it. Needs a forget gate (FoX).
+  acp[:LOG_EPS] forget-gate eviction (docs/design/inference.md §3): key j is invisible to the query heads of
+               a key/value head once, for some query n ∈ (j, i], the decay Λ_n − Λ_j fell below the ACP
+               threshold δ_n = −(2U_n + log N) + log ε (fox_acp.md §5.1) for *every* query head of that
+               key/value head (a key/value head keeps a token while any of its query heads sees it; each
+               query head then sees at least what its own rule keeps, so its lost weight stays ≤ ε). Λ is
+               non-increasing, so each (row, key/value head) keeps a suffix of the context. Default
+               log ε = −10. With QK-norm, U comes from the norm weights and the bound is **provable**;
+               without QK-norm U_n is the running maximum of the observed logit bound
+               scale·max‖q‖·max‖k‖ over the tokens up to n, a **heuristic** (``provable`` says which; the
+               rule is cumulative, so the result does not depend on how the context was chunked). Needs a
+               forget gate (FoX).
 
 This module is jax-free (the CLI parses policies before importing jax).
 """
@@ -26,55 +37,125 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+from typing import ClassVar
 
-POLICY_FORMS = "dense, dcp, acp[:LOG_EPS], window:W, sinks:S+W"
-KINDS = ("dense", "dcp", "acp", "window", "sinks")
 DEFAULT_LOG_EPSILON = -10.0  # = fox_jax.ops.acp.DEFAULT_LOG_EPSILON (the ACP repository's tolerance)
+RING_BLOCK = 64  # every cache capacity is a multiple of this: the decode attention kernel's key block
+
+
+class HeuristicEvictionWarning(UserWarning):
+    """A cache policy runs without its guarantee on this model (``acp`` without QK-norm)."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    """The smallest multiple of ``multiple`` ≥ max(n, 1)."""
+    return -(-max(int(n), 1) // multiple) * multiple
 
 
 @dataclasses.dataclass(frozen=True)
 class CachePolicy:
-    """A parsed cache policy (see the module docstring for the rules).
+    """A parsed cache policy: the base of the policy classes (see the module docstring for the rules).
 
-    Attributes:
-      kind: one of ``KINDS``.
-      window: W for ``window`` and ``sinks`` (tokens), else None.
-      sinks: S for ``sinks`` (tokens), else 0.
-      log_epsilon: log ε of ``acp`` (nats, < 0): the attention weight a query may lose.
+    Class attributes (what the engine asks instead of testing a name):
+      name: the registry key and the spec's head ("dense", "window", ...).
+      form: the accepted spec form, for error messages ("window:W").
+      per_head: the live set differs per key/value head (one eviction state per (row, key/value head)).
+      fixed_budget: the live count is known in advance (``max_live``): a smaller pool is an error, not an
+        overflow.
+      storage: "ring" (slot of column c is c mod C; the live set is a suffix [start, length) per row or
+        head, plus ``pinned`` first positions) or "pool" (slots freed by the rule and reused lowest first).
+      needs: {layout key: what it means} the model's cache layout must provide (``check``).
+      forward_exact: the model's own full forward (no cache) applies exactly this visibility (dense; dcp on
+        a DCP model, at α = ∞), so scoring may skip the cache.
     """
 
-    kind: str = "dense"
-    window: int | None = None
-    sinks: int = 0
-    log_epsilon: float = DEFAULT_LOG_EPSILON
+    name: ClassVar[str] = ""
+    form: ClassVar[str] = ""
+    per_head: ClassVar[bool] = False
+    fixed_budget: ClassVar[bool] = True
+    storage: ClassVar[str] = "ring"
+    needs: ClassVar[dict] = {}
+    forward_exact: ClassVar[bool] = False
+
+    @classmethod
+    def parse(cls, arg: str, spec: str) -> CachePolicy:
+        """The policy of ``spec`` = ``name`` or ``name:arg``. Raises ValueError (one line) for bad ``arg``."""
+        if arg:
+            raise ValueError(f"cache policy {spec!r} takes no argument (policies: {POLICY_FORMS})")
+        return cls()
 
     @property
     def spec(self) -> str:
         """The canonical string form, which ``parse_policy`` reads back."""
-        if self.kind == "window":
-            return f"window:{self.window}"
-        if self.kind == "sinks":
-            return f"sinks:{self.sinks}+{self.window}"
-        if self.kind == "acp" and self.log_epsilon != DEFAULT_LOG_EPSILON:
-            return f"acp:{self.log_epsilon:g}"
-        return self.kind
+        return self.name
 
     @property
-    def per_head(self) -> bool:
-        """Whether the live set differs per key/value head (``acp``) or is one per row."""
-        return self.kind == "acp"
+    def pinned(self) -> int:
+        """Positions 0 .. pinned − 1 of a row kept for good in slots of their own (``sinks``: S), else 0."""
+        return 0
 
     def max_live(self, context: int) -> int:
         """The most tokens a row (or head) holds after ``context`` tokens were fed: the slots that never
         overflow (≥ 1)."""
-        if self.kind == "window":
-            return min(self.window, context)
-        if self.kind == "sinks":
-            return min(self.sinks + self.window, context)
         return max(1, context)
+
+    def capacity(self, slots: int, block: int = RING_BLOCK) -> int:
+        """Entries per row (and head) a cache allocates when ``slots`` are asked for: ``slots`` rounded up to
+        a multiple of ``block`` (the decode kernel reads whole blocks; a ring never has a block across its
+        wrap)."""
+        return round_up(slots, block)
+
+    def flash_prefill(self) -> dict | None:
+        """Keyword arguments of ``fox_jax.ops.forgetting_attention`` that express the policy for a first
+        chunk on a fresh cache ({} for dense, {"window_size": W} for a window), or None: the masked path."""
+        return None
+
+    def missing(self, layout: dict) -> str | None:
+        """What the model lacks to run this policy (from ``needs``), or None."""
+        for key, what in self.needs.items():
+            if not layout.get(key):
+                return what
+        return None
+
+    def provable(self, layout: dict) -> bool:
+        """Whether the policy's promise holds by construction for a model with this cache layout. The
+        positional rules and DCP's learned votes are exact by definition (True); ``acp``'s promise, each
+        query loses ≤ ε of its attention weight, is proven only with QK-norm."""
+        return True
+
+    def check(self, layout: dict) -> None:
+        """Refuse a model the policy cannot run; warn (once per process and message, ``warnings``) when it
+        runs as a heuristic.
+
+        Args:
+          layout: the model's cache layout (``FamilyModules.cache_layout``: forget_gate, interaction_dim,
+            qk_norm, ...).
+
+        Raises:
+          ValueError: one line naming what is missing (e.g. "cache policy 'dcp' needs a DCP model ...").
+        """
+        what = self.missing(layout)
+        if what is not None:
+            raise ValueError(f"cache policy {self.spec!r} needs {what}")
+        if not self.provable(layout):
+            warnings.warn(f"cache policy {self.spec!r} runs as a heuristic on this model: {self.heuristic_note}",
+                          HeuristicEvictionWarning, stacklevel=3)
+
+    heuristic_note: ClassVar[str] = ""
 
     def __str__(self) -> str:
         return self.spec
+
+
+POLICIES: dict[str, type[CachePolicy]] = {}
+
+
+def register_policy(cls: type[CachePolicy]) -> type[CachePolicy]:
+    """Class decorator: make ``cls`` parseable as ``cls.name[:arg]`` (its rule goes in
+    ``fox_jax.cache.visibility``)."""
+    POLICIES[cls.name] = cls
+    return cls
 
 
 def _int(text: str, what: str, spec: str, minimum: int = 1) -> int:
@@ -88,9 +169,144 @@ def _int(text: str, what: str, spec: str, minimum: int = 1) -> int:
     return value
 
 
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class Dense(CachePolicy):
+    """Every earlier token: a ring of at least the context (it never wraps while one sequence is served)."""
+
+    name: ClassVar[str] = "dense"
+    form: ClassVar[str] = "dense"
+    forward_exact: ClassVar[bool] = True
+
+    def flash_prefill(self) -> dict:
+        return {}
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class DCP(CachePolicy):
+    """DCP's learned votes: survivors in a slot pool (freed entries reused lowest first)."""
+
+    name: ClassVar[str] = "dcp"
+    form: ClassVar[str] = "dcp"
+    fixed_budget: ClassVar[bool] = False
+    storage: ClassVar[str] = "pool"
+    needs: ClassVar[dict] = {"interaction_dim": "a DCP model (trained or fine-tuned with DCP: cfg.dcp=True)"}
+    forward_exact: ClassVar[bool] = True
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class ACP(CachePolicy):
+    """Forget-gate eviction: a per (row, key/value head) suffix in a ring of that head group's capacity.
+
+    Attributes:
+      log_epsilon: log ε (nats, < 0): the attention weight a query may lose.
+    """
+
+    log_epsilon: float = DEFAULT_LOG_EPSILON
+    name: ClassVar[str] = "acp"
+    form: ClassVar[str] = "acp[:LOG_EPS]"
+    per_head: ClassVar[bool] = True
+    fixed_budget: ClassVar[bool] = False
+    needs: ClassVar[dict] = {"forget_gate": "a FoX model (a forget gate): it evicts by forget-gate decay"}
+    heuristic_note: ClassVar[str] = ("without QK-norm no bound on future logits exists, so the threshold comes "
+                                     "from the running maxima of the observed q and k norms and the ε bound "
+                                     "on the lost attention weight is not guaranteed")
+
+    @classmethod
+    def parse(cls, arg: str, spec: str) -> ACP:
+        if not arg:
+            return cls()
+        try:
+            log_eps = float(arg)
+        except ValueError:
+            log_eps = math.nan
+        if not (log_eps < 0 and math.isfinite(log_eps)):
+            raise ValueError(f"cache policy {spec!r}: acp:LOG_EPS needs a finite log ε < 0, e.g. acp:-10")
+        return cls(log_eps)
+
+    @property
+    def spec(self) -> str:
+        return self.name if self.log_epsilon == DEFAULT_LOG_EPSILON else f"acp:{self.log_epsilon:g}"
+
+    def provable(self, layout: dict) -> bool:
+        return bool(layout.get("qk_norm"))
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class Window(CachePolicy):
+    """The last W tokens: a ring of at least W entries.
+
+    Attributes:
+      window: W ≥ 1 (tokens, the query itself included).
+    """
+
+    window: int
+    name: ClassVar[str] = "window"
+    form: ClassVar[str] = "window:W"
+
+    @classmethod
+    def parse(cls, arg: str, spec: str) -> Window:
+        if not arg:
+            raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+        return cls(_int(arg, "W", spec))
+
+    @property
+    def spec(self) -> str:
+        return f"window:{self.window}"
+
+    def max_live(self, context: int) -> int:
+        return max(1, min(self.window, context))
+
+    def flash_prefill(self) -> dict:
+        return {"window_size": self.window}
+
+
+@register_policy
+@dataclasses.dataclass(frozen=True)
+class Sinks(CachePolicy):
+    """StreamingLLM: S sink positions in slots of their own, and a ring of at least W entries.
+
+    Attributes:
+      sinks: S ≥ 0 sink tokens; window: W ≥ 1.
+    """
+
+    sinks: int
+    window: int
+    name: ClassVar[str] = "sinks"
+    form: ClassVar[str] = "sinks:S+W"
+
+    @classmethod
+    def parse(cls, arg: str, spec: str) -> Sinks:
+        if "+" not in arg:
+            raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+        s, _, w = arg.partition("+")
+        return cls(_int(s, "S", spec, minimum=0), _int(w, "W", spec))
+
+    @property
+    def spec(self) -> str:
+        return f"sinks:{self.sinks}+{self.window}"
+
+    @property
+    def pinned(self) -> int:
+        return self.sinks
+
+    def max_live(self, context: int) -> int:
+        return max(1, min(self.sinks + self.window, context))
+
+    def capacity(self, slots: int, block: int = RING_BLOCK) -> int:
+        """As the base, but at least S + 1 (the ring behind the S sink slots needs one entry)."""
+        return round_up(max(slots, self.sinks + 1), block)
+
+
+POLICY_FORMS = ", ".join(cls.form for cls in POLICIES.values())
+
+
 def parse_policy(spec) -> CachePolicy:
-    """Parse ``dense``, ``dcp``, ``acp``, ``acp:LOG_EPS``, ``window:W`` or ``sinks:S+W`` (or pass a
-    ``CachePolicy`` through).
+    """Parse ``dense``, ``dcp``, ``acp``, ``acp:LOG_EPS``, ``window:W`` or ``sinks:S+W`` (any registered
+    ``name[:arg]``), or pass a ``CachePolicy`` through.
 
     Raises:
       ValueError: an unknown policy or bad numbers (one line naming the accepted forms).
@@ -100,25 +316,12 @@ def parse_policy(spec) -> CachePolicy:
     if not isinstance(spec, str):
         raise ValueError(f"cache policy must be a string ({POLICY_FORMS}), got {type(spec).__name__}")
     text = spec.strip().lower()
-    kind, _, arg = text.partition(":")
-    if kind in ("dense", "dcp") and not arg:
-        return CachePolicy(kind)
-    if kind == "acp":
-        if not arg:
-            return CachePolicy("acp")
-        try:
-            log_eps = float(arg)
-        except ValueError:
-            log_eps = math.nan
-        if not (log_eps < 0 and math.isfinite(log_eps)):
-            raise ValueError(f"cache policy {spec!r}: acp:LOG_EPS needs a finite log ε < 0, e.g. acp:-10")
-        return CachePolicy("acp", log_epsilon=log_eps)
-    if kind == "window" and arg:
-        return CachePolicy("window", window=_int(arg, "W", spec))
-    if kind == "sinks" and "+" in arg:
-        s, _, w = arg.partition("+")
-        return CachePolicy("sinks", window=_int(w, "W", spec), sinks=_int(s, "S", spec, minimum=0))
-    raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+    name, _, arg = text.partition(":")
+    cls = POLICIES.get(name)
+    if cls is None:
+        raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+    return cls.parse(arg, spec)
 
 
-__all__ = ["CachePolicy", "DEFAULT_LOG_EPSILON", "KINDS", "POLICY_FORMS", "parse_policy"]
+__all__ = ["ACP", "CachePolicy", "DCP", "DEFAULT_LOG_EPSILON", "Dense", "HeuristicEvictionWarning", "POLICIES",
+           "POLICY_FORMS", "RING_BLOCK", "Sinks", "Window", "parse_policy", "register_policy", "round_up"]

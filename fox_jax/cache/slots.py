@@ -1,106 +1,418 @@
-"""The slot-pool KV cache: one cache for every model family and every policy (docs/design/inference.md).
+"""KV storage per layer: rings indexed by column and a slot pool; one cache for every family and policy.
 
-Per layer a ``SlotKVCache`` owns a fixed pool of S slots per row (the KV memory budget, allocated once);
-a slot holds one token's k and v, or is free (``pos`` = −1). Attention never reads the slot order: keys are
-stored after RoPE / QK-norm / KV-shift and GPT-2's positions are in the input, so a freed slot is simply
-reused by a later token (DCP's batched cache, dcp.md §5.1, without its host-side resizing). What stays is
-decided by the ``CachePolicy`` (``fox_jax.cache.policies``): a key the policy hides from the newest query is
-freed; policies are monotone, so a freed key would never have been seen again and the cache's output equals
-a full recomputation under the policy's mask.
+Per layer a ``SlotKVCache`` holds the key/value heads in one or more **groups** of equal capacity C (entries
+per row and head, allocated once: the KV budget, a multiple of ``RING_BLOCK``). A "slot" is one token entry
+(vLLM's sense), not a request row. Keys are stored after RoPE / QK-norm / KV-shift and GPT-2's positions are in
+the input, so attention never reads the slot order. Which storage a policy gets is its ``storage``
+(``fox_jax.cache.policies``):
 
-Slot tables are per row for ``dense``, ``dcp``, ``window`` and ``sinks`` (every head keeps the same tokens)
-and per (row, key/value head) for ``acp``, whose live sets differ per head. The heads of a layer may be split
-into **groups** with their own slot count (``SlotGroup``; ``acp`` gives each head the slots its live window
-needs, so memory follows the per-head live sets rather than the longest one).
+* ``RingGroup`` (dense, window, sinks, acp): the key of column c lives in slot c mod C (the shared column
+  counter ``length`` aligns left-padded rows), and what is live is a suffix [start, length) per row, or per
+  (row, key/value head) for ``acp``: one int per table is the whole eviction state. A decode step writes every
+  row at slot ``length mod C`` (``lax.dynamic_update_slice``, no allocation search) and reads [start, length]
+  through ``fox_jax.ops.decode_attention``. ``sinks:S+W`` puts positions < S in S pinned slots in front of the
+  ring. A suffix longer than C overwrites its oldest entries: ``overflow`` counts them.
+* ``PoolGroup`` (dcp): any key may be dropped, so a slot table of positions (−1: free); a chunk's survivors go
+  to the lowest free slots (the highest occupied slot stays near the peak live count) and ``hi`` (1 + the
+  highest occupied slot) bounds each row's read.
 
-A call appends a chunk of T ≥ 1 tokens (a prefill chunk, a continuation, or one decode step; the same code):
+A call appends a chunk of T ≥ 1 tokens (a prefill chunk, a continuation, or one decode step), in three named
+steps per group: **visibility** (the policy's rule, ``fox_jax.cache.visibility``), **placement** (which
+entries the rule frees and where the chunk's survivors go; what did not fit is counted in ``overflow``, and
+the results are then not the policy's) and **attention** (a decode step writes first and reads through the
+decode op; a chunk of T > 1 reads the cache as it was and itself, a two-part softmax, or on a fresh cache the
+flash op when the policy has a ``flash_prefill`` form). Every policy is monotone, so the output equals a full
+recomputation under the policy's mask. For FoX the decay Λ_i − Λ_j comes from Λ stored per entry as a float32
+pair (``fox_jax.cache.decay``).
 
-1. the chunk's queries attend over the occupied slots and the chunk's own keys, each pair through the
-   policy's visibility and, for FoX, the decay Λ_i − Λ_j (``lam_hi``/``lam_lo``: Λ as an unevaluated float32
-   pair, ``fox_jax.cache.decay``, so decays keep float32 relative precision at any
-   length);
-2. the slots the chunk's last query no longer sees are freed;
-3. the chunk's surviving tokens are written into free slots, lowest first (so the highest
-   occupied slot never exceeds the peak live count).
-
-If a row has more survivors than free slots the budget was too small: the oldest surplus survivors of the
-chunk are dropped (for a decode step, the oldest cached token makes room) and ``overflow`` counts them; the
-engine reports it (results are then not the policy's).
-
-The decode step costs O(S) per row and head: the budget, not the context length. Sizing S from what the
-policy can hold (``CachePolicy.max_live``, or the measured live counts of ``dcp``/``acp``) is what makes a
-pruned cache both smaller and faster.
+Nothing here assumes that the rows started together beyond the shared column counter: a row's state is its
+``seq_start``, its ring ``start`` (or pool table), its Λ / KV-shift carry and its running norms, so a row can
+be reset and refilled while the others decode (continuous batching).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fox_jax.cache.decay import accumulate_log_fgate
-from fox_jax.cache.policies import CachePolicy, parse_policy
+from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
+from fox_jax.cache.visibility import Chunk, Keys, LayerFacts, Rule, rule_for
 from fox_jax.ops._common import check_seq_start, dot_precision
-from fox_jax.ops.context_pruning import cumulative_keep_log_mask, keep_logits
+from fox_jax.ops.decode_attention import decode_attention
 from fox_jax.ops.forgetting_attention import forgetting_attention
+
+KV_AXES = ("batch", "kv_heads", None, None)  # k, v [B, n, C, D] and Λ [B, n, G, C]
+
+
+class _Entries:
+    """What both storages share: fields k, v [B, n, C, D], lam_hi/lam_lo [B, n, G, C] or None, peak, heads."""
+
+    @property
+    def slots(self) -> int:
+        """C, the entries per row and key/value head."""
+        return self.k.shape[2]
+
+    @property
+    def entry_bytes(self) -> float:
+        """Bytes of one (entry, key/value head): k, v and the Λ pairs of its query heads (DCP's k_int counted
+        per head share)."""
+        n, d = self.k.shape[1], self.k.shape[3]
+        gates = 0 if self.lam_hi is None else self.lam_hi.shape[2] * 8
+        k_int = getattr(self, "k_int", None)
+        return 2 * d * self.k.dtype.itemsize + gates + (0 if k_int is None else k_int.shape[2] * 4 / n)
+
+    def held(self, cache) -> jax.Array:
+        """[B] float32 live (entry, key/value head) pairs per row."""
+        live = self.live(cache.length, cache.seq_start)
+        return jnp.sum(live, axis=1, dtype=jnp.float32) * (self.k.shape[1] // live.shape[1])
+
+
+def _decay(lam_q, lam_k) -> jax.Array:
+    """Λ_query − Λ_key from float32 pairs: lam_q (hi, lo) [B, n, G, T], lam_k [B, n, G, S] -> [B, n, G, T, S]."""
+    return (lam_q[0][..., None] - lam_k[0][..., None, :]) + (lam_q[1][..., None] - lam_k[1][..., None, :])
 
 
 @flax.struct.dataclass
-class SlotGroup:
-    """The slots of a group of key/value heads in one layer.
+class RingGroup(_Entries):
+    """Ring buffers of a group of key/value heads (module docstring).
 
     Attributes:
-      k, v: [B, n, S, D] in the compute dtype (keys ready for attention; head-major, so attention reads
-        them without a transpose); meaningful where ``pos`` ≥ 0.
-      pos: [B, nt, S] int32 token position held by each slot (−1: free); nt = 1 (per-row tables: every head
-        of the group holds the same tokens) or n (per-head tables, ``acp``).
-      lam_hi, lam_lo: [B, n, G, S] float32, Λ_j = hi + lo of the token in each slot for each of the G query
-        heads of every key/value head (nats, ≤ 0), or None without forget gates.
-      k_int: [B, S, r] float32 DCP interaction keys (per-row tables only), or None.
-      live: [B, nt] int32 occupied slots per row and table (kept with the tables, so counting costs nothing).
-      peak: [nt] int32, the most slots any row has held in each table so far (sizes a pool:
-        ``fox_jax.decoding.calibrate_slots``).
-      heads: the key/value heads of the layer this group holds (static).
+      k, v: [B, n, C, D] compute dtype; the key of column c in slot ``pinned`` + (c mod (C − pinned)), a
+        pinned position p < ``pinned`` in slot p.
+      lam_hi, lam_lo: [B, n, G, C] float32 Λ = hi + lo of the entry in each slot for each query head, or None.
+      start: [B, nt] int32, the first live column per row (nt = 1) or per (row, key/value head) (nt = n,
+        ``acp``): the ring holds [start, length); ≥ seq_start + pinned.
+      peak: [nt] int32, the most entries any row has held per table so far (``calibrate_slots``).
+      heads: the layer's key/value heads of this group (static); pinned: S of ``sinks:S+W`` (static).
     """
 
     k: jax.Array
     v: jax.Array
-    pos: jax.Array
     lam_hi: jax.Array | None
     lam_lo: jax.Array | None
+    start: jax.Array
+    peak: jax.Array
+    heads: tuple = flax.struct.field(pytree_node=False)
+    pinned: int = flax.struct.field(pytree_node=False, default=0)
+
+    @classmethod
+    def empty(cls, batch: int, capacity: int, heads: tuple, *, head_dim: int, g: int, dtype, forget_gate: bool,
+              policy: CachePolicy, seq_start: jax.Array, **_) -> RingGroup:
+        n = len(heads)
+        nt = n if policy.per_head else 1
+        lam = (lambda: jnp.zeros((batch, n, g, capacity), jnp.float32)) if forget_gate else (lambda: None)
+        start = jnp.broadcast_to((seq_start + policy.pinned)[:, None], (batch, nt)).astype(jnp.int32)
+        return cls(jnp.zeros((batch, n, capacity, head_dim), dtype), jnp.zeros((batch, n, capacity, head_dim), dtype),
+                   lam(), lam(), start, jnp.zeros((nt,), jnp.int32), heads, policy.pinned)
+
+    def columns(self, length, seq_start) -> jax.Array:
+        """[B or 1, 1, C] int32: the column each slot holds (the latest written one; meaningful where held);
+        the same for every row unless there are pinned slots."""
+        c, p = self.slots, self.pinned
+        ring = length - 1 - jnp.mod(length - 1 - jnp.arange(c - p, dtype=jnp.int32), c - p)
+        if not p:
+            return ring[None, None]
+        pinned = seq_start[:, None] + jnp.arange(p, dtype=jnp.int32)
+        return jnp.concatenate([pinned, jnp.broadcast_to(ring, (pinned.shape[0], c - p))], axis=1)[:, None]
+
+    def held_mask(self, length, seq_start) -> jax.Array:
+        """[B, nt, C] bool: the slots that hold a live key."""
+        col = self.columns(length, seq_start)
+        live = col >= self.start[..., None]
+        if not self.pinned:
+            return live
+        return jnp.where((jnp.arange(self.slots) < self.pinned)[None, None], col < length, live)
+
+    def live(self, length, seq_start) -> jax.Array:
+        """[B, nt] int32 live entries per table."""
+        pinned = jnp.clip(length - seq_start, 0, self.pinned)[:, None]
+        return jnp.maximum(length - self.start, 0) + pinned
+
+    def held_positions(self, cache) -> jax.Array:
+        """[B, nt, C] int32 position of the key each slot holds, −1 where it holds none."""
+        col = self.columns(cache.length, cache.seq_start)
+        return jnp.where(self.held_mask(cache.length, cache.seq_start), col - cache.seq_start[:, None, None], -1)
+
+    def logical_axes(self) -> RingGroup:
+        axes = lambda x: None if x is None else KV_AXES  # noqa: E731
+        return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo),
+                            start=("batch", "kv_heads" if self.start.shape[1] > 1 else None), peak=(None,))
+
+    def append(self, step: _Step, q, k, v, lam):
+        """Visibility, placement and attention of a chunk for this group. q [B, T, n, G, D]; k, v [B, T, n, D];
+        lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, group, dropped [B])."""
+        lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
+        keys = self._keys(step.cache, lam_q)
+        start_t = self._visible_from(step, keys)
+        new, dropped = self._place(step, k, v, lam_q, start_t)
+        if not step.attend:
+            return None, new, dropped
+        if q.shape[1] == 1:
+            return self._read(step, new, q, lam_q), new, dropped
+        return self._attend(step, keys, start_t, q, k, v), new, dropped
+
+    def _keys(self, cache, lam_q) -> Keys:
+        """What the slots hold before the chunk, and the chunk's decays, as the rule sees them."""
+        length, seq = cache.length, cache.seq_start
+        decay = lambda lam_k: None if lam_q is None else _decay(lam_q, lam_k)  # noqa: E731
+        return Keys(self.heads, self.columns(length, seq), self.held_mask(length, seq),
+                    decay((self.lam_hi, self.lam_lo)), decay(lam_q), None)
+
+    def _visible_from(self, step: _Step, keys: Keys) -> jax.Array:
+        """Visibility: [B, nt, T] the first column each query sees; a key once hidden stays hidden (a running
+        maximum over the queries, from the ring's ``start``)."""
+        first = step.rule.first_visible(step.cache.policy, step.aux, step.chunk, keys)
+        start_t = jnp.maximum(first, self.start[..., None])
+        return lax.cummax(start_t, axis=2) if start_t.shape[2] > 1 else start_t
+
+    def _place(self, step: _Step, k, v, lam_q, start_t) -> tuple[RingGroup, jax.Array]:
+        """Placement: the ring keeps its last C − pinned columns (what the rule kept beyond them overflowed,
+        counted); the chunk is written at slot pinned + (column mod (C − pinned)), a decode step with one
+        ``dynamic_update_slice`` for every row, sink positions also to their pinned slots."""
+        cache, chunk = step.cache, step.chunk
+        b, t, n, _ = k.shape
+        length, c, p = cache.length, self.slots, self.pinned
+        ring = c - p
+        wanted = start_t[..., -1]
+        new_start = jnp.maximum(wanted, length + t - ring)
+        dropped = jnp.sum(new_start - wanted, axis=1)
+        kt, vt = (x.transpose(0, 2, 1, 3) for x in (k, v))                                       # [B, n, T, D]
+        pos = chunk.pos
+        if t == 1:
+            slot = p + jnp.mod(length, ring)
+            put = lambda buf, x, axis: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), slot, axis=axis)  # noqa: E731
+            new = self.replace(k=put(self.k, kt, 2), v=put(self.v, vt, 2))
+            if lam_q is not None:
+                new = new.replace(lam_hi=put(self.lam_hi, lam_q[0], 3), lam_lo=put(self.lam_lo, lam_q[1], 3))
+            if p:
+                rows = jnp.arange(b)
+                pin = jnp.where((pos[:, 0] >= 0) & (pos[:, 0] < p), pos[:, 0], c)
+                pin_kv = lambda buf, x: buf.at[rows, :, pin].set(x[:, :, 0].astype(buf.dtype), mode="drop")  # noqa: E731
+                new = new.replace(k=pin_kv(new.k, kt), v=pin_kv(new.v, vt))
+                if lam_q is not None:
+                    pin_lam = lambda buf, x: buf.at[rows, :, :, pin].set(x[..., 0], mode="drop")  # noqa: E731
+                    new = new.replace(lam_hi=pin_lam(new.lam_hi, lam_q[0]), lam_lo=pin_lam(new.lam_lo, lam_q[1]))
+        else:
+            slot = jnp.where(chunk.cols >= length + t - ring, p + jnp.mod(chunk.cols, ring), c)       # [T]
+            if p:
+                slot = jnp.where((pos >= 0) & (pos < p), pos, slot[None])                          # [B, T]
+                rows, hs = jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None]
+                sn = jnp.broadcast_to(slot[:, None], (b, n, t))
+                put = lambda buf, x: buf.at[rows, hs, sn].set(x.astype(buf.dtype), mode="drop")      # noqa: E731
+                put_lam = lambda buf, x: buf.at[rows, hs, :, sn].set(x.transpose(0, 1, 3, 2), mode="drop")  # noqa: E731
+            else:
+                put = lambda buf, x: buf.at[:, :, slot].set(x.astype(buf.dtype), mode="drop")         # noqa: E731
+                put_lam = lambda buf, x: buf.at[:, :, :, slot].set(x, mode="drop")                   # noqa: E731
+            new = self.replace(k=put(self.k, kt), v=put(self.v, vt))
+            if lam_q is not None:
+                new = new.replace(lam_hi=put_lam(self.lam_hi, lam_q[0]), lam_lo=put_lam(self.lam_lo, lam_q[1]))
+        live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - cache.seq_start, 0, p)[:, None]
+        return new.replace(start=new_start, peak=jnp.maximum(self.peak, jnp.max(live, axis=0))), dropped
+
+    def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
+        """Attention of a decode step, after its write: the ring's [start, length] through the decode op
+        (with pinned slots: every slot, masked). Returns [B, 1, n, G, D] float32."""
+        cache, c = step.cache, self.slots
+        b, _, n = q.shape[:3]
+        hi = jnp.broadcast_to(cache.length + 1, (b, n)).astype(jnp.int32)
+        lo = jnp.minimum(jnp.broadcast_to(new.start, (b, n)), hi)
+        valid = None
+        if self.pinned:  # the logical range [0, C) is the physical one
+            valid, lo, hi = new.held_mask(cache.length + 1, cache.seq_start), jnp.zeros_like(lo), jnp.full_like(hi, c)
+        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=lo, hi=hi, valid=valid,
+                             lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
+                             lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
+        return o[:, None].astype(jnp.float32)
+
+    def _attend(self, step: _Step, keys: Keys, start_t, q, k, v) -> jax.Array:
+        """Attention of a chunk of T > 1: the ring as it was (pinned slots, and columns ≥ each query's start)
+        and the chunk's own keys. Returns [B, T, n, G, D] float32."""
+        chunk, t = step.chunk, q.shape[1]
+        pinned_slot = (jnp.arange(self.slots) < self.pinned)[None, None, None]
+        vis_old = keys.held[:, :, None, :] & (pinned_slot | (keys.col[:, :, None, :] >= start_t[..., None]))
+        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+        sink = (chunk.pos >= 0) & (chunk.pos < self.pinned)
+        vis_new = causal & chunk.real[:, None, None, :] & (sink[:, None, None, :]
+                                                         | (chunk.cols[None, None, None, :] >= start_t[..., None]))
+        kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))
+        return _attend_chunk(q, self.k, self.v, kt, vt, vis_old[:, :, None], vis_new[:, :, None], keys.decay_old,
+                             keys.decay_new, chunk.scale)
+
+
+@flax.struct.dataclass
+class PoolGroup(_Entries):
+    """A slot pool of a group of key/value heads (per-row tables; module docstring).
+
+    Attributes:
+      k, v: [B, n, C, D] compute dtype; meaningful where ``pos`` ≥ 0.
+      lam_hi, lam_lo: [B, n, G, C] float32 Λ pairs of the entry in each slot, or None.
+      pos: [B, 1, C] int32 position held by each slot (−1: free).
+      k_int: [B, C, r] float32 DCP interaction keys, or None.
+      count: [B, 1] int32 occupied slots per row; hi: [B] int32, 1 + the highest occupied slot (the read bound).
+      peak: [1] int32, the most slots any row has held so far. heads: as ``RingGroup``.
+    """
+
+    k: jax.Array
+    v: jax.Array
+    lam_hi: jax.Array | None
+    lam_lo: jax.Array | None
+    pos: jax.Array
     k_int: jax.Array | None
-    live: jax.Array
+    count: jax.Array
+    hi: jax.Array
     peak: jax.Array
     heads: tuple = flax.struct.field(pytree_node=False)
 
-    @property
-    def slots(self) -> int:
-        return self.k.shape[2]
+    @classmethod
+    def empty(cls, batch: int, capacity: int, heads: tuple, *, head_dim: int, g: int, dtype, forget_gate: bool,
+              policy: CachePolicy, interaction_dim: int | None = None, **_) -> PoolGroup:
+        n = len(heads)
+        lam = (lambda: jnp.zeros((batch, n, g, capacity), jnp.float32)) if forget_gate else (lambda: None)
+        k_int = (jnp.zeros((batch, capacity, interaction_dim), jnp.float32)
+                 if "interaction_dim" in policy.needs else None)
+        return cls(jnp.zeros((batch, n, capacity, head_dim), dtype), jnp.zeros((batch, n, capacity, head_dim), dtype),
+                   lam(), lam(), jnp.full((batch, 1, capacity), -1, jnp.int32), k_int,
+                   jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.zeros((1,), jnp.int32), heads)
 
-    def held(self) -> jax.Array:
-        """[B] float32 live (slot, key/value head) entries per row."""
-        return jnp.sum(self.live, axis=1, dtype=jnp.float32) * (self.k.shape[1] // self.pos.shape[1])
+    def live(self, length, seq_start) -> jax.Array:
+        return self.count
 
-    def logical_axes(self) -> "SlotGroup":
-        """This group's structure with a tuple of logical axis names per array (``fox_jax.sharding``): batch
-        over ``batch``, key/value heads over ``kv_heads`` (per-head slot tables too), the rest replicated."""
-        table = ("batch", "kv_heads" if self.pos.shape[1] > 1 else None, None)
-        lam = None if self.lam_hi is None else ("batch", "kv_heads", None, None)
-        return self.replace(k=("batch", "kv_heads", None, None), v=("batch", "kv_heads", None, None), pos=table,
-                            lam_hi=lam, lam_lo=lam, k_int=None if self.k_int is None else ("batch", None, None),
-                            live=table[:2], peak=(None,))
+    def held_positions(self, cache) -> jax.Array:
+        return self.pos
 
-    @property
-    def entry_bytes(self) -> int:
-        """Bytes of one (slot, key/value head) entry: k, v and the Λ pairs of its query heads (k_int
-        counted per head share)."""
-        n, d = self.k.shape[1], self.k.shape[3]
-        gates = 0 if self.lam_hi is None else self.lam_hi.shape[2] * 8
-        interaction = 0 if self.k_int is None else self.k_int.shape[2] * 4 / n
-        return 2 * d * self.k.dtype.itemsize + gates + interaction
+    def logical_axes(self) -> PoolGroup:
+        axes = lambda x: None if x is None else KV_AXES  # noqa: E731
+        return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo),
+                            pos=("batch", None, None), k_int=None if self.k_int is None else ("batch", None, None),
+                            count=("batch", None), hi=("batch",), peak=(None,))
+
+    def append(self, step: _Step, q, k, v, lam):
+        """As ``RingGroup.append``, for a pool."""
+        lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
+        keys = self._keys(step.cache, lam_q)
+        vis_old, vis_new = self._visibility(step, keys)
+        new, dropped = self._place(step, k, v, lam_q, vis_old, vis_new)
+        if q.shape[1] == 1:
+            return self._read(step, new, q, lam_q), new, dropped
+        kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))
+        return _attend_chunk(q, self.k, self.v, kt, vt, vis_old, vis_new, keys.decay_old, keys.decay_new,
+                             step.chunk.scale), new, dropped
+
+    def _keys(self, cache, lam_q) -> Keys:
+        decay = lambda lam_k: None if lam_q is None else _decay(lam_q, lam_k)  # noqa: E731
+        return Keys(self.heads, self.pos + cache.seq_start[:, None, None], self.pos >= 0,
+                    decay((self.lam_hi, self.lam_lo)), decay(lam_q), self.k_int)
+
+    def _visibility(self, step: _Step, keys: Keys) -> tuple[jax.Array, jax.Array]:
+        """Visibility: the rule's masks within what is held, causal and real: (vis_old [B, ·, ·, T, S],
+        vis_new [B, ·, ·, T, T])."""
+        chunk = step.chunk
+        t = chunk.cols.shape[0]
+        rule_old, rule_new = step.rule.masks(step.cache.policy, step.aux, chunk, keys)
+        causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
+        return keys.held[:, :, None, None, :] & rule_old, causal & chunk.real[:, None, None, None, :] & rule_new
+
+    def _place(self, step: _Step, k, v, lam_q, vis_old, vis_new) -> tuple[PoolGroup, jax.Array]:
+        """Placement: the slots hold what the chunk's last query sees (a row keeps a token while any head
+        does); the survivors go to the lowest free slots (``_allocate``); ``hi`` follows the highest."""
+        chunk = step.chunk
+        b, t, n, _ = k.shape
+        g, s = vis_old.shape[2], self.slots
+        last = lambda x, keys_: jnp.any(jnp.broadcast_to(x[..., -1, :], (b, n, g, keys_)), axis=(1, 2))[:, None]  # noqa: E731
+        keep_old, keep_new = last(vis_old, s), last(vis_new, t)                                   # [B, 1, S | T]
+        slot, _, dropped, count = _allocate(self.pos, keep_old, keep_new)
+        rows, hs = jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None]
+        sn = jnp.broadcast_to(slot, (b, n, t))
+        put = lambda buf, x: buf.at[rows, hs, sn].set(x.transpose(0, 2, 1, 3).astype(buf.dtype), mode="drop")  # noqa: E731
+        put_lam = lambda buf, x: buf.at[rows, hs, :, sn].set(x.transpose(0, 1, 3, 2), mode="drop")  # noqa: E731
+        pos = jnp.where(keep_old, self.pos, -1).at[rows, jnp.zeros_like(rows), slot].set(
+            jnp.broadcast_to(chunk.pos[:, None], slot.shape), mode="drop")
+        new = self.replace(
+            k=put(self.k, k), v=put(self.v, v), pos=pos, count=count,
+            hi=jnp.max(jnp.where(pos >= 0, jnp.arange(s, dtype=jnp.int32) + 1, 0), axis=(1, 2)),
+            peak=jnp.maximum(self.peak, jnp.max(count, axis=0)),
+            lam_hi=None if lam_q is None else put_lam(self.lam_hi, lam_q[0]),
+            lam_lo=None if lam_q is None else put_lam(self.lam_lo, lam_q[1]),
+            k_int=None if self.k_int is None else self.k_int.at[rows[:, :, 0], slot[:, 0]].set(
+                chunk.facts.k_int.astype(jnp.float32), mode="drop"))
+        return new, dropped
+
+    def _read(self, step: _Step, new: PoolGroup, q, lam_q) -> jax.Array:
+        """Attention of a decode step after its write (the token's slot was free or made room): the row's
+        [0, hi) through the decode op, masked by occupancy. Returns [B, 1, n, G, D] float32."""
+        b, _, n = q.shape[:3]
+        hi = jnp.broadcast_to(new.hi[:, None], (b, n))
+        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=jnp.zeros_like(hi), hi=hi,
+                             valid=new.pos >= 0, lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
+                             lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
+        return o[:, None].astype(jnp.float32)
+
+
+def _allocate(pos, keep_old, keep_new):
+    """Where a pool's survivors go: (slot [B, 1, T] (S: not placed), placed [B, 1, T], dropped [B], count [B, 1]).
+
+    The k-th survivor of the chunk takes the k-th free slot, lowest first; without room the oldest surplus
+    survivors of a chunk are dropped, and a decode step (T = 1) takes the slot of the oldest cached token."""
+    s, t = pos.shape[2], keep_new.shape[2]
+    free = ~keep_old
+    if t == 1:  # one reduction picks the slot: the lowest free one, else the oldest cached token
+        big = jnp.int32(2 ** 30)
+        slot0 = jnp.argmax(jnp.where(free, big - jnp.arange(s), -pos), axis=2)[..., None]     # kept: positions ≥ 0
+        full = keep_new & ~jnp.take_along_axis(free, slot0, axis=2)
+        slot = jnp.where(keep_new, slot0, s)
+        dropped = jnp.sum(full, axis=(1, 2), dtype=jnp.int32)
+        count = jnp.sum(keep_old, axis=2, dtype=jnp.int32) + jnp.sum(keep_new & ~full, axis=2, dtype=jnp.int32)
+        return slot, keep_new, dropped, count
+    n_free = jnp.sum(free, axis=2, keepdims=True)
+    rank = jnp.cumsum(keep_new, axis=2) - 1                                                   # token order
+    surplus = jnp.maximum(jnp.sum(keep_new, axis=2, keepdims=True) - n_free, 0)
+    placed = keep_new & (rank >= surplus)                                                     # the newest fit
+    order = jnp.argsort(~free, axis=2, stable=True)
+    slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=2), s)
+    count = jnp.sum(keep_old, axis=2, dtype=jnp.int32) + jnp.sum(placed, axis=2, dtype=jnp.int32)
+    return slot, placed, jnp.sum(surplus, axis=(1, 2), dtype=jnp.int32), count
+
+
+def _attend_chunk(q, k_old, v_old, k_new, v_new, vis_old, vis_new, bias_old, bias_new, scale):
+    """A chunk's attention over the cached entries as they were and its own keys: one softmax over the two
+    parts (no concatenation). q [B, T, n, G, D]; k/v_old [B, n, S, D]; k/v_new [B, n, T, D]; vis and bias
+    broadcastable to [B, n, G, T, S | T] (bias None without gates). Returns [B, T, n, G, D] float32."""
+    qt = q.transpose(0, 2, 3, 1, 4)                                                          # [B, n, G, T, D]
+    prec = dot_precision(q.dtype)
+    dot = lambda keys: jnp.einsum("bngtd,bnsd->bngts", qt, keys.astype(q.dtype), preferred_element_type=jnp.float32,
+                                  precision=prec) * scale
+    mix = lambda w, vals: jnp.einsum("bngts,bnsd->bngtd", w.astype(vals.dtype), vals,
+                                     preferred_element_type=jnp.float32, precision=prec)
+    s_old, s_new = dot(k_old), dot(k_new)
+    if bias_old is not None:
+        s_old, s_new = s_old + bias_old, s_new + bias_new
+    s_old, s_new = jnp.where(vis_old, s_old, -jnp.inf), jnp.where(vis_new, s_new, -jnp.inf)
+    m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), jnp.max(s_new, axis=-1, keepdims=True))
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w_old, w_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
+    l = jnp.sum(w_old, axis=-1, keepdims=True) + jnp.sum(w_new, axis=-1, keepdims=True)
+    l = jnp.where(l > 0, l, 1.0)
+    return (mix(w_old / l, v_old) + mix(w_new / l, v_new)).transpose(0, 3, 1, 2, 4)
+
+
+STORAGES = {"ring": RingGroup, "pool": PoolGroup}
+
+
+class _Step(NamedTuple):
+    """One layer call as the groups see it: the cache before it, the policy's rule and its per-layer output,
+    the chunk, and whether the groups attend (False: the flash op already did)."""
+
+    cache: Any
+    rule: Rule
+    aux: Any
+    chunk: Chunk
+    attend: bool
 
 
 @flax.struct.dataclass
@@ -108,16 +420,20 @@ class SlotKVCache:
     """Decoding state of one attention layer (module docstring).
 
     Attributes:
-      groups: the layer's ``SlotGroup``s (their ``heads`` partition the key/value heads).
-      length: int32 scalar, tokens fed so far including left pads (the next token's column).
+      groups: the layer's ``RingGroup``s or ``PoolGroup``s (their ``heads`` partition the key/value heads).
+      length: int32 scalar, columns fed so far including left pads (the next token's column), shared by rows.
       seq_start: [B] int32 left pads per row; the token in column c has position c − seq_start.
       lam_hi, lam_lo: [B, H] float32 Λ of the last token fed (the pair carried into the next chunk), or None.
       k_shift, v_shift: [B, Hkv, D] the unshifted k/v projections of the last token (KV-shift), or None.
-      overflow: [B] int32 entries dropped because the pool had no free slot (tokens; for per-head tables, tokens × heads).
+      overflow: [B] int32 entries the storage could not hold although the policy kept them (tokens; for
+        per-head tables, tokens × heads).
+      state: the policy rule's per-layer state (``fox_jax.cache.visibility``; acp: the running maxima of
+        the q and k norms without QK-norm, the threshold from the first chunk's QK-norm bound with it), or None.
       policy: the ``CachePolicy`` (static).
       max_context: N, the longest context this cache serves (static; ``acp``'s threshold uses it).
-      fresh: nothing has been fed yet (static): a first chunk under ``dense`` or ``window`` then runs the
-        flash attention op over itself (``fox_jax.ops.forgetting_attention``) instead of the masked pool path.
+      provable: whether the policy's promise holds for this model (static; ``CachePolicy.provable``).
+      fresh: nothing has been fed yet (static): a first chunk of a policy with a ``flash_prefill`` form then
+        runs the flash attention op over itself instead of the masked path.
     """
 
     groups: tuple
@@ -128,8 +444,10 @@ class SlotKVCache:
     k_shift: jax.Array | None
     v_shift: jax.Array | None
     overflow: jax.Array
+    state: Any
     policy: CachePolicy = flax.struct.field(pytree_node=False)
     max_context: int = flax.struct.field(pytree_node=False)
+    provable: bool = flax.struct.field(pytree_node=False, default=True)
     fresh: bool = flax.struct.field(pytree_node=False, default=True)
 
     @property
@@ -138,91 +456,91 @@ class SlotKVCache:
 
     @property
     def capacity(self) -> int:
-        """The largest slot count of a group (the most tokens one head can hold)."""
+        """The largest capacity of a group (the most tokens one head can hold)."""
         return max(g.slots for g in self.groups)
-
-    def logical_axes(self) -> "SlotKVCache":
-        """This cache's structure with a tuple of logical axis names per array, e.g. k/v [B, n, S, D] →
-        ("batch", "kv_heads", None, None); ``fox_jax.sharding.cache_shardings`` maps them onto a mesh."""
-        lam = None if self.lam_hi is None else ("batch", "heads")
-        shift = None if self.k_shift is None else ("batch", "kv_heads", None)
-        return self.replace(groups=tuple(g.logical_axes() for g in self.groups), length=(), seq_start=("batch",),
-                            lam_hi=lam, lam_lo=lam, k_shift=shift, v_shift=shift, overflow=("batch",))
 
     def live_count(self) -> jax.Array:
         """[B] float32 live tokens per row, averaged over the key/value heads."""
-        return sum(g.held() for g in self.groups) / self.kv_heads
+        return sum(g.held(self) for g in self.groups) / self.kv_heads
 
     def live_bytes(self) -> jax.Array:
         """[B] float32 bytes of the live entries per row."""
-        return sum(g.held() * g.entry_bytes for g in self.groups)
+        return sum(g.held(self) * g.entry_bytes for g in self.groups)
 
     def allocated_bytes(self) -> int:
-        """Bytes the pool holds for all rows (k, v, Λ, k_int; the slot tables excluded)."""
+        """Bytes the storage holds for all rows (k, v, Λ, k_int; slot tables and ring starts excluded)."""
         return int(sum(math.prod(g.k.shape[:3]) * g.entry_bytes for g in self.groups))
 
+    def logical_axes(self) -> SlotKVCache:
+        """The cache with a tuple of logical axis names (``fox_jax.sharding``) in place of every array, e.g.
+        k/v [B, n, C, D] -> ("batch", "kv_heads", None, None); None fields stay None. Map it with
+        ``jax.tree.map(f, cache.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))``."""
+        gates = None if self.lam_hi is None else ("batch", "heads")
+        shift = None if self.k_shift is None else ("batch", "kv_heads", None)
+        return self.replace(groups=tuple(g.logical_axes() for g in self.groups), length=(), seq_start=("batch",),
+                            lam_hi=gates, lam_lo=gates, k_shift=shift, v_shift=shift, overflow=("batch",),
+                            state=rule_for(self.policy).state_axes(self.state))
 
-def _split_slots(slots, kv_heads: int, per_head: bool) -> list[tuple[int, tuple[int, ...]]]:
-    """[(slot count, kv heads)] groups from ``slots``: an int (one group) or, for per-head tables, a
-    sequence of Hkv ints (heads with equal counts share a group)."""
-    if isinstance(slots, int):
-        return [(slots, tuple(range(kv_heads)))]
+
+def _split_slots(slots, kv_heads: int, policy: CachePolicy, block: int) -> list[tuple[int, tuple[int, ...]]]:
+    """[(capacity, kv heads)] groups from ``slots``: an int (one group) or, for per-head policies, a sequence of
+    Hkv ints (heads whose capacities round to the same value share a group)."""
+    if isinstance(slots, int) and not isinstance(slots, bool):
+        if slots < 1:
+            raise ValueError(f"slots must be positive ints, got {slots!r}")
+        return [(policy.capacity(slots, block), tuple(range(kv_heads)))]
     counts = tuple(slots)
-    if not per_head or len(counts) != kv_heads:
-        raise ValueError(f"slots must be an int{' or ' + str(kv_heads) + ' ints (one per key/value head)' if per_head else ''}"
+    if not policy.per_head or len(counts) != kv_heads:
+        raise ValueError(f"slots must be an int{' or ' + str(kv_heads) + ' ints (one per key/value head)' if policy.per_head else ''}"
                          f", got {slots!r}")
+    if not all(isinstance(c, int) and c >= 1 for c in counts):
+        raise ValueError(f"slots must be positive ints, got {slots!r}")
     groups: dict[int, list[int]] = {}
     for h, c in enumerate(counts):
-        groups.setdefault(int(c), []).append(h)
+        groups.setdefault(policy.capacity(c, block), []).append(h)
     return [(c, tuple(hs)) for c, hs in sorted(groups.items())]
 
 
 def new_slot_cache(batch: int, slots, *, n_heads: int, kv_heads: int, head_dim: int, dtype, forget_gate: bool,
-                   kv_shift: bool, interaction_dim: int | None = None, policy: Any = "dense",
-                   max_context: int | None = None, seq_start=None) -> SlotKVCache:
-    """An empty ``SlotKVCache`` for one layer.
+                   kv_shift: bool, interaction_dim: int | None = None, qk_norm: bool = False, policy: Any = "dense",
+                   max_context: int | None = None, seq_start=None, block: int = RING_BLOCK) -> SlotKVCache:
+    """An empty ``SlotKVCache`` for one layer, with the storage its policy wants.
 
     Args:
       batch: B.
-      slots: S ≥ 1 slots per row (an int), or for ``acp`` one count per key/value head (a sequence of
-        Hkv ints; heads with equal counts share a group).
-      n_heads, kv_heads, head_dim: H, Hkv, D.
-      dtype: compute dtype of k/v.
-      forget_gate: store Λ (FoX); required by ``acp``.
-      kv_shift: store the KV-shift carry (Pro).
-      interaction_dim: r of a DCP model (stores k_int); required by ``dcp``.
+      slots: entries per row (an int), or for a per-head policy (``acp``) one count per key/value head (a
+        sequence of Hkv ints; heads of equal capacity share a group). Each is rounded up by
+        ``policy.capacity`` (a multiple of ``block``).
+      n_heads, kv_heads, head_dim: H, Hkv, D. dtype: compute dtype of k/v.
+      forget_gate: store Λ (FoX). kv_shift: store the KV-shift carry (Pro). interaction_dim: r of a DCP model.
+      qk_norm: the model has QK-norm (``acp`` is then provable).
       policy: a ``CachePolicy`` or its string form.
-      max_context: N, the most keys a query can see (``acp``'s threshold); default the largest slot count.
+      max_context: N, the most keys a query can see (``acp``'s threshold); default the largest capacity.
       seq_start: optional [B] int left pads per row.
+      block: capacities are multiples of it: the decode kernel's key block (``RING_BLOCK``); only the
+        storage's own tests use another value.
 
     Raises:
-      ValueError: bad slots, a policy the model cannot run (``dcp`` without interaction keys, ``acp``
-        without forget gates), a bad seq_start.
+      ValueError: bad slots, a policy the model cannot run (``policy.check``), a bad seq_start.
+    Warns:
+      ``HeuristicEvictionWarning`` when the policy runs without its guarantee (``acp`` without QK-norm).
     """
     policy = parse_policy(policy)
-    if policy.kind == "dcp" and interaction_dim is None:
-        raise ValueError("cache policy 'dcp' needs a model trained or fine-tuned with DCP (cfg.dcp=True)")
-    if policy.kind == "acp" and not forget_gate:
-        raise ValueError("cache policy 'acp' evicts by forget-gate decay and needs a FoX model (a forget gate)")
-    groups = []
-    g = n_heads // kv_heads
-    for count, heads in _split_slots(slots, kv_heads, policy.per_head):
-        if not isinstance(count, int) or count < 1:
-            raise ValueError(f"slots must be positive ints, got {slots!r}")
-        n = len(heads)
-        kv = lambda: jnp.zeros((batch, n, count, head_dim), dtype)   # distinct buffers: callers may donate them
-        lam = (lambda: jnp.zeros((batch, n, g, count), jnp.float32)) if forget_gate else (lambda: None)
-        k_int = None if interaction_dim is None or policy.kind != "dcp" else jnp.zeros((batch, count, interaction_dim),
-                                                                                         jnp.float32)
-        pos = jnp.full((batch, n if policy.per_head else 1, count), -1, jnp.int32)
-        groups.append(SlotGroup(kv(), kv(), pos, lam(), lam(), k_int, jnp.zeros(pos.shape[:2], jnp.int32),
-                                jnp.zeros((pos.shape[1],), jnp.int32), heads))
+    layout = dict(n_heads=n_heads, kv_heads=kv_heads, head_dim=head_dim, forget_gate=forget_gate, kv_shift=kv_shift,
+                  interaction_dim=interaction_dim, qk_norm=qk_norm)
+    policy.check(layout)
+    seq_start = check_seq_start(seq_start, batch)
+    storage = STORAGES[policy.storage]
+    groups = tuple(storage.empty(batch, c, heads, head_dim=head_dim, g=n_heads // kv_heads, dtype=dtype,
+                                 forget_gate=forget_gate, policy=policy, seq_start=seq_start,
+                                 interaction_dim=interaction_dim)
+                   for c, heads in _split_slots(slots, kv_heads, policy, block))
     state = (lambda: jnp.zeros((batch, kv_heads, head_dim), dtype)) if kv_shift else (lambda: None)
     last = (lambda: jnp.zeros((batch, n_heads), jnp.float32)) if forget_gate else (lambda: None)
-    capacity = max(c.slots for c in groups)
-    return SlotKVCache(tuple(groups), jnp.zeros((), jnp.int32), check_seq_start(seq_start, batch), last(), last(),
-                       state(), state(), jnp.zeros((batch,), jnp.int32), policy,
-                       capacity if max_context is None else int(max_context))
+    capacity = max(g.slots for g in groups)
+    return SlotKVCache(groups, jnp.zeros((), jnp.int32), seq_start, last(), last(), state(), state(),
+                       jnp.zeros((batch,), jnp.int32), rule_for(policy).init_state(policy, batch, layout), policy,
+                       capacity if max_context is None else int(max_context), policy.provable(layout))
 
 
 def cache_columns(cache: SlotKVCache, t: int) -> jax.Array:
@@ -231,151 +549,29 @@ def cache_columns(cache: SlotKVCache, t: int) -> jax.Array:
     return cache.length + jnp.arange(t, dtype=jnp.int32)
 
 
-def _positional(policy: CachePolicy, p_query, p_key):
-    """The policy's visibility from token positions alone (True where it does not depend on them)."""
-    if policy.kind == "window":
-        return p_query - p_key < policy.window
-    if policy.kind == "sinks":
-        return (p_key < policy.sinks) | (p_query - p_key < policy.window)
-    return jnp.ones((), bool)
-
-
-def _group_chunk(group: SlotGroup, policy: CachePolicy, q, k, v, p, real, lam, delta, z_old, z_new, k_int, scale,
-                 attend: bool = True):
-    """One group's attention for a chunk and its updated slots (module docstring, steps 1–3).
-
-    q [B, T, n, G, D]; k, v [B, T, n, D]; p, real [B, T]; lam: (hi, lo) [B, T, n, G] or None; delta
-    [B, n, G] or None; z_old [B, T, S], z_new [B, T, T], k_int [B, T, r] (DCP) or None. Scores and masks
-    are [B, n, G, T, keys] (masks broadcast over n when the tables are per row and over G). ``attend=False``
-    only updates the slots (the caller computed the attention) and returns None for it."""
-    b, t, n, gq, d = q.shape
-    s = group.slots
-    per_head = group.pos.shape[1] > 1
-    pos = group.pos                                                          # [B, nt, S]
-    pj_old = pos[:, :, None, None, :]                                        # [B, nt, 1, 1, S]
-    pj_new = p[:, None, None, None, :]                                       # [B, 1, 1, 1, T]
-    # queries: every chunk token, or (attend=False: a positional policy) only the last, whose view is kept
-    pq = p if attend else p[:, -1:]
-    pi = pq[:, None, None, :, None]                                          # [B, 1, 1, Tq, 1]
-    vis_old = (pj_old >= 0) & _positional(policy, pi, pj_old)
-    causal = (jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]) if attend else jnp.ones((1, t), bool)
-    vis_new = causal & real[:, None, None, None, :] & _positional(policy, pi, pj_new)
-    if policy.kind == "dcp":
-        vis_old = vis_old & (jnp.cumsum(z_old <= 0, axis=1) == 0)[:, None, None]
-        vis_new = vis_new & (cumulative_keep_log_mask(z_new, jnp.inf) == 0.0)[:, None, None]
-    bias_old = bias_new = None
-    if lam is not None and attend:
-        hi, lo = (x.transpose(0, 2, 3, 1) for x in lam)                     # [B, n, G, T]
-        bias_old = (hi[..., None] - group.lam_hi[:, :, :, None]) + (lo[..., None] - group.lam_lo[:, :, :, None])
-        bias_new = (hi[..., None] - hi[..., None, :]) + (lo[..., None] - lo[..., None, :])
-        if policy.kind == "acp":
-            vis_old = vis_old & (bias_old >= delta[..., None, None])
-            vis_new = vis_new & (bias_new >= delta[..., None, None])
-
-    # retention: the slots hold what the chunk's last query sees (a key/value head keeps a token while any
-    # of its query heads does)
-    def tables(x, keys):  # [B, n', G', keys] -> [B, nt, keys]
-        x = jnp.any(jnp.broadcast_to(x, x.shape[:3] + (keys,)), axis=2)
-        return jnp.broadcast_to(x, (b, n, keys)) if per_head else jnp.any(x, axis=1, keepdims=True)
-    keep_old = tables(vis_old[:, :, :, -1], s)                               # [B, nt, S]
-    keep_new = tables(vis_new[:, :, :, -1], t)                               # [B, nt, T]
-    free = ~keep_old
-    if t == 1:
-        # one reduction picks the slot: the lowest free one, or, when none is free, the oldest cached token
-        # (an overflow: it makes room); it also counts what the row holds
-        big = jnp.int32(2 ** 30)
-        key = jnp.where(free, big - jnp.arange(s), -pos)                     # kept slots hold positions ≥ 0
-        slot0 = jnp.argmax(key, axis=2)[..., None]                            # [B, nt, 1]
-        full = keep_new & ~jnp.take_along_axis(free, slot0, axis=2)
-        placed = keep_new
-        slot = jnp.where(placed, slot0, s)
-        dropped = jnp.sum(full, axis=(1, 2), dtype=jnp.int32)
-        held = jnp.sum(keep_old, axis=2, dtype=jnp.int32) + jnp.sum(placed & ~full, axis=2, dtype=jnp.int32)
-    else:  # the k-th survivor to the k-th free slot, lowest first; the oldest surplus survivors are dropped
-        n_free = jnp.sum(free, axis=2, keepdims=True)
-        rank = jnp.cumsum(keep_new, axis=2) - 1                               # [B, nt, T] token order
-        surplus = jnp.maximum(jnp.sum(keep_new, axis=2, keepdims=True) - n_free, 0)
-        placed = keep_new & (rank >= surplus)                                 # the newest survivors fit
-        dropped = jnp.sum(surplus, axis=(1, 2), dtype=jnp.int32)
-        order = jnp.argsort(~free, axis=2, stable=True)
-        slot = jnp.where(placed, jnp.take_along_axis(order, jnp.clip(rank - surplus, 0, s - 1), axis=2), s)
-        held = jnp.sum(keep_old, axis=2, dtype=jnp.int32) + jnp.sum(placed, axis=2, dtype=jnp.int32)
-    rows = jnp.arange(b)[:, None, None]
-    heads = jnp.arange(n)[None, :, None]
-    slot_n = jnp.broadcast_to(slot, (b, n, t))
-    kt, vt = (x.transpose(0, 2, 1, 3).astype(group.k.dtype) for x in (k, v))  # [B, n, T, D]
-    put = lambda buf, new: buf.at[rows, heads, slot_n].set(new.astype(buf.dtype), mode="drop")   # [B, n, T, ...]
-    put_lam = lambda buf, new: buf.at[rows, heads, :, slot_n].set(new.transpose(0, 2, 1, 3), mode="drop")
-    pos = jnp.where(keep_old, pos, -1).at[rows, jnp.arange(slot.shape[1])[None, :, None], slot].set(
-        jnp.broadcast_to(p[:, None], slot.shape), mode="drop")
-    new = group.replace(
-        k=put(group.k, kt), v=put(group.v, vt), pos=pos,
-        live=held, peak=jnp.maximum(group.peak, jnp.max(held, axis=0)),
-        lam_hi=None if lam is None else put_lam(group.lam_hi, lam[0]),
-        lam_lo=None if lam is None else put_lam(group.lam_lo, lam[1]),
-        k_int=None if group.k_int is None else group.k_int.at[rows[:, :, 0], slot[:, 0]].set(
-            k_int.astype(jnp.float32), mode="drop"))
-
-    if not attend:
-        return None, new, dropped
-    qt = q.transpose(0, 2, 3, 1, 4)                                          # [B, n, G, T, D]
-    prec = dot_precision(q.dtype)
-    dot = lambda keys: jnp.einsum("bngtd,bnsd->bngts", qt, keys.astype(q.dtype), preferred_element_type=jnp.float32,
-                                  precision=prec) * scale
-    mix = lambda w, vals: jnp.einsum("bngts,bnsd->bngtd", w.astype(vals.dtype), vals,
-                                     preferred_element_type=jnp.float32, precision=prec)
-    if t == 1:
-        # a decode step reads the pool after the write (no copy of the pool): the token's own slot was free
-        # or invisible to it, so it replaces nothing this query sees (but an overflow eviction)
-        is_self = (jnp.arange(s) == slot)[:, :, None, None, :]                 # [B, nt, 1, 1, S]
-        scores = dot(new.k)
-        if lam is not None:
-            scores = scores + jnp.where(is_self, 0.0, bias_old)
-        scores = jnp.where(jnp.where(is_self, real[:, None, None, None, :], vis_old), scores, -jnp.inf)
-        m = jnp.max(scores, axis=-1, keepdims=True)
-        w = jnp.exp(scores - jnp.where(jnp.isfinite(m), m, 0.0))
-        l = jnp.sum(w, axis=-1, keepdims=True)
-        o = mix(w / jnp.where(l > 0, l, 1.0), new.v)
-    else:
-        # a chunk reads the pool as it was and its own keys: softmax over the two parts (no concatenation)
-        s_old, s_new = dot(group.k), dot(kt)
-        if lam is not None:
-            s_old, s_new = s_old + bias_old, s_new + bias_new
-        s_old, s_new = jnp.where(vis_old, s_old, -jnp.inf), jnp.where(vis_new, s_new, -jnp.inf)
-        m = jnp.maximum(jnp.max(s_old, axis=-1, keepdims=True), jnp.max(s_new, axis=-1, keepdims=True))
-        m = jnp.where(jnp.isfinite(m), m, 0.0)
-        w_old, w_new = jnp.exp(s_old - m), jnp.exp(s_new - m)
-        l = jnp.sum(w_old, axis=-1, keepdims=True) + jnp.sum(w_new, axis=-1, keepdims=True)
-        l = jnp.where(l > 0, l, 1.0)
-        o = mix(w_old / l, group.v) + mix(w_new / l, vt)
-    o = o.transpose(0, 3, 1, 2, 4)                                           # [B, T, n, G, D]
-    return o.reshape(b, t, n * gq, d), new, dropped
-
-
 def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array | None, *,
-                   k_shift: jax.Array | None = None, v_shift: jax.Array | None = None, threshold=None,
-                   q_int: jax.Array | None = None, k_int: jax.Array | None = None, beta=None,
+                   carry: tuple | None = None, facts: LayerFacts | None = None,
                    sm_scale: float | None = None) -> tuple[jax.Array, SlotKVCache]:
     """Append a chunk of T ≥ 1 tokens to the cache and attend with it under the cache's policy.
 
     o_i = Σ_j softmax_j(scale·q_i·k_j + Λ_i − Λ_j) v_j over the keys j ≤ i the policy lets query i see
-    (FoX Eq. 4–6; Λ ≡ 0 without forget gates), j ranging over the live slots and the chunk.
+    (FoX Eq. 4–6; Λ ≡ 0 without forget gates), j ranging over the live entries and the chunk.
 
     Args:
       cache: the layer's ``SlotKVCache``.
       q: [B, T, H, D]; k, v: [B, T, Hkv, D], ready for attention (shifted, normed, rotated at the positions
         ``cache.length + arange(T) − seq_start``).
       log_fgate: [B, T, H] float32 log forget gates, or None (must match the cache); pads are ignored.
-      k_shift, v_shift: the new KV-shift carry [B, Hkv, D] (stored as given), or None.
-      threshold: ``acp``: the ACP threshold δ [B, H] or [H] float32 for N = ``cache.max_context``.
-      q_int, k_int: [B, T, r] float32 DCP interaction queries/keys; beta: the layer's β (``dcp`` only).
+      carry: (k_shift, v_shift), the new KV-shift carry [B, Hkv, D] each (stored as given), or None.
+      facts: the model facts the policy's rule may need (``LayerFacts``: acp the QK-norm logit bound, dcp
+        q_int / k_int / β).
       sm_scale: logit scale, default 1/√D.
 
     Returns:
       (o [B, T, H, D] in q's dtype, the updated cache).
 
     Raises:
-      ValueError: gates that do not match the cache, ``acp`` without a threshold, ``dcp`` without q_int/k_int.
+      ValueError: gates that do not match the cache; facts the policy needs but did not get.
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
@@ -383,57 +579,50 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     policy = cache.policy
     if (log_fgate is None) != (cache.lam_hi is None):
         raise ValueError("log_fgate must be given exactly when the cache stores forget gates")
-    if policy.kind == "acp" and threshold is None:
-        raise ValueError("cache policy 'acp' needs the ACP threshold (threshold=[B, H] δ)")
-    if policy.kind == "dcp" and (q_int is None or k_int is None or beta is None):
-        raise ValueError("cache policy 'dcp' needs q_int, k_int and beta")
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-    p = cache.length + jnp.arange(t, dtype=jnp.int32)[None, :] - cache.seq_start[:, None]   # [B, T]
-    real = p >= 0
-    lam = lam_last = None
+    cols = cache_columns(cache, t)
+    pos = cols[None, :] - cache.seq_start[:, None]                                              # [B, T]
+    real = pos >= 0
+    lam = None
     if log_fgate is not None:
-        hi, lo = accumulate_log_fgate(cache.lam_hi, cache.lam_lo, jnp.where(real[..., None], log_fgate, 0.0))
-        lam_last = (hi[:, -1], lo[:, -1])
-        lam = (hi.reshape(b, t, hkv, g), lo.reshape(b, t, hkv, g))
-    delta = None
-    if threshold is not None and policy.kind == "acp":
-        delta = jnp.minimum(jnp.broadcast_to(jnp.asarray(threshold, jnp.float32), (b, h)), 0.0).reshape(b, hkv, g)
+        lam = accumulate_log_fgate(cache.lam_hi, cache.lam_lo, jnp.where(real[..., None], log_fgate, 0.0))
+    chunk = Chunk(cols, pos, real, cache.seq_start, q, k, lam, LayerFacts() if facts is None else facts, scale,
+                  cache.max_context, cache.fresh)
+    rule = rule_for(policy)
+    aux, state = rule.prepare(policy, cache.state, chunk)
+    flash = policy.flash_prefill()  # a first chunk on a fresh cache: the flash op over the chunk itself
+    use_flash = cache.fresh and t > 1 and flash is not None and len(cache.groups) == 1
+    step = _Step(cache, rule, aux, chunk, not use_flash)
+    if use_flash:
+        o = forgetting_attention(q, k.astype(q.dtype), v.astype(q.dtype), log_fgate, seq_start=cache.seq_start,
+                                 sm_scale=scale, **flash)
     qg = q.reshape(b, t, hkv, g, d)
-    # a first chunk of a fresh cache under a policy the flash op expresses: the op over the chunk itself
-    flash = cache.fresh and t > 1 and policy.kind in ("dense", "window") and len(cache.groups) == 1
-    if flash:
-        o_flash = forgetting_attention(q, k.astype(q.dtype), v.astype(q.dtype), log_fgate, seq_start=cache.seq_start,
-                                       window_size=policy.window if policy.kind == "window" else None,
-                                       sm_scale=scale)
+    lam_g = None if lam is None else tuple(x.reshape(b, t, hkv, g) for x in lam)
     outs, groups, dropped = [], [], jnp.zeros((b,), jnp.int32)
-    z_new = None if policy.kind != "dcp" else keep_logits(q_int, k_int, beta)
     for group in cache.groups:
         idx = jnp.asarray(group.heads)
         whole = group.heads == tuple(range(hkv))
         pick = (lambda x: x) if whole else (lambda x: jnp.take(x, idx, axis=2))
-        z_old = None if policy.kind != "dcp" else keep_logits(q_int, group.k_int, beta)
-        o, new, n_dropped = _group_chunk(
-            group, policy, pick(qg), pick(k), pick(v), p, real,
-            None if lam is None else (pick(lam[0]), pick(lam[1])),
-            None if delta is None else jnp.take(delta, idx, axis=1), z_old, z_new, k_int, scale, attend=not flash)
-        outs.append((idx, o))
+        og, new, n_dropped = group.append(step, pick(qg), pick(k), pick(v),
+                                          None if lam_g is None else tuple(pick(x) for x in lam_g))
+        outs.append((idx, og))
         groups.append(new)
         dropped = dropped + n_dropped
-    if flash:
-        o = o_flash
-    elif len(outs) == 1 and cache.groups[0].heads == tuple(range(hkv)):
-        o = outs[0][1]
-    else:
-        o = jnp.zeros((b, t, hkv, g, d), jnp.float32)
-        for idx, og in outs:
-            o = o.at[:, :, idx].set(og.reshape(b, t, len(idx), g, d))
+    if step.attend:
+        if len(outs) == 1 and cache.groups[0].heads == tuple(range(hkv)):
+            o = outs[0][1]
+        else:
+            o = jnp.zeros((b, t, hkv, g, d), jnp.float32)
+            for idx, og in outs:
+                o = o.at[:, :, idx].set(og)
         o = o.reshape(b, t, h, d)
+    k_shift, v_shift = carry if carry is not None else (None, None)
     new_cache = cache.replace(
-        groups=tuple(groups), length=cache.length + t, overflow=cache.overflow + dropped,
-        lam_hi=None if lam_last is None else lam_last[0], lam_lo=None if lam_last is None else lam_last[1],
+        groups=tuple(groups), length=cache.length + t, overflow=cache.overflow + dropped, state=state,
+        lam_hi=None if lam is None else lam[0][:, -1], lam_lo=None if lam is None else lam[1][:, -1],
         k_shift=k_shift if cache.k_shift is not None else None, v_shift=v_shift if cache.v_shift is not None else None,
         fresh=False)
     return o.astype(q.dtype), new_cache
 
 
-__all__ = ["SlotGroup", "SlotKVCache", "cache_columns", "new_slot_cache", "slot_attention"]
+__all__ = ["PoolGroup", "RingGroup", "STORAGES", "SlotKVCache", "cache_columns", "new_slot_cache", "slot_attention"]

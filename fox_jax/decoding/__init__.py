@@ -6,9 +6,10 @@ whose names are re-exported here.
 
 from fox_jax.cache.policies import POLICY_FORMS, CachePolicy, parse_policy
 from fox_jax.cache.slots import SlotKVCache
-from fox_jax.decoding.generation import (Generation, cache_bytes, calibrate_slots, decode_step, extend, generate, init_cache,
-                                         live_counts, min_slots, prefill, sample_logits, token_losses_under_policy)
+from fox_jax.decoding.generation import (Generation, cache_bytes, calibrate_slots, cast_plan, decode_step, extend,
+                                         generate, init_cache, live_counts, min_slots, precast, prefill, sample_logits,
+                                         token_losses_under_policy)
 
-__all__ = ["CachePolicy", "Generation", "POLICY_FORMS", "SlotKVCache", "cache_bytes", "calibrate_slots", "decode_step", "extend",
-           "generate", "init_cache", "live_counts", "min_slots", "parse_policy", "prefill", "sample_logits",
-           "token_losses_under_policy"]
+__all__ = ["CachePolicy", "Generation", "POLICY_FORMS", "SlotKVCache", "cache_bytes", "calibrate_slots", "cast_plan",
+           "decode_step", "extend", "generate", "init_cache", "live_counts", "min_slots", "parse_policy", "precast",
+           "prefill", "sample_logits", "token_losses_under_policy"]

@@ -15,10 +15,14 @@ Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first real to
 
 Pool size (``slots``): by default what the policy can ever need for the prompt plus the new tokens
 (``min_slots``: everything for dense/dcp/acp, W for ``window:W``, S + W for ``sinks:S+W``), so
-nothing overflows. A smaller pool is the fixed KV budget: ``dense``/``window``/``sinks`` need at least
-``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp`` keep a
-data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches count
-(``Generation.overflow``; the tokens are then not the policy's and the CLI says so).
+nothing overflows; every cache rounds its capacity up to a multiple of ``RING_BLOCK`` (the decode kernel's
+block). A smaller pool is the fixed KV budget: a policy with a ``fixed_budget`` (dense, window, sinks) needs
+at least ``min_slots`` (else ``ValueError``: the budget is too small for one sequence); ``dcp`` and ``acp``
+keep a data-dependent number of tokens, so a pool smaller than the context may overflow, which the caches
+count (``Generation.overflow``; the tokens are then not the policy's and the CLI says so).
+
+The decode loop multiplies by the weights as the model would cast them, cast once before the loop
+(``cast_plan``: only leaves that every use casts to one dtype; the results are bit-identical).
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from fox_jax.cache.policies import CachePolicy, parse_policy
+from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.ops._common import check_seq_start
 from fox_jax.sharding import place_for_decoding, under_mesh
 
@@ -46,6 +50,8 @@ class Generation(NamedTuple):
         the caches that produced each token; rows after the loop stopped repeat the last value.
       overflow: [B] int32 entries the pool had no slot for (0: the output is exactly the policy's).
       caches: the final per-layer caches (continue with ``extend`` / ``generate(..., caches=...)``).
+      provable (property): whether the policy's promise holds for this model (``CachePolicy.provable``;
+        False: ``acp`` ran as a heuristic).
     """
 
     tokens: jax.Array
@@ -53,6 +59,10 @@ class Generation(NamedTuple):
     live_counts: jax.Array
     overflow: jax.Array
     caches: tuple
+
+    @property
+    def provable(self) -> bool:
+        return all(c.provable for c in self.caches)
 
 
 def _config(model):
@@ -75,10 +85,11 @@ def init_cache(model, batch_size: int, slots, *, policy="dense", seq_start=None,
     return _config(model).init_cache(batch_size, slots, policy=policy, seq_start=seq_start, max_context=max_context)
 
 
-def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = 8, max_groups: int = 3):
+def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = RING_BLOCK, max_groups: int = 3):
     """A pool sized from what caches actually held (their ``peak`` live counts, e.g. after generating or
     scoring representative text under a ``dcp`` or ``acp`` policy): per layer an int, or for per-head
-    tables (``acp``) one count per key/value head, each ⌈peak · margin⌉ rounded up to ``multiple``.
+    tables (``acp``) one count per key/value head, each ⌈peak · margin⌉ rounded up to ``multiple`` (the
+    caches round to ``RING_BLOCK`` in any case).
 
     With per-head counts, the heads of a layer are binned into at most ``max_groups`` sizes (the sorted
     sizes cut at their largest gaps, each bin sized by its largest head): every distinct size is one more
@@ -140,10 +151,52 @@ def _check_slots(policy: CachePolicy, slots, context: int) -> None:
     if isinstance(slots, int):
         if slots < 1:
             raise ValueError(f"slots must be a positive int, got {slots}")
-        if policy.kind in ("dense", "window", "sinks") and slots < need:
+        if policy.fixed_budget and slots < need:
             raise ValueError(f"the KV pool is too small for one sequence: cache policy {policy.spec} needs {need} slots "
                              f"per row and layer for the {context} tokens fed (prompt + new tokens − 1, the last "
                              f"sample is never fed back), got {slots}")
+
+
+def cast_plan(model, params, caches) -> tuple:
+    """Which parameters the model only ever casts, and to what: for each leaf of ``params`` (tree order) the
+    dtype name that every use of it in one decode step converts it to, or None (used otherwise, or not cast).
+
+    Read from the jaxpr of ``model.apply`` on a [B, 1] chunk with ``caches`` (traced abstractly once per model
+    and shapes). Casting those leaves once (``precast``) before a loop removes the per-step converts and
+    changes no result: the model's own convert becomes the identity.
+    """
+    leaves, treedef = jax.tree.flatten(params)
+    c_leaves, c_def = jax.tree.flatten(caches)
+    spec = lambda xs: tuple(jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in xs)  # noqa: E731
+    return _cast_plan(model, treedef, spec(leaves), c_def, spec(c_leaves))
+
+
+@functools.lru_cache(maxsize=32)
+def _cast_plan(model, treedef, leaves, c_def, c_leaves) -> tuple:
+    caches = jax.tree.unflatten(c_def, c_leaves)
+    tokens = jax.ShapeDtypeStruct((caches[0].seq_start.shape[0], 1), jnp.int32)
+    jaxpr = jax.make_jaxpr(lambda p, c, tok: model.apply({"params": p}, tok, cache=c).logits)(
+        jax.tree.unflatten(treedef, leaves), caches, tokens).jaxpr
+    invars = jaxpr.invars[:len(leaves)]
+    uses = {id(v): [] for v in invars}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if id(x) in uses:
+                uses[id(x)].append(eqn)
+    returned = {id(v) for v in jaxpr.outvars}
+    plan = []
+    for v in invars:
+        eqns = uses[id(v)]
+        to = {jnp.dtype(e.params["new_dtype"]).name for e in eqns if e.primitive.name == "convert_element_type"}
+        only_casts = bool(eqns) and len(to) == 1 and all(e.primitive.name == "convert_element_type" for e in eqns)
+        plan.append(to.pop() if only_casts and id(v) not in returned else None)
+    return tuple(plan)
+
+
+def precast(params, plan: tuple):
+    """``params`` with each leaf cast to its ``cast_plan`` dtype (the others unchanged)."""
+    leaves, treedef = jax.tree.flatten(params)
+    return jax.tree.unflatten(treedef, [x if dt is None else x.astype(dt) for x, dt in zip(leaves, plan)])
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -178,9 +231,11 @@ def extend(model, params, caches, tokens) -> tuple[jax.Array, tuple]:
     if b != cache.seq_start.shape[0]:
         raise ValueError(f"tokens must be [B, T] with B = {cache.seq_start.shape[0]} (the caches' batch), got {tokens.shape}")
     fed = int(cache.length) + t
-    if cache.policy.kind == "dense" and fed - int(jnp.min(cache.seq_start)) > cache.capacity:
-        raise ValueError(f"the dense KV cache is full: {int(cache.length)} tokens fed, {t} more requested, "
-                         f"{cache.capacity} slots per row")
+    policy = cache.policy
+    if policy.fixed_budget and policy.max_live(fed - int(jnp.min(cache.seq_start))) > cache.capacity:
+        raise ValueError(f"the KV cache is full: cache policy {policy.spec} would hold "
+                         f"{policy.max_live(fed - int(jnp.min(cache.seq_start)))} tokens per row after {int(cache.length)} "
+                         f"columns fed and {t} more, the cache holds {cache.capacity}")
     _check_positions(_config(model), cache.seq_start, fed)
     return _forward(model, params, tokens, caches)
 
@@ -261,9 +316,9 @@ def _fresh_caches(model, tokens, policy: CachePolicy, slots, seq_start, prefill_
 
 
 def _chunk_size(policy: CachePolicy, prefill_chunk: int, t: int) -> int:
-    """Prefill chunk: the whole prompt where a fresh cache runs the flash op over it (``dense``, ``window``:
-    linear memory), else ``prefill_chunk`` (the masked pool path holds [chunk, pool] scores)."""
-    return t if policy.kind in ("dense", "window") else min(prefill_chunk, t)
+    """Prefill chunk: the whole prompt where a fresh cache runs the flash op over it (a policy with a
+    ``flash_prefill`` form: linear memory), else ``prefill_chunk`` (the masked path holds [chunk, cache] scores)."""
+    return t if policy.flash_prefill() is not None else min(prefill_chunk, t)
 
 
 def _left_pad(tokens, seq_start, chunk: int):
@@ -302,9 +357,11 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
     return caches, last, nll
 
 
-@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 11)))
-def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens):
+@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 12)))
+def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens,
+              plan):
     b = tokens.shape[0]
+    params = precast(params, plan)  # the converts the model would do every step, done once
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
     caches, logits, _ = _scan_chunks(model, params, tokens, caches, chunk)
@@ -391,16 +448,18 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     rng = jax.random.PRNGKey(0) if rng is None else rng
     context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
     tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context)
+    plan = cast_plan(model, params, caches)
     run = _generate
     if mesh is not None:
         params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
         run = under_mesh(mesh, _generate)
     return run(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
-               None if top_p is None else float(top_p), stop_tokens)
+               None if top_p is None else float(top_p), stop_tokens, plan)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _score(model, params, tokens, caches, chunk):
+@functools.partial(jax.jit, static_argnums=(0, 4, 5))
+def _score(model, params, tokens, caches, chunk, plan):
+    params = precast(params, plan)
     targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
     caches, _, nll = _scan_chunks(model, params, tokens, caches, chunk, targets)
     return nll, caches
@@ -426,14 +485,15 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     if t < 2:
         raise ValueError(f"tokens must have T ≥ 2 to score a next token, got {tokens.shape}")
     padded, caches, chunk = _fresh_caches(model, tokens, parse_policy(policy), slots, seq_start, prefill_chunk, t)
+    plan = cast_plan(model, params, caches)
     score = _score
     if mesh is not None:
         params, padded, caches = place_for_decoding(mesh, params, padded, caches)
         score = under_mesh(mesh, _score)
-    nll, caches = score(model, params, padded, caches, chunk)
+    nll, caches = score(model, params, padded, caches, chunk, plan)
     overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
     return nll[:, padded.shape[1] - t:][:, :-1], overflow
 
 
-__all__ = ["Generation", "cache_bytes", "calibrate_slots", "decode_step", "extend", "generate", "init_cache", "live_counts",
-           "min_slots", "prefill", "sample_logits", "token_losses_under_policy"]
+__all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "extend", "generate", "init_cache",
+           "live_counts", "min_slots", "precast", "prefill", "sample_logits", "token_losses_under_policy"]

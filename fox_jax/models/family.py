@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from fox_jax.cache.policies import parse_policy
 from fox_jax.cache.slots import new_slot_cache
 
 from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
@@ -164,8 +165,8 @@ class FamilyModules:
         return new, out
 
     def cache_layout(self, cfg) -> dict:
-        """What a layer's decoding cache stores: n_heads, kv_heads, head_dim, forget_gate, kv_shift,
-        interaction_dim (None without DCP). Each family states its own."""
+        """What a layer's decoding cache stores and the policies may rely on: n_heads, kv_heads, head_dim,
+        forget_gate, kv_shift, interaction_dim (None without DCP), qk_norm. Each family states its own."""
         raise NotImplementedError(f"{type(cfg).__name__} has no decoding caches")
 
     def init_cache(self, cfg, batch_size: int, slots, *, policy="dense", seq_start=None,
@@ -183,8 +184,12 @@ class FamilyModules:
         Raises:
           ValueError: a bad slot spec or seq_start, a policy the model cannot run (``dcp`` without DCP,
             ``acp`` without forget gates).
+        Warns:
+          ``fox_jax.cache.policies.HeuristicEvictionWarning``: the policy runs as a heuristic (``acp``
+          without QK-norm).
         """
         layout = self.cache_layout(cfg)
+        policy = parse_policy(policy)
         per_layer = slots if isinstance(slots, (list, tuple)) else (slots,) * cfg.n_layers
         if len(per_layer) != cfg.n_layers:
             raise ValueError(f"slots must be an int or one entry per layer ({cfg.n_layers}), got {len(per_layer)}")

@@ -51,6 +51,7 @@ import numpy as np
 
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
 from fox_jax.cache.slots import cache_columns, slot_attention
+from fox_jax.cache.visibility import LayerFacts
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -215,7 +216,7 @@ class GPT2Attention(nn.Module):
             k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
         if cache is not None:  # decoding: the cache's policy decides what each query sees
-            o, cache = slot_attention(cache, q, k, v, None, q_int=q_int, k_int=k_int, beta=beta)
+            o, cache = slot_attention(cache, q, k, v, None, facts=LayerFacts(q_int=q_int, k_int=k_int, beta=beta))
         elif cfg.dcp:
             z = keep_logits(q_int, k_int, beta)                         # [B, T, T] float32
             log_mask = cumulative_keep_log_mask(z, alpha)               # once per layer, all heads
@@ -367,9 +368,9 @@ class GPT2Modules(FamilyModules):
     module = GPT2
 
     def cache_layout(self, cfg) -> dict:
-        """k/v of every head (no GQA, no forget gate, no KV-shift), k_int with DCP."""
+        """k/v of every head (no GQA, no forget gate, no KV-shift, no QK-norm), k_int with DCP."""
         return dict(n_heads=cfg.n_heads, kv_heads=cfg.n_heads, head_dim=cfg.dim_per_head, forget_gate=False,
-                    kv_shift=False, interaction_dim=cfg.interaction_dim if cfg.dcp else None)
+                    kv_shift=False, interaction_dim=cfg.interaction_dim if cfg.dcp else None, qk_norm=False)
 
 
 register_family(GPT2Config.model_type, GPT2Modules())

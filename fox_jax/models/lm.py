@@ -134,7 +134,10 @@ class LanguageModel(nn.Module):
         if cfg.tie_embeddings:
             logits = embed.attend(x)
         else:
-            logits = LMHead(cfg.vocab_size, cfg.init_std, dtype, cfg.vocab_pad_multiple, name="lm_head")(x)
+            # decoding multiplies by the head as stored: no per-step copy of a padded head (the padding only
+            # aligns the training matmul's shapes)
+            logits = LMHead(cfg.vocab_size, cfg.init_std, dtype, 1 if cache is not None else cfg.vocab_pad_multiple,
+                            name="lm_head")(x)
         if cache is not None:  # decoding: no DCP masks (the cache's policy applied them); DCP logits are float32
             return ModelOutput(logits.astype(jnp.float32) if cfg.dcp else logits, cache=tuple(o.cache for o in outs))
         if cfg.dcp:
@@ -153,10 +156,11 @@ class LanguageModelModules(FamilyModules):
     module = LanguageModel
 
     def cache_layout(self, cfg) -> dict:
-        """k/v of ``kv_heads`` heads, forget gates for FoX, KV-shift states for Pro, k_int with DCP."""
+        """k/v of ``kv_heads`` heads, forget gates for FoX, KV-shift states for Pro, k_int with DCP, and
+        whether the logits are bounded by QK-norm weights."""
         return dict(n_heads=cfg.n_heads, kv_heads=cfg.kv_heads, head_dim=cfg.dim_per_head,
                     forget_gate=cfg.use_fgate, kv_shift=cfg.kv_shift,
-                    interaction_dim=cfg.interaction_dim if cfg.dcp else None)
+                    interaction_dim=cfg.interaction_dim if cfg.dcp else None, qk_norm=cfg.qk_norm)
 
 
 register_family(ModelConfig.model_type, LanguageModelModules())

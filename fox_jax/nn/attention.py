@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.cache.slots import cache_columns, slot_attention
+from fox_jax.cache.visibility import LayerFacts
 from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -66,10 +67,9 @@ class ForgettingAttentionLayer(nn.Module):
         ``cache.length`` + T − 1 and attend over the cached tokens and themselves as the cache's policy
         allows (a prefill is the first chunk of a fresh cache; see ``fox_jax.cache.slots``). Positions
         are the cache columns minus ``cache.seq_start`` (left padding); the KV-shift of the first real
-        token sees zeros and any later chunk's shift continues from the cached state. Under the ``acp``
-        policy the eviction threshold comes from the QK-norm weights (provable) or, without QK-norm,
-        from the chunk's q/k norms (a heuristic), with N = ``cache.max_context``. DCP models decode
-        with the step mask (α = ∞).
+        token sees zeros and any later chunk's shift continues from the cached state. The layer hands the
+        cache model facts (``LayerFacts``: the QK-norm logit bound, DCP's q_int / k_int / β); the cache's
+        policy decides from them (e.g. ``acp``'s threshold). DCP models decode with the step mask (α = ∞).
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
     Returns:
@@ -116,21 +116,18 @@ class ForgettingAttentionLayer(nn.Module):
             k, k_state = kv_shift(k, alpha_k, state=k_state, segment_ids=shift_segments)
             v, v_state = kv_shift(v, alpha_v, state=v_state, segment_ids=shift_segments)
         threshold = cfg.adaptive_threshold
+        logit_bound = None  # a model fact: |scale·q·k| ≤ U_h for every pair (QK-norm), else no static bound
         if cfg.qk_norm:
             q_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="q_norm")
             k_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="k_norm")
             q, k = q_norm(q), k_norm(k)
-            evict = cache is not None and cache.policy.kind == "acp"
-            if evict or (isinstance(threshold, str) and threshold == "auto"):
-                wq = q_norm.variables["params"]["scale"]
-                wk = k_norm.variables["params"]["scale"]
-                if not cfg.qk_norm_shared and hkv != h:
-                    wk = jnp.repeat(wk, h // hkv, axis=0)
-                key_len, log_eps = t, acp.DEFAULT_LOG_EPSILON
-                if cache is not None:  # N: the most keys any query of this cache can see
-                    key_len = cache.max_context
-                    log_eps = cache.policy.log_epsilon if evict else log_eps
-                threshold = jnp.broadcast_to(acp.qk_norm_threshold(wq, wk, key_len, log_epsilon=log_eps), (b, h))
+            wq = q_norm.variables["params"]["scale"]
+            wk = k_norm.variables["params"]["scale"]
+            if not cfg.qk_norm_shared and hkv != h:
+                wk = jnp.repeat(wk, h // hkv, axis=0)
+            logit_bound = jnp.broadcast_to(acp.qk_norm_logit_bound(wq, wk), (h,))
+            if cache is None and isinstance(threshold, str) and threshold == "auto":
+                threshold = jnp.broadcast_to(acp.threshold_from_bound(logit_bound, t), (b, h))
         if cfg.use_rope:
             if positions is None:
                 positions = jnp.broadcast_to(jnp.arange(t), (b, t))
@@ -146,13 +143,9 @@ class ForgettingAttentionLayer(nn.Module):
             q_int = dense(cfg.interaction_dim, "q_int", dt=jnp.float32)(xf)  # [B, T, r] float32
             k_int = dense(cfg.interaction_dim, "k_int", dt=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
-        if cache is not None:  # decoding: the cache's policy decides what each query sees
-            if cache.policy.kind == "acp" and not cfg.qk_norm:  # no static bound on the logits: a heuristic
-                threshold = acp.threshold_from_bound(
-                    acp.logit_bound(q, k, dh ** -0.5), cache.max_context, cache.policy.log_epsilon)
-            o, cache = slot_attention(cache, q, k, v, log_fgate, k_shift=k_state, v_shift=v_state,
-                                      threshold=threshold if cache.policy.kind == "acp" else None,
-                                      q_int=q_int, k_int=k_int, beta=beta)
+        if cache is not None:  # decoding: the cache's policy decides what each query sees, from model facts
+            o, cache = slot_attention(cache, q, k, v, log_fgate, carry=(k_state, v_state),
+                                      facts=LayerFacts(logit_bound, q_int, k_int, beta))
         elif cfg.dcp:
             z = keep_logits(q_int, k_int, beta)                   # [B, T, T] float32, dcp.md §1.2
             log_mask = cumulative_keep_log_mask(z, alpha)          # §1.3, §1.5: once per layer

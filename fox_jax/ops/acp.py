@@ -70,6 +70,25 @@ def auto_threshold(
     return threshold_from_bound(logit_bound(q, k, sm_scale), k.shape[1], log_epsilon)
 
 
+def qk_norm_logit_bound(q_norm_weight: jax.Array, k_norm_weight: jax.Array, *,
+                        sm_scale: float | None = None) -> jax.Array:
+    """The logit bound of a QK-norm model from its norm weights (docs/design/fox_acp.md §5.2).
+
+    After RMS normalisation ‖q‖ ≤ √D·max|w_q| (eps only shrinks it), so for every pair of tokens
+    |scale·q·k| ≤ U_h = scale · D · max|w_q,h| · max|w_k,h|  (= √D·max|w_q,h|·max|w_k,h| at scale 1/√D).
+
+    Args:
+      q_norm_weight, k_norm_weight: [H, D] per-head scales, or [D] shared across heads.
+    Returns:
+      [H] float32 U (or a scalar for shared weights), no gradient.
+    """
+    d = q_norm_weight.shape[-1]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    wq = jnp.max(jnp.abs(jax.lax.stop_gradient(q_norm_weight).astype(jnp.float32)), axis=-1)
+    wk = jnp.max(jnp.abs(jax.lax.stop_gradient(k_norm_weight).astype(jnp.float32)), axis=-1)
+    return scale * d * wq * wk
+
+
 def qk_norm_threshold(
     q_norm_weight: jax.Array,
     k_norm_weight: jax.Array,
@@ -78,10 +97,7 @@ def qk_norm_threshold(
     sm_scale: float | None = None,
     log_epsilon: float = DEFAULT_LOG_EPSILON,
 ) -> jax.Array:
-    """Weight-based bound for QK-norm models (docs/design/fox_acp.md §5.2).
-
-    After RMS normalisation ‖q‖ ≤ √D·max|w_q| (eps only shrinks it), so
-    U_h = scale · D · max|w_q,h| · max|w_k,h|  (= √D·max|w_q,h|·max|w_k,h| at scale 1/√D).
+    """Weight-based threshold for QK-norm models: δ from ``qk_norm_logit_bound`` and N = ``key_len``.
 
     Args:
       q_norm_weight, k_norm_weight: [H, D] per-head scales, or [D] shared across heads.
@@ -89,11 +105,8 @@ def qk_norm_threshold(
     Returns:
       [H] float32 δ (or a scalar for shared weights); broadcast it to [B, H].
     """
-    d = q_norm_weight.shape[-1]
-    scale = d ** -0.5 if sm_scale is None else sm_scale
-    wq = jnp.max(jnp.abs(jax.lax.stop_gradient(q_norm_weight).astype(jnp.float32)), axis=-1)
-    wk = jnp.max(jnp.abs(jax.lax.stop_gradient(k_norm_weight).astype(jnp.float32)), axis=-1)
-    return threshold_from_bound(scale * d * wq * wk, key_len, log_epsilon)
+    return threshold_from_bound(qk_norm_logit_bound(q_norm_weight, k_norm_weight, sm_scale=sm_scale), key_len,
+                                log_epsilon)
 
 
 THRESHOLD_FORMS = "None, 'auto', a float or an array broadcastable to [B, H]"
