@@ -400,8 +400,8 @@ class TrainedGates:
     FoX ``finetune-dcp --from-run`` run; the latest checkpoint, or ``step``; parameters only), takes the
     first ``T + 1`` tokens of its validation stream as one packed window
     (``fox_jax.train.data.pack_windows``: segment ids and positions as in validation), runs the model once and
-    captures every layer's forget-gate logits (flax ``capture_intermediates`` on the ``fgate_proj``
-    modules; log f = log_sigmoid(logit), float32, exactly as the attention layer forms it).
+    captures every layer's log forget gates (the attention layers sow them into the ``gates`` collection
+    when it is mutable; log f = log_sigmoid(logit), float32, exactly as the attention layer forms it).
 
     * Validation text shorter than T + 1 tokens is repeated (``np.resize``); ``info["tiled"]`` says so.
     * T may exceed the run's training length: FoX has no positional encoding and the gates are
@@ -453,13 +453,9 @@ class TrainedGates:
             batch, tiled = self.window(t)
 
             def capture(tokens, seg, pos):
-                _, state = self.model.apply(
-                    {"params": self.params}, tokens, seg, pos, mutable=["intermediates"],
-                    capture_intermediates=lambda mdl, method: mdl.name == "fgate_proj" and method == "__call__")
-                inter = state["intermediates"]
-                logits = [inter[f"layers_{i}"]["attn"]["fgate_proj"]["__call__"][0][0]
-                          for i in range(self.model_cfg.n_layers)]
-                return jax.nn.log_sigmoid(jnp.stack(logits).astype(jnp.float32))  # [L, t, H_model]
+                _, state = self.model.apply({"params": self.params}, tokens, seg, pos, mutable=["gates"])
+                gates = [state["gates"][f"layers_{i}"]["attn"]["log_fgate"][0][0] for i in range(self.model_cfg.n_layers)]
+                return jnp.stack(gates).astype(jnp.float32)  # [L, t, H_model]
 
             gates = jax.jit(capture)(*(jnp.asarray(batch[kk]) for kk in ("inputs", "segment_ids", "positions")))
             self._cache[t] = (gates, dict(tiled=bool(tiled), n_documents=int(batch["segment_ids"].max())))

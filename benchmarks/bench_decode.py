@@ -38,6 +38,14 @@ Measured per (mode, policy, prompt length), median of ``--repeats`` after one wa
 Ratios vs the dense row of the same mode and prompt length: tokens/s, decode tok/s, batch, KV saving (total
 and per row).
 
+Rows in the issue's format (``--rows-out FILE``, a JSON list; rows of earlier calls with other keys are kept, so
+several models of one run land in one file): model, mode, policy, provable, batch, prompt, new_tokens,
+tokens_per_s, decode_tokens_per_s, ms_per_step (decode: (generate − prefill) / (N − 1)), bound_tokens_per_s
+(B / the seconds to read, once per step, the weights in the compute dtype (all but an untied input embedding,
+which a step only gathers) and the mean live KV bytes, at ``--bandwidth`` TB/s), kv_bytes_allocated,
+kv_bytes_live, capacity, overflow, sparsity, plus the device and versions. ``--hf`` adds Hugging Face
+``transformers`` GPT-2 rows (static and dynamic cache, ``hf_decode.py``) on the same shape at ``--equal-batch``.
+
 Prompts: random tokens, or windows of real text (``--prompt-text FILE|DIR``, tokenized with the run's
 tokenizer or ``--tokenizer``): pruning of a trained model depends on the text. Random DCP weights
 (``--model gpt2`` with the dcp policy): q_int/k_int ~ N(0, 1/d), β = ``--beta``; speed only.
@@ -343,6 +351,72 @@ def add_ratios(rows: list[dict]) -> None:
                              kv_row_saving=(d["kv_row_bytes"] / r["kv_row_bytes"] if r.get("kv_row_bytes") else None))
 
 
+def weight_bytes_read(cfg, params, dtype: str) -> int:
+    """Bytes of weights one decode step reads: every parameter once in the compute dtype (the decode loop casts
+    them once, before it), except an untied input embedding table, of which a step gathers B rows only."""
+    itemsize = jnp.dtype(dtype).itemsize
+    total = 0
+    for path, x in jax.tree_util.tree_leaves_with_path(params):
+        names = [str(getattr(k, "key", k)) for k in path]
+        if names[:1] == ["embed"] and not getattr(cfg, "tie_embeddings", True):
+            continue
+        total += x.size * (itemsize if jnp.issubdtype(x.dtype, jnp.floating) else x.dtype.itemsize)
+    return int(total)
+
+
+def issue_row(r: dict, model: str, weight_bytes: int, bandwidth_tb_s: float, device: dict) -> dict:
+    """One bench row in the keys of issue 20 (see the module docstring)."""
+    if "error" in r:
+        return dict(model=model, mode=r.get("mode"), policy=r.get("policy"), prompt=r.get("prompt_len", r.get("prompt")),
+                    batch=r.get("batch"), error=r["error"], **device)
+    n, b = r["new_tokens"], r["batch"]
+    step_s = ((r["seconds"] - r["prefill_seconds"]) / (n - 1)) if (r.get("prefill_seconds") is not None and n > 1
+                                                                   and r["seconds"] > r["prefill_seconds"]) else None
+    live = r.get("kv_live_bytes_mean") or r.get("kv_live_bytes") or 0
+    bound_s = (weight_bytes + live) / (bandwidth_tb_s * 1e12)
+    return dict(model=model, mode=r["mode"], policy=r["policy"], provable=r.get("provable"), batch=b,
+                prompt=r["prompt_len"], new_tokens=n, tokens_per_s=r.get("tokens_per_sec"),
+                decode_tokens_per_s=r.get("decode_tokens_per_sec"),
+                ms_per_step=None if step_s is None else step_s * 1e3,
+                bound_tokens_per_s=b / bound_s, bound_ms_per_step=bound_s * 1e3,
+                fraction_of_bound=None if step_s is None else bound_s / step_s,
+                kv_bytes_allocated=r.get("kv_allocated_bytes"), kv_bytes_live=r.get("kv_live_bytes"),
+                kv_bytes_live_mean=r.get("kv_live_bytes_mean"), weight_bytes=weight_bytes,
+                capacity=r.get("capacity"), live_tokens_mean=r.get("live_tokens_mean"), sparsity=r.get("sparsity_final"),
+                overflow=r.get("overflow"), prefill_s=r.get("prefill_seconds"), seconds=r.get("seconds"),
+                budget_bytes=r.get("budget_bytes"), **device)
+
+
+def vs_dense(rows: list[dict]) -> None:
+    """Ratios of each row to the dense row of the same model, mode and prompt (in place; None without one):
+    decode tokens/s, tokens/s, batch, ms per step, allocated KV."""
+    dense = {(r.get("model"), r.get("mode"), r.get("prompt")): r for r in rows
+             if r.get("policy") == "dense" and "error" not in r}
+    for r in rows:
+        d = dense.get((r.get("model"), r.get("mode"), r.get("prompt")))
+        ratio = lambda k: (r[k] / d[k]) if d and r.get(k) and d.get(k) else None  # noqa: E731
+        r.update(decode_vs_dense=ratio("decode_tokens_per_s"), tokens_vs_dense=ratio("tokens_per_s"),
+                 batch_vs_dense=ratio("batch"), step_vs_dense=ratio("ms_per_step"),
+                 kv_allocated_vs_dense=ratio("kv_bytes_allocated"))
+
+
+def write_rows(path: str, new: list[dict]) -> None:
+    """Merge ``new`` into the JSON list at ``path`` (a row with the same model, mode, policy and prompt is
+    replaced), with the ratios to dense recomputed over the whole file (rows of several calls side by side)."""
+    key = lambda r: (r.get("model"), r.get("mode"), r.get("policy"), r.get("prompt"))  # noqa: E731
+    old = []
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f)
+    keys = {key(r) for r in new}
+    rows = [r for r in old if key(r) not in keys] + new
+    vs_dense(rows)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(tmp, path)
+
+
 def print_table(rows: list[dict]) -> None:
     mib = lambda x: "–" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
@@ -421,7 +495,13 @@ def parse_args(argv=None):
                         "--kv-budget mode, or never")
     p.add_argument("--no-prefill", dest="prefill", action="store_const", const="none", help="= --prefill none")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    p.add_argument("--out", default="bench_decode.json")
+    p.add_argument("--out", default="bench_decode.json", help="the full result (meta + every measured field)")
+    p.add_argument("--rows-out", help="also merge the rows, in the issue's keys, into this JSON list (e.g. "
+                   "benchmarks/results/decode/decode_h200.json)")
+    p.add_argument("--model-name", help="the rows' model name (default --model, or the run directory's name)")
+    p.add_argument("--bandwidth", type=float, default=4.8, help="TB/s of the bound (H200: 4.8)")
+    p.add_argument("--hf", action="store_true", help="add Hugging Face transformers GPT-2 rows (static and dynamic "
+                   "cache) on the same shape at --equal-batch (needs torch with CUDA; GPT-2 shapes only)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: short prompts, tiny budget; with --model "
                    "gpt2 a 2-layer d128 GPT-2 (use e.g. --model fox-pro:tiny for FoX)")
     args = p.parse_args(argv)
@@ -455,13 +535,20 @@ def main(argv=None) -> dict:
     bench = Bench(model, params, prompts, args)
     result = {"meta": meta(args, model, info), "rows": []}
     rows = result["rows"]
+    name = args.model_name or (os.path.basename(os.path.normpath(args.run)) if args.run else args.model)
+    m = result["meta"]
+    device = dict(device=m["device"], jax=m["jax"], dtype=args.dtype, date=m["time"])
+    weights = weight_bytes_read(cfg, params, args.dtype)
+    extra: list[dict] = []   # rows measured elsewhere (HF), already in the issue's keys
 
     def save():
         add_ratios(rows)
         tmp = args.out + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(result, f, indent=1)
+            json.dump(dict(result, issue_rows=extra), f, indent=1)
         os.replace(tmp, args.out)
+        if args.rows_out:
+            write_rows(args.rows_out, [issue_row(r, name, weights, args.bandwidth, device) for r in rows] + extra)
 
     modes = [m for m, on in (("equal-batch", args.equal_batch), ("kv-budget", args.kv_budget)) if on]
     for t in args.prompt_lengths:
@@ -477,9 +564,27 @@ def main(argv=None) -> dict:
                 print(json.dumps({k: v for k, v in row.items() if k not in ("times", "live_tokens_per_layer_final")}),
                       flush=True)
                 save()
+    if args.hf:
+        from hf_decode import hf_gpt2_rows
+
+        for t in args.prompt_lengths:
+            for r in hf_gpt2_rows(batch=args.equal_batch or 8, prompt=t, new_tokens=args.new_tokens,
+                                  repeats=max(args.repeats, 1), n_layers=cfg.n_layers, d_model=cfg.d_model,
+                                  n_heads=cfg.n_heads, vocab=cfg.vocab_size, positions=cfg.max_positions or 1024):
+                if "error" not in r:
+                    dense = next((x for x in rows if x["mode"] == "equal-batch" and x["policy"] == "dense"
+                                  and x["prompt_len"] == t and "error" not in x), None)
+                    live = (dense or {}).get("kv_live_bytes_mean") or 0  # the same KV as our dense row
+                    bound_s = (weights + live) / (args.bandwidth * 1e12)
+                    r.update(bound_tokens_per_s=r["batch"] / bound_s, bound_ms_per_step=bound_s * 1e3,
+                             fraction_of_bound=bound_s / (r["ms_per_step"] / 1e3), kv_bytes_live_mean=live or None)
+                r.update(mode="equal-batch", model=f"{name} (hf transformers)", **device)
+                print(json.dumps(r), flush=True)
+                extra.append(r)
+                save()
     save()
     print_table(rows)
-    print(f"\nwrote {args.out}")
+    print(f"\nwrote {args.out}" + (f" and {args.rows_out}" if args.rows_out else ""))
     return result
 
 

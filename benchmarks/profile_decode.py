@@ -43,10 +43,13 @@ def _hlo_text(model, params, tokens, policy, slots, new_tokens: int) -> str:
 
 
 def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: int, top: int,
-                   bandwidth_tb_s: float, weight_bytes: int) -> dict:
+                   bandwidth_tb_s: float, weight_bytes: int, pool: int | None = None) -> dict:
     policy = parse_policy(spec)
-    # the same pool for both programs (the one N new tokens need), so their prefills are the same work
+    # the same pool for both programs (the one N new tokens need, or --slots for a data-dependent policy), so
+    # their prefills are the same work
     slots = min_slots(policy, tokens.shape[1] + new_tokens - 1)
+    if pool is not None and not policy.fixed_budget:
+        slots = min(pool, slots)
     run = lambda n: generate(model, params, tokens, max_new_tokens=n, policy=policy, slots=slots)
     for n in (1, new_tokens):  # compile both programs
         jax.block_until_ready(run(n).tokens)
@@ -88,7 +91,8 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
                 device_ms_per_step=sum(per_cat.values()), per_step_ms=per_cat,
                 kernels=diff(sn["kernels"], s1["kernels"], "kernel"), ops=diff(sn["ops"], s1["ops"], "jax_op"),
                 kv_bytes_allocated=kv["allocated"], kv_bytes_live=live, weight_bytes=weight_bytes,
-                bound_ms=bound_ms, trace_source=source, walls_s={str(k): v for k, v in walls.items()})
+                bound_ms=bound_ms, slots=slots, overflow=int(jax.numpy.asarray(out.overflow).max()),
+                live_tokens=float(jax.numpy.asarray(out.live_counts)[-1].mean()), trace_source=source, walls_s={str(k): v for k, v in walls.items()})
 
 
 def print_report(row: dict) -> None:
@@ -114,6 +118,8 @@ def main(argv=None):
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--slots", type=int, help="pool per row and head of the data-dependent policies (acp, dcp); "
+                   "default the full context. Check the row's overflow: 0 means the pool held every live key")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--param-dtype", default="float32", choices=("bfloat16", "float32"),
                    help="dtype the parameters are stored in (float32: as init_params / checkpoints give them)")
@@ -134,7 +140,7 @@ def main(argv=None):
     rows = []
     for spec in [s for s in args.policies.split(",") if s]:
         row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
-                             args.bandwidth, weight_bytes)
+                             args.bandwidth, weight_bytes, args.slots)
         row.update(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens)
         print_report(row)
         rows.append(row)

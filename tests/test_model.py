@@ -220,11 +220,9 @@ def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
         _, inter = LanguageModel(cfg.replace(attention_impl=impl)).apply({"params": params}, tokens,
                                                                          mutable=["intermediates"])
         fractions[impl] = float(inter["intermediates"]["layers_0"]["attn"]["acp_fraction_skipped"][0])
-    # the layer's Λ from its own fgate logits (layer 0 input = RMSNorm(embedding))
-    _, state = LanguageModel(cfg).apply({"params": params}, tokens, capture_intermediates=True,
-                                        mutable=["intermediates"])
-    logits = state["intermediates"]["layers_0"]["attn"]["fgate_proj"]["__call__"][0]
-    lam = jnp.cumsum(jax.nn.log_sigmoid(logits), axis=1)
+    # the layer's Λ from its own log forget gates (sown into the "gates" collection on request)
+    _, state = LanguageModel(cfg).apply({"params": params}, tokens, mutable=["gates"])
+    lam = jnp.cumsum(state["gates"]["layers_0"]["attn"]["log_fgate"][0], axis=1)
     delta = jnp.full((1, cfg.n_heads), -8.0)
     want_pallas = pallas_ops.acp_stats(lam, delta, 96, head_dim=cfg.dim_per_head)["fwd"]["fraction_skipped"]
     starts = acp.kv_block_start(lam, delta, tq=96, block_q=64, block_k=64)
@@ -232,3 +230,45 @@ def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
     assert fractions["pallas"] == pytest.approx(float(want_pallas), abs=1e-6)
     assert fractions["xla"] == pytest.approx(float(want_xla), abs=1e-6)
     assert fractions["pallas"] != fractions["xla"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_dense_is_separate_dense_layers(dtype):
+    """``fused_dense`` (one matmul over concatenated kernels) = one ``nn.Dense`` per projection: the same
+    parameter names, shapes and initial values, and the same outputs and input/kernel gradients. float32:
+    1e-6 (only the matmul's summation order may differ); bfloat16 outputs: one bf16 ulp (2^-8 relative)."""
+    import flax.linen as nn
+
+    from fox_jax.nn.layers import DenseParams, fused_dense, normal_init
+
+    sizes = [(24, False), (8, True), (5, False)]  # an odd size and a bias among them
+    dt = jnp.dtype(dtype)
+
+    class Separate(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return [nn.Dense(n, use_bias=b, dtype=dt, param_dtype=jnp.float32, kernel_init=normal_init(0.3),
+                             name=f"p{i}")(x) for i, (n, b) in enumerate(sizes)]
+
+    class Fused(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return fused_dense(x, [DenseParams(n, b, 0.3, name=f"p{i}") for i, (n, b) in enumerate(sizes)], dt)
+
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 16), jnp.float32).astype(dt)
+    p_sep = Separate().init(jax.random.PRNGKey(0), x)["params"]
+    p_fus = Fused().init(jax.random.PRNGKey(0), x)["params"]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, p_sep, p_fus)  # also checks the tree structure
+    p_sep = jax.tree_util.tree_map(lambda a: a + 0.1, p_sep)  # nonzero biases
+
+    def loss(module):
+        return lambda p, x: sum(jnp.sum(jnp.sin(y.astype(jnp.float32))) for y in module.apply({"params": p}, x))
+
+    atol = 1e-6 if dtype == "float32" else 2e-2
+    for a, b in zip(Separate().apply({"params": p_sep}, x), Fused().apply({"params": p_sep}, x)):
+        assert a.dtype == b.dtype == dt and a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol, rtol=atol)
+    g_sep = jax.jit(jax.grad(loss(Separate()), argnums=(0, 1)))(p_sep, x)
+    g_fus = jax.jit(jax.grad(loss(Fused()), argnums=(0, 1)))(p_sep, x)
+    for a, b in zip(jax.tree_util.tree_leaves(g_sep), jax.tree_util.tree_leaves(g_fus)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=10 * atol, rtol=10 * atol)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 
 from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.nn.layers import HeadRMSNorm, apply_rope, kv_shift, normal_init
+from fox_jax.nn.layers import DenseParams, HeadRMSNorm, apply_rope, fused_dense, kv_shift, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
@@ -106,13 +106,25 @@ class ForgettingAttentionLayer(nn.Module):
                 v_state = jnp.where(after_pad, 0, cache.v_shift)
         dense = lambda n, name, bias=False, dt=dtype: nn.Dense(
             n, use_bias=bias, dtype=dt, param_dtype=jnp.float32, kernel_init=normal_init(cfg.init_std), name=name)
-        q = dense(h * dh, "q_proj")(x).reshape(b, t, h, dh)
-        k = dense(hkv * dh, "k_proj")(x).reshape(b, t, hkv, dh)
-        v = dense(hkv * dh, "v_proj")(x).reshape(b, t, hkv, dh)
+        # every projection of x as two matmuls (parameters as separate nn.Dense layers): the compute-dtype
+        # group (q, k, v, output gate) and the float32 group (KV-shift α, forget gate, DCP q_int/k_int)
+        proj = lambda n, name, bias=False: DenseParams(n, bias, cfg.init_std, name=name)  # noqa: E731
+        low = [("q", proj(h * dh, "q_proj")), ("k", proj(hkv * dh, "k_proj")), ("v", proj(hkv * dh, "v_proj"))]
+        low += [("ogate", proj(h * dh, "ogate_proj"))] if cfg.output_gate else []
+        f32 = [("k_shift", proj(hkv, "k_shift_proj")), ("v_shift", proj(hkv, "v_shift_proj"))] if cfg.kv_shift else []
+        f32 += [("fgate", proj(h, "fgate_proj", True))] if cfg.use_fgate else []
+        f32 += [("q_int", proj(cfg.interaction_dim, "q_int")), ("k_int", proj(cfg.interaction_dim, "k_int"))] \
+            if cfg.dcp else []
+        groups = [(dtype, low), (jnp.dtype(jnp.float32), f32)] if dtype != jnp.float32 else [(dtype, low + f32)]
+        y = {}
+        for dt, members in groups:
+            if members:
+                y.update(zip([n for n, _ in members], fused_dense(x, [m for _, m in members], dt)))
+        q = y["q"].reshape(b, t, h, dh)
+        k = y["k"].reshape(b, t, hkv, dh)
+        v = y["v"].reshape(b, t, hkv, dh)
         if cfg.kv_shift:
-            xf = x.astype(jnp.float32)
-            alpha_k = jax.nn.sigmoid(dense(hkv, "k_shift_proj", dt=jnp.float32)(xf))
-            alpha_v = jax.nn.sigmoid(dense(hkv, "v_shift_proj", dt=jnp.float32)(xf))
+            alpha_k, alpha_v = jax.nn.sigmoid(y["k_shift"]), jax.nn.sigmoid(y["v_shift"])
             k, k_state = kv_shift(k, alpha_k, state=k_state, segment_ids=shift_segments)
             v, v_state = kv_shift(v, alpha_v, state=v_state, segment_ids=shift_segments)
         threshold = cfg.adaptive_threshold
@@ -135,13 +147,11 @@ class ForgettingAttentionLayer(nn.Module):
             k = apply_rope(k, positions, cfg.rope_base)
         log_fgate = None
         if cfg.use_fgate:
-            logits = dense(h, "fgate_proj", bias=True, dt=jnp.float32)(x.astype(jnp.float32))
-            log_fgate = jax.nn.log_sigmoid(logits)  # [B, T, H] float32
+            log_fgate = jax.nn.log_sigmoid(y["fgate"])  # [B, T, H] float32
+            self.sow("gates", "log_fgate", log_fgate)  # kept only when the caller asks: mutable=["gates"]
         log_mask = q_int = k_int = beta = None
         if cfg.dcp:
-            xf = x.astype(jnp.float32)
-            q_int = dense(cfg.interaction_dim, "q_int", dt=jnp.float32)(xf)  # [B, T, r] float32
-            k_int = dense(cfg.interaction_dim, "k_int", dt=jnp.float32)(xf)
+            q_int, k_int = y["q_int"], y["k_int"]  # [B, T, r] float32
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
         if cache is not None:  # decoding: the cache's policy decides what each query sees, from model facts
             o, cache = slot_attention(cache, q, k, v, log_fgate, carry=(k_state, v_state),
@@ -161,7 +171,7 @@ class ForgettingAttentionLayer(nn.Module):
         if cfg.output_norm:
             o = HeadRMSNorm(cfg.norm_eps, False, dtype, name="o_norm")(o)
         if cfg.output_gate:
-            o = o * jax.nn.sigmoid(dense(h * dh, "ogate_proj")(x).reshape(b, t, h, dh))
+            o = o * jax.nn.sigmoid(y["ogate"].reshape(b, t, h, dh))
         return LayerOutput(dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh)), cache, log_mask)
 
     def _sow_pruning(self, q, k, log_fgate, threshold):

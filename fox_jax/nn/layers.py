@@ -10,6 +10,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Dtype = Any
 
@@ -45,6 +46,38 @@ class SwiGLU(nn.Module):
                                          kernel_init=normal_init(self.init_std), name=name)
         gate, up = jnp.split(dense(2 * self.hidden, "gate_proj")(x), 2, axis=-1)
         return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
+
+
+class DenseParams(nn.Module):
+    """The parameters of a Flax ``nn.Dense`` without its matmul: ``kernel`` [d_in, features] float32 (normal
+    init, std ``init_std``) and, with ``use_bias``, ``bias`` [features] float32 (zeros), created under the
+    same names, shapes and initialisers as ``nn.Dense``, so checkpoints and inits are the same. Returns
+    ``(kernel, bias or None)``; ``fused_dense`` applies several of them to one input as one matmul."""
+
+    features: int
+    use_bias: bool = False
+    init_std: float = 0.02
+
+    @nn.compact
+    def __call__(self, d_in: int):
+        kernel = self.param("kernel", normal_init(self.init_std), (d_in, self.features), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros_init(), (self.features,), jnp.float32) \
+            if self.use_bias else None
+        return kernel, bias
+
+
+def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype) -> list[jax.Array]:
+    """``[nn.Dense(p.features)(x) for p in projections]`` computed as one matmul of ``x`` [..., d_in] with the
+    kernels concatenated along their output axis (one GEMM launch instead of one per projection: a decode
+    step is launch-bound), in ``dtype`` as ``nn.Dense(dtype=dtype)``. Each output [..., features_i] is in
+    ``dtype``; biases are added after the split. Same parameters as separate ``nn.Dense`` layers."""
+    weights = [p(x.shape[-1]) for p in projections]
+    # each kernel cast on its own (the decode loop's ``precast`` then does it once, before the loop)
+    kernel = jnp.concatenate([k.astype(dtype) for k, _ in weights], axis=1)
+    y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    sizes = [p.features for p in projections]
+    outs = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
+    return [o if b is None else o + b.astype(dtype) for o, (_, b) in zip(outs, weights)]
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
