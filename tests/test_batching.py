@@ -15,7 +15,7 @@ import pytest
 
 from fox_jax.cache.slots import new_slot_cache, slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.decoding import RequestRefused, cache_bytes, generate, init_cache, plan_serving, serve
+from fox_jax.decoding import RequestRefused, cache_bytes, generate, init_cache, min_slots, plan_serving, serve
 from test_decoding import VOCAB, plain_gpt2, tiny_lm
 
 attend = jax.jit(slot_attention)
@@ -101,47 +101,54 @@ def _prompts(lengths=LENGTHS, seed=0):
     return [rs.integers(0, VOCAB, n).astype(np.int32) for n in lengths]
 
 
-def _left_padded(prompts):
-    width = max(len(p) for p in prompts)
+def _left_padded(prompts, width=None):
+    width = max(len(p) for p in prompts) if width is None else width
     tokens = np.zeros((len(prompts), width), np.int32)
     for i, p in enumerate(prompts):
         tokens[i, width - len(p):] = p
     return tokens, np.asarray([width - len(p) for p in prompts], np.int32)
 
 
-CASES = {  # policy -> (model, params, slots, steps_per_check, sampling)
-    "dense": lambda: (*tiny_lm("fox-pro"), None, 4, {}),                 # a ring of 128: wraps from column 128 on
-    "window:8": lambda: (*tiny_lm("fox-pro"), None, 1, dict(temperature=1.0, top_k=8)),    # a ring of 64; sampled
-    "acp": lambda: (*tiny_lm("fox-llama", fgate_bias=-2.0), 64, 1, {}),   # the heuristic; per-head rings of 64 < 94
-    "dcp": lambda: (*tiny_lm("fox-pro", dcp=True), 64, 1, {}),           # a slot pool of 64 < 94
+CASES = {  # policy -> (model, params, pool, steps_per_check, sampling)
+    "dense": lambda: (*tiny_lm("fox-pro"), {}, 4, {}),                   # a ring of 128: wraps from column 128 on
+    "window:8": lambda: (*tiny_lm("fox-pro"), {}, 1, dict(temperature=1.0, top_k=8)),      # a ring of 64; sampled
+    # the heuristic; per-head rings calibrated on request 0: 64 < 94 (they wrap)
+    "acp": lambda: (*tiny_lm("fox-llama", fgate_bias=-2.0), dict(calibrate=1), 1, {}),
+    "dcp": lambda: (*tiny_lm("fox-pro", dcp=True), dict(slots=64), 1, {}),   # a slot pool of 64 < 94
 }
 
 
 @pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.slow) if p == "dcp" else p for p in CASES])
 def test_serve_equals_generating_each_request_alone(policy):
     """7 requests of 1-90 tokens through 2 rows (a KV budget of 2.5 rows): every request's tokens and live counts
-    equal generating it alone (a batch of one, left-padded to the longest prompt: one compile for all seven; key
-    fold_in(rng, q) for request q) up to a stop token that finishes some requests early (generate's stop
+    equal generating it alone (a batch of one, left-padded to the serving width of 128: one compile for all seven; key
+    fold_in(rng, q) for request q; a pool that never overflows, so the policy's own output) up to a stop token that finishes some requests early (generate's stop
     semantics: the tokens up to the first stop); each request is completed exactly once, in request order, and
     rows were refilled (fewer decode steps than the requests' steps one after another). Greedy except
     window:8, which samples (top-k 8, temperature 1): a sampled token equals the one alone only if both the
     logits and the request's key (its id and token index, not its row) are right. Dense decodes in blocks of 4
-    steps, so finished rows step on (masked) inside a block."""
-    model, params, slots, steps, sampling = CASES[policy]()
+    steps, so finished rows step on (masked) inside a block. acp's pool is calibrated on the first request (the
+    calibration run is the reference's program, left-padded to the serving width: no extra compile)."""
+    model, params, pool, steps, sampling = CASES[policy]()
     prompts = _prompts()
     rng = jax.random.PRNGKey(11)
     kw = dict(max_new_tokens=N_NEW, policy=policy, prefill_chunk=128, rng=rng, **sampling)
-    plan = plan_serving(model, params, prompts, slots=slots, max_new_tokens=N_NEW, policy=policy, prefill_chunk=128)
-    tokens, pads = _left_padded(prompts)
-    alone = [generate(model, params, tokens[q:q + 1], seq_start=pads[q:q + 1], slots=plan.slots,
+    plan = plan_serving(model, params, prompts, max_new_tokens=N_NEW, policy=policy, prefill_chunk=128, **pool)
+    if "calibrate" in pool:
+        assert plan.slots_rule.startswith("calibrated") and len(plan.slots) == 2 and all(
+            isinstance(c, tuple) and len(c) == 4 and all(x % 64 == 0 for x in c) for c in plan.slots)
+    tokens, pads = _left_padded(prompts, plan.width)
+    full = min_slots(policy, plan.max_context)
+    alone = [generate(model, params, tokens[q:q + 1], seq_start=pads[q:q + 1], slots=full,
                       max_context=plan.max_context, **{**kw, "rng": jax.random.fold_in(rng, q)})
              for q in range(len(prompts))]
     free = np.concatenate([np.asarray(g.tokens) for g in alone])                              # [7, N]
     ref_live = np.concatenate([np.asarray(g.live_counts) for g in alone], axis=2)             # [N, layers, 7]
     stop = next(int(t) for t in free[:, :2].ravel() if not all(t in row for row in free))  # stops some rows only
     lengths = np.asarray([list(row).index(stop) + 1 if stop in row else N_NEW for row in free])
-    row_bytes = sum(c.allocated_bytes() for c in init_cache(model, 1, plan.slots, policy=policy))
-    out = serve(model, params, prompts, slots=slots, kv_budget=2.5 * row_bytes, stop_tokens=(stop,),
+    row = jax.eval_shape(lambda: init_cache(model, 1, plan.slots, policy=policy))        # shapes: nothing allocated
+    row_bytes = sum(c.allocated_bytes() for c in row)
+    out = serve(model, params, prompts, slots=plan.slots if pool else None, kv_budget=2.5 * row_bytes, stop_tokens=(stop,),
                 steps_per_check=steps, **kw)
     s = out.summary
     assert s["batch"] == 2 and s["requests"] == len(prompts) and s["kv_bytes_row"] == row_bytes
@@ -155,15 +162,15 @@ def test_serve_equals_generating_each_request_alone(policy):
     assert lengths.min() < N_NEW and s["generated_tokens"] == lengths.sum()
     assert s["decode_steps"] < (lengths - 1).sum() and s["tokens_per_s"] > 0 and s["requests_per_s"] > 0
     assert s["overflow"] == [0] * len(prompts) and 0 < s["kv_bytes_live_mean"] < s["kv_bytes_allocated"]
-    if slots is not None:
+    if pool:
         assert s["slots"] < max(LENGTHS) + N_NEW - 1  # the acp rings wrap, the dcp pool reuses freed slots
 
 
 def test_plan_serving_budget_batch_and_refusals():
     """The batch is floor(budget / one row's allocated KV), at most the requests (and batch_size); a request
     whose own pool does not fit the budget, a fixed pool too small for it, or too many positions is refused
-    by name before anything runs (nothing is compiled here but the acp calibration: the bytes come from the
-    caches' shapes); a given pool larger than the budget names the budget."""
+    by name before anything runs (nothing is compiled here: the bytes come from the caches' shapes); a given
+    pool larger than the budget names the budget. (The acp calibration: test_serve_equals_...[acp].)"""
     model, params = tiny_lm("fox-pro")
     prompts = _prompts()
     kw = dict(max_new_tokens=N_NEW, prefill_chunk=64)
@@ -189,10 +196,6 @@ def test_plan_serving_budget_batch_and_refusals():
     gpt2, gpt2_params = plain_gpt2()                                          # 64 learned positions
     with pytest.raises(RequestRefused, match=r"^request 1: 62 \+ 5 tokens need 66 positions; the model has 64$"):
         plan_serving(gpt2, gpt2_params, _prompts((3, 62)), **kw)
-    fox, fox_params = tiny_lm("fox-llama", fgate_bias=-2.0)          # acp calibrated on the first 2 requests
-    cal = plan_serving(fox, fox_params, _prompts((9, 30, 70)), max_new_tokens=2, policy="acp", calibrate=2)
-    assert cal.slots_rule.startswith("calibrated") and len(cal.slots) == 2 and all(
-        isinstance(c, tuple) and len(c) == 4 and all(x % 64 == 0 and x <= 71 for x in c) for c in cal.slots)
     for bad, match in ((dict(kv_budget=0), "kv_budget"), (dict(batch_size=0), "batch_size"),
                        (dict(names=["a"]), "names")):
         with pytest.raises(ValueError, match=match):

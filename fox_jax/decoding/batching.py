@@ -8,7 +8,8 @@ batch (JetStream's prefill → insert → generate, on the column-indexed caches
 * **plan** (``plan_serving``, on the host, before anything runs): the pool per row and layer is what the
   policy can need — dense: the longest request's prompt + N − 1 tokens; window / sinks: W / S + W; acp / dcp:
   ``slots=`` or, with ``calibrate=k``, the peak live counts of generating the first k requests with a full pool
-  (``calibrate_slots``, × 1.1), else the longest context (never overflows; memory as dense). The batch is
+  (left-padded to the serving width, with serving's N; ``calibrate_slots``, × 1.1: a calibration, not a bound),
+  else the longest context (never overflows; memory as dense). The batch is
   floor(``kv_budget`` / one row's allocated KV bytes) (the caches' own accounting, ``cache_bytes``), at most
   the number of requests. A request that cannot be served is refused before any request is decoded with one
   line naming it (``RequestRefused``): its own pool (sized for it alone) does not fit the budget, a
@@ -152,17 +153,19 @@ def _row_caches(model, slots, policy, max_context):
     return jax.eval_shape(lambda: init_cache(model, 1, slots, policy=policy, max_context=max_context))
 
 
-def _calibrated_slots(model, params, prompts, k, max_new_tokens, policy, stop_tokens, prefill_chunk, full):
-    """acp / dcp pool from generating the first k requests (left-padded, one batch) with a full pool:
+def _calibrated_slots(model, params, prompts, k, max_new_tokens, policy, stop_tokens, prefill_chunk, full,
+                      max_context, limit):
+    """acp / dcp pool from generating the first k requests (one batch, left-padded to serving's prefill width)
+    with a full pool and serving's ``max_context`` (acp's N, so the same thresholds as serving):
     ``calibrate_slots`` of the caches, each count capped at ``full``."""
     first = prompts[:k]
-    width = max(len(p) for p in first)
+    width = max(_padded(policy, len(p), prefill_chunk, limit)[0] for p in first)
     tokens = np.zeros((len(first), width), np.int32)
     for i, p in enumerate(first):
         tokens[i, width - len(p):] = p
     out = generate(model, params, tokens, max_new_tokens=max_new_tokens, policy=policy, slots=full,
                    seq_start=np.asarray([width - len(p) for p in first], np.int32), stop_tokens=stop_tokens,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, max_context=max_context)
     cap = lambda x: tuple(cap(y) for y in x) if isinstance(x, tuple) else min(int(x), full)  # noqa: E731
     return cap(calibrate_slots(out.caches))
 
@@ -221,7 +224,7 @@ def plan_serving(model, params, prompts: Sequence, *, max_new_tokens: int, polic
     elif calibrate:
         k = min(calibrate, len(prompts))
         slots = _calibrated_slots(model, params, prompts, k, max_new_tokens, policy, tuple(stop_tokens),
-                                  prefill_chunk, full)
+                                  prefill_chunk, full, max_context, limit)
         rule = f"calibrated: peak live counts of the first {k} requests × 1.1 (calibrate_slots)"
     else:
         slots, rule = full, "the longest request's context (min_slots: never overflows)"
