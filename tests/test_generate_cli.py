@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from fox_jax.cache.policies import RING_BLOCK
-from fox_jax.decoding import generate
+from fox_jax.decoding import generate, plan_serving
 from fox_jax.train import cli
 from fox_jax.train.tokenizers import load_tokenizer
 from test_runs import corpus, train_run  # noqa: F401 (pytest fixtures)
@@ -56,7 +56,16 @@ def test_generate_command_errors(train_run, capsys, tmp_path):  # noqa: F811
     assert "unknown cache policy 'lru'" in error(["generate", run, "--prompt", "a", "--cache", "lru"])
     assert "too small for one sequence" in error(["generate", run, "--prompt", "a", "--cache", "window:16",
                                                  "--kv-slots", "4"])
-    assert "too small for one sequence" in error(["generate", run, "--prompt", "a", "--kv-budget", "1e-9"])
+    assert "--prompt #1: 2 + 64 tokens need" in error(["generate", run, "--prompt", "a", "--kv-budget", "1e-9"])
+    jsonl = tmp_path / "prompts.jsonl"
+    jsonl.write_text('{"prompt": "a"}\n\n["b"]\n')
+    assert f"--prompt-file {jsonl} line 3: expected a JSON string or object" in error(["generate", run, "--prompt-file",
+                                                                            str(jsonl)])
+    jsonl.write_text('{"prompt": "a"}\n{"prompt": "' + "long " * 40 + '"}\n')  # 201 tokens with <|endoftext|>: a ring of 256
+    assert f"--prompt-file {jsonl} line 2: 201 + 4 tokens need" in error(
+        ["generate", run, "--prompt-file", str(jsonl), "--max-new-tokens", "4", "--kv-budget", "3e-5"])
+    (tmp_path / "blank.jsonl").write_text("\n")
+    assert "holds no prompt" in error(["generate", run, "--prompt-file", str(tmp_path / "blank.jsonl")])
     assert "needs a DCP model" in error(["generate", run, "--prompt", "a", "--cache", "dcp"])
     assert "at least one --prompt" in error(["generate", run])
     assert "--prompt-file" in error(["generate", run, "--prompt-file", str(tmp_path / "nope.txt")])
@@ -75,6 +84,53 @@ def test_generate_command_errors(train_run, capsys, tmp_path):  # noqa: F811
     assert "--top-p samples, but --temperature 0 decodes greedily" in error(["generate", run, "--prompt", "a",
                                                                             "--top-p", "0.9"])
     assert "--mesh: unknown axis 'model'" in error(["generate", run, "--prompt", "a", "--mesh", "model=2"])
+
+
+def _serve_under_budget(train_run, tmp_path):  # noqa: F811
+    """A .jsonl --prompt-file of 5 prompts (JSON strings and {"prompt": ...} objects) and the argv of a greedy
+    generate of 6 tokens each; with the --kv-budget of 2.5 rows (those prompts, dense) that serves them."""
+    run, cfg, params = train_run
+    texts = ["import os", "x = 1", "def f(a):", "print(", "class A:"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": t} if i % 2 else t) for i, t in enumerate(texts)) + "\n\n")
+    tok = load_tokenizer(cfg.data.tokenizer)
+    ids = [[tok.eot_id, *x] for x in tok.encode_batch(texts)]
+    row = plan_serving(cfg.model.build(), params[4], ids, max_new_tokens=6).row_bytes
+    argv = ["generate", str(run), "--prompt-file", str(prompts), "--max-new-tokens", "6", "--no-stop"]
+    return texts, ids, row, argv, ["--kv-budget", repr(2.5 * row / 2 ** 30)]
+
+
+def test_generate_prompt_file_serves_under_a_kv_budget(train_run, capsys, tmp_path):  # noqa: F811
+    """5 prompts under a --kv-budget of 2.5 rows: continuous batching over 2 rows, each continuation printed
+    under its prompt in file order, a progress bar over the requests on stderr, the JSON line's serving numbers
+    (the tokens equal generating each prompt alone: test_batching; the same text as one batch: the slow test
+    below)."""
+    texts, ids, row, argv, budget = _serve_under_budget(train_run, tmp_path)
+    assert cli.main(argv + budget) == 0
+    out = capsys.readouterr()
+    lines = out.out.strip().splitlines()
+    assert "serve dense B=2" in out.err and "5/5" in out.err
+    for i, (text, x) in enumerate(zip(texts, ids)):
+        at = lines.index(f"--- prompt {i} ({len(x)} tokens) ---")
+        assert lines[at + 1] == text and lines[at + 2] == "--- generated (6 tokens) ---"
+    s = json.loads(lines[-1])
+    assert s["mode"] == "serve" and s["requests"] == 5 and s["batch"] == 2 and s["new_tokens"] == [6] * 5
+    assert s["prompt_tokens"] == [len(x) for x in ids] and s["kv_bytes_allocated"] == 2 * row
+    assert s["requests_per_s"] > 0 and s["tokens_per_s"] > 0 and s["decode_tokens_per_s"] > 0
+    assert 0 < s["kv_bytes_live_mean"] < s["kv_bytes_allocated"] and s["overflow"] == [0] * 5 and s["provable"]
+
+
+@pytest.mark.slow
+def test_generate_prompt_file_serves_the_text_of_one_batch(train_run, capsys, tmp_path):  # noqa: F811
+    """The continuations printed by continuous batching (2 rows) equal those of decoding the 5 prompts in one
+    batch (no budget)."""
+    _, _, _, argv, budget = _serve_under_budget(train_run, tmp_path)
+    assert cli.main(argv + budget + ["--no-progress"]) == 0
+    served = capsys.readouterr().out.strip().splitlines()
+    assert cli.main(argv) == 0
+    batch = capsys.readouterr().out.strip().splitlines()
+    assert json.loads(served[-1])["mode"] == "serve" and json.loads(batch[-1])["mode"] == "batch"
+    assert served[:-1] == batch[:-1]
 
 
 def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa: F811

@@ -385,12 +385,15 @@ def _add_generate(sub) -> None:
                        description=textwrap.fill("Encode the prompts, left-pad them into one batch and decode "
                        "(one jitted prefill + decode loop) under --cache POLICY with a fixed KV pool; prints each "
                        "continuation and one JSON line: tokens/s (compilation included), KV bytes allocated / live "
-                       "/ peak live, mean live tokens per layer, overflow (entries the pool had no room for).",
-                                                 width=106))
+                       "/ peak live, mean live tokens per layer, overflow (entries the pool had no room for). With "
+                       "--kv-budget and more prompts than it holds at once (e.g. a .jsonl --prompt-file), continuous "
+                       "batching: as many rows as the budget holds decode together and a waiting prompt takes a "
+                       "finished row's place; the JSON line then reports requests/s too.", width=106))
     g.add_argument("run", metavar="RUN_DIR_OR_HF_DIR", help="a run of 'fox-jax train' / 'fox-jax finetune-dcp', or a "
                    "Hugging Face GPT-2 / official FoX directory")
     g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
-    g.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt (repeatable)")
+    g.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt, or a .jsonl "
+                   "file of many, one per line: a JSON string or {\"prompt\": TEXT} (repeatable)")
     g.add_argument("--cache", default="dense", metavar="POLICY", help="KV-cache policy: " + POLICY_FORMS +
                    " (default %(default)s)")
     g.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate per prompt (default %(default)s)")
@@ -400,13 +403,16 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     g.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row and layer (default: what the policy "
                    "can need for prompt + new tokens)")
-    g.add_argument("--kv-budget", type=float, metavar="GIB", help="instead of --kv-slots: the largest pool that fits "
-                   "this many GiB for the batch")
+    g.add_argument("--kv-budget", type=float, metavar="GIB", help="GiB of KV for the whole batch: one batch with the "
+                   "largest pool that fits when every prompt fits at once, else continuous batching with as many rows "
+                   "as fit (each row's pool: --kv-slots, else the policy's need; acp/dcp: calibrated on the first 4 "
+                   "prompts)")
     g.add_argument("--no-stop", action="store_true", help="do not stop at <|endoftext|>")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default %(default)s)")
     g.add_argument("--step", type=int, help="checkpoint step of a run (default: latest)")
     g.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files of the HF directory)")
     g.add_argument("--mesh", help=DECODE_MESH_HELP)
+    g.add_argument("--no-progress", action="store_true", help="no progress bar (continuous batching)")
     g.set_defaults(handler="fox_jax.train.generate:cmd_generate", distributed=False, coordinator=None,
                    num_processes=None, process_id=None)
 

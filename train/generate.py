@@ -1,13 +1,23 @@
 """``fox-jax generate``: text from a run directory or a Hugging Face directory under a KV-cache policy.
 
-Prompts come from ``--prompt`` (repeatable) and ``--prompt-file`` (each file one prompt); they are encoded after
-an ``<|endoftext|>`` token (every training document starts with one), left-padded into one batch and decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop)
-under ``--cache POLICY`` with a pool of ``--kv-slots`` slots per row and layer, or the largest pool that fits
-``--kv-budget`` GiB. Prints each continuation, then one JSON line: tokens/s, KV bytes (allocated, live at the
-end, peak live), mean live tokens per layer, overflow, and whether the policy's promise is ``provable`` for the
-model (``acp`` without QK-norm is a heuristic; a warning on stderr says so too). ``--mesh`` shards the batch and
-the caches over devices (``fox_jax.decoding.generate(mesh=...)``; the batch is filled to a multiple of data ×
-fsdp with copies of the last prompt, whose outputs are dropped).
+Prompts come from ``--prompt`` (repeatable) and ``--prompt-file`` (repeatable: a ``.jsonl`` file holds one
+prompt per line, a JSON string or a ``{"prompt": TEXT}`` object; any other file is one prompt); they are
+encoded after an ``<|endoftext|>`` token (every training document starts with one).
+
+* One batch (no ``--kv-budget``, or every prompt fits it at once): the prompts are left-padded into one batch and
+  decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop) under ``--cache POLICY`` with a pool
+  of ``--kv-slots`` slots per row and layer, or the largest pool that fits ``--kv-budget`` GiB.
+* Continuous batching (``--kv-budget`` GiB and more prompts than it holds at once): ``fox_jax.decoding.serve``
+  decodes as many rows as the budget holds with the pool each row needs (``--kv-slots``, else the policy's need;
+  ``acp`` / ``dcp``: calibrated on the first 4 prompts) and admits the next prompt whenever a row finishes. Every
+  prompt's continuation is the one it would get alone; a prompt that can never fit is refused (one line naming
+  its flag, file and line).
+
+Prints each continuation, then one JSON line: requests, batch, requests/s, tokens/s, KV bytes, overflow, and
+whether the policy's promise is ``provable`` for the model (``acp`` without QK-norm is a heuristic; a warning on
+stderr says so too). ``--mesh`` shards the batch and the caches over devices (one batch only:
+``fox_jax.decoding.generate(mesh=...)``; the batch is filled to a multiple of data × fsdp with copies of the last
+prompt, whose outputs are dropped).
 """
 
 from __future__ import annotations
@@ -80,29 +90,65 @@ def check_sampling_flags(temperature: float, top_k: int | None, top_p: float | N
                          "greedily; give a --temperature > 0 (e.g. 0.8)")
 
 
+def read_prompts(texts, files) -> tuple[list[str], list[str]]:
+    """(prompts, their names for errors) from ``--prompt`` texts and ``--prompt-file`` paths: a ``.jsonl`` file
+    holds one prompt per non-blank line, a JSON string or a ``{"prompt": TEXT}`` object (named "--prompt-file F
+    line N"), any other file is one prompt (its whole text: a chapter, a source file).
+
+    Raises:
+      FileNotFoundError: a missing file. ValueError: an empty file, a line that is not such an object.
+    """
+    prompts, names = [], []
+    for i, text in enumerate(texts or []):
+        prompts.append(text)
+        names.append(f"--prompt #{i + 1}")
+    for f in files or []:
+        p = Path(f)
+        if not p.is_file():
+            raise FileNotFoundError(f"--prompt-file {f}: no such file")
+        text = p.read_text(encoding="utf-8")
+        if p.suffix != ".jsonl":
+            if not text.strip():
+                raise ValueError(f"--prompt-file {f} is empty (to generate from <|endoftext|> alone pass --prompt '')")
+            prompts.append(text)
+            names.append(f"--prompt-file {f}")
+            continue
+        before = len(prompts)
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                obj = e
+            if isinstance(obj, dict) and isinstance(obj.get("prompt"), str):
+                obj = obj["prompt"]
+            if not isinstance(obj, str):
+                raise ValueError(f"--prompt-file {f} line {n}: expected a JSON string or object {{\"prompt\": TEXT}} "
+                                 f"(a .jsonl file holds one prompt per line), got {line.strip()[:60]!r}")
+            prompts.append(obj)
+            names.append(f"--prompt-file {f} line {n}")
+        if len(prompts) == before:
+            raise ValueError(f"--prompt-file {f} holds no prompt (one {{\"prompt\": TEXT}} per line)")
+    if not prompts:
+        raise ValueError("give at least one --prompt TEXT or --prompt-file FILE")
+    return prompts, names
+
+
 def cmd_generate(args) -> int:
     """The ``fox-jax generate`` handler."""
     import jax
 
-    from fox_jax.decoding import cache_bytes, generate, min_slots, parse_policy
+    from fox_jax.decoding import cache_bytes, generate, min_slots, parse_policy, plan_serving
     from fox_jax.sharding import data_parallel_size, make_mesh, select_partitioner
 
-    prompts = list(args.prompt or [])
-    for f in args.prompt_file or []:
-        p = Path(f)
-        if not p.is_file():
-            raise FileNotFoundError(f"--prompt-file {f}: no such file")
-        prompts.append(p.read_text(encoding="utf-8"))
-        if not prompts[-1].strip():
-            raise ValueError(f"--prompt-file {f} is empty (to generate from <|endoftext|> alone pass --prompt '')")
-    if not prompts:
-        raise ValueError("give at least one --prompt TEXT or --prompt-file FILE")
+    prompts, names = read_prompts(args.prompt, args.prompt_file)
     for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--kv-slots", args.kv_slots),
                         ("--prefill-chunk", args.prefill_chunk)):
         if value is not None and value < 1:
             raise ValueError(f"{flag} must be a positive int, got {value}")
-    if args.kv_slots is not None and args.kv_budget is not None:
-        raise ValueError("give --kv-slots or --kv-budget, not both")
+    if args.kv_budget is not None and not args.kv_budget > 0:
+        raise ValueError(f"--kv-budget must be a positive number of GiB, got {args.kv_budget}")
     check_sampling_flags(args.temperature, args.top_k, args.top_p)
     policy = parse_policy(args.cache)
     mesh = make_mesh(args.mesh) if args.mesh else None   # a bad --mesh: before any file is read
@@ -114,6 +160,20 @@ def cmd_generate(args) -> int:
         raise ValueError(f"--top-k must be at most the model's {cfg.vocab_size} token ids, got {args.top_k}")
     # every prompt starts with <|endoftext|>, as every training document does (fox_jax.train.data)
     ids = [np.asarray([tok.eot_id, *x], np.int32) for x in tok.encode_batch(prompts)]
+    stops = () if args.no_stop else (tok.eot_id,)
+    params = run.load_params()
+    model = cfg.build()
+    if args.kv_budget is not None:  # continuous batching when the budget does not hold every prompt at once
+        plan = plan_serving(model, params, ids, max_new_tokens=args.max_new_tokens, policy=policy,
+                            kv_budget=args.kv_budget * 2 ** 30, slots=args.kv_slots,
+                            calibrate=0 if policy.fixed_budget or args.kv_slots else CALIBRATE_PROMPTS,
+                            prefill_chunk=args.prefill_chunk, stop_tokens=stops, names=names,
+                            budget_name="--kv-budget")
+        if plan.batch < len(ids):
+            if mesh is not None:
+                raise ValueError(f"--mesh decodes one batch; --kv-budget {args.kv_budget} GiB holds {plan.batch} of "
+                                 f"the {len(ids)} prompts at once (continuous batching runs on one device)")
+            return _serve(args, model, params, tok, cfg, policy, prompts, ids, stops, plan)
     rows, longest = len(ids), max(len(x) for x in ids)
     if cfg.max_positions is not None and longest + args.max_new_tokens - 1 > cfg.max_positions:
         raise ValueError(f"the longest prompt ({longest} tokens with <|endoftext|>) and --max-new-tokens "
@@ -127,15 +187,12 @@ def cmd_generate(args) -> int:
         tokens[i, width - len(x):] = x
     seq_start = np.asarray([width - len(x) for x in ids], np.int32)
     slots = args.kv_slots
-    if args.kv_budget is not None:
+    if args.kv_budget is not None and slots is None:
         slots = slots_for_budget(cfg, len(ids), args.kv_budget * 2 ** 30)
         need = min_slots(policy, width + args.max_new_tokens - 1)
         if slots < 1 or (policy.fixed_budget and slots < need):
             raise ValueError(f"--kv-budget {args.kv_budget} GiB is too small for one sequence: {slots} slots per row "
                              f"and layer, cache policy {policy.spec} needs {need}")
-    stops = () if args.no_stop else (tok.eot_id,)
-    params = run.load_params()
-    model = cfg.build()
     kwargs = dict(max_new_tokens=args.max_new_tokens, policy=policy, slots=slots, seq_start=seq_start,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_tokens=stops,
                   rng=jax.random.PRNGKey(args.seed), prefill_chunk=args.prefill_chunk, mesh=mesh)
@@ -146,15 +203,14 @@ def cmd_generate(args) -> int:
     lengths = np.asarray(out.lengths)[:rows]
     ids = ids[:rows]
     for i, prompt in enumerate(prompts):
-        text = tok.decode([t for t in new_tokens[i, :lengths[i]] if t != tok.eot_id])
-        print(f"--- prompt {i} ({len(ids[i])} tokens) ---\n{prompt}\n--- generated ({lengths[i]} tokens) ---\n{text}")
+        _print_continuation(i, prompt, ids[i], new_tokens[i, :lengths[i]].tolist(), tok.eot_id, tok)
     live = np.asarray(out.live_counts)[:, :, :rows]                    # [N, L, B]
     per_token = np.asarray([c.groups[0].entry_bytes * c.kv_heads for c in out.caches])  # bytes per live token
     steps = max(int(lengths.max()), 1)
     summary = {
-        "command": "generate", "model": cfg.model_type if cfg.model_type == "gpt2" else cfg.arch, "cache": policy.spec,
-        "batch": len(ids), "prompt_tokens": [len(x) for x in ids], "new_tokens": lengths.tolist(),
-        "seconds": round(seconds, 3), "compile_included": True,
+        "command": "generate", "mode": "batch", "model": _model_name(cfg), "cache": policy.spec,
+        "requests": rows, "batch": len(ids), "prompt_tokens": [len(x) for x in ids], "new_tokens": lengths.tolist(),
+        "seconds": round(seconds, 3), "compile_included": True, "requests_per_s": round(rows / seconds, 3),
         "tokens_per_s": round(float(lengths.sum()) / seconds, 1),
         "slots": out.caches[0].capacity,
         # the prompts' rows only (without the copies that fill a --mesh batch)
@@ -166,13 +222,60 @@ def cmd_generate(args) -> int:
         "provable": out.provable,
         **({"mesh": dict(mesh.shape), "padded_rows": len(tokens) - rows} if mesh is not None else {}),
     }
+    _finish(summary, policy)
+    return 0
+
+
+CALIBRATE_PROMPTS = 4  # acp / dcp under --kv-budget without --kv-slots: the pool from generating the first prompts
+
+
+def _model_name(cfg) -> str:
+    return cfg.model_type if cfg.model_type == "gpt2" else cfg.arch
+
+
+def _print_continuation(i: int, prompt: str, ids, tokens, eot: int, tok) -> None:
+    text = tok.decode([t for t in tokens if t != eot])
+    print(f"--- prompt {i} ({len(ids)} tokens) ---\n{prompt}\n--- generated ({len(tokens)} tokens) ---\n{text}")
+
+
+def _finish(summary: dict, policy) -> None:
+    """The overflow warning (stderr) and the JSON line."""
     if any(summary["overflow"]):
         print(f"warning: the KV pool ({summary['slots']} slots per row) was too small for cache policy {policy.spec}: "
               "entries were dropped, so the text is not exactly the policy's (raise --kv-slots / --kv-budget)",
               file=sys.stderr)
     print(json.dumps(summary))
     sys.stdout.flush()
+
+
+def _serve(args, model, params, tok, cfg, policy, prompts, ids, stops, plan) -> int:
+    """Continuous batching (``fox_jax.decoding.serve``) of prompts that the --kv-budget does not hold at once."""
+    import jax
+
+    from fox_jax.decoding import serve
+
+    out = serve(model, params, ids, max_new_tokens=args.max_new_tokens, policy=policy, temperature=args.temperature,
+                top_k=args.top_k, top_p=args.top_p, stop_tokens=stops, rng=jax.random.PRNGKey(args.seed),
+                prefill_chunk=args.prefill_chunk, plan=plan, progress=not args.no_progress)
+    for c in out.completions:
+        _print_continuation(c.index, prompts[c.index], ids[c.index], c.tokens.tolist(), tok.eot_id, tok)
+    s = out.summary
+    summary = {
+        "command": "generate", "mode": "serve", "model": _model_name(cfg), "cache": policy.spec,
+        "requests": s["requests"], "batch": s["batch"], "prompt_tokens": [len(x) for x in ids],
+        "new_tokens": [len(c.tokens) for c in out.completions], "seconds": round(s["seconds"], 3),
+        "compile_included": True, "requests_per_s": round(s["requests_per_s"], 3),
+        "tokens_per_s": round(s["tokens_per_s"], 1),
+        "decode_tokens_per_s": None if s["decode_tokens_per_s"] is None else round(s["decode_tokens_per_s"], 1),
+        "prefill_seconds": round(s["prefill_seconds"], 3), "decode_seconds": round(s["decode_seconds"], 3),
+        "slots": s["slots"], "slots_rule": s["slots_rule"], "kv_budget_bytes": int(s["kv_budget_bytes"]),
+        "kv_bytes_allocated": s["kv_bytes_allocated"], "kv_bytes_row": s["kv_bytes_row"],
+        "kv_bytes_live_mean": int(round(s["kv_bytes_live_mean"])),
+        "mean_live_tokens": [round(c.live_tokens_mean, 1) for c in out.completions],
+        "overflow": s["overflow"], "provable": s["provable"],
+    }
+    _finish(summary, policy)
     return 0
 
 
-__all__ = ["check_sampling_flags", "cmd_generate", "load_for_decoding", "slots_for_budget"]
+__all__ = ["check_sampling_flags", "cmd_generate", "load_for_decoding", "read_prompts", "slots_for_budget"]

@@ -27,7 +27,8 @@ pair (``fox_jax.cache.decay``).
 
 Nothing here assumes that the rows started together beyond the shared column counter: a row's state is its
 ``seq_start``, its ring ``start`` (or pool table), its Λ / KV-shift carry and its running norms, so a row can
-be reset and refilled while the others decode (continuous batching).
+be refilled while the others decode (continuous batching): ``SlotKVCache.insert_row`` puts a request prefilled
+alone in a one-row cache into a row of the batch (``fox_jax.decoding.batching``).
 """
 
 from __future__ import annotations
@@ -143,6 +144,24 @@ class RingGroup(_Entries):
         axes = lambda x: None if x is None else KV_AXES  # noqa: E731
         return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo),
                             start=("batch", "kv_heads" if self.start.shape[1] > 1 else None), peak=(None,))
+
+    def shift_columns(self, shift) -> RingGroup:
+        """The group with every key moved from column c to column c + ``shift`` (int32 scalar ≥ 0, may be traced):
+        the ring's slots rolled by shift mod (C − pinned) (column c lives in slot pinned + c mod (C − pinned)),
+        ``start`` advanced by ``shift``; the pinned slots hold positions and stay."""
+        p, ring = self.pinned, self.slots - self.pinned
+        s = jnp.mod(shift, ring)
+
+        def roll(x, axis):
+            if x is None:
+                return None
+            if not p:
+                return jnp.roll(x, s, axis=axis)
+            head, tail = jnp.split(x, [p], axis=axis)
+            return jnp.concatenate([head, jnp.roll(tail, s, axis=axis)], axis=axis)
+
+        return self.replace(k=roll(self.k, 2), v=roll(self.v, 2), lam_hi=roll(self.lam_hi, 3),
+                            lam_lo=roll(self.lam_lo, 3), start=self.start + shift)
 
     def append(self, step: _Step, q, k, v, lam):
         """Visibility, placement and attention of a chunk for this group. q [B, T, n, G, D]; k, v [B, T, n, D];
@@ -291,6 +310,10 @@ class PoolGroup(_Entries):
         return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo),
                             pos=("batch", None, None), k_int=None if self.k_int is None else ("batch", None, None),
                             count=("batch", None), hi=("batch",), peak=(None,))
+
+    def shift_columns(self, shift) -> PoolGroup:
+        """The group with its keys moved by ``shift`` columns: the pool's table holds positions, so unchanged."""
+        return self
 
     def append(self, step: _Step, q, k, v, lam):
         """As ``RingGroup.append``, for a pool."""
@@ -480,6 +503,50 @@ class SlotKVCache:
         return self.replace(groups=tuple(g.logical_axes() for g in self.groups), length=(), seq_start=("batch",),
                             lam_hi=gates, lam_lo=gates, k_shift=shift, v_shift=shift, overflow=("batch",),
                             state=rule_for(self.policy).state_axes(self.state))
+
+    def insert_row(self, row, source: SlotKVCache) -> SlotKVCache:
+        """This cache with row ``row`` replaced by the only row of ``source`` (continuous batching: a request
+        prefilled alone joins a batch that is decoding).
+
+        ``source`` is a one-row cache of the same layout (policy, groups and capacities; made by the same
+        ``init_cache`` with batch 1) that was fed ``source.length`` ≤ ``self.length`` columns. Its column c becomes
+        column c + ``self.length`` − ``source.length`` here, so the row's next token takes the shared next column
+        ``self.length``: ``seq_start`` and the ring starts move by that shift and the ring slots roll with it
+        (``RingGroup.shift_columns``; a pool's table holds positions and is copied as is). Every per-row leaf
+        (those with a "batch" axis in ``logical_axes``: k, v, Λ, tables, the Λ / KV-shift carries, overflow, the
+        rule's state such as acp's threshold or running norm maxima) of row ``row`` is overwritten, so nothing
+        of the row's previous request remains; the shared leaves keep this cache's values (``length``,
+        ``max_context``) except ``peak``, the maximum of both. Positions, and so the row's logits, are those
+        of ``source``: decoding the row here equals decoding ``source`` on its own.
+
+        Args:
+          row: int32 scalar in [0, B) (may be traced). source: the one-row cache.
+
+        Returns:
+          The updated cache (``fresh`` as this one's).
+
+        Raises:
+          ValueError: ``source`` of another layout or more than one row (static checks; a ``source.length``
+            > ``self.length`` cannot be checked under ``jit``: it must not happen).
+        """
+        if source.seq_start.shape[0] != 1:
+            raise ValueError(f"source must be a one-row cache, got batch {source.seq_start.shape[0]}")
+        layout = lambda c: (c.policy, tuple((type(g), g.heads, g.k.shape[1:]) for g in c.groups))  # noqa: E731
+        if layout(source) != layout(self):
+            raise ValueError("source must have this cache's policy and group layout (the same init_cache, batch 1)")
+        shift = (self.length - source.length).astype(jnp.int32)
+        moved = source.replace(groups=tuple(g.shift_columns(shift) for g in source.groups),
+                               seq_start=source.seq_start + shift, length=self.length,
+                               max_context=self.max_context, fresh=self.fresh)
+
+        def put(mine, theirs, axes):
+            if "batch" not in axes:
+                return mine
+            return lax.dynamic_update_slice_in_dim(mine, theirs.astype(mine.dtype), row, axis=axes.index("batch"))
+
+        new = jax.tree.map(put, self, moved, self.logical_axes())  # the axes tree: a tuple per array of ours
+        return new.replace(groups=tuple(g.replace(peak=jnp.maximum(g.peak, s.peak))
+                                        for g, s in zip(new.groups, moved.groups)))
 
 
 def _split_slots(slots, kv_heads: int, policy: CachePolicy, block: int) -> list[tuple[int, tuple[int, ...]]]:

@@ -301,9 +301,11 @@ def sample_logits(logits: jax.Array, rng: jax.Array, *, temperature: float = 0.0
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
-def _fresh_caches(model, tokens, policy: CachePolicy, slots, seq_start, prefill_chunk: int, context: int):
+def _fresh_caches(model, tokens, policy: CachePolicy, slots, seq_start, prefill_chunk: int, context: int,
+                  max_context: int | None = None):
     """Check positions and the pool for ``context`` tokens fed, left-pad [B, T] ``tokens`` to a multiple of the
-    prefill chunk and make fresh caches: (padded tokens, caches, chunk)."""
+    prefill chunk and make fresh caches (``max_context``: acp's N, default ``context``): (padded tokens, caches,
+    chunk)."""
     b, t = tokens.shape
     seq_start = check_seq_start(seq_start, b, t)
     _check_positions(_config(model), seq_start, context)
@@ -312,7 +314,8 @@ def _fresh_caches(model, tokens, policy: CachePolicy, slots, seq_start, prefill_
     _check_slots(policy, slots, real)
     chunk = _chunk_size(policy, prefill_chunk, t)
     tokens, seq_start = _left_pad(tokens, seq_start, chunk)
-    return tokens, init_cache(model, b, slots, policy=policy, seq_start=seq_start, max_context=context), chunk
+    return tokens, init_cache(model, b, slots, policy=policy, seq_start=seq_start,
+                              max_context=context if max_context is None else max_context), chunk
 
 
 def _chunk_size(policy: CachePolicy, prefill_chunk: int, t: int) -> int:
@@ -393,7 +396,8 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
 
 def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense", slots=None, seq_start=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, stop_tokens=(),
-             rng: jax.Array | None = None, prefill_chunk: int = 512, mesh=None) -> Generation:
+             rng: jax.Array | None = None, prefill_chunk: int = 512, mesh=None,
+             max_context: int | None = None) -> Generation:
     """Autoregressive generation under a cache policy, prefill and decode loop in one jitted program.
 
     Token i is sampled with key ``fold_in(rng, i)``, so the result does not depend on the prefill chunking.
@@ -417,6 +421,8 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
         the training rules, prompt rows over ``data`` × ``fsdp``, caches by their ``logical_axes()`` (rows over
         ``data`` × ``fsdp``, key/value heads over ``tensor``); B must be a multiple of data × fsdp. The tokens
         equal the unsharded ones (docs/multi_gpu.md). None: wherever the inputs are (one device).
+      max_context: N of ``acp``'s threshold δ = −(2U + log N) + log ε, the most keys a query may see (default
+        T + max_new_tokens − 1; ``serve`` uses its longest request's for every request). Other policies ignore it.
 
     Returns:
       ``Generation(tokens, lengths, live_counts, overflow, caches)``.
@@ -429,8 +435,29 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     """
     tokens = _check_tokens(prompt_tokens, "prompt_tokens")
     b, t = tokens.shape
-    cfg = _config(model)
     policy = parse_policy(policy)
+    sampling, stop_tokens, rng = _check_decoding(_config(model), max_new_tokens, prefill_chunk, temperature, top_k,
+                                                 top_p, stop_tokens, rng)
+    context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
+    if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
+        raise ValueError(f"max_context must be None or a positive int, got {max_context!r}")
+    tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context,
+                                          max_context)
+    plan = cast_plan(model, params, caches)
+    run = _generate
+    if mesh is not None:
+        params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
+        run = under_mesh(mesh, _generate)
+    return run(model, params, tokens, caches, rng, chunk, max_new_tokens, *sampling, stop_tokens, plan)
+
+
+def _check_decoding(cfg, max_new_tokens, prefill_chunk, temperature, top_k, top_p, stop_tokens, rng):
+    """The decoding arguments of ``generate`` / ``serve`` checked: ((temperature, top_k, top_p) as static
+    Python values, stop tokens as a tuple of ints, rng (a default key when greedy)).
+
+    Raises:
+      ValueError: one line naming the argument.
+    """
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
     if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
@@ -444,17 +471,8 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
         raise ValueError(f"top_k must be None or an int in [1, {cfg.vocab_size}], got {top_k!r}")
     if top_p is not None and not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"top_p must be None or a float in (0, 1], got {top_p!r}")
-    stop_tokens = tuple(int(s) for s in stop_tokens)
     rng = jax.random.PRNGKey(0) if rng is None else rng
-    context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
-    tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context)
-    plan = cast_plan(model, params, caches)
-    run = _generate
-    if mesh is not None:
-        params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
-        run = under_mesh(mesh, _generate)
-    return run(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k,
-               None if top_p is None else float(top_p), stop_tokens, plan)
+    return ((temperature, top_k, None if top_p is None else float(top_p)), tuple(int(s) for s in stop_tokens), rng)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
