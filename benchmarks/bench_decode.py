@@ -26,7 +26,8 @@ Modes (both may be given; neither = ``--equal-batch 8``):
 
 Measured per (mode, policy, prompt length), median of ``--repeats`` after one warm-up call that compiles:
   tokens/s          B·N / wall time of the whole generate (prefill + decode loop: one jitted program)
-  prefill s         wall time of generate with max_new_tokens=1 (``--prefill all|budget|none``)
+  prefill s         wall time of the same program stopped after the first sample (``generate(steps=1)``: no second
+                    compile; timed interleaved with the whole generate; ``--prefill all|budget|none``)
   decode tok/s      B·(N−1) / (generate − prefill)
   capacity          entries per row and key/value head the caches allocated (mean over layers and heads: the
                     slots asked for, rounded up to a multiple of ``RING_BLOCK``)
@@ -45,6 +46,8 @@ tokens_per_s, decode_tokens_per_s, ms_per_step (decode: (generate − prefill) /
 which a step only gathers) and the mean live KV bytes, at ``--bandwidth`` TB/s), kv_bytes_allocated,
 kv_bytes_live, capacity, overflow, sparsity, plus the device and versions. ``--hf`` adds Hugging Face
 ``transformers`` GPT-2 rows (static and dynamic cache, ``hf_decode.py``) on the same shape at ``--equal-batch``.
+
+``python benchmarks/bench_decode.py --table FILE`` prints the docs' markdown table of such a file.
 
 Prompts: random tokens, or windows of real text (``--prompt-text FILE|DIR``, tokenized with the run's
 tokenizer or ``--tokenizer``): pruning of a trained model depends on the text. Random DCP weights
@@ -187,16 +190,23 @@ def _ready(out):
     return out
 
 
-def timed(fn, repeats: int) -> tuple[float | None, list[float], object]:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after one warm-up (compile) call; with
-    ``repeats`` 0 only the warm-up runs (None: nothing timed; it fills the persistent compilation cache)."""
-    out = _ready(fn())
-    times = []
+def timed(fn, repeats: int, prefill: bool = True) -> tuple[float | None, float | None, list[float], object]:
+    """(median wall seconds of ``fn(None)`` (the whole generate), of ``fn(1)`` (the prefill and first sample: the
+    same compiled program, ``generate(steps=1)``), the full times, the last full output) over ``repeats`` calls
+    each, interleaved so that drift hits both alike, after one warm-up call that compiles. ``repeats`` 0: only the
+    warm-up (fills the persistent compilation cache for a later timed run); ``prefill`` False: no ``fn(1)``."""
+    out = _ready(fn(None))
+    full, first = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        out = _ready(fn())
-        times.append(time.perf_counter() - t0)
-    return (statistics.median(times) if times else None), times, out
+        out = _ready(fn(None))
+        full.append(time.perf_counter() - t0)
+        if prefill:
+            t0 = time.perf_counter()
+            _ready(fn(1))
+            first.append(time.perf_counter() - t0)
+    med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return med(full), med(first), full, out
 
 
 def round_up(n: float, multiple: int = SLOT_MULTIPLE) -> int:
@@ -216,8 +226,8 @@ class Bench:
         self.model, self.params, self.prompts, self.args = model, params, prompts, args
         self.need: dict[tuple, dict] = {}          # (policy, T) -> {"slots": spec, ...calibration}
 
-    def generate(self, prompts, n: int, policy: str, slots):
-        return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots)
+    def generate(self, prompts, n: int, policy: str, slots, steps: int | None = None):
+        return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots, steps=steps)
 
     def context(self, t: int) -> int:
         return t + self.args.new_tokens - 1        # tokens fed: the prompt and all but the last sample
@@ -260,10 +270,9 @@ class Bench:
         a = self.args
         n = a.new_tokens
         prompts = self.prompts.get(batch, t)
-        seconds, times, out = timed(lambda: self.generate(prompts, n, policy, slots), a.repeats)
-        prefill = None
-        if a.prefill == "all" or (a.prefill == "budget" and mode == "kv-budget"):
-            prefill, _, _ = timed(lambda: self.generate(prompts, 1, policy, slots), a.repeats)
+        want_prefill = a.prefill == "all" or (a.prefill == "budget" and mode == "kv-budget")
+        seconds, prefill, times, out = timed(lambda steps: self.generate(prompts, n, policy, slots, steps), a.repeats,
+                                             prefill=want_prefill and n > 1)
         mem = cache_bytes(out.caches)
         live = np.asarray(out.live_counts, np.float64)          # [N, L, B]
         overflow = np.asarray(out.overflow)
@@ -417,6 +426,33 @@ def write_rows(path: str, new: list[dict]) -> None:
     os.replace(tmp, path)
 
 
+def markdown_rows(path: str) -> str:
+    """The docs' table (README, docs/inference.md) from a ``--rows-out`` file: one line per row, grouped by
+    model, prompt and mode."""
+    rows = json.load(open(path))
+    num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
+    lines = ["| model | prompt + new | mode | policy | batch | decode tok/s | ms/step | bound tok/s (% of it) "
+             "| KV allocated | KV live | ×dense decode | ×dense step | ×dense batch |", "|" + "---|" * 13]
+    order = {"equal-batch": 0, "kv-budget": 1}
+    for r in sorted(rows, key=lambda r: (r["model"].split(" ")[0], r.get("prompt") or 0, order.get(r.get("mode"), 2),
+                                         " " in r["model"], r.get("policy") != "dense")):
+        if "error" in r:
+            lines.append(f"| {r['model']} | {r.get('prompt')} | {r.get('mode')} | {r.get('policy')} | | error: "
+                         f"{r['error'][:60]} | | | | | | | |")
+            continue
+        mib = lambda x: "–" if x is None else f"{x / 2**20:,.0f} MiB"  # noqa: E731
+        frac = r.get("fraction_of_bound")
+        mode = r["mode"] if r["mode"] != "kv-budget" else f"{(r.get('budget_bytes') or 0) / 2**30:g} GiB budget"
+        lines.append(
+            f"| {r['model']} | {r['prompt']} + {r['new_tokens']} | {mode} | {r['policy']} | {r['batch']} | "
+            f"{num(r.get('decode_tokens_per_s'))} | {num(r.get('ms_per_step'), '{:.3f}')} | "
+            f"{num(r.get('bound_tokens_per_s'))} ({num(None if frac is None else 100 * frac, '{:.0f}')}%) | "
+            f"{mib(r.get('kv_bytes_allocated'))} | {mib(r.get('kv_bytes_live'))} | "
+            f"{num(r.get('decode_vs_dense'), '{:.2f}')} | {num(r.get('step_vs_dense'), '{:.2f}')} | "
+            f"{num(r.get('batch_vs_dense'), '{:.1f}')} |")
+    return "\n".join(lines)
+
+
 def print_table(rows: list[dict]) -> None:
     mib = lambda x: "–" if x is None else f"{x / 2**20:,.1f}"  # noqa: E731
     num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
@@ -488,7 +524,7 @@ def parse_args(argv=None):
     p.add_argument("--prompt-text", help="text file or directory of .txt: prompts are windows of it (default random)")
     p.add_argument("--tokenizer", help="tokenizer for --prompt-text (default: the run's)")
     p.add_argument("--beta", type=float, default=1.5, help="β of random DCP weights (default 1.5)")
-    p.add_argument("--repeats", type=int, default=3, help="timed calls after the warm-up (default 3; 0: warm-up "
+    p.add_argument("--repeats", type=int, default=5, help="timed calls after the warm-up (default 5; 0: warm-up "
                    "only, nothing timed: fills the persistent compilation cache for a later timed run)")
     p.add_argument("--prefill", choices=("all", "budget", "none"), default="all",
                    help="time the prefill (generate with max_new_tokens=1) in every mode (default), only in "
@@ -521,6 +557,14 @@ def parse_args(argv=None):
 
 
 def main(argv=None) -> dict:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--table"]:  # python bench_decode.py --table ROWS.json: the docs' markdown table
+        if len(argv) != 2:
+            raise SystemExit("--table takes one file: a --rows-out JSON list")
+        print(markdown_rows(argv[1]))
+        return {}
     args = parse_args(argv)
     model, params, info = load_model(args)
     cfg = model.cfg

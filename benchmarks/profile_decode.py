@@ -1,7 +1,7 @@
 """Where a decode step spends its device time: a ``jax.profiler`` trace of ``fox_jax.decoding.generate``.
 
-For each cache policy, the same model and prompts are generated twice, each in its own trace and with the same KV
-pool: with ``max_new_tokens=1`` (prefill and the first sample) and with ``--new-tokens N``. The difference of the two,
+For each cache policy, the same model and prompts are generated twice by one compiled program, each in its own trace:
+stopped after the first sample (``generate(steps=1)``: the prefill) and with all ``--new-tokens N``. The difference of the two,
 divided by the N − 1 decode steps, is the decode step: its wall time, its kernels (count and time per
 category, the categories of ``profile_step.py``), and the top kernels and JAX ops by time. The bound is the
 bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` TB/s.
@@ -38,7 +38,7 @@ def _hlo_text(model, params, tokens, policy, slots, new_tokens: int) -> str:
     padded, caches, chunk = gen._fresh_caches(model, tokens, policy, slots, None, 512,
                                               tokens.shape[1] + new_tokens - 1)
     lowered = gen._generate.lower(model, params, padded, caches, jax.random.PRNGKey(0), chunk, new_tokens,
-                                  0.0, None, None, (), gen.cast_plan(model, params, caches))
+                                  0.0, None, None, (), gen.cast_plan(model, params, caches), jnp.int32(new_tokens))
     return lowered.compile().as_text()
 
 
@@ -50,9 +50,9 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
     slots = min_slots(policy, tokens.shape[1] + new_tokens - 1)
     if pool is not None and not policy.fixed_budget:
         slots = min(pool, slots)
-    run = lambda n: generate(model, params, tokens, max_new_tokens=n, policy=policy, slots=slots)
-    for n in (1, new_tokens):  # compile both programs
-        jax.block_until_ready(run(n).tokens)
+    # one program: n = 1 stops it after the first sample (generate's steps), n = N runs every decode step
+    run = lambda n: generate(model, params, tokens, max_new_tokens=new_tokens, policy=policy, slots=slots, steps=n)
+    jax.block_until_ready(run(new_tokens).tokens)  # compile
     walls = {1: [], new_tokens: []}
     for _ in range(repeats):
         for n in walls:

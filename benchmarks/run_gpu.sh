@@ -38,7 +38,7 @@ DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
   [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [train]=540 [scaling]=330 [profile]=400
-  [decode]=300 [decode-attention]=240 [profile-decode]=240 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
+  [decode]=560 [decode-attention]=240 [profile-decode]=240 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
 
 # ------------------------------------------------------------------------------------------------- settings
 # attention / sweep (bench_attention.py): the anchor shapes + the 760M layer; every implementation side by side
@@ -60,6 +60,7 @@ mosaic-pad-chunked:attention_impl=mosaic,vocab_pad_multiple=128,loss_impl=chunke
 # decode / profile-decode (bench_decode.py, profile_decode.py): random-init models, speed and KV memory only
 DECODE_POLICIES=${DECODE_POLICIES:-dense,dcp,window:256,sinks:4+252}
 FOX_DECODE_POLICIES=${FOX_DECODE_POLICIES:-dense,acp,window:256,sinks:4+252}
+DECODE_BUDGET=${DECODE_BUDGET:-4}      # GiB of allocated KV in the budget mode
 # tests: the GPU tests (pytest -m gpu)
 TEST_FILES=${TEST_FILES:-"tests/test_pallas.py tests/test_mosaic.py tests/test_dcp_pallas.py"}
 # e2e: the training commands end to end (tokens/s from their metrics.jsonl)
@@ -130,18 +131,31 @@ stage_scaling() {  # 2 GPUs (nvidia-h200-x2): the 760M at 16k on each mesh of ME
 stage_profile() {  # where a training step's device time goes, per kernel category, variants side by side
   t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 \
     --variants $PROFILE_VARIANTS --out "$OUT/profile.json"; }
-stage_decode() {  # decoding under every cache policy, equal batch and a 2 GiB KV budget: GPT-2 124M, FoX (Pro) 125M
-  each_tree t python3 benchmarks/bench_decode.py --model gpt2 --policies "$DECODE_POLICIES" --prompt-lengths 896 \
-    --new-tokens 128 --equal-batch 32 --kv-budget 2 --out "$OUT/decode{tag}.json"
-  t python3 benchmarks/bench_decode.py --model fox-pro:125M --policies "$FOX_DECODE_POLICIES" \
-    --prompt-lengths 2048 8192 --new-tokens 64 --equal-batch 4 --kv-budget 2 --max-batch 64 \
-    --out "$OUT/decode_fox.json"; }
+stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 35-60 s each; rows merge into one file):
+  # gpt2 (B32, 896 + 128, every policy + HF static/dynamic cache) | fox:<prompt> (FoX (Pro) 125M, B8, prompt + 128)
+  # equal batch and a DECODE_BUDGET GiB KV budget; DECODE_ROWS (default results/decode/decode_h200.json, carried
+  # along) collects the rows of every part; $OUT/decode_h200.json is the merged file to commit back.
+  local rows=$OUT/decode_h200.json part rc=0
+  cp "${DECODE_ROWS:-benchmarks/results/decode/decode_h200.json}" "$rows" 2>/dev/null; chmod u+w "$rows" 2>/dev/null
+  for part in ${DECODE_PART:-gpt2}; do
+    case $part in
+      gpt2) t python3 benchmarks/bench_decode.py --model gpt2 --model-name gpt2-124M --policies "$DECODE_POLICIES" \
+              --prompt-lengths 896 --new-tokens 128 --equal-batch 32 --kv-budget "$DECODE_BUDGET" --hf \
+              --out "$W/decode/decode_gpt2.json" --rows-out "$rows" || rc=$? ;;
+      fox:*) t python3 benchmarks/bench_decode.py --model fox-pro:125M --model-name fox-pro-125M \
+              --policies "$FOX_DECODE_POLICIES" --prompt-lengths "${part#fox:}" --new-tokens 128 --equal-batch 8 \
+              --kv-budget "$DECODE_BUDGET" --out "$W/decode/decode_fox_${part#fox:}.json" --rows-out "$rows" || rc=$? ;;
+      *) echo "unknown DECODE_PART '$part' (gpt2 | fox:<prompt length>)"; rc=2 ;;
+    esac
+  done; return $rc; }
 stage_decode_attention() {  # the decode attention op alone: xla / Pallas kernel / cuDNN, tiling sweep, GPU tests
   t python3 -m pytest tests/test_decode_attention.py -m "gpu or not gpu" -q -n 0 -p no:cacheprovider
   t python3 benchmarks/bench_decode_attention.py --sweep --out "$OUT/decode_attention.json"; }
-stage_profile_decode() {  # where a decode step's device time goes (difference of N and 1 new tokens)
-  t python3 benchmarks/profile_decode.py --model gpt2 --batch 32 --prompt 896 --new-tokens 128 \
-    --policies dense,window:256 --out "$OUT/profile_decode.json"; }
+stage_profile_decode() {  # where a decode step's device time goes (N and 1 new tokens, one program); loop check
+  t python3 benchmarks/checks/check_decode_loop.py
+  t python3 benchmarks/profile_decode.py --model ${PROFILE_DECODE_MODEL:-gpt2} --batch ${PROFILE_DECODE_BATCH:-32} \
+    --prompt ${PROFILE_DECODE_PROMPT:-896} --new-tokens 128 --slots 256 \
+    --policies ${PROFILE_DECODE_POLICIES:-dense,window:256} --out "$OUT/profile_decode.json"; }
 stage_determinism() {  # the Pallas kernels twice on identical inputs, bit for bit (race detector)
   t python3 benchmarks/checks/check_determinism.py --shape 1x16384x16x128 --repeats 3; }
 stage_window() {  # the sliding window on the GPU: Triton kernels vs the float32 reference, and its speed
@@ -183,6 +197,17 @@ fi
 export PYTHONPATH=$ROOT${WHEELS:+:$WHEELS}
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fox_jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}
+# XLA's GEMM autotuning results per fusion, shared by every process of the call and kept for the next call:
+# AUTOTUNE_DIR (default .gpu/autotune: carried along when it exists) is copied into run.tar.gz (autotune/); unpack it
+# to .gpu/autotune and carry .gpu to skip the autotuning of programs compiled before (decode compiles 35-60 s).
+AUTOTUNE_DIR=${AUTOTUNE_DIR:-$GPU/autotune}
+if [[ " $STAGES " != " prepare " ]] && mkdir -p "$AUTOTUNE_DIR" 2>/dev/null && XLA_FLAGS="${XLA_FLAGS:-} \
+    --xla_gpu_per_fusion_autotune_cache_dir=$AUTOTUNE_DIR" python3 -c "import jax; jax.numpy.ones(1).block_until_ready()" \
+    > /dev/null 2>&1; then
+  export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_per_fusion_autotune_cache_dir=$AUTOTUNE_DIR"
+else
+  AUTOTUNE_DIR=
+fi
 if [[ " $STAGES " != " prepare " ]]; then
   stamp "gpu: $(nvidia-smi --query-gpu=name,memory.total,clocks.sm --format=csv,noheader 2>/dev/null | paste -sd';')"
   stamp "$(python3 -c 'import jax; print("jax", jax.__version__, jax.devices())' 2>&1 | tail -n 1)"
@@ -203,5 +228,5 @@ for s in $STAGES; do
   stamp "end   $s rc=$rc after $(( $(elapsed) - start ))s"
   rmdir "$W/$s" 2>/dev/null; pack
 done
-cp "$OUT/timeline.log" "$W/"; pack; rm -rf "$W"
+cp "$OUT/timeline.log" "$W/"; [ -n "$AUTOTUNE_DIR" ] && cp -r "$AUTOTUNE_DIR" "$W/autotune"; pack; rm -rf "$W"
 ls -la "$OUT"

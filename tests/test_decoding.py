@@ -1208,6 +1208,11 @@ def test_generate_greedy(arch):
     np.testing.assert_array_equal(out.live_counts[:, 0, :], 6 - PADS[None] + np.arange(n)[:, None])
     np.testing.assert_array_equal(out.lengths, [n] * 3)
     assert int(out.overflow.max()) == 0 and int(out.caches[0].length) == 6 + n - 1
+    # steps = k: the same compiled program stops after k samples (the first k tokens, then −1)
+    part = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, steps=3)
+    np.testing.assert_array_equal(part.tokens[:, :3], out.tokens[:, :3])
+    assert np.all(np.asarray(part.tokens[:, 3:]) == -1) and int(part.caches[0].length) == 6 + 3 - 1
+    np.testing.assert_array_equal(part.lengths, [3] * 3)
 
 
 def test_generate_sampling():
@@ -1287,6 +1292,9 @@ def test_generate_left_padded_row_equals_the_single_row():
 def test_generate_and_input_errors():
     model, params = tiny_lm("fox-llama")
     tokens = padded_batch(6)
+    for bad in (0, 5, 2.0):
+        with pytest.raises(ValueError, match="steps must be"):
+            generate(model, params, tokens, max_new_tokens=4, steps=bad)
     with pytest.raises(ValueError, match="too small"):
         prefill(model, params, tokens, slots=5)
     with pytest.raises(ValueError, match="too small"):

@@ -362,7 +362,7 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
 
 @functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 12)))
 def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-              plan):
+              plan, steps):
     b = tokens.shape[0]
     params = precast(params, plan)  # the converts the model would do every step, done once
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -375,7 +375,7 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
 
     def cond(state):
         i, _, _, done, _, _ = state
-        return (i < max_new_tokens) & ~jnp.all(done)
+        return (i < jnp.minimum(steps, max_new_tokens)) & ~jnp.all(done)
 
     def body(state):
         i, caches, tok, done, out, lives = state
@@ -397,7 +397,7 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
 def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense", slots=None, seq_start=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, stop_tokens=(),
              rng: jax.Array | None = None, prefill_chunk: int = 512, mesh=None,
-             max_context: int | None = None) -> Generation:
+             max_context: int | None = None, steps: int | None = None) -> Generation:
     """Autoregressive generation under a cache policy, prefill and decode loop in one jitted program.
 
     Token i is sampled with key ``fold_in(rng, i)``, so the result does not depend on the prefill chunking.
@@ -423,6 +423,9 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
         equal the unsharded ones (docs/multi_gpu.md). None: wherever the inputs are (one device).
       max_context: N of ``acp``'s threshold δ = −(2U + log N) + log ε, the most keys a query may see (default
         T + max_new_tokens − 1; ``serve`` uses its longest request's for every request). Other policies ignore it.
+      steps: sample at most this many of the N tokens (1 ≤ steps ≤ N; default N), the rest of ``tokens`` −1. A
+        runtime value: every ``steps`` runs the same compiled program, so e.g. the prefill alone (``steps=1``)
+        is timed with the decode loop's program, not a second compile (``benchmarks/bench_decode.py``).
 
     Returns:
       ``Generation(tokens, lengths, live_counts, overflow, caches)``.
@@ -448,7 +451,10 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     if mesh is not None:
         params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
         run = under_mesh(mesh, _generate)
-    return run(model, params, tokens, caches, rng, chunk, max_new_tokens, *sampling, stop_tokens, plan)
+    if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= max_new_tokens):
+        raise ValueError(f"steps must be None or an int in [1, max_new_tokens={max_new_tokens}], got {steps!r}")
+    return run(model, params, tokens, caches, rng, chunk, max_new_tokens, *sampling, stop_tokens, plan,
+               jnp.asarray(max_new_tokens if steps is None else steps, jnp.int32))
 
 
 def _check_decoding(cfg, max_new_tokens, prefill_chunk, temperature, top_k, top_p, stop_tokens, rng):
