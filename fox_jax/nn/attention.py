@@ -106,20 +106,24 @@ class ForgettingAttentionLayer(nn.Module):
                 v_state = jnp.where(after_pad, 0, cache.v_shift)
         dense = lambda n, name, bias=False, dt=dtype: nn.Dense(
             n, use_bias=bias, dtype=dt, param_dtype=jnp.float32, kernel_init=normal_init(cfg.init_std), name=name)
-        # every projection of x as two matmuls (parameters as separate nn.Dense layers): the compute-dtype
-        # group (q, k, v, output gate) and the float32 group (KV-shift α, forget gate, DCP q_int/k_int)
-        proj = lambda n, name, bias=False: DenseParams(n, bias, cfg.init_std, name=name)  # noqa: E731
-        low = [("q", proj(h * dh, "q_proj")), ("k", proj(hkv * dh, "k_proj")), ("v", proj(hkv * dh, "v_proj"))]
-        low += [("ogate", proj(h * dh, "ogate_proj"))] if cfg.output_gate else []
-        f32 = [("k_shift", proj(hkv, "k_shift_proj")), ("v_shift", proj(hkv, "v_shift_proj"))] if cfg.kv_shift else []
-        f32 += [("fgate", proj(h, "fgate_proj", True))] if cfg.use_fgate else []
-        f32 += [("q_int", proj(cfg.interaction_dim, "q_int")), ("k_int", proj(cfg.interaction_dim, "k_int"))] \
+        # The projections of x, (output, features, parameter, bias): in the compute dtype and in float32.
+        low = [("q", h * dh, "q_proj", False), ("k", hkv * dh, "k_proj", False), ("v", hkv * dh, "v_proj", False)]
+        low += [("ogate", h * dh, "ogate_proj", False)] if cfg.output_gate else []
+        f32 = [("k_shift", hkv, "k_shift_proj", False), ("v_shift", hkv, "v_shift_proj", False)] \
+            if cfg.kv_shift else []
+        f32 += [("fgate", h, "fgate_proj", True)] if cfg.use_fgate else []
+        f32 += [("q_int", cfg.interaction_dim, "q_int", False), ("k_int", cfg.interaction_dim, "k_int", False)] \
             if cfg.dcp else []
         groups = [(dtype, low), (jnp.dtype(jnp.float32), f32)] if dtype != jnp.float32 else [(dtype, low + f32)]
         y = {}
         for dt, members in groups:
-            if members:
-                y.update(zip([n for n, _ in members], fused_dense(x, [m for _, m in members], dt)))
+            if not members:
+                continue
+            if cache is None:  # B·T rows per matmul; each kernel shards by its own heads over `tensor`
+                y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
+            else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
+                params = [DenseParams(n, bias, cfg.init_std, name=name) for _, n, name, bias in members]
+                y.update(zip([o for o, *_ in members], fused_dense(x, params, dt)))
         q = y["q"].reshape(b, t, h, dh)
         k = y["k"].reshape(b, t, hkv, dh)
         v = y["v"].reshape(b, t, hkv, dh)

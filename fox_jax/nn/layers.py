@@ -70,7 +70,9 @@ def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype) -> l
     """``[nn.Dense(p.features)(x) for p in projections]`` computed as one matmul of ``x`` [..., d_in] with the
     kernels concatenated along their output axis (one GEMM launch instead of one per projection: a decode
     step is launch-bound), in ``dtype`` as ``nn.Dense(dtype=dtype)``. Each output [..., features_i] is in
-    ``dtype``; biases are added after the split. Same parameters as separate ``nn.Dense`` layers."""
+    ``dtype``; biases are added after the split. Same parameters as separate ``nn.Dense`` layers. The
+    attention layer uses it when decoding only: kernels sharded by different head axes over ``tensor`` would be
+    resharded by the concatenation, and with B·T rows per matmul a launch costs nothing."""
     weights = [p(x.shape[-1]) for p in projections]
     # each kernel cast on its own (the decode loop's ``precast`` then does it once, before the loop)
     kernel = jnp.concatenate([k.astype(dtype) for k, _ in weights], axis=1)
