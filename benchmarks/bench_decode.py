@@ -45,7 +45,8 @@ tokens_per_s, decode_tokens_per_s, ms_per_step (decode: (generate − prefill) /
 (B / the seconds to read, once per step, the weights in the compute dtype (all but an untied input embedding,
 which a step only gathers) and the mean live KV bytes, at ``--bandwidth`` TB/s), kv_bytes_allocated,
 kv_bytes_live, capacity, overflow, sparsity, plus the device and versions. ``--hf`` adds Hugging Face
-``transformers`` GPT-2 rows (static and dynamic cache, ``hf_decode.py``) on the same shape at ``--equal-batch``.
+``transformers`` GPT-2 rows (static and dynamic cache, ``hf_decode.py``) on the same shape at ``--equal-batch``
+(with ``--policies ""`` only those, their bound from the dense row already in the ``--rows-out`` file).
 
 ``python benchmarks/bench_decode.py --table FILE`` prints the docs' markdown table of such a file.
 
@@ -409,6 +410,21 @@ def vs_dense(rows: list[dict]) -> None:
                  kv_allocated_vs_dense=ratio("kv_bytes_allocated"))
 
 
+def dense_live_bytes(rows: list[dict], rows_out: str | None, model: str, prompt: int, batch: int | None) -> float:
+    """Mean live KV bytes of our dense equal-batch row of this shape (this call's, else the ``--rows-out``
+    file's; 0 without one): HF's rows get the same bound (the same weights and KV bytes)."""
+    for r in rows:
+        if r.get("mode") == "equal-batch" and r.get("policy") == "dense" and r.get("prompt_len") == prompt \
+                and "error" not in r:
+            return r.get("kv_live_bytes_mean") or 0
+    if rows_out and os.path.exists(rows_out):
+        for r in json.load(open(rows_out)):
+            if (r.get("model"), r.get("mode"), r.get("policy"), r.get("prompt"), r.get("batch")) == \
+                    (model, "equal-batch", "dense", prompt, batch) and "error" not in r:
+                return r.get("kv_bytes_live_mean") or 0
+    return 0
+
+
 def write_rows(path: str, new: list[dict]) -> None:
     """Merge ``new`` into the JSON list at ``path`` (a row with the same model, mode, policy and prompt is
     replaced), with the ratios to dense recomputed over the whole file (rows of several calls side by side)."""
@@ -616,9 +632,7 @@ def main(argv=None) -> dict:
                                   repeats=max(args.repeats, 1), n_layers=cfg.n_layers, d_model=cfg.d_model,
                                   n_heads=cfg.n_heads, vocab=cfg.vocab_size, positions=cfg.max_positions or 1024):
                 if "error" not in r:
-                    dense = next((x for x in rows if x["mode"] == "equal-batch" and x["policy"] == "dense"
-                                  and x["prompt_len"] == t and "error" not in x), None)
-                    live = (dense or {}).get("kv_live_bytes_mean") or 0  # the same KV as our dense row
+                    live = dense_live_bytes(rows, args.rows_out, name, t, args.equal_batch)
                     bound_s = (weights + live) / (args.bandwidth * 1e12)
                     r.update(bound_tokens_per_s=r["batch"] / bound_s, bound_ms_per_step=bound_s * 1e3,
                              fraction_of_bound=bound_s / (r["ms_per_step"] / 1e3), kv_bytes_live_mean=live or None)

@@ -5,9 +5,7 @@ a static KV cache (``cache_implementation="static"``: preallocated, the fastest 
 dynamic one; ``min_new_tokens = max_new_tokens`` so that every call decodes exactly N tokens. Timing as
 ``bench_decode.py``: the median of ``repeats`` calls after a warm-up, the prefill measured as a call with one new token,
 decode tokens/s = B·(N − 1) / (t(N) − t(1)). Needs torch with CUDA and transformers (the ``hf`` extra); imported only
-when ``bench_decode.py --hf`` asks for it, or as a script adding rows to an existing rows file:
-
-    python benchmarks/hf_decode.py --batch 32 --prompt 896 --new-tokens 128 --rows-out results/decode/decode_h200.json
+when ``bench_decode.py --hf`` asks for it (``--policies ""`` for the HF rows alone, added to a ``--rows-out`` file).
 """
 
 from __future__ import annotations
@@ -62,42 +60,3 @@ def hf_gpt2_rows(*, batch: int, prompt: int, new_tokens: int, caches=("static", 
                          torch=torch.__version__, transformers=transformers.__version__))
     return rows
 
-
-def main(argv=None) -> None:
-    """Add HF rows to a rows file of ``bench_decode.py --rows-out`` (its bound from our dense row of the shape)."""
-    import argparse
-    import json
-    import os
-
-    import torch
-
-    from bench_decode import write_rows
-
-    p = argparse.ArgumentParser(description="HF transformers GPT-2 decode rows (static and dynamic cache)")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=896)
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rows-out", required=True, help="JSON list of bench_decode.py rows to add to")
-    p.add_argument("--model-name", default="gpt2-124M", help="our dense row to take the bound from")
-    p.add_argument("--bandwidth", type=float, default=4.8)
-    args = p.parse_args(argv)
-    rows = json.load(open(args.rows_out)) if os.path.exists(args.rows_out) else []
-    ours = next((r for r in rows if r.get("model") == args.model_name and r.get("policy") == "dense"
-                 and r.get("mode") == "equal-batch" and r.get("batch") == args.batch and r.get("prompt") == args.prompt
-                 and "error" not in r), None)
-    new = []
-    for r in hf_gpt2_rows(batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens, repeats=args.repeats):
-        r.update(mode="equal-batch", model=f"{args.model_name} (hf transformers)",
-                 device=torch.cuda.get_device_name(), dtype="bfloat16")
-        if ours is not None and "error" not in r:
-            bound_s = ours["bound_ms_per_step"] / 1e3  # the same weights and KV bytes as our dense row
-            r.update(bound_tokens_per_s=args.batch / bound_s, bound_ms_per_step=bound_s * 1e3,
-                     fraction_of_bound=bound_s / (r["ms_per_step"] / 1e3), kv_bytes_live_mean=ours["kv_bytes_live_mean"])
-        print(json.dumps(r), flush=True)
-        new.append(r)
-    write_rows(args.rows_out, new)
-
-
-if __name__ == "__main__":
-    main()
