@@ -1,0 +1,45 @@
+"""benchmarks/bench_decode.py's rows in issue 20's keys: the bound, ms per step, the merge of several calls and
+the ratios to dense across them (pure Python: no model runs)."""
+
+import json
+
+import pytest
+
+from bench_decode import issue_row, markdown_rows, write_rows
+
+
+def bench_row(policy, batch, seconds, prefill, live_mean, mode="equal-batch", **kw):
+    return dict(mode=mode, policy=policy, provable=True, prompt_len=100, new_tokens=11, batch=batch,
+                seconds=seconds, prefill_seconds=prefill, tokens_per_sec=batch * 11 / seconds,
+                decode_tokens_per_sec=batch * 10 / (seconds - prefill), kv_allocated_bytes=4 * live_mean,
+                kv_live_bytes=live_mean, kv_live_bytes_mean=live_mean, capacity=128.0, live_tokens_mean=5.0,
+                sparsity_final=0.5, overflow=0, **kw)
+
+
+def test_issue_rows_bound_step_and_merge(tmp_path):
+    dev = dict(device="cpu", jax="x", dtype="bfloat16", date="d")
+    # 10 decode steps in 0.5 − 0.1 s: 40 ms a step; the bound reads 3.6e9 + 1.2e9 bytes at 4.8 TB/s: 1 ms
+    dense = issue_row(bench_row("dense", 8, 0.5, 0.1, 1.2e9), "m", int(3.6e9), 4.8, dev)
+    assert dense["ms_per_step"] == pytest.approx(40.0)
+    assert dense["bound_ms_per_step"] == pytest.approx(1.0)
+    assert dense["bound_tokens_per_s"] == pytest.approx(8 / 1e-3)
+    assert dense["fraction_of_bound"] == pytest.approx(1.0 / 40.0)
+    assert {"model", "policy", "batch", "prompt", "new_tokens", "decode_tokens_per_s", "tokens_per_s",
+            "bound_tokens_per_s", "kv_bytes_allocated", "kv_bytes_live", "ms_per_step"} <= set(dense)
+    path = tmp_path / "rows.json"
+    write_rows(str(path), [dense])
+    # a later call: acp at the same shape (its ratios come from the first call's dense row) and an error row
+    acp = issue_row(bench_row("acp", 8, 0.3, 0.1, 0.1e9), "m", int(3.6e9), 4.8, dev)
+    err = issue_row(dict(mode="kv-budget", policy="sinks:4+252", prompt_len=100, error="OOM"), "m", 1, 4.8, dev)
+    write_rows(str(path), [acp, err])
+    rows = {r["policy"]: r for r in json.loads(path.read_text())}
+    assert set(rows) == {"dense", "acp", "sinks:4+252"}
+    assert rows["acp"]["step_vs_dense"] == pytest.approx(20.0 / 40.0)
+    assert rows["acp"]["decode_vs_dense"] == pytest.approx(2.0)
+    assert rows["sinks:4+252"]["decode_vs_dense"] is None and rows["sinks:4+252"]["error"] == "OOM"
+    # the same key again replaces, never duplicates
+    write_rows(str(path), [issue_row(bench_row("acp", 8, 0.2, 0.1, 0.1e9), "m", int(3.6e9), 4.8, dev)])
+    rows = json.loads(path.read_text())
+    assert len(rows) == 3 and [r["ms_per_step"] for r in rows if r["policy"] == "acp"] == [pytest.approx(10.0)]
+    table = markdown_rows(str(path)).splitlines()
+    assert len(table) == 2 + 3 and "| acp | 8 |" in table[3] and "error: OOM" in table[4]
