@@ -41,6 +41,17 @@ def grads(fn, q, k, v, lf, cot):
     return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(q, k, v, lf)
 
 
+def out_and_grads(fn, q, k, v, lf, cot):
+    """``fn``'s output and ``grads`` (into q, k, v, log_fgate) compiled as one program (eagerly, XLA compiles
+    every op of the forward and of the backward separately)."""
+    def loss(*a):
+        o = fn(*a)
+        return jnp.sum(o.astype(jnp.float32) * cot), o
+
+    (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, lf)
+    return o, g
+
+
 SHAPES = [
     # b, tq, tk, h, hkv, d
     (2, 100, 100, 4, 4, 16),   # not a multiple of the block
@@ -61,12 +72,11 @@ def test_xla_matches_reference_f32(shape, variant):
         kw["segment_ids"] = packed_segments(b, tk)
     if variant in ("seq_start", "both"):
         kw["seq_start"] = jnp.asarray([min(7, tk - 1), 0][:b] if b > 1 else [5], jnp.int32)
-    out = forgetting_attention(q, k, v, lf, implementation="xla", block_q=32, block_k=16, **kw)
-    ref = forgetting_attention_reference(q, k, v, lf, **kw)
+    cot = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+    out, g = out_and_grads(lambda *a: forgetting_attention(*a, implementation="xla", block_q=32, block_k=16, **kw),
+                           q, k, v, lf, cot)
+    ref, gr = out_and_grads(lambda *a: forgetting_attention_reference(*a, **kw), q, k, v, lf, cot)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
-    cot = jax.random.normal(jax.random.PRNGKey(1), ref.shape)
-    g = grads(lambda *a: forgetting_attention(*a, implementation="xla", block_q=32, block_k=16, **kw), q, k, v, lf, cot)
-    gr = grads(lambda *a: forgetting_attention_reference(*a, **kw), q, k, v, lf, cot)
     for name, a, r in zip("qkvf", g, gr):
         np.testing.assert_allclose(a, r, atol=1e-4, rtol=0, err_msg=f"d{name}")
 
@@ -77,15 +87,13 @@ def test_xla_low_precision(dtype):
     shape = (2, 90, 150, 4, 2, 32)
     q, k, v, lf = make_inputs(*shape, dtype=dtype, seed=3)
     seg = packed_segments(2, 150, seed=4)
-    out = forgetting_attention(q, k, v, lf, segment_ids=seg, implementation="xla", block_q=32, block_k=32)
+    cot = jax.random.normal(jax.random.PRNGKey(2), q.shape)
+    out, g = out_and_grads(lambda *a: forgetting_attention(*a, segment_ids=seg, implementation="xla", block_q=32,
+                                                           block_k=32), q, k, v, lf, cot)
     assert out.dtype == dtype
-    ref = forgetting_attention_reference(q, k, v, lf, segment_ids=seg)
+    ref, gr = out_and_grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg), q, k, v, lf, cot)
     atol_o, atol_g = TOL[dtype]
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=atol_o, rtol=0)
-    cot = jax.random.normal(jax.random.PRNGKey(2), ref.shape)
-    g = grads(lambda *a: forgetting_attention(*a, segment_ids=seg, implementation="xla", block_q=32, block_k=32),
-              q, k, v, lf, cot)
-    gr = grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg), q, k, v, lf, cot)
     for name, a, r in zip("qkvf", g, gr):
         scale = float(jnp.max(jnp.abs(r)))
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - r)))
@@ -285,13 +293,11 @@ def check_window_against_reference(q, k, v, lf, window_size, impl, atol_o, atol_
                                     **blocks, **kw)
 
     lf = lf if gated else jnp.zeros(lf.shape, jnp.float32)
-    out = op(q, k, v, lf)
+    cot = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+    out, g = out_and_grads(op, q, k, v, lf, cot)
     assert out.dtype == q.dtype
-    ref = forgetting_attention_reference(f32(q), f32(k), f32(v), lf, window_size=window_size, **kw)
-    cot = jax.random.normal(jax.random.PRNGKey(1), ref.shape)
-    g = grads(op, q, k, v, lf, cot)
-    gr = grads(lambda *a: forgetting_attention_reference(*a, window_size=window_size, **kw),
-               f32(q), f32(k), f32(v), lf, cot)
+    ref, gr = out_and_grads(lambda *a: forgetting_attention_reference(*a, window_size=window_size, **kw),
+                            f32(q), f32(k), f32(v), lf, cot)
     n = 5 if gated else 4
     for name, a, r, atol in list(zip("oqkvf", (out,) + g, (ref,) + gr, (atol_o,) + (atol_g,) * 4))[:n]:
         err = float(jnp.max(jnp.abs(f32(a) - r)))
