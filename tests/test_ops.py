@@ -37,10 +37,6 @@ def packed_segments(b, tk, seed=0):
     return jnp.asarray(seg)
 
 
-def grads(fn, q, k, v, lf, cot):
-    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(q, k, v, lf)
-
-
 def out_and_grads(fn, q, k, v, lf, cot):
     """``fn``'s output and ``grads`` (into q, k, v, log_fgate) compiled as one program (eagerly, XLA compiles
     every op of the forward and of the backward separately)."""
@@ -114,10 +110,9 @@ def test_empty_rows_are_zero_and_finite():
     """Queries before seq_start see no key: output 0, gradients finite (no NaN from -inf - -inf)."""
     q, k, v, lf = make_inputs(2, 48, 48, 2, 2, 16)
     seq_start = jnp.asarray([20, 47], jnp.int32)
-    out = forgetting_attention(q, k, v, lf, seq_start=seq_start, implementation="xla", block_q=16, block_k=16)
+    out, g = out_and_grads(lambda *a: forgetting_attention(*a, seq_start=seq_start, implementation="xla", block_q=16,
+                                                           block_k=16), q, k, v, lf, jnp.ones(q.shape))
     assert np.all(np.asarray(out[0, :20]) == 0) and np.all(np.asarray(out[1, :47]) == 0)
-    g = grads(lambda *a: forgetting_attention(*a, seq_start=seq_start, implementation="xla", block_q=16, block_k=16),
-              q, k, v, lf, jnp.ones(out.shape))
     for x in g:
         assert np.all(np.isfinite(np.asarray(x)))
     # gates before seq_start do not matter: their gradient is exactly zero
@@ -217,12 +212,12 @@ def test_acp_skips_exactly_the_pruned_tiles():
 def test_acp_minus_inf_is_bitwise_dense():
     q, k, v, lf = make_inputs(1, 50, 50, 2, 2, 16)
     kw = dict(implementation="xla", block_q=16, block_k=16)
-    dense = forgetting_attention(q, k, v, lf, **kw)
-    pruned = forgetting_attention(q, k, v, lf, adaptive_threshold=-jnp.inf, **kw)
+    cot = jnp.ones(q.shape)
+    dense, g_dense = out_and_grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)
+    pruned, g_pruned = out_and_grads(lambda *a: forgetting_attention(*a, adaptive_threshold=-jnp.inf, **kw),
+                                     q, k, v, lf, cot)
     assert np.array_equal(np.asarray(dense), np.asarray(pruned))
-    cot = jnp.ones(dense.shape)
-    for a, b_ in zip(grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot),
-                     grads(lambda *a: forgetting_attention(*a, adaptive_threshold=-jnp.inf, **kw), q, k, v, lf, cot)):
+    for a, b_ in zip(g_dense, g_pruned):
         assert np.array_equal(np.asarray(a), np.asarray(b_))
 
 
@@ -236,17 +231,17 @@ def test_acp_auto_guarantee():
     lf = jnp.full((b, t, h), -3.0, jnp.float32)  # fast-forgetting heads: most tiles prunable
     kw = dict(implementation="xla", block_q=16, block_k=16)
     log_eps = -10.0
-    dense = forgetting_attention(q, k, v, lf, **kw)
-    out = forgetting_attention(q, k, v, lf, adaptive_threshold="auto", log_epsilon=log_eps, **kw)
+    cot = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    dense, g_dense = out_and_grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)
+    out, g_auto = out_and_grads(lambda *a: forgetting_attention(*a, adaptive_threshold="auto", log_epsilon=log_eps,
+                                                                **kw), q, k, v, lf, cot)
     delta = acp.resolve_threshold("auto", q, k, d ** -0.5, log_eps)
     stats = acp.pruning_stats(acp.kv_block_start(decay_cumsum(lf), delta, tq=t, block_q=16, block_k=16),
                               tq=t, tk=t, block_q=16, block_k=16)
     assert float(stats["fraction_skipped"]) > 0.5, stats
     bound = 2 * math.exp(log_eps) * float(jnp.max(jnp.abs(v)))
     assert float(jnp.max(jnp.abs(out - dense))) <= bound + 1e-6
-    cot = jax.random.normal(jax.random.PRNGKey(3), dense.shape)
-    for a, r in zip(grads(lambda *a: forgetting_attention(*a, adaptive_threshold="auto", **kw), q, k, v, lf, cot),
-                    grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)):
+    for a, r in zip(g_auto, g_dense):
         np.testing.assert_allclose(a, r, atol=2e-3)
 
 
@@ -364,11 +359,11 @@ def test_window_at_least_tk_is_no_window(impl):
     q, k, v, lf = make_inputs(2, 40, 50, 2, 1, 16, seed=11)
     kw = dict(implementation=impl, block_q=16, block_k=16, seq_start=jnp.asarray([0, 9], jnp.int32))
     cot = jax.random.normal(jax.random.PRNGKey(4), q.shape)
-    want = [forgetting_attention(q, k, v, lf, **kw)] + list(grads(lambda *a: forgetting_attention(*a, **kw),
-                                                                  q, k, v, lf, cot))
+    o, g = out_and_grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)
+    want = [o, *g]
     for w in (50, 10_000):
-        got = [forgetting_attention(q, k, v, lf, window_size=w, **kw)] + list(
-            grads(lambda *a: forgetting_attention(*a, window_size=w, **kw), q, k, v, lf, cot))
+        o, g = out_and_grads(lambda *a: forgetting_attention(*a, window_size=w, **kw), q, k, v, lf, cot)
+        got = [o, *g]
         for name, a, b_ in zip("oqkvf", got, want):
             assert np.array_equal(np.asarray(a), np.asarray(b_)), (w, name)
 
