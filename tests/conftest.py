@@ -34,11 +34,24 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs",
 # loop, so Python reports each abandoned task as an "Exception ignored in ..." traceback whenever it is
 # collected (often long after the test that damaged the checkpoint, ~50 lines each). The tests that read
 # damaged checkpoints assert the error fox_jax raises; these reports are orbax's teardown, not a result.
-for _pattern in (r"Exception ignored in. <coroutine object _read_array_index_and_device_put",
-                 r"(?s)Exception ignored in. None.*in call_soon_threadsafe.*Event loop is closed"):
-    warnings.filterwarnings("ignore", message=_pattern, category=pytest.PytestUnraisableExceptionWarning)
+_ORBAX_NOISE = (r"Exception ignored in. <coroutine object _read_array_index_and_device_put",
+                r"(?s)Exception ignored in. None.*in call_soon_threadsafe.*Event loop is closed")
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    # as ini filters: pytest applies them inside every warnings-catching context it opens (per test and for
+    # the session); a warnings.filterwarnings call at import time is undone when the context that imported
+    # this file closes. No ':' in the patterns: the ini syntax splits on it.
+    for pattern in _ORBAX_NOISE:
+        config.addinivalue_line("filterwarnings", f"ignore:{pattern}:pytest.PytestUnraisableExceptionWarning")
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_unconfigure(config):
+    # pytest collects the last unraisable reports in its own pytest_unconfigure, outside any of its
+    # warnings-catching contexts: the process-wide filters apply there
+    for pattern in _ORBAX_NOISE:
+        warnings.filterwarnings("ignore", message=pattern, category=pytest.PytestUnraisableExceptionWarning)
     if _OWN_CACHE is not None:  # this process made it (the xdist controller, or a run without xdist)
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
