@@ -109,6 +109,7 @@ def _loss_and_grads(params, batch, dtype, **overrides):
     return run(params, batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_model_losses_equal_the_old_path(dtype, params_and_batch):
     """LMTask's loss and gradients with the padded head, and with the chunked loss, against the old path.

@@ -37,6 +37,7 @@ def logits_fn(cfg, **kw):
     return jax.jit(lambda p, t: model.apply({"params": p}, t, **kw).logits)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_call_returns_model_output(family):
     """Every call returns a ``ModelOutput`` (a pytree: jit returns it, grad sees through it)."""

@@ -22,6 +22,10 @@ from fox_jax.ops.context_pruning import sparsity_loss
 from fox_jax.train import cli, config as config_lib, finetune_dcp
 from fox_jax.train.runs import open_run
 
+# an end-to-end module (docs/setup.md): its tests train and fine-tune runs (module fixtures), so the whole module
+# is outside the quick subset
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", ROOT.parent / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
@@ -355,7 +359,6 @@ def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, 
 TIMING = {"tokens_per_sec", "tflops", "mfu"}
 
 
-@pytest.mark.slow
 def test_killed_run_resumes_with_each_row_once(lm_full_run, fox_run, tmp_path):
     """A fine-tune SIGKILLed after step 4 (last checkpoint: step 3) and resumed: metrics.jsonl holds each step
     exactly once, with the values of the uninterrupted run."""
@@ -433,7 +436,6 @@ def test_dcp_eval_refuses_a_from_run_model_clearly(lm_full_run):
         dcp_eval.load_run(str(lm_full_run))
 
 
-@pytest.mark.slow
 def test_pallas_dcp_impl_follows_the_xla_run(full_run, hf_dir, corpus, tmp_path):
     """``--dcp-impl pallas`` (interpret mode here) trains the same model: the first 3 steps' losses match
     the default blockwise run to 1e-4 relative (float32; tiles and summation order differ, and a few
@@ -450,7 +452,6 @@ def test_pallas_dcp_impl_follows_the_xla_run(full_run, hf_dir, corpus, tmp_path)
     assert read_rows(workdir)[4]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-4)
 
 
-@pytest.mark.slow
 def test_sharded_and_unsharded_finetunes_agree(fox_run, tmp_path):
     """The DCP fine-tune of the FoX run on 8 simulated CPU devices (a subprocess; mesh data=2, fsdp=2,
     tensor=2: the batch over 4 devices, parameters over fsdp and tensor) and on one device agree for 4 steps.

@@ -15,6 +15,7 @@ def _summary(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dense", "window:8", "sinks:2+6", "acp"])
 def test_generate_command_prints_text_and_one_json_line(train_run, capsys, policy):  # noqa: F811
     run, cfg, params = train_run
@@ -59,6 +60,7 @@ def test_generate_command_errors(train_run, capsys, tmp_path):  # noqa: F811
     assert "--max-new-tokens must be a positive int" in error(["generate", run, "--prompt", "a", "--max-new-tokens", "0"])
 
 
+@pytest.mark.slow
 def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa: F811
     run = str(train_run[0])
     assert cli.main(["eval", "--workdir", run, "--cache", "window:4", "--num-docs", "2"]) == 0

@@ -92,6 +92,7 @@ def test_parse_variant():
         ps.parse_variant("bad:oops")
 
 
+@pytest.mark.slow
 def test_quick_cpu_run(tmp_path):
     out = tmp_path / "p.json"
     # one layer instead of the tiny preset's 4 (a variant's overrides apply to the model config): the same
