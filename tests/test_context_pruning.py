@@ -360,8 +360,8 @@ def test_dcp_attention_gqa_segments_and_decoding_alignment():
     assert_grads_close(g, g_ref, ("q", "k", "v", "log_mask"))
     # Tq < Tk: the last 9 queries over all keys.
     tq = 9
-    out = dcp_attention(q[:, -tq:], k, v, lm[:, -tq:], block_q=8, block_k=8)
-    np.testing.assert_allclose(out, dcp_attention_reference(q[:, -tq:], k, v, lm[:, -tq:]), atol=2e-5)
+    out = jax.jit(lambda *a: dcp_attention(*a, block_q=8, block_k=8))(q[:, -tq:], k, v, lm[:, -tq:])
+    np.testing.assert_allclose(out, jax.jit(dcp_attention_reference)(q[:, -tq:], k, v, lm[:, -tq:]), atol=2e-5)
 
 
 def test_dcp_attention_bfloat16_and_jit():
@@ -447,10 +447,13 @@ def test_dcp_attention_reference_is_forgetting_attention_plus_mask():
     q, k, v = qkv(rng, b, tq, tk, h, hkv, d)
     lf = random_log_fgate(rng, b, tk, h)
     zero = jnp.zeros((b, tq, tk), jnp.float32)
-    want = forgetting_attention_reference(q, k, v, lf)
-    np.testing.assert_allclose(dcp_attention_reference(q, k, v, zero, lf), want, atol=1e-6)
-    np.testing.assert_allclose(dcp_attention(q, k, v, zero, lf, block_q=8, block_k=8), want, atol=2e-5)
-    np.testing.assert_allclose(forgetting_attention(q, k, v, lf, implementation="xla"), want, atol=2e-5)
+    # each call one jitted program (eagerly, XLA compiles every op separately)
+    want = jax.jit(forgetting_attention_reference)(q, k, v, lf)
+    np.testing.assert_allclose(jax.jit(dcp_attention_reference)(q, k, v, zero, lf), want, atol=1e-6)
+    np.testing.assert_allclose(jax.jit(lambda *a: dcp_attention(*a, block_q=8, block_k=8))(q, k, v, zero, lf), want,
+                               atol=2e-5)
+    np.testing.assert_allclose(jax.jit(lambda *a: forgetting_attention(*a, implementation="xla"))(q, k, v, lf), want,
+                               atol=2e-5)
 
 
 def test_dcp_attention_fgate_zero_gates_equal_ungated_and_skip_is_exact():

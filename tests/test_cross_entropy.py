@@ -79,22 +79,39 @@ def test_jit_and_errors():
         lm_head_cross_entropy(h, w, t, chunk_size=0)
 
 
-def _loss_and_grads(dtype, **overrides):
-    m = preset("tiny", "fox-pro", vocab_size=257, dtype=dtype, **overrides)
-    cfg = config_lib.ExperimentConfig(model=m, steps=10, batch_size=2)
-    params = m.init_params(jax.random.PRNGKey(0))
-    toks = np.random.default_rng(1).integers(0, 257, (2, 46))
-    batch = {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
-    task, model = LMTask(cfg), m.build()
-    (loss, _), grads = jax.value_and_grad(lambda p: task.loss(model, p, batch, {}), has_aux=True)(params)
-    return loss, grads, token_losses(model, params, batch), model, params, batch
-
-
+# a FoX (Pro) of 2 layers, d_model 64: what matters is the LM head, [64, 257] (384 columns when padded)
+MODEL = dict(vocab_size=257, n_layers=1, d_model=64, n_heads=2)  # one layer: the head and the loss are under test
 OLD = dict(vocab_pad_multiple=1, loss_impl="logits")
 
 
+def _model(dtype="float32", **overrides):
+    return preset("tiny", "fox-pro", dtype=dtype, **MODEL, **overrides)
+
+
+@pytest.fixture(scope="module")
+def params_and_batch():
+    """float32 params of the old path's model and a batch. Padding and the loss change no parameter
+    (test_padded_head_logits_and_params checks it), so every variant uses these."""
+    params = jax.jit(_model(**OLD).init_params)(jax.random.PRNGKey(0))
+    toks = np.random.default_rng(1).integers(0, 257, (2, 46))
+    return params, {"inputs": jnp.asarray(toks[:, :-1]), "targets": jnp.asarray(toks[:, 1:])}
+
+
+def _loss_and_grads(params, batch, dtype, **overrides):
+    m = _model(dtype, **overrides)
+    task, model = LMTask(config_lib.ExperimentConfig(model=m, steps=10, batch_size=2)), m.build()
+
+    @jax.jit
+    def run(params, batch):
+        (loss, _), grads = jax.value_and_grad(lambda p: task.loss(model, p, batch, {}), has_aux=True)(params)
+        return loss, grads, token_losses(model, params, batch)
+
+    return run(params, batch)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_model_losses_equal_the_old_path(dtype):
+def test_model_losses_equal_the_old_path(dtype, params_and_batch):
     """LMTask's loss and gradients with the padded head, and with the chunked loss, against the old path.
 
     Padded head: the zero columns change no logit; float32 and bfloat16 agree to summation order (1e-5).
@@ -103,9 +120,10 @@ def test_model_losses_equal_the_old_path(dtype):
     bfloat16; the new one keeps float32 logits: losses agree to 1e-3, gradients to 3e-2 of their largest
     entry per parameter.
     """
-    l0, g0, tl0, *_ = _loss_and_grads(dtype, **OLD)
-    lp, gp, tlp, *_ = _loss_and_grads(dtype, vocab_pad_multiple=128, loss_impl="logits")
-    lc, gc, tlc, *_ = _loss_and_grads(dtype, vocab_pad_multiple=128, loss_impl="chunked", loss_chunk=30)
+    l0, g0, tl0 = _loss_and_grads(*params_and_batch, dtype, **OLD)
+    lp, gp, tlp = _loss_and_grads(*params_and_batch, dtype, vocab_pad_multiple=128, loss_impl="logits")
+    lc, gc, tlc = _loss_and_grads(*params_and_batch, dtype, vocab_pad_multiple=128, loss_impl="chunked",
+                                  loss_chunk=30)
     assert jax.tree_util.tree_structure(g0) == jax.tree_util.tree_structure(gc)
     np.testing.assert_allclose(float(lp), float(l0), rtol=1e-5)
     assert max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_rel, gp, g0))) < 1e-5
@@ -115,17 +133,18 @@ def test_model_losses_equal_the_old_path(dtype):
     assert max(jax.tree_util.tree_leaves(jax.tree_util.tree_map(_rel, gc, g0))) < tol_g
 
 
-def test_padded_head_logits_and_params():
-    _, _, _, model0, params, batch = _loss_and_grads("float32", **OLD)
-    _, _, _, model1, params1, _ = _loss_and_grads("float32")
-    assert jax.tree_util.tree_map(jnp.shape, params) == jax.tree_util.tree_map(jnp.shape, params1)
-    assert params["lm_head"]["kernel"].shape == (128, 257)
-    a = model0.apply({"params": params}, batch["inputs"]).logits
-    b = model1.apply({"params": params}, batch["inputs"]).logits
+def test_padded_head_logits_and_params(params_and_batch):
+    params, batch = params_and_batch
+    model0, model1 = _model(**OLD).build(), _model().build()
+    padded = jax.jit(_model().init_params)(jax.random.PRNGKey(0))  # the padded head's init: the same params
+    assert jax.tree_util.tree_map(jnp.shape, params) == jax.tree_util.tree_map(jnp.shape, padded)
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, padded)
+    assert params["lm_head"]["kernel"].shape == (MODEL["d_model"], 257)
+    a, b, out = jax.jit(lambda p, x: (model0.apply({"params": p}, x).logits, model1.apply({"params": p}, x).logits,
+                                      model1.apply({"params": p}, x, return_hidden=True)))(params, batch["inputs"])
     assert a.shape == b.shape == (2, 45, 257)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
-    out = model1.apply({"params": params}, batch["inputs"], return_hidden=True)
-    assert out.logits is None and out.hidden.shape == (2, 45, 128)
+    assert out.logits is None and out.hidden.shape == (2, 45, MODEL["d_model"])
 
 
 def test_config_checks():
@@ -133,7 +152,8 @@ def test_config_checks():
         preset("tiny", "fox-pro", loss_impl="fused")
     with pytest.raises(ValueError, match="vocab_pad_multiple"):
         preset("tiny", "fox-pro", vocab_pad_multiple=0)
-    m = preset("tiny", "fox-pro", vocab_size=257, dcp=True)
-    params = m.init_params(jax.random.PRNGKey(0))
+    m = _model(dcp=True)
+    params = jax.eval_shape(m.init_params, jax.random.PRNGKey(0))  # the check is at trace time
     with pytest.raises(ValueError, match="return_hidden"):
-        m.build().apply({"params": params}, jnp.zeros((1, 8), jnp.int32), alpha=1.0, return_hidden=True)
+        jax.eval_shape(lambda p: m.build().apply({"params": p}, jnp.zeros((1, 8), jnp.int32), alpha=1.0,
+                                                 return_hidden=True), params)

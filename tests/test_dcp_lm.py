@@ -32,6 +32,17 @@ def tokens_and_segments(seed=0, b=2):
     return tokens, seg
 
 
+def init(cfg, seed=0):
+    """``cfg.init_params`` compiled as one program (eagerly, XLA compiles each op of the init separately)."""
+    return jax.jit(cfg.init_params)(jax.random.PRNGKey(seed))
+
+
+def apply_fn(cfg, **kw):
+    """``LanguageModel(cfg).apply`` jitted: (params, *args) -> ModelOutput (``kw``: static options)."""
+    model = LanguageModel(cfg)
+    return jax.jit(lambda p, *a: model.apply({"params": p}, *a, **kw))
+
+
 def abstract_count(cfg):
     return count_params(jax.eval_shape(lambda: cfg.init_params(jax.random.PRNGKey(0))))
 
@@ -67,11 +78,11 @@ def test_param_count_off_unchanged_and_on_exact(arch):
 
 def test_added_params_initialised_as_specified():
     cfg = tiny("fox-llama")
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     new_cfg, new = cfg.add_dcp_params(params, jax.random.PRNGKey(1))
     assert new_cfg == cfg.replace(dcp=True)
     # Same structure and shapes as a DCP model initialised from scratch.
-    fresh = new_cfg.init_params(jax.random.PRNGKey(0))
+    fresh = init(new_cfg)
     shapes = lambda p: jax.tree_util.tree_map(lambda x: (x.shape, x.dtype), p)
     assert shapes(new) == shapes(fresh)
     d, r = cfg.d_model, cfg.interaction_dim
@@ -109,12 +120,12 @@ def test_huge_beta_keeps_everything_and_equals_dense_model(arch):
     # dense model with the same weights. Tolerance 1e-5: blockwise dcp_attention vs the dense model's
     # attention op, both float32 (a few ulps of O(1) logits after two layers).
     cfg = tiny(arch)
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     dcp_cfg, dcp_params = cfg.add_dcp_params(params, jax.random.PRNGKey(1), beta_init=1e4)
     tokens, seg = tokens_and_segments()
-    want = LanguageModel(cfg).apply({"params": params}, tokens, seg).logits
+    want = apply_fn(cfg)(params, tokens, seg).logits
     for alpha in (1.0, float("inf")):
-        out = LanguageModel(dcp_cfg).apply({"params": dcp_params}, tokens, seg, alpha=alpha)
+        out = apply_fn(dcp_cfg, alpha=alpha)(dcp_params, tokens, seg)
         logits, aux = out.logits, out.aux
         assert logits.dtype == jnp.float32 and logits.shape == (2, T, VOCAB)
         np.testing.assert_allclose(logits, want, atol=1e-5, rtol=1e-5)
@@ -176,7 +187,7 @@ def test_gradients_finite_and_reach_interaction_params(arch):
     # the fine-tuning loss CE + γ·sparsity_loss, as train/finetune_dcp.py builds it. fox-pro runs
     # with remat to exercise the rematerialised block path with a traced α.
     cfg = tiny(arch, dcp=True, remat="full" if arch == "fox-pro" else "none")
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x - 2.5 if path[-1].key == "beta" else x, params)
     tokens, seg = tokens_and_segments()
@@ -207,17 +218,18 @@ def test_gradients_finite_and_reach_interaction_params(arch):
 
 def test_alpha_required_and_decoding_uses_the_step_mask():
     cfg = tiny("fox-llama", dcp=True)
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     tokens, _ = tokens_and_segments()
     model = LanguageModel(cfg)
-    with pytest.raises(ValueError, match="alpha"):
-        model.apply({"params": params}, tokens)
+    with pytest.raises(ValueError, match="alpha"):  # raised while tracing: no need to run it
+        jax.eval_shape(lambda p, t: model.apply({"params": p}, t), params, tokens)
     # with a cache a DCP model decodes at α = ∞ (no alpha needed): the training path's logits at α = ∞
-    out = model.apply({"params": params}, tokens, cache=cfg.init_cache(tokens.shape[0], T, policy="dcp"))
-    want = model.apply({"params": params}, tokens, alpha=float("inf")).logits
+    out = jax.jit(lambda p, t, c: model.apply({"params": p}, t, cache=c))(
+        params, tokens, cfg.init_cache(tokens.shape[0], T, policy="dcp"))
+    want = apply_fn(cfg, alpha=float("inf"))(params, tokens).logits
     assert out.logits.dtype == jnp.float32 and len(out.cache) == cfg.n_layers
     np.testing.assert_allclose(out.logits, want, atol=1e-4, rtol=1e-4)  # float32, two summation orders
     # A dense model ignores alpha; its output has no aux.
     dense = tiny("fox-llama")
-    out = LanguageModel(dense).apply({"params": dense.init_params(jax.random.PRNGKey(0))}, tokens, alpha=1.0)
+    out = apply_fn(dense, alpha=1.0)(init(dense), tokens)
     assert out.logits.shape == (2, T, VOCAB) and out.aux == {} and out.cache is None

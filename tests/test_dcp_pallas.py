@@ -87,13 +87,15 @@ def test_pallas_dcp_matches_dense_with_gradients(case):
 def test_pallas_dcp_equals_xla_blockwise_and_bfloat16():
     rng = np.random.default_rng(22)
     q, k, v, lm, lf = _inputs(rng, 2, 41, 41, 2, 2, 32)
-    xla = dcp_attention(q, k, v, lm, lf, block_q=16, block_k=8)
-    pal = jax.jit(lambda *a: dcp_attention(*a, implementation="pallas"))(q, k, v, lm, lf)
+    xla = jax.jit(lambda *a: dcp_attention(*a, block_q=16, block_k=8))(q, k, v, lm, lf)
+    pallas = jax.jit(lambda *a: dcp_attention(*a, implementation="pallas"))  # one compilation per dtype
+    pal = pallas(q, k, v, lm, lf)
     np.testing.assert_allclose(pal, xla, atol=2e-5)
     qb, kb, vb = (x.astype(jnp.bfloat16) for x in (q, k, v))
-    out = dcp_attention(qb, kb, vb, lm, lf, implementation="pallas")
+    out = pallas(qb, kb, vb, lm, lf)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), dcp_attention_reference(qb, kb, vb, lm, lf), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), jax.jit(dcp_attention_reference)(qb, kb, vb, lm, lf),
+                               atol=3e-2)
 
 
 def test_pallas_dcp_never_loads_dropped_tiles():
@@ -110,11 +112,11 @@ def test_pallas_dcp_never_loads_dropped_tiles():
     keys = slice(n * fwd.block_k, (n + 1) * fwd.block_k)
     rows = slice(m * fwd.block_q, min((m + 1) * fwd.block_q, t))
     v_bad = v.at[:, keys].set(jnp.nan)
-    o_skip = dcp_attention(q, k, v_bad, lm, implementation="pallas")
-    o_full = dcp_attention(q, k, v_bad, lm, implementation="pallas", skip_dropped=False)
+    o_skip = jax.jit(lambda *a: dcp_attention(*a, implementation="pallas"))(q, k, v_bad, lm)
+    o_full = jax.jit(lambda *a: dcp_attention(*a, implementation="pallas", skip_dropped=False))(q, k, v_bad, lm)
     assert np.all(np.isfinite(np.asarray(o_skip[:, rows])))
     assert np.any(np.isnan(np.asarray(o_full[:, rows])))
-    np.testing.assert_allclose(o_skip[:, rows], dcp_attention_reference(q, k, v, lm)[:, rows], atol=2e-5)
+    np.testing.assert_allclose(o_skip[:, rows], jax.jit(dcp_attention_reference)(q, k, v, lm)[:, rows], atol=2e-5)
 
 
 def test_pallas_dcp_errors():

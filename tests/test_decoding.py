@@ -357,6 +357,7 @@ if given is not None:
         slots = tuple(count() for _ in range(hkv)) if kind == "acp" and draw(st.booleans()) else count()
         return policy, hkv, gates, chunks, pads, slots, draw(st.integers(0, 2 ** 32 - 1))
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("kind", CACHE_KINDS)
     @settings(max_examples=4, deadline=None, derandomize=True, database=None,
               suppress_health_check=[HealthCheck.too_slow])
@@ -443,6 +444,7 @@ def feed(cache, chunks, *arrays, facts=None):
     return np.concatenate(res, axis=1), cache
 
 
+@pytest.mark.slow
 def test_acp_eviction_stays_within_epsilon_of_dense():
     """ACP's bound (docs/design/fox_acp.md §5.1) at the layer: with |scale·q_i·k_j| ≤ U (here q and k are
     rescaled to norms ≤ 1.5 and 2, D = 4, so U = 1.5·2/√4 = 1.5) and δ = −(2U + log N) + log ε for N ≥ the
@@ -1169,6 +1171,7 @@ def test_generation_equals_recomputation_under_the_policy(family, policy, monkey
         assert int(overflow.max()) == 0
 
 
+@pytest.mark.slow
 def test_gpt2_local_pattern_decodes_as_window():
     """A GPT-2 trained with the fixed ``local:W`` pattern (the DCP paper's baseline) decodes under
     ``window:W`` on a pool of W slots: a prefill and decode steps equal its training path."""
@@ -1215,6 +1218,7 @@ def test_generate_greedy(arch):
     np.testing.assert_array_equal(part.lengths, [3] * 3)
 
 
+@pytest.mark.slow
 def test_generate_sampling():
     """A tiny top_p is greedy whatever the temperature; sampling is reproducible and stays in the top k
     (top_k = 1, top_p = 1 and intermediate top_p: ``test_sample_logits_filters``)."""

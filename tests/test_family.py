@@ -27,18 +27,32 @@ def gpt2_cfg(**kw):
 FAMILIES = {"lm": lm_cfg, "gpt2": gpt2_cfg}
 
 
+def init(cfg, seed=0):
+    """``cfg.init_params`` compiled as one program (eagerly, XLA compiles each op of the init separately)."""
+    return jax.jit(cfg.init_params)(jax.random.PRNGKey(seed))
+
+
+def logits_fn(cfg, **kw):
+    """The jitted ``apply(...).logits`` of ``cfg``'s model: params, tokens -> logits."""
+    model = cfg.build()
+    return jax.jit(lambda p, t: model.apply({"params": p}, t, **kw).logits)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_call_returns_model_output(family):
+    """Every call returns a ``ModelOutput`` (a pytree: jit returns it, grad sees through it)."""
     cfg = FAMILIES[family]()
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 12), 0, VOCAB)
     model = cfg.build()
-    dense = model.apply({"params": params}, tokens)
+    dense = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
     assert isinstance(dense, ModelOutput) and dense.cache is None and dense.aux == {}
     assert dense.logits.shape == (2, 12, VOCAB)
     # dense and DCP with the same weights, and a decoding cache: the same output type
     dcp_cfg, dcp_params = cfg.add_dcp_params(params, jax.random.PRNGKey(2), interaction_dim=8, beta_init=1e4)
-    dcp = dcp_cfg.build().apply({"params": dcp_params}, tokens, alpha=float("inf"))
+    dcp_model = dcp_cfg.build()
+    dcp = jax.jit(lambda p, t: dcp_model.apply({"params": p}, t, alpha=float("inf")))(dcp_params, tokens)
     assert isinstance(dcp, ModelOutput) and dcp.cache is None
     assert dcp.logits.dtype == jnp.float32 and set(dcp.aux) == {"log_masks", "sparsity", "sparsity_loss"}
     assert dcp.aux["log_masks"].shape == (2, 2, 12, 12) and dcp.aux["sparsity"].shape == (2,)
@@ -46,23 +60,21 @@ def test_every_call_returns_model_output(family):
     caches = cfg.init_cache(2, 16)
     assert len(caches) == cfg.n_layers and all(isinstance(c, SlotKVCache) for c in caches)
     assert all(c.policy.spec == "dense" and c.capacity == RING_BLOCK for c in caches)  # 16 rounded up
-    step = model.apply({"params": params}, tokens[:, :5], cache=caches)
+    step = jax.jit(lambda p, t, c: model.apply({"params": p}, t, cache=c))(params, tokens[:, :5], caches)
     assert isinstance(step, ModelOutput) and step.aux == {} and len(step.cache) == cfg.n_layers
     assert int(step.cache[0].length) == 5
     np.testing.assert_allclose(step.logits, dense.logits[:, :5], atol=1e-4)
-    # jit and grad see a pytree
-    out = jax.jit(lambda p, t: model.apply({"params": p}, t))(params, tokens)
-    assert isinstance(out, ModelOutput)
-    grads = jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens).logits))(params)
+    grads = jax.jit(jax.grad(lambda p: jnp.mean(model.apply({"params": p}, tokens).logits)))(params)
     assert jax.tree_util.tree_structure(grads) == jax.tree_util.tree_structure(params)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_blocks_and_layers_return_layer_output(family):
     cfg = FAMILIES[family]()
-    params = cfg.init_params(jax.random.PRNGKey(0))
-    tokens = jnp.zeros((1, 6), jnp.int32)
-    _, state = cfg.build().apply({"params": params}, tokens, capture_intermediates=True)
+    params = init(cfg)
+    model = cfg.build()
+    _, state = jax.jit(lambda p, t: model.apply({"params": p}, t, capture_intermediates=True))(
+        params, jnp.zeros((1, 6), jnp.int32))
     outs = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, LayerOutput))
     attn = [o for o in outs if isinstance(o, LayerOutput)]
     assert len(attn) == 2 * cfg.n_layers  # every block and every attention layer
@@ -74,11 +86,12 @@ def test_dcp_and_acp_caches(family):
     """Both families decode a DCP model under ``dcp`` (the caches store the interaction keys) with the same
     output type; ``dcp`` needs DCP weights, ``acp`` a forget gate (FoX), unknown policies name the forms."""
     cfg = FAMILIES[family](dcp=True, interaction_dim=8)
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     caches = cfg.init_cache(2, 8, policy="dcp")
     assert all(isinstance(c, SlotKVCache) and c.policy.spec == "dcp" for c in caches)
     assert all(g.k_int is not None and g.k_int.shape == (2, RING_BLOCK, 8) for c in caches for g in c.groups)
-    out = cfg.build().apply({"params": params}, jnp.zeros((2, 4), jnp.int32), cache=caches)
+    model = cfg.build()
+    out = jax.jit(lambda p, t, c: model.apply({"params": p}, t, cache=c))(params, jnp.zeros((2, 4), jnp.int32), caches)
     assert isinstance(out, ModelOutput) and out.aux == {} and out.logits.dtype == jnp.float32
     assert all(isinstance(c, SlotKVCache) and int(c.length) == 4 for c in out.cache)
     # a dense cache for the same DCP model (its unpruned baseline) stores no interaction keys
@@ -139,7 +152,7 @@ def test_protocol_methods(family):
     cfg = FAMILIES[family]()
     prefix = {"lm": "layers_", "gpt2": "h_"}[family]
     assert cfg.layer_names == (f"{prefix}0", f"{prefix}1")
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    params = init(cfg)
     assert set(cfg.layer_names) <= set(params)
     assert sum(x.size for x in jax.tree_util.tree_leaves(params)) == cfg.param_count()
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
@@ -163,5 +176,5 @@ def test_protocol_methods(family):
     # remat changes no parameter and no output
     tokens = jnp.ones((1, 5), jnp.int32)
     for policy in ("full", "dots"):
-        np.testing.assert_allclose(cfg.with_remat(policy).build().apply({"params": params}, tokens).logits,
-                                   cfg.build().apply({"params": params}, tokens).logits, atol=1e-6)
+        np.testing.assert_allclose(logits_fn(cfg.with_remat(policy))(params, tokens),
+                                   logits_fn(cfg)(params, tokens), atol=1e-6)

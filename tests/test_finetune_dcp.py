@@ -22,6 +22,10 @@ from fox_jax.ops.context_pruning import sparsity_loss
 from fox_jax.train import cli, config as config_lib, finetune_dcp
 from fox_jax.train.runs import open_run
 
+# an end-to-end module (docs/setup.md): its tests train and fine-tune runs (module fixtures), so the whole module
+# is outside the quick subset
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", ROOT.parent / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
@@ -198,18 +202,27 @@ def test_zeroshot_on_the_finetuned_run(full_run, capsys):
         assert ("sparsity" in report["results"]["piqa"]) == bool(extra)
 
 
-def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(corpus, tmp_path):
+PRETRAIN_SHAPE = ["--n-layer", "2", "--n-embd", "64", "--n-head", "4", "--n-positions", "64"]
+PRETRAIN_STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def pretrain_run(corpus, tmp_path_factory):
+    """A 12-step ``fox-jax pretrain-gpt2`` run (2 layers, d 64); the test that resumes it works on a copy."""
+    workdir = tmp_path_factory.mktemp("pretrain") / "pre"
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), *PRETRAIN_SHAPE, "--data", str(corpus / "train"),
+                     "--val-data", str(corpus / "val"), "--tokenizer", "bytes", "--steps", str(PRETRAIN_STEPS),
+                     "--batch-size", "4", "--warmup-steps", "2", "--lr", "3e-3", "--log-every", "1",
+                     "--eval-every", "0", "--eval-batches", "2", "--no-progress"]) == 0
+    return workdir
+
+
+def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(pretrain_run):
     """``fox-jax pretrain-gpt2``: random init of the requested shape, dense (no interaction params), the
     loss falls, the LR follows warmup + cosine to 10 %, and the HF export is what finetune-dcp loads."""
     from fox_jax.models.hf_gpt2 import load_hf_gpt2
 
-    workdir = tmp_path / "pre"
-    steps = 12
-    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--n-layer", "2", "--n-embd", "64", "--n-head", "4",
-                     "--n-positions", "64", "--data", str(corpus / "train"), "--val-data", str(corpus / "val"),
-                     "--tokenizer", "bytes", "--steps", str(steps), "--batch-size", "4",
-                     "--warmup-steps", "2", "--lr", "3e-3", "--log-every", "1", "--eval-every", "0",
-                     "--eval-batches", "2", "--no-progress"]) == 0
+    workdir, steps = pretrain_run, PRETRAIN_STEPS
     rows = read_rows(workdir)
     lrs = [rows[s]["lr"] for s in range(1, steps + 1)]                 # row s used lr(s - 1)
     assert lrs[:3] == pytest.approx([0.0, 1.5e-3, 3e-3], rel=1e-5)     # linear warmup over 2 steps
@@ -226,23 +239,22 @@ def test_pretrain_gpt2_trains_dense_and_exports_a_finetunable_model(corpus, tmp_
     assert saved["optim"]["schedule"] == "cosine" and saved["optim"]["min_lr_ratio"] == 0.1
 
 
-def test_pretrain_gpt2_resume_refuses_another_shape(corpus, tmp_path, capsys):
+def test_pretrain_gpt2_resume_refuses_another_shape(pretrain_run, tmp_path, capsys):
+    import shutil
+
     workdir = tmp_path / "pre"
-    shape = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--n-positions", "32"]
-    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), *shape, "--data", str(corpus / "train"),
-                     "--val-data", str(corpus / "val"), "--tokenizer", "bytes", "--steps", "2",
-                     "--batch-size", "2", "--eval-every", "0", "--eval-batches", "1", "--no-progress"]) == 0
-    capsys.readouterr()
+    shutil.copytree(pretrain_run, workdir)
+    shape = PRETRAIN_SHAPE
     before = sorted(str(p) for p in workdir.rglob("*"))
     for flags, needle in [(["--n-layer", "3"], "model.n_layers"), (["--size", "gpt2-medium"], "model.d_model")]:
-        assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--steps", "4", *flags]) == 2
+        assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--steps", "20", *flags]) == 2
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and needle in err and "--resume" in err, err
-    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--resume-step", "1", "--steps", "4"]) == 2
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", "--resume-step", "1", "--steps", "20"]) == 2
     assert "no checkpoint for step 1" in capsys.readouterr().err
     assert sorted(str(p) for p in workdir.rglob("*")) == before
     # the same shape is accepted
-    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", *shape, "--steps", "3",
+    assert cli.main(["pretrain-gpt2", "--workdir", str(workdir), "--resume", *shape, "--steps", str(PRETRAIN_STEPS + 1),
                      "--no-progress"]) == 0
 
 
@@ -347,7 +359,6 @@ def test_from_run_starts_from_the_run_and_resumes_exactly(lm_full_run, fox_run, 
 TIMING = {"tokens_per_sec", "tflops", "mfu"}
 
 
-@pytest.mark.slow
 def test_killed_run_resumes_with_each_row_once(lm_full_run, fox_run, tmp_path):
     """A fine-tune SIGKILLed after step 4 (last checkpoint: step 3) and resumed: metrics.jsonl holds each step
     exactly once, with the values of the uninterrupted run."""
@@ -425,7 +436,6 @@ def test_dcp_eval_refuses_a_from_run_model_clearly(lm_full_run):
         dcp_eval.load_run(str(lm_full_run))
 
 
-@pytest.mark.slow
 def test_pallas_dcp_impl_follows_the_xla_run(full_run, hf_dir, corpus, tmp_path):
     """``--dcp-impl pallas`` (interpret mode here) trains the same model: the first 3 steps' losses match
     the default blockwise run to 1e-4 relative (float32; tiles and summation order differ, and a few
@@ -442,7 +452,6 @@ def test_pallas_dcp_impl_follows_the_xla_run(full_run, hf_dir, corpus, tmp_path)
     assert read_rows(workdir)[4]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-4)
 
 
-@pytest.mark.slow
 def test_sharded_and_unsharded_finetunes_agree(fox_run, tmp_path):
     """The DCP fine-tune of the FoX run on 8 simulated CPU devices (a subprocess; mesh data=2, fsdp=2,
     tensor=2: the batch over 4 devices, parameters over fsdp and tensor) and on one device agree for 4 steps.

@@ -16,6 +16,7 @@ def _summary(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["dense", "window:8", "sinks:2+6", "acp"])
 def test_generate_command_prints_text_and_one_json_line(train_run, capsys, policy):  # noqa: F811
     run, cfg, params = train_run
@@ -133,6 +134,7 @@ def test_generate_prompt_file_serves_the_text_of_one_batch(train_run, capsys, tm
     assert served[:-1] == batch[:-1]
 
 
+@pytest.mark.slow
 def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa: F811
     run = str(train_run[0])
     assert cli.main(["eval", "--workdir", run, "--cache", "window:4", "--num-docs", "2"]) == 0

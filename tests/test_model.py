@@ -43,21 +43,41 @@ def test_flops_formula():
     assert cfg.flops_per_token(16384) == pytest.approx(2 * n + 2 * 24 * 1536 * 16384)
 
 
+# the model tests' size: 2 layers, d_model 64, 4 heads of 16 (the "tiny" preset is 4 layers of 128)
+SMALL = dict(n_layers=2, d_model=64, n_heads=4)
+
+
+def init(cfg, seed=0):
+    """``cfg.init_params`` compiled as one program (eagerly, XLA compiles each op of the init separately)."""
+    return jax.jit(cfg.init_params)(jax.random.PRNGKey(seed))
+
+
+def apply_fn(cfg, **kw):
+    """``LanguageModel(cfg).apply`` jitted: (params, *args) -> its output (``kw``: static options)."""
+    model = LanguageModel(cfg)
+    return jax.jit(lambda p, *a: model.apply({"params": p}, *a, **kw))
+
+
+def logits_fn(cfg):
+    f = apply_fn(cfg)
+    return lambda p, *a: f(p, *a).logits
+
+
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = preset("tiny", vocab_size=97)
-    return cfg, cfg.init_params(jax.random.PRNGKey(0))
+    cfg = preset("tiny", vocab_size=97, **SMALL)
+    return cfg, init(cfg)
 
 
 @pytest.mark.slow
 def test_forward_shapes_and_dtypes(tiny):
     cfg, params = tiny
     tokens = jax.random.randint(jax.random.PRNGKey(1), (3, 45), 0, 97)
-    logits = LanguageModel(cfg).apply({"params": params}, tokens).logits
+    logits = logits_fn(cfg)(params, tokens)
     assert logits.shape == (3, 45, 97) and logits.dtype == jnp.float32
     assert all(x.dtype == jnp.float32 for x in jax.tree_util.tree_leaves(params))
     bf = cfg.replace(dtype="bfloat16")
-    assert LanguageModel(bf).apply({"params": params}, tokens).logits.dtype == jnp.bfloat16
+    assert logits_fn(bf)(params, tokens).dtype == jnp.bfloat16
     assert "fgate_proj" in params["layers_0"]["attn"]
     assert np.all(np.asarray(params["layers_0"]["attn"]["fgate_proj"]["bias"]) == 0)  # f ≈ 0.5 at init
 
@@ -65,43 +85,43 @@ def test_forward_shapes_and_dtypes(tiny):
 @pytest.mark.slow
 def test_causality_and_segments(tiny):
     cfg, params = tiny
-    model = LanguageModel(cfg)
+    logits = logits_fn(cfg)
     tokens = jax.random.randint(jax.random.PRNGKey(2), (1, 40), 0, 97)
-    base = model.apply({"params": params}, tokens).logits
-    changed = model.apply({"params": params}, tokens.at[0, 30].set((tokens[0, 30] + 1) % 97)).logits
+    base = logits(params, tokens)
+    changed = logits(params, tokens.at[0, 30].set((tokens[0, 30] + 1) % 97))
     np.testing.assert_allclose(base[0, :30], changed[0, :30], atol=1e-5)  # the past ignores the future
     assert not np.allclose(base[0, 30:], changed[0, 30:])
     # a packed second document is processed as if it stood alone
     seg = jnp.concatenate([jnp.ones((1, 25), jnp.int32), 2 * jnp.ones((1, 15), jnp.int32)], 1)
-    packed = model.apply({"params": params}, tokens, seg).logits
-    alone = model.apply({"params": params}, tokens[:, 25:]).logits
+    packed = logits(params, tokens, seg)
+    alone = logits(params, tokens[:, 25:])
     np.testing.assert_allclose(packed[0, 25:], alone[0], atol=1e-4)
 
 
-def _assert_second_document_as_if_alone(model, params, vocab: int, first: int, length: int = 30):
+def _assert_second_document_as_if_alone(cfg, params, vocab: int, first: int, length: int = 30):
     """Two packed documents (segment ids, positions restarting): the second one's logits equal those of
     running it alone (no attention, RoPE offset or KV-shift carry across the boundary)."""
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, length), 0, vocab)
     seg = jnp.concatenate([jnp.ones((1, first), jnp.int32), 2 * jnp.ones((1, length - first), jnp.int32)], 1)
     pos = jnp.concatenate([jnp.arange(first), jnp.arange(length - first)])[None]
-    packed = model.apply({"params": params}, tokens, seg, pos).logits
-    alone = model.apply({"params": params}, tokens[:, first:]).logits
+    logits = logits_fn(cfg)
+    packed = logits(params, tokens, seg, pos)
+    alone = logits(params, tokens[:, first:])
     np.testing.assert_allclose(packed[0, first:], alone[0], atol=1e-4)
 
 
 @pytest.mark.slow
 def test_transformer_rope_positions_reset_per_segment():
-    cfg = preset("tiny", "transformer-llama", vocab_size=50)
-    params = cfg.init_params(jax.random.PRNGKey(0))
-    _assert_second_document_as_if_alone(LanguageModel(cfg), params, 50, 12)
+    cfg = preset("tiny", "transformer-llama", vocab_size=50, **SMALL)
+    _assert_second_document_as_if_alone(cfg, init(cfg), 50, 12)
 
 
 @pytest.mark.slow
 def test_xla_and_dense_attention_agree(tiny):
     cfg, params = tiny
     tokens = jax.random.randint(jax.random.PRNGKey(3), (2, 70), 0, 97)
-    a = LanguageModel(cfg.replace(attention_impl="xla", attention_block=32)).apply({"params": params}, tokens).logits
-    b = LanguageModel(cfg.replace(attention_impl="dense")).apply({"params": params}, tokens).logits
+    a = logits_fn(cfg.replace(attention_impl="xla", attention_block=32))(params, tokens)
+    b = logits_fn(cfg.replace(attention_impl="dense"))(params, tokens)
     np.testing.assert_allclose(a, b, atol=1e-4)
 
 
@@ -128,13 +148,13 @@ def test_jit_vmap_grad(tiny):
 @pytest.mark.slow
 def test_acp_in_model_sows_fraction(tiny):
     cfg, params = tiny
-    model = LanguageModel(cfg.replace(adaptive_threshold="auto", attention_block=16))
     tokens = jax.random.randint(jax.random.PRNGKey(5), (1, 64), 0, 97)
-    out, inter = model.apply({"params": params}, tokens, mutable=["intermediates"])
+    out, inter = apply_fn(cfg.replace(adaptive_threshold="auto", attention_block=16),
+                          mutable=["intermediates"])(params, tokens)
     logits = out.logits
     fractions = jax.tree_util.tree_leaves(inter)
     assert len(fractions) == cfg.n_layers
-    dense = LanguageModel(cfg).apply({"params": params}, tokens).logits
+    dense = logits_fn(cfg)(params, tokens)
     np.testing.assert_allclose(logits, dense, atol=1e-3)
 
 
@@ -145,8 +165,8 @@ def test_config_validation():
         ModelConfig(arch="mamba")
     with pytest.raises(ValueError, match="unknown model size"):
         preset("1B")
-    assert count_params(preset("tiny", vocab_size=11).init_params(jax.random.PRNGKey(0))) == \
-        preset("tiny", vocab_size=11).param_count()
+    cfg = preset("tiny", vocab_size=11)
+    assert count_params(jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0))) == cfg.param_count()
 
 
 @pytest.mark.slow
@@ -169,26 +189,26 @@ def test_kv_shift_continuation_matches_single_pass():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
 def test_pro_models_run_and_respect_segments(arch):
-    cfg = preset("tiny", arch, vocab_size=61)
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    cfg = preset("tiny", arch, vocab_size=61, **SMALL)
+    params = init(cfg)
     attn = params["layers_0"]["attn"]
     assert {"q_norm", "k_norm", "o_norm", "ogate_proj", "k_shift_proj", "v_shift_proj"} <= set(attn)
     assert ("fgate_proj" in attn) == (arch == "fox-pro")
-    _assert_second_document_as_if_alone(LanguageModel(cfg), params, 61, 10)
+    _assert_second_document_as_if_alone(cfg, params, 61, 10)
 
 
 @pytest.mark.slow
 def test_pro_acp_threshold_comes_from_qk_norm_weights():
     """QK-norm bounds every logit by √D·max|w_q|·max|w_k|, so ACP with "auto" uses the weights."""
     from fox_jax.ops import acp
-    cfg = preset("tiny", "fox-pro", vocab_size=61, adaptive_threshold="auto", attention_block=16)
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    cfg = preset("tiny", "fox-pro", vocab_size=61, adaptive_threshold="auto", attention_block=16, **SMALL)
+    params = init(cfg)
     # strongly forgetting gates so that tiles really are pruned
     params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -4.0)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 128), 0, 61)
-    out, inter = LanguageModel(cfg).apply({"params": params}, tokens, mutable=["intermediates"])
+    out, inter = apply_fn(cfg, mutable=["intermediates"])(params, tokens)
     pruned = out.logits
-    dense = LanguageModel(cfg.replace(adaptive_threshold=None)).apply({"params": params}, tokens).logits
+    dense = logits_fn(cfg.replace(adaptive_threshold=None))(params, tokens)
     fraction = float(inter["intermediates"]["layers_0"]["attn"]["acp_fraction_skipped"][0])
     assert fraction > 0.3
     np.testing.assert_allclose(pruned, dense, atol=1e-3)
@@ -198,7 +218,7 @@ def test_pro_acp_threshold_comes_from_qk_norm_weights():
 
 def test_weight_decay_mask_excludes_norms_and_biases():
     from fox_jax.train.loop import weight_decay_mask
-    params = preset("tiny", "fox-pro", vocab_size=61).init_params(jax.random.PRNGKey(0))
+    params = jax.eval_shape(preset("tiny", "fox-pro", vocab_size=61, **SMALL).init_params, jax.random.PRNGKey(0))
     mask = weight_decay_mask(params)
     attn = mask["layers_0"]["attn"]
     assert attn["q_proj"]["kernel"] and attn["fgate_proj"]["kernel"] and mask["embed"]["embedding"]
@@ -211,17 +231,16 @@ def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
     """The sown ``acp_fraction_skipped`` uses the Pallas forward kernel's tiling when the layer runs the
     kernel, and ``attention_block`` tiles on the XLA path (the two tilings skip different fractions)."""
     from fox_jax.ops import acp, pallas as pallas_ops
-    cfg = preset("tiny", "fox-llama", vocab_size=61, adaptive_threshold=-8.0, attention_block=64)
-    params = cfg.init_params(jax.random.PRNGKey(0))
+    cfg = preset("tiny", "fox-llama", vocab_size=61, adaptive_threshold=-8.0, attention_block=64, **SMALL)
+    params = init(cfg)
     params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -3.0)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 96), 0, 61)
     fractions = {}
     for impl in ("pallas", "xla"):
-        _, inter = LanguageModel(cfg.replace(attention_impl=impl)).apply({"params": params}, tokens,
-                                                                         mutable=["intermediates"])
+        _, inter = apply_fn(cfg.replace(attention_impl=impl), mutable=["intermediates"])(params, tokens)
         fractions[impl] = float(inter["intermediates"]["layers_0"]["attn"]["acp_fraction_skipped"][0])
     # the layer's Λ from its own log forget gates (sown into the "gates" collection on request)
-    _, state = LanguageModel(cfg).apply({"params": params}, tokens, mutable=["gates"])
+    _, state = apply_fn(cfg, mutable=["gates"])(params, tokens)
     lam = jnp.cumsum(state["gates"]["layers_0"]["attn"]["log_fgate"][0], axis=1)
     delta = jnp.full((1, cfg.n_heads), -8.0)
     want_pallas = pallas_ops.acp_stats(lam, delta, 96, head_dim=cfg.dim_per_head)["fwd"]["fraction_skipped"]

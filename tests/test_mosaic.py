@@ -129,6 +129,7 @@ def test_op_refuses_what_the_kernel_does_not_cover():
 # ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tq,tk,hkv,seq_start,segments,threshold", [
     pytest.param(300, 300, 2, (0, 77), None, None, id="seqstart-edge"),
     pytest.param(200, 333, 1, (140, 0), (100, 250), None, id="tq<tk-mqa-segments"),

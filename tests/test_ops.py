@@ -37,8 +37,15 @@ def packed_segments(b, tk, seed=0):
     return jnp.asarray(seg)
 
 
-def grads(fn, q, k, v, lf, cot):
-    return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32) * cot), argnums=(0, 1, 2, 3))(q, k, v, lf)
+def out_and_grads(fn, q, k, v, lf, cot):
+    """``fn``'s output and ``grads`` (into q, k, v, log_fgate) compiled as one program (eagerly, XLA compiles
+    every op of the forward and of the backward separately)."""
+    def loss(*a):
+        o = fn(*a)
+        return jnp.sum(o.astype(jnp.float32) * cot), o
+
+    (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(q, k, v, lf)
+    return o, g
 
 
 SHAPES = [
@@ -61,12 +68,11 @@ def test_xla_matches_reference_f32(shape, variant):
         kw["segment_ids"] = packed_segments(b, tk)
     if variant in ("seq_start", "both"):
         kw["seq_start"] = jnp.asarray([min(7, tk - 1), 0][:b] if b > 1 else [5], jnp.int32)
-    out = forgetting_attention(q, k, v, lf, implementation="xla", block_q=32, block_k=16, **kw)
-    ref = forgetting_attention_reference(q, k, v, lf, **kw)
+    cot = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+    out, g = out_and_grads(lambda *a: forgetting_attention(*a, implementation="xla", block_q=32, block_k=16, **kw),
+                           q, k, v, lf, cot)
+    ref, gr = out_and_grads(lambda *a: forgetting_attention_reference(*a, **kw), q, k, v, lf, cot)
     np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
-    cot = jax.random.normal(jax.random.PRNGKey(1), ref.shape)
-    g = grads(lambda *a: forgetting_attention(*a, implementation="xla", block_q=32, block_k=16, **kw), q, k, v, lf, cot)
-    gr = grads(lambda *a: forgetting_attention_reference(*a, **kw), q, k, v, lf, cot)
     for name, a, r in zip("qkvf", g, gr):
         np.testing.assert_allclose(a, r, atol=1e-4, rtol=0, err_msg=f"d{name}")
 
@@ -77,15 +83,13 @@ def test_xla_low_precision(dtype):
     shape = (2, 90, 150, 4, 2, 32)
     q, k, v, lf = make_inputs(*shape, dtype=dtype, seed=3)
     seg = packed_segments(2, 150, seed=4)
-    out = forgetting_attention(q, k, v, lf, segment_ids=seg, implementation="xla", block_q=32, block_k=32)
+    cot = jax.random.normal(jax.random.PRNGKey(2), q.shape)
+    out, g = out_and_grads(lambda *a: forgetting_attention(*a, segment_ids=seg, implementation="xla", block_q=32,
+                                                           block_k=32), q, k, v, lf, cot)
     assert out.dtype == dtype
-    ref = forgetting_attention_reference(q, k, v, lf, segment_ids=seg)
+    ref, gr = out_and_grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg), q, k, v, lf, cot)
     atol_o, atol_g = TOL[dtype]
     np.testing.assert_allclose(out.astype(jnp.float32), ref, atol=atol_o, rtol=0)
-    cot = jax.random.normal(jax.random.PRNGKey(2), ref.shape)
-    g = grads(lambda *a: forgetting_attention(*a, segment_ids=seg, implementation="xla", block_q=32, block_k=32),
-              q, k, v, lf, cot)
-    gr = grads(lambda *a: forgetting_attention_reference(*a, segment_ids=seg), q, k, v, lf, cot)
     for name, a, r in zip("qkvf", g, gr):
         scale = float(jnp.max(jnp.abs(r)))
         err = float(jnp.max(jnp.abs(a.astype(jnp.float32) - r)))
@@ -106,10 +110,9 @@ def test_empty_rows_are_zero_and_finite():
     """Queries before seq_start see no key: output 0, gradients finite (no NaN from -inf - -inf)."""
     q, k, v, lf = make_inputs(2, 48, 48, 2, 2, 16)
     seq_start = jnp.asarray([20, 47], jnp.int32)
-    out = forgetting_attention(q, k, v, lf, seq_start=seq_start, implementation="xla", block_q=16, block_k=16)
+    out, g = out_and_grads(lambda *a: forgetting_attention(*a, seq_start=seq_start, implementation="xla", block_q=16,
+                                                           block_k=16), q, k, v, lf, jnp.ones(q.shape))
     assert np.all(np.asarray(out[0, :20]) == 0) and np.all(np.asarray(out[1, :47]) == 0)
-    g = grads(lambda *a: forgetting_attention(*a, seq_start=seq_start, implementation="xla", block_q=16, block_k=16),
-              q, k, v, lf, jnp.ones(out.shape))
     for x in g:
         assert np.all(np.isfinite(np.asarray(x)))
     # gates before seq_start do not matter: their gradient is exactly zero
@@ -209,12 +212,12 @@ def test_acp_skips_exactly_the_pruned_tiles():
 def test_acp_minus_inf_is_bitwise_dense():
     q, k, v, lf = make_inputs(1, 50, 50, 2, 2, 16)
     kw = dict(implementation="xla", block_q=16, block_k=16)
-    dense = forgetting_attention(q, k, v, lf, **kw)
-    pruned = forgetting_attention(q, k, v, lf, adaptive_threshold=-jnp.inf, **kw)
+    cot = jnp.ones(q.shape)
+    dense, g_dense = out_and_grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)
+    pruned, g_pruned = out_and_grads(lambda *a: forgetting_attention(*a, adaptive_threshold=-jnp.inf, **kw),
+                                     q, k, v, lf, cot)
     assert np.array_equal(np.asarray(dense), np.asarray(pruned))
-    cot = jnp.ones(dense.shape)
-    for a, b_ in zip(grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot),
-                     grads(lambda *a: forgetting_attention(*a, adaptive_threshold=-jnp.inf, **kw), q, k, v, lf, cot)):
+    for a, b_ in zip(g_dense, g_pruned):
         assert np.array_equal(np.asarray(a), np.asarray(b_))
 
 
@@ -228,17 +231,17 @@ def test_acp_auto_guarantee():
     lf = jnp.full((b, t, h), -3.0, jnp.float32)  # fast-forgetting heads: most tiles prunable
     kw = dict(implementation="xla", block_q=16, block_k=16)
     log_eps = -10.0
-    dense = forgetting_attention(q, k, v, lf, **kw)
-    out = forgetting_attention(q, k, v, lf, adaptive_threshold="auto", log_epsilon=log_eps, **kw)
+    cot = jax.random.normal(jax.random.PRNGKey(3), q.shape)
+    dense, g_dense = out_and_grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)
+    out, g_auto = out_and_grads(lambda *a: forgetting_attention(*a, adaptive_threshold="auto", log_epsilon=log_eps,
+                                                                **kw), q, k, v, lf, cot)
     delta = acp.resolve_threshold("auto", q, k, d ** -0.5, log_eps)
     stats = acp.pruning_stats(acp.kv_block_start(decay_cumsum(lf), delta, tq=t, block_q=16, block_k=16),
                               tq=t, tk=t, block_q=16, block_k=16)
     assert float(stats["fraction_skipped"]) > 0.5, stats
     bound = 2 * math.exp(log_eps) * float(jnp.max(jnp.abs(v)))
     assert float(jnp.max(jnp.abs(out - dense))) <= bound + 1e-6
-    cot = jax.random.normal(jax.random.PRNGKey(3), dense.shape)
-    for a, r in zip(grads(lambda *a: forgetting_attention(*a, adaptive_threshold="auto", **kw), q, k, v, lf, cot),
-                    grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)):
+    for a, r in zip(g_auto, g_dense):
         np.testing.assert_allclose(a, r, atol=2e-3)
 
 
@@ -285,13 +288,11 @@ def check_window_against_reference(q, k, v, lf, window_size, impl, atol_o, atol_
                                     **blocks, **kw)
 
     lf = lf if gated else jnp.zeros(lf.shape, jnp.float32)
-    out = op(q, k, v, lf)
+    cot = jax.random.normal(jax.random.PRNGKey(1), q.shape)
+    out, g = out_and_grads(op, q, k, v, lf, cot)
     assert out.dtype == q.dtype
-    ref = forgetting_attention_reference(f32(q), f32(k), f32(v), lf, window_size=window_size, **kw)
-    cot = jax.random.normal(jax.random.PRNGKey(1), ref.shape)
-    g = grads(op, q, k, v, lf, cot)
-    gr = grads(lambda *a: forgetting_attention_reference(*a, window_size=window_size, **kw),
-               f32(q), f32(k), f32(v), lf, cot)
+    ref, gr = out_and_grads(lambda *a: forgetting_attention_reference(*a, window_size=window_size, **kw),
+                            f32(q), f32(k), f32(v), lf, cot)
     n = 5 if gated else 4
     for name, a, r, atol in list(zip("oqkvf", (out,) + g, (ref,) + gr, (atol_o,) + (atol_g,) * 4))[:n]:
         err = float(jnp.max(jnp.abs(f32(a) - r)))
@@ -358,11 +359,11 @@ def test_window_at_least_tk_is_no_window(impl):
     q, k, v, lf = make_inputs(2, 40, 50, 2, 1, 16, seed=11)
     kw = dict(implementation=impl, block_q=16, block_k=16, seq_start=jnp.asarray([0, 9], jnp.int32))
     cot = jax.random.normal(jax.random.PRNGKey(4), q.shape)
-    want = [forgetting_attention(q, k, v, lf, **kw)] + list(grads(lambda *a: forgetting_attention(*a, **kw),
-                                                                  q, k, v, lf, cot))
+    o, g = out_and_grads(lambda *a: forgetting_attention(*a, **kw), q, k, v, lf, cot)
+    want = [o, *g]
     for w in (50, 10_000):
-        got = [forgetting_attention(q, k, v, lf, window_size=w, **kw)] + list(
-            grads(lambda *a: forgetting_attention(*a, window_size=w, **kw), q, k, v, lf, cot))
+        o, g = out_and_grads(lambda *a: forgetting_attention(*a, window_size=w, **kw), q, k, v, lf, cot)
+        got = [o, *g]
         for name, a, b_ in zip("oqkvf", got, want):
             assert np.array_equal(np.asarray(a), np.asarray(b_)), (w, name)
 

@@ -188,6 +188,7 @@ def _check_result(result, lengths, depths, n):
     json.dumps(result)  # JSON-able
 
 
+@pytest.mark.slow
 def test_run_passkey_on_a_tiny_random_model(tiny_model, tmp_path):
     model, params = tiny_model
     lengths, depths = [144, 160], [0.0, 1.0]
@@ -253,6 +254,7 @@ def test_help_and_argument_errors_import_no_jax():
     assert not loaded & set(HEAVY), sorted(loaded & set(HEAVY))
 
 
+@pytest.mark.slow
 def test_cli_on_a_tiny_run(train_run, text_file, tmp_path, capsys):  # noqa: F811
     run = train_run[0]
     out = tmp_path / "out"

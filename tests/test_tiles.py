@@ -72,8 +72,12 @@ def test_visits_equal_the_dense_masks(tq, bq, bk):
     lam = decay_cumsum(_gates(rng))
     delta = jnp.asarray([[-1.0, -3.0], [-2.0, -0.5]], jnp.float32)
 
+    @jax.jit  # one compilation per set of constraints (eagerly: one per op)
+    def _visited(**kw):
+        return tile_visits(tq, tk, bq, bk, **kw).visited()
+
     def visited(**kw):
-        return np.asarray(tile_visits(tq, tk, bq, bk, **kw).visited())
+        return np.asarray(_visited(**kw))
 
     causal = _tiles(_dense_visible(tq, tk), bq, bk)[:, None]
     np.testing.assert_array_equal(visited(), causal)
@@ -336,15 +340,22 @@ def test_tile_lists_follow_the_visits(tq, tk, bq, bk, window_size):
     ss = jnp.asarray([0, 13], jnp.int32)
     seg = np.stack([np.arange(tk) // 11, np.zeros(tk, int)])  # packed documents; one document
     lm = jnp.asarray(np.where(rng.uniform(size=(B, tq, tk)) < 0.7, -100.0, -1.0), jnp.float32)
-    visits = tile_visits(tq, tk, bq, bk, seq_start=ss, segment_ids=jnp.asarray(seg), log_mask=lm,
-                         window_size=window_size)
+
+    @jax.jit  # one compilation for all of it (eagerly, every op of the description compiles on its own)
+    def described(ss, seg, lm):
+        visits = tile_visits(tq, tk, bq, bk, seq_start=ss, segment_ids=seg, log_mask=lm, window_size=window_size)
+        return dict(masked=visits.element_masked(seg), visited=visits.visited(), keys=visits.key_lists(seg),
+                    queries=visits.query_lists(seg), keys_unsplit=visits.key_lists(seg, masked_first=False),
+                    masked_geo=visits.element_masked())
+
+    got = described(ss, jnp.asarray(seg), lm)
     hidden = _hidden_tiles(tq, tk, bq, bk, np.asarray(ss), seg, window_size)
-    np.testing.assert_array_equal(visits.element_masked(jnp.asarray(seg)), hidden)
+    np.testing.assert_array_equal(got["masked"], hidden)
     assert np.any(hidden[1]) and (window_size is not None or np.any(~hidden[1]))  # both kinds occur
-    vis = np.asarray(visits.visited())
-    _check_lists(visits.key_lists(jnp.asarray(seg)), vis, hidden[:, None])
-    _check_lists(visits.query_lists(jnp.asarray(seg)), np.swapaxes(vis, -1, -2), np.swapaxes(hidden, -1, -2)[:, None])
-    _check_lists(visits.key_lists(jnp.asarray(seg), masked_first=False), vis)
+    vis = np.asarray(got["visited"])
+    _check_lists(got["keys"], vis, hidden[:, None])
+    _check_lists(got["queries"], np.swapaxes(vis, -1, -2), np.swapaxes(hidden, -1, -2)[:, None])
+    _check_lists(got["keys_unsplit"], vis)
     # without documents only the geometry counts
     hidden_geo = _hidden_tiles(tq, tk, bq, bk, np.asarray(ss), None, window_size)
-    np.testing.assert_array_equal(visits.element_masked(), hidden_geo)
+    np.testing.assert_array_equal(got["masked_geo"], hidden_geo)

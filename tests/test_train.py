@@ -40,11 +40,29 @@ def read_metrics(workdir):
         return [json.loads(line) for line in f]
 
 
+@pytest.fixture(scope="module")
+def run8(corpus_dir, tmp_path_factory):
+    """(workdir, RunResult) of ``small_config(steps=8)``: evaluations and checkpoints at steps 4 and 8 (the
+    tests that resume or damage it work on a copy)."""
+    workdir = tmp_path_factory.mktemp("run8") / "run"
+    return workdir, loop.train(small_config(corpus_dir, steps=8), str(workdir), progress=False)
+
+
+def copy_run(src: Path, dst: Path, last_step: int | None = None) -> Path:
+    """A copy of the run ``src`` at ``dst``; ``last_step``: without the checkpoints after it."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    for p in (dst / "checkpoints").iterdir():
+        if last_step is not None and p.name.isdigit() and int(p.name) > last_step:
+            shutil.rmtree(p)
+    return dst
+
+
 @pytest.mark.slow
-def test_train_eval_and_metrics(corpus_dir, tmp_path):
-    cfg = small_config(corpus_dir, steps=8)
-    result = loop.train(cfg, str(tmp_path / "run"), progress=False)
-    rows = read_metrics(tmp_path / "run")
+def test_train_eval_and_metrics(run8, tmp_path):
+    workdir, result = run8
+    rows = read_metrics(workdir)
     assert [r["step"] for r in rows] == list(range(0, 9))
     assert set(rows[0]) == {"step", "val_loss", "val_ppl"}  # evaluation before the first step
     rows = rows[1:]
@@ -53,9 +71,9 @@ def test_train_eval_and_metrics(corpus_dir, tmp_path):
     evals = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in evals] == [4, 8] and all("val_ppl" in r for r in evals)
     assert result.val_loss == pytest.approx(evals[-1]["val_loss"])
-    assert any(p.name.startswith("events") for p in (tmp_path / "run" / "tb").iterdir())
+    assert any(p.name.startswith("events") for p in (workdir / "tb").iterdir())
     from fox_jax.train import evaluate
-    report = evaluate.evaluate_run(str(tmp_path / "run"), num_docs=4)
+    report = evaluate.evaluate_run(str(copy_run(workdir, tmp_path / "run")), num_docs=4)
     assert report["step"] == 8 and report["val_ppl"] > 1
     assert os.path.exists(report["per_position_png"])
     assert len(report["per_position_loss"]) == 32
@@ -70,10 +88,9 @@ def _interrupt():
 
 
 @pytest.mark.slow
-def test_resumed_run_matches_uninterrupted(corpus_dir, tmp_path, monkeypatch):
+def test_resumed_run_matches_uninterrupted(corpus_dir, run8, tmp_path, monkeypatch):
     cfg = small_config(corpus_dir, steps=8)
-    loop.train(cfg, str(tmp_path / "full"), progress=False)
-    full = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "full")[1:]}
+    full = {r["step"]: r["loss"] for r in read_metrics(run8[0])[1:]}  # the uninterrupted run of cfg
 
     real = data_lib.make_train_iterator
 
@@ -94,18 +111,18 @@ def test_resumed_run_matches_uninterrupted(corpus_dir, tmp_path, monkeypatch):
     assert resumed == full  # bit-identical losses
 
 
-def test_resume_refuses_changed_model_and_keeps_checkpoint(corpus_dir, tmp_path):
+def test_resume_refuses_changed_model_and_keeps_checkpoint(corpus_dir, run8, tmp_path):
     cfg = small_config(corpus_dir, steps=4)
-    loop.train(cfg, str(tmp_path / "run"), progress=False)
+    copy_run(run8[0], tmp_path / "run", last_step=4)  # a run of cfg: the same steps 1-4, checkpoint 4
     changed = config_lib.apply_overrides(cfg, ["model.n_layers=3"])
     with pytest.raises(ValueError, match="model.n_layers"):
         loop.train(changed, str(tmp_path / "run"), resume=True, progress=False)
     assert (tmp_path / "run" / "checkpoints" / "4").is_dir()
 
 
-def test_corrupt_checkpoint_is_reported_not_destroyed(corpus_dir, tmp_path):
+def test_corrupt_checkpoint_is_reported_not_destroyed(corpus_dir, run8, tmp_path):
     cfg = small_config(corpus_dir, steps=4)
-    loop.train(cfg, str(tmp_path / "run"), progress=False)
+    copy_run(run8[0], tmp_path / "run", last_step=4)  # a run of cfg: the same steps 1-4, checkpoint 4
     ckpt = tmp_path / "run" / "checkpoints" / "4" / "state"
     victims = [p for p in ckpt.rglob("*") if p.is_file() and p.stat().st_size > 0]
     assert victims

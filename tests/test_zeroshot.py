@@ -182,6 +182,7 @@ def hf_dir(tmp_path_factory):
     return path
 
 
+@pytest.mark.slow
 def test_gpt2_scorer_matches_transformers_and_dcp_keep_all(hf_dir):
     import torch
     import transformers
