@@ -57,7 +57,9 @@ def parse_mesh(spec: str | None) -> dict[str, int]:
             raise ValueError(f"--mesh: {spec!r} does not divide the {n} devices")
         sizes[auto[0]] = n // known
     if int(np.prod(list(sizes.values()))) != n:
-        raise ValueError(f"--mesh: {sizes} needs {int(np.prod(list(sizes.values())))} devices, have {n}")
+        mesh = ",".join(f"{k}={v}" for k, v in sizes.items())
+        raise ValueError(f"--mesh: {mesh} needs {int(np.prod(list(sizes.values())))} devices, have {n} (on CPU, "
+                         f"simulate them with XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     return sizes
 
 
