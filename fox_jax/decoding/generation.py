@@ -444,6 +444,8 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
     if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
         raise ValueError(f"max_context must be None or a positive int, got {max_context!r}")
+    if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= max_new_tokens):
+        raise ValueError(f"steps must be None or an int in [1, max_new_tokens={max_new_tokens}], got {steps!r}")
     tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context,
                                           max_context)
     plan = cast_plan(model, params, caches)
@@ -451,8 +453,6 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     if mesh is not None:
         params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
         run = under_mesh(mesh, _generate)
-    if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= max_new_tokens):
-        raise ValueError(f"steps must be None or an int in [1, max_new_tokens={max_new_tokens}], got {steps!r}")
     return run(model, params, tokens, caches, rng, chunk, max_new_tokens, *sampling, stop_tokens, plan,
                jnp.asarray(max_new_tokens if steps is None else steps, jnp.int32))
 
