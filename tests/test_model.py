@@ -251,11 +251,12 @@ def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
     assert fractions["pallas"] != fractions["xla"]
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_dense_is_separate_dense_layers(dtype):
+@pytest.mark.parametrize("dtype,lead", [("float32", (2, 7)), ("float32", (3, 30)), ("bfloat16", (2, 7))])
+def test_fused_dense_is_separate_dense_layers(dtype, lead):
     """``fused_dense`` (one matmul over concatenated kernels) = one ``nn.Dense`` per projection: the same
     parameter names, shapes and initial values, and the same outputs and input/kernel gradients. float32:
-    1e-6 (only the matmul's summation order may differ); bfloat16 outputs: one bf16 ulp (2^-8 relative)."""
+    1e-6 (only the summation order may differ: 14 rows take the multiply-and-sum form, 90 the matmul);
+    bfloat16 outputs: one bf16 ulp (2^-8 relative)."""
     import flax.linen as nn
 
     from fox_jax.nn.layers import DenseParams, fused_dense, normal_init
@@ -274,7 +275,7 @@ def test_fused_dense_is_separate_dense_layers(dtype):
         def __call__(self, x):
             return fused_dense(x, [DenseParams(n, b, 0.3, name=f"p{i}") for i, (n, b) in enumerate(sizes)], dt)
 
-    x = jax.random.normal(jax.random.PRNGKey(1), (2, 7, 16), jnp.float32).astype(dt)
+    x = jax.random.normal(jax.random.PRNGKey(1), (*lead, 16), jnp.float32).astype(dt)
     p_sep = Separate().init(jax.random.PRNGKey(0), x)["params"]
     p_fus = Fused().init(jax.random.PRNGKey(0), x)["params"]
     jax.tree_util.tree_map(np.testing.assert_array_equal, p_sep, p_fus)  # also checks the tree structure

@@ -4,7 +4,8 @@ Every model family takes the same decoding protocol: ``model.apply({"params": p}
 returns a ``ModelOutput`` whose ``cache`` is the updated tuple of per-layer ``SlotKVCache``s (made by the
 config's ``init_cache``). The call appends a chunk of T ≥ 1 tokens; what each query sees is decided by the
 caches' policy (``fox_jax.cache.policies``: dense, dcp, acp, window:W, sinks:S+W) and any split of a sequence
-into chunks gives the same logits under that policy. This module never asks which model it holds.
+into chunks gives the same logits under that policy; ``last_logits=True`` returns the last column's logits
+alone (a prefill chunk skips the head over the rest). This module never asks which model it holds.
 
 ``generate`` is one jitted program: the prompt is prefilled in chunks of ``prefill_chunk`` tokens
 (``lax.scan``; left-padded to a multiple of the chunk), then a ``lax.while_loop`` samples up to
@@ -342,7 +343,8 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
     ys = None if targets is None else split(targets)
 
     def body(caches, x):
-        out = model.apply({"params": params}, x[0], cache=caches)
+        # without targets only the last column is sampled from: the head runs on that column alone
+        out = model.apply({"params": params}, x[0], cache=caches, last_logits=x[1] is None)
         logits = out.logits.astype(jnp.float32)
         nll = None
         if x[1] is not None:

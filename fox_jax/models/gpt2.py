@@ -269,7 +269,7 @@ class GPT2Block(nn.Module):
 class GPT2(nn.Module):
     """GPT-2 language model (``GPT2LMHeadModel``) with optional DCP.
 
-    ``apply({'params': p}, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None)``
+    ``apply({'params': p}, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None, last_logits=False)``
 
     Args:
       tokens: [B, T] int token ids, T ≤ n_positions.
@@ -287,6 +287,8 @@ class GPT2(nn.Module):
       alpha: keyword-only; α of the α-sigmoid (required when ``cfg.dcp`` without a cache; ignored
         otherwise): a Python float, ``float('inf')`` for the inference step mask, or a traced float32
         scalar from ``fox_jax.ops.alpha_sigmoid.cosine_alpha_schedule`` (no recompile per value).
+      last_logits: keyword-only; True returns the logits of the last position only ([B, 1, vocab_size]):
+        a prefill chunk that samples just the next token skips the head over the other T − 1 positions.
 
     Returns:
       ``ModelOutput``: ``logits`` [B, T, vocab_size] float32; ``cache`` the updated tuple of caches when
@@ -309,7 +311,8 @@ class GPT2(nn.Module):
     cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None) -> ModelOutput:
+    def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None,
+                 last_logits: bool = False) -> ModelOutput:
         cfg = self.cfg
         tokens = jnp.asarray(tokens)
         if tokens.ndim != 2 or not jnp.issubdtype(tokens.dtype, jnp.integer):
@@ -352,6 +355,8 @@ class GPT2(nn.Module):
             out = block_cls(cfg, name=name)(x, segment_ids, None if cache is None else cache[i], alpha)
             x = out.x
             outs.append(out)
+        if last_logits:
+            x = x[:, -1:]
         x = _layer_norm(cfg, "ln_f")(x)
         logits = wte.attend(x.astype(dtype)).astype(jnp.float32)
         if cache is not None:

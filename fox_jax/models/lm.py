@@ -91,6 +91,9 @@ class LanguageModel(nn.Module):
         hidden=[B, T, d] final-normed hidden states in the compute dtype)``, for a loss that applies the
         head itself (``fox_jax.ops.cross_entropy.lm_head_cross_entropy`` with ``params["lm_head"]
         ["kernel"]``). Not with a cache or DCP.
+      last_logits: keyword-only; True returns the logits of the last position only ([B, 1, vocab_size]):
+        a prefill chunk that samples just the next token skips the head over the other T − 1 positions
+        (the norm and head act per position, so the values equal the full call's last column).
     Returns:
       ``ModelOutput``: ``logits`` [B, T, vocab_size] in the compute dtype (cast to float32 for the
       loss), **float32** with DCP; ``cache`` the updated tuple of caches when one was given (else None);
@@ -108,7 +111,7 @@ class LanguageModel(nn.Module):
 
     @nn.compact
     def __call__(self, tokens, segment_ids=None, positions=None, cache=None, *, alpha=None,
-                 return_hidden: bool = False) -> ModelOutput:
+                 return_hidden: bool = False, last_logits: bool = False) -> ModelOutput:
         cfg = self.cfg
         if return_hidden and (cache is not None or cfg.dcp):
             raise ValueError("return_hidden=True is for training losses: not with a cache or a DCP model")
@@ -128,6 +131,8 @@ class LanguageModel(nn.Module):
                                             alpha if cfg.dcp else None)
             x = out.x
             outs.append(out)
+        if last_logits:
+            x = x[:, -1:]
         x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
         if return_hidden:
             return ModelOutput(None, hidden=x)

@@ -5,6 +5,7 @@ All modules are Flax Linen, keep float32 parameters and compute in ``dtype``.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -66,6 +67,9 @@ class DenseParams(nn.Module):
         return kernel, bias
 
 
+SMALL_F32_ROWS, SMALL_F32_FEATURES = 64, 256  # fused_dense: float32 outputs this small are a reduction
+
+
 def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype) -> list[jax.Array]:
     """``[nn.Dense(p.features)(x) for p in projections]`` computed as one matmul of ``x`` [..., d_in] with the
     kernels concatenated along their output axis (one GEMM launch instead of one per projection: a decode
@@ -76,7 +80,14 @@ def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype) -> l
     weights = [p(x.shape[-1]) for p in projections]
     # each kernel cast on its own (the decode loop's ``precast`` then does it once, before the loop)
     kernel = jnp.concatenate([k.astype(dtype) for k, _ in weights], axis=1)
-    y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+    rows = math.prod(x.shape[:-1])
+    if jnp.dtype(dtype) == jnp.float32 and rows <= SMALL_F32_ROWS and kernel.shape[1] <= SMALL_F32_FEATURES:
+        # a few float32 outputs of a decode step (gates, shifts): multiply-and-sum is one reduction kernel
+        # that reads the kernels where they lie, where a GEMM would take a copy of their concatenation
+        # (XLA does not hoist it out of the decode loop) and a launch that costs more than the work
+        y = jnp.sum(x.astype(dtype)[..., :, None] * kernel, axis=-2)
+    else:
+        y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
     sizes = [p.features for p in projections]
     outs = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
     return [o if b is None else o + b.astype(dtype) for o, (_, b) in zip(outs, weights)]
