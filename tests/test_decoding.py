@@ -79,10 +79,13 @@ def test_policies_answer_what_the_engine_asks():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         acp.check(pro)  # provable: no warning
-    for bad in ("lru", "window:0", "sinks:4", "window", "dense:3", "sinks:-1+4"):
+    for bad in ("lru", "window:0", "dense:3", "sinks:-1+4"):
         with pytest.raises(ValueError) as err:
             parse_policy(bad)
         assert POLICY_FORMS in str(err.value)
+    for bad, form in (("sinks:4", "sinks:S+W"), ("window", "window:W")):  # the form of the policy named
+        with pytest.raises(ValueError, match=f"{bad!r} needs .*{form}"):
+            parse_policy(bad)
     with pytest.raises(ValueError, match="log ε < 0"):
         parse_policy("acp:1")
 

@@ -16,7 +16,7 @@ import pytest
 from fox_jax import decoding
 from fox_jax.models import GPT2Config
 from fox_jax.models.hf_gpt2 import save_hf_gpt2
-from fox_jax.train import cli, passkey as pk
+from fox_jax.train import cli, config as config_lib, passkey as pk
 from fox_jax.train.tokenizers import ByteTokenizer, load_tokenizer
 from test_cli_ux import HEAVY, _PROBE
 from test_runs import GPT2_TINY, corpus, train_run  # noqa: F401 (corpus, train_run: pytest fixtures)
@@ -292,10 +292,13 @@ def test_cli_errors(train_run, text_file, tmp_path, capsys, monkeypatch):  # noq
     assert "--n must be positive" in _error(base + ["--n", "0"], capsys)
     assert "--lengths: a context length is given twice" in _error(base + ["--lengths", "144,144"], capsys)
     assert "--text" in _error(["passkey", run, "--out", out, "--text", str(tmp_path / "nope.txt")], capsys)
-    monkeypatch.delenv(pk.TEXT_ENV, raising=False)
+    monkeypatch.delenv("FOX_JAX_SHARED_DATA", raising=False)  # then the checkout's ../shared/data
+    if config_lib.CHECKOUT_SHARED_DATA.joinpath(*pk.DEFAULT_TEXT).is_file():
+        assert pk.default_text_path() == config_lib.CHECKOUT_SHARED_DATA.joinpath(*pk.DEFAULT_TEXT)
+    monkeypatch.setattr(config_lib, "CHECKOUT_SHARED_DATA", tmp_path / "no_checkout_data")
     err = _error(["passkey", run, "--out", out], capsys)
-    assert "FOX_JAX_SHARED_DATA is not set" in err and "--text" in err
-    monkeypatch.setenv(pk.TEXT_ENV, str(tmp_path))
+    assert "no_checkout_data" in err and "FOX_JAX_SHARED_DATA not set" in err and "--text" in err
+    monkeypatch.setenv("FOX_JAX_SHARED_DATA", str(tmp_path))
     err = _error(["passkey", run, "--out", out], capsys)
     assert "gutenberg_val.txt not found (FOX_JAX_SHARED_DATA=" in err
     assert "no such directory" in _error(["passkey", str(tmp_path / "norun"), "--out", out, "--text",

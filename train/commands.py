@@ -45,6 +45,17 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         super().__init__(prog, max_help_position=30, width=110)
 
 
+
+def _positive(text: str) -> int:
+    """argparse type of a count flag: an int ≥ 1 (argparse names the flag in its error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
 def _value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -277,11 +288,11 @@ def _add_zeroshot(sub) -> None:
                    help="fox-jax: the built-in scorer (no extra dependency; DCP sparsity per task); lm-eval: "
                    "EleutherAI's lm-evaluation-harness on the same local files (pip install -e \".[eval]\"; "
                    "model 'fox_jax', tasks in train/lm_eval_tasks) (default %(default)s)")
-    z.add_argument("--limit", type=int, help="score only the first N examples of each task")
+    z.add_argument("--limit", type=_positive, help="score only the first N examples of each task")
     z.add_argument("--eval-dir", help="directory of the eval sets (default: ../shared/data/eval)")
     z.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files in --hf-gpt2)")
-    z.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
-    z.add_argument("--max-length", type=int, help="context in tokens (default: n_positions / the run's seq_len)")
+    z.add_argument("--batch-size", type=_positive, default=8, help="sequences per forward pass (default 8)")
+    z.add_argument("--max-length", type=_positive, help="context in tokens (default: n_positions / the run's seq_len)")
     z.add_argument("--output", help="JSON output (default: <workdir>/eval/zeroshot[_dcp].json or "
                    "<hf dir>/zeroshot[_dcp].json)")
     z.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -305,9 +316,9 @@ def _add_dcp_eval(sub) -> None:
     e.add_argument("--val-data", nargs="+", help="validation text (recommended: ../shared/data/corpus_val)")
     e.add_argument("--tokenizer", help="GPT-2 tokenizer directory (default: --dense if it holds vocab.json + "
                    "merges.txt, else the first run's)")
-    e.add_argument("--seq-len", type=int, help="tokens per window T (default: the dense model's n_positions)")
-    e.add_argument("--num-batches", type=int, default=8, help="validation batches (default 8)")
-    e.add_argument("--batch-size", type=int, default=4, help="windows per batch (default 4)")
+    e.add_argument("--seq-len", type=_positive, help="tokens per window T (default: the dense model's n_positions)")
+    e.add_argument("--num-batches", type=_positive, default=8, help="validation batches (default 8)")
+    e.add_argument("--batch-size", type=_positive, default=4, help="windows per batch (default 4)")
     e.add_argument("--data-seed", type=int, default=0, help="seed of the held-out split without --val-data (default 0)")
     e.add_argument("--curve-sparsities", default=",".join(str(s) for s in DEFAULT_CURVE_SPARSITIES),
                    help="extra target sparsities for the local/strided curves, comma-separated ('' for none; "
@@ -327,15 +338,15 @@ def _add_eval(sub) -> None:
                        description="Evaluate a run's checkpoint: validation loss and perplexity, and the loss at "
                        "each position (JSON + PNG in <workdir>/eval/).")
     e.add_argument("--step", type=int, help="checkpoint step (default: latest)")
-    e.add_argument("--num-batches", type=int, default=None, help="validation batches (default: the run's "
+    e.add_argument("--num-batches", type=_positive, default=None, help="validation batches (default: the run's "
                    "eval_batches)")
-    e.add_argument("--num-docs", type=int, default=64, help="documents for the per-position loss (default 64)")
+    e.add_argument("--num-docs", type=_positive, default=64, help="documents for the per-position loss (default 64)")
     e.add_argument("--no-progress", action="store_true", help="accepted like in the other commands (eval prints no bars)")
     e.add_argument("--workdir", required=True, help="the run directory (config.json, checkpoints/)")
     e.add_argument("--cache", metavar="POLICY", help="instead: teacher-forced perplexity of the first seq_len tokens "
                    "of --num-docs validation documents under a KV-cache policy (" + POLICY_FORMS + "), exactly as "
                    "generation sees them, next to the dense cache on the same tokens; also for fine-tuned runs")
-    e.add_argument("--kv-slots", type=int, metavar="N", help="with --cache: KV slots per row and layer (default: "
+    e.add_argument("--kv-slots", type=_positive, metavar="N", help="with --cache: KV slots per row and layer (default: "
                    "what the policy can need)")
     _add_aliases(e, DATA_FLAGS + MESH_FLAGS, None, {**{k: "the run's" for _, k in DATA_FLAGS},
                                                      "mesh": "one device; given: batches, --cache's caches and "
@@ -364,13 +375,13 @@ def _add_passkey(sub) -> None:
     p.add_argument("--n", type=int, default=4, help="prompts per (length, depth) cell (default %(default)s)")
     p.add_argument("--cache", default="dense", metavar="POLICY", help="KV-cache policy: " + POLICY_FORMS +
                    " (default %(default)s)")
-    p.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row per layer (default: what the policy "
+    p.add_argument("--kv-slots", type=_positive, metavar="N", help="KV slots per row per layer (default: what the policy "
                    "can need)")
     p.add_argument("--text", help="haystack text file (default: $FOX_JAX_SHARED_DATA/corpus_val/gutenberg_val.txt)")
     p.add_argument("--out", required=True, help="output directory (passkey.json, passkey.png)")
     p.add_argument("--step", type=int, help="checkpoint step of a run (default: latest)")
     p.add_argument("--tokenizer", help="tokenizer spec (default: the run's, or the files of the HF directory)")
-    p.add_argument("--batch-size", type=int, default=8, help="prompts per generate call (default %(default)s)")
+    p.add_argument("--batch-size", type=_positive, default=8, help="prompts per generate call (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys and haystack offsets (default %(default)s)")
     p.add_argument("--mesh", help=DECODE_MESH_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -9,11 +9,26 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import typing
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fox_jax.config import (NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
                             check_ranges, config_from_dict, gpt2_preset, preset as model_preset)
+
+
+SHARED_DATA_ENV = "FOX_JAX_SHARED_DATA"
+CHECKOUT_SHARED_DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # <checkout>/../shared/data
+
+
+def shared_data_dir() -> tuple[Path, str]:
+    """(the shared data directory, where it came from): ``$FOX_JAX_SHARED_DATA`` when set, else the checkout's
+    sibling ``../shared/data`` (corpus/, corpus_val/, eval/, long/; it may not exist: callers check)."""
+    env = os.environ.get(SHARED_DATA_ENV)
+    if env:
+        return Path(env), f"{SHARED_DATA_ENV}={env}"
+    return CHECKOUT_SHARED_DATA, f"{SHARED_DATA_ENV} not set, so the checkout's ../shared/data"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -51,6 +51,7 @@ from typing import Sequence
 import numpy as np
 
 from fox_jax.cache.policies import parse_policy
+from fox_jax.train import config as config_lib
 from fox_jax.train.progress import progress_bar
 from fox_jax.train.tokenizers import EOT_TOKEN
 
@@ -60,8 +61,7 @@ ANSWER = " {key}"
 DIGITS = 5
 RESERVE = 8  # tokens of context_len left for the generated answer (a byte tokenizer needs 6 + 2)
 BOUNDARY_WINDOW = 256  # tokens searched on either side of the asked depth for a sentence boundary
-TEXT_ENV = "FOX_JAX_SHARED_DATA"
-DEFAULT_TEXT = ("corpus_val", "gutenberg_val.txt")  # under $FOX_JAX_SHARED_DATA
+DEFAULT_TEXT = ("corpus_val", "gutenberg_val.txt")  # under the shared data directory
 JSON_NAME, PNG_NAME = "passkey.json", "passkey.png"
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]’”]*\s*$")
@@ -464,18 +464,17 @@ def plot_heatmap(result: dict, path: str | os.PathLike) -> None:
 # ---------------------------------------------------------------------------------------------
 
 def default_text_path() -> Path:
-    """``$FOX_JAX_SHARED_DATA/corpus_val/gutenberg_val.txt``.
+    """``corpus_val/gutenberg_val.txt`` of the shared data (``fox_jax.train.config.shared_data_dir``:
+    ``$FOX_JAX_SHARED_DATA``, else the checkout's ``../shared/data``).
 
     Raises:
-      FileNotFoundError: the variable is not set, or the file is not there (both name the variable)."""
-    shared = os.environ.get(TEXT_ENV)
-    if not shared:
-        raise FileNotFoundError(f"no --text given and {TEXT_ENV} is not set: pass --text FILE, or set {TEXT_ENV} "
-                                f"to the shared data directory (the one holding {'/'.join(DEFAULT_TEXT)})")
-    path = Path(shared).joinpath(*DEFAULT_TEXT)
+      FileNotFoundError: the file is not there (names the directory tried, the variable and --text)."""
+    root, origin = config_lib.shared_data_dir()
+    path = root.joinpath(*DEFAULT_TEXT)
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found ({TEXT_ENV}={shared}): pass --text FILE, or point {TEXT_ENV} "
-                                f"at the shared data directory (the one holding {'/'.join(DEFAULT_TEXT)})")
+        raise FileNotFoundError(f"no --text given and {path} not found ({origin}): pass --text FILE, or set "
+                                f"{config_lib.SHARED_DATA_ENV} to the shared data directory (the one holding "
+                                f"{'/'.join(DEFAULT_TEXT)})")
     return path
 
 

@@ -57,6 +57,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from fox_jax.train import config as config_lib
 from fox_jax.train.commands import ZEROSHOT_TASKS as TASKS
 from fox_jax.train.progress import progress_bar
 
@@ -560,11 +561,8 @@ class ModelScorer(_Scorer):
 # ---------------------------------------------------------------------------------------------
 
 def default_eval_dir() -> Path:
-    """``$FOX_JAX_SHARED_DATA/eval``, else ``<repo>/../shared/data/eval``."""
-    shared = os.environ.get("FOX_JAX_SHARED_DATA")
-    if shared:
-        return Path(shared) / "eval"
-    return Path(__file__).resolve().parents[2] / "shared" / "data" / "eval"
+    """``eval/`` of the shared data: ``$FOX_JAX_SHARED_DATA/eval``, else ``<checkout>/../shared/data/eval``."""
+    return config_lib.shared_data_dir()[0] / "eval"
 
 
 def load_scorer(args) -> tuple[Scorer, Any, int, dict]:

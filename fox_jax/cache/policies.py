@@ -250,7 +250,7 @@ class Window(CachePolicy):
     @classmethod
     def parse(cls, arg: str, spec: str) -> Window:
         if not arg:
-            raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+            raise ValueError(f"cache policy {spec!r} needs its window: window:W with W ≥ 1 tokens, e.g. window:256")
         return cls(_int(arg, "W", spec))
 
     @property
@@ -281,7 +281,8 @@ class Sinks(CachePolicy):
     @classmethod
     def parse(cls, arg: str, spec: str) -> Sinks:
         if "+" not in arg:
-            raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+            raise ValueError(f"cache policy {spec!r} needs sinks and window: sinks:S+W (S sink tokens, a window of "
+                             f"W), e.g. sinks:4+252")
         s, _, w = arg.partition("+")
         return cls(_int(s, "S", spec, minimum=0), _int(w, "W", spec))
 
