@@ -2,6 +2,7 @@
 the loss-curve PNG and eval's explanation of its two means."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -149,3 +150,9 @@ def test_train_log_has_heartbeats_no_bar_and_a_loss_png(tiny_run, capsys):
     text = capsys.readouterr().out
     assert "they average different tokens" in text and "packed windows" in text
     assert "the tokens eval --cache scores" in text and "document starts" in text
+    # eval --cache scores the same predictions: its dense row equals plain eval's per-position numbers
+    plain = re.search(r"\((\d+) next-token predictions.*per-position loss mean ([\d.]+)", text)
+    assert cli.main(["eval", "--workdir", str(workdir), "--num-docs", "2", "--cache", "dense"]) == 0
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["dense_tokens"] == int(plain.group(1))
+    assert report["dense_loss"] == pytest.approx(float(plain.group(2)), abs=2e-4)  # printed to 4 decimals

@@ -1172,6 +1172,13 @@ def test_generation_equals_recomputation_under_the_policy(family, policy, monkey
         np.testing.assert_allclose(np.where(real(t)[:, :-1, 0], nll, 0), np.where(real(t)[:, :-1, 0], ref, 0),
                                    atol=1e-4)
         assert int(overflow.max()) == 0
+        last = out.tokens[:, -1]  # with the token after the last: T predictions, the last one scored too
+        nll_t, _ = token_losses_under_policy(model, params, seq, policy=policy, seq_start=PADS, prefill_chunk=4,
+                                             next_tokens=last)
+        assert nll_t.shape == seq.shape
+        np.testing.assert_allclose(nll_t[:, :-1], nll, atol=1e-6)
+        np.testing.assert_allclose(nll_t[:, -1], -np.take_along_axis(np.asarray(lp[:, -1]), np.asarray(last)[:, None],
+                                                                     axis=-1)[:, 0], atol=1e-4)
 
 
 @pytest.mark.slow

@@ -108,17 +108,19 @@ def policy_loss(model, params, windows: dict, batch_size: int, policy, slots=Non
                 mesh=None):
     """Per-position loss of the document windows under a cache policy (``token_losses_under_policy``: the
     visibility prefill + decode have; sharded over ``mesh`` when given, the last batch padded to a multiple of
-    its data × fsdp size): ([T − 1] float64 mean, [T − 1] counts, rows that overflowed)."""
+    its data × fsdp size): ([T] float64 mean, [T] counts, rows that overflowed). The tokens are those of
+    ``per_position_loss``: every target of the windows, the last one included."""
     from fox_jax.decoding import token_losses_under_policy
 
     multiple = 1 if mesh is None else data_parallel_size(mesh)
-    total, count, overflowed = np.zeros(windows["inputs"].shape[1] - 1), np.zeros(windows["inputs"].shape[1] - 1), 0
+    total, count, overflowed = np.zeros(windows["inputs"].shape[1]), np.zeros(windows["inputs"].shape[1]), 0
     for i in range(0, windows["inputs"].shape[0], batch_size):
         inputs = windows["inputs"][i:i + batch_size]
-        rows = pad_rows({"inputs": inputs, "mask": windows["mask"][i:i + batch_size, :-1].astype(np.float64)},
-                        multiple)
+        rows = pad_rows({"inputs": inputs, "next": windows["targets"][i:i + batch_size, -1],
+                         "mask": windows["mask"][i:i + batch_size].astype(np.float64)}, multiple)
         nll, overflow = token_losses_under_policy(model, params, jnp.asarray(rows["inputs"]), policy=policy,
-                                                  slots=slots, prefill_chunk=prefill_chunk, mesh=mesh)
+                                                  slots=slots, prefill_chunk=prefill_chunk, mesh=mesh,
+                                                  next_tokens=jnp.asarray(rows["next"]))
         total += (np.asarray(nll, np.float64) * rows["mask"]).sum(0)
         count += rows["mask"].sum(0)
         overflowed += int(np.sum(np.asarray(overflow)[:len(inputs)] > 0))

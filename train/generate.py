@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from fox_jax.train.progress import bars_shown
+
 
 def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None, check=None):
     """(run, tokenizer) of a run or Hugging Face directory for decoding under ``policy``: a DCP model keeps
@@ -256,7 +258,7 @@ def _serve(args, model, params, tok, cfg, policy, prompts, ids, stops, plan) -> 
 
     out = serve(model, params, ids, max_new_tokens=args.max_new_tokens, policy=policy, temperature=args.temperature,
                 top_k=args.top_k, top_p=args.top_p, stop_tokens=stops, rng=jax.random.PRNGKey(args.seed),
-                prefill_chunk=args.prefill_chunk, plan=plan, progress=not args.no_progress)
+                prefill_chunk=args.prefill_chunk, plan=plan, progress=bars_shown(not args.no_progress))
     for c in out.completions:
         _print_continuation(c.index, prompts[c.index], ids[c.index], c.tokens.tolist(), tok.eot_id, tok)
     s = out.summary

@@ -484,15 +484,15 @@ def _check_decoding(cfg, max_new_tokens, prefill_chunk, temperature, top_k, top_
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4, 5))
-def _score(model, params, tokens, caches, chunk, plan):
+def _score(model, params, tokens, caches, chunk, plan, last):
     params = precast(params, plan)
-    targets = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    targets = jnp.concatenate([tokens[:, 1:], last[:, None].astype(tokens.dtype)], axis=1)
     caches, _, nll = _scan_chunks(model, params, tokens, caches, chunk, targets)
     return nll, caches
 
 
 def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=None, seq_start=None,
-                              prefill_chunk: int = 512, mesh=None) -> tuple[jax.Array, jax.Array]:
+                              prefill_chunk: int = 512, mesh=None, next_tokens=None) -> tuple[jax.Array, jax.Array]:
     """Teacher-forced next-token losses with exactly the visibility generation has under ``policy``.
 
     The tokens are fed through the caches in chunks (the prefill path of ``generate``), so every
@@ -501,24 +501,33 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     Args:
       tokens: [B, T] int (T ≥ 2), left-padded; seq_start: optional [B] int pads.
       policy, slots, prefill_chunk, mesh: as ``generate`` (default pool: ``min_slots(policy, T)``).
+      next_tokens: optional [B] int, the token after each row's last one: then the last position is scored
+        too (nll [B, T]: the T predictions of a training window of T inputs and its shifted targets).
 
     Returns:
-      (nll [B, T − 1] float32, the loss of token t + 1 given tokens ≤ t (meaningless where token t is a
-      pad); overflow [B] int32, > 0 when the pool was too small for the policy).
+      (nll [B, T − 1] float32 (with ``next_tokens``: [B, T]), the loss of token t + 1 given tokens ≤ t
+      (meaningless where token t is a pad); overflow [B] int32, > 0 when the pool was too small for the policy).
     """
     tokens = _check_tokens(tokens, "tokens")
     b, t = tokens.shape
-    if t < 2:
+    if t < 2 and next_tokens is None:
         raise ValueError(f"tokens must have T ≥ 2 to score a next token, got {tokens.shape}")
+    scored = t
+    if next_tokens is None:
+        next_tokens, scored = jnp.zeros((b,), jnp.int32), t - 1
+    else:
+        next_tokens = jnp.asarray(next_tokens)
+        if next_tokens.shape != (b,) or not jnp.issubdtype(next_tokens.dtype, jnp.integer):
+            raise ValueError(f"next_tokens must be an int array [B] = ({b},), got {next_tokens.dtype}{next_tokens.shape}")
     padded, caches, chunk = _fresh_caches(model, tokens, parse_policy(policy), slots, seq_start, prefill_chunk, t)
     plan = cast_plan(model, params, caches)
     score = _score
     if mesh is not None:
         params, padded, caches = place_for_decoding(mesh, params, padded, caches)
         score = under_mesh(mesh, _score)
-    nll, caches = score(model, params, padded, caches, chunk, plan)
+    nll, caches = score(model, params, padded, caches, chunk, plan, next_tokens)
     overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
-    return nll[:, padded.shape[1] - t:][:, :-1], overflow
+    return nll[:, padded.shape[1] - t:][:, :scored], overflow
 
 
 __all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "extend", "generate", "init_cache",
