@@ -40,6 +40,13 @@ def test_resume_schedules(capsys):
     lrs = _lrs(rewarm, 600)
     np.testing.assert_array_equal(lrs[:300], old[:300])
     np.testing.assert_allclose(lrs[300:], _lrs(_cfg(300), 300), rtol=1e-6)  # the warmup + cosine, shifted
+    assert "no room to decay" not in capsys.readouterr().out
+    # rewarm on an extension shorter than the warmup: it would end near the peak, and says so
+    warmup = saved.optim.warmup_steps
+    short = loop.resume_schedule(saved, _cfg(300 + warmup // 2, resume_schedule="rewarm"), 300)
+    out = capsys.readouterr().out
+    assert out.startswith("warning:") and "leave no room to decay" in out and "--warmup-steps" in out
+    assert _lrs(short, 300 + warmup // 2)[-1] > 0.5 * saved.optim.lr
     # a resume of the same length (after a crash) keeps the segments and prints nothing
     again = loop.resume_schedule(rewarm, dataclasses.replace(rewarm), 450)
     assert again.optim.schedule_segments == ("0:300", "300") and capsys.readouterr().out == ""

@@ -274,3 +274,15 @@ def test_cli_workdir_language_model(tmp_path, capsys):
     assert report["results"]["copa"]["n"] == 3 and report["results"]["winogrande"]["n"] == 3
     assert cli.main(["zeroshot", "--workdir", str(workdir), "--dcp", "--eval-dir", str(EVAL_DIR)]) == 2
     assert "LanguageModel has no DCP" in capsys.readouterr().err
+
+
+def test_table_columns_fit_a_huge_perplexity():
+    """The printed table stays aligned when a barely trained model's perplexity has seven digits."""
+    from fox_jax.train.zeroshot import format_table
+
+    lines = format_table({"lambada_openai": {"n": 100, "acc": 0.0, "acc_stderr": 0.0, "ppl": 1234567.891},
+                          "piqa": {"n": 1838, "acc": 0.55, "acc_stderr": 0.01}}).splitlines()
+    value_end = lines[0].index("value") + len("value")
+    for line in lines[2:]:
+        assert line[:value_end].rstrip()[-1].isdigit() and (len(line) == value_end or line[value_end] == " "), line
+    assert "1.235e+06" in lines[3]

@@ -74,9 +74,10 @@ class OptimConfig:
     """AdamW with linear warmup from 0, then a cosine decay or a constant rate (docs/design/fox_acp.md §3).
 
     Attributes:
-      lr: peak learning rate.
-      warmup_steps: linear warmup steps; None = min(2000, ceil(0.08·steps)) (resolved when the run
-        starts and stored, so a resume with more steps keeps the schedule).
+      lr: peak learning rate (the top of the warmup; the cosine decays from it).
+      warmup_steps: steps of the linear warmup from 0 to lr; unset (None in a config file) = min(2000,
+        ceil(0.08·steps)), fixed when the run starts and stored in its config (a resume keeps that number; what
+        the rate does after a resume with more --steps: --resume-schedule).
       schedule: after the warmup, "cosine" (decay to min_lr_ratio·lr at ``steps``) or "constant".
       min_lr_ratio: the final learning rate of the cosine decay as a fraction of lr (the paper decays to 0).
       b1, b2, eps: Adam's moment decays and epsilon.

@@ -101,6 +101,7 @@ def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.Experime
     with jax.default_device(jax.devices("cpu")[0]):
         before = float(make_schedule(saved)(max(step - 1, 0)))
         after = float(make_schedule(cfg)(step))
+        last = float(make_schedule(cfg)(cfg.steps - 1))
     what = {"stretch": "recomputed for the new steps (optim.resume_schedule=stretch)",
             "continue": "the old one (optim.resume_schedule=continue)",
             "rewarm": f"warming up again from 0 over {min(o.warmup_steps or 0, max(cfg.steps - step - 1, 0))} steps "
@@ -113,6 +114,12 @@ def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.Experime
         end = int(segments[-1].partition(":")[2])
         msg += (f" (its cosine ends at 0 at step {end}: the steps after it train at lr 0; --resume-schedule rewarm "
                 "warms up again)")
+    if o.resume_schedule == "rewarm" and o.schedule == "cosine" and last > 0.5 * o.lr:
+        msg += (f"; warning: {cfg.steps - step} more steps leave no room to decay after a warmup of "
+                f"{o.warmup_steps}: the last step runs at lr {last:.3g} ({last / o.lr:.0%} of the peak); give more "
+                "--steps, a smaller --warmup-steps, or --resume-schedule continue")
+        log(msg if msg.startswith("warning") else "warning: " + msg)
+        return cfg
     log("warning: " + msg if abs(after - before) > 0.1 * o.lr else msg)  # a jump of more than 10% of the peak
     return cfg
 

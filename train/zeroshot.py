@@ -438,21 +438,24 @@ def evaluate_tasks(
 
 
 def format_table(results: dict[str, dict[str, float]]) -> str:
-    """A plain-text table: task | n | metric | value | stderr (accuracies in %)."""
-    lines = [f"{'task':<14} {'n':>6}  {'metric':<9} {'value':>9} {'stderr':>8}", "-" * 50]
+    """A plain-text table: task | n | metric | value | stderr (accuracies in %), its columns as wide as their
+    widest entry (a perplexity of a barely trained model can have 7 digits)."""
+    rows = []
     for task, res in results.items():
         first = True
         for key, value in res.items():
             if key in ("n", "truncated_continuations") or key.endswith("_stderr") or key.startswith("sparsity_layer_"):
                 continue
             pct = key.startswith("acc") or key == "sparsity"
-            shown = f"{100 * value:.2f}" if pct else f"{value:.3f}"
+            shown = f"{100 * value:.2f}" if pct else (f"{value:.3f}" if abs(value) < 1e6 else f"{value:.4g}")
             err = res.get(key + "_stderr")
             err_s = f"{100 * err:.2f}" if err is not None and math.isfinite(err) else ""
-            n = str(res["n"]) if first else ""
-            lines.append(f"{task if first else '':<14} {n:>6}  {key:<9} {shown:>9} {err_s:>8}")
+            rows.append((task if first else "", str(res["n"]) if first else "", key, shown, err_s))
             first = False
-    return "\n".join(lines)
+    head = ("task", "n", "metric", "value", "stderr")
+    w = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(head)]
+    fmt = lambda r: f"{r[0]:<{w[0]}} {r[1]:>{w[1]}}  {r[2]:<{w[2]}} {r[3]:>{w[3]}} {r[4]:>{w[4]}}".rstrip()  # noqa: E731
+    return "\n".join([fmt(head), "-" * (sum(w) + 5)] + [fmt(r) for r in rows])
 
 
 # ---------------------------------------------------------------------------------------------
