@@ -52,7 +52,9 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
         slots = min(pool, slots)
     # one program: n = 1 stops it after the first sample (generate's steps), n = N runs every decode step
     run = lambda n: generate(model, params, tokens, max_new_tokens=new_tokens, policy=policy, slots=slots, steps=n)
-    jax.block_until_ready(run(new_tokens).tokens)  # compile
+    t0 = time.perf_counter()
+    jax.block_until_ready(run(new_tokens).tokens)  # compile (and one run)
+    compile_s = time.perf_counter() - t0
     walls = {1: [], new_tokens: []}
     for _ in range(repeats):
         for n in walls:
@@ -87,7 +89,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
     live = kv["live"]
     bound_ms = (weight_bytes + live) / (bandwidth_tb_s * 1e12) * 1e3
-    return dict(policy=policy.spec, step_ms=step_ms, kernels_per_step=(nn - n1) / steps,
+    return dict(policy=policy.spec, step_ms=step_ms, compile_s=compile_s, kernels_per_step=(nn - n1) / steps,
                 device_ms_per_step=sum(per_cat.values()), per_step_ms=per_cat,
                 kernels=diff(sn["kernels"], s1["kernels"], "kernel"), ops=diff(sn["ops"], s1["ops"], "jax_op"),
                 kv_bytes_allocated=kv["allocated"], kv_bytes_live=live, weight_bytes=weight_bytes,
@@ -97,6 +99,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 def print_report(row: dict) -> None:
     print(f"\n== {row['policy']}: {row['step_ms']:.3f} ms/step wall, {row['device_ms_per_step']:.3f} ms device, "
+          f"compiled in {row['compile_s']:.0f} s, "
           f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
           f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "
           f"allocated {row['kv_bytes_allocated'] / 2**20:.0f} MiB)")
