@@ -1,5 +1,6 @@
 """α-sigmoid (2-class α-entmax) and the α schedule against independent references (docs/design/dcp.md §2)."""
 
+import functools
 import math
 
 import jax
@@ -343,18 +344,39 @@ def alpha_grid_points(alpha):
     return np.concatenate([-z[::-1], [0.0], z]).astype(np.float32)
 
 
+def symmetry_points(alpha):
+    """±z on a geometric grid from 1e-37 and a linear grid from 0, both to 1.2× the support edge."""
+    e = 1.0 / (alpha - 1.0) if alpha > 1.0 else 30.0
+    mag = np.concatenate([np.geomspace(1e-37, 1.2 * e, 300), np.linspace(0.0, 1.2 * e, 301)])
+    return np.unique(np.concatenate([-mag, mag]).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def every_alpha_outputs(alpha):
+    """(grid z, symmetry z, outputs) for the two every-α tests below, computed by ONE compiled program per α
+    (each concrete α is its own program; the two tests share it instead of compiling four): on the grid z
+    σ, log σ and both slopes (jit + vmap of grad); on the symmetry z σ(z) and σ(−z) (jit + vmap), log σ(z);
+    σ at a 0-d zero."""
+    zg, zs = alpha_grid_points(alpha), symmetry_points(alpha)
+    slope = lambda fn: jax.vmap(jax.grad(lambda x: fn(x, alpha)))  # noqa: E731
+    sig = jax.vmap(lambda x: alpha_sigmoid(x, alpha))
+
+    def outputs(zg, zs):
+        return dict(p=alpha_sigmoid(zg, alpha), lp=log_alpha_sigmoid(zg, alpha), dp=slope(alpha_sigmoid)(zg),
+                    dlp=slope(log_alpha_sigmoid)(zg), sym_p=sig(zs), sym_p_neg=sig(-zs),
+                    sym_lp=log_alpha_sigmoid(zs, alpha), half=alpha_sigmoid(jnp.zeros(()), alpha))
+
+    out = jax.jit(outputs)(jnp.asarray(zg), jnp.asarray(zs))
+    return zg, zs, {k: np.asarray(v) for k, v in out.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("alpha", ALPHA_GRID)
 def test_values_and_slopes_every_alpha(alpha):
-    z = alpha_grid_points(alpha)
+    z, _, out = every_alpha_outputs(alpha)
     ref = np.array([decimal_sigma(float(x), alpha) for x in z])  # [n, 4] float64
     p_ref, lp_ref, dp_ref, dlp_ref = ref.T
-    zj = jnp.asarray(z)
-    slope = lambda fn: jax.vmap(jax.grad(lambda x: fn(x, alpha)))  # noqa: E731
-    # the four as one compiled program (one compilation per α instead of four)
-    p, lp, dp, dlp = (np.asarray(x) for x in jax.jit(lambda x: (
-        alpha_sigmoid(x, alpha), log_alpha_sigmoid(x, alpha), slope(alpha_sigmoid)(x),
-        slope(log_alpha_sigmoid)(x)))(zj))
+    p, lp, dp, dlp = out["p"], out["lp"], out["dp"], out["dlp"]
     # Tolerances (float32 result vs the exact value at the same float32 z):
     #  p: 1.5e-7 absolute (~1 ulp of 1; the root is solved to ~1 ulp of log q, then p = 1 − q rounds);
     #  log p: 1e-5 relative (max(1, |log p|)); slopes: 1e-4 relative — the log slope at (1 − 1e-3)·e
@@ -380,15 +402,12 @@ def test_values_and_slopes_every_alpha(alpha):
 
 @pytest.mark.parametrize("alpha", ALPHA_GRID)
 def test_symmetry_monotone_half_every_alpha(alpha):
-    e = 1.0 / (alpha - 1.0) if alpha > 1.0 else 30.0
-    mag = np.concatenate([np.geomspace(1e-37, 1.2 * e, 300), np.linspace(0.0, 1.2 * e, 301)])
-    z = np.unique(np.concatenate([-mag, mag]).astype(np.float32))
-    f = jax.jit(jax.vmap(lambda x: alpha_sigmoid(x, alpha)))  # jit + vmap
-    p = np.asarray(f(jnp.asarray(z)))
+    _, z, out = every_alpha_outputs(alpha)
+    p = out["sym_p"]
     assert np.all(np.diff(p) >= 0) and p.min() >= 0 and p.max() <= 1
-    np.testing.assert_allclose(np.asarray(f(jnp.asarray(-z))), 1.0 - p, atol=1.2e-7, rtol=0)  # 1 ulp of 1
-    assert float(alpha_sigmoid(jnp.zeros(()), alpha)) == 0.5
-    lp = np.asarray(jax.jit(lambda x: log_alpha_sigmoid(x, alpha))(jnp.asarray(z)))
+    np.testing.assert_allclose(out["sym_p_neg"], 1.0 - p, atol=1.2e-7, rtol=0)  # 1 ulp of 1
+    assert out["half"].shape == () and float(out["half"]) == 0.5
+    lp = out["sym_lp"]
     assert np.all(lp[1:] >= lp[:-1])  # (−inf entries compare fine, unlike their differences)
 
 

@@ -437,31 +437,40 @@ def test_dcp_eval_refuses_a_from_run_model_clearly(lm_full_run):
 
 
 def test_pallas_dcp_impl_follows_the_xla_run(full_run, hf_dir, corpus, tmp_path):
-    """``--dcp-impl pallas`` (interpret mode here) trains the same model: the first 3 steps' losses match
-    the default blockwise run to 1e-4 relative (float32; tiles and summation order differ, and a few
-    optimizer steps amplify ~1e-6 differences slightly)."""
+    """``--dcp-impl pallas`` (interpret mode here) trains the same model: the losses match the default
+    blockwise run to 1e-4 relative (float32; tiles and summation order differ, and a few optimizer steps
+    amplify ~1e-6 differences slightly). Two Pallas steps (step 1 runs at lr 0, so step 2's update is the
+    first from the Pallas gradients); step 3, resumed on the XLA path, computes its loss with those params."""
     workdir = tmp_path / "pallas"
-    assert cli.main(argv(hf_dir, corpus, workdir, "--steps", "3", "--dcp-impl", "pallas")) == 0
+    assert cli.main(argv(hf_dir, corpus, workdir, "--steps", "2", "--dcp-impl", "pallas")) == 0
     assert saved_config(workdir)["model"]["dcp_impl"] == "pallas"
     ref, got = read_rows(full_run), read_rows(workdir)
-    for step in (1, 2, 3):
+    for step in (1, 2):
         assert got[step]["loss"] == pytest.approx(ref[step]["loss"], rel=1e-4), step
         assert got[step]["sparsity"] == pytest.approx(ref[step]["sparsity"], abs=1e-4), step
-    # the implementation may change on --resume (same math): step 4 on the XLA path
-    assert cli.main(argv(hf_dir, corpus, workdir, "--steps", "4", "--dcp-impl", "xla", "--resume")) == 0
-    assert read_rows(workdir)[4]["loss"] == pytest.approx(ref[4]["loss"], rel=1e-4)
+    # the implementation may change on --resume (same math): step 3 on the XLA path, after the Pallas update
+    assert cli.main(argv(hf_dir, corpus, workdir, "--steps", "3", "--dcp-impl", "xla", "--resume")) == 0
+    assert read_rows(workdir)[3]["loss"] == pytest.approx(ref[3]["loss"], rel=1e-4)
 
 
 def test_sharded_and_unsharded_finetunes_agree(fox_run, tmp_path):
     """The DCP fine-tune of the FoX run on 8 simulated CPU devices (a subprocess; mesh data=2, fsdp=2,
-    tensor=2: the batch over 4 devices, parameters over fsdp and tensor) and on one device agree for 4 steps.
+    tensor=2: the batch over 4 devices, parameters over fsdp and tensor) and on one device agree for 3 steps
+    (step 1 at lr 0, then two updates; step 3 already runs at α = 2.75 with half the pairs dropped, gnorm ~18).
 
-    Tolerances: the meshes change only the order of float32 reductions. Observed: the loss and CE to 2e-7
-    relative, the sparsity term to 5e-6 and the gradient norm to 9e-5 (at step 4 the α ramp makes the mask
-    steep, gnorm ~30), the trunk's parameters to 1e-7 and the interaction parameters (learning rate 0.3) to
-    2.3e-5. Allowed: 1e-6, 5e-5, 5e-4, 1e-6 and 2e-4.
+    The meshes change only the order of float32 reductions: the batch gradient is a sum of per-device partial
+    sums, the fsdp/tensor-sharded matmuls sum their contraction in pieces. The interaction parameters amplify
+    those ~1e-7 relative differences: their Adam step (learning rate 0.3) divides the gradient by its own
+    running RMS, so an element whose gradient is small moves by up to 0.3 per step whatever its size, and once
+    pairs are dropped the α-sigmoid mask (steeper as α grows) feeds differences in z back into the loss. Measured (the
+    runs are deterministic, the same numbers every time): after 3 steps the loss and CE to 1.7e-7 relative,
+    the sparsity term to 3.3e-7, the gradient norm to 2.1e-6, β̄ exactly, the trunk's parameters to 7.5e-9 and
+    the interaction parameters to 8.9e-6 (median 1.2e-7). A 4th step (α = 4.5, 94 % dropped) grows the
+    interaction parameters' difference to 3.4e-4 (196 of 512 elements over 1e-5) and the gradient norm's to
+    3.4e-4: the drift is amplified step by step, so the comparison stops at 3 steps. Allowed: 1e-6, 1e-6,
+    5e-6, 5e-5 (relative), 1e-6 (absolute) and 5e-5 (absolute; 5x the largest observed).
     """
-    steps = ["--steps", "4", "--ckpt-every", "0"]
+    steps = ["--steps", "3", "--ckpt-every", "0"]
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
     sharded = subprocess.Popen([sys.executable, "-m", "fox_jax.train.cli",
                                 *lm_argv(fox_run, tmp_path / "sharded", *steps, "--mesh", "data=2,fsdp=2,tensor=2")],
@@ -471,17 +480,18 @@ def test_sharded_and_unsharded_finetunes_agree(fox_run, tmp_path):
     assert sharded.returncode == 0, err[-3000:]
     assert "mesh {'data': 2, 'fsdp': 2, 'tensor': 2}" in out
     one, eight = read_rows(tmp_path / "single"), read_rows(tmp_path / "sharded")
-    assert sorted(one) == sorted(eight) == list(range(5))
-    for s in range(1, 5):
-        for k, rel in (("loss", 1e-6), ("ce", 1e-6), ("sparsity_loss", 5e-5), ("beta_mean", 1e-6),
-                       ("grad_norm", 5e-4)):
+    assert sorted(one) == sorted(eight) == list(range(4))
+    assert one[3]["sparsity"] > 0.2  # the steep-mask regime is reached within the compared steps
+    for s in range(1, 4):
+        for k, rel in (("loss", 1e-6), ("ce", 1e-6), ("sparsity_loss", 5e-6), ("beta_mean", 1e-6),
+                       ("grad_norm", 5e-5)):
             assert eight[s][k] == pytest.approx(one[s][k], rel=rel), (s, k)
         assert eight[s]["sparsity"] == pytest.approx(one[s]["sparsity"], abs=1e-5), s
-    assert eight[4]["val_loss"] == pytest.approx(one[4]["val_loss"], rel=1e-6)
+    assert eight[3]["val_loss"] == pytest.approx(one[3]["val_loss"], rel=1e-6)
     _, p1, _, _ = finetuned(str(tmp_path / "single"))
     _, p8, _, _ = finetuned(str(tmp_path / "sharded"))
     f1, f8 = _flat(p1), _flat(p8)
     assert f1.keys() == f8.keys()
     for k in f1:
         interaction = any(n in k for n in finetune_dcp.INTERACTION_PARAMS)
-        np.testing.assert_allclose(f8[k], f1[k], rtol=0, atol=2e-4 if interaction else 1e-6, err_msg=k)
+        np.testing.assert_allclose(f8[k], f1[k], rtol=0, atol=5e-5 if interaction else 1e-6, err_msg=k)

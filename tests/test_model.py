@@ -45,6 +45,9 @@ def test_flops_formula():
 
 # the model tests' size: 2 layers, d_model 64, 4 heads of 16 (the "tiny" preset is 4 layers of 128)
 SMALL = dict(n_layers=2, d_model=64, n_heads=4)
+# one layer for the tests of a per-layer property that read only layers_0 (segment/position resets, KV-shift,
+# ACP thresholds and fractions): a second identical Block adds only compile time (the layers are unrolled)
+ONE_LAYER = dict(SMALL, n_layers=1)
 
 
 def init(cfg, seed=0):
@@ -112,7 +115,7 @@ def _assert_second_document_as_if_alone(cfg, params, vocab: int, first: int, len
 
 @pytest.mark.slow
 def test_transformer_rope_positions_reset_per_segment():
-    cfg = preset("tiny", "transformer-llama", vocab_size=50, **SMALL)
+    cfg = preset("tiny", "transformer-llama", vocab_size=50, **ONE_LAYER)
     _assert_second_document_as_if_alone(cfg, init(cfg), 50, 12)
 
 
@@ -189,7 +192,7 @@ def test_kv_shift_continuation_matches_single_pass():
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
 def test_pro_models_run_and_respect_segments(arch):
-    cfg = preset("tiny", arch, vocab_size=61, **SMALL)
+    cfg = preset("tiny", arch, vocab_size=61, **ONE_LAYER)
     params = init(cfg)
     attn = params["layers_0"]["attn"]
     assert {"q_norm", "k_norm", "o_norm", "ogate_proj", "k_shift_proj", "v_shift_proj"} <= set(attn)
@@ -201,7 +204,7 @@ def test_pro_models_run_and_respect_segments(arch):
 def test_pro_acp_threshold_comes_from_qk_norm_weights():
     """QK-norm bounds every logit by √D·max|w_q|·max|w_k|, so ACP with "auto" uses the weights."""
     from fox_jax.ops import acp
-    cfg = preset("tiny", "fox-pro", vocab_size=61, adaptive_threshold="auto", attention_block=16, **SMALL)
+    cfg = preset("tiny", "fox-pro", vocab_size=61, adaptive_threshold="auto", attention_block=16, **ONE_LAYER)
     params = init(cfg)
     # strongly forgetting gates so that tiles really are pruned
     params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -4.0)
@@ -231,7 +234,7 @@ def test_acp_fraction_in_the_log_is_measured_at_the_running_kernels_tiles():
     """The sown ``acp_fraction_skipped`` uses the Pallas forward kernel's tiling when the layer runs the
     kernel, and ``attention_block`` tiles on the XLA path (the two tilings skip different fractions)."""
     from fox_jax.ops import acp, pallas as pallas_ops
-    cfg = preset("tiny", "fox-llama", vocab_size=61, adaptive_threshold=-8.0, attention_block=64, **SMALL)
+    cfg = preset("tiny", "fox-llama", vocab_size=61, adaptive_threshold=-8.0, attention_block=64, **ONE_LAYER)
     params = init(cfg)
     params["layers_0"]["attn"]["fgate_proj"]["bias"] = jnp.full((cfg.n_heads,), -3.0)
     tokens = jax.random.randint(jax.random.PRNGKey(1), (1, 96), 0, 61)
