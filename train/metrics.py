@@ -31,6 +31,24 @@ def device_peak_flops(dtype: str, device: jax.Device | None = None) -> float | N
     return None
 
 
+def _summary_writer_class():
+    """tensorboardX's ``SummaryWriter`` (None without tensorboardX), imported without torch: tensorboardX
+    imports torch when it can (2 s) only to accept torch tensors, and we write Python floats."""
+    import sys
+
+    hide = "torch" not in sys.modules
+    if hide:
+        sys.modules["torch"] = None  # makes tensorboardX's optional ``import torch`` fail fast
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:  # pragma: no cover - tensorboardX is a dependency
+        SummaryWriter = None
+    finally:
+        if hide:
+            del sys.modules["torch"]  # a later ``import torch`` (HF export) loads it normally
+    return SummaryWriter
+
+
 class MetricWriter:
     """Writes metrics to ``<workdir>/metrics.jsonl`` (one JSON object per line) and TensorBoard.
 
@@ -54,10 +72,7 @@ class MetricWriter:
             with open(path, "w") as f:
                 f.writelines(rows)
         self._jsonl = open(path, "a", buffering=1)
-        try:
-            from tensorboardX import SummaryWriter
-        except ImportError:  # pragma: no cover - tensorboardX is a dependency
-            SummaryWriter = None
+        SummaryWriter = _summary_writer_class()
         if SummaryWriter is not None:
             self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
