@@ -1,6 +1,7 @@
 """Run in a subprocess with 8 simulated CPU devices by tests/test_sharded_decoding.py (not collected by pytest).
 
-Generates and scores with a tiny FoX (Pro, GQA) model unsharded and under two meshes (the library), then runs
+Generates and scores with a tiny FoX (Pro, GQA) model unsharded and sharded (the library: dense over a data mesh,
+acp's per-head rings over a data x fsdp x tensor mesh; each pair one compile of generate and of scoring), then runs
 ``fox-jax generate`` and ``fox-jax eval --cache`` on a tiny run with and without ``--mesh data=8`` (3 prompts /
 documents: padded), and prints the results as one JSON line.
 """
@@ -18,8 +19,9 @@ from fox_jax.decoding import generate, token_losses_under_policy
 from fox_jax.models import preset
 from fox_jax.sharding import make_mesh
 
-MESHES = ("data=8", "data=2,fsdp=2,tensor=2")
-POLICIES = ("dense", "acp")
+# (policy, mesh): dense (one ring) with rows over data; acp (rings with per-head starts, kv heads split over
+# tensor) with rows over data x fsdp and heads over tensor: every cache layout and every mesh axis once
+CASES = (("dense", "data=8"), ("acp", "data=2,fsdp=2,tensor=2"))
 
 
 def cli(argv) -> list[str]:
@@ -70,20 +72,19 @@ def main() -> None:
     seq_start = np.asarray([0, 3, 0, 5, 1, 0, 2, 0], np.int32)
     text = rng.integers(1, 64, (8, 20)).astype(np.int32)
     out = {}
-    for policy in POLICIES:
+    for policy, spec in CASES:
         kw = dict(max_new_tokens=6, policy=policy, seq_start=seq_start, prefill_chunk=8)
         ref = generate(model, params, prompt, **kw)
         ref_nll, _ = token_losses_under_policy(model, params, text, policy=policy, prefill_chunk=8)
         out[policy] = {"tokens": np.asarray(ref.tokens).tolist(), "nll": np.asarray(ref_nll).tolist()}
-        for spec in MESHES:
-            mesh = make_mesh(spec)
-            gen = generate(model, params, prompt, mesh=mesh, **kw)
-            nll, overflow = token_losses_under_policy(model, params, text, policy=policy, prefill_chunk=8, mesh=mesh)
-            k = gen.caches[0].groups[0].k
-            out[f"{policy}|{spec}"] = {"tokens": np.asarray(gen.tokens).tolist(), "nll": np.asarray(nll).tolist(),
-                                       "overflow": int(np.max(np.asarray(overflow))),
-                                       "k_spec": str(k.sharding.spec), "k_shards": len(k.addressable_shards),
-                                       "k_shard_shape": list(k.addressable_shards[0].data.shape)}
+        mesh = make_mesh(spec)
+        gen = generate(model, params, prompt, mesh=mesh, **kw)
+        nll, overflow = token_losses_under_policy(model, params, text, policy=policy, prefill_chunk=8, mesh=mesh)
+        k = gen.caches[0].groups[0].k
+        out[f"{policy}|{spec}"] = {"tokens": np.asarray(gen.tokens).tolist(), "nll": np.asarray(nll).tolist(),
+                                   "overflow": int(np.max(np.asarray(overflow))),
+                                   "k_spec": str(k.sharding.spec), "k_shards": len(k.addressable_shards),
+                                   "k_shard_shape": list(k.addressable_shards[0].data.shape)}
     try:
         generate(model, params, prompt[:3], max_new_tokens=2, mesh=make_mesh("data=8"))
     except ValueError as e:

@@ -17,8 +17,11 @@ def _summary(capsys) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("policy", ["dense", "window:8", "sinks:2+6", "acp"])
+@pytest.mark.parametrize("policy", ["window:8", "acp"])  # a positional ring (rounded up to a block) and acp's
 def test_generate_command_prints_text_and_one_json_line(train_run, capsys, policy):  # noqa: F811
+    """``--cache`` reaches the engine: the summary's numbers and the Python API's tokens on the checkpoint.
+    --cache parses with ``parse_policy`` (every form: test_decoding); dense through the command: the
+    --prompt-file tests below; sinks: the engine tests of test_decoding and test_batching."""
     run, cfg, params = train_run
     argv = ["generate", str(run), "--prompt", "import os", "--prompt", "x = 1", "--cache", policy,
             "--max-new-tokens", "6", "--no-stop"]
