@@ -58,8 +58,8 @@ def test_generate_command_errors(train_run, capsys, tmp_path):  # noqa: F811
         return err
 
     assert "unknown cache policy 'lru'" in error(["generate", run, "--prompt", "a", "--cache", "lru"])
-    assert "too small for one sequence" in error(["generate", run, "--prompt", "a", "--cache", "window:16",
-                                                 "--kv-slots", "4"])
+    assert "--kv-slots 4 is too small: --cache window:16 holds up to 16" in error(
+        ["generate", run, "--prompt", "a", "--cache", "window:16", "--kv-slots", "4"])
     assert "--prompt #1: 2 + 64 tokens need" in error(["generate", run, "--prompt", "a", "--kv-budget", "1e-9"])
     jsonl = tmp_path / "prompts.jsonl"
     jsonl.write_text('{"prompt": "a"}\n\n["b"]\n')

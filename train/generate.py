@@ -189,6 +189,11 @@ def cmd_generate(args) -> int:
         tokens[i, width - len(x):] = x
     seq_start = np.asarray([width - len(x) for x in ids], np.int32)
     slots = args.kv_slots
+    if slots is not None and policy.fixed_budget and slots < min_slots(policy, width + args.max_new_tokens - 1):
+        need = min_slots(policy, width + args.max_new_tokens - 1)
+        raise ValueError(f"--kv-slots {slots} is too small: --cache {policy.spec} holds up to {need} tokens per row "
+                         f"and layer for the longest prompt ({width} tokens) + --max-new-tokens {args.max_new_tokens}"
+                         f" − 1; give --kv-slots ≥ {need} or leave it out")
     if args.kv_budget is not None and slots is None:
         slots = slots_for_budget(cfg, len(ids), args.kv_budget * 2 ** 30)
         need = min_slots(policy, width + args.max_new_tokens - 1)

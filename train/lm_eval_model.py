@@ -407,10 +407,12 @@ def cmd_zeroshot_lm_eval(args) -> int:
     lm = FoxJaxLM(run=source, step=args.step, batch_size=args.batch_size, cache="dcp" if args.dcp else "dense",
                   max_length=args.max_length, tokenizer=args.tokenizer)
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in-process: no fork under JAX
+    from fox_jax.train.progress import foreign_bars
     logging.getLogger("lm_eval").setLevel(logging.WARNING)  # the table is the output; lm-eval's warnings stay
     logging.getLogger("lm_eval.api.task").addFilter(_NoCustomDatasetHint())
-    out = lm_eval.simple_evaluate(model=lm, tasks=[HARNESS_TASKS[n] for n in names], limit=args.limit,
-                                  task_manager=task_manager(eval_dir), log_samples=False)
+    with foreign_bars(not getattr(args, "no_progress", False)):  # lm-eval's bars: only on a terminal, as ours
+        out = lm_eval.simple_evaluate(model=lm, tasks=[HARNESS_TASKS[n] for n in names], limit=args.limit,
+                                      task_manager=task_manager(eval_dir), log_samples=False)
     cfg = lm.cfg
     desc = {"model": "gpt2" if cfg.model_type == "gpt2" else cfg.arch, "source": source,
             **({} if lm.run.step is None else {"step": lm.run.step}), "dcp": cfg.dcp, "tokenizer": lm.tokenizer_name}
@@ -425,6 +427,7 @@ def main(argv: list[str] | None = None) -> None:
     from lm_eval.__main__ import cli_evaluate
 
     os.environ.setdefault("DISABLE_MULTIPROC", "1")  # lm-eval's bootstrap stderr in-process: no fork under JAX
+    from fox_jax.train.progress import foreign_bars
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and not any(a.split("=")[0] == "--include_path" for a in argv):
         argv += ["--include_path", str(TASKS_DIR)]

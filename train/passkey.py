@@ -516,9 +516,14 @@ def cmd_passkey(args) -> int:
         check=lambda r: _check_lengths(lengths, r.model.max_positions, "--lengths"))
     text = text_path.read_text(encoding="utf-8")
     params = run.load_params()
-    result = run_passkey(run.model.build(), params, tokenizer, text, lengths=lengths, depths=depths,
-                         n_per_cell=args.n, policy=policy, slots=args.kv_slots, batch_size=args.batch_size,
-                         seed=args.seed, progress=not args.no_progress, mesh=mesh)
+    try:
+        result = run_passkey(run.model.build(), params, tokenizer, text, lengths=lengths, depths=depths,
+                             n_per_cell=args.n, policy=policy, slots=args.kv_slots, batch_size=args.batch_size,
+                             seed=args.seed, progress=not args.no_progress, mesh=mesh)
+    except ValueError as e:  # a length too short for the needle: name the flag
+        if str(e).startswith("context_len "):
+            raise ValueError("--lengths " + str(e).removeprefix("context_len ")) from None
+        raise
     model_name = "gpt2" if run.model.model_type == "gpt2" else run.model.arch
     desc = {"model": model_name, "source": run.path, **({} if run.step is None else {"step": run.step}),
             "train_seq_len": run.seq_len, "max_positions": run.model.max_positions, "tokenizer": tokenizer.name,

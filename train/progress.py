@@ -8,9 +8,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
 from typing import Callable
+
+import tqdm as tqdm_module
 
 from tqdm.auto import tqdm
 
@@ -27,6 +30,27 @@ def progress_bar(iterable=None, *, progress: bool = True, **kwargs) -> tqdm:
     """``tqdm(iterable, **kwargs)``, disabled unless ``bars_shown(progress)``."""
     kwargs.setdefault("dynamic_ncols", True)
     return tqdm(iterable, disable=not bars_shown(progress), **kwargs)
+
+
+@contextlib.contextmanager
+def foreign_bars(progress: bool = True):
+    """Within: other libraries' tqdm bars (lm-eval's) follow the same rule, disabled unless
+    ``bars_shown(progress)`` (they pass ``disable=`` themselves, which TQDM_DISABLE does not override)."""
+    if bars_shown(progress):
+        yield
+        return
+    cls = tqdm_module.std.tqdm
+    original = cls.__init__
+
+    def quiet(self, *args, **kwargs):
+        kwargs["disable"] = True
+        original(self, *args, **kwargs)
+
+    cls.__init__ = quiet
+    try:
+        yield
+    finally:
+        cls.__init__ = original
 
 
 def _duration(seconds: float) -> str:

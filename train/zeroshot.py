@@ -622,7 +622,9 @@ def resolve_eval_dir(args) -> Path:
     """``--eval-dir``, else ``default_eval_dir()``. Raises FileNotFoundError (naming --eval-dir) when absent."""
     eval_dir = Path(args.eval_dir) if args.eval_dir else default_eval_dir()
     if not eval_dir.is_dir():
-        raise FileNotFoundError(f"--eval-dir {eval_dir}: no such directory (the shared/data/eval sets)")
+        where = "" if args.eval_dir else f" ({config_lib.shared_data_dir()[1]})"
+        raise FileNotFoundError(f"--eval-dir {eval_dir}{where}: no such directory (the shared/data/eval sets); pass "
+                                f"--eval-dir DIR or set {config_lib.SHARED_DATA_ENV} to the shared data directory")
     return eval_dir
 
 
