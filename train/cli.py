@@ -18,6 +18,7 @@ import os
 import re
 import shlex
 import sys
+import warnings
 
 import importlib
 import json
@@ -207,6 +208,21 @@ def continue_command(argv: list[str], command: str, step: int) -> str:
     return "fox-jax " + shlex.join(out + [flag, str(step)])
 
 
+def _one_line_for_ours(default):
+    """A ``warnings.formatwarning`` that prints fox_jax's own warnings (e.g. ``HeuristicEvictionWarning``) as one
+    ``warning: ...`` line, without the library source line that points at no code of the user's."""
+    if getattr(default, "_fox_jax", False):
+        return default
+
+    def fmt(message, category, filename, lineno, line=None):
+        if category.__module__.split(".")[0] == "fox_jax":
+            return f"warning: {message}\n"
+        return default(message, category, filename, lineno, line)
+
+    fmt._fox_jax = True
+    return fmt
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
@@ -217,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from fox_jax.train.checkpoints import CheckpointError, CorruptCheckpointError
 
+    warnings.formatwarning = _one_line_for_ours(warnings.formatwarning)
     try:
         init_distributed(args)
         module, name = args.handler.split(":")

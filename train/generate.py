@@ -131,7 +131,7 @@ def read_prompts(texts, files) -> tuple[list[str], list[str]]:
             prompts.append(obj)
             names.append(f"--prompt-file {f} line {n}")
         if len(prompts) == before:
-            raise ValueError(f"--prompt-file {f} holds no prompt (one {{\"prompt\": TEXT}} per line)")
+            raise ValueError(f"--prompt-file {f} holds no prompt (one per line: a JSON string, or {{\"prompt\": TEXT}})")
     if not prompts:
         raise ValueError("give at least one --prompt TEXT or --prompt-file FILE")
     return prompts, names
@@ -242,7 +242,7 @@ def _model_name(cfg) -> str:
 
 def _print_continuation(i: int, prompt: str, ids, tokens, eot: int, tok) -> None:
     text = tok.decode([t for t in tokens if t != eot])
-    print(f"--- prompt {i} ({len(ids)} tokens) ---\n{prompt}\n--- generated ({len(tokens)} tokens) ---\n{text}")
+    print(f"--- prompt {i + 1} ({len(ids)} tokens) ---\n{prompt}\n--- generated ({len(tokens)} tokens) ---\n{text}")
 
 
 def _finish(summary: dict, policy) -> None:
