@@ -1,5 +1,6 @@
 """DCP interaction mask, sparsity loss/metric, block flags and masked attention (docs/design/dcp.md §1, §3)."""
 
+import functools
 import math
 
 import jax
@@ -111,12 +112,14 @@ def test_log_mask_gradients_finite_everywhere():
     keep = jnp.asarray(random_keep(rng, 2, 17, p_zero=0.3, p_one=0.3), jnp.float32)
     keep = keep.at[:, 5, :].set(0.0).at[:, :, 3].set(1e-42)  # exact zeros and subnormals
     w = jnp.asarray(rng.normal(size=(2, 17, 17)), jnp.float32)
-    g = jax.grad(lambda p: jnp.sum(w * cumulative_keep_log_mask(p)))(keep)
+    # alpha static (a Python float, as in eval code); one program per alpha (eagerly: one per op)
+    grad = jax.jit(jax.grad(lambda x, a: jnp.sum(w * cumulative_keep_log_mask(x, a))), static_argnums=1)
+    g = grad(keep, None)
     assert np.all(np.isfinite(np.asarray(g)))
     z = jnp.asarray(rng.normal(0.0, 3.0, (2, 17, 17)), jnp.float32)
     z = z.at[:, 4, :].set(-1.0).at[:, :, 6].set(1.0)  # exactly at the α = 2 support edges
     for alpha in (1.0, 1.01, 1.5, 2.0, 8.0, float("inf")):
-        g = jax.grad(lambda x: jnp.sum(w * cumulative_keep_log_mask(x, alpha)))(z)
+        g = grad(z, alpha)
         assert np.all(np.isfinite(np.asarray(g))), alpha
     # Traced alpha inside jit as in training.
     f = jax.jit(jax.grad(lambda x, a: jnp.sum(w * cumulative_keep_log_mask(x, a))))
@@ -195,31 +198,34 @@ def test_sparsity_loss_normalisations():
     rng = np.random.default_rng(5)
     L, B, T = 2, 3, 10
     keep = rng.uniform(0.0, 1.0, (L * B, T, T))
-    lm = cumulative_keep_log_mask(jnp.asarray(keep, jnp.float32)).reshape(L, B, T, T)
+    lm = jax.jit(cumulative_keep_log_mask)(jnp.asarray(keep, jnp.float32)).reshape(L, B, T, T)
     masks = np.exp(np.asarray(lm, np.float64))
+    # jitted: one program per call pattern (eagerly, XLA compiles every op on its own); the error checks
+    # below call the op itself
+    sparsity_loss_ = jax.jit(sparsity_loss, static_argnames="normalization")
     # "causal": mean over j < k for query rows k = 0..T-2.
     pairs = [(k, j) for k in range(T - 1) for j in range(k)]
     assert len(pairs) == (T - 1) * (T - 2) // 2
     causal_mean = np.mean([masks[:, :, k, j] for k, j in pairs])
-    assert float(sparsity_loss(lm, 0.3)) == pytest.approx(0.3 * causal_mean, rel=1e-5)
+    assert float(sparsity_loss_(lm, 0.3)) == pytest.approx(0.3 * causal_mean, rel=1e-5)
     # "code": the reference code's γ·mean(I[..., :-1, :]) including the constant upper triangle.
-    code = float(sparsity_loss(lm, 0.3, normalization="code"))
+    code = float(sparsity_loss_(lm, 0.3, normalization="code"))
     assert code == pytest.approx(0.3 * masks[..., :-1, :].mean(), rel=1e-5)
     assert code == pytest.approx(0.3 * ((T - 2) / (2 * T) * causal_mean + (T + 2) / (2 * T)), rel=1e-5)
     # Gradients (into the keep probabilities): code == causal with γ_eff = γ (T−2)/(2T).
     def through_mask(fn):
-        return jax.grad(lambda p: fn(cumulative_keep_log_mask(p).reshape(L, B, T, T)))(
+        return jax.jit(jax.grad(lambda p: fn(cumulative_keep_log_mask(p).reshape(L, B, T, T))))(
             jnp.asarray(keep, jnp.float32))
 
     g_code = through_mask(lambda x: sparsity_loss(x, 0.3, normalization="code"))
     g_causal = through_mask(lambda x: sparsity_loss(x, 0.3 * (T - 2) / (2 * T)))
     np.testing.assert_allclose(g_code, g_causal, rtol=1e-4, atol=1e-9)
     # One layer [B, T, T]; documents restrict the pairs.
-    assert float(sparsity_loss(lm[0], 1.0)) == pytest.approx(
+    assert float(sparsity_loss_(lm[0], 1.0)) == pytest.approx(
         np.mean([masks[0, :, k, j] for k, j in pairs]), rel=1e-5)
     seg = jnp.asarray(np.repeat([[0] * 5 + [1] * 5], B, axis=0))
     same = [(k, j) for k, j in pairs if (k < 5) == (j < 5)]
-    assert float(sparsity_loss(lm, 1.0, segment_ids=seg)) == pytest.approx(
+    assert float(sparsity_loss_(lm, 1.0, segment_ids=seg)) == pytest.approx(
         np.mean([masks[:, :, k, j] for k, j in same]), rel=1e-5)
     with pytest.raises(ValueError, match="normalization"):
         sparsity_loss(lm, 1.0, normalization="paper")
@@ -252,6 +258,11 @@ def dense_block_flags(lm, bq, bk, seg=None):
 def heavy_drop_mask(rng, b, t, beta=-1.0, alpha=2.0, r=8):
     qi = jnp.asarray(rng.normal(size=(b, t, r)), jnp.float32)
     ki = jnp.asarray(rng.normal(size=(b, t, r)), jnp.float32)
+    return _heavy_drop_mask(qi, ki, beta, alpha)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))  # one program (eagerly, XLA compiles every op on its own)
+def _heavy_drop_mask(qi, ki, beta, alpha):
     z = keep_logits(qi, ki, beta)
     return z, cumulative_keep_log_mask(z, alpha)
 
@@ -260,16 +271,17 @@ def test_dropped_key_blocks_matches_dense_check():
     rng = np.random.default_rng(6)
     _, lm = heavy_drop_mask(rng, 2, 37)
     lm_np = np.asarray(lm)
+    flags = jax.jit(dropped_key_blocks, static_argnums=(1, 2))  # one program per tiling (eagerly: one per op)
     for bq, bk in [(8, 8), (16, 8), (5, 7), (64, 64)]:
-        got = np.asarray(dropped_key_blocks(lm, bq, bk))
+        got = np.asarray(flags(lm, bq, bk))
         np.testing.assert_array_equal(got, dense_block_flags(lm_np, bq, bk))
     assert dense_block_flags(lm_np, 8, 8)[:, np.tril_indices(5, -1)[0], np.tril_indices(5, -1)[1]].any()
     seg = np.repeat(np.arange(37)[None] // 12, 2, axis=0)
-    got = np.asarray(dropped_key_blocks(lm, 8, 8, segment_ids=jnp.asarray(seg)))
+    got = np.asarray(flags(lm, 8, 8, segment_ids=jnp.asarray(seg)))
     np.testing.assert_array_equal(got, dense_block_flags(lm_np, 8, 8, seg))
     # Tq < Tk (bottom-right aligned queries).
     sub = lm_np[:, 20:, :]
-    np.testing.assert_array_equal(np.asarray(dropped_key_blocks(jnp.asarray(sub), 8, 8)),
+    np.testing.assert_array_equal(np.asarray(flags(jnp.asarray(sub), 8, 8)),
                                   dense_block_flags(sub, 8, 8))
     with pytest.raises(ValueError, match="block_q"):
         dropped_key_blocks(lm, 0, 8)
@@ -286,15 +298,20 @@ def qkv(rng, b, tq, tk, h, hkv, d, dtype=jnp.float32):
     return q, k, v
 
 
-def out_and_grads(fn, args, argnums):
-    """(fn(*args), grads of Σ w·fn(*args)) from one jitted call; w a fixed pseudo-random weight."""
+def jitted_out_and_grads(fn, argnums):
+    """jitted ``(*args) -> (fn(*args), grads of Σ w·fn(*args))``; w a fixed pseudo-random weight."""
     def loss(*a):
         o = fn(*a)
         w = jnp.cos(jnp.arange(o.size, dtype=jnp.float32).reshape(o.shape))
         return jnp.sum(w * o), o
 
-    (_, o), g = jax.jit(jax.value_and_grad(loss, argnums=argnums, has_aux=True))(*args)
-    return o, g
+    grad = jax.jit(jax.value_and_grad(loss, argnums=tuple(argnums), has_aux=True))
+    return lambda *args: (lambda r: (r[0][1], r[1]))(grad(*args))
+
+
+def out_and_grads(fn, args, argnums):
+    """(fn(*args), grads of Σ w·fn(*args)) from one jitted call; w a fixed pseudo-random weight."""
+    return jitted_out_and_grads(fn, argnums)(*args)
 
 
 def assert_grads_close(g, g_ref, names):
@@ -331,16 +348,16 @@ def test_dcp_attention_skips_dropped_blocks_exactly():
     q, k, v = qkv(rng, b, t, t, h, h, d)
     _, lm = heavy_drop_mask(rng, b, t, beta=-2.0)
     bq, bk = block_sizes(t, t, 8, 8)
-    flags = np.asarray(dropped_key_blocks(lm, bq, bk))
+    flags = np.asarray(jax.jit(dropped_key_blocks, static_argnums=(1, 2))(lm, bq, bk))
     causal = np.tril(np.ones(flags.shape[1:], bool))
     assert (flags & causal).all(axis=0).any(), "the test mask must have skippable causal tiles"
     attn = jax.jit(lambda q, k, v, m: dcp_attention(q, k, v, m, block_q=8, block_k=8))
     o_skip = attn(q, k, v, lm)
-    o_full = dcp_attention(q, k, v, lm, block_q=8, block_k=8, skip_dropped=False)
+    o_full = jax.jit(lambda *a: dcp_attention(*a, block_q=8, block_k=8, skip_dropped=False))(q, k, v, lm)
     np.testing.assert_allclose(o_skip, o_full, atol=1e-6)
-    np.testing.assert_allclose(o_skip, dcp_attention_reference(q, k, v, lm), atol=2e-5)
+    np.testing.assert_allclose(o_skip, jax.jit(dcp_attention_reference)(q, k, v, lm), atol=2e-5)
     # Eval-mode mask with −inf entries: same result, no NaN in values or gradients.
-    lm_inf = jnp.where(lm <= LOG_FLOOR, -jnp.inf, lm)
+    lm_inf = jnp.asarray(np.where(np.asarray(lm) <= LOG_FLOOR, -np.inf, np.asarray(lm)))
     o_inf, g = out_and_grads(attn, (q, k, v, lm_inf), (0, 3))
     np.testing.assert_allclose(o_inf, o_skip, atol=1e-6)
     assert all(np.all(np.isfinite(np.asarray(x))) for x in g)
@@ -370,7 +387,7 @@ def test_dcp_attention_bfloat16_and_jit():
     _, lm = heavy_drop_mask(rng, 1, 19, beta=0.5)
     out = jax.jit(lambda q, k, v, m: dcp_attention(q, k, v, m, block_q=8, block_k=8))(q, k, v, lm)
     assert out.dtype == jnp.bfloat16
-    np.testing.assert_allclose(np.asarray(out, np.float32), dcp_attention_reference(q, k, v, lm), atol=3e-2)
+    np.testing.assert_allclose(np.asarray(out, np.float32), jax.jit(dcp_attention_reference)(q, k, v, lm), atol=3e-2)
 
 
 def test_dcp_attention_errors():
@@ -464,13 +481,14 @@ def test_dcp_attention_fgate_zero_gates_equal_ungated_and_skip_is_exact():
     attn = jax.jit(lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, block_q=8, block_k=8))
     # log f ≡ 0 adds exactly 0 to every logit: bit-identical to the log_fgate=None path.
     np.testing.assert_array_equal(attn(q, k, v, lm, jnp.zeros((b, t, h), jnp.float32)),
-                                  dcp_attention(q, k, v, lm, block_q=8, block_k=8))
+                                  jax.jit(lambda *a: dcp_attention(*a, block_q=8, block_k=8))(q, k, v, lm))
     # Skipping fully dropped tiles stays exact with the decay (it only lowers skipped logits).
     lf = random_log_fgate(rng, b, t, h)
     o_skip = attn(q, k, v, lm, lf)
-    o_full = dcp_attention(q, k, v, lm, lf, block_q=8, block_k=8, skip_dropped=False)
+    o_full = jax.jit(lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, block_q=8, block_k=8, skip_dropped=False))(
+        q, k, v, lm, lf)
     np.testing.assert_allclose(o_skip, o_full, atol=1e-6)
-    np.testing.assert_allclose(o_skip, dcp_attention_reference(q, k, v, lm, lf), atol=2e-5)
+    np.testing.assert_allclose(o_skip, jax.jit(dcp_attention_reference)(q, k, v, lm, lf), atol=2e-5)
 
 
 def test_dcp_attention_fgate_bfloat16():
@@ -521,12 +539,16 @@ def test_dropped_pairs_weigh_zero_for_every_tiling():
     lm[:, t - 1] = LOG_FLOOR
     lm[:, 17] = LOG_FLOOR
     lm[:, 17, 3] = LOG_FLOOR + 1.0  # weakly kept: only key 3 counts
+    tilings = (dict(block_q=8, block_k=8), dict(block_q=4, block_k=4), dict(block_q=16, block_k=8),
+               dict(block_q=8, block_k=8, skip_dropped=False))
+    # one jitted function each, called with both masks (same shapes: traced and compiled once)
+    ref_fn = jitted_out_and_grads(dcp_attention_reference, range(4))
+    fns = [jitted_out_and_grads(lambda *a, kw=kw: dcp_attention(*a, **kw), range(4)) for kw in tilings]
     for mask in (jnp.asarray(lm), jnp.asarray(np.where(lm <= LOG_FLOOR, -np.inf, lm))):
-        o_ref, g_ref = out_and_grads(dcp_attention_reference, (q, k, v, mask), range(4))
+        o_ref, g_ref = ref_fn(q, k, v, mask)
         np.testing.assert_array_equal(np.asarray(o_ref)[:, [4, 5, 6, 7, t - 1]], 0.0)
-        np.testing.assert_allclose(o_ref[:, 17], v[:, 3], atol=1e-6)
-        for kw in (dict(block_q=8, block_k=8), dict(block_q=4, block_k=4), dict(block_q=16, block_k=8),
-                   dict(block_q=8, block_k=8, skip_dropped=False)):
-            o, g = out_and_grads(lambda *a, kw=kw: dcp_attention(*a, **kw), (q, k, v, mask), range(4))
+        np.testing.assert_allclose(np.asarray(o_ref)[:, 17], np.asarray(v)[:, 3], atol=1e-6)
+        for kw, fn in zip(tilings, fns):
+            o, g = fn(q, k, v, mask)
             np.testing.assert_allclose(o, o_ref, atol=2e-5, rtol=2e-5, err_msg=str(kw))
             assert_grads_close(g, g_ref, ("q", "k", "v", "log_mask"))

@@ -188,14 +188,23 @@ def test_pallas_tile_counts_follow_the_description():
     rng = np.random.default_rng(2)
     lam = decay_cumsum(_gates(rng))
     seg = jnp.asarray(np.stack([np.arange(T) // 11, np.arange(T) // 23]), jnp.int32)
-    counts = fpallas.tile_counts(B, H, T, T, lam=lam, delta=-1.0, segment_ids=seg, head_dim=16)
     config = fpallas.resolve_config(16, T, T)
+
+    @jax.jit  # one program (eagerly, XLA compiles every op on its own)
+    def described(lam, seg):
+        counts = fpallas.tile_counts(B, H, T, T, lam=lam, delta=-1.0, segment_ids=seg, head_dim=16)
+        visited, full = {}, {}
+        for name in ("fwd", "dq", "dkv"):
+            t = getattr(config, name)
+            v = tile_visits(T, T, t.block_q, t.block_k, lam=lam, delta=jnp.full((B, H), -1.0), segment_ids=seg)
+            visited[name] = jnp.broadcast_to(v.visited(), (B, H, v.nq, v.nk))
+            full[name] = TileVisits(T, T, t.block_q, t.block_k).visited()
+        return counts, visited, full
+
+    counts, visited, full = described(lam, seg)
     for name in ("fwd", "dq", "dkv"):
-        t = getattr(config, name)
-        v = tile_visits(T, T, t.block_q, t.block_k, lam=lam, delta=jnp.full((B, H), -1.0), segment_ids=seg)
-        assert float(counts[name]["visited"]) == float(np.sum(np.broadcast_to(v.visited(), (B, H, v.nq, v.nk))))
-        full = TileVisits(T, T, t.block_q, t.block_k).visited()
-        assert float(counts[name]["causal"]) == float(np.sum(full)) * B * H
+        assert float(counts[name]["visited"]) == float(np.sum(visited[name]))
+        assert float(counts[name]["causal"]) == float(np.sum(full[name])) * B * H
 
 
 # Sliding window -------------------------------------------------------------------------------------
@@ -310,10 +319,13 @@ def test_compact_tiles_match_numpy(n):
     flags[0, 0] = False  # an all-dead row
     flags[0, 1] = True  # an all-live row
     first = rng.uniform(size=(3, 1, n)) < 0.4  # broadcast over the second axis
-    _check_lists(jax.jit(compact_tiles)(jnp.asarray(flags)), flags)
-    _check_lists(compact_tiles(jnp.asarray(flags), jnp.asarray(first)), flags, first)
-    _check_lists(jax.vmap(compact_tiles)(jnp.asarray(flags), jnp.asarray(np.broadcast_to(first, flags.shape))),
-                 flags, first)
+    # one jitted program for the three forms (eagerly, XLA compiles every op of the vmapped form on its own)
+    plain, split, vmapped = jax.jit(lambda f, fi, fb: (compact_tiles(f), compact_tiles(f, fi),
+                                                       jax.vmap(compact_tiles)(f, fb)))(
+        jnp.asarray(flags), jnp.asarray(first), jnp.asarray(np.broadcast_to(first, flags.shape)))
+    _check_lists(plain, flags)
+    _check_lists(split, flags, first)
+    _check_lists(vmapped, flags, first)
     with pytest.raises(ValueError, match="at least one axis"):
         compact_tiles(jnp.asarray(True))
 
@@ -330,8 +342,10 @@ def _hidden_tiles(tq, tk, bq, bk, seq_start, segment_ids, window_size):
     return hidden.reshape(-1, nq, bq, nk, bk).any(axis=(2, 4))
 
 
-@pytest.mark.parametrize("tq,tk,bq,bk", [(64, 64, 16, 16), (37, 37, 8, 16), (20, 50, 16, 8), (50, 50, 32, 16)])
-@pytest.mark.parametrize("window_size", [None, 19, 40])
+# every geometry without a window and with one of the two windows (each window on two geometries)
+@pytest.mark.parametrize("tq,tk,bq,bk,window_size", [
+    (64, 64, 16, 16, None), (64, 64, 16, 16, 19), (37, 37, 8, 16, None), (37, 37, 8, 16, 40),
+    (20, 50, 16, 8, None), (20, 50, 16, 8, 19), (50, 50, 32, 16, None), (50, 50, 32, 16, 40)])
 def test_tile_lists_follow_the_visits(tq, tk, bq, bk, window_size):
     """``key_lists`` / ``query_lists`` list exactly the visited tiles (seq_start, documents, window and
     DCP live tiles together; awkward lengths, Tq < Tk), the ones with a hidden pair first; and
