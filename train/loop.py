@@ -195,7 +195,7 @@ class LMTask:
     The methods a task has (override them in a subclass; ``fox_jax.train.finetune_dcp.DCPTask``):
 
     * ``check_vocab(cfg, tokenizer, fixed)``: the config whose model fits the tokenizer.
-    * ``init_params(cfg, rng)``: the float32 parameters of a fresh run (eager).
+    * ``init_params(cfg, rng)``: the float32 parameters of a fresh run (computed once, before the step compiles).
     * ``lr_scales(cfg)``: per-leaf learning-rate factors for ``make_optimizer`` (None = one rate).
     * ``host_scalars(step)``: the float32 scalars step ``step`` (0-based) runs with (traced, no recompile).
     * ``loss(model, params, batch, scalars) -> (loss, metrics)``, ``param_metrics(params)`` after the update.

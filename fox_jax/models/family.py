@@ -126,11 +126,13 @@ class FamilyModules:
         """Float32 parameters of ``cfg.build()`` as a plain nested dict (no Flax boxing).
 
         Initialised on a [1, seq_len] batch of zeros (capped at ``max_positions``); DCP models with
-        alpha = 1 (the value does not affect the parameters).
+        alpha = 1 (the value does not affect the parameters). One jitted program: run op by op, ``init``
+        compiled ~100 small programs and ran the forward pass it does not need (XLA drops it here).
         """
         limit = cfg.max_positions
         tokens = jnp.zeros((1, seq_len if limit is None else min(seq_len, limit)), jnp.int32)
-        return cfg.build().init(rng, tokens, alpha=1.0 if cfg.dcp else None)["params"]
+        model = cfg.build()
+        return jax.jit(lambda key: model.init(key, tokens, alpha=1.0 if cfg.dcp else None)["params"])(rng)
 
     def add_dcp_params(self, cfg, params: dict, rng: jax.Array, *, interaction_dim: int | None = None,
                        beta_init: float | None = None):
