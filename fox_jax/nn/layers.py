@@ -82,9 +82,9 @@ def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype) -> l
     kernel = jnp.concatenate([k.astype(dtype) for k, _ in weights], axis=1)
     rows = math.prod(x.shape[:-1])
     if jnp.dtype(dtype) == jnp.float32 and rows <= SMALL_F32_ROWS and kernel.shape[1] <= SMALL_F32_FEATURES:
-        # a few float32 outputs of a decode step (gates, shifts): multiply-and-sum is one reduction kernel
-        # that reads the kernels where they lie, where a GEMM would take a copy of their concatenation
-        # (XLA does not hoist it out of the decode loop) and a launch that costs more than the work
+        # a few float32 outputs of a decode step (gates, shifts): multiply-and-sum is one reduction kernel into
+        # which XLA can fuse the concatenation, where the GEMM took a copy of the concatenated kernels every step
+        # (not hoisted out of the decode loop on the H200) and a launch that costs more than the work
         y = jnp.sum(x.astype(dtype)[..., :, None] * kernel, axis=-2)
     else:
         y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
