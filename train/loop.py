@@ -115,10 +115,10 @@ def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.Experime
         msg += (f" (its cosine ends at 0 at step {end}: the steps after it train at lr 0; --resume-schedule rewarm "
                 "warms up again)")
     if o.resume_schedule == "rewarm" and o.schedule == "cosine" and last > 0.5 * o.lr:
-        msg += (f"; warning: {cfg.steps - step} more steps leave no room to decay after a warmup of "
+        msg += (f"; but {cfg.steps - step} more steps leave no room to decay after a warmup of "
                 f"{o.warmup_steps}: the last step runs at lr {last:.3g} ({last / o.lr:.0%} of the peak); give more "
                 "--steps, a smaller --warmup-steps, or --resume-schedule continue")
-        log(msg if msg.startswith("warning") else "warning: " + msg)
+        log("warning: " + msg)
         return cfg
     log("warning: " + msg if abs(after - before) > 0.1 * o.lr else msg)  # a jump of more than 10% of the peak
     return cfg
