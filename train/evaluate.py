@@ -200,11 +200,9 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
         missing = policy.missing(cfg.model.cache_layout())
         if missing is not None:
             raise ValueError(f"--cache {policy.spec} needs {missing}; {workdir} ({run.what}) is not one")
-        need = policy.max_live(cfg.data.seq_len or train_len)
-        if kv_slots is not None and policy.fixed_budget and kv_slots < need:
-            raise ValueError(f"--kv-slots {kv_slots} is too small: --cache {policy.spec} holds up to {need} tokens per "
-                             f"row and layer at seq_len {cfg.data.seq_len or train_len}; give --kv-slots ≥ {need} or "
-                             "leave it out")
+        from fox_jax.train.generate import check_kv_slots
+
+        check_kv_slots(kv_slots, policy, cfg.data.seq_len or train_len, f"seq_len {cfg.data.seq_len or train_len}")
         report = evaluate_policy(run, cfg, run.load_params(), policy=policy, slots=kv_slots, num_docs=num_docs,
                                  mesh=mesh)
         out_dir = os.path.join(workdir, "eval")

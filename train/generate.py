@@ -32,6 +32,17 @@ import numpy as np
 from fox_jax.train.progress import bars_shown
 
 
+def check_kv_slots(slots: int | None, policy, fed: int, what: str) -> None:
+    """Raise a ValueError naming --kv-slots when a fixed-budget policy needs more than ``slots`` for ``fed``
+    tokens (``what`` says where they come from); None (the default pool) passes."""
+    from fox_jax.decoding import min_slots
+
+    need = min_slots(policy, fed)
+    if slots is not None and policy.fixed_budget and slots < need:
+        raise ValueError(f"--kv-slots {slots} is too small: --cache {policy.spec} holds up to {need} tokens per row "
+                         f"and layer for {what}; give --kv-slots ≥ {need} or leave it out")
+
+
 def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None, check=None):
     """(run, tokenizer) of a run or Hugging Face directory for decoding under ``policy``: a DCP model keeps
     its interaction weights only for ``dcp`` (every other policy runs its dense part). ``check(run)``, if
@@ -189,11 +200,8 @@ def cmd_generate(args) -> int:
         tokens[i, width - len(x):] = x
     seq_start = np.asarray([width - len(x) for x in ids], np.int32)
     slots = args.kv_slots
-    if slots is not None and policy.fixed_budget and slots < min_slots(policy, width + args.max_new_tokens - 1):
-        need = min_slots(policy, width + args.max_new_tokens - 1)
-        raise ValueError(f"--kv-slots {slots} is too small: --cache {policy.spec} holds up to {need} tokens per row "
-                         f"and layer for the longest prompt ({width} tokens) + --max-new-tokens {args.max_new_tokens}"
-                         f" − 1; give --kv-slots ≥ {need} or leave it out")
+    check_kv_slots(slots, policy, width + args.max_new_tokens - 1,
+                   f"the longest prompt ({width} tokens) + --max-new-tokens {args.max_new_tokens} − 1")
     if args.kv_budget is not None and slots is None:
         slots = slots_for_budget(cfg, len(ids), args.kv_budget * 2 ** 30)
         need = min_slots(policy, width + args.max_new_tokens - 1)
@@ -285,4 +293,4 @@ def _serve(args, model, params, tok, cfg, policy, prompts, ids, stops, plan) -> 
     return 0
 
 
-__all__ = ["check_sampling_flags", "cmd_generate", "load_for_decoding", "read_prompts", "slots_for_budget"]
+__all__ = ["check_kv_slots", "check_sampling_flags", "cmd_generate", "load_for_decoding", "read_prompts", "slots_for_budget"]

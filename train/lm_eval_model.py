@@ -393,10 +393,7 @@ def cmd_zeroshot_lm_eval(args) -> int:
     from fox_jax.train.runs import open_run
     from fox_jax.train.zeroshot import resolve_eval_dir, write_report
 
-    names = parse_harness_tasks(args.tasks)
-    for flag, value in (("--batch-size", args.batch_size), ("--max-length", args.max_length), ("--limit", args.limit)):
-        if value is not None and value < 1:
-            raise ValueError(f"{flag} must be positive, got {value}")
+    names = parse_harness_tasks(args.tasks)  # the count flags: checked by the parser (positive ints)
     eval_dir = resolve_eval_dir(args)
     flag, source = ("--hf-gpt2", args.hf_gpt2) if args.hf_gpt2 else ("--workdir", args.workdir)
     opened = open_run(source, step=args.step, flag=flag)  # flag-named errors before the model loads

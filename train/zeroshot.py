@@ -650,9 +650,7 @@ def write_report(args, desc: dict, report: dict, results: dict[str, dict[str, fl
 def cmd_zeroshot(args) -> int:
     """The ``fox-jax zeroshot`` handler (``--harness fox-jax``, the default): print a table and write the JSON
     report. ``--harness lm-eval`` runs ``fox_jax.train.lm_eval_model.cmd_zeroshot_lm_eval`` instead."""
-    tasks = parse_tasks(args.tasks)
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be positive, got {args.batch_size}")
+    tasks = parse_tasks(args.tasks)  # --batch-size, --limit, --max-length: checked by the parser (positive ints)
     eval_dir = resolve_eval_dir(args)
     scorer, tokenizer, max_length, desc = load_scorer(args)
     results = evaluate_tasks(scorer, tokenizer, tasks, eval_dir, limit=args.limit, batch_size=args.batch_size,
