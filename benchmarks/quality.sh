@@ -20,6 +20,15 @@
 #   pretrain (8 x 512 GPT-2 shape, 1000 steps of 32 x 1024) -> finetune (DCP at γ 0.1 / 0.3 / 1.0, 200 steps of
 #   8 x 1024) -> dcp_eval (fox-jax dcp-eval: ppl vs sparsity against local / strided baselines at matched
 #   sparsity, drop plots, context switch) -> zeroshot (fox-jax zeroshot, dense and the middle γ; EVAL_DIR)
+# QUALITY=table: the quality table of issue 21 (docs/results.md), one row per method, in stages that each retrain
+#   what they need (nothing survives a device call): pretrain (GPT-2 124M, STEPS x PRE_BATCH x SEQ) ->
+#   table_finetune (TABLE_RUNS, FT_STEPS each from the pretrained checkpoint: dcp:<γ> = finetune-dcp, dense = the
+#   dense fine-tuning control, local:W / strided:S / sinks:S+W = the run continued with that fixed pattern, same
+#   lr and steps) -> table_eval (fox-jax dcp-eval on one set of validation windows: every model under its own
+#   mask, the untuned baselines at the DCP sparsities; fox-jax passkey under the cache policy that decodes each
+#   mask; benchmarks/plots/plot_quality.py -> quality_rows.json (rows of quality_h200.json), quality.png/md).
+#   TABLE_STAGE names the rows' stage; e.g. TABLE_RUNS="dcp:0.05 dcp:0.1 dcp:0.2 dcp:0.4 dense" (stage gpt2-dcp),
+#   then TABLE_RUNS="local:230 strided:20 sinks:4+226 dense" (stage gpt2-fixed) at the DCP runs' sparsities.
 # QUALITY=archs: models of several architectures on the same batches, the first experiment of docs/results.md
 #   (was run_gpu_experiment.sh / run_gpu_train.sh)
 #   archs        fox-jax train for each run of ARCH_RUNS (NAME = an --arch, NAME-acp = that arch with
@@ -76,7 +85,9 @@ case $QUALITY in  # the plans' defaults (every one can still be set from outside
        : "${GPT2_SHAPE:=model.n_layers=8 model.d_model=512 model.n_heads=8}" "${STEPS:=1000}" "${PRE_BATCH:=32}"
        : "${PRE_LR:=1e-3}" "${PRE_WARMUP:=60}" "${FT_STEPS:=200}" "${FT_BATCH:=8}" "${T_PRE:=200}" "${T_FT:=240}" ;;
   archs) : "${PLAN:=archs}" ;;
-  *) echo "QUALITY=$QUALITY: expected inference, dcp or archs" >&2; exit 2 ;;
+  table) : "${PLAN:=pretrain table_finetune table_eval}" "${STEPS:=2000}" "${T_PRE:=170}" "${T_FT:=260}"
+         : "${FT_STEPS:=100}" "${FT_FORKS:=}" "${DE_BATCHES:=8}" ;;
+  *) echo "QUALITY=$QUALITY: expected inference, dcp, archs or table" >&2; exit 2 ;;
 esac
 DATA_DIR=${DATA_DIR:-$ROOT/.gpu/data}
 if [ -f "$DATA_DIR/train_tok/meta.json" ]; then
@@ -116,6 +127,9 @@ FOX_MAX_BATCH=${FOX_MAX_BATCH:-64}; FOX_REPEATS=${FOX_REPEATS:-2}
 # QUALITY=dcp: dcp-eval and zeroshot (EVAL_DIR: the eval sets of STAGES=prepare)
 DE_BATCHES=${DE_BATCHES:-8}; EVAL_DIR=${EVAL_DIR:-$DATA_DIR/eval}; ZS_LIMIT=${ZS_LIMIT:-500}
 ZS_TASKS=${ZS_TASKS:-lambada,piqa,winogrande,hellaswag,arc_easy}
+# QUALITY=table
+TABLE_RUNS=${TABLE_RUNS:-"dcp:0.05 dcp:0.1 dcp:0.2 dcp:0.4 dense"}; TABLE_STAGE=${TABLE_STAGE:-gpt2}
+TABLE_MODEL=${TABLE_MODEL:-gpt2-124M}; T_TE=${T_TE:-200}
 # QUALITY=archs
 ARCH_RUNS=${ARCH_RUNS:-"fox-pro fox-pro-acp fox-llama transformer-pro"}; ARCH_PRESET=${ARCH_PRESET:-125M}
 ARCH_SHAPE=${ARCH_SHAPE-"model.d_model=512 model.n_layers=8 model.n_heads=8"}; ARCH_STEPS=${ARCH_STEPS:-300}
@@ -410,6 +424,51 @@ stage_zeroshot() {
     $CLI zeroshot --workdir "$RUNS/dcp_g$mid" --dcp --tasks "$ZS_TASKS" --eval-dir "$EVAL_DIR" --limit "$ZS_LIMIT" \
     --batch-size 32 --output "$R/zeroshot/dcp_g$mid.json" --no-progress
   stage_end $?; }
+
+# ---------------------------------------------------------------------------------------------- QUALITY=table
+TABLE_DCP=(); TABLE_CTRL=()
+stage_table_finetune() {
+  stage_begin table-finetune "$T_FT"
+  if [ -z "$PRE_STEP" ]; then stamp "table-finetune: skipped (no pretrained checkpoint)"; stage_end 1; return; fi
+  local item dir
+  for item in $TABLE_RUNS; do
+    case $item in
+      dcp:*) ft_dcp "${item#dcp:}"; dir=$RUNS/dcp_g${item#dcp:}
+             [ -n "$(last_step "$dir")" ] && TABLE_DCP+=("$dir") && save_run "dcp_g${item#dcp:}" "$dir" gpt2-dcp ;;
+      dense) ft_fork ftdense; dir=$RUNS/ftdense ;;
+      local:*|strided:*|sinks:*) dir=$RUNS/ft_$(safe "$item"); ft_fork "ft_$(safe "$item")" "$item" ;;
+      *) stamp "TABLE_RUNS: unknown item '$item' (dcp:<gamma> | dense | local:W | strided:S | sinks:S+W)"; continue ;;
+    esac
+    if [[ $item != dcp:* ]] && [ -n "$(last_step "$dir")" ] && [ "$(last_step "$dir")" != "$PRE_STEP" ]; then
+      TABLE_CTRL+=("$dir"); save_run "$(basename "$dir")" "$dir" gpt2
+    fi
+  done
+  stamp "table models: dcp ${TABLE_DCP[*]##*/} | controls ${TABLE_CTRL[*]##*/}"
+  stage_end 0; }
+stage_table_eval() {
+  stage_begin table-eval "$T_TE"
+  if [ -z "$PRE_STEP" ]; then stamp "table-eval: skipped (no pretrained checkpoint)"; stage_end 1; return; fi
+  local args=() d label policy
+  [ ${#TABLE_DCP[@]} -gt 0 ] && args+=(--runs "${TABLE_DCP[@]}")
+  [ ${#TABLE_CTRL[@]} -gt 0 ] && args+=(--controls "${TABLE_CTRL[@]}")
+  job dcp-eval gpt2 table "$SEQ" "$R/logs/table_dcp_eval.log" $CLI dcp-eval --dense "$PRE" "${args[@]}" \
+    --data "$TRAIN_DATA" $VAL_ARGS --tokenizer "$TOK" --seq-len "$SEQ" --num-batches "$DE_BATCHES" --batch-size 8 \
+    --curve-sparsities "" --out "$R/table" --no-progress
+  for d in "$PRE" "${TABLE_DCP[@]}" "${TABLE_CTRL[@]}"; do  # passkey under the policy that decodes the model's mask
+    label=$(basename "$d"); [ "$d" = "$PRE" ] && label=dense
+    case $label in
+      dense|ftdense) policy=dense ;; dcp_g*) policy=dcp ;; ft_local_*) policy=window:${label#ft_local_} ;;
+      ft_sinks_*) policy=$(echo "${label#ft_}" | sed 's/_/:/; s/p/+/') ;; *) continue ;;   # strided: no policy
+    esac
+    XLA_PYTHON_CLIENT_PREALLOCATE=false pool job passkey "$label" "$policy" "$PASSKEY_LENGTHS" \
+      "$R/logs/table_passkey_$label.log" $CLI passkey "$d" --lengths "$PASSKEY_LENGTHS" --depths "$PASSKEY_DEPTHS" \
+      --n "$PASSKEY_N" --cache "$policy" --text "$HAYSTACK" --tokenizer "$TOK" --out "$R/table_passkey/$label" \
+      --no-progress
+  done; wait
+  timeout 60 python3 benchmarks/plots/plot_quality.py "$R" --model "$TABLE_MODEL" --stage "$TABLE_STAGE" \
+    --rows "$R/quality_rows.json" --out-dir "$R" > "$R/logs/plot_quality.log" 2>&1
+  local rc=$?; [ $rc -ne 0 ] && stamp "plot_quality.py failed: $(tail -n 1 "$R/logs/plot_quality.log")"
+  stage_end $rc; }
 
 # ---------------------------------------------------------------------------------------------- QUALITY=archs
 arch_run() {  # arch_run NAME: train NAME (an --arch, or ARCH-acp), then its per-position evaluation

@@ -178,11 +178,11 @@ for run in ("pre", "dcp"):  # the first two steps compile
     rows[run] = {"steps": len(rates), "median_tokens_per_sec": statistics.median(rates) if rates else None}
 json.dump(rows, open(sys.argv[2], "w"), indent=1); print(json.dumps(rows))
 PY' "$d" "$E2E_STEPS" "$OUT/e2e{tag}.json"; }
-stage_quality() {  # models trained and scored: QUALITY=inference (default) | dcp | archs (benchmarks/quality.sh)
+stage_quality() {  # models trained and scored: QUALITY=inference (default) | dcp | archs | table (benchmarks/quality.sh)
   t env DEADLINE=$(( STAGE_END - $(elapsed) - 15 )) R="$W/quality" bash benchmarks/quality.sh
   local rc=$?
   local j  # the plan's main JSON: inference summary, or the dcp-eval tables
-  for j in "$W/quality/summary.json" "$W/quality/dcp_eval/dcp_eval.json"; do
+  for j in "$W/quality/quality_rows.json" "$W/quality/summary.json" "$W/quality/dcp_eval/dcp_eval.json"; do
     [ -f "$j" ] && cp "$j" "$OUT/quality.json" && break
   done; return $rc; }
 

@@ -465,36 +465,43 @@ def preset(size: str = "125M", arch: str = "fox-llama", **overrides) -> ModelCon
     return ModelConfig(**kw)
 
 
-SPARSE_PATTERNS = ("local", "strided")
+SPARSE_PATTERNS = ("local", "strided", "sinks")
 
 
-def parse_sparse_pattern(pattern: str, *, name: str = "sparse_pattern") -> tuple[str, int]:
-    """``"local:W"`` / ``"strided:S"`` -> ``(kind, size)``.
+def parse_sparse_pattern(pattern: str, *, name: str = "sparse_pattern") -> tuple[str, int, int]:
+    """``"local:W"`` / ``"strided:S"`` / ``"sinks:S+W"`` -> ``(kind, size, sinks)``.
 
     Args:
-      pattern: the pattern string: a kind of ``SPARSE_PATTERNS``, a colon, a positive int.
+      pattern: the pattern string: a kind of ``SPARSE_PATTERNS``, a colon, a positive int (``sinks``: the
+        number of sink tokens S ≥ 0, a plus sign, the window W ≥ 1, as the ``sinks:S+W`` cache policy).
       name: the argument name used in error messages.
 
     Returns:
-      (kind, size): kind "local" or "strided", size the window W or stride S (int ≥ 1).
+      (kind, size, sinks): kind "local", "strided" or "sinks"; size the window W or stride S (int ≥ 1);
+      sinks the number of sink tokens (0 for local and strided).
 
     Raises:
       ValueError: not a string of that form (names ``name`` and the expected form).
     """
-    expected = "expected 'local:W' or 'strided:S' with a positive int W/S (e.g. 'local:256', 'strided:64')"
+    expected = ("expected 'local:W', 'strided:S' or 'sinks:S+W' with positive ints W/S (sinks: S >= 0), e.g. "
+                "'local:256', 'strided:64', 'sinks:4+252'")
     if not isinstance(pattern, str) or pattern.count(":") != 1:
         raise ValueError(f"{name} must be a string; {expected}; got {pattern!r}")
     kind, size = pattern.split(":")
     kind = kind.strip()
     if kind not in SPARSE_PATTERNS:
         raise ValueError(f"{name}: unknown pattern kind {kind!r}; {expected}; got {pattern!r}")
+    parts = size.split("+") if kind == "sinks" else [size]
+    if len(parts) != (2 if kind == "sinks" else 1):
+        raise ValueError(f"{name}: {size!r} is not of the form S+W; {expected}; got {pattern!r}")
     try:
-        value = int(size)
+        values = [int(v) for v in parts]
     except ValueError:
         raise ValueError(f"{name}: {size!r} is not an int; {expected}; got {pattern!r}") from None
-    if value < 1:
-        raise ValueError(f"{name}: the window/stride must be >= 1; {expected}; got {pattern!r}")
-    return kind, value
+    sinks, value = (values[0], values[1]) if kind == "sinks" else (0, values[0])
+    if value < 1 or sinks < 0:
+        raise ValueError(f"{name}: the window/stride must be >= 1 (and sinks >= 0); {expected}; got {pattern!r}")
+    return kind, value, sinks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -527,8 +534,8 @@ class GPT2Config(FamilyConfig):
         (``DCP_IMPLS``): ``"auto"`` (default: Pallas kernels on GPU, blockwise XLA elsewhere),
         ``"xla"`` or ``"pallas"`` (kernels; interpret mode off GPU).
       sparse_pattern: ``None`` (default: full causal attention), or a fixed sparse attention pattern
-        for a dense model: ``"local:W"`` or ``"strided:S"`` with W, S positive ints (see the module
-        docstring and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
+        for a dense model: ``"local:W"``, ``"strided:S"`` or ``"sinks:S+W"`` (see the module docstring of
+        ``fox_jax.models.gpt2`` and ``sparse_pattern_log_mask``). Not combinable with ``dcp``; training and
         prefill only (no decoding cache). Not stored in HF checkpoints: pass it as an override
         (``load_hf_gpt2(path, sparse_pattern="local:256")``).
 

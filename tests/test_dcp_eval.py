@@ -16,6 +16,7 @@ from fox_jax.models.gpt2 import (GPT2, GPT2Config, match_sparse_pattern, parse_s
 from fox_jax.models.hf_gpt2 import save_hf_gpt2
 from fox_jax.ops.context_pruning import dcp_attention
 from fox_jax.train import cli, config as config_lib, dcp_eval
+from fox_jax.train.checkpoints import Checkpointer
 
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
@@ -27,24 +28,33 @@ TINY = dict(n_layers=2, n_heads=2, d_model=32, vocab_size=50257, n_positions=64,
 # Patterns
 # ---------------------------------------------------------------------------------------------
 
-def numpy_pattern(kind: str, size: int, t: int) -> np.ndarray:
+def numpy_pattern(kind: str, size: int, t: int, sinks: int = 0) -> np.ndarray:
     """Independent construction with loops: [T, T] bool keep, queries on axis 0."""
     keep = np.zeros((t, t), bool)
     for i in range(t):
         for j in range(i + 1):
             if kind == "local":
                 keep[i, j] = j > i - size
+            elif kind == "sinks":  # the last `size` keys plus the first `sinks`
+                keep[i, j] = j > i - size or j < sinks
             else:  # strided: window of `size` plus the summary columns j = size-1, 2*size-1, ...
                 keep[i, j] = (i - j < size) or ((j + 1) % size == 0)
     return keep
 
 
+def split_pattern(pattern: str) -> tuple[str, int, int]:
+    kind, size = pattern.split(":")
+    sinks, _, window = size.rpartition("+")
+    return kind, int(window), int(sinks or 0)
+
+
 @pytest.mark.parametrize("t", [1, 2, 7, 33])
 @pytest.mark.parametrize("pattern", ["local:1", "local:3", "local:8", "local:40",
-                                     "strided:1", "strided:2", "strided:5", "strided:40"])
+                                     "strided:1", "strided:2", "strided:5", "strided:40",
+                                     "sinks:0+3", "sinks:2+1", "sinks:3+4", "sinks:40+2"])
 def test_pattern_masks_equal_numpy(pattern, t):
-    kind, size = pattern.split(":")
-    ref = numpy_pattern(kind, int(size), t)
+    kind, size, sinks = split_pattern(pattern)
+    ref = numpy_pattern(kind, size, t, sinks)
     np.testing.assert_array_equal(np.asarray(sparse_pattern_keep(pattern, t)), ref)
     np.testing.assert_array_equal(sparse_pattern_keep(pattern, t, xp=np), ref)
     log_mask = np.asarray(sparse_pattern_log_mask(pattern, t))
@@ -58,7 +68,8 @@ def test_pattern_masks_equal_numpy(pattern, t):
 
 
 def test_pattern_errors():
-    for bad in ("foo:3", "local:0", "local", "local:x", "strided:-2", 5, "local:3:4"):
+    for bad in ("foo:3", "local:0", "local", "local:x", "strided:-2", 5, "local:3:4", "sinks:4", "sinks:-1+4",
+                "sinks:4+0", "local:1+4", "sinks:1+2+3"):
         with pytest.raises(ValueError, match="sparse_pattern"):
             parse_sparse_pattern(bad)
     with pytest.raises(ValueError, match="GPT2Config.sparse_pattern"):
@@ -73,12 +84,18 @@ def test_pattern_errors():
         match_sparse_pattern("dilated", 0.5, 64)
     with pytest.raises(ValueError, match="target"):
         match_sparse_pattern("local", 1.5, 64)
+    with pytest.raises(ValueError, match="sinks"):
+        match_sparse_pattern("sinks", 0.5, 64, sinks=-1)
 
 
-@pytest.mark.parametrize("kind", ["local", "strided"])
+def _pattern(kind: str, size: int) -> str:
+    return f"sinks:4+{size}" if kind == "sinks" else f"{kind}:{size}"
+
+
+@pytest.mark.parametrize("kind", ["local", "strided", "sinks"])
 @pytest.mark.parametrize("t", [64, 1024])
 def test_matched_sparsity_within_one_step(kind, t):
-    sp = np.array([sparse_pattern_sparsity(f"{kind}:{s}", t) for s in range(1, t + 1)])
+    sp = np.array([sparse_pattern_sparsity(_pattern(kind, s), t) for s in range(1, t + 1)])
     peak = int(np.argmax(sp))  # local: size 1; strided: near sqrt(T/2)
     branch = sp[peak:]         # decreasing in the size from the peak on
     assert np.all(np.diff(branch) <= 1e-15)
@@ -164,9 +181,16 @@ def test_gpt2_sparse_pattern_model(tiny_params):
     # gradients flow (training with a fixed pattern) and are finite
     grads = jax.jit(jax.grad(lambda p: jnp.mean(local.apply({"params": p}, tokens).logits ** 2)))(tiny_params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
-    # with a cache the policy decides what a query sees: local:W decodes as window:W (its training visibility)
+    # with a cache the policy decides what a query sees: local:W decodes as window:W (its training visibility),
+    # sinks:S+W as the sinks:S+W policy
     cached = local.apply({"params": tiny_params}, tokens, cache=cfg.init_cache(2, t, policy=f"window:{w}")).logits
     np.testing.assert_allclose(cached, logits, atol=1e-4, rtol=1e-4)
+    sinks, apply_sinks = forward(f"sinks:3+{w}")
+    sink_logits, sink_aux = apply_sinks(tiny_params, tokens)
+    np.testing.assert_allclose(sink_aux["sparsity"], sparse_pattern_sparsity(f"sinks:3+{w}", t), atol=1e-6)
+    assert np.max(np.abs(sink_logits[:, -1] - logits[:, -1])) > 1e-4  # the sinks are seen
+    cached = sinks.apply({"params": tiny_params}, tokens, cache=cfg.init_cache(2, t, policy=f"sinks:3+{w}")).logits
+    np.testing.assert_allclose(cached, sink_logits, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,6 +271,16 @@ def models(tmp_path_factory, tiny_params):
     config_lib.save_json(config_lib.ExperimentConfig(model=dcp_cfg, data=config_lib.DataConfig(seq_len=64),
                                                      dcp=config_lib.DCPConfig(hf_gpt2=str(root / "dense"), gamma=0.5),
                                                      steps=10), run / "config.json")
+    # fine-tuned controls as 'fox-jax train' runs (config.json + an orbax checkpoint of the params): a dense
+    # control and a local-window fine-tune, both with the dense weights (so their scores are checkable)
+    for name, pattern in (("ft_dense", None), ("ft_local", "local:8")):
+        (root / name).mkdir()
+        config_lib.save_json(config_lib.ExperimentConfig(model=cfg.replace(sparse_pattern=pattern),
+                                                         data=config_lib.DataConfig(seq_len=64), steps=5),
+                             root / name / "config.json")
+        ckpt = Checkpointer(str(root / name / "checkpoints"), async_save=False)
+        ckpt.save(5, {"params": tiny_params}, {})
+        ckpt.close()
     return root
 
 
@@ -283,6 +317,7 @@ def test_cli_end_to_end(models, val_text, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("FOX_JAX_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "out"
     argv = ["dcp-eval", "--dense", str(models / "dense"), "--runs", str(models / "run_gamma0.5"),
+            "--controls", str(models / "ft_dense"), str(models / "ft_local"),
             "--val-data", str(val_text), "--tokenizer", str(GPT2_TOKENIZER), "--seq-len", "48",
             "--num-batches", "2", "--batch-size", "2", "--curve-sparsities", "0.5", "--out", str(out),
             "--no-progress"]
@@ -302,7 +337,7 @@ def test_cli_end_to_end(models, val_text, tmp_path, monkeypatch, capsys):
     (run,) = report["dcp"]
     assert run["info"]["gamma"] == 0.5 and len(run["sparsity_layers"]) == 2
     assert 0.05 < run["sparsity"] < 0.99
-    for kind in ("local", "strided"):
+    for kind in ("local", "strided", "sinks"):
         m = run["matched"][kind]
         assert m["pattern"].startswith(kind + ":")
         assert m["nominal_sparsity"] == pytest.approx(match_sparse_pattern(kind, run["sparsity"], 48)[1])
@@ -310,6 +345,15 @@ def test_cli_end_to_end(models, val_text, tmp_path, monkeypatch, capsys):
         assert np.isfinite(m["ppl"])
         assert len(report["curves"][kind]) >= 1
     assert (out / "dcp_eval.md").read_text().count("|") > 20
+    # the controls, each under its own pattern: the dense control holds the dense weights (same ppl), the
+    # local fine-tune the exact pattern sparsity on these packed windows
+    ft_dense, ft_local = report["controls"]
+    assert ft_dense["info"] == {"kind": "dense-ft", "pattern": None, "step": 5} and ft_dense["sparsity"] == 0.0
+    assert ft_dense["ppl"] == pytest.approx(dense["ppl"], rel=1e-6)
+    assert ft_local["info"]["pattern"] == "local:8" and ft_local["label"] == "ft_local"
+    assert ft_local["ppl"] != pytest.approx(dense["ppl"], rel=1e-4)
+    assert abs(ft_local["sparsity"] - sparse_pattern_sparsity("local:8", 48)) < 0.05
+    assert "fine-tuned pattern | local:8" in printed
 
     drops = json.loads((out / "drops.json").read_text())["runs"]["run_gamma0.5"]
     assert len(drops["sparsity"]) == 2 and len(drops["drop_fraction"][0]) == drops["seq_len"] == 48
@@ -331,3 +375,5 @@ def test_cli_errors(models, val_text, tmp_path, monkeypatch, capsys):
     assert "n_positions" in capsys.readouterr().err
     assert cli.main(base + ["--val-data", str(val_text), "--curve-sparsities", "0.5,2"]) == 2
     assert "--curve-sparsities" in capsys.readouterr().err
+    assert cli.main(base + ["--val-data", str(val_text), "--controls", str(models / "run_gamma0.5")]) == 2
+    assert "--controls" in capsys.readouterr().err

@@ -20,7 +20,7 @@ ZEROSHOT_TASKS = ("lambada", "piqa", "winogrande", "hellaswag", "arc_easy", "arc
 # fox-jax zeroshot --harness: the scorer that runs the tasks, as the handler of the command
 ZEROSHOT_HARNESSES = {"fox-jax": "fox_jax.train.zeroshot:cmd_zeroshot",
                       "lm-eval": "fox_jax.train.lm_eval_model:cmd_zeroshot_lm_eval"}
-DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided target sparsities
+DEFAULT_CURVE_SPARSITIES = (0.25, 0.5, 0.75, 0.9)  # dcp-eval: extra local/strided/sinks target sparsities
 DCP_NAME = "dcp_interaction.safetensors"  # = fox_jax.models.hf_gpt2.DCP_NAME (checked by the tests)
 BYTES_VOCAB = 257  # = fox_jax.train.tokenizers.ByteTokenizer.vocab_size (checked by the tests)
 
@@ -301,15 +301,20 @@ def _add_zeroshot(sub) -> None:
 
 def _add_dcp_eval(sub) -> None:
     """``fox-jax dcp-eval`` (handler ``fox_jax.train.dcp_eval.cmd_dcp_eval``)."""
-    e = sub.add_parser("dcp-eval", help="DCP evaluation: ppl vs sparsity against dense/local/strided, drop plots, "
+    e = sub.add_parser("dcp-eval", help="DCP evaluation: ppl vs sparsity against dense/local/strided/sinks and fine-tuned controls, drop plots, "
                                         "context switch", formatter_class=_Formatter,
                        description=textwrap.fill("Score DCP models (--runs) against their dense base model (--dense): "
                        "perplexity against sparsity next to local-window and strided attention at matched sparsity, "
                        "plots of the dropped keys on a text, and the context-switch experiment; writes JSON, markdown "
                        "and PNGs in --out (docs/dcp.md).", width=106))
-    e.add_argument("--dense", required=True, help="the dense base model: a HF GPT-2 directory")
-    e.add_argument("--runs", nargs="+", required=True,
+    e.add_argument("--dense", required=True, help="the dense base model: a HF GPT-2 directory or a 'fox-jax train' "
+                   "GPT-2 run")
+    e.add_argument("--runs", nargs="+",
                    help="DCP models: 'fox-jax finetune-dcp' run directories or HF dirs with " + DCP_NAME)
+    e.add_argument("--controls", nargs="+",
+                   help="fine-tuned comparison models, each scored under its own pattern: 'fox-jax train' GPT-2 "
+                        "runs fine-tuned dense (the dense control) or with model.sparse_pattern (local:W, "
+                        "strided:S, sinks:S+W); at least one of --runs / --controls")
     e.add_argument("--data", nargs="+", help="text files/dirs/globs; with --val-data only used to satisfy the loader "
                    "(default: the --val-data files); without --val-data, validation documents are held out of it "
                    "as in finetune-dcp")
@@ -321,7 +326,7 @@ def _add_dcp_eval(sub) -> None:
     e.add_argument("--batch-size", type=_positive, default=4, help="windows per batch (default 4)")
     e.add_argument("--data-seed", type=int, default=0, help="seed of the held-out split without --val-data (default 0)")
     e.add_argument("--curve-sparsities", default=",".join(str(s) for s in DEFAULT_CURVE_SPARSITIES),
-                   help="extra target sparsities for the local/strided curves, comma-separated ('' for none; "
+                   help="extra target sparsities for the local/strided/sinks curves, comma-separated ('' for none; "
                         "default %(default)s)")
     e.add_argument("--text", help="text file for the drop plots (default: the first validation document)")
     e.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",

@@ -8,11 +8,13 @@ HF directories with ``dcp_interaction.safetensors``), on the **same validation w
    (query, key) pairs dropped, docs/design/dcp.md §3.2; overall = mean over layers, and per layer) of the dense
    model and of every DCP run, with the inference step mask α = ∞ (``finetune_dcp.evaluate_at_inf``:
    the fine-tuning run's own validation). For every DCP run, the dense model
-   with a **fixed local-window** and a **fixed strided** pattern (``GPT2Config.sparse_pattern``) at the
-   matched sparsity (``match_sparse_pattern``: the window/stride whose exact sparsity at length T is
-   closest to the run's measured sparsity), plus a grid of extra sparsities (``--curve-sparsities``) to draw
-   the baseline curves. The baselines are the dense base model with the pattern applied at inference, **not
-   fine-tuned** with the pattern (the paper fine-tunes its local/sparse baselines with the DCP recipe).
+   with a **fixed local-window**, a **fixed strided** and a **sinks + window** pattern
+   (``GPT2Config.sparse_pattern``) at the matched sparsity (``match_sparse_pattern``: the window/stride whose
+   exact sparsity at length T is closest to the run's measured sparsity), plus a grid of extra sparsities
+   (``--curve-sparsities``) to draw the baseline curves. These baselines are the dense base model with the
+   pattern applied at inference, **not fine-tuned** with it. The paper's fine-tuned baselines are
+   ``--controls``: 'fox-jax train' runs fine-tuned with their own ``model.sparse_pattern`` (or dense: the
+   dense fine-tuning control), each scored under its own pattern on the same windows.
    Windows that span two documents use ``segment_ids`` (no attention across documents) for every model,
    and sparsity counts only pairs inside one document, so a baseline's measured sparsity can differ
    slightly from its nominal (single-sequence) value; both are reported.
@@ -29,9 +31,10 @@ HF directories with ``dcp_interaction.safetensors``), on the **same validation w
 Outputs in ``--out``::
 
     dcp_eval.json           config, per model: val_loss, ppl, sparsity, sparsity_layers; per DCP run the
-                            matched local/strided baselines; the baseline curves
+                            matched local/strided/sinks baselines; per control (--controls) its
+                            scores under its own pattern; the baseline curves
     dcp_eval.md             the markdown tables (also printed)
-    ppl_vs_sparsity.png     dense, DCP points, local and strided curves
+    ppl_vs_sparsity.png     dense, DCP points, fine-tuned controls, local/strided/sinks curves
     drops_<run>.png         per-layer step masks of the sample text (kept / dropped / not causal)
     drop_tokens_<run>.png   per-layer drop fraction per token, drop rate by class, most-dropped tokens
     drops.json              per run and layer: sparsity, drop rate by token class, most-dropped tokens
@@ -129,18 +132,45 @@ def _run_info(run: Run) -> dict:
             "seq_len": run.seq_len, "tokenizer": run.tokenizer}
 
 
+def _gpt2_run(path: str, flag: str) -> Run:
+    """A dense GPT-2 model: a HF GPT-2 directory (DCP parameters, if any, are not read) or a 'fox-jax train'
+    run of the GPT-2 family (its latest checkpoint)."""
+    run = open_run(path, flag=flag)
+    if run.kind == "hf-gpt2":
+        return run.without_dcp()
+    if run.kind == "train" and run.model.model_type == "gpt2" and not run.model.dcp:
+        return run
+    raise ValueError(f"{flag} {path} is {run.what}; expected a HF GPT-2 directory or a 'fox-jax train' run of "
+                     "GPT-2 (--preset gpt2)")
+
+
 def load_dense(path: str, *, dtype: str = "float32") -> EvalModel:
-    """The dense base model: a HF GPT-2 directory (DCP parameters, if any, are not read).
+    """The dense base model: a HF GPT-2 directory (DCP parameters, if any, are not read) or a 'fox-jax train'
+    GPT-2 run (latest checkpoint; a ``sparse_pattern`` in its config is dropped: the base is scored dense).
 
     Raises:
       FileNotFoundError: ``--dense`` is no directory, or one without config.json / weights.
       ValueError: another kind of run.
     """
-    run = open_run(path, flag="--dense")
-    if run.kind != "hf-gpt2":
-        raise ValueError(f"--dense {path} is {run.what}; expected a HF GPT-2 directory")
-    run = run.without_dcp()
-    return EvalModel("dense", run.path, run.model.replace(dtype=dtype), run.load_params(), {"kind": "dense"})
+    run = _gpt2_run(path, "--dense")
+    cfg = run.model.replace(dtype=dtype, sparse_pattern=None)
+    return EvalModel("dense", run.path, cfg, run.load_params(), {"kind": "dense", "step": run.step})
+
+
+def load_control(path: str, *, dtype: str = "float32") -> EvalModel:
+    """A fine-tuned comparison model (``--controls``): a GPT-2 fine-tuned dense (the dense control) or with a
+    fixed ``sparse_pattern`` (the paper's fine-tuned local / strided / sinks baselines), scored under its own
+    pattern: a 'fox-jax train' run (pattern from its config.json) or a HF GPT-2 directory (dense).
+
+    Raises:
+      FileNotFoundError: no such directory, or no run in it.
+      ValueError: not a dense GPT-2 run (e.g. a DCP run: pass it with --runs).
+    """
+    run = _gpt2_run(path, "--controls")
+    pattern = run.model.sparse_pattern
+    info = {"kind": "pattern" if pattern else "dense-ft", "pattern": pattern, "step": run.step}
+    return EvalModel(os.path.basename(os.path.normpath(run.path)), os.path.abspath(path),
+                     run.model.replace(dtype=dtype), run.load_params(), info)
 
 
 def load_run(path: str, *, dtype: str = "float32") -> EvalModel:
@@ -620,13 +650,13 @@ def plot_drop_tokens(stats: dict, tokens_text: Sequence[str], path: str, *, titl
 
 
 def plot_ppl_vs_sparsity(report: dict, path: str) -> None:
-    """Perplexity (log scale) vs sparsity (%): dense, the DCP runs, the local and strided curves. Writes a PNG."""
+    """Perplexity (log scale) vs sparsity (%): dense, the DCP runs, the fine-tuned controls, the fixed-pattern curves. Writes a PNG."""
     fig = _figure(figsize=(7, 5), layout="constrained")
     ax = fig.add_subplot()
     dense = report["dense"]
     ax.axhline(dense["ppl"], color="gray", ls=":", lw=1)
     ax.plot([0.0], [dense["ppl"]], "k*", ms=12, label=f"dense ({dense['ppl']:.2f})")
-    styles = {"local": ("#2e86c1", "o"), "strided": ("#27ae60", "s")}
+    styles = {"local": ("#2e86c1", "o"), "strided": ("#27ae60", "s"), "sinks": ("#8e44ad", "^")}
     for kind in SPARSE_PATTERNS:
         pts = [(0.0, dense["ppl"])] + [(100 * p["sparsity"], p["ppl"]) for p in report["curves"][kind]]
         pts.sort()
@@ -638,8 +668,17 @@ def plot_ppl_vs_sparsity(report: dict, path: str) -> None:
         ax.annotate(run["display"], (100 * run["sparsity"], run["ppl"]), textcoords="offset points",
                     xytext=(5, 5), fontsize=7)
     ax.plot([], [], "D", color="#c0392b", label="DCP (α=∞)")
+    for run in report.get("controls", ()):
+        kind = (run["info"]["pattern"] or "dense").split(":")[0]
+        color, marker = styles.get(kind, ("k", "*"))
+        ax.plot([100 * run["sparsity"]], [run["ppl"]], marker, color=color, ms=11, mfc="none", mew=2)
+        ax.annotate(run["label"], (100 * run["sparsity"], run["ppl"]), textcoords="offset points", xytext=(5, -10),
+                    fontsize=7)
+    if report.get("controls"):
+        ax.plot([], [], "o", color="gray", ms=9, mfc="none", mew=2, label="fine-tuned with its pattern (hollow)")
     ppls = [dense["ppl"]] + [r["ppl"] for r in report["dcp"]] + [p["ppl"] for k in SPARSE_PATTERNS
                                                                  for p in report["curves"][k]]
+    ppls += [r["ppl"] for r in report.get("controls", ())]
     if max(ppls) / min(ppls) > 3:  # log scale only when the range calls for it
         from matplotlib.ticker import ScalarFormatter
 
@@ -674,17 +713,20 @@ def format_tables(report: dict) -> str:
     for run in report["dcp"]:
         g = run["info"].get("gamma")
         lines.append(row(run["label"], "DCP", "α=∞" + (f", γ={g:g}" if g is not None else ""), run))
+    for run in report.get("controls", ()):
+        lines.append(row(run["label"], "fine-tuned " + ("dense" if run["info"]["pattern"] is None else "pattern"),
+                         run["info"]["pattern"] or "full causal", run))
     for kind in SPARSE_PATTERNS:
         for p in report["curves"][kind]:
             lines.append(row("dense weights", kind, p["pattern"], p, p["nominal_sparsity"]))
-    out = ["## All models", "", *lines, "", "## DCP vs fixed patterns at matched sparsity", "",
-           "| DCP run | DCP sparsity % | DCP ppl | local | local sparsity % | local ppl | strided | "
-           "strided sparsity % | strided ppl |", "|---|---:|---:|---|---:|---:|---|---:|---:|"]
+    out = ["## All models", "", *lines, "", "## DCP vs fixed patterns at matched sparsity (dense weights)", "",
+           "| DCP run | DCP sparsity % | DCP ppl | " + " | ".join(f"{k} | {k} sparsity % | {k} ppl"
+                                                          for k in SPARSE_PATTERNS) + " |",
+           "|---|---:|---:|" + "---|---:|---:|" * len(SPARSE_PATTERNS)]
     for run in report["dcp"]:
-        lo, st = run["matched"]["local"], run["matched"]["strided"]
-        out.append(f"| {run['display']} | {100 * run['sparsity']:.1f} | {run['ppl']:.2f} | {lo['pattern']} | "
-                   f"{100 * lo['sparsity']:.1f} | {lo['ppl']:.2f} | {st['pattern']} | {100 * st['sparsity']:.1f} | "
-                   f"{st['ppl']:.2f} |")
+        out.append(f"| {run['display']} | {100 * run['sparsity']:.1f} | {run['ppl']:.2f} | " + " | ".join(
+            f"{m['pattern']} | {100 * m['sparsity']:.1f} | {m['ppl']:.2f}"
+            for m in (run["matched"][k] for k in SPARSE_PATTERNS)) + " |")
     if report["dcp"]:
         n_layer = len(report["dcp"][0]["sparsity_layers"])
         out += ["", "## DCP sparsity per layer (%)", "",
@@ -693,8 +735,8 @@ def format_tables(report: dict) -> str:
         for run in report["dcp"]:
             out.append(f"| {run['display']} | " + " | ".join(f"{100 * v:.1f}" for v in run["sparsity_layers"]) + " |")
     out += ["", f"Dense ppl {dense_ppl:.2f}. Sparsity = fraction of causal (query, key) pairs dropped, mean over "
-            "layers (step mask α=∞ for DCP); local/strided are the dense model with a fixed pattern, "
-            "not fine-tuned."]
+            "layers (step mask α=∞ for DCP); 'dense weights' rows are the dense model with a fixed pattern, "
+            "not fine-tuned; 'fine-tuned' rows (--controls) were fine-tuned with their own pattern."]
     return "\n".join(out)
 
 
@@ -727,18 +769,21 @@ def parse_sparsities(spec: str | Sequence[float] | None) -> list[float]:
 def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConfig, out_dir: str, *,
                  batch_size: int = 4, num_batches: int = 8,
                  curve_sparsities: Sequence[float] = DEFAULT_CURVE_SPARSITIES,
-                 text_file: str | None = None, progress: bool = True) -> dict:
+                 text_file: str | None = None, progress: bool = True,
+                 controls: Sequence[EvalModel] = ()) -> dict:
     """The whole evaluation (module docstring); writes every output file to ``out_dir``.
 
     Args:
       dense: the base model (``load_dense``).
-      runs: the DCP models (``load_run``), at least one.
+      runs: the DCP models (``load_run``); at least one of ``runs`` and ``controls``.
       data_cfg: validation data (``seq_len`` = T, the tokenizer).
       out_dir: output directory (created).
       batch_size, num_batches: the validation windows (the same for every model).
-      curve_sparsities: extra target sparsities for the local/strided curves.
+      curve_sparsities: extra target sparsities for the local/strided/sinks curves.
       text_file: the drop-plot text (default: the first validation document).
       progress: tqdm bars (drawn only when stderr is a terminal).
+      controls: fine-tuned comparison models (``load_control``: dense control, fixed-pattern fine-tunes),
+        each scored under its own pattern on the same windows.
 
     Returns:
       the report dict written to ``dcp_eval.json``.
@@ -747,11 +792,11 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
       ValueError: no runs, bad sizes, models of different vocabularies, T > n_positions of a model, a
         tokenizer with more ids than a model, not enough validation data.
     """
-    if not runs:
-        raise ValueError("--runs: at least one DCP run is needed")
+    if not runs and not controls:
+        raise ValueError("--runs / --controls: at least one DCP run or fine-tuned control is needed")
     if batch_size < 1 or num_batches < 1:
         raise ValueError(f"--batch-size and --num-batches must be positive, got {batch_size}, {num_batches}")
-    models = [dense, *runs]
+    models = [dense, *runs, *controls]
     _unique_labels(models)
     t = data_cfg.seq_len
     for m in models:
@@ -779,7 +824,7 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
             pattern_cache[pattern] = {"pattern": pattern, "nominal_sparsity": nominal, **res}
         return pattern_cache[pattern]
 
-    n_evals = 1 + len(runs) + 2 * (len(runs) + len(curve_sparsities))
+    n_evals = 1 + len(runs) + len(controls) + len(SPARSE_PATTERNS) * (len(runs) + len(curve_sparsities))
     bar = progress_bar(total=n_evals, desc="dcp-eval", unit="model", progress=progress)
     dense_res = evaluate_model(dense.cfg, dense.params, batches, desc="dense", progress=progress)
     bar.update(1)
@@ -797,6 +842,11 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
             bar.update(1)
         run_results.append({"label": run.label, "display": _display(run), "path": run.path, "info": run.info,
                             **res, "matched": matched})
+    control_results = []
+    for run in controls:
+        res = evaluate_model(run.cfg, run.params, batches, desc=run.label, progress=progress)
+        bar.update(1)
+        control_results.append({"label": run.label, "display": run.label, "path": run.path, "info": run.info, **res})
     for target in curve_sparsities:
         for kind in SPARSE_PATTERNS:
             eval_pattern(*match_sparse_pattern(kind, target, t))
@@ -812,9 +862,12 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
                    "sparsity_definition": "fraction of strictly causal (query, key) pairs dropped, within documents, "
                                           "mean over layers (docs/design/dcp.md §3.2)",
                    "baselines": "dense model weights with a fixed GPT2Config.sparse_pattern, not fine-tuned; "
-                                "local:W keeps i-W<j<=i; strided:S keeps i-j<S or j%S==S-1"},
-        "dense": {"label": dense.label, "path": dense.path, **dense_res},
+                                "local:W keeps i-W<j<=i; strided:S keeps i-j<S or j%S==S-1; sinks:S+W keeps "
+                                "i-j<W or j<S",
+                   "controls": "fine-tuned models (--controls) scored under their own sparse_pattern"},
+        "dense": {"label": dense.label, "path": dense.path, "info": dense.info, **dense_res},
         "dcp": run_results,
+        "controls": control_results,
         "curves": curves,
     }
 
@@ -906,7 +959,10 @@ def cmd_dcp_eval(args) -> int:
                 raise FileNotFoundError(f"{flag}: {p} does not exist; give a file, directory or glob of text")
     curve = parse_sparsities(args.curve_sparsities)
     dense = load_dense(args.dense, dtype=args.dtype)
-    runs = [load_run(p, dtype=args.dtype) for p in args.runs]
+    runs = [load_run(p, dtype=args.dtype) for p in args.runs or ()]
+    controls = [load_control(p, dtype=args.dtype) for p in args.controls or ()]
+    if not runs and not controls:
+        raise ValueError("--runs / --controls: give at least one DCP run or fine-tuned control")
     seq_len = args.seq_len if args.seq_len is not None else dense.cfg.n_positions
     train_files = tuple(os.path.abspath(p) for p in (args.data or args.val_data))
     val_files = tuple(os.path.abspath(p) for p in args.val_data or ())
@@ -914,7 +970,8 @@ def cmd_dcp_eval(args) -> int:
                           seq_len=seq_len, seed=args.data_seed)
     load_tokenizer(data_cfg.tokenizer)  # a clear error before any data is read
     report = run_dcp_eval(dense, runs, data_cfg, args.out, batch_size=args.batch_size, num_batches=args.num_batches,
-                          curve_sparsities=curve, text_file=args.text, progress=not args.no_progress)
+                          curve_sparsities=curve, text_file=args.text, progress=not args.no_progress,
+                          controls=controls)
     print(report["tables"])
     print(f"wrote {os.path.abspath(args.out)}: dcp_eval.json, dcp_eval.md, ppl_vs_sparsity.png, drops.json, "
           "context_switch.json and per-run drops_/drop_tokens_/context_switch_ PNGs")

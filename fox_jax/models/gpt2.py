@@ -27,8 +27,11 @@ paper", §6 attention.png) — through the same ``dcp_attention``, so fully drop
                  (every S-th key is a "summary" column visible to all later queries): the local part of
                  Child et al. 2019's "strided" pattern plus the one-column summary (c = 1) of their
                  "fixed" pattern, with summary positions counted from the start of the sequence.
+    "sinks:S+W"  query i sees keys j ≤ i with i − j < W **or** j < S: a local window of W plus the first S
+                 tokens ("attention sinks", Xiao et al. 2023), the same visibility as the ``sinks:S+W``
+                 cache policy, so a model fine-tuned with it decodes exactly under that policy.
 
-Positions are indices in the sequence (0..T−1). Both patterns are monotone in the query (a key that
+Positions are indices in the sequence (0..T−1). All three patterns are monotone in the query (a key that
 leaves a query's view never comes back), so like DCP they correspond to a KV cache that frees
 entries. ``sparse_pattern_sparsity`` gives the exact fraction of causal pairs dropped and
 ``match_sparse_pattern`` the window/stride closest to a target sparsity.
@@ -66,8 +69,8 @@ def sparse_pattern_keep(pattern: str, seq_len: int, *, xp=jnp):
     """Which causal (query i, key j) pairs a fixed pattern keeps (module docstring for the rules).
 
     Args:
-      pattern: ``"local:W"`` (keep i − W < j ≤ i) or ``"strided:S"`` (keep j ≤ i with i − j < S or
-        j mod S = S − 1).
+      pattern: ``"local:W"`` (keep i − W < j ≤ i), ``"strided:S"`` (keep j ≤ i with i − j < S or
+        j mod S = S − 1) or ``"sinks:S+W"`` (keep j ≤ i with i − j < W or j < S).
       seq_len: T, positions 0..T−1 (queries and keys of one sequence).
       xp: ``jax.numpy`` (default, traceable: no [T, T] constant is embedded) or ``numpy``.
 
@@ -77,7 +80,7 @@ def sparse_pattern_keep(pattern: str, seq_len: int, *, xp=jnp):
     Raises:
       ValueError: bad pattern or seq_len < 1.
     """
-    kind, size = parse_sparse_pattern(pattern)
+    kind, size, sinks = parse_sparse_pattern(pattern)
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     i = xp.arange(seq_len)[:, None]
@@ -85,6 +88,8 @@ def sparse_pattern_keep(pattern: str, seq_len: int, *, xp=jnp):
     keep = (j <= i) & (i - j < size)
     if kind == "strided":
         keep = keep | ((j <= i) & (j % size == size - 1))
+    elif kind == "sinks":
+        keep = keep | ((j <= i) & (j < sinks))
     return keep
 
 
@@ -92,7 +97,7 @@ def sparse_pattern_log_mask(pattern: str, seq_len: int) -> jax.Array:
     """The additive log-mask of a fixed pattern, in the form ``dcp_attention`` takes (docs/design/dcp.md §1.4).
 
     Args:
-      pattern: ``"local:W"`` or ``"strided:S"`` (``sparse_pattern_keep``).
+      pattern: ``"local:W"``, ``"strided:S"`` or ``"sinks:S+W"`` (``sparse_pattern_keep``).
       seq_len: T.
 
     Returns:
@@ -107,12 +112,14 @@ def sparse_pattern_log_mask(pattern: str, seq_len: int) -> jax.Array:
     return jnp.where(keep | upper, 0.0, -jnp.inf).astype(jnp.float32)
 
 
-def _kept_pairs(kind: str, size: int, seq_len: int) -> int:
+def _kept_pairs(kind: str, size: int, seq_len: int, sinks: int = 0) -> int:
     """Strictly causal pairs (j < i) a pattern keeps, in closed form per query row (exact, int)."""
     i = np.arange(seq_len, dtype=np.int64)
     kept = np.minimum(i, size - 1)                                   # the window j ∈ [i−size+1, i−1]
     if kind == "strided":                                            # columns j ≤ i−S with j ≡ S−1 (mod S)
         kept = kept + np.maximum((i + 1) // size - 1, 0)
+    elif kind == "sinks":                                            # sinks j < S left of the window: j ≤ i−W
+        kept = kept + np.clip(i - size + 1, 0, sinks)
     return int(kept.sum())
 
 
@@ -123,10 +130,11 @@ def sparse_pattern_sparsity(pattern: str, seq_len: int) -> float:
 
     the same definition as ``fox_jax.ops.context_pruning.sparsity`` (one sequence, no documents).
     Closed form: local W keeps min(i, W−1) keys before query i; strided S keeps min(i, S−1) window keys
-    plus max(⌊(i+1)/S⌋ − 1, 0) summary columns.
+    plus max(⌊(i+1)/S⌋ − 1, 0) summary columns; sinks S+W keeps min(i, W−1) window keys plus
+    clip(i − W + 1, 0, S) sinks.
 
     Args:
-      pattern: ``"local:W"`` or ``"strided:S"``.
+      pattern: ``"local:W"``, ``"strided:S"`` or ``"sinks:S+W"``.
       seq_len: T ≥ 1 (0 is returned for T = 1: no causal pair).
 
     Returns:
@@ -135,26 +143,28 @@ def sparse_pattern_sparsity(pattern: str, seq_len: int) -> float:
     Raises:
       ValueError: bad pattern or seq_len.
     """
-    kind, size = parse_sparse_pattern(pattern)
+    kind, size, sinks = parse_sparse_pattern(pattern)
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 1:
         raise ValueError(f"seq_len must be a positive int, got {seq_len!r}")
     pairs = seq_len * (seq_len - 1) // 2
-    return 0.0 if pairs == 0 else 1.0 - _kept_pairs(kind, size, seq_len) / pairs
+    return 0.0 if pairs == 0 else 1.0 - _kept_pairs(kind, size, seq_len, sinks) / pairs
 
 
-def match_sparse_pattern(kind: str, target: float, seq_len: int) -> tuple[str, float]:
+def match_sparse_pattern(kind: str, target: float, seq_len: int, *, sinks: int = 4) -> tuple[str, float]:
     """The window/stride of ``kind`` whose exact sparsity at length T is closest to ``target``.
 
     Exhaustive over sizes 1..T (``sparse_pattern_sparsity``, O(T²) integer work): local sparsity falls
     monotonically from 1 at W = 1 (only the token itself) to 0 at W = T, so the result is within one
     window step of the target; strided sparsity is 0 at S = 1 (every key is a summary column),
     peaks near S ≈ √(T/2) (≈ 91% at T = 1024) and falls to 0 at S = T, so targets above the peak get
-    the sparsest stride. Ties go to the larger size (the denser, more local pattern).
+    the sparsest stride; sinks S+W (S fixed) falls with W like local, from slightly below 1 at W = 1.
+    Ties go to the larger size (the denser, more local pattern).
 
     Args:
-      kind: "local" or "strided".
+      kind: "local", "strided" or "sinks".
       target: the sparsity to match, in [0, 1] (e.g. a DCP model's measured sparsity).
       seq_len: T ≥ 2.
+      sinks: S of a ``sinks`` pattern (the window W is matched), ≥ 0; unused by the other kinds.
 
     Returns:
       (pattern string, its exact sparsity).
@@ -168,14 +178,16 @@ def match_sparse_pattern(kind: str, target: float, seq_len: int) -> tuple[str, f
         raise ValueError(f"target must be a sparsity in [0, 1], got {target!r}")
     if not isinstance(seq_len, (int, np.integer)) or seq_len < 2:
         raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
+    if kind == "sinks" and (not isinstance(sinks, (int, np.integer)) or sinks < 0):
+        raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
     pairs = seq_len * (seq_len - 1) // 2
     best = None
     for size in range(1, seq_len + 1):
-        sp = 1.0 - _kept_pairs(kind, size, seq_len) / pairs
+        sp = 1.0 - _kept_pairs(kind, size, seq_len, sinks if kind == "sinks" else 0) / pairs
         err = abs(sp - float(target))
         if best is None or err <= best[0]:
             best = (err, size, sp)
-    return f"{kind}:{best[1]}", best[2]
+    return (f"sinks:{sinks}+{best[1]}" if kind == "sinks" else f"{kind}:{best[1]}"), best[2]
 
 
 def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:

@@ -1,0 +1,216 @@
+"""The quality table of the pruning methods: rows of ``quality_h200.json``, the perplexity-ratio-vs-sparsity
+figure and a markdown table.
+
+Input: a results folder of ``benchmarks/quality.sh``'s ``table`` plan (``QUALITY=table``): ``table/dcp_eval.json``
+(``fox-jax dcp-eval``: the pretrained model, the DCP fine-tunes, the fine-tuned controls — the dense control
+and the fixed patterns, each under its own pattern — and the untuned fixed-pattern baselines at the DCP runs'
+sparsities, all on the same validation windows), ``table_passkey/<label>/passkey.json`` (``fox-jax passkey``
+under the cache policy equivalent to the model's own mask) and ``env.json``.
+
+Rows (one per model and method; ``--rows FILE`` merges them into FILE, replacing rows of the same ``key``):
+
+  model          e.g. "gpt2-124M"                method     dense | dense-ft | dcp:g<γ> | window:W | strided:S |
+  fine_tuned     False for the pretrained model                         sinks:S+W (the model's own pattern)
+                 and the untuned baselines          context    tokens per validation window
+  sparsity       fraction of causal (query, key) pairs dropped, within documents, mean over layers
+  ppl            validation perplexity under the method; val_loss (nats/token)
+  ppl_ratio      ppl / ppl of the reference on the same windows: the dense fine-tuning control (``dense-ft``)
+                 when the folder has one, else the pretrained model (``ppl_ratio_to`` names it)
+  passkey_acc    exact-match passkey accuracy over the folder's grid (``passkey_grid``), None where no cache
+                 policy decodes the pattern (strided) or passkey did not run
+  key, stage, device, jax, date, source and the method's details (gamma, steps, pattern, nominal_sparsity)
+
+Usage:
+  python benchmarks/plots/plot_quality.py RESULTS_DIR --model gpt2-124M --stage gpt2-dcp \\
+      --rows benchmarks/results/quality/quality_h200.json --out-dir DIR
+  python benchmarks/plots/plot_quality.py --rows benchmarks/results/quality/quality_h200.json --out-dir DIR
+      (plot and table from the rows file alone)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from datetime import date
+
+FAMILIES = {  # method prefix -> (color, marker, legend)
+    "dcp": ("#c0392b", "D", "DCP (learned)"),
+    "window": ("#2e86c1", "o", "local window"),
+    "strided": ("#27ae60", "s", "strided"),
+    "sinks": ("#8e44ad", "^", "sinks + window"),
+    "acp": ("#e67e22", "P", "ACP (FoX, provable eviction)"),
+    "dense-ft": ("black", "*", "dense fine-tuning control"),
+    "dense": ("gray", "*", "pretrained (dense)"),
+}
+
+
+def method_of(pattern: str | None) -> str:
+    """The table's name of a fixed pattern (``local:W`` is the ``window:W`` of the cache policies)."""
+    if pattern is None:
+        return "dense"
+    return "window:" + pattern.split(":", 1)[1] if pattern.startswith("local:") else pattern
+
+
+def decode_policy(method: str) -> str | None:
+    """The cache policy that decodes a method exactly (passkey), None where there is none (strided)."""
+    if method in ("dense", "dense-ft"):
+        return "dense"
+    if method.startswith("dcp:"):
+        return "dcp"
+    if method.startswith(("window:", "sinks:")):
+        return method
+    return None
+
+
+def _passkey(results: str, label: str) -> dict | None:
+    path = os.path.join(results, "table_passkey", label, "passkey.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def collect_rows(results: str, *, model: str, stage: str) -> list[dict]:
+    """The rows of one results folder (module docstring)."""
+    with open(os.path.join(results, "table", "dcp_eval.json")) as f:
+        report = json.load(f)
+    env = {}
+    if os.path.isfile(os.path.join(results, "env.json")):
+        with open(os.path.join(results, "env.json")) as f:
+            env = json.load(f)
+    context = report["config"]["seq_len"]
+    entries = [("dense", False, report["dense"], {"step": report["dense"].get("info", {}).get("step")})]
+    for run in report["dcp"]:
+        g = run["info"].get("gamma")
+        entries.append((f"dcp:g{g:g}" if g is not None else f"dcp:{run['label']}", True, run,
+                        {"gamma": g, "steps": run["info"].get("steps")}))
+    for run in report.get("controls", ()):
+        pattern = run["info"]["pattern"]
+        entries.append(("dense-ft" if pattern is None else method_of(pattern), True, run,
+                        {"pattern": pattern, "step": run["info"].get("step")}))
+    seen = set()
+    for run in report["dcp"]:  # the untuned baselines at each DCP run's sparsity
+        for kind, m in run["matched"].items():
+            if m["pattern"] not in seen:
+                seen.add(m["pattern"])
+                entries.append((method_of(m["pattern"]), False, m,
+                                {"pattern": m["pattern"], "nominal_sparsity": m["nominal_sparsity"],
+                                 "matched_to": run["label"]}))
+    control = next((r for r in report.get("controls", ()) if r["info"]["pattern"] is None), None)
+    ref, ref_name = (control, "dense-ft") if control is not None else (report["dense"], "dense")
+    rows = []
+    for method, tuned, res, extra in entries:
+        label = res.get("label")
+        pk = _passkey(results, label) if label and (tuned or method == "dense") else None
+        row = {"model": model, "method": method, "fine_tuned": tuned, "context": context,
+               "sparsity": round(float(res["sparsity"]), 6), "ppl": round(float(res["ppl"]), 4),
+               "val_loss": round(float(res["val_loss"]), 6),
+               "ppl_ratio": round(float(res["ppl"]) / float(ref["ppl"]), 5), "ppl_ratio_to": ref_name,
+               "passkey_acc": None if pk is None else round(float(pk["mean_accuracy"]), 4),
+               "passkey_policy": None if pk is None else pk["policy"],
+               "passkey_grid": None if pk is None else {"lengths": pk["lengths"], "depths": pk["depths"],
+                                                        "n": pk["n"]},
+               **{k: v for k, v in extra.items() if v is not None},
+               "label": label, "stage": stage, "tokens": report["config"]["tokens"],
+               "device": env.get("device"), "jax": env.get("jax"), "date": date.today().isoformat(),
+               "source": os.path.basename(os.path.normpath(results))}
+        row["key"] = f"{model}|{stage}|{method}|{'ft' if tuned else 'untuned'}|{context}"
+        rows.append(row)
+    return rows
+
+
+def merge_rows(path: str, rows: list[dict]) -> list[dict]:
+    """``rows`` merged into the list in ``path`` (rows of the same ``key`` replaced); written back."""
+    old = []
+    if os.path.isfile(path):
+        with open(path) as f:
+            old = json.load(f)
+    keys = {r["key"] for r in rows}
+    merged = [r for r in old if r.get("key") not in keys] + rows
+    with open(path, "w") as f:
+        json.dump(merged, f, indent=1)
+        f.write("\n")
+    return merged
+
+
+def _family(method: str) -> str:
+    return method if method in ("dense", "dense-ft") else method.split(":")[0]
+
+
+def plot(rows: list[dict], path: str) -> None:
+    """Perplexity ratio against sparsity, one panel per (model, context): every method; fine-tuned filled,
+    untuned (dense weights with the pattern) hollow."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(r["model"], r["context"]) for r in rows})
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False, layout="constrained")
+    for ax, (model, ctx) in zip(axes[0], panels):
+        sel = [r for r in rows if r["model"] == model and r["context"] == ctx]
+        for fam, (color, marker, legend) in FAMILIES.items():
+            for tuned in (True, False):
+                pts = sorted((100 * r["sparsity"], r["ppl_ratio"], r["method"]) for r in sel
+                             if _family(r["method"]) == fam and r["fine_tuned"] == tuned)
+                if not pts:
+                    continue
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, ms=9 if tuned else 7,
+                        mfc=color if tuned else "none", ls="-" if (tuned and fam == "dcp") else "none",
+                        label=legend + ("" if tuned or fam == "dense" else " (not fine-tuned)"))
+                for x, y, m in pts:
+                    if fam not in ("dense", "dense-ft"):
+                        ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
+        ax.axhline(1.0, color="gray", ls=":", lw=1)
+        ax.set_xlabel("sparsity: % of causal (query, key) pairs dropped")
+        ax.set_ylabel("perplexity / dense control")
+        ax.set_xlim(-2, 100)
+        ax.grid(alpha=0.3)
+        ax.set_title(f"{model}, context {ctx}", fontsize=10)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.savefig(path, dpi=120)
+
+
+def table(rows: list[dict]) -> str:
+    """Markdown: one line per row, grouped by model and context, fine-tuned first, by sparsity."""
+    out = ["| model | context | method | fine-tuned | sparsity % | ppl | ppl ratio | passkey % | stage |",
+           "|---|---:|---|---|---:|---:|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r["model"], r["context"], not r["fine_tuned"], r["sparsity"], r["method"])):
+        pk = "–" if r["passkey_acc"] is None else f"{100 * r['passkey_acc']:.0f}"
+        out.append(f"| {r['model']} | {r['context']} | {r['method']} | {'yes' if r['fine_tuned'] else 'no'} | "
+                   f"{100 * r['sparsity']:.1f} | {r['ppl']:.2f} | {r['ppl_ratio']:.3f} (to {r['ppl_ratio_to']}) | "
+                   f"{pk} | {r['stage']} |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("results", nargs="?", help="a results folder of quality.sh's table plan")
+    ap.add_argument("--model", default="gpt2-124M", help="the model name of the rows (default gpt2-124M)")
+    ap.add_argument("--stage", default="table", help="the stage name of the rows (default table)")
+    ap.add_argument("--rows", help="a rows file (JSON list) to merge into; without RESULTS, plot it")
+    ap.add_argument("--out-dir", help="where quality.png and quality.md go (default: next to --rows or RESULTS)")
+    args = ap.parse_args(argv)
+    if not args.results and not args.rows:
+        ap.error("give RESULTS, --rows, or both")
+    if args.results and not os.path.isfile(os.path.join(args.results, "table", "dcp_eval.json")):
+        ap.error(f"RESULTS {args.results}: no table/dcp_eval.json (the dcp-eval output of the table plan)")
+    rows = collect_rows(args.results, model=args.model, stage=args.stage) if args.results else []
+    if args.rows:
+        rows = merge_rows(args.rows, rows) if rows or not os.path.isfile(args.rows) else json.load(open(args.rows))
+    out_dir = args.out_dir or (os.path.dirname(os.path.abspath(args.rows)) if args.rows else args.results)
+    os.makedirs(out_dir, exist_ok=True)
+    plot(rows, os.path.join(out_dir, "quality.png"))
+    md = table(rows)
+    with open(os.path.join(out_dir, "quality.md"), "w") as f:
+        f.write("# Quality of the pruning methods\n\n" + md + "\n")
+    print(md)
+    print(f"wrote {os.path.join(out_dir, 'quality.png')} and quality.md ({len(rows)} rows)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""benchmarks/plots/plot_quality.py on a small synthetic results folder of quality.sh's table plan."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("plot_quality", ROOT / "benchmarks" / "plots" / "plot_quality.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _res(label, ppl, sparsity, **kw):
+    return dict(label=label, val_loss=1.0, ppl=ppl, sparsity=sparsity, sparsity_layers=[sparsity], **kw)
+
+
+def _results(tmp_path: Path) -> Path:
+    r = tmp_path / "q"
+    (r / "table").mkdir(parents=True)
+    matched = {"local": _res(None, 90.0, 0.6, pattern="local:230", nominal_sparsity=0.6),
+               "strided": _res(None, 95.0, 0.61, pattern="strided:20", nominal_sparsity=0.61),
+               "sinks": _res(None, 88.0, 0.6, pattern="sinks:4+226", nominal_sparsity=0.6)}
+    report = {"config": {"seq_len": 1024, "tokens": 4096},
+              "dense": _res("dense", 60.0, 0.0, info={"kind": "dense", "step": 2000}),
+              "dcp": [_res("dcp_g0.1", 62.0, 0.6, info={"gamma": 0.1, "steps": 100}, matched=matched)],
+              "controls": [_res("ftdense", 58.0, 0.0, info={"kind": "dense-ft", "pattern": None, "step": 2100}),
+                           _res("ft_local_230", 70.0, 0.6, info={"kind": "pattern", "pattern": "local:230",
+                                                                  "step": 2100}),
+                           _res("ft_strided_20", 75.0, 0.61, info={"kind": "pattern", "pattern": "strided:20",
+                                                                    "step": 2100})]}
+    (r / "table" / "dcp_eval.json").write_text(json.dumps(report))
+    for label, acc, policy in (("ftdense", 0.5, "dense"), ("ft_local_230", 0.25, "window:230"), ("dcp_g0.1", 0.5, "dcp")):
+        (r / "table_passkey" / label).mkdir(parents=True)
+        (r / "table_passkey" / label / "passkey.json").write_text(json.dumps(
+            {"mean_accuracy": acc, "policy": policy, "lengths": [256, 1024], "depths": [0, 1], "n": 2}))
+    (r / "env.json").write_text(json.dumps({"device": "NVIDIA H200", "jax": "0.11.2"}))
+    return r
+
+
+def test_rows_plot_and_merge(tmp_path):
+    mod = _module()
+    r = _results(tmp_path)
+    rows = {(x["method"], x["fine_tuned"]): x for x in mod.collect_rows(str(r), model="gpt2-124M", stage="s1")}
+    assert set(rows) == {("dense", False), ("dcp:g0.1", True), ("dense-ft", True), ("window:230", True),
+                         ("strided:20", True), ("window:230", False), ("strided:20", False), ("sinks:4+226", False)}
+    # ratios to the dense fine-tuning control on the same windows; passkey where it ran, None for strided
+    assert rows["dcp:g0.1", True]["ppl_ratio"] == pytest.approx(62.0 / 58.0, abs=1e-5)
+    assert rows["dcp:g0.1", True]["ppl_ratio_to"] == "dense-ft" and rows["dcp:g0.1", True]["gamma"] == 0.1
+    assert rows["dense-ft", True]["ppl_ratio"] == 1.0 and rows["dense-ft", True]["passkey_acc"] == 0.5
+    assert rows["window:230", True]["passkey_acc"] == 0.25 and rows["window:230", True]["pattern"] == "local:230"
+    assert rows["strided:20", True]["passkey_acc"] is None and rows["window:230", False]["passkey_acc"] is None
+    assert rows["dense", False]["device"] == "NVIDIA H200" and rows["dense", False]["context"] == 1024
+    for row in rows.values():
+        for key in ("model", "method", "context", "sparsity", "ppl", "ppl_ratio", "passkey_acc"):
+            assert key in row
+
+    out = tmp_path / "out"
+    rows_file = out / "quality_h200.json"
+    out.mkdir()
+    rows_file.write_text(json.dumps([{"key": "other", "model": "fox", "method": "acp", "fine_tuned": False,
+                                      "context": 8192, "sparsity": 0.5, "ppl": 50.0, "ppl_ratio": 1.0,
+                                      "ppl_ratio_to": "dense", "passkey_acc": None, "stage": "fox"}]))
+    assert mod.main([str(r), "--stage", "s1", "--rows", str(rows_file)]) == 0
+    assert mod.main([str(r), "--stage", "s1", "--rows", str(rows_file)]) == 0  # same key: replaced, not added
+    merged = json.loads(rows_file.read_text())
+    assert len(merged) == 1 + len(rows)
+    assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| gpt2-124M | 1024 | dcp:g0.1 | yes |" in (out / "quality.md").read_text()
+
+
+def test_policy_names():
+    mod = _module()
+    assert mod.method_of("local:64") == "window:64" and mod.method_of("sinks:4+60") == "sinks:4+60"
+    assert [mod.decode_policy(m) for m in ("dense-ft", "dcp:g0.3", "window:64", "sinks:4+60", "strided:8")] == \
+        ["dense", "dcp", "window:64", "sinks:4+60", None]
