@@ -27,8 +27,12 @@
 #   lr and steps) -> table_eval (fox-jax dcp-eval on one set of validation windows: every model under its own
 #   mask, the untuned baselines at the DCP sparsities; fox-jax passkey under the cache policy that decodes each
 #   mask; benchmarks/plots/plot_quality.py -> quality_rows.json (rows of quality_h200.json), quality.png/md).
-#   TABLE_STAGE names the rows' stage; e.g. TABLE_RUNS="dcp:0.05 dcp:0.1 dcp:0.2 dcp:0.4 dense" (stage gpt2-dcp),
-#   then TABLE_RUNS="local:230 strided:20 sinks:4+226 dense" (stage gpt2-fixed) at the DCP runs' sparsities.
+#   TABLE_STAGE names the rows' stage; e.g. TABLE_RUNS="dcp:0.04 dcp:0.1 dcp:0.25 dcp:0.6 dense" (stage gpt2-dcp),
+#   then the fixed patterns at the DCP runs' sparsities (stage gpt2-fixed): TABLE_MATCH=<that call's
+#   table/dcp_eval.json> sets TABLE_RUNS to the TABLE_MATCH_KINDS (default "local strided sinks") patterns matched
+#   (match_sparse_pattern) to each DCP run of TABLE_MATCH_RUNS (labels, default all), plus the dense control.
+#   The FoX rows come from QUALITY=inference PLAN="fox_train fox_quality" (collect: plot_quality.py on its
+#   summary.json, model FOX_ARCH-FOX_PRESET, stage FOX_ARCH).
 # QUALITY=archs: models of several architectures on the same batches, the first experiment of docs/results.md
 #   (was run_gpu_experiment.sh / run_gpu_train.sh)
 #   archs        fox-jax train for each run of ARCH_RUNS (NAME = an --arch, NAME-acp = that arch with
@@ -114,7 +118,7 @@ BENCH_MODELS=${BENCH_MODELS:-"pre dcp"}   # pre, dcp (every DCP model), ftlocal,
                                           # depend on the weights except for dcp/acp, so the default skips the last two
 # FoX (Pro)
 FOX_ARCH=${FOX_ARCH:-fox-pro}; FOX_PRESET=${FOX_PRESET:-125M}
-FOX_SHAPE=${FOX_SHAPE:-"model.d_model=512 model.n_layers=8 model.n_heads=8"}
+FOX_SHAPE=${FOX_SHAPE-"model.d_model=512 model.n_layers=8 model.n_heads=8"}  # FOX_SHAPE= : the preset itself
 FOX_SEQ=${FOX_SEQ:-2048}; FOX_BATCH=${FOX_BATCH:-16}; FOX_STEPS=${FOX_STEPS:-600}; FOX_LR=${FOX_LR:-1e-3}
 FOX_WARMUP=${FOX_WARMUP:-60}
 FOX_POLICIES=${FOX_POLICIES:-"dense acp $WIN_POLICY $SINK_POLICY"}
@@ -427,6 +431,20 @@ stage_zeroshot() {
 
 # ---------------------------------------------------------------------------------------------- QUALITY=table
 TABLE_DCP=(); TABLE_CTRL=()
+if [ -n "${TABLE_MATCH:-}" ]; then  # TABLE_RUNS from an earlier call's table/dcp_eval.json (module header)
+  TABLE_RUNS=$(python3 - "$TABLE_MATCH" "$SEQ" "${TABLE_MATCH_RUNS:-}" "${TABLE_MATCH_KINDS:-local strided sinks}" <<'PY'
+import json, sys
+from fox_jax.models.gpt2 import match_sparse_pattern
+report, t = json.load(open(sys.argv[1])), int(sys.argv[2])
+labels, kinds = sys.argv[3].split(), sys.argv[4].split()
+items = []
+for run in report["dcp"]:
+    if not labels or run["label"] in labels:
+        items += [match_sparse_pattern(k, run["sparsity"], t)[0] for k in kinds]
+print(" ".join(dict.fromkeys(items + ["dense"])))
+PY
+) || { echo "TABLE_MATCH=$TABLE_MATCH: could not match patterns" >&2; exit 2; }
+fi
 stage_table_finetune() {
   stage_begin table-finetune "$T_FT"
   if [ -z "$PRE_STEP" ]; then stamp "table-finetune: skipped (no pretrained checkpoint)"; stage_end 1; return; fi
@@ -451,9 +469,11 @@ stage_table_eval() {
   local args=() d label policy
   [ ${#TABLE_DCP[@]} -gt 0 ] && args+=(--runs "${TABLE_DCP[@]}")
   [ ${#TABLE_CTRL[@]} -gt 0 ] && args+=(--controls "${TABLE_CTRL[@]}")
-  job dcp-eval gpt2 table "$SEQ" "$R/logs/table_dcp_eval.log" $CLI dcp-eval --dense "$PRE" "${args[@]}" \
-    --data "$TRAIN_DATA" $VAL_ARGS --tokenizer "$TOK" --seq-len "$SEQ" --num-batches "$DE_BATCHES" --batch-size 8 \
-    --curve-sparsities "" --out "$R/table" --no-progress
+  # dcp-eval writes its JSON once the models' own scores are in (the untuned baselines follow): it shares the GPU
+  # with the passkey jobs, none of them preallocating
+  XLA_PYTHON_CLIENT_PREALLOCATE=false pool job dcp-eval gpt2 table "$SEQ" "$R/logs/table_dcp_eval.log" $CLI dcp-eval \
+    --dense "$PRE" "${args[@]}" --data "$TRAIN_DATA" $VAL_ARGS --tokenizer "$TOK" --seq-len "$SEQ" \
+    --num-batches "$DE_BATCHES" --batch-size 8 --curve-sparsities "" --dtype "$DTYPE" --out "$R/table" --no-progress
   for d in "$PRE" "${TABLE_DCP[@]}" "${TABLE_CTRL[@]}"; do  # passkey under the policy that decodes the model's mask
     label=$(basename "$d"); [ "$d" = "$PRE" ] && label=dense
     case $label in
@@ -505,6 +525,11 @@ if [ "$QUALITY" = inference ]; then
   done
   timeout 20 python3 benchmarks/plots/plot_inference.py "$R" --out-dir "$R" > "$R/logs/plot.log" 2>&1 \
     || stamp "plot_inference.py failed: $(tail -n 1 "$R/logs/plot.log")"
+  if [ -n "$FOX_STEP" ] && [ -f "$R/summary.json" ]; then  # the FoX rows of quality_h200.json
+    timeout 30 python3 benchmarks/plots/plot_quality.py "$R" --model "$FOX_ARCH-$FOX_PRESET${FOX_SHAPE:+-reduced}" \
+      --stage "$FOX_ARCH" --rows "$R/quality_rows.json" --out-dir "$R" > "$R/logs/plot_quality.log" 2>&1 \
+      || stamp "plot_quality.py failed: $(tail -n 1 "$R/logs/plot_quality.log")"
+  fi
 fi
 wait "$WARM_PID" 2>/dev/null
 stamp "done; total $(elapsed)s"

@@ -148,6 +148,10 @@ def test_eval_cache_scores_the_policy_next_to_dense(train_run, capsys):  # noqa:
     assert s["policy_overflow_rows"] == 0 and s["ppl_ratio"] == pytest.approx(s["policy_ppl"] / s["dense_ppl"])
     assert s["provable"] is True
     assert s["policy_ppl"] != s["dense_ppl"]  # a 4-token window changes the predictions of a 16-token context
+    # what the caches hold after each window's last token: all T for dense, the 4 newest for the window
+    t = s["seq_len"]
+    assert s["dense_live_tokens"] == t and s["dense_evicted_fraction"] == 0.0
+    assert s["policy_live_tokens"] == 4 and s["policy_evicted_fraction"] == pytest.approx(1 - 4 / t, abs=1e-12)
     assert cli.main(["eval", "--workdir", run, "--cache", "dense", "--num-docs", "2"]) == 0
     s = _summary(capsys)
     assert s["ppl_ratio"] == 1.0

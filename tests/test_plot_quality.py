@@ -79,3 +79,35 @@ def test_policy_names():
     assert mod.method_of("local:64") == "window:64" and mod.method_of("sinks:4+60") == "sinks:4+60"
     assert [mod.decode_policy(m) for m in ("dense-ft", "dcp:g0.3", "window:64", "sinks:4+60", "strided:8")] == \
         ["dense", "dcp", "window:64", "sinks:4+60", None]
+
+
+def test_fox_rows_from_an_inference_summary(tmp_path):
+    """A FoX inference-plan folder (summary.json of plot_inference.py): one row per (policy, context), the
+    eviction fraction as sparsity, the passkey accuracy at that length, ratios to the dense cache."""
+    mod = _module()
+    r = tmp_path / "fox"
+    r.mkdir()
+    quality = [dict(model="fox", policy="acp", ctx=8192, val_ppl=50.05, val_loss=3.9, ppl_ratio=1.0001,
+                    evicted_fraction=0.93, live_tokens=573.4, provable=True, num_docs=4, tokens=32764, status="ok"),
+               dict(model="fox", policy="window:256", ctx=8192, val_ppl=52.0, ppl_ratio=1.04, evicted_fraction=0.96875,
+                    live_tokens=256.0, provable=True, status="ok"),
+               dict(model="fox", policy="dense", ctx=8192, val_ppl=50.0, val_loss=3.89, status="ok",
+                    companion_of="acp"),
+               dict(model="fox", policy="acp", ctx=2048, val_ppl=None, status="timeout"),
+               dict(model="pre", policy="window:256", ctx=1024, val_ppl=120.0, ppl_ratio=1.1, status="ok")]
+    passkey = [dict(model="fox", policy="acp", accuracy=0.75, by_length={"2048": 1.0, "8192": 0.5}),
+               dict(model="fox", policy="dense", accuracy=0.75, by_length={"8192": 0.5})]
+    (r / "summary.json").write_text(json.dumps({"meta": {"env": {"device": "NVIDIA H200", "jax": "0.11.2"}},
+                                                "quality": quality, "passkey": passkey}))
+    rows = {x["method"]: x for x in mod.collect_fox_rows(str(r), model="fox-pro-125M", stage="fox-pro")}
+    assert set(rows) == {"acp", "window:256", "dense"}  # the timed-out row and the GPT-2 row are not FoX rows
+    acp = rows["acp"]
+    assert (acp["context"], acp["sparsity"], acp["ppl_ratio"], acp["passkey_acc"]) == (8192, 0.93, 1.0001, 0.5)
+    assert acp["provable"] is True and acp["live_tokens"] == 573.4 and not acp["fine_tuned"]
+    assert rows["dense"]["sparsity"] == 0.0 and rows["dense"]["ppl_ratio"] == 1.0
+    assert rows["window:256"]["passkey_acc"] is None  # passkey did not run for it
+    out = tmp_path / "out"
+    assert mod.main([str(r), "--model", "fox-pro-125M", "--stage", "fox-pro", "--rows", str(out / "rows.json"),
+                     "--out-dir", str(out)]) == 0
+    assert "| fox-pro-125M | 8192 | acp | no | 93.0 | 50.05 | 1.00010 (to dense) | 50 | fox-pro |" in \
+        (out / "quality.md").read_text()

@@ -723,7 +723,7 @@ def format_tables(report: dict) -> str:
            "| DCP run | DCP sparsity % | DCP ppl | " + " | ".join(f"{k} | {k} sparsity % | {k} ppl"
                                                           for k in SPARSE_PATTERNS) + " |",
            "|---|---:|---:|" + "---|---:|---:|" * len(SPARSE_PATTERNS)]
-    for run in report["dcp"]:
+    for run in (r for r in report["dcp"] if r["matched"]):
         out.append(f"| {run['display']} | {100 * run['sparsity']:.1f} | {run['ppl']:.2f} | " + " | ".join(
             f"{m['pattern']} | {100 * m['sparsity']:.1f} | {m['ppl']:.2f}"
             for m in (run["matched"][k] for k in SPARSE_PATTERNS)) + " |")
@@ -832,28 +832,13 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
     for run in runs:
         res = evaluate_model(run.cfg, run.params, batches, desc=run.label, progress=progress)
         bar.update(1)
-        matched = {}
-        for kind in SPARSE_PATTERNS:
-            pattern, nominal = match_sparse_pattern(kind, res["sparsity"], t)
-            matched[kind] = {**eval_pattern(pattern, nominal), "target_sparsity": res["sparsity"]}
-            if abs(nominal - res["sparsity"]) > 0.02:
-                tqdm.write(f"dcp-eval: {run.label}: no {kind} pattern reaches sparsity {100 * res['sparsity']:.1f}% at "
-                           f"T={t}; closest is {pattern} ({100 * nominal:.1f}%)")
-            bar.update(1)
         run_results.append({"label": run.label, "display": _display(run), "path": run.path, "info": run.info,
-                            **res, "matched": matched})
+                            **res, "matched": {}})
     control_results = []
     for run in controls:
         res = evaluate_model(run.cfg, run.params, batches, desc=run.label, progress=progress)
         bar.update(1)
         control_results.append({"label": run.label, "display": run.label, "path": run.path, "info": run.info, **res})
-    for target in curve_sparsities:
-        for kind in SPARSE_PATTERNS:
-            eval_pattern(*match_sparse_pattern(kind, target, t))
-            bar.update(1)
-    bar.close()
-    curves = {kind: sorted((p for p in pattern_cache.values() if p["pattern"].startswith(kind + ":")),
-                           key=lambda p: p["nominal_sparsity"]) for kind in SPARSE_PATTERNS}
     tokens = sum(int(np.asarray(b["targets"]).size) for b in batches)
     report = {
         "config": {"seq_len": t, "batch_size": batch_size, "num_batches": len(batches), "tokens": tokens,
@@ -868,8 +853,26 @@ def run_dcp_eval(dense: EvalModel, runs: Sequence[EvalModel], data_cfg: DataConf
         "dense": {"label": dense.label, "path": dense.path, "info": dense.info, **dense_res},
         "dcp": run_results,
         "controls": control_results,
-        "curves": curves,
+        "curves": {kind: [] for kind in SPARSE_PATTERNS},
     }
+    # the models' own scores are written before the baselines are computed: a run cut later keeps them
+    _write_report(report, out_dir)
+
+    for run in run_results:  # the untuned baselines at each DCP run's sparsity
+        for kind in SPARSE_PATTERNS:
+            pattern, nominal = match_sparse_pattern(kind, run["sparsity"], t)
+            run["matched"][kind] = {**eval_pattern(pattern, nominal), "target_sparsity": run["sparsity"]}
+            if abs(nominal - run["sparsity"]) > 0.02:
+                tqdm.write(f"dcp-eval: {run['label']}: no {kind} pattern reaches sparsity {100 * run['sparsity']:.1f}% "
+                           f"at T={t}; closest is {pattern} ({100 * nominal:.1f}%)")
+            bar.update(1)
+    for target in curve_sparsities:
+        for kind in SPARSE_PATTERNS:
+            eval_pattern(*match_sparse_pattern(kind, target, t))
+            bar.update(1)
+    bar.close()
+    report["curves"] = {kind: sorted((p for p in pattern_cache.values() if p["pattern"].startswith(kind + ":")),
+                                     key=lambda p: p["nominal_sparsity"]) for kind in SPARSE_PATTERNS}
 
     # written now and again at the end, so a run killed during the plots keeps its perplexity tables
     _write_report(report, out_dir)

@@ -108,23 +108,26 @@ def policy_loss(model, params, windows: dict, batch_size: int, policy, slots=Non
                 mesh=None):
     """Per-position loss of the document windows under a cache policy (``token_losses_under_policy``: the
     visibility prefill + decode have; sharded over ``mesh`` when given, the last batch padded to a multiple of
-    its data × fsdp size): ([T] float64 mean, [T] counts, rows that overflowed). The tokens are those of
-    ``per_position_loss``: every target of the windows, the last one included."""
+    its data × fsdp size): ([T] float64 mean, [T] counts, rows that overflowed, [n_rows] live tokens per layer
+    each row's cache holds after its last token). The tokens are those of ``per_position_loss``: every target
+    of the windows, the last one included."""
     from fox_jax.decoding import token_losses_under_policy
 
     multiple = 1 if mesh is None else data_parallel_size(mesh)
     total, count, overflowed = np.zeros(windows["inputs"].shape[1]), np.zeros(windows["inputs"].shape[1]), 0
+    live = []
     for i in range(0, windows["inputs"].shape[0], batch_size):
         inputs = windows["inputs"][i:i + batch_size]
         rows = pad_rows({"inputs": inputs, "next": windows["targets"][i:i + batch_size, -1],
                          "mask": windows["mask"][i:i + batch_size].astype(np.float64)}, multiple)
-        nll, overflow = token_losses_under_policy(model, params, jnp.asarray(rows["inputs"]), policy=policy,
-                                                  slots=slots, prefill_chunk=prefill_chunk, mesh=mesh,
-                                                  next_tokens=jnp.asarray(rows["next"]))
+        nll, overflow, row_live = token_losses_under_policy(
+            model, params, jnp.asarray(rows["inputs"]), policy=policy, slots=slots, prefill_chunk=prefill_chunk,
+            mesh=mesh, next_tokens=jnp.asarray(rows["next"]), with_live=True)
         total += (np.asarray(nll, np.float64) * rows["mask"]).sum(0)
         count += rows["mask"].sum(0)
         overflowed += int(np.sum(np.asarray(overflow)[:len(inputs)] > 0))
-    return total / np.maximum(count, 1), count, overflowed
+        live.append(np.asarray(row_live, np.float64).mean(0)[:len(inputs)])
+    return total / np.maximum(count, 1), count, overflowed, np.concatenate(live)
 
 
 def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64, prefill_chunk: int = 512,
@@ -146,10 +149,14 @@ def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64,
         if name == "policy" and spec == "dense" and slots is None:
             out.update({k.replace("dense", "policy"): v for k, v in out.items() if k.startswith("dense")})
             break
-        mean, count, overflowed = policy_loss(model, params, windows, cfg.batch_size, pol, sl, prefill_chunk, mesh)
+        mean, count, overflowed, live = policy_loss(model, params, windows, cfg.batch_size, pol, sl, prefill_chunk,
+                                                    mesh)
         loss = float(np.sum(mean * count) / max(np.sum(count), 1))
         out.update({f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)), f"{name}_tokens": int(count.sum()),
                     f"{name}_overflow_rows": overflowed,
+                    f"{name}_live_tokens": float(live.mean()),
+                    # of the T tokens each row's cache saw (right padding included), the fraction not held at the end
+                    f"{name}_evicted_fraction": float(1.0 - live.sum() / windows["inputs"].size),
                     f"{name}_per_position_loss": [float(x) if c > 0 else None for x, c in zip(mean, count)]})
     out["ppl_ratio"] = out["policy_ppl"] / out["dense_ppl"]
     return out

@@ -233,7 +233,8 @@ class DCPTask(LMTask):
         return None if ilr is None or ilr == lr else (interaction_labels, {"interaction": ilr / lr})
 
     def host_scalars(self, step: int) -> dict[str, np.float32]:
-        return {"alpha": self.alphas[step]}
+        # γ_eff is traced too: fine-tunes at several γ run one compiled program (the persistent cache serves it)
+        return {"alpha": self.alphas[step], "gamma_eff": np.float32(self.gamma_eff)}
 
     def loss(self, model, params, batch, scalars):
         out = model.apply({"params": params}, batch["inputs"], batch.get("segment_ids"), batch.get("positions"),
@@ -241,7 +242,7 @@ class DCPTask(LMTask):
         losses = next_token_ce(out.logits, batch)
         ce = masked_mean(losses, batch)[0]
         keep_mean = out.aux["sparsity_loss"]
-        sp_loss = self.gamma_eff * keep_mean
+        sp_loss = scalars["gamma_eff"] * keep_mean
         return ce + sp_loss, {"ce": ce, "sparsity_loss": sp_loss, "keep_mean": keep_mean,
                               "sparsity": jnp.mean(out.aux["sparsity"]), "sparsity_layers": out.aux["sparsity"]}
 

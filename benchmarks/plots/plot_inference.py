@@ -78,7 +78,9 @@ def parse_eval_log(text: str) -> dict:
     if row and row.get("policy_ppl") is not None:
         return {"val_loss": row.get("policy_loss"), "val_ppl": row["policy_ppl"], "dense_loss": row.get("dense_loss"),
                 "dense_ppl": row.get("dense_ppl"), "ppl_ratio": row.get("ppl_ratio"), "num_docs": row.get("num_docs"),
-                "tokens": row.get("policy_tokens"), "overflow_rows": row.get("policy_overflow_rows")}
+                "tokens": row.get("policy_tokens"), "overflow_rows": row.get("policy_overflow_rows"),
+                "live_tokens": row.get("policy_live_tokens"), "evicted_fraction": row.get("policy_evicted_fraction"),
+                "provable": row.get("provable")}
     if row and row.get("val_ppl") is not None:
         return {"val_loss": row.get("val_loss"), "val_ppl": row["val_ppl"]}
     m_loss = re.findall(r"val_loss\s+([0-9.]+)", text)

@@ -1,11 +1,21 @@
 """The quality table of the pruning methods: rows of ``quality_h200.json``, the perplexity-ratio-vs-sparsity
 figure and a markdown table.
 
-Input: a results folder of ``benchmarks/quality.sh``'s ``table`` plan (``QUALITY=table``): ``table/dcp_eval.json``
+Input: a results folder of ``benchmarks/quality.sh``, of one of two plans.
+
+GPT-2, the ``table`` plan (``QUALITY=table``): ``table/dcp_eval.json``
 (``fox-jax dcp-eval``: the pretrained model, the DCP fine-tunes, the fine-tuned controls — the dense control
 and the fixed patterns, each under its own pattern — and the untuned fixed-pattern baselines at the DCP runs'
 sparsities, all on the same validation windows), ``table_passkey/<label>/passkey.json`` (``fox-jax passkey``
 under the cache policy equivalent to the model's own mask) and ``env.json``.
+
+FoX, the ``inference`` plan with ``PLAN="fox_train fox_quality"``: its ``summary.json`` (``plot_inference.py``:
+``fox-jax eval --cache POLICY`` at each context next to the dense cache on the same tokens, ``fox-jax passkey
+--cache POLICY``). One row per (policy, context); ``sparsity`` there is the fraction of the keys each cache saw
+that it no longer holds after the window's last token (``policy_evicted_fraction`` of ``eval --cache``, mean over
+layers and key/value heads), ``ppl_ratio`` is to the dense cache on the same tokens, ``passkey_acc`` is the
+accuracy at that context length, ``provable`` whether the policy's promise holds for the model (``acp`` with
+QK-norm) or is a heuristic.
 
 Rows (one per model and method; ``--rows FILE`` merges them into FILE, replacing rows of the same ``key``):
 
@@ -23,6 +33,8 @@ Rows (one per model and method; ``--rows FILE`` merges them into FILE, replacing
 Usage:
   python benchmarks/plots/plot_quality.py RESULTS_DIR --model gpt2-124M --stage gpt2-dcp \\
       --rows benchmarks/results/quality/quality_h200.json --out-dir DIR
+  python benchmarks/plots/plot_quality.py RESULTS_DIR --model fox-pro-125M --stage fox-pro \\
+      --rows benchmarks/results/quality/quality_h200.json       (a FoX inference-plan folder: summary.json)
   python benchmarks/plots/plot_quality.py --rows benchmarks/results/quality/quality_h200.json --out-dir DIR
       (plot and table from the rows file alone)
 """
@@ -120,6 +132,41 @@ def collect_rows(results: str, *, model: str, stage: str) -> list[dict]:
     return rows
 
 
+def collect_fox_rows(results: str, *, model: str, stage: str) -> list[dict]:
+    """The rows of a FoX inference-plan folder (module docstring), from its ``summary.json``."""
+    with open(os.path.join(results, "summary.json")) as f:
+        summary = json.load(f)
+    env = (summary.get("meta") or {}).get("env") or {}
+    quality = [q for q in summary["quality"] if q.get("model") == "fox" and q.get("val_ppl") is not None]
+    passkey = {p["policy"]: p for p in summary.get("passkey", []) if p.get("model") == "fox"}
+    dense = {q["ctx"]: q for q in quality if q["policy"] == "dense"}
+    rows = []
+    for q in sorted(quality, key=lambda q: (q["ctx"], q["policy"])):
+        ctx, method = int(q["ctx"]), q["policy"]
+        ref = dense.get(q["ctx"])
+        ratio = q.get("ppl_ratio") if method != "dense" else 1.0
+        if ratio is None and ref is not None:
+            ratio = q["val_ppl"] / ref["val_ppl"]
+        pk = passkey.get(method) or {}
+        acc = (pk.get("by_length") or {}).get(str(ctx))
+        evicted = 0.0 if method == "dense" else q.get("evicted_fraction")
+        row = {"model": model, "method": method, "fine_tuned": False, "context": ctx,
+               "sparsity": None if evicted is None else round(float(evicted), 6),
+               "sparsity_definition": "fraction of the context's keys evicted after its last token",
+               "ppl": round(float(q["val_ppl"]), 4),
+               "val_loss": None if q.get("val_loss") is None else round(float(q["val_loss"]), 6),
+               "ppl_ratio": None if ratio is None else round(float(ratio), 7), "ppl_ratio_to": "dense",
+               "passkey_acc": None if acc is None else round(float(acc), 4),
+               "passkey_policy": method if acc is not None else None,
+               "live_tokens": None if method == "dense" else q.get("live_tokens"),
+               "provable": q.get("provable"), "num_docs": q.get("num_docs"), "tokens": q.get("tokens"),
+               "stage": stage, "device": env.get("device"), "jax": env.get("jax"), "date": date.today().isoformat(),
+               "source": os.path.basename(os.path.normpath(results))}
+        row["key"] = f"{model}|{stage}|{method}|untuned|{ctx}"
+        rows.append(row)
+    return rows
+
+
 def merge_rows(path: str, rows: list[dict]) -> list[dict]:
     """``rows`` merged into the list in ``path`` (rows of the same ``key`` replaced); written back."""
     old = []
@@ -128,6 +175,7 @@ def merge_rows(path: str, rows: list[dict]) -> list[dict]:
             old = json.load(f)
     keys = {r["key"] for r in rows}
     merged = [r for r in old if r.get("key") not in keys] + rows
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(merged, f, indent=1)
         f.write("\n")
@@ -153,7 +201,8 @@ def plot(rows: list[dict], path: str) -> None:
         for fam, (color, marker, legend) in FAMILIES.items():
             for tuned in (True, False):
                 pts = sorted((100 * r["sparsity"], r["ppl_ratio"], r["method"]) for r in sel
-                             if _family(r["method"]) == fam and r["fine_tuned"] == tuned)
+                             if _family(r["method"]) == fam and r["fine_tuned"] == tuned
+                             and r["sparsity"] is not None and r["ppl_ratio"] is not None)
                 if not pts:
                     continue
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, ms=9 if tuned else 7,
@@ -164,7 +213,7 @@ def plot(rows: list[dict], path: str) -> None:
                         ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
         ax.axhline(1.0, color="gray", ls=":", lw=1)
         ax.set_xlabel("sparsity: % of causal (query, key) pairs dropped")
-        ax.set_ylabel("perplexity / dense control")
+        ax.set_ylabel("perplexity / dense control" if any(r["fine_tuned"] for r in sel) else "perplexity / dense cache")
         ax.set_xlim(-2, 100)
         ax.grid(alpha=0.3)
         ax.set_title(f"{model}, context {ctx}", fontsize=10)
@@ -177,18 +226,23 @@ def table(rows: list[dict]) -> str:
     """Markdown: one line per row, grouped by model and context, fine-tuned first, by sparsity."""
     out = ["| model | context | method | fine-tuned | sparsity % | ppl | ppl ratio | passkey % | stage |",
            "|---|---:|---|---|---:|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["model"], r["context"], not r["fine_tuned"], r["sparsity"], r["method"])):
+    for r in sorted(rows, key=lambda r: (r["model"], r["context"], not r["fine_tuned"], r["sparsity"] or 0.0,
+                                         r["method"])):
         pk = "–" if r["passkey_acc"] is None else f"{100 * r['passkey_acc']:.0f}"
-        out.append(f"| {r['model']} | {r['context']} | {r['method']} | {'yes' if r['fine_tuned'] else 'no'} | "
-                   f"{100 * r['sparsity']:.1f} | {r['ppl']:.2f} | {r['ppl_ratio']:.3f} (to {r['ppl_ratio_to']}) | "
-                   f"{pk} | {r['stage']} |")
+        sp = "–" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}"
+        ratio = "–" if r["ppl_ratio"] is None else (f"{r['ppl_ratio']:.3f}" if r["fine_tuned"] or r["model"].startswith(
+            "gpt2") else f"{r['ppl_ratio']:.5f}")
+        method = r["method"] + (" (heuristic)" if r.get("provable") is False else "")
+        out.append(f"| {r['model']} | {r['context']} | {method} | {'yes' if r['fine_tuned'] else 'no'} | "
+                   f"{sp} | {r['ppl']:.2f} | {ratio} (to {r['ppl_ratio_to']}) | {pk} | {r['stage']} |")
     return "\n".join(out)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="?", help="a results folder of quality.sh's table plan")
+    ap.add_argument("results", nargs="?", help="a results folder of quality.sh: the table plan (table/dcp_eval.json) or "
+                                               "a FoX inference plan (summary.json)")
     ap.add_argument("--model", default="gpt2-124M", help="the model name of the rows (default gpt2-124M)")
     ap.add_argument("--stage", default="table", help="the stage name of the rows (default table)")
     ap.add_argument("--rows", help="a rows file (JSON list) to merge into; without RESULTS, plot it")
@@ -196,9 +250,14 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if not args.results and not args.rows:
         ap.error("give RESULTS, --rows, or both")
-    if args.results and not os.path.isfile(os.path.join(args.results, "table", "dcp_eval.json")):
-        ap.error(f"RESULTS {args.results}: no table/dcp_eval.json (the dcp-eval output of the table plan)")
-    rows = collect_rows(args.results, model=args.model, stage=args.stage) if args.results else []
+    rows = []
+    if args.results and os.path.isfile(os.path.join(args.results, "table", "dcp_eval.json")):
+        rows = collect_rows(args.results, model=args.model, stage=args.stage)
+    elif args.results and os.path.isfile(os.path.join(args.results, "summary.json")):
+        rows = collect_fox_rows(args.results, model=args.model, stage=args.stage)
+    elif args.results:
+        ap.error(f"RESULTS {args.results}: neither table/dcp_eval.json (the table plan) nor summary.json (the "
+                 "inference plan, plot_inference.py)")
     if args.rows:
         rows = merge_rows(args.rows, rows) if rows or not os.path.isfile(args.rows) else json.load(open(args.rows))
     out_dir = args.out_dir or (os.path.dirname(os.path.abspath(args.rows)) if args.rows else args.results)

@@ -492,7 +492,7 @@ def _score(model, params, tokens, caches, chunk, plan, last):
 
 
 def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=None, seq_start=None,
-                              prefill_chunk: int = 512, mesh=None, next_tokens=None) -> tuple[jax.Array, jax.Array]:
+                              prefill_chunk: int = 512, mesh=None, next_tokens=None, with_live: bool = False):
     """Teacher-forced next-token losses with exactly the visibility generation has under ``policy``.
 
     The tokens are fed through the caches in chunks (the prefill path of ``generate``), so every
@@ -503,10 +503,13 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
       policy, slots, prefill_chunk, mesh: as ``generate`` (default pool: ``min_slots(policy, T)``).
       next_tokens: optional [B] int, the token after each row's last one: then the last position is scored
         too (nll [B, T]: the T predictions of a training window of T inputs and its shifted targets).
+      with_live: also return the live tokens the caches hold after the last token ([n_layers, B] float32, mean
+        over key/value heads: ``live_counts``), e.g. for the fraction of the context a policy evicted.
 
     Returns:
       (nll [B, T − 1] float32 (with ``next_tokens``: [B, T]), the loss of token t + 1 given tokens ≤ t
-      (meaningless where token t is a pad); overflow [B] int32, > 0 when the pool was too small for the policy).
+      (meaningless where token t is a pad); overflow [B] int32, > 0 when the pool was too small for the policy)
+      and, with ``with_live``, the live counts as a third element.
     """
     tokens = _check_tokens(tokens, "tokens")
     b, t = tokens.shape
@@ -527,7 +530,8 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
         score = under_mesh(mesh, _score)
     nll, caches = score(model, params, padded, caches, chunk, plan, next_tokens)
     overflow = jnp.max(jnp.stack([c.overflow for c in caches]), axis=0)
-    return nll[:, padded.shape[1] - t:][:, :scored], overflow
+    nll = nll[:, padded.shape[1] - t:][:, :scored]
+    return (nll, overflow, live_counts(caches)) if with_live else (nll, overflow)
 
 
 __all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "extend", "generate", "init_cache",
