@@ -55,3 +55,15 @@ def pytest_unconfigure(config):
         warnings.filterwarnings("ignore", message=pattern, category=pytest.PytestUnraisableExceptionWarning)
     if _OWN_CACHE is not None:  # this process made it (the xdist controller, or a run without xdist)
         shutil.rmtree(_OWN_CACHE, ignore_errors=True)
+
+
+# The quick subset (-m "not slow"): besides the tests marked in the code, the measured slow ones of tests/slow.txt
+_SLOW_LIST = os.path.join(os.path.dirname(__file__), "slow.txt")
+
+
+def pytest_collection_modifyitems(config, items):
+    with open(_SLOW_LIST) as f:
+        listed = {line.strip() for line in f if line.strip() and not line.startswith("#")}
+    for item in items:
+        if item.nodeid.removeprefix("tests/") in listed:
+            item.add_marker(pytest.mark.slow)

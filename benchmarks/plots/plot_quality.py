@@ -195,9 +195,14 @@ def plot(rows: list[dict], path: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r["model"], r["context"]) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.8), squeeze=False, layout="constrained")
-    for ax, (model, ctx) in zip(axes[0], panels):
+    ncols = min(3, len(panels))
+    nrows = -(-len(panels) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.4 * nrows), squeeze=False, layout="constrained")
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (model, ctx) in zip(axes.flat, panels):
         sel = [r for r in rows if r["model"] == model and r["context"] == ctx]
+        any_tuned = any(r["fine_tuned"] for r in sel)
         for fam, (color, marker, legend) in FAMILIES.items():
             for tuned in (True, False):
                 pts = sorted((100 * r["sparsity"], r["ppl_ratio"], r["method"]) for r in sel
@@ -207,14 +212,18 @@ def plot(rows: list[dict], path: str) -> None:
                     continue
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, ms=9 if tuned else 7,
                         mfc=color if tuned else "none", ls="-" if (tuned and fam == "dcp") else "none",
-                        label=legend + ("" if tuned or fam == "dense" else " (not fine-tuned)"))
+                        label=legend + (" (not fine-tuned)" if any_tuned and not tuned and fam != "dense" else ""))
                 for x, y, m in pts:
                     if fam not in ("dense", "dense-ft"):
                         ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
         ax.axhline(1.0, color="gray", ls=":", lw=1)
-        ax.set_xlabel("sparsity: % of causal (query, key) pairs dropped")
-        ax.set_ylabel("perplexity / dense control" if any(r["fine_tuned"] for r in sel) else "perplexity / dense cache")
-        ax.set_xlim(-2, 100)
+        pairs = any(r.get("sparsity_definition") is None for r in sel)  # GPT-2 rows: pair sparsity
+        ax.set_xlabel("sparsity: % of causal (query, key) pairs dropped" if pairs
+                      else "% of the context's keys evicted (at its last token)")
+        ax.set_ylabel("perplexity / " + ("dense control" if any(r["ppl_ratio_to"] == "dense-ft" for r in sel)
+                                         else "dense model" if any_tuned or pairs else "dense cache, same tokens"))
+        ax.ticklabel_format(axis="y", useOffset=False)
+        ax.set_xlim(-2, 102)
         ax.grid(alpha=0.3)
         ax.set_title(f"{model}, context {ctx}", fontsize=10)
         if ax.get_legend_handles_labels()[0]:
