@@ -95,11 +95,15 @@ def test_fox_rows_from_an_inference_summary(tmp_path):
                     companion_of="acp"),
                dict(model="fox", policy="acp", ctx=2048, val_ppl=None, status="timeout"),
                dict(model="pre", policy="window:256", ctx=1024, val_ppl=120.0, ppl_ratio=1.1, status="ok")]
-    passkey = [dict(model="fox", policy="acp", accuracy=0.75, by_length={"2048": 1.0, "8192": 0.5}),
+    passkey = [dict(model="fox", policy="acp", accuracy=0.75, by_length={"2048": 1.0, "8192": 0.5, "16384": 0.25}),
                dict(model="fox", policy="dense", accuracy=0.75, by_length={"8192": 0.5})]
     (r / "summary.json").write_text(json.dumps({"meta": {"env": {"device": "NVIDIA H200", "jax": "0.11.2"}},
                                                 "quality": quality, "passkey": passkey}))
-    rows = {x["method"]: x for x in mod.collect_fox_rows(str(r), model="fox-pro-125M", stage="fox-pro")}
+    all_rows = mod.collect_fox_rows(str(r), model="fox-pro-125M", stage="fox-pro")
+    # a passkey length without an evaluation at that context (none, or timed out: 2048) is a row of its own
+    assert sorted((x["method"], x["context"], x["passkey_acc"]) for x in all_rows if x["ppl"] is None) == \
+        [("acp", 2048, 1.0), ("acp", 16384, 0.25)]
+    rows = {x["method"]: x for x in all_rows if x["ppl"] is not None}
     assert set(rows) == {"acp", "window:256", "dense"}  # the timed-out row and the GPT-2 row are not FoX rows
     acp = rows["acp"]
     assert (acp["context"], acp["sparsity"], acp["ppl_ratio"], acp["passkey_acc"]) == (8192, 0.93, 1.0001, 0.5)

@@ -164,6 +164,17 @@ def collect_fox_rows(results: str, *, model: str, stage: str) -> list[dict]:
                "source": os.path.basename(os.path.normpath(results))}
         row["key"] = f"{model}|{stage}|{method}|untuned|{ctx}"
         rows.append(row)
+    scored = {(r["method"], r["context"]) for r in rows}
+    for method, pk in passkey.items():  # passkey lengths without an evaluation at that context: rows of their own
+        for length, acc in sorted((pk.get("by_length") or {}).items(), key=lambda kv: int(kv[0])):
+            if (method, int(length)) in scored or acc is None:
+                continue
+            row = {"model": model, "method": method, "fine_tuned": False, "context": int(length), "sparsity": None,
+                   "ppl": None, "ppl_ratio": None, "ppl_ratio_to": "dense", "passkey_acc": round(float(acc), 4),
+                   "passkey_policy": method, "stage": stage, "device": env.get("device"), "jax": env.get("jax"),
+                   "date": date.today().isoformat(), "source": os.path.basename(os.path.normpath(results))}
+            row["key"] = f"{model}|{stage}|{method}|passkey|{length}"
+            rows.append(row)
     return rows
 
 
@@ -243,7 +254,8 @@ def table(rows: list[dict]) -> str:
             "gpt2") else f"{r['ppl_ratio']:.5f}")
         method = r["method"] + (" (heuristic)" if r.get("provable") is False else "")
         out.append(f"| {r['model']} | {r['context']} | {method} | {'yes' if r['fine_tuned'] else 'no'} | "
-                   f"{sp} | {r['ppl']:.2f} | {ratio} (to {r['ppl_ratio_to']}) | {pk} | {r['stage']} |")
+                   f"{sp} | {'–' if r['ppl'] is None else format(r['ppl'], '.2f')} | {ratio} (to {r['ppl_ratio_to']}) | "
+                   f"{pk} | {r['stage']} |")
     return "\n".join(out)
 
 
