@@ -377,9 +377,16 @@ def _fwd_kernel(*refs, g: _Geom, bq: int, bk: int, nq: int, interleave: bool):
         s = _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk, masked, mask_ref=mask_ref)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
-        m_base = m_base * LOG2E
-        alpha = jnp.exp2(m_i * LOG2E - m_base)
-        p = jnp.exp2(s * LOG2E - m_base[:, None])
+        if mask_ref is None:
+            m_base = m_base * LOG2E
+            alpha = jnp.exp2(m_i * LOG2E - m_base)
+            p = jnp.exp2(s * LOG2E - m_base[:, None])
+        else:  # DCP: dropped pairs carry finite scores near −1e30, and while a row has seen only those, the
+            # running max is one of them: s·log2e − m·log2e (contracted to an FMA by the compiler) would keep the
+            # ~1e23 rounding error of m·log2e there (2^1e23 = inf, then inf·0 = NaN). The difference first is
+            # exact for such near-equal values (Sterbenz) and ≤ 0: alpha, p ∈ [0, 1].
+            alpha = jnp.exp2((m_i - m_base) * LOG2E)
+            p = jnp.exp2((s - m_base[:, None]) * LOG2E)
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
         return acc, m_new, l_new

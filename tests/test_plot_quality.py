@@ -1,19 +1,10 @@
 """benchmarks/plots/plot_quality.py on a small synthetic results folder of quality.sh's table plan."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("plot_quality", ROOT / "benchmarks" / "plots" / "plot_quality.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from plots import plot_quality  # benchmarks/ is on the tests' path (pyproject.toml)
 
 
 def _res(label, ppl, sparsity, **kw):
@@ -44,7 +35,7 @@ def _results(tmp_path: Path) -> Path:
 
 
 def test_rows_plot_and_merge(tmp_path):
-    mod = _module()
+    mod = plot_quality
     r = _results(tmp_path)
     rows = {(x["method"], x["fine_tuned"]): x for x in mod.collect_rows(str(r), model="gpt2-124M", stage="s1")}
     assert set(rows) == {("dense", False), ("dcp:g0.1", True), ("dense-ft", True), ("window:230", True),
@@ -75,7 +66,7 @@ def test_rows_plot_and_merge(tmp_path):
 
 
 def test_policy_names():
-    mod = _module()
+    mod = plot_quality
     assert mod.method_of("local:64") == "window:64" and mod.method_of("sinks:4+60") == "sinks:4+60"
     assert [mod.decode_policy(m) for m in ("dense-ft", "dcp:g0.3", "window:64", "sinks:4+60", "strided:8")] == \
         ["dense", "dcp", "window:64", "sinks:4+60", None]
@@ -84,7 +75,7 @@ def test_policy_names():
 def test_fox_rows_from_an_inference_summary(tmp_path):
     """A FoX inference-plan folder (summary.json of plot_inference.py): one row per (policy, context), the
     eviction fraction as sparsity, the passkey accuracy at that length, ratios to the dense cache."""
-    mod = _module()
+    mod = plot_quality
     r = tmp_path / "fox"
     r.mkdir()
     quality = [dict(model="fox", policy="acp", ctx=8192, val_ppl=50.05, val_loss=3.9, ppl_ratio=1.0001,

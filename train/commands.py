@@ -407,7 +407,8 @@ def _add_generate(sub) -> None:
                        "finished row's place; the JSON line then reports requests/s too.", width=106))
     g.add_argument("run", metavar="RUN_DIR_OR_HF_DIR", help="a run of 'fox-jax train' / 'fox-jax finetune-dcp', or a "
                    "Hugging Face GPT-2 / official FoX directory")
-    g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch)")
+    g.add_argument("--prompt", action="append", metavar="TEXT", help="a prompt (repeat for a batch); every prompt is "
+                   "encoded after an <|endoftext|> token, as every training document starts")
     g.add_argument("--prompt-file", action="append", metavar="FILE", help="a file whose text is one prompt, or a .jsonl "
                    "file of many, one per line: a JSON string or {\"prompt\": TEXT} (repeatable)")
     g.add_argument("--cache", default="dense", metavar="POLICY", help="KV-cache policy: " + POLICY_FORMS +
