@@ -377,3 +377,6 @@ def test_cli_errors(models, val_text, tmp_path, monkeypatch, capsys):
     assert "--curve-sparsities" in capsys.readouterr().err
     assert cli.main(base + ["--val-data", str(val_text), "--controls", str(models / "run_gamma0.5")]) == 2
     assert "--controls" in capsys.readouterr().err
+    no_models = [a for a in base if a not in ("--runs", str(models / "run_gamma0.5"))]
+    assert cli.main(no_models + ["--val-data", str(val_text)]) == 2
+    assert "--runs / --controls: give at least one" in capsys.readouterr().err

@@ -954,6 +954,8 @@ def _tokenizer_spec(args, dense: EvalModel, runs: Sequence[EvalModel]) -> str:
 
 def cmd_dcp_eval(args) -> int:
     """The ``fox-jax dcp-eval`` handler: print the tables and write the outputs to ``--out``."""
+    if not args.runs and not args.controls:  # before any model is read
+        raise ValueError("--runs / --controls: give at least one DCP run or fine-tuned control")
     if not args.val_data and not args.data:
         raise ValueError("--val-data (or --data) is required: the validation text")
     for flag, paths in (("--data", args.data), ("--val-data", args.val_data)):
@@ -964,8 +966,6 @@ def cmd_dcp_eval(args) -> int:
     dense = load_dense(args.dense, dtype=args.dtype)
     runs = [load_run(p, dtype=args.dtype) for p in args.runs or ()]
     controls = [load_control(p, dtype=args.dtype) for p in args.controls or ()]
-    if not runs and not controls:
-        raise ValueError("--runs / --controls: give at least one DCP run or fine-tuned control")
     seq_len = args.seq_len if args.seq_len is not None else dense.cfg.n_positions
     train_files = tuple(os.path.abspath(p) for p in (args.data or args.val_data))
     val_files = tuple(os.path.abspath(p) for p in args.val_data or ())

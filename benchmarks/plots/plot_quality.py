@@ -83,6 +83,12 @@ def _passkey(results: str, label: str) -> dict | None:
         return json.load(f)
 
 
+def _provenance(results: str, env: dict, stage: str) -> dict:
+    """The fields every row carries: where and when it was measured, and by which stage."""
+    return {"stage": stage, "device": env.get("device"), "jax": env.get("jax"), "date": date.today().isoformat(),
+            "source": os.path.basename(os.path.normpath(results))}
+
+
 def collect_rows(results: str, *, model: str, stage: str) -> list[dict]:
     """The rows of one results folder (module docstring)."""
     with open(os.path.join(results, "table", "dcp_eval.json")) as f:
@@ -124,9 +130,7 @@ def collect_rows(results: str, *, model: str, stage: str) -> list[dict]:
                "passkey_grid": None if pk is None else {"lengths": pk["lengths"], "depths": pk["depths"],
                                                         "n": pk["n"]},
                **{k: v for k, v in extra.items() if v is not None},
-               "label": label, "stage": stage, "tokens": report["config"]["tokens"],
-               "device": env.get("device"), "jax": env.get("jax"), "date": date.today().isoformat(),
-               "source": os.path.basename(os.path.normpath(results))}
+               "label": label, "tokens": report["config"]["tokens"], **_provenance(results, env, stage)}
         row["key"] = f"{model}|{stage}|{method}|{'ft' if tuned else 'untuned'}|{context}"
         rows.append(row)
     return rows
@@ -160,8 +164,7 @@ def collect_fox_rows(results: str, *, model: str, stage: str) -> list[dict]:
                "passkey_policy": method if acc is not None else None,
                "live_tokens": None if method == "dense" else q.get("live_tokens"),
                "provable": q.get("provable"), "num_docs": q.get("num_docs"), "tokens": q.get("tokens"),
-               "stage": stage, "device": env.get("device"), "jax": env.get("jax"), "date": date.today().isoformat(),
-               "source": os.path.basename(os.path.normpath(results))}
+               **_provenance(results, env, stage)}
         row["key"] = f"{model}|{stage}|{method}|untuned|{ctx}"
         rows.append(row)
     scored = {(r["method"], r["context"]) for r in rows}
@@ -171,8 +174,7 @@ def collect_fox_rows(results: str, *, model: str, stage: str) -> list[dict]:
                 continue
             row = {"model": model, "method": method, "fine_tuned": False, "context": int(length), "sparsity": None,
                    "ppl": None, "ppl_ratio": None, "ppl_ratio_to": "dense", "passkey_acc": round(float(acc), 4),
-                   "passkey_policy": method, "stage": stage, "device": env.get("device"), "jax": env.get("jax"),
-                   "date": date.today().isoformat(), "source": os.path.basename(os.path.normpath(results))}
+                   "passkey_policy": method, **_provenance(results, env, stage)}
             row["key"] = f"{model}|{stage}|{method}|passkey|{length}"
             rows.append(row)
     return rows
