@@ -51,6 +51,7 @@ DCP_SHAPES=${DCP_SHAPES:-8x1024x12x64,4x2048x16x128,1x8192x16x128}; DCP_ARGS=${D
 # train / scaling (bench_train.py); ~45-130 s per compile: split TRAIN_CONFIGS over calls
 TRAIN_CONFIGS=${TRAIN_CONFIGS:-"fox-pro:760M:16384 fox-pro:760M:2048 fox-llama:760M:16384 transformer-pro:760M:16384"}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}   # ModelConfig KEY=VALUE,..., e.g. attention_impl=pallas (the Triton kernels)
+TRAIN_ACP=${TRAIN_ACP:-both}           # off | on | both (bench_train.py --acp)
 SCALING_CONFIG=${SCALING_CONFIG:-fox-pro:760M:16384}; MESHES=${MESHES:-"data=2 fsdp=2"}   # 2 GPUs: weak scaling
 # profile (profile_step.py): each variant = ModelConfig overrides
 PROFILE_CONFIGS=${PROFILE_CONFIGS:-fox-pro:760M:16384}
@@ -120,7 +121,7 @@ stage_dcp() {  # DCP attention: the Pallas kernels (live-tile lists) vs dense Pa
   each_tree t python3 benchmarks/bench_dcp.py $DCP_ARGS --shapes "$DCP_SHAPES" --sparsities 0.5,0.9 \
     --out "$OUT/dcp{tag}.json"; }
 stage_train() {  # the training table: one row per (config, ACP off/auto), 16k tokens per step
-  each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp both --batch-tokens 16384 \
+  each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp "$TRAIN_ACP" --batch-tokens 16384 \
     --steps 5 --warmup 1 --overrides "$TRAIN_OVERRIDES" --out "$OUT/train{tag}.json"; }
 stage_scaling() {  # 2 GPUs (nvidia-h200-x2): the 760M at 16k on each mesh of MESHES, 16k tokens per GPU
   local m rc=0

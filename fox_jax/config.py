@@ -266,6 +266,10 @@ class ModelConfig(FamilyConfig):
       adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float <= 0).
       remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
         or ``"dots"`` (save matmul outputs, recompute the rest).
+      scan_layers: the training and scoring forward (no cache) runs the blocks as one ``jax.lax.scan``
+        over their stacked parameters, so the step compiles one block whatever ``n_layers``
+        (``fox_jax.models.family.scan_blocks``); False unrolls them. Same values, same parameter
+        layout (``layers_{i}``); decoding with a cache and ``init`` always unroll.
       dcp: Dynamic Context Pruning (docs/design/dcp.md §1): every attention layer gets bias-free float32
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).
@@ -318,6 +322,7 @@ class ModelConfig(FamilyConfig):
     attention_block: int = 128
     adaptive_threshold: Any = None
     remat: str = "none"
+    scan_layers: bool = True
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
@@ -358,6 +363,8 @@ class ModelConfig(FamilyConfig):
             raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if not isinstance(self.dcp, bool):
             raise ValueError(f"ModelConfig.dcp must be a bool, got {self.dcp!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.dcp_impl not in DCP_IMPLS:
             raise ValueError(f"ModelConfig.dcp_impl must be one of {DCP_IMPLS}, got {self.dcp_impl!r}")
         if self.loss_impl not in LOSS_IMPLS:
@@ -527,6 +534,8 @@ class GPT2Config(FamilyConfig):
       attention_block: tile size of the blockwise DCP attention (``dcp_attention``).
       remat: rematerialisation of each block in the backward pass: "none", "full" (save only the
         block inputs) or "dots" (save matmul outputs).
+      scan_layers: the forward without a cache runs the blocks as one ``jax.lax.scan`` (as
+        ``ModelConfig.scan_layers``; same values and parameter layout ``h_{i}``).
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default).
@@ -556,6 +565,7 @@ class GPT2Config(FamilyConfig):
     attention_impl: str = "auto"
     attention_block: int = 128
     remat: str = "none"
+    scan_layers: bool = True
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
@@ -578,6 +588,8 @@ class GPT2Config(FamilyConfig):
             raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
         if self.dtype not in DTYPES:
             raise ValueError(f"GPT2Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if not isinstance(self.scan_layers, bool):
+            raise ValueError(f"GPT2Config.scan_layers must be a bool, got {self.scan_layers!r}")
         check_remat(self.remat, "GPT2Config")
         if self.sparse_pattern is not None:
             parse_sparse_pattern(self.sparse_pattern, name="GPT2Config.sparse_pattern")

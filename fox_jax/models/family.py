@@ -199,14 +199,62 @@ class FamilyModules:
                                     max_context=max_context, seq_start=seq_start, **layout) for s in per_layer)
 
 
+def _saveable(policy: str):
+    return (jax.checkpoint_policies.nothing_saveable if policy == "full"
+            else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+
+
 def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
     """``block_cls`` rematerialised with ``policy``: "none" (as is), "full" (save only the block inputs)
     or "dots" (save matmul outputs, recompute the rest). Positional call arguments are traced."""
     if policy == "none":
         return block_cls
-    saveable = (jax.checkpoint_policies.nothing_saveable if policy == "full"
-                else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
-    return nn.remat(block_cls, policy=saveable)
+    return nn.remat(block_cls, policy=_saveable(policy))
+
+
+# collections a block may sow into (fox_jax.nn.attention): carried out of the scanned body when mutable
+_SOWN = ("intermediates", "gates")
+
+
+def scan_blocks(parent: nn.Module, block: nn.Module, names: tuple[str, ...], x: jax.Array, args: tuple,
+                remat: str) -> tuple[jax.Array, Any]:
+    """Apply the blocks ``parent.variables["params"][name]`` for ``name`` in ``names`` in order, as one
+    ``jax.lax.scan`` over their stacked parameters: the body is traced and compiled once, whatever the
+    depth (MaxText's ``scan_layers``), and the values equal the unrolled loop's.
+
+    The parameters keep their per-layer layout (``layers_{i}`` / ``h_{i}``: checkpoints, sharding rules,
+    DCP and the Hugging Face converters are unchanged); the stack is made inside the traced step and its
+    gradient is sliced back per layer. What the blocks sow into a mutable ``intermediates`` or ``gates``
+    collection lands under each layer's name, as the unrolled loop's would.
+
+    Args:
+      parent: the model module being applied (not initialised: ``init`` runs the unrolled loop).
+      block: an unbound block (``Block(cfg, parent=None)``) whose call returns ``LayerOutput``.
+      names: the params keys of the layers, in order.
+      x: [B, T, d] the residual stream into the first block.
+      args: the block's other positional call arguments (the same for every layer; a cache is not one).
+      remat: "none", "full" or "dots": ``jax.checkpoint`` of the body with that policy.
+    Returns:
+      (x after the last block, the blocks' ``log_mask`` stacked [L, ...] or None).
+    """
+    params = parent.variables["params"]
+    stacked = jax.tree_util.tree_map(lambda *p: jnp.stack(p), *(params[n] for n in names))
+    sown = [c for c in _SOWN if parent.is_mutable_collection(c)]
+
+    def body(h, p):
+        if sown:
+            out, state = block.apply({"params": p}, h, *args, mutable=sown)
+        else:
+            out, state = block.apply({"params": p}, h, *args), {}
+        return out.x, (out.log_mask, state)
+
+    if remat != "none":
+        body = jax.checkpoint(body, policy=_saveable(remat), prevent_cse=False)
+    x, (log_masks, state) = jax.lax.scan(body, x, stacked)
+    for col, layers in state.items():
+        for i, name in enumerate(names):
+            parent.put_variable(col, name, jax.tree_util.tree_map(lambda a, i=i: a[i], layers))
+    return x, log_masks
 
 
 def dcp_aux(log_masks: jax.Array, segment_ids: jax.Array | None = None, *, with_loss: bool = True) -> dict:

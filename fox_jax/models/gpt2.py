@@ -55,7 +55,7 @@ import numpy as np
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
 from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
+from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_blocks
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
@@ -361,12 +361,18 @@ class GPT2(nn.Module):
         # The residual stream is kept in float32; sublayers compute in cfg.dtype.
         x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
 
-        block_cls = remat_block(GPT2Block, cfg.remat if cache is None else "none")  # decoding never differentiates
-        outs = []
-        for i, name in enumerate(cfg.layer_names):
-            out = block_cls(cfg, name=name)(x, segment_ids, None if cache is None else cache[i], alpha)
-            x = out.x
-            outs.append(out)
+        if cfg.scan_layers and cache is None and not self.is_initializing():
+            x, log_masks = scan_blocks(self, GPT2Block(cfg, parent=None), cfg.layer_names, x,
+                                       (segment_ids, None, alpha), cfg.remat)
+        else:
+            block_cls = remat_block(GPT2Block, cfg.remat if cache is None else "none")  # decoding never differentiates
+            outs = []
+            for i, name in enumerate(cfg.layer_names):
+                out = block_cls(cfg, name=name)(x, segment_ids, None if cache is None else cache[i], alpha)
+                x = out.x
+                outs.append(out)
+            if cache is None and (cfg.dcp or cfg.sparse_pattern is not None):
+                log_masks = jnp.stack([o.log_mask for o in outs])
         if last_logits:
             x = x[:, -1:]
         x = _layer_norm(cfg, "ln_f")(x)
@@ -374,8 +380,7 @@ class GPT2(nn.Module):
         if cache is not None:
             return ModelOutput(logits, cache=tuple(o.cache for o in outs))
         if cfg.dcp or cfg.sparse_pattern is not None:
-            return ModelOutput(logits, aux=dcp_aux(jnp.stack([o.log_mask for o in outs]), segment_ids,
-                                                   with_loss=cfg.dcp))
+            return ModelOutput(logits, aux=dcp_aux(log_masks, segment_ids, with_loss=cfg.dcp))
         return ModelOutput(logits)
 
 

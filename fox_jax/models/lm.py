@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
-from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block
+from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_blocks
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
 from fox_jax.ops.cross_entropy import padded_head
@@ -123,14 +123,20 @@ class LanguageModel(nn.Module):
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                          embedding_init=normal_init(cfg.init_std), name="embed")
         x = embed(tokens)
-        # decoding never differentiates; alpha goes positionally: nn.remat traces positional args
-        block_cls = remat_block(Block, cfg.remat if cache is None else "none")
-        outs = []
-        for i, name in enumerate(cfg.layer_names):
-            out = block_cls(cfg, name=name)(x, segment_ids, positions, None if cache is None else cache[i],
-                                            alpha if cfg.dcp else None)
-            x = out.x
-            outs.append(out)
+        layer_alpha = alpha if cfg.dcp else None
+        if cfg.scan_layers and cache is None and not self.is_initializing():
+            x, log_masks = scan_blocks(self, Block(cfg, parent=None), cfg.layer_names, x,
+                                       (segment_ids, positions, None, layer_alpha), cfg.remat)
+        else:
+            # decoding never differentiates; alpha goes positionally: nn.remat traces positional args
+            block_cls = remat_block(Block, cfg.remat if cache is None else "none")
+            outs = []
+            for i, name in enumerate(cfg.layer_names):
+                out = block_cls(cfg, name=name)(x, segment_ids, positions, None if cache is None else cache[i],
+                                                layer_alpha)
+                x = out.x
+                outs.append(out)
+            log_masks = jnp.stack([o.log_mask for o in outs]) if cfg.dcp and cache is None else None
         if last_logits:
             x = x[:, -1:]
         x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
@@ -146,8 +152,7 @@ class LanguageModel(nn.Module):
         if cache is not None:  # decoding: no DCP masks (the cache's policy applied them); DCP logits are float32
             return ModelOutput(logits.astype(jnp.float32) if cfg.dcp else logits, cache=tuple(o.cache for o in outs))
         if cfg.dcp:
-            return ModelOutput(logits.astype(jnp.float32),
-                               aux=dcp_aux(jnp.stack([o.log_mask for o in outs]), segment_ids))
+            return ModelOutput(logits.astype(jnp.float32), aux=dcp_aux(log_masks, segment_ids))
         return ModelOutput(logits)
 
 
