@@ -323,6 +323,43 @@ def test_kernel_tile_lists_match_dense_with_gradients(case):
     assert float(jnp.abs(g_ref[4]).max()) > 1e-3  # the mask gradient is exercised
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked_first", [True, False])
+def test_gpu_kernel_rows_whose_first_tiles_hold_only_dropped_pairs(masked_first):
+    """On the GPU (Triton lowering, default tiles), both tile orders: keys older than a lag of 300 are
+    dropped, so a late row's oldest listed tile holds only dropped pairs (its neighbours in the block keep
+    some) and the forward's running max starts at a dropped score near -1e30. A base change written as one
+    FMA (s·log2e − m·log2e) keeps m·log2e's rounding error (~1e23) and returned NaN there (found in
+    interpret mode, 2026-12-02). Outputs and gradients against the dense float32 oracle; tolerances as
+    test_gpu_pallas_dcp_matches_xla (bf16 inputs)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    b, t, h, hkv, d = 1, 900, 4, 2, 64
+    rng = np.random.default_rng(7)
+    q, k, v = (jnp.asarray(rng.normal(size=(b, t, n, d)), jnp.bfloat16) for n in (h, hkv, hkv))
+    lf = jax.nn.log_sigmoid(jnp.asarray(rng.normal(3.0, 1.0, size=(b, t, h)), jnp.float32))
+    lag = np.arange(t)[:, None] - np.arange(t)[None, :]
+    drop = (lag > 300) | (rng.uniform(size=(b, t, t)) < 0.2)
+    lm = jnp.asarray(np.where(drop, LOG_FLOOR, -rng.uniform(0.0, 3.0, (b, t, t))), jnp.float32)
+    keep = np.asarray(visible_pairs(t, t, None)) & (np.asarray(lm) > LOG_FLOOR)
+    kept_rows = jnp.asarray(keep.any(axis=-1))
+    config = dataclasses.replace(fpallas.resolve_config(d, t, t), dcp_unmasked_interior=masked_first)
+    visits = fpallas.kernel_visits(config, t, t, log_mask=lm, floor=LOG_FLOOR)
+
+    def fast(q, k, v, lf, m):
+        m = exclude_dropped(m, LOG_FLOOR, LOG_FLOOR - 1e30)
+        return fpallas.kernel_attention(q, k, v, decay_cumsum(lf), m, None, visits, kept_rows, d ** -0.5,
+                                        config, False)
+
+    args = (q, k, v, lf, lm)
+    o, g = _out_and_grads(fast, args)
+    o_ref, g_ref = _out_and_grads(lambda *a: _kernel_dense(*a, keep), args)
+    for name, a, r in zip(("o", "q", "k", "v", "log_fgate", "log_mask"), (o, *g), (o_ref, *g_ref)):
+        a, r = np.asarray(a, np.float32), np.asarray(r, np.float32)
+        assert np.all(np.isfinite(a)), name
+        np.testing.assert_allclose(a, r, atol=2e-2 * (1 + np.abs(r).max()), err_msg=name)
+
+
 def test_auto_implementation_and_config_values(monkeypatch):
     """``implementation="auto"`` (the default of the op and of both model configs) is Pallas on a GPU
     for a finite floor and D ≤ 256, XLA otherwise; saved configs with "xla" / "pallas" still load."""

@@ -200,21 +200,22 @@ def _family(method: str) -> str:
 
 
 def plot(rows: list[dict], path: str) -> None:
-    """Perplexity ratio against sparsity, one panel per (model, context): every method; fine-tuned filled,
-    untuned (dense weights with the pattern) hollow."""
+    """Perplexity ratio against sparsity, one panel per (model, context, stage): every method; fine-tuned
+    filled, untuned (dense weights with the pattern) hollow. A stage is one experiment (its own pretrained
+    model and fine-tuning budget), so points of two stages never share a panel or a line."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["model"], r["context"]) for r in rows})
+    panels = sorted({(r["model"], r["context"], r["stage"]) for r in rows})
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.4 * nrows), squeeze=False, layout="constrained")
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
-    for ax, (model, ctx) in zip(axes.flat, panels):
-        sel = [r for r in rows if r["model"] == model and r["context"] == ctx]
+    for ax, (model, ctx, stage) in zip(axes.flat, panels):
+        sel = [r for r in rows if (r["model"], r["context"], r["stage"]) == (model, ctx, stage)]
         any_tuned = any(r["fine_tuned"] for r in sel)
         for fam, (color, marker, legend) in FAMILIES.items():
             for tuned in (True, False):
@@ -238,7 +239,7 @@ def plot(rows: list[dict], path: str) -> None:
         ax.ticklabel_format(axis="y", useOffset=False)
         ax.set_xlim(-2, 102)
         ax.grid(alpha=0.3)
-        ax.set_title(f"{model}, context {ctx}", fontsize=10)
+        ax.set_title(f"{model}, context {ctx} (stage {stage})", fontsize=10)
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.savefig(path, dpi=120)
