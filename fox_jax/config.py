@@ -269,7 +269,7 @@ class ModelConfig(FamilyConfig):
       scan_layers: the training and scoring forward (no cache) runs the blocks as one ``jax.lax.scan``
         over their stacked parameters, so the step compiles one block whatever ``n_layers``
         (``fox_jax.models.family.scan_blocks``); False unrolls them. Same values, same parameter
-        layout (``layers_{i}``); decoding with a cache and ``init`` always unroll.
+        layout (``layers_{i}``); decoding with a cache, ``init`` and ``capture_intermediates`` unroll.
       dcp: Dynamic Context Pruning (docs/design/dcp.md §1): every attention layer gets bias-free float32
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).

@@ -1,4 +1,13 @@
-"""Suite-wide setup: one XLA compilation cache per session, and a filter for orbax's abandoned-read noise.
+"""Suite-wide setup: XLA:CPU at -O0, one XLA compilation cache per session, and a filter for orbax's
+abandoned-read noise.
+
+-O0: the suite's time is mostly XLA:CPU compiling small programs, and LLVM's optimisation passes are the
+larger part of each compile. ``--xla_backend_optimization_level=0`` (XLA_FLAGS, inherited by the xdist
+workers and the subprocesses, which append their device counts to it) halved the CPU time of
+test_model/test_ops/test_pallas (555 -> 291 s, 2 cores, 2026-12-03). Every comparison of the suite is
+against a reference computed under the same flags, with tolerances for a change of float32 summation
+order. To run it as XLA compiles by default, set XLA_FLAGS yourself (e.g.
+``XLA_FLAGS=--xla_backend_optimization_level=2``, LLVM's default): conftest leaves a set XLA_FLAGS alone.
 
 Compilation cache: most of the suite's CPU time is XLA compiling small programs, many of them again and again
 (every ``loop.train`` jits a fresh step function; each pytest-xdist worker and each subprocess of a test
@@ -15,6 +24,9 @@ import tempfile
 import warnings
 
 import pytest
+
+if "XLA_FLAGS" not in os.environ:
+    os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
 
 _OWN_CACHE = None
 if not os.environ.get("JAX_COMPILATION_CACHE_DIR"):

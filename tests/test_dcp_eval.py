@@ -183,14 +183,16 @@ def test_gpt2_sparse_pattern_model(tiny_params):
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
     # with a cache the policy decides what a query sees: local:W decodes as window:W (its training visibility),
     # sinks:S+W as the sinks:S+W policy
-    cached = local.apply({"params": tiny_params}, tokens, cache=cfg.init_cache(2, t, policy=f"window:{w}")).logits
-    np.testing.assert_allclose(cached, logits, atol=1e-4, rtol=1e-4)
+    def cached_logits(model, policy):  # one compiled program (eager, each op of the cache path compiles alone)
+        return jax.jit(lambda p, x: model.apply({"params": p}, x, cache=cfg.init_cache(2, t, policy=policy)).logits)(
+            tiny_params, tokens)
+
+    np.testing.assert_allclose(cached_logits(local, f"window:{w}"), logits, atol=1e-4, rtol=1e-4)
     sinks, apply_sinks = forward(f"sinks:3+{w}")
     sink_logits, sink_aux = apply_sinks(tiny_params, tokens)
     np.testing.assert_allclose(sink_aux["sparsity"], sparse_pattern_sparsity(f"sinks:3+{w}", t), atol=1e-6)
     assert np.max(np.abs(sink_logits[:, -1] - logits[:, -1])) > 1e-4  # the sinks are seen
-    cached = sinks.apply({"params": tiny_params}, tokens, cache=cfg.init_cache(2, t, policy=f"sinks:3+{w}")).logits
-    np.testing.assert_allclose(cached, sink_logits, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(cached_logits(sinks, f"sinks:3+{w}"), sink_logits, atol=1e-4, rtol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -471,7 +471,8 @@ def test_sharded_and_unsharded_finetunes_agree(fox_run, tmp_path):
     5e-6, 5e-5 (relative), 1e-6 (absolute) and 5e-5 (absolute; 5x the largest observed).
     """
     steps = ["--steps", "3", "--ckpt-every", "0"]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")  # conftest's flags (-O0) too
     sharded = subprocess.Popen([sys.executable, "-m", "fox_jax.train.cli",
                                 *lm_argv(fox_run, tmp_path / "sharded", *steps, "--mesh", "data=2,fsdp=2,tensor=2")],
                                env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

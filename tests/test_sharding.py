@@ -112,7 +112,8 @@ def sharded_results(tmp_path_factory):
     corpus = tmp_path_factory.mktemp("corpus")
     for i, f in enumerate(sorted(ROOT.glob("fox_jax/**/*.py"))):
         (corpus / f"doc{i:03d}.txt").write_text(f.read_text())
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")  # conftest's flags (-O0) too
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_runs.py"), str(corpus),
                            str(tmp_path_factory.mktemp("runs"))], env=env, cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
@@ -147,7 +148,8 @@ def test_pallas_attention_runs_per_shard_under_a_mesh():
     tensor; with tensor=4 and Hkv=2 nothing divides, so it is left to XLA), and its values and
     gradients equal the unsharded XLA path; a model traced under the mesh contains the shard_map. Tolerance: float32, different tiling and
     summation order only (observed ~1e-5 on O(10) gradients); 1e-4."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")  # conftest's flags (-O0) too
     env.pop("FOX_JAX_SHARD_KERNELS", None)
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "_sharded_attention.py")], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=900)

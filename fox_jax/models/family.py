@@ -216,6 +216,19 @@ def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
 _SOWN = ("intermediates", "gates")
 
 
+def scan_applies(cfg, module: nn.Module, cache) -> bool:
+    """Whether ``module`` (a model being called) runs its blocks through ``scan_blocks``: ``cfg.scan_layers``,
+    no cache, not ``init`` (which creates the per-layer parameters), and not under Flax's
+    ``capture_intermediates`` (its filter sees each module's path, which only the unrolled loop has; flax
+    keeps the active filter in ``linen.module._context.capture_stack``, tested in tests/test_family.py)."""
+    if not cfg.scan_layers or cache is not None or module.is_initializing():
+        return False
+    from flax.linen import module as linen_module
+
+    stack = linen_module._context.capture_stack
+    return not (stack and stack[-1])
+
+
 def scan_blocks(parent: nn.Module, block: nn.Module, names: tuple[str, ...], x: jax.Array, args: tuple,
                 remat: str) -> tuple[jax.Array, Any]:
     """Apply the blocks ``parent.variables["params"][name]`` for ``name`` in ``names`` in order, as one
@@ -228,7 +241,7 @@ def scan_blocks(parent: nn.Module, block: nn.Module, names: tuple[str, ...], x: 
     collection lands under each layer's name, as the unrolled loop's would.
 
     Args:
-      parent: the model module being applied (not initialised: ``init`` runs the unrolled loop).
+      parent: the model module being applied (``scan_applies`` says when).
       block: an unbound block (``Block(cfg, parent=None)``) whose call returns ``LayerOutput``.
       names: the params keys of the layers, in order.
       x: [B, T, d] the residual stream into the first block.

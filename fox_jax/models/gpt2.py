@@ -55,7 +55,7 @@ import numpy as np
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
 from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_blocks
+from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_applies, scan_blocks
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
@@ -361,7 +361,7 @@ class GPT2(nn.Module):
         # The residual stream is kept in float32; sublayers compute in cfg.dtype.
         x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
 
-        if cfg.scan_layers and cache is None and not self.is_initializing():
+        if scan_applies(cfg, self, cache):
             x, log_masks = scan_blocks(self, GPT2Block(cfg, parent=None), cfg.layer_names, x,
                                        (segment_ids, None, alpha), cfg.remat)
         else:

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
-from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_blocks
+from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_applies, scan_blocks
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
 from fox_jax.ops.cross_entropy import padded_head
@@ -124,7 +124,7 @@ class LanguageModel(nn.Module):
                          embedding_init=normal_init(cfg.init_std), name="embed")
         x = embed(tokens)
         layer_alpha = alpha if cfg.dcp else None
-        if cfg.scan_layers and cache is None and not self.is_initializing():
+        if scan_applies(cfg, self, cache):
             x, log_masks = scan_blocks(self, Block(cfg, parent=None), cfg.layer_names, x,
                                        (segment_ids, positions, None, layer_alpha), cfg.remat)
         else:
