@@ -176,12 +176,13 @@ def test_cli_on_gutenberg_slice_val_loss_falls(tmp_path, capsys):
     workdir = tmp_path / "run"
     argv = ["train", "--workdir", str(workdir), "--data", str(train_file.parent), "--val-data", str(val_file.parent),
             "--tokenizer", str(SHARED / "tokenizers" / "gpt2"), "--steps", "16", "--seq-len", "64",
-            "--batch-size", "8", "--no-progress", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
-            "eval_every=8", "eval_batches=2", "optim.lr=3e-3", "optim.warmup_steps=3"]
+            "--batch-size", "4", "--no-progress", "model.n_layers=2", "model.d_model=64", "model.n_heads=2",
+            "eval_every=8", "eval_batches=2", "optim.lr=6e-3", "optim.warmup_steps=3"]
     assert cli.main(argv) == 0
     evals = [r["val_loss"] for r in read_metrics(workdir) if "val_loss" in r]
     assert len(evals) == 3  # steps 0, 8, 16
-    # observed 10.84 (ln 50257) -> 10.08, 9.20 (and 9.02 at step 24): 1.6 nats in 16 steps
+    # observed 10.83 (ln 50257) -> 9.58, 8.89: 1.9 nats in 16 steps of 4 x 64 tokens at lr 6e-3 (the
+    # execution of the 50257-way head dominates this test at -O0: batch 8 at lr 3e-3 took twice as long)
     assert evals[-1] < evals[0] - 1.0, evals
     assert cli.main(["eval", "--workdir", str(workdir), "--num-docs", "1"]) == 0
     assert "val_ppl" in capsys.readouterr().out
