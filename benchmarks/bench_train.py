@@ -17,6 +17,7 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 
 import jax
@@ -47,7 +48,12 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     rng = jax.random.PRNGKey(0)
     abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
     shard = state_shardings(mesh, abstract)
+    t_init = time.perf_counter()
     state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # eager init: see train/loop.py
+    jax.block_until_ready(state)
+    # progress on stderr as it happens: a call cut by its deadline still shows how far it got
+    print(f"# {arch}:{size}:{seq_len} acp={acp}: state initialised in {time.perf_counter() - t_init:.1f} s",
+          file=sys.stderr, flush=True)
     train_step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
     step = under_mesh(mesh, jax.jit(lambda s, b: train_step(s, b, {}), in_shardings=(shard, batch_sharding(mesh)),
                                     out_shardings=(shard, None), donate_argnums=(0,)))
@@ -61,6 +67,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     state, m = step(state, data)
     jax.block_until_ready(m)
     compile_s = time.perf_counter() - t0
+    print(f"# {arch}:{size}:{seq_len} acp={acp}: compile + first step {compile_s:.1f} s", file=sys.stderr, flush=True)
     for _ in range(warmup):
         state, m = step(state, data)
     jax.block_until_ready(m)

@@ -349,13 +349,15 @@ def test_segment_block_bounds():
 
 @pytest.mark.slow
 def test_bench_gates_from_trained_run(tmp_path):
-    """bench_attention.py --gates-from: a tiny FoX trained here (T=32), gates captured at the quick
+    """bench_attention.py --gates-from: a tiny FoX run (T=32; its checkpoint written as ``fox-jax train``
+    writes it, without training: the reader is under test, not the trainer), gates captured at the quick
     shapes' longer T; slot (0, 0) equals layer 0 / head 0's log_fgate computed by hand."""
     from pathlib import Path
 
     from fox_jax.models import LanguageModel  # noqa: F401  (model import before the bench)
     from fox_jax.nn.layers import RMSNorm
     from fox_jax.train import config as config_lib, loop
+    from test_runs import _save
 
     root = Path(__file__).resolve().parents[1]
     corpus = tmp_path / "corpus"
@@ -364,10 +366,12 @@ def test_bench_gates_from_trained_run(tmp_path):
         (corpus / f"doc{i:03d}.txt").write_text(f.read_text())
     cfg = config_lib.apply_overrides(config_lib.preset("tiny"), [
         f"data.train={corpus}", "data.seq_len=32", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
-        "model.attention_block=16", "steps=2", "batch_size=2", "log_every=1", "eval_every=0", "ckpt_every=2",
-        "eval_batches=1", "optim.warmup_steps=1"])
+        "model.attention_block=16", "batch_size=2", "eval_batches=1"])
     run_dir = tmp_path / "run"
-    loop.train(cfg, str(run_dir), progress=False)
+    run_dir.mkdir()
+    config_lib.save_json(cfg, run_dir / "config.json")
+    state = loop.init_state(cfg, jax.random.PRNGKey(0), loop.make_optimizer(cfg))
+    _save(run_dir, [(2, state.replace(step=np.int32(2)))])
 
     sys.path.insert(0, str(root / "benchmarks"))
     try:
