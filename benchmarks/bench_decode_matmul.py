@@ -1,9 +1,20 @@
-"""Decode-step matmuls side by side: XLA (norm + dot + epilogue as the models write them) vs the fused Pallas
-kernel (fox_jax.kernels.decode_matmul), on the shapes of a decode step.
+"""Decode-step matmuls side by side: XLA (norm + dot + epilogue as the models write them) vs a fused Pallas
+GEMV kernel (below, an experiment: the models do not use it), on the shapes of a decode step.
+
+The question (issue 20, benchmarks/NOTES.md "Decode matmuls"): a decode step multiplies M ≤ 64 rows by each
+weight matrix, so its matmuls are GEMVs whose cost should be the bytes of W (a 768 × 3072 bf16 matrix is
+4.7 MB, ≈1 µs at 4.8 TB/s), yet XLA's GEMMs take 2.5–5 µs each plus a split-K reduction, with the norm before
+them a kernel of its own. The kernel computes y = epilogue(prologue(x) @ W1 [, prologue(x) @ W2]) in one
+launch: RMSNorm / LayerNorm of the rows (every program recomputes the statistics of the tiny x: no norm
+kernel, no cross-program reduction), the matmul streamed over K, then bias, GELU / SiLU, the gate product
+and the residual. Answer on one H200 (2026-12-03, results/decode/decode_matmul_h200.json): no — 10 layers'
+worth of it ran *slower* than XLA's (22.8 vs 20.6 µs per FoX layer, 31.3 vs 20.5 per GPT-2 layer).
 
 Two measurements, each inside one jitted ``fori_loop`` (no dispatch in the timing):
 * ``op``: one matmul R times in a chain (its output feeds the next input through a scalar, so nothing is
-  hoisted), µs per call; the Pallas kernel over a small tiling sweep, the best kept;
+  hoisted), µs per call; the Pallas kernel over a small tiling sweep, the best kept. On the GPU every
+  ``fori_loop`` iteration costs ~8–10 µs of loop overhead (all ops and tilings measured 11–20 µs), so these
+  rows rank nothing; read the stack;
 * ``stack``: the non-attention part of L decode layers (pre-norm → QKV; o_proj + residual; pre-norm →
   gated or GELU MLP + residual), R steps, µs per layer, with the best tiling of each op.
 
@@ -17,6 +28,8 @@ the weight bytes at 4.8 TB/s (H200).
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import platform
 import time
@@ -24,10 +37,203 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from fox_jax.kernels.decode_matmul import MatmulConfig, default_matmul_config, fused_matmul
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
 
 HBM_BYTES_PER_S = 4.8e12
+
+
+# The kernel under test --------------------------------------------------------------------------------
+
+MIN_BLOCK = 16
+MAX_ROWS = 64
+NORMS = ("none", "rms", "layer")
+ACTIVATIONS = ("none", "gelu_tanh", "silu")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatmulConfig:
+    """Tiling (hashable: a static argument). block_n: output columns per program (a power of two ≥ 16);
+    block_k: contraction chunk (a power of two ≥ 16 dividing K); num_warps / num_stages: Triton's knobs."""
+
+    block_n: int = 32
+    block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < MIN_BLOCK or v & (v - 1):
+                raise ValueError(f"{name} must be a power of two ≥ {MIN_BLOCK}, got {v}")
+
+
+def _pow2_at_least(x: int, floor: int) -> int:
+    return max(floor, 1 << max(0, (x - 1).bit_length()))
+
+
+def default_matmul_config(k: int, n: int, *, interpret: bool = False) -> MatmulConfig:
+    """block_k: the largest power of two ≤ 128 dividing K; block_n: 16 when N ≤ 2048 (more programs for the
+    narrow matrices: o_proj, down_proj), else 32. Interpret mode: the same block_k (≤ 64), block_n 16."""
+    bk = 64 if interpret else 128
+    while bk > MIN_BLOCK and k % bk:
+        bk //= 2
+    if k % bk:
+        raise ValueError(f"the contraction dim K must be a multiple of {MIN_BLOCK} for the Pallas decode "
+                         f"matmul, got K={k}")
+    bn = 16 if interpret or n <= 2048 else 32
+    return MatmulConfig(block_n=bn, block_k=bk)
+
+
+def _act(y, activation: str):
+    if activation == "gelu_tanh":
+        return jax.nn.gelu(y, approximate=True)
+    if activation == "silu":
+        return y * jax.nn.sigmoid(y)
+    return y
+
+
+@dataclasses.dataclass(frozen=True)
+class _Geom:
+    m: int
+    m_pad: int
+    k: int
+    n: int
+    block_n: int
+    block_k: int
+    norm: str
+    eps: float
+    activation: str
+    has_bias: bool
+    has_w2: bool
+    has_bias2: bool
+    has_residual: bool
+    exact_dot: bool  # float32 weights: IEEE matmuls (Triton's float32 default is TF32)
+
+
+def _kernel(*refs, g: _Geom):
+    refs = list(refs)
+    x_ref, w_ref = refs.pop(0), refs.pop(0)
+    ns_ref = refs.pop(0) if g.norm != "none" else None
+    nb_ref = refs.pop(0) if g.norm == "layer" else None
+    b_ref = refs.pop(0) if g.has_bias else None
+    w2_ref = refs.pop(0) if g.has_w2 else None
+    b2_ref = refs.pop(0) if g.has_bias2 else None
+    r_ref = refs.pop(0) if g.has_residual else None
+    (o_ref,) = refs
+    bk, bn = g.block_k, g.block_n
+    n_chunks = g.k // bk
+
+    rows = lax.broadcasted_iota(jnp.int32, (g.m_pad, 1), 0)
+    row_ok = rows < g.m
+    col0 = pl.program_id(0) * bn
+    cols = col0 + lax.broadcasted_iota(jnp.int32, (1, bn), 1)
+    col_ok = cols < g.n
+
+    def x_chunk(i):
+        k0 = pl.multiple_of(i * bk, bk)
+        return pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=row_ok, other=0.0).astype(jnp.float32)
+
+    mean = rstd = None
+    if g.norm != "none":
+        def stats(i, carry):
+            s1, s2 = carry
+            xc = x_chunk(i)
+            return s1 + jnp.sum(xc, axis=1), s2 + jnp.sum(xc * xc, axis=1)
+
+        zero = jnp.zeros((g.m_pad,), jnp.float32)
+        s1, s2 = lax.fori_loop(0, n_chunks, stats, (zero, zero))
+        if g.norm == "rms":
+            rstd = lax.rsqrt(s2 / g.k + g.eps)
+        else:
+            mean = s1 / g.k
+            var = jnp.maximum(s2 / g.k - mean * mean, 0.0)
+            rstd = lax.rsqrt(var + g.eps)
+
+    def body(i, carry):
+        k0 = pl.multiple_of(i * bk, bk)
+        xc = x_chunk(i)
+        if g.norm != "none":
+            if mean is not None:
+                xc = xc - mean[:, None]
+            xc = xc * rstd[:, None] * ns_ref[pl.ds(k0, bk)].astype(jnp.float32)[None, :]
+            if nb_ref is not None:
+                xc = xc + nb_ref[pl.ds(k0, bk)].astype(jnp.float32)[None, :]
+        xc = xc.astype(w_ref.dtype)
+        prec = lax.Precision.HIGHEST if g.exact_dot else None
+        w = pltriton.load(w_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=col_ok, other=0.0)
+        acc = carry[0] + jnp.dot(xc, w, precision=prec, preferred_element_type=jnp.float32)
+        if not g.has_w2:
+            return (acc,)
+        w2 = pltriton.load(w2_ref.at[pl.ds(k0, bk), pl.ds(col0, bn)], mask=col_ok, other=0.0)
+        return acc, carry[1] + jnp.dot(xc, w2, precision=prec, preferred_element_type=jnp.float32)
+
+    init = tuple(jnp.zeros((g.m_pad, bn), jnp.float32) for _ in range(1 + g.has_w2))
+    accs = lax.fori_loop(0, n_chunks, body, init)
+    y = accs[0]
+    if b_ref is not None:
+        y = y + pltriton.load(b_ref.at[pl.ds(col0, bn)], mask=col_ok[0], other=0.0).astype(jnp.float32)[None, :]
+    y = _act(y, g.activation)
+    if g.has_w2:
+        y2 = accs[1]
+        if b2_ref is not None:
+            y2 = y2 + pltriton.load(b2_ref.at[pl.ds(col0, bn)], mask=col_ok[0],
+                                    other=0.0).astype(jnp.float32)[None, :]
+        y = y * y2
+    ok = row_ok & col_ok
+    if r_ref is not None:
+        y = y + pltriton.load(r_ref.at[:, pl.ds(col0, bn)], mask=ok, other=0.0).astype(jnp.float32)
+    pltriton.store(o_ref.at[:, pl.ds(col0, bn)], y.astype(o_ref.dtype), mask=ok)
+
+
+def fused_matmul(x, w, *, norm: str = "none", norm_scale=None, norm_bias=None, eps: float = 1e-6, bias=None,
+                 activation: str = "none", w2=None, bias2=None, residual=None, out_dtype=None,
+                 config: MatmulConfig, interpret: bool) -> jax.Array:
+    """The fused decode matmul (shapes unchecked).
+
+    Args:
+      x: [M, K], M ≤ 64 (any float dtype; the norm runs in float32); w, w2: [K, N] (the matmul's dtype: x̂
+        is cast to it; float32 weights get IEEE-exact dots); norm_scale, norm_bias: [K]; bias, bias2: [N];
+        residual: [M, N]; out_dtype: default w.dtype; config: tiling (K % block_k == 0); interpret: CPU.
+    Returns:
+      [M, N] in out_dtype.
+    """
+    m, k = x.shape
+    n = w.shape[1]
+    if k % config.block_k:
+        raise ValueError(f"K={k} must be a multiple of block_k={config.block_k}")
+    geom = _Geom(m=m, m_pad=_pow2_at_least(m, MIN_BLOCK), k=k, n=n, block_n=config.block_n,
+                 block_k=config.block_k, norm=norm, eps=float(eps), activation=activation,
+                 has_bias=bias is not None, has_w2=w2 is not None, has_bias2=bias2 is not None,
+                 has_residual=residual is not None, exact_dot=w.dtype == jnp.float32)
+    args = [x, w]
+    if norm != "none":
+        args.append(norm_scale)
+    if norm == "layer":
+        args.append(norm_bias)
+    args += [a for a in (bias, w2, bias2, residual) if a is not None]
+    # x, residual and the output as blocks of m_pad ≥ M rows (rows ≥ M masked: no padding copies); the rest
+    # whole (the kernel offsets its columns itself, masking those past N)
+    rows_spec = lambda cols: pl.BlockSpec((geom.m_pad, cols), lambda j: (0, 0))  # noqa: E731
+    in_specs = [rows_spec(k)] + [pl.no_block_spec] * (len(args) - 1 - (residual is not None))
+    if residual is not None:
+        in_specs.append(rows_spec(n))
+    out_dtype = jnp.dtype(out_dtype or w.dtype)
+    return pl.pallas_call(
+        functools.partial(_kernel, g=geom),
+        grid=(pl.cdiv(n, config.block_n),),
+        in_specs=in_specs,
+        out_specs=rows_spec(n),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=config.num_warps,
+                                                                      num_stages=config.num_stages),
+        interpret=interpret,
+        name="fox_decode_matmul",
+    )(*args)
+
+
+# The benchmark ----------------------------------------------------------------------------------------
 
 # (model, M rows, d_model, QKV(+gates) width, MLP hidden, gated MLP)
 MODELS = {
@@ -165,13 +371,22 @@ def main(argv=None):
             rows.append(dict(base, impl="xla", config=None, us=us))
             print(json.dumps(rows[-1]), flush=True)
             cands = []
+            want = np.asarray(xla_op(x, p, spec, r), np.float32)
             for cfg in sweep:
                 cfg = cfg or default_matmul_config(k, n, interpret=interpret)
                 if k % cfg.block_k:
                     continue
                 try:
                     fn = lambda x, p, spec, r, cfg=cfg: pallas_op(x, p, spec, r, config=cfg, interpret=interpret)  # noqa: E731
+                    # a wrong kernel could be fast: each tiling must give XLA's output (bf16 outputs: 2 ulp of
+                    # the largest value; float32 on CPU: summation order only)
+                    err = float(np.max(np.abs(np.asarray(fn(x, p, spec, r), np.float32) - want)))
+                    tol = (2 ** -6 if dtype == jnp.bfloat16 else 1e-5) * float(np.max(np.abs(want)))
+                    if not err <= tol:
+                        raise AssertionError(f"{model} {name} {cfg}: max |pallas - xla| = {err:.3g} > {tol:.3g}")
                     cands.append((time_op(fn, x, p, spec, r, args.iters, args.reps), cfg))
+                except AssertionError:
+                    raise
                 except Exception as e:  # a tiling Triton rejects: recorded, skipped
                     print(f"# {model} {name} {cfg}: {type(e).__name__}: {str(e)[:120]}", flush=True)
             us, cfg = min(cands, key=lambda c: c[0])

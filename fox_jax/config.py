@@ -268,8 +268,10 @@ class ModelConfig(FamilyConfig):
         or ``"dots"`` (save matmul outputs, recompute the rest).
       scan_layers: the training and scoring forward (no cache) runs the blocks as one ``jax.lax.scan``
         over their stacked parameters, so the step compiles one block whatever ``n_layers``
-        (``fox_jax.models.family.scan_blocks``); False unrolls them. Same values, same parameter
-        layout (``layers_{i}``); decoding with a cache, ``init`` and ``capture_intermediates`` unroll.
+        (``fox_jax.models.family.scan_blocks``). Same values, same parameter layout (``layers_{i}``);
+        decoding with a cache, ``init`` and ``capture_intermediates`` unroll. Off by default: on one H200
+        the 760M FoX (Pro) step at 16k compiles in 29.5 s instead of 139 s but runs at 604 instead of
+        446 ms with 68 instead of 31 GiB of XLA temp memory (benchmarks/NOTES.md, "Scanned layers").
       dcp: Dynamic Context Pruning (docs/design/dcp.md §1): every attention layer gets bias-free float32
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).
@@ -322,7 +324,7 @@ class ModelConfig(FamilyConfig):
     attention_block: int = 128
     adaptive_threshold: Any = None
     remat: str = "none"
-    scan_layers: bool = True
+    scan_layers: bool = False
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
@@ -535,7 +537,8 @@ class GPT2Config(FamilyConfig):
       remat: rematerialisation of each block in the backward pass: "none", "full" (save only the
         block inputs) or "dots" (save matmul outputs).
       scan_layers: the forward without a cache runs the blocks as one ``jax.lax.scan`` (as
-        ``ModelConfig.scan_layers``; same values and parameter layout ``h_{i}``).
+        ``ModelConfig.scan_layers``, off by default for the same reason; same values and parameter
+        layout ``h_{i}``).
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
       dcp_beta_init: initial β of every layer (2.0, the reference train.py default).
@@ -565,7 +568,7 @@ class GPT2Config(FamilyConfig):
     attention_impl: str = "auto"
     attention_block: int = 128
     remat: str = "none"
-    scan_layers: bool = True
+    scan_layers: bool = False
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0

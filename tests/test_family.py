@@ -190,7 +190,7 @@ SCAN_CASES = {  # family, config overrides, mutable collections, apply kwargs
 
 @pytest.mark.parametrize("case", sorted(SCAN_CASES))
 def test_scanned_layers_equal_the_unrolled_loop(case):
-    """``scan_layers`` (the default): the blocks as one ``lax.scan`` over their stacked parameters give the
+    """``scan_layers``: the blocks as one ``lax.scan`` over their stacked parameters give the
     unrolled loop's logits, aux (DCP masks, sparsity, loss), sown collections under each layer's name and
     gradients, with the same ``layers_{i}`` / ``h_{i}`` parameters; remat inside the scanned body too.
     Tolerance: the same float32 ops in the same order, so 1e-6 (observed: equal bitwise)."""
