@@ -1,0 +1,72 @@
+"""How many attention kernels does one training step run per layer, scanned and unrolled? (issue 22)
+
+On the H200 the 760M step with ``scan_layers=True`` ran 4 Mosaic attention kernels per layer where the unrolled
+step ran 3 (benchmarks/NOTES.md, "Scanned layers"). This traces ``value_and_grad`` of a small model's loss with
+each attention implementation and ``scan_layers`` off and on, counts the ``pallas_call``s by kernel name in the
+jaxpr (what JAX asks for, before XLA) and in the compiled HLO's custom calls (what runs), and prints where each
+forward kernel sits (the primitive path around it), so a second forward shows up with its cause.
+
+    python benchmarks/checks/check_scan_grad.py                       # pallas (interpret on CPU)
+    python benchmarks/checks/check_scan_grad.py --impls mosaic,pallas # on a Hopper GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+import jax
+import jax.numpy as jnp
+
+from fox_jax.models import preset
+
+
+def _walk(jaxpr, path, out):
+    """(path of primitive names, pallas kernel name) for every pallas_call in a closed jaxpr, recursively."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name == "pallas_call":
+            kname = str(eqn.params.get("name_and_src_info", eqn.params.get("name", "?"))).split(" ")[0]
+            out.append(("/".join(path), kname))
+        for v in eqn.params.values():
+            subs = v if isinstance(v, (list, tuple)) else [v]
+            for sub in subs:
+                inner = getattr(sub, "jaxpr", None)
+                if inner is not None and hasattr(inner, "eqns"):
+                    _walk(inner, path + [name], out)
+                elif hasattr(sub, "eqns"):
+                    _walk(sub, path + [name], out)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--impls", default="pallas")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=256)
+    args = ap.parse_args(argv)
+    dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    for impl in args.impls.split(","):
+        for scan in (False, True):
+            cfg = preset("tiny", "fox-pro", vocab_size=256, n_layers=args.layers, attention_impl=impl,
+                         scan_layers=scan, remat="none", dtype=dtype)
+            model, params = cfg.build(), cfg.init_params(jax.random.PRNGKey(0))
+            tokens = jnp.ones((1, args.seq), jnp.int32)
+
+            def loss(p):
+                logits = model.apply({"params": p}, tokens).logits
+                return jnp.mean(jnp.square(logits.astype(jnp.float32)))
+
+            step = jax.value_and_grad(loss)
+            found = []
+            _walk(jax.make_jaxpr(step)(params).jaxpr, [], found)
+            hlo = jax.jit(step).lower(params).compile().as_text()
+            calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
+            print(f"== {impl} scan_layers={scan}: jaxpr kernels {dict(collections.Counter(k for _, k in found))}; "
+                  f"HLO custom calls {dict(calls)}; HLO while loops {hlo.count(' while(')}", flush=True)
+            for path, k in found:
+                print(f"   {k:28s} in {path or '(top)'}")
+
+
+if __name__ == "__main__":
+    main()
