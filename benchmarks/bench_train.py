@@ -49,7 +49,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
     shard = state_shardings(mesh, abstract)
     t_init = time.perf_counter()
-    state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # eager init: see train/loop.py
+    state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # then placed, as train/loop.py does
     jax.block_until_ready(state)
     # progress on stderr as it happens: a call cut by its deadline still shows how far it got
     print(f"# {arch}:{size}:{seq_len} acp={acp}: state initialised in {time.perf_counter() - t_init:.1f} s",

@@ -348,7 +348,7 @@ def test_segment_block_bounds():
 
 
 @pytest.mark.slow
-def test_bench_gates_from_trained_run(tmp_path):
+def test_bench_gates_from_a_run(tmp_path):
     """bench_attention.py --gates-from: a tiny FoX run (T=32; its checkpoint written as ``fox-jax train``
     writes it, without training: the reader is under test, not the trainer), gates captured at the quick
     shapes' longer T; slot (0, 0) equals layer 0 / head 0's log_fgate computed by hand."""
