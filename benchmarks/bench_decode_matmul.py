@@ -7,8 +7,8 @@ weight matrix, so its matmuls are GEMVs whose cost should be the bytes of W (a 7
 them a kernel of its own. The kernel computes y = epilogue(prologue(x) @ W1 [, prologue(x) @ W2]) in one
 launch: RMSNorm / LayerNorm of the rows (every program recomputes the statistics of the tiny x: no norm
 kernel, no cross-program reduction), the matmul streamed over K, then bias, GELU / SiLU, the gate product
-and the residual. Answer on one H200 (2026-12-03, results/decode/decode_matmul_h200.json): no — 10 layers'
-worth of it ran *slower* than XLA's (22.8 vs 20.6 µs per FoX layer, 31.3 vs 20.5 per GPT-2 layer).
+and the residual. Answer on one H200 (2026-12-03, results/decode/decode_matmul_h200.json): no — a 12-layer
+stack of it ran *slower* than XLA's (22.8 vs 20.6 µs per FoX layer, 31.3 vs 20.5 per GPT-2 layer).
 
 Two measurements, each inside one jitted ``fori_loop`` (no dispatch in the timing):
 * ``op``: one matmul R times in a chain (its output feeds the next input through a scalar, so nothing is
@@ -41,12 +41,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
+# tl.dot needs every matmul dimension ≥ 16 (x's rows are padded to it by masked loads): as the decode attention kernel
+from fox_jax.kernels.decode_attention import MIN_BLOCK, _pow2_at_least
+
 HBM_BYTES_PER_S = 4.8e12
 
 
 # The kernel under test --------------------------------------------------------------------------------
 
-MIN_BLOCK = 16  # tl.dot needs every matmul dimension ≥ 16; x's rows are padded to it by masked loads
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,10 +66,6 @@ class MatmulConfig:
             v = getattr(self, name)
             if v < MIN_BLOCK or v & (v - 1):
                 raise ValueError(f"{name} must be a power of two ≥ {MIN_BLOCK}, got {v}")
-
-
-def _pow2_at_least(x: int, floor: int) -> int:
-    return max(floor, 1 << max(0, (x - 1).bit_length()))
 
 
 def default_matmul_config(k: int, n: int, *, interpret: bool = False) -> MatmulConfig:
