@@ -133,7 +133,7 @@ DE_BATCHES=${DE_BATCHES:-8}; EVAL_DIR=${EVAL_DIR:-$DATA_DIR/eval}; ZS_LIMIT=${ZS
 ZS_TASKS=${ZS_TASKS:-lambada,piqa,winogrande,hellaswag,arc_easy}
 # QUALITY=table
 TABLE_RUNS=${TABLE_RUNS:-"dcp:0.05 dcp:0.1 dcp:0.2 dcp:0.4 dense"}; TABLE_STAGE=${TABLE_STAGE:-gpt2}
-TABLE_MODEL=${TABLE_MODEL:-gpt2-124M}; T_TE=${T_TE:-200}
+TABLE_MODEL=${TABLE_MODEL:-gpt2-124M}; T_TE=${T_TE:-200}; TABLE_PARALLEL=${TABLE_PARALLEL:-0}
 # QUALITY=archs
 ARCH_RUNS=${ARCH_RUNS:-"fox-pro fox-pro-acp fox-llama transformer-pro"}; ARCH_PRESET=${ARCH_PRESET:-125M}
 ARCH_SHAPE=${ARCH_SHAPE-"model.d_model=512 model.n_layers=8 model.n_heads=8"}; ARCH_STEPS=${ARCH_STEPS:-300}
@@ -208,6 +208,7 @@ FOX_POLICIES="$FOX_POLICIES" FOX_CONTEXTS="$FOX_CONTEXTS" FOX_PASSKEY_LENGTHS=$F
 FOX_BENCH_BUDGET_PROMPTS="$FOX_BENCH_BUDGET_PROMPTS" FOX_BENCH_NEW=$FOX_BENCH_NEW FOX_EQ_BATCH=$FOX_EQ_BATCH FOX_KV_BUDGET=$FOX_KV_BUDGET FOX_MAX_BATCH=$FOX_MAX_BATCH
 ARCH_RUNS="$ARCH_RUNS" ARCH_PRESET=$ARCH_PRESET ARCH_SHAPE="$ARCH_SHAPE" ARCH_STEPS=$ARCH_STEPS ARCH_SEQ=$ARCH_SEQ ARCH_BATCH=$ARCH_BATCH
 ZS_LIMIT=$ZS_LIMIT ZS_TASKS=$ZS_TASKS EVAL_DIR=$EVAL_DIR
+TABLE_RUNS="$TABLE_RUNS" TABLE_STAGE=$TABLE_STAGE TABLE_PARALLEL=$TABLE_PARALLEL DE_BATCHES=$DE_BATCHES T_TE=$T_TE
 DEADLINE=$DEADLINE T_PRE=$T_PRE T_FT=$T_FT T_FOX=$T_FOX T_GQ=$T_GQ T_FQ=$T_FQ T_GB=$T_GB T_FB=$T_FB T_DE=$T_DE T_ZS=$T_ZS T_ARCHS=$T_ARCHS JOBS=$JOBS
 EOF
 # warm the token cache of the evaluation texts while the GPU pretrains (CPU only)
@@ -249,7 +250,8 @@ cfg["model"]["sparse_pattern"] = pattern or None
 if pattern:
     cfg["model"]["dcp_impl"] = os.environ.get("DCP_IMPL", "xla")
 cfg["optim"].update(lr=float(os.environ["FT_LR"]), schedule="constant", warmup_steps=0, weight_decay=0.0)
-cfg.update(steps=ck + steps)
+# the fine-tunes' batch, not the pretraining's: a control on twice the DCP runs' tokens is no control
+cfg.update(steps=ck + steps, batch_size=int(os.environ.get("FT_BATCH") or cfg["batch_size"]))
 json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
 print(ck + steps)
 PY
@@ -266,7 +268,7 @@ ft_dcp() {  # ft_dcp GAMMA: DCP_IMPL first; if that fails before its first check
   done; }
 ft_fork() {  # ft_fork NAME [PATTERN]
   local dir=$RUNS/$1 total
-  total=$(FT_LR=$FT_LR DCP_IMPL=$DCP_IMPL fork_run "$PRE" "$dir" "$FT_STEPS" "${2:-}") || return 1
+  total=$(FT_LR=$FT_LR FT_BATCH=$FT_BATCH DCP_IMPL=$DCP_IMPL fork_run "$PRE" "$dir" "$FT_STEPS" "${2:-}") || return 1
   job finetune "$1" "${2:-dense}" "$SEQ" "$R/logs/finetune_$1.log" $CLI train --workdir "$dir" --resume \
     --steps "$total" --log-every 10 --eval-every 0 --ckpt-every $(( FT_STEPS / 2 > 0 ? FT_STEPS / 2 : 1 )) --no-progress; }
 GPT2_MODELS=(pre)
@@ -445,21 +447,32 @@ print(" ".join(dict.fromkeys(items + ["dense"])))
 PY
 ) || { echo "TABLE_MATCH=$TABLE_MATCH: could not match patterns" >&2; exit 2; }
 fi
+table_dir() {  # table_dir ITEM: the run directory of one TABLE_RUNS item
+  case $1 in dcp:*) echo "$RUNS/dcp_g${1#dcp:}" ;; dense) echo "$RUNS/ftdense" ;; *) echo "$RUNS/ft_$(safe "$1")" ;; esac; }
+table_ft() {  # table_ft ITEM: fine-tune one TABLE_RUNS item from the pretrained checkpoint
+  case $1 in
+    dcp:*) ft_dcp "${1#dcp:}" ;;
+    dense) ft_fork ftdense ;;
+    local:*|strided:*|sinks:*) ft_fork "ft_$(safe "$1")" "$1" ;;
+    *) stamp "TABLE_RUNS: unknown item '$1' (dcp:<gamma> | dense | local:W | strided:S | sinks:S+W)"; return 2 ;;
+  esac; }
 stage_table_finetune() {
   stage_begin table-finetune "$T_FT"
   if [ -z "$PRE_STEP" ]; then stamp "table-finetune: skipped (no pretrained checkpoint)"; stage_end 1; return; fi
-  local item dir
+  local item dir n
+  if [ "$TABLE_PARALLEL" = 1 ]; then  # all at once, each with its share of the GPU's memory: the processes'
+    n=$(echo $TABLE_RUNS | wc -w)     # start-up, restore, compile and export overlap (most of a short fine-tune)
+    export XLA_PYTHON_CLIENT_MEM_FRACTION=$(python3 -c "print(round(0.9 / $n, 3))")
+    for item in $TABLE_RUNS; do table_ft "$item" & done; wait; unset XLA_PYTHON_CLIENT_MEM_FRACTION
+  else
+    for item in $TABLE_RUNS; do table_ft "$item"; done
+  fi
   for item in $TABLE_RUNS; do
+    dir=$(table_dir "$item"); [ -n "$(last_step "$dir")" ] || continue
     case $item in
-      dcp:*) ft_dcp "${item#dcp:}"; dir=$RUNS/dcp_g${item#dcp:}
-             [ -n "$(last_step "$dir")" ] && TABLE_DCP+=("$dir") && save_run "dcp_g${item#dcp:}" "$dir" gpt2-dcp ;;
-      dense) ft_fork ftdense; dir=$RUNS/ftdense ;;
-      local:*|strided:*|sinks:*) dir=$RUNS/ft_$(safe "$item"); ft_fork "ft_$(safe "$item")" "$item" ;;
-      *) stamp "TABLE_RUNS: unknown item '$item' (dcp:<gamma> | dense | local:W | strided:S | sinks:S+W)"; continue ;;
+      dcp:*) TABLE_DCP+=("$dir"); save_run "dcp_g${item#dcp:}" "$dir" gpt2-dcp ;;
+      *) [ "$(last_step "$dir")" != "$PRE_STEP" ] && TABLE_CTRL+=("$dir") && save_run "$(basename "$dir")" "$dir" gpt2 ;;
     esac
-    if [[ $item != dcp:* ]] && [ -n "$(last_step "$dir")" ] && [ "$(last_step "$dir")" != "$PRE_STEP" ]; then
-      TABLE_CTRL+=("$dir"); save_run "$(basename "$dir")" "$dir" gpt2
-    fi
   done
   stamp "table models: dcp ${TABLE_DCP[*]##*/} | controls ${TABLE_CTRL[*]##*/}"
   stage_end 0; }
