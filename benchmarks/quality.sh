@@ -252,6 +252,14 @@ if pattern:
 cfg["optim"].update(lr=float(os.environ["FT_LR"]), schedule="constant", warmup_steps=0, weight_decay=0.0)
 # the fine-tunes' batch, not the pretraining's: a control on twice the DCP runs' tokens is no control
 cfg.update(steps=ck + steps, batch_size=int(os.environ.get("FT_BATCH") or cfg["batch_size"]))
+# ... and the fine-tunes' batches: the data restarts at the first batch of that size, as finetune-dcp --from-run
+# does (same seed, same windows), so the control and the DCP runs see the same tokens in the same order
+meta = os.path.join(dst, "checkpoints", str(ck), "data", "metadata")
+state = json.load(open(meta))
+state["grain"]["next_index"] = 0
+state["pipeline"]["batch_size"] = cfg["batch_size"]
+os.unlink(meta)  # a hard link to the source run's file: replaced, not written through
+json.dump(state, open(meta, "w"))
 json.dump(cfg, open(os.path.join(dst, "config.json"), "w"), indent=1)
 print(ck + steps)
 PY
