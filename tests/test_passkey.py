@@ -212,9 +212,9 @@ class FakeGeneration(NamedTuple):
     overflow: np.ndarray
 
 
-def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
-    """A fake engine with issue 12's signature that reads the key out of each row's real tokens."""
-    calls = []
+def fake_engine(calls: list, answer: str = " {key}."):
+    """A fake ``generate`` with issue 12's signature that reads the key out of each row's real tokens and
+    writes ``answer`` (``{key}``: the key); each call appended to ``calls``."""
 
     def fake_generate(model, params, prompt_tokens, *, max_new_tokens, policy="dense", slots=None, seq_start=None,
                       temperature=0.0, top_k=None, top_p=None, stop_tokens=(), rng=None, prefill_chunk=512):
@@ -224,12 +224,21 @@ def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
         for b, row in enumerate(tokens):
             assert (row[:seq_start[b]] == BYTES.eot_id).all()
             key = re.search(r"pass key is (\d{5})", BYTES.decode(row[seq_start[b]:])).group(1)
-            ids = BYTES.encode_batch([f" {key}."])[0]
+            ids = BYTES.encode_batch([answer.format(key=key)])[0][:max_new_tokens]
             out[b, :len(ids)] = ids
         return FakeGeneration(out, np.zeros((max_new_tokens, 1, len(tokens)), np.int32), np.zeros(len(tokens), np.int32))
 
-    monkeypatch.setattr(decoding, "generate", fake_generate)
-    model = type("M", (), {"cfg": GPT2Config(**{**GPT2_TINY, "n_positions": 256})})()
+    return fake_generate
+
+
+FAKE_GPT2 = type("M", (), {"cfg": GPT2Config(**{**GPT2_TINY, "n_positions": 256})})()
+
+
+def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
+    """A fake engine with issue 12's signature that reads the key out of each row's real tokens."""
+    calls = []
+    monkeypatch.setattr(decoding, "generate", fake_engine(calls))
+    model = FAKE_GPT2
     result = pk.run_passkey(model, None, BYTES, TEXT, lengths=[200, 256], depths=[0.25, 0.75], n_per_cell=2,
                             policy="window:32", slots=40, batch_size=3, progress=False)
     _check_result(result, [200, 256], [0.25, 0.75], 2)
@@ -238,9 +247,32 @@ def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
     assert [c[1:4] for c in calls] == [("window:32", 40, 8)] * 3
     assert calls[0][0] == (3, 248) and list(calls[1][4]) == [0, 56, 56]  # lengths mixed: left pads
     assert result["overflow_rows"] == 0 and all(r["overflow"] == 0 for r in result["records"])
+    assert result["answers_with_digits"] == 1.0 and "100% of the answers hold any digit." in pk.format_table(result)
     with pytest.raises(ValueError, match=r"context length 300 is longer than the model's 256 positions "
                                          r"\(cfg.max_positions\)"):
         pk.run_passkey(model, None, BYTES, TEXT, lengths=[300], depths=[0.5], n_per_cell=1, progress=False)
+
+
+def test_run_passkey_reports_progress_on_stderr_without_a_terminal(monkeypatch, capsys):
+    """stderr captured (not a terminal): no bar (no carriage return), a line saying what runs, then one
+    line after each batch when every batch takes longer than ``heartbeat_secs``; ``heartbeat_secs=0``:
+    silent. The fake engine writes no digits: digit accuracy 0, and the note under the table says why."""
+    monkeypatch.setattr(decoding, "generate", fake_engine([], answer=" I do not know."))
+    kwargs = dict(lengths=[200, 256], depths=[0.5], n_per_cell=4, policy="window:32", batch_size=3)
+    result = pk.run_passkey(FAKE_GPT2, None, BYTES, TEXT, heartbeat_secs=1e-9, **kwargs)
+    err = capsys.readouterr().err
+    assert "\r" not in err
+    lines = err.strip().splitlines()
+    assert lines[0] == ("passkey (window:32): 8 prompts in 3 batches of 3, the longest (256 tokens) first; a "
+                        "progress line every 1e-09 s or after each longer batch")
+    assert [line.split(" | ")[0] for line in lines[1:]] == [f"passkey (window:32): prompts {n}/8" for n in (3, 6, 8)]
+    assert all(" elapsed" in line for line in lines[1:]) and " | ETA " in lines[1] and " | ETA " not in lines[-1]
+    pk.run_passkey(FAKE_GPT2, None, BYTES, TEXT, heartbeat_secs=0, **kwargs)
+    assert capsys.readouterr().err == ""
+    assert result["mean_digit_accuracy"] == 0.0 and result["answers_with_digits"] == 0.0
+    table = pk.format_table(result)
+    assert "0% of the answers hold any digit: the model writes no digits" in table
+    assert "holds for a model that writes digits, and one that writes none scores 0" in table
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,14 +294,20 @@ def test_cli_on_a_tiny_run(train_run, text_file, tmp_path, capsys):  # noqa: F81
     argv = ["passkey", str(run), "--lengths", "144,160", "--depths", "0,1", "--n", "3", "--text", str(text_file),
             "--out", str(out), "--batch-size", "5", "--no-progress"]
     assert cli.main(argv) == 0
-    stdout = capsys.readouterr().out.strip().splitlines()
+    captured = capsys.readouterr()
+    stdout = captured.out.strip().splitlines()
     summary = json.loads(stdout[-1])
     assert summary["command"] == "passkey" and summary["policy"] == "dense" and summary["prompts"] == 12 and 0 <= summary["accuracy"] <= 1
     assert summary["provable"] is True
     assert any(line.startswith("passkey retrieval, cache dense") for line in stdout)
-    assert any(line.startswith("digit accuracy ") and "exact 1 time in 90,000" in line and "--cache dense" in line
-               for line in stdout)  # the chance level and what models score
+    at = next(i for i, line in enumerate(stdout) if line.startswith("digit accuracy "))
+    assert "of the answers hold any digit" in stdout[at]
+    assert "exact 1 time in 90,000" in stdout[at + 1] and "--cache dense" in stdout[at + 1]  # chance, what models score
+    # --no-progress (and stderr captured): no bar, the line that says what runs on stderr
+    assert "\r" not in captured.err and "passkey (dense): 12 prompts in 3 batches of 5, the longest (160 tokens) " \
+        "first" in captured.err
     report = json.loads((out / "passkey.json").read_text())
+    assert summary["answers_with_digits"] == round(report["answers_with_digits"], 4)
     _check_result(report, [144, 160], [0.0, 1.0], 3)
     assert report["step"] == 4 and report["source"] == str(run) and report["text"] == str(text_file)
     assert report["max_positions"] is None and report["train_seq_len"] == 16

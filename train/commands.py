@@ -389,7 +389,9 @@ def _add_passkey(sub) -> None:
     p.add_argument("--batch-size", type=_positive, default=8, help="prompts per generate call (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the keys and haystack offsets (default %(default)s)")
     p.add_argument("--mesh", help=DECODE_MESH_HELP)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn anyway when stderr is "
+                   "not a terminal; then a line on stderr says what runs, and another comes every 30 s or after each "
+                   "longer batch)")
     p.set_defaults(handler="fox_jax.train.passkey:cmd_passkey", distributed=False, coordinator=None, num_processes=None,
                    process_id=None)
 

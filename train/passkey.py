@@ -52,7 +52,7 @@ import numpy as np
 
 from fox_jax.cache.policies import parse_policy
 from fox_jax.train import config as config_lib
-from fox_jax.train.progress import progress_bar
+from fox_jax.train.progress import Heartbeat, bars_shown, progress_bar
 from fox_jax.train.tokenizers import EOT_TOKEN
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
@@ -63,6 +63,8 @@ RESERVE = 8  # tokens of context_len left for the generated answer (a byte token
 BOUNDARY_WINDOW = 256  # tokens searched on either side of the asked depth for a sentence boundary
 DEFAULT_TEXT = ("corpus_val", "gutenberg_val.txt")  # under the shared data directory
 JSON_NAME, PNG_NAME = "passkey.json", "passkey.png"
+
+HEARTBEAT_SECS = 30.0  # where no bar is drawn: the most seconds between two progress lines on stderr
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]’”]*\s*$")
 _NUMBER = re.compile(r"\d+")
@@ -296,9 +298,14 @@ def _decode_generated(tokenizer, ids: np.ndarray) -> str:
     return tokenizer.decode(ids[:eot[0]] if eot.size else ids)
 
 
+def _stderr_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
 def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], depths: Sequence[float],
                 n_per_cell: int, policy="dense", slots: int | None = None, batch_size: int = 8, seed: int = 0,
-                reserve: int = RESERVE, progress: bool = True, mesh=None) -> dict:
+                reserve: int = RESERVE, progress: bool = True, mesh=None,
+                heartbeat_secs: float = HEARTBEAT_SECS) -> dict:
     """Passkey accuracy of a model over (context length × depth), greedy decoding under a cache policy.
 
     Every cell (length, depth) holds ``n_per_cell`` prompts of ``make_passkey_prompts``. All prompts are
@@ -321,13 +328,20 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
       seed: the prompts' seed.
       reserve: see ``make_passkey_prompts``.
       progress: a tqdm bar over the prompts (drawn only when stderr is a terminal).
+      heartbeat_secs: where no bar is drawn (stderr not a terminal, or ``progress`` False), a line on stderr
+        when the run starts and then, after a batch, ``passkey (dense): prompts 16/48 | 4.2 min elapsed |
+        ETA 8.1 min`` when ``heartbeat_secs`` have passed since the last line (the convention of ``train``'s
+        heartbeat, ``fox_jax.train.progress.Heartbeat``): a batch longer than that gives one line per batch;
+        the ETA extrapolates from the longest prompts, which run first, so it errs long. 0: no lines.
       mesh: a ``jax.sharding.Mesh`` to decode on (``generate(mesh=...)``); each batch is filled to a multiple
         of its data × fsdp size (copies of the last row, dropped).
 
     Returns:
       JSON-able dict: ``policy`` (spec string), ``slots``, ``lengths``, ``depths``, ``n`` (per cell),
       ``accuracy`` and ``digit_accuracy`` ([len(lengths)][len(depths)] fractions), ``mean_accuracy``,
-      ``mean_digit_accuracy``, ``max_new_tokens``, ``reserve``, ``seed``, ``provable`` (whether the policy's
+      ``mean_digit_accuracy``, ``answers_with_digits`` (the fraction of generations that hold any digit: a
+      model that writes none scores 0 digit accuracy, below chance), ``max_new_tokens``, ``reserve``, ``seed``,
+      ``provable`` (whether the policy's
       promise holds for the model: False for ``acp`` without QK-norm, a heuristic), ``overflow_rows`` (rows whose
       policy ran out of slots, when the engine reports it; their results are not the policy's) and
       ``records``: one dict per prompt (length, depth, index, answer, prediction, generated, exact,
@@ -360,8 +374,16 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
     max_new = max(ex.max_new_tokens for ex in examples)  # ≤ reserve: prompt + answer fit in each length
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i].prompt_ids))
     records: list[dict | None] = [None] * len(examples)
-    with progress_bar(total=len(examples), desc=f"passkey ({policy_spec(policy)})", unit="prompt",
-                      progress=progress, leave=False) as bar:
+    name = f"passkey ({policy_spec(policy)})"
+    heartbeat = Heartbeat(len(examples), heartbeat_secs, enabled=not bars_shown(progress), write=_stderr_line,
+                          label=f"{name}: prompts")
+    if heartbeat.enabled:  # no bar in logs: say what runs, then a line after the batches (Heartbeat)
+        n_batches = -(-len(examples) // batch_size)
+        _stderr_line(f"{name}: {len(examples)} prompts in {n_batches} batch{'es' if n_batches > 1 else ''} of "
+                     f"{batch_size}, the longest ({max(lengths)} tokens) first; a progress line every "
+                     f"{heartbeat_secs:g} s or after each longer batch")
+    done = 0
+    with progress_bar(total=len(examples), desc=name, unit="prompt", progress=progress, leave=False) as bar:
         for start in range(0, len(order), batch_size):
             idx = order[start:start + batch_size]
             tokens, seq_start = left_pad([examples[i].prompt_ids for i in idx], tokenizer.eot_id, fill)
@@ -381,6 +403,8 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
                     rec["overflow"] = int(overflow[r])
                 records[i] = rec
             bar.update(len(idx))
+            done += len(idx)
+            heartbeat.tick(done)
     acc = np.zeros((len(lengths), len(depths)))
     dacc = np.zeros_like(acc)
     for rec in records:
@@ -392,6 +416,7 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
               "n": int(n_per_cell),
               "accuracy": acc.round(6).tolist(), "digit_accuracy": dacc.round(6).tolist(),
               "mean_accuracy": float(acc.mean()), "mean_digit_accuracy": float(dacc.mean()),
+              "answers_with_digits": float(np.mean([rec["prediction"] != "" for rec in records])),
               "max_new_tokens": max_new, "reserve": reserve, "seed": int(seed), "batch_size": int(batch_size)}
     if any("overflow" in rec for rec in records):
         result["overflow_rows"] = sum(rec["overflow"] > 0 for rec in records)
@@ -416,18 +441,33 @@ def format_table(result: dict) -> str:
         lines.append(f"{length:>14} " + " ".join(f"{100 * a:>6.1f}" for a in row) + f" {100 * np.mean(row):>7.1f}")
     lines.append(f"{'mean':>14} " + " ".join(f"{100 * a:>6.1f}" for a in np.mean(result["accuracy"], axis=0))
                  + f" {100 * result['mean_accuracy']:>7.1f}")
-    lines.append(f"digit accuracy {100 * result['mean_digit_accuracy']:.1f}% (the fraction of the key's {DIGITS} digits "
-                 f"right). {CHANCE_NOTE}")
+    lines.append(digits_line(result))
+    lines.append(CHANCE_NOTE)
     return "\n".join(lines)
 
 
+def digits_line(result: dict) -> str:
+    """The line under the table: the mean digit accuracy and the fraction of answers that hold any digit
+    (``answers_with_digits``; a result without it, from before, gets the first part only)."""
+    line = f"digit accuracy {100 * result['mean_digit_accuracy']:.1f}% (the fraction of the key's {DIGITS} digits right)"
+    with_digits = result.get("answers_with_digits")
+    if with_digits is None:
+        return line + "."
+    line += f"; {100 * with_digits:.0f}% of the answers hold any digit"
+    if with_digits == 0:
+        return line + (": the model writes no digits after the question, so its digit accuracy is 0; the ~10% "
+                       "chance level under this line is that of a model that writes 5 digits.")
+    return line + "."
+
+
 # What the numbers of a run mean (printed under the table).
-CHANCE_NOTE = ("Chance: a random 5-digit guess is exact 1 time in 90,000 (0.001%) and gets about 10% of the digits. "
-               "What models score: retrieval needs a model that learned to copy from far back in its context; small or "
-               "briefly trained models (the tiny preset, or a GPT-2-size model after a few thousand steps) score 0% "
-               "exact everywhere, which is no bug. Digit accuracy well above 10%, or exact hits at depth 1 (the needle "
-               "just before the question), show that copying works; to see what a cache policy loses, compare it "
-               "with --cache dense on the same model.")
+CHANCE_NOTE = ("Chance: a random 5-digit guess is exact 1 time in 90,000 (0.001%) and gets about 10% of the digits "
+               "right; that level holds for a model that writes digits, and one that writes none scores 0. What models "
+               "score: retrieval needs a model that learned to copy from far back in its context; small or briefly "
+               "trained models (the tiny preset, or a GPT-2-size model after a few thousand steps) score 0% exact "
+               "everywhere, which is no bug. Digit accuracy well above 10%, or exact hits at depth 1 (the needle just "
+               "before the question), show that copying works; to see what a cache policy loses, compare it with "
+               "--cache dense on the same model.")
 
 
 def plot_heatmap(result: dict, path: str | os.PathLike) -> None:
@@ -540,6 +580,7 @@ def cmd_passkey(args) -> int:
     summary = {"command": "passkey", "policy": policy, "provable": result["provable"], "slots": args.kv_slots,
                "accuracy": round(result["mean_accuracy"], 4),
                "digit_accuracy": round(result["mean_digit_accuracy"], 4),
+               "answers_with_digits": round(result["answers_with_digits"], 4),
                "prompts": len(result["records"]), "lengths": lengths, "depths": depths,
                **({"overflow_rows": result["overflow_rows"]} if "overflow_rows" in result else {}),
                "json": str(json_path), "png": str(png_path)}

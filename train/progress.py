@@ -3,7 +3,7 @@
 * ``progress_bar``: a tqdm bar only when stderr is a terminal (and the command's ``--no-progress`` is not
   given); in a log file or a pipe no bar is drawn, so no carriage returns are written.
 * ``Heartbeat``: where no bar is drawn, a short line (step, elapsed time, ETA) every ``interval``
-  seconds between the log lines of a long loop.
+  seconds between the log lines of a long loop (``train``'s steps, ``passkey``'s prompts).
 """
 
 from __future__ import annotations
@@ -64,7 +64,8 @@ def _duration(seconds: float) -> str:
 
 class Heartbeat:
     """Writes ``step 3/300 | 2.1 min elapsed | ETA 3.4 h`` every ``interval`` seconds of a loop whose
-    progress is not otherwise visible (``enabled`` False or ``interval`` <= 0: silent).
+    progress is not otherwise visible (``enabled`` False or ``interval`` <= 0: silent). ``label`` names
+    what is counted (default ``step``).
 
     Call ``tick(step)`` after each step and ``reset()`` after each regular log line (the next heartbeat
     comes ``interval`` seconds after it). The ETA extrapolates the rate of the steps done since the
@@ -72,8 +73,9 @@ class Heartbeat:
     """
 
     def __init__(self, total: int, interval: float, *, start_step: int = 0, enabled: bool = True,
-                 write: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic):
-        self.total, self.interval, self.start_step = total, interval, start_step
+                 write: Callable[[str], None] | None = None, clock: Callable[[], float] = time.monotonic,
+                 label: str = "step"):
+        self.total, self.interval, self.start_step, self.label = total, interval, start_step, label
         self.enabled = enabled and interval > 0
         self._write = write or tqdm.write
         self._clock = clock
@@ -91,7 +93,7 @@ class Heartbeat:
         self._last = now
         elapsed = now - self._t0
         done = step - self.start_step
-        line = f"step {step}/{self.total} | {_duration(elapsed)} elapsed"
+        line = f"{self.label} {step}/{self.total} | {_duration(elapsed)} elapsed"
         if done > 0 and step < self.total:
             line += f" | ETA {_duration(elapsed / done * (self.total - step))}"
         self._write(line)
