@@ -1,6 +1,6 @@
-"""Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas op under an ambient mesh
-runs per shard (a shard_map in the trace) and matches the unsharded XLA path, values and gradients,
-under the Shardy and the GSPMD partitioner."""
+"""Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas ops (forgetting attention, DCP
+attention) under an ambient mesh run per shard (a shard_map in the trace) and match the unsharded XLA path, values
+and gradients, under the Shardy and the GSPMD partitioner."""
 
 import json
 import os
@@ -12,6 +12,7 @@ import numpy as np
 
 from fox_jax.models import LanguageModel, preset
 from fox_jax.ops import forgetting_attention
+from fox_jax.ops.context_pruning import LOG_FLOOR, dcp_attention
 from fox_jax.sharding import make_mesh, under_mesh
 
 
@@ -40,6 +41,33 @@ def op_case(mesh_spec, threshold, with_seq_start):
     return dict(shard_map=traced, max_err=max(errs))
 
 
+def dcp_case(mesh_spec, gated):
+    """DCP attention (mask shared by the heads, packed documents, Tq < Tk, GQA), with and without gates."""
+    r = np.random.default_rng(1)
+    b, tq, tk, h, hkv, d = 4, 29, 40, 4, 2, 32
+    q = jnp.asarray(r.standard_normal((b, tq, h, d)), jnp.float32)
+    k, v = (jnp.asarray(r.standard_normal((b, tk, hkv, d)), jnp.float32) for _ in range(2))
+    lf = jnp.asarray(-r.uniform(0, 0.3, (b, tk, h)), jnp.float32)
+    # about half of the pairs dropped (at the floor), rows differing so the shards' tile lists differ
+    mask = jnp.asarray(np.where(r.uniform(size=(b, tq, tk)) < 0.5, LOG_FLOOR, -r.uniform(0, 1, (b, tq, tk))),
+                       jnp.float32)
+    seg = jnp.asarray(np.repeat(np.array([[0] * 17 + [1] * 23]), b, 0), jnp.int32)
+
+    def loss(q, k, v, mask, lf, impl):
+        o = dcp_attention(q, k, v, mask, lf if gated else None, segment_ids=seg, implementation=impl)
+        return jnp.sum(o * jnp.cos(o))
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4))
+    ref = jax.jit(grad, static_argnums=5)(q, k, v, mask, lf, "xla")
+    with jax.set_mesh(make_mesh(mesh_spec)):
+        traced = "shard_map" in str(jax.jit(grad, static_argnums=5).trace(q, k, v, mask, lf, "pallas").jaxpr)
+    out = under_mesh(make_mesh(mesh_spec), jax.jit(grad, static_argnums=5))(q, k, v, mask, lf, "pallas")
+    # relative to each output's scale (at least 1): the loss (|L| ≈ 116) is summed over 4 shards, another order
+    errs = [float(jnp.max(jnp.abs(a - b_)) / max(1.0, float(jnp.max(jnp.abs(b_)))))
+            for a, b_ in zip((out[0],) + out[1], (ref[0],) + ref[1])]
+    return dict(shard_map=traced, max_err=max(errs))
+
+
 def model_case():
     cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=1, attention_impl="pallas", dtype="float32")
     model = LanguageModel(cfg)
@@ -56,6 +84,8 @@ if __name__ == "__main__":
     out = {f"{m}|{t}|{s}": op_case(m, t, s) for m, t, s in
            (("data=2,tensor=2", None, False), ("fsdp=4", "auto", True), ("data=4", "array", True),
             ("tensor=4", None, False))}
+    out["dcp|data=2,tensor=2|gated"] = dcp_case("data=2,tensor=2", True)
+    out["dcp|data=4"] = dcp_case("data=4", False)
     out["model"] = model_case()
     # the partitioner picked for multi-GPU meshes (fox_jax.sharding.select_partitioner): same results
     jax.config.update("jax_use_shardy_partitioner", False)

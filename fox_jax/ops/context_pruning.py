@@ -38,6 +38,7 @@ from fox_jax.ops._common import check_attention_inputs
 from fox_jax.ops.alpha_sigmoid import log_alpha_sigmoid
 from fox_jax.ops.blockwise import block_sizes, blockwise_attention
 from fox_jax.ops.reference import decay_cumsum
+from fox_jax.sharding import kernel_mesh, per_shard
 from fox_jax.ops.tiles import (  # noqa: F401  (dropped_key_blocks: part of the DCP API)
     LOG_FLOOR,
     dropped_key_blocks,
@@ -431,6 +432,10 @@ def dcp_attention(
         mode off GPU; ``floor`` must then be finite). On an H200 the Pallas path was 10–25× faster
         than the XLA one (benchmarks/bench_dcp.py).
 
+    Sharding: under ``jax.set_mesh(mesh)`` with several devices the Pallas kernels run per shard, as those of
+    ``forgetting_attention`` (``fox_jax.sharding.per_shard``: batch over the mesh's batch axes, heads over its
+    head axes, each where it divides; the mask is split with the batch). The XLA path is partitioned by XLA.
+
     Returns:
       [B, Tq, H, D] in q's dtype. Differentiable in q, k, v, log_mask and log_fgate (float32
       gradients for the last two).
@@ -453,8 +458,22 @@ def dcp_attention(
         segment_ids = segment_ids.astype(jnp.int32)
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     if implementation == "pallas":
-        return pallas_impl.dcp_attention(q, k, v, log_mask, lam, segment_ids, scale=scale, floor=floor,
-                                         skip_dropped=skip_dropped)
+        def kernels(q, k, v, log_mask, lam=None, segment_ids=None):
+            return pallas_impl.dcp_attention(q, k, v, log_mask, lam, segment_ids, scale=scale, floor=floor,
+                                             skip_dropped=skip_dropped)
+
+        mesh = kernel_mesh()
+        if mesh is None:
+            return kernels(q, k, v, log_mask, lam, segment_ids)
+        # opaque to the SPMD partitioner, as the forgetting-attention kernels: run them per shard (batch, heads);
+        # each shard builds the live-tile lists of its own rows, which skips the same or more tiles (same result)
+        qkv = ("batch", None, "heads", None)
+        args = dict(q=(q, qkv), k=(k, qkv), v=(v, qkv), log_mask=(log_mask, ("batch", None, None)))
+        if lam is not None:
+            args["lam"] = (lam, ("batch", None, "heads"))
+        if segment_ids is not None:
+            args["segment_ids"] = (segment_ids, ("batch", None))
+        return per_shard(kernels, mesh, args, qkv)
     bq, bk = block_sizes(tq, tk, block_q, block_k)
     visits = tile_visits(tq, tk, bq, bk, segment_ids=segment_ids, log_mask=log_mask, floor=floor,
                          skip_dropped=skip_dropped)
