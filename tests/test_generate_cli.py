@@ -1,6 +1,8 @@
 """``fox-jax generate`` and ``fox-jax eval --cache`` on a checkpointed run (the CLI end to end, CPU)."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -16,6 +18,29 @@ def _summary(capsys) -> dict:
     return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
 
 
+def documented_fields() -> dict[str, set[str]]:
+    """The fields of the table "The JSON line of generate" in docs/cli.md, by mode ("batch", "serve")."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    section = text.split("### The JSON line of `generate`", 1)[1].split("\n#", 1)[0]
+    out = {"batch": set(), "serve": set()}
+    for row in re.findall(r"^\| (`.+?) \| ([^|]+) \|", section, re.M):
+        for mode in out:
+            if mode in row[1] or "both" in row[1]:
+                out[mode] |= set(re.findall(r"`(\w+)`", row[0]))
+    return out
+
+
+def test_the_json_table_of_generate_is_complete():
+    """Every field that generate's JSON line has (the keys written by train/generate.py) is in the docs'
+    table, for the mode that writes it; the runs below check the lines they print against it too."""
+    fields = documented_fields()
+    source = (Path(__file__).resolve().parents[1] / "train" / "generate.py").read_text()
+    for mode in ("batch", "serve"):
+        block = source.split(f'"mode": "{mode}"', 1)[1].split("_finish(summary", 1)[0]
+        written = set(re.findall(r'"(\w+)": ', block)) | {"command", "mode"}
+        assert len(written) > 15 and written - fields[mode] == set(), f"undocumented {mode} fields (docs/cli.md)"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["window:8", "acp"])  # a positional ring (rounded up to a block) and acp's
 def test_generate_command_prints_text_and_one_json_line(train_run, capsys, policy):  # noqa: F811
@@ -28,6 +53,7 @@ def test_generate_command_prints_text_and_one_json_line(train_run, capsys, polic
     assert cli.main(argv) == 0
     s = _summary(capsys)
     assert s["command"] == "generate" and s["cache"] == policy and s["batch"] == 2 and s["new_tokens"] == [6, 6]
+    assert set(s) <= documented_fields()["batch"], set(s) - documented_fields()["batch"]
     assert s["overflow"] == [0, 0] and s["tokens_per_s"] > 0
     assert 0 < s["kv_bytes_live"] <= s["kv_bytes_peak_live"] <= s["kv_bytes_allocated"]
     assert len(s["mean_live_tokens_per_layer"]) == cfg.model.n_layers
@@ -119,6 +145,7 @@ def test_generate_prompt_file_serves_under_a_kv_budget(train_run, capsys, tmp_pa
         assert lines[at + 1] == text and lines[at + 2] == "--- generated (6 tokens) ---"
     s = json.loads(lines[-1])
     assert s["mode"] == "serve" and s["requests"] == 5 and s["batch"] == 2 and s["new_tokens"] == [6] * 5
+    assert set(s) <= documented_fields()["serve"], set(s) - documented_fields()["serve"]
     assert s["prompt_tokens"] == [len(x) for x in ids] and s["kv_bytes_allocated"] == 2 * row
     assert s["requests_per_s"] > 0 and s["tokens_per_s"] > 0 and s["decode_tokens_per_s"] > 0
     assert 0 < s["kv_bytes_live_mean"] < s["kv_bytes_allocated"] and s["overflow"] == [0] * 5 and s["provable"]
