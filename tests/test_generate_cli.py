@@ -7,9 +7,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fox_jax.cache.policies import RING_BLOCK
+from fox_jax.cache.policies import RING_BLOCK, HeuristicEvictionWarning
 from fox_jax.decoding import generate, plan_serving
 from fox_jax.train import cli
+from fox_jax.train.evaluate import evaluate_run
 from fox_jax.train.tokenizers import load_tokenizer
 from test_runs import corpus, train_run  # noqa: F401 (pytest fixtures)
 
@@ -200,3 +201,30 @@ def test_generate_names_max_new_tokens_beyond_the_positions(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "the longest prompt (4 tokens with <|endoftext|>) and --max-new-tokens 100 " \
         "need 103 positions; the model has 64" in err, err
+
+
+# CachePolicy.check warns with a fixed stacklevel=3: the frame that calls new_slot_cache, fox_jax/models/family.py
+# on every path through the engine. The fix is one argument in fox_jax/cache/policies.py (edited by another
+# session now): stacklevel=caller_stacklevel() of fox_jax.call_site (tested in test_call_site.py).
+CALL_SITE_PENDING = pytest.mark.xfail(strict=True, reason="fox_jax/cache/policies.py CachePolicy.check: "
+                                      "stacklevel=3 -> stacklevel=fox_jax.call_site.caller_stacklevel()")
+
+
+def _heuristic_warning(record):
+    hits = [w for w in record if issubclass(w.category, HeuristicEvictionWarning)]
+    assert len(hits) == 1, [str(w.message) for w in record]
+    return hits[0]
+
+
+@CALL_SITE_PENDING
+def test_acp_heuristic_warning_names_the_callers_line(train_run, tmp_path):  # noqa: F811
+    """acp on the tiny FoX (no QK-norm) warns that it is a heuristic; the warning names the line of the user's
+    call, through fox_jax.decoding.generate and through evaluate_run(cache=...) (the Python side of
+    ``fox-jax eval --cache``), not a file of fox_jax."""
+    run, cfg, params = train_run
+    with pytest.warns(HeuristicEvictionWarning) as record:
+        generate(cfg.model.build(), params[4], [[256, 105, 109]], max_new_tokens=1, policy="acp")
+    assert _heuristic_warning(record).filename == __file__
+    with pytest.warns(HeuristicEvictionWarning) as record:
+        evaluate_run(str(run), cache="acp", num_docs=1)
+    assert _heuristic_warning(record).filename == __file__
