@@ -62,7 +62,15 @@ def test_rows_plot_and_merge(tmp_path):
     merged = json.loads(rows_file.read_text())
     assert len(merged) == 1 + len(rows)
     assert (out / "quality.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "| gpt2-124M | 1024 | dcp:g0.1 | yes |" in (out / "quality.md").read_text()
+    md = (out / "quality.md").read_text()
+    assert "| gpt2-124M | 1024 | dcp:g0.1 | yes |" in md
+    # a fixed pattern fine-tuned with its own pattern and the same pattern on the pretrained weights: two rows
+    assert "| gpt2-124M | 1024 | window:230 | yes (own pattern) | 60.0 | 70.00 |" in md
+    assert "| gpt2-124M | 1024 | window:230 | no | 60.0 | 90.00 |" in md
+    # a second stage merged later: its rows come first (the newest stage is the table's first group)
+    assert mod.main([str(r), "--stage", "s2", "--rows", str(rows_file)]) == 0
+    lines = [ln for ln in (out / "quality.md").read_text().splitlines() if ln.startswith("| gpt2-124M")]
+    assert [ln.split(" | ")[-1] for ln in lines] == ["s2 |"] * len(rows) + ["s1 |"] * len(rows)
 
 
 def test_policy_names():

@@ -199,16 +199,29 @@ def _family(method: str) -> str:
     return method if method in ("dense", "dense-ft") else method.split(":")[0]
 
 
+def _recency(rows: list[dict], field: str) -> dict:
+    """Each value of ``field`` -> the index of its last row: ``merge_rows`` appends a stage's rows at the end, so a
+    larger index is a stage (or model) merged more recently."""
+    return {r[field]: i for i, r in enumerate(rows)}
+
+
+LABEL_OFFSET = {"strided": (4, -9)}  # points; strided below the others: it often shares a window's sparsity and ratio
+
+
 def plot(rows: list[dict], path: str) -> None:
-    """Perplexity ratio against sparsity, one panel per (model, context, stage): every method; fine-tuned
-    filled, untuned (dense weights with the pattern) hollow. A stage is one experiment (its own pretrained
-    model and fine-tuning budget), so points of two stages never share a panel or a line."""
+    """Perplexity ratio against sparsity, one panel per (model, context, stage): every method; fine-tuned filled
+    (the fixed patterns fine-tuned with their own pattern: filled, dashed line, "(fine-tuned)" in the legend),
+    untuned (dense weights with the pattern) hollow. A stage is one experiment (its own pretrained model and
+    fine-tuning budget), so points of two stages never share a panel or a line. Panels: the most recently merged
+    model first, then its stages newest first, then by context."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = sorted({(r["model"], r["context"], r["stage"]) for r in rows})
+    model_rank, stage_rank = _recency(rows, "model"), _recency(rows, "stage")
+    panels = sorted({(r["model"], r["context"], r["stage"]) for r in rows},
+                    key=lambda p: (-model_rank[p[0]], p[0], -stage_rank[p[2]], p[2], p[1]))
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.4 * nrows), squeeze=False, layout="constrained")
@@ -218,18 +231,24 @@ def plot(rows: list[dict], path: str) -> None:
         sel = [r for r in rows if (r["model"], r["context"], r["stage"]) == (model, ctx, stage)]
         any_tuned = any(r["fine_tuned"] for r in sel)
         for fam, (color, marker, legend) in FAMILIES.items():
+            fixed = fam in ("window", "strided", "sinks")
             for tuned in (True, False):
                 pts = sorted((100 * r["sparsity"], r["ppl_ratio"], r["method"]) for r in sel
                              if _family(r["method"]) == fam and r["fine_tuned"] == tuned
                              and r["sparsity"] is not None and r["ppl_ratio"] is not None)
                 if not pts:
                     continue
+                suffix = (" (fine-tuned)" if tuned and fixed else
+                          " (not fine-tuned)" if any_tuned and not tuned and fam != "dense" else "")
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=color, ms=9 if tuned else 7,
-                        mfc=color if tuned else "none", ls="-" if (tuned and fam == "dcp") else "none",
-                        label=legend + (" (not fine-tuned)" if any_tuned and not tuned and fam != "dense" else ""))
+                        mfc=color if tuned else "none",
+                        ls="-" if (tuned and fam == "dcp") else "--" if (tuned and fixed) else "none",
+                        lw=1.2, label=legend + suffix)
                 for x, y, m in pts:
                     if fam not in ("dense", "dense-ft"):
-                        ax.annotate(m, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=6)
+                        ax.annotate(m + (" ft" if tuned and fixed else ""), (x, y), textcoords="offset points",
+                                    xytext=LABEL_OFFSET.get(fam, (4, 4)), fontsize=6,
+                                    fontweight="bold" if tuned and fixed else "normal")
         ax.axhline(1.0, color="gray", ls=":", lw=1)
         pairs = any(r.get("sparsity_definition") is None for r in sel)  # GPT-2 rows: pair sparsity
         ax.set_xlabel("sparsity: % of causal (query, key) pairs dropped" if pairs
@@ -246,17 +265,22 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def table(rows: list[dict]) -> str:
-    """Markdown: one line per row, grouped by model and context, fine-tuned first, by sparsity."""
+    """Markdown: one line per row, grouped by model, context and stage (the most recently merged first, as the
+    figure's panels), fine-tuned first, by sparsity. The "fine-tuned" column says "yes (own pattern)" for a fixed
+    pattern fine-tuned with that pattern, "no" for the pretrained weights under it."""
+    model_rank, stage_rank = _recency(rows, "model"), _recency(rows, "stage")
     out = ["| model | context | method | fine-tuned | sparsity % | ppl | ppl ratio | passkey % | stage |",
            "|---|---:|---|---|---:|---:|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r["model"], r["context"], not r["fine_tuned"], r["sparsity"] or 0.0,
-                                         r["method"])):
+    for r in sorted(rows, key=lambda r: (-model_rank[r["model"]], r["model"], r["context"], -stage_rank[r["stage"]],
+                                         r["stage"], not r["fine_tuned"], r["sparsity"] or 0.0, r["method"])):
         pk = "–" if r["passkey_acc"] is None else f"{100 * r['passkey_acc']:.0f}"
         sp = "–" if r["sparsity"] is None else f"{100 * r['sparsity']:.1f}"
         ratio = "–" if r["ppl_ratio"] is None else (f"{r['ppl_ratio']:.3f}" if r["fine_tuned"] or r["model"].startswith(
             "gpt2") else f"{r['ppl_ratio']:.5f}")
         method = r["method"] + (" (heuristic)" if r.get("provable") is False else "")
-        out.append(f"| {r['model']} | {r['context']} | {method} | {'yes' if r['fine_tuned'] else 'no'} | "
+        tuned = ("yes (own pattern)" if _family(r["method"]) in ("window", "strided", "sinks") else "yes") \
+            if r["fine_tuned"] else "no"
+        out.append(f"| {r['model']} | {r['context']} | {method} | {tuned} | "
                    f"{sp} | {'–' if r['ppl'] is None else format(r['ppl'], '.2f')} | {ratio} (to {r['ppl_ratio_to']}) | "
                    f"{pk} | {r['stage']} |")
     return "\n".join(out)
