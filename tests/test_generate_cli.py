@@ -203,20 +203,12 @@ def test_generate_names_max_new_tokens_beyond_the_positions(tmp_path, capsys):
         "need 103 positions; the model has 64" in err, err
 
 
-# CachePolicy.check warns with a fixed stacklevel=3: the frame that calls new_slot_cache, fox_jax/models/family.py
-# on every path through the engine. The fix is one argument in fox_jax/cache/policies.py (edited by another
-# session now): stacklevel=caller_stacklevel() of fox_jax.call_site (tested in test_call_site.py).
-CALL_SITE_PENDING = pytest.mark.xfail(strict=True, reason="fox_jax/cache/policies.py CachePolicy.check: "
-                                      "stacklevel=3 -> stacklevel=fox_jax.call_site.caller_stacklevel()")
-
-
 def _heuristic_warning(record):
     hits = [w for w in record if issubclass(w.category, HeuristicEvictionWarning)]
     assert len(hits) == 1, [str(w.message) for w in record]
     return hits[0]
 
 
-@CALL_SITE_PENDING
 def test_acp_heuristic_warning_names_the_callers_line(train_run, tmp_path):  # noqa: F811
     """acp on the tiny FoX (no QK-norm) warns that it is a heuristic; the warning names the line of the user's
     call, through fox_jax.decoding.generate and through evaluate_run(cache=...) (the Python side of

@@ -40,6 +40,8 @@ import math
 import warnings
 from typing import ClassVar
 
+from fox_jax.call_site import caller_stacklevel
+
 DEFAULT_LOG_EPSILON = -10.0  # = fox_jax.ops.acp.DEFAULT_LOG_EPSILON (the ACP repository's tolerance)
 RING_BLOCK = 64  # every cache capacity is a multiple of this: the decode attention kernel's key block
 
@@ -140,7 +142,7 @@ class CachePolicy:
             raise ValueError(f"cache policy {self.spec!r} needs {what}")
         if not self.provable(layout):
             warnings.warn(f"cache policy {self.spec!r} runs as a heuristic on this model: {self.heuristic_note}",
-                          HeuristicEvictionWarning, stacklevel=3)
+                          HeuristicEvictionWarning, stacklevel=caller_stacklevel())
 
     heuristic_note: ClassVar[str] = ""
 
