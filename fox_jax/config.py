@@ -28,7 +28,7 @@ import math
 from typing import Any, ClassVar
 
 GPT2_VOCAB = 50257
-REMAT_POLICIES = ("none", "full", "dots")  # ModelFamily.remat: no remat, save only block inputs, save matmuls
+REMAT_POLICIES = ("none", "full", "dots")  # ModelFamily.remat: no remat, save only block inputs, save matmul and attention outputs
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtype names (params are always float32)
 DCP_IMPLS = ("auto", "xla", "pallas")  # dcp_impl: fox_jax.ops.context_pruning.IMPLEMENTATIONS
 LOSS_IMPLS = ("logits", "chunked")  # ModelConfig.loss_impl
@@ -265,7 +265,7 @@ class ModelConfig(FamilyConfig):
       attention_block: block size of the blockwise XLA attention.
       adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float <= 0).
       remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
-        or ``"dots"`` (save matmul outputs, recompute the rest).
+        or ``"dots"`` (save the matmul and attention outputs, recompute the rest).
       scan_layers: the training and scoring forward (no cache) runs the blocks as one ``jax.lax.scan``
         over their stacked parameters, so the step compiles one block whatever ``n_layers``
         (``fox_jax.models.family.scan_blocks``). Same values, same parameter layout (``layers_{i}``);
@@ -535,7 +535,7 @@ class GPT2Config(FamilyConfig):
         (non-DCP) path ("auto", "xla", "dense", ...).
       attention_block: tile size of the blockwise DCP attention (``dcp_attention``).
       remat: rematerialisation of each block in the backward pass: "none", "full" (save only the
-        block inputs) or "dots" (save matmul outputs).
+        block inputs) or "dots" (save the matmul and attention outputs).
       scan_layers: the forward without a cache runs the blocks as one ``jax.lax.scan`` (as
         ``ModelConfig.scan_layers``, off by default for the same reason; same values and parameter
         layout ``h_{i}``).

@@ -221,3 +221,30 @@ def test_scanned_layers_equal_the_unrolled_loop(case):
         assert set(st_s["intermediates"]) == set(cfg.layer_names) == set(st_s["gates"])
     with pytest.raises(ValueError, match="scan_layers must be a bool"):
         cfg.replace(scan_layers="yes")
+
+
+@pytest.mark.parametrize("scan", [False, True])
+def test_dots_remat_saves_the_attention_outputs(scan):
+    """remat "dots" saves each layer's attention output and row log-sum-exp (``ATTENTION_RESIDUALS``) next to the
+    matmul outputs, so the backward reads them instead of rerunning the attention forward (its kernel included;
+    the recomputed forward is then dead code). Unrolled: one named residual of each per layer; scanned: one stacked
+    [L, ...] residual of each shape (the names do not survive the scan)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    cfg = lm_cfg(remat="dots", scan_layers=scan)
+    params, tokens = init(cfg), jnp.ones((1, 9), jnp.int32)
+    model = cfg.build()
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        print_saved_residuals(lambda p: jnp.mean(model.apply({"params": p}, tokens).logits), params)
+    lines = out.getvalue().splitlines()
+    h, d = cfg.n_heads, cfg.dim_per_head
+    if scan:
+        assert any(f"f32[{cfg.n_layers},1,9,{h},{d}] output of scan" in ln for ln in lines), lines
+        assert any(f"f32[{cfg.n_layers},1,9,{h}] output of scan" in ln for ln in lines), lines
+    else:
+        for name in ("attention_out", "attention_lse"):
+            assert sum(f"named '{name}'" in ln for ln in lines) == cfg.n_layers, (name, lines)

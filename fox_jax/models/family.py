@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from fox_jax.cache.policies import parse_policy
 from fox_jax.cache.slots import new_slot_cache
 
+from fox_jax.ops._common import ATTENTION_RESIDUALS
 from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
 
 
@@ -200,13 +201,20 @@ class FamilyModules:
 
 
 def _saveable(policy: str):
-    return (jax.checkpoint_policies.nothing_saveable if policy == "full"
-            else jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+    """The ``jax.checkpoint`` policy of a remat setting: "full" saves nothing (the block inputs only); "dots" the
+    outputs of the weight matmuls and of the attention ops (o and the row log-sum-exp their backward reads,
+    ``ATTENTION_RESIDUALS``), so the backward recomputes only elementwise work and reductions, never an attention
+    forward kernel."""
+    if policy == "full":
+        return jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint_policies.save_from_both_policies(
+        jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+        jax.checkpoint_policies.save_only_these_names(*ATTENTION_RESIDUALS))
 
 
 def remat_block(block_cls: type[nn.Module], policy: str) -> type[nn.Module]:
     """``block_cls`` rematerialised with ``policy``: "none" (as is), "full" (save only the block inputs)
-    or "dots" (save matmul outputs, recompute the rest). Positional call arguments are traced."""
+    or "dots" (save matmul and attention outputs, recompute the rest). Positional call arguments are traced."""
     if policy == "none":
         return block_cls
     return nn.remat(block_cls, policy=_saveable(policy))

@@ -9,6 +9,18 @@ from jax import lax
 
 QKV_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
+# Names of the attention ops' forward results that their backward reads (``jax.ad_checkpoint.checkpoint_name``):
+# the output o and the log-sum-exp of each row. A remat policy that saves them (``fox_jax.models.family``'s "dots")
+# keeps the attention forward out of the backward pass; without them it is recomputed there, kernel and all.
+ATTENTION_RESIDUALS = ("attention_out", "attention_lse")
+
+
+def name_attention_residuals(o: jax.Array, lse: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(o, lse) tagged with ``ATTENTION_RESIDUALS`` for remat policies (no effect on values or outside remat)."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    return checkpoint_name(o, ATTENTION_RESIDUALS[0]), checkpoint_name(lse, ATTENTION_RESIDUALS[1])
+
 
 def check_qkv(q, k, v) -> None:
     """q [B, Tq, H, D], k/v [B, Tk, Hkv, D]: ranks, dtypes (f32/bf16/fp16, shared), H % Hkv == 0, Tq ≤ Tk.

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fox_jax.ops._common import dot_precision, pad_axis, round_up
+from fox_jax.ops._common import dot_precision, name_attention_residuals, pad_axis, round_up
 from fox_jax.ops.tiles import TileVisits
 
 _NEG_INF = float("-inf")
@@ -285,7 +285,7 @@ def blockwise_attention(q, k, v, lam, log_mask, segment_ids, visits, scale):
 
 
 def _fwd(q, k, v, lam, log_mask, segment_ids, visits, scale):
-    o, lse = _forward(q, k, v, lam, log_mask, segment_ids, visits, scale)
+    o, lse = name_attention_residuals(*_forward(q, k, v, lam, log_mask, segment_ids, visits, scale))
     return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
 
 

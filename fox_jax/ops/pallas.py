@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from fox_jax.kernels import forgetting_attention as fa_kernels
 from fox_jax.kernels import forgetting_attention_mgpu as mgpu_kernels
 from fox_jax.kernels.forgetting_attention import KernelConfig, TileConfig, default_config, resolve_tiles
+from fox_jax.ops._common import name_attention_residuals
 from fox_jax.ops.tiles import TileVisits, exclude_dropped, rows_with_kept_pair, tile_visits
 
 __all__ = [
@@ -167,6 +168,7 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
             raise NotImplementedError("the Mosaic forward runs on a Hopper GPU, without a DCP mask")
         o, lse = mgpu_kernels.mosaic_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.row_ranges(),
                                              scale=scale, config=config.mosaic, window_size=f.window_size)
+        o, lse = name_attention_residuals(o, lse)
         return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
     o, lse = fa_kernels.attention_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.kv_start,
                                           scale=scale, config=config, interpret=interpret,
@@ -177,6 +179,7 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
         # there (the forward's lse of such a row covers only the tiles it visited, not the other kernels').
         o = jnp.where(kept_rows[:, :, None, None], o, jnp.zeros((), o.dtype))
         lse = jnp.where(kept_rows[:, None, :], lse, -jnp.inf)
+    o, lse = name_attention_residuals(o, lse)
     return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
 
 
