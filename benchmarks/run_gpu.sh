@@ -38,7 +38,7 @@ DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
   [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [train]=540 [scaling]=330 [profile]=400
-  [decode]=560 [decode-attention]=240 [profile-decode]=240 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
+  [decode]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
 
 # ------------------------------------------------------------------------------------------------- settings
 # attention / sweep (bench_attention.py): the anchor shapes + the 760M layer; every implementation side by side
@@ -157,6 +157,31 @@ stage_profile_decode() {  # where a decode step's device time goes (N and 1 new 
   t python3 benchmarks/profile_decode.py --model ${PROFILE_DECODE_MODEL:-gpt2} --batch ${PROFILE_DECODE_BATCH:-32} \
     --prompt ${PROFILE_DECODE_PROMPT:-896} --new-tokens 128 --slots 256 \
     --policies ${PROFILE_DECODE_POLICIES:-dense,window:256} --out "$OUT/profile_decode.json"; }
+stage_decode_flags() {  # the decode step under XLA flag sets (one process each: XLA reads its flags once), same
+  # programs side by side: FLAG_SETS "name|flags" lines x FLAG_MODELS (fox: FoX (Pro) 125M B8, 2048 + 64, acp in a
+  # 256-slot pool; gpt2: B32, 896 + 64, dense; quick: CPU smoke); each run under T_FLAG_RUN s (150); writes
+  # $OUT/decode_flags/<name>_<model>.json (profile_decode.py's rows: ms/step, kernels/step, compile s)
+  local sets=${FLAG_SETS:-"base|
+pdl|--xla_gpu_enable_pdl=true
+nocb|--xla_gpu_enable_command_buffer=
+at0|--xla_gpu_autotune_level=0"} name flags model args all
+  mkdir -p "$OUT/decode_flags"
+  while IFS='|' read -r name flags; do
+    [ -n "$name" ] || continue
+    for model in ${FLAG_MODELS:-fox gpt2}; do
+      case $model in
+        fox) args="--model fox-pro:125M --batch 8 --prompt 2048 --slots 256 --policies acp" ;;
+        gpt2) args="--model gpt2 --batch 32 --prompt 896 --policies dense" ;;
+        quick) args="--quick" ;;   # CPU smoke run of the stage
+        *) echo "unknown FLAG_MODELS entry '$model' (fox | gpt2 | quick)"; continue ;;
+      esac
+      all="${XLA_FLAGS:-}${XLA_FLAGS:+${flags:+ }}$flags"
+      echo "== $name $model: XLA_FLAGS=$all"
+      # shellcheck disable=SC2086
+      env ${all:+XLA_FLAGS="$all"} timeout -k 5 "${T_FLAG_RUN:-150}" python3 benchmarks/profile_decode.py $args \
+        --new-tokens 64 --repeats 3 --top 40 --out "$OUT/decode_flags/${name}_$model.json" | grep "^== "
+    done
+  done <<< "$sets"; }
 stage_determinism() {  # the Pallas kernels twice on identical inputs, bit for bit (race detector)
   t python3 benchmarks/checks/check_determinism.py --shape 1x16384x16x128 --repeats 3; }
 stage_window() {  # the sliding window on the GPU: Triton kernels vs the float32 reference, and its speed
