@@ -272,6 +272,20 @@ def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array
     return jnp.where(denom[..., None] == 0.0, 0.0, num / safe[..., None]).astype(dtype)
 
 
+def _range_operand(x, b: int, hkv: int):
+    """A range bound broadcastable to [B, Hkv] as the kernel reads it, without materialising the broadcast (a decode
+    step would otherwise spend a kernel on it per layer): (int32 array, BlockSpec) for grid (B·Hkv, splits)."""
+    x = jnp.asarray(x, jnp.int32)
+    shape = (1, 1) if x.ndim == 0 else tuple(x.shape)
+    if shape == (b, hkv):
+        return x.reshape(b * hkv), pl.BlockSpec((None,), lambda i, s: (i,))
+    if shape == (b, 1):
+        return x.reshape(b), pl.BlockSpec((None,), lambda i, s: (lax.div(i, hkv),))
+    if shape == (1, 1):
+        return x.reshape(1), pl.BlockSpec((None,), lambda i, s: (0,))
+    return jnp.broadcast_to(x.reshape(shape), (b, hkv)).reshape(b * hkv), pl.BlockSpec((None,), lambda i, s: (i,))
+
+
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
                  config: DecodeConfig, interpret: bool) -> jax.Array:
     """Decode attention on a ring cache with the flash-decoding kernel (shapes unchecked: the public
@@ -280,7 +294,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     Args:
       q: [B, Hkv, G, D] (float32 / bfloat16 / float16); k, v: [B, Hkv, C, D] same dtype, C a multiple
         of ``config.block_k``; D ≤ 256.
-      lo, hi: [B, Hkv] int32 logical key range [lo, hi) (clamped into 0 ≤ lo, 0 ≤ hi − lo ≤ C).
+      lo, hi: int32 logical key range [lo, hi), each [B, Hkv], [B, 1] (per row) or [] (every row), read per
+        program without a broadcast copy; clamped into 0 ≤ lo, 0 ≤ hi − lo ≤ C.
       valid: None or [B, nt, C] bool, nt ∈ {1, Hkv}: slots that hold a key.
       lam_q: None or (hi, lo), each [B, Hkv, G] float32; lam_k: None or (hi, lo), each [B, Hkv, G, C]
         float32 (both or neither).
@@ -308,12 +323,12 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
 
     # [B, Hkv, ...] → [B·Hkv, ...] are free reshapes; the G axis is read in blocks of Gp rows (rows ≥ G
     # masked: no padding copies).
-    in_specs = [pl.BlockSpec((None,), lambda i, s: (i,)), pl.BlockSpec((None,), lambda i, s: (i,)),
+    (lo_arg, lo_spec), (hi_arg, hi_spec) = _range_operand(lo, b, hkv), _range_operand(hi, b, hkv)
+    in_specs = [lo_spec, hi_spec,
                 pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0)),
                 pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0)),
                 pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0))]
-    args = [lo.reshape(bh).astype(jnp.int32), hi.reshape(bh).astype(jnp.int32), q.reshape(bh, grp, d_run),
-            k.reshape(bh, cap, d_run), v.reshape(bh, cap, d_run)]
+    args = [lo_arg, hi_arg, q.reshape(bh, grp, d_run), k.reshape(bh, cap, d_run), v.reshape(bh, cap, d_run)]
     if has_lam:
         in_specs += [pl.BlockSpec((None, gp), lambda i, s: (i, 0))] * 2
         args += [x.reshape(bh, grp).astype(jnp.float32) for x in lam_q]

@@ -115,6 +115,25 @@ def test_matches_reference(cap, grp, d, dtype, lam, valid_nt, splits):
         np.testing.assert_array_equal(np.asarray(o[0, 0], np.float32), 0.0)  # exactly 0, never NaN
 
 
+def test_narrow_range_forms():
+    """lo / hi as [B, 1] (one range per row, as a ring's shared start) or scalars (as a decode step's length + 1) give
+    what their broadcast [B, Hkv] gives, in every implementation (the kernel reads them without a broadcast copy);
+    a start past hi (the kernel clamps it) is an empty range. Wrong forms name the argument."""
+    q, k, v, kw = _inputs(64, 2, 32, jnp.float32, True, None, seed=3)
+    lo = jnp.asarray([[70], [200]], jnp.int32)  # row 1 starts past hi: nothing to read
+    hi = jnp.int32(120)
+    full = dict(kw, lo=jnp.broadcast_to(lo, (_B, _HKV)), hi=jnp.minimum(jnp.full((_B, _HKV), hi), 120))
+    ref = decode_attention_reference(q, k, v, **dict(full, lo=jnp.minimum(full["lo"], full["hi"])))
+    assert float(jnp.max(jnp.abs(ref[1]))) == 0.0
+    for impl in ("xla", "pallas"):
+        o = _jitted(impl, None, 2)(q, k, v, **dict(kw, lo=jnp.minimum(lo, hi), hi=hi))
+        assert _err(o, ref) <= _tol(jnp.float32), impl
+    o = _jitted("pallas", None, 2)(q, k, v, **dict(kw, lo=lo, hi=hi))  # unclamped start: the kernel clamps
+    assert _err(o, ref) <= _tol(jnp.float32)
+    with pytest.raises(ValueError, match=r"lo must be an int array \[B, Hkv\] = \[2, 3\], \[B, 1\]"):
+        decode_attention(q, k, v, **dict(kw, lo=jnp.zeros((_B,), jnp.int32), hi=hi))
+
+
 def test_lambda_pairs_matter():
     """The float32 tolerance sees the low parts of the Λ pairs: an op given Λ without them is off by
     more than 5× the tolerance, so a path that dropped them would fail ``test_matches_reference``."""

@@ -89,7 +89,11 @@ class RingGroup(_Entries):
       lam_hi, lam_lo: [B, n, G, C] float32 Λ = hi + lo of the entry in each slot for each query head, or None.
       start: [B, nt] int32, the first live column per row (nt = 1) or per (row, key/value head) (nt = n,
         ``acp``): the ring holds [start, length); ≥ seq_start + pinned.
-      peak: [nt] int32, the most entries any row has held per table so far (``calibrate_slots``).
+      peak: [B, nt] int32, the most entries each row has held per table so far (``calibrate_slots`` takes the
+        maximum over rows).
+      overflow: [B, nt] int32, the entries each table could not hold although the policy kept them (tokens).
+      ``start``, ``peak`` and ``overflow`` are updated together elementwise (a decode step spends no reduction on
+      its bookkeeping; ``SlotKVCache.overflow`` sums on reading).
       heads: the layer's key/value heads of this group (static); pinned: S of ``sinks:S+W`` (static).
     """
 
@@ -99,6 +103,7 @@ class RingGroup(_Entries):
     lam_lo: jax.Array | None
     start: jax.Array
     peak: jax.Array
+    overflow: jax.Array
     heads: tuple = flax.struct.field(pytree_node=False)
     pinned: int = flax.struct.field(pytree_node=False, default=0)
 
@@ -110,7 +115,8 @@ class RingGroup(_Entries):
         lam = (lambda: jnp.zeros((batch, n, g, capacity), jnp.float32)) if forget_gate else (lambda: None)
         start = jnp.broadcast_to((seq_start + policy.pinned)[:, None], (batch, nt)).astype(jnp.int32)
         return cls(jnp.zeros((batch, n, capacity, head_dim), dtype), jnp.zeros((batch, n, capacity, head_dim), dtype),
-                   lam(), lam(), start, jnp.zeros((nt,), jnp.int32), heads, policy.pinned)
+                   lam(), lam(), start, jnp.zeros((batch, nt), jnp.int32), jnp.zeros((batch, nt), jnp.int32), heads,
+                   policy.pinned)
 
     def columns(self, length, seq_start) -> jax.Array:
         """[B or 1, 1, C] int32: the column each slot holds (the latest written one; meaningful where held);
@@ -142,8 +148,9 @@ class RingGroup(_Entries):
 
     def logical_axes(self) -> RingGroup:
         axes = lambda x: None if x is None else KV_AXES  # noqa: E731
-        return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo),
-                            start=("batch", "kv_heads" if self.start.shape[1] > 1 else None), peak=(None,))
+        tables = ("batch", "kv_heads" if self.start.shape[1] > 1 else None)
+        return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo), start=tables,
+                            peak=tables, overflow=tables)
 
     def shift_columns(self, shift) -> RingGroup:
         """The group with every key moved from column c to column c + ``shift`` (int32 scalar ≥ 0, may be traced):
@@ -165,16 +172,16 @@ class RingGroup(_Entries):
 
     def append(self, step: _Step, q, k, v, lam):
         """Visibility, placement and attention of a chunk for this group. q [B, T, n, G, D]; k, v [B, T, n, D];
-        lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, group, dropped [B])."""
+        lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, the updated group)."""
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
         keys = self._keys(step.cache, lam_q)
         start_t = self._visible_from(step, keys)
-        new, dropped = self._place(step, k, v, lam_q, start_t)
+        new = self._place(step, k, v, lam_q, start_t)
         if not step.attend:
-            return None, new, dropped
+            return None, new
         if q.shape[1] == 1:
-            return self._read(step, new, q, lam_q), new, dropped
-        return self._attend(step, keys, start_t, q, k, v), new, dropped
+            return self._read(step, new, q, lam_q), new
+        return self._attend(step, keys, start_t, q, k, v), new
 
     def _keys(self, cache, lam_q) -> Keys:
         """What the slots hold before the chunk, and the chunk's decays, as the rule sees them."""
@@ -190,7 +197,7 @@ class RingGroup(_Entries):
         start_t = jnp.maximum(first, self.start[..., None])
         return lax.cummax(start_t, axis=2) if start_t.shape[2] > 1 else start_t
 
-    def _place(self, step: _Step, k, v, lam_q, start_t) -> tuple[RingGroup, jax.Array]:
+    def _place(self, step: _Step, k, v, lam_q, start_t) -> RingGroup:
         """Placement: the ring keeps its last C − pinned columns (what the rule kept beyond them overflowed,
         counted); the chunk is written at slot pinned + (column mod (C − pinned)), a decode step with one
         ``dynamic_update_slice`` for every row, sink positions also to their pinned slots."""
@@ -200,7 +207,7 @@ class RingGroup(_Entries):
         ring = c - p
         wanted = start_t[..., -1]
         new_start = jnp.maximum(wanted, length + t - ring)
-        dropped = jnp.sum(new_start - wanted, axis=1)
+        dropped = new_start - wanted                                                              # [B, nt]
         kt, vt = (x.transpose(0, 2, 1, 3) for x in (k, v))                                       # [B, n, T, D]
         pos = chunk.pos
         if t == 1:
@@ -232,18 +239,18 @@ class RingGroup(_Entries):
             if lam_q is not None:
                 new = new.replace(lam_hi=put_lam(self.lam_hi, lam_q[0]), lam_lo=put_lam(self.lam_lo, lam_q[1]))
         live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - cache.seq_start, 0, p)[:, None]
-        return new.replace(start=new_start, peak=jnp.maximum(self.peak, jnp.max(live, axis=0))), dropped
+        return new.replace(start=new_start, peak=jnp.maximum(self.peak, live), overflow=self.overflow + dropped)
 
     def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
         """Attention of a decode step, after its write: the ring's [start, length] through the decode op
         (with pinned slots: every slot, masked). Returns [B, 1, n, G, D] float32."""
         cache, c = step.cache, self.slots
-        b, _, n = q.shape[:3]
-        hi = jnp.broadcast_to(cache.length + 1, (b, n)).astype(jnp.int32)
-        lo = jnp.minimum(jnp.broadcast_to(new.start, (b, n)), hi)
+        # the range in its narrow forms (start [B, nt], one hi for every row): the kernel reads them per program
+        # and clamps a start past hi to an empty range, so nothing is broadcast here
+        lo, hi = new.start, (cache.length + 1).astype(jnp.int32)
         valid = None
         if self.pinned:  # the logical range [0, C) is the physical one
-            valid, lo, hi = new.held_mask(cache.length + 1, cache.seq_start), jnp.zeros_like(lo), jnp.full_like(hi, c)
+            valid, lo, hi = new.held_mask(cache.length + 1, cache.seq_start), jnp.int32(0), jnp.int32(c)
         o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=lo, hi=hi, valid=valid,
                              lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
                              lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
@@ -274,7 +281,8 @@ class PoolGroup(_Entries):
       pos: [B, 1, C] int32 position held by each slot (−1: free).
       k_int: [B, C, r] float32 DCP interaction keys, or None.
       count: [B, 1] int32 occupied slots per row; hi: [B] int32, 1 + the highest occupied slot (the read bound).
-      peak: [1] int32, the most slots any row has held so far. heads: as ``RingGroup``.
+      peak: [B, 1] int32, the most slots each row has held so far; overflow: [B, 1] int32, the survivors it had no
+        slot for (tokens). heads: as ``RingGroup``.
     """
 
     k: jax.Array
@@ -286,6 +294,7 @@ class PoolGroup(_Entries):
     count: jax.Array
     hi: jax.Array
     peak: jax.Array
+    overflow: jax.Array
     heads: tuple = flax.struct.field(pytree_node=False)
 
     @classmethod
@@ -297,7 +306,8 @@ class PoolGroup(_Entries):
                  if "interaction_dim" in policy.needs else None)
         return cls(jnp.zeros((batch, n, capacity, head_dim), dtype), jnp.zeros((batch, n, capacity, head_dim), dtype),
                    lam(), lam(), jnp.full((batch, 1, capacity), -1, jnp.int32), k_int,
-                   jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.zeros((1,), jnp.int32), heads)
+                   jnp.zeros((batch, 1), jnp.int32), jnp.zeros((batch,), jnp.int32), jnp.zeros((batch, 1), jnp.int32),
+                   jnp.zeros((batch, 1), jnp.int32), heads)
 
     def live(self, length, seq_start) -> jax.Array:
         return self.count
@@ -309,7 +319,7 @@ class PoolGroup(_Entries):
         axes = lambda x: None if x is None else KV_AXES  # noqa: E731
         return self.replace(k=KV_AXES, v=KV_AXES, lam_hi=axes(self.lam_hi), lam_lo=axes(self.lam_lo),
                             pos=("batch", None, None), k_int=None if self.k_int is None else ("batch", None, None),
-                            count=("batch", None), hi=("batch",), peak=(None,))
+                            count=("batch", None), hi=("batch",), peak=("batch", None), overflow=("batch", None))
 
     def shift_columns(self, shift) -> PoolGroup:
         """The group with its keys moved by ``shift`` columns: the pool's table holds positions, so unchanged."""
@@ -320,12 +330,12 @@ class PoolGroup(_Entries):
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
         keys = self._keys(step.cache, lam_q)
         vis_old, vis_new = self._visibility(step, keys)
-        new, dropped = self._place(step, k, v, lam_q, vis_old, vis_new)
+        new = self._place(step, k, v, lam_q, vis_old, vis_new)
         if q.shape[1] == 1:
-            return self._read(step, new, q, lam_q), new, dropped
+            return self._read(step, new, q, lam_q), new
         kt, vt = (x.transpose(0, 2, 1, 3).astype(self.k.dtype) for x in (k, v))
         return _attend_chunk(q, self.k, self.v, kt, vt, vis_old, vis_new, keys.decay_old, keys.decay_new,
-                             step.chunk.scale), new, dropped
+                             step.chunk.scale), new
 
     def _keys(self, cache, lam_q) -> Keys:
         decay = lambda lam_k: None if lam_q is None else _decay(lam_q, lam_k)  # noqa: E731
@@ -341,7 +351,7 @@ class PoolGroup(_Entries):
         causal = jnp.arange(t)[:, None] >= jnp.arange(t)[None, :]
         return keys.held[:, :, None, None, :] & rule_old, causal & chunk.real[:, None, None, None, :] & rule_new
 
-    def _place(self, step: _Step, k, v, lam_q, vis_old, vis_new) -> tuple[PoolGroup, jax.Array]:
+    def _place(self, step: _Step, k, v, lam_q, vis_old, vis_new) -> PoolGroup:
         """Placement: the slots hold what the chunk's last query sees (a row keeps a token while any head
         does); the survivors go to the lowest free slots (``_allocate``); ``hi`` follows the highest."""
         chunk = step.chunk
@@ -359,19 +369,17 @@ class PoolGroup(_Entries):
         new = self.replace(
             k=put(self.k, k), v=put(self.v, v), pos=pos, count=count,
             hi=jnp.max(jnp.where(pos >= 0, jnp.arange(s, dtype=jnp.int32) + 1, 0), axis=(1, 2)),
-            peak=jnp.maximum(self.peak, jnp.max(count, axis=0)),
+            peak=jnp.maximum(self.peak, count), overflow=self.overflow + dropped[:, None],
             lam_hi=None if lam_q is None else put_lam(self.lam_hi, lam_q[0]),
             lam_lo=None if lam_q is None else put_lam(self.lam_lo, lam_q[1]),
             k_int=None if self.k_int is None else self.k_int.at[rows[:, :, 0], slot[:, 0]].set(
                 chunk.facts.k_int.astype(jnp.float32), mode="drop"))
-        return new, dropped
+        return new
 
     def _read(self, step: _Step, new: PoolGroup, q, lam_q) -> jax.Array:
         """Attention of a decode step after its write (the token's slot was free or made room): the row's
         [0, hi) through the decode op, masked by occupancy. Returns [B, 1, n, G, D] float32."""
-        b, _, n = q.shape[:3]
-        hi = jnp.broadcast_to(new.hi[:, None], (b, n))
-        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=jnp.zeros_like(hi), hi=hi,
+        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=jnp.int32(0), hi=new.hi[:, None],
                              valid=new.pos >= 0, lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
                              lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
         return o[:, None].astype(jnp.float32)
@@ -448,8 +456,6 @@ class SlotKVCache:
       seq_start: [B] int32 left pads per row; the token in column c has position c − seq_start.
       lam_hi, lam_lo: [B, H] float32 Λ of the last token fed (the pair carried into the next chunk), or None.
       k_shift, v_shift: [B, Hkv, D] the unshifted k/v projections of the last token (KV-shift), or None.
-      overflow: [B] int32 entries the storage could not hold although the policy kept them (tokens; for
-        per-head tables, tokens × heads).
       state: the policy rule's per-layer state (``fox_jax.cache.visibility``; acp: the running maxima of
         the q and k norms without QK-norm, the threshold from the first chunk's QK-norm bound with it), or None.
       policy: the ``CachePolicy`` (static).
@@ -466,7 +472,6 @@ class SlotKVCache:
     lam_lo: jax.Array | None
     k_shift: jax.Array | None
     v_shift: jax.Array | None
-    overflow: jax.Array
     state: Any
     policy: CachePolicy = flax.struct.field(pytree_node=False)
     max_context: int = flax.struct.field(pytree_node=False)
@@ -476,6 +481,12 @@ class SlotKVCache:
     @property
     def kv_heads(self) -> int:
         return sum(g.k.shape[1] for g in self.groups)
+
+    @property
+    def overflow(self) -> jax.Array:
+        """[B] int32 entries the storage could not hold although the policy kept them (tokens; for per-head tables,
+        tokens × heads): the groups' per-table counts summed (kept per table, so a decode step adds elementwise)."""
+        return sum(jnp.sum(g.overflow, axis=1) for g in self.groups)
 
     @property
     def capacity(self) -> int:
@@ -501,7 +512,7 @@ class SlotKVCache:
         gates = None if self.lam_hi is None else ("batch", "heads")
         shift = None if self.k_shift is None else ("batch", "kv_heads", None)
         return self.replace(groups=tuple(g.logical_axes() for g in self.groups), length=(), seq_start=("batch",),
-                            lam_hi=gates, lam_lo=gates, k_shift=shift, v_shift=shift, overflow=("batch",),
+                            lam_hi=gates, lam_lo=gates, k_shift=shift, v_shift=shift,
                             state=rule_for(self.policy).state_axes(self.state))
 
     def insert_row(self, row, source: SlotKVCache) -> SlotKVCache:
@@ -515,9 +526,10 @@ class SlotKVCache:
         (``RingGroup.shift_columns``; a pool's table holds positions and is copied as is). Every per-row leaf
         (those with a "batch" axis in ``logical_axes``: k, v, Λ, tables, the Λ / KV-shift carries, overflow, the
         rule's state such as acp's threshold or running norm maxima) of row ``row`` is overwritten, so nothing
-        of the row's previous request remains; the shared leaves keep this cache's values (``length``,
-        ``max_context``) except ``peak``, the maximum of both. Positions, and so the row's logits, are those
-        of ``source``: decoding the row here equals decoding ``source`` on its own.
+        of the row's previous request remains, except ``peak`` (the most entries the row has ever held, for
+        ``calibrate_slots``): the maximum of both; the shared leaves keep this cache's values (``length``,
+        ``max_context``). Positions, and so the row's logits, are those of ``source``: decoding the row here
+        equals decoding ``source`` on its own.
 
         Args:
           row: int32 scalar in [0, B) (may be traced). source: the one-row cache.
@@ -544,9 +556,10 @@ class SlotKVCache:
                 return mine
             return lax.dynamic_update_slice_in_dim(mine, theirs.astype(mine.dtype), row, axis=axes.index("batch"))
 
-        new = jax.tree.map(put, self, moved, self.logical_axes())  # the axes tree: a tuple per array of ours
-        return new.replace(groups=tuple(g.replace(peak=jnp.maximum(g.peak, s.peak))
-                                        for g, s in zip(new.groups, moved.groups)))
+        peaks = [jnp.maximum(lax.dynamic_index_in_dim(g.peak, row, keepdims=True), s.peak)
+                 for g, s in zip(self.groups, moved.groups)]
+        moved = moved.replace(groups=tuple(s.replace(peak=p) for s, p in zip(moved.groups, peaks)))
+        return jax.tree.map(put, self, moved, self.logical_axes())  # the axes tree: a tuple per array of ours
 
 
 def _split_slots(slots, kv_heads: int, policy: CachePolicy, block: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -606,7 +619,7 @@ def new_slot_cache(batch: int, slots, *, n_heads: int, kv_heads: int, head_dim: 
     last = (lambda: jnp.zeros((batch, n_heads), jnp.float32)) if forget_gate else (lambda: None)
     capacity = max(g.slots for g in groups)
     return SlotKVCache(groups, jnp.zeros((), jnp.int32), seq_start, last(), last(), state(), state(),
-                       jnp.zeros((batch,), jnp.int32), rule_for(policy).init_state(policy, batch, layout), policy,
+                       rule_for(policy).init_state(policy, batch, layout), policy,
                        capacity if max_context is None else int(max_context), policy.provable(layout))
 
 
@@ -665,16 +678,15 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
                                  sm_scale=scale, **flash)
     qg = q.reshape(b, t, hkv, g, d)
     lam_g = None if lam is None else tuple(x.reshape(b, t, hkv, g) for x in lam)
-    outs, groups, dropped = [], [], jnp.zeros((b,), jnp.int32)
+    outs, groups = [], []
     for group in cache.groups:
         idx = jnp.asarray(group.heads)
         whole = group.heads == tuple(range(hkv))
         pick = (lambda x: x) if whole else (lambda x: jnp.take(x, idx, axis=2))
-        og, new, n_dropped = group.append(step, pick(qg), pick(k), pick(v),
+        og, new = group.append(step, pick(qg), pick(k), pick(v),
                                           None if lam_g is None else tuple(pick(x) for x in lam_g))
         outs.append((idx, og))
         groups.append(new)
-        dropped = dropped + n_dropped
     if step.attend:
         if len(outs) == 1 and cache.groups[0].heads == tuple(range(hkv)):
             o = outs[0][1]
@@ -685,7 +697,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
         o = o.reshape(b, t, h, d)
     k_shift, v_shift = carry if carry is not None else (None, None)
     new_cache = cache.replace(
-        groups=tuple(groups), length=cache.length + t, overflow=cache.overflow + dropped, state=state,
+        groups=tuple(groups), length=cache.length + t, state=state,
         lam_hi=None if lam is None else lam[0][:, -1], lam_lo=None if lam is None else lam[1][:, -1],
         k_shift=k_shift if cache.k_shift is not None else None, v_shift=v_shift if cache.v_shift is not None else None,
         fresh=False)

@@ -105,7 +105,7 @@ def calibrate_slots(caches, *, margin: float = 1.1, multiple: int = RING_BLOCK, 
     for cache in caches:
         per_head = {}
         for g in cache.groups:
-            peaks = np.asarray(g.peak)
+            peaks = np.asarray(g.peak).max(axis=0)  # [nt]: the most any row held
             for i, h in enumerate(g.heads):
                 per_head[h] = size(int(peaks[i if peaks.shape[0] > 1 else 0]))
         counts = np.asarray([per_head[h] for h in range(cache.kv_heads)])

@@ -65,8 +65,8 @@ def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k) -> None:
     if cap < 1:
         raise ValueError(f"k must hold at least one slot (C ≥ 1), got {list(k.shape)}")
     for name, x in (("lo", lo), ("hi", hi)):
-        if tuple(jnp.shape(x)) != (b, hkv) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
-            raise ValueError(f"{name} must be an int array [B, Hkv] = [{b}, {hkv}], "
+        if tuple(jnp.shape(x)) not in ((b, hkv), (b, 1), ()) or not jnp.issubdtype(jnp.result_type(x), jnp.integer):
+            raise ValueError(f"{name} must be an int array [B, Hkv] = [{b}, {hkv}], [B, 1] (per row) or a scalar, "
                              f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
     if valid is not None:
         if valid.ndim != 3 or valid.shape[0] != b or valid.shape[1] not in (1, hkv) or valid.shape[2] != cap \
@@ -228,9 +228,10 @@ def decode_attention(
       q: [B, Hkv, G, D] float32 / bfloat16 / float16: one query per row; G = H // Hkv query heads per
         key/value head (query head h·G + g).
       k, v: [B, Hkv, C, D], q's dtype: ring buffers.
-      lo, hi: [B, Hkv] int: the logical range [lo, hi) to read; nothing outside it is read by
-        ``"pallas"``. Concrete values must satisfy 0 ≤ lo and 0 ≤ hi − lo ≤ C; traced values outside
-        are clamped to that (lo < 0 → 0, hi − lo into [0, C]).
+      lo, hi: int, each [B, Hkv], [B, 1] (one per row) or a scalar (every row): the logical range [lo, hi)
+        to read; nothing outside it is read by ``"pallas"``, which takes the narrow forms as they are (a
+        decode step then materialises no broadcast). Concrete values must satisfy 0 ≤ lo and 0 ≤ hi − lo ≤ C;
+        traced values outside are clamped to that (lo < 0 → 0, hi − lo into [0, C]).
       valid: optional [B, nt, C] bool, nt ∈ {1, Hkv}: physical slots that hold a key (slot pools: DCP,
         sinks); nt = 1 is shared by the heads.
       lam_q: optional (hi, lo) pair, each [B, Hkv, G] float32: Λ of the query.
@@ -262,6 +263,8 @@ def decode_attention(
     scale = q.shape[-1] ** -0.5 if sm_scale is None else float(sm_scale)
     lo = jnp.asarray(lo, jnp.int32)
     hi = jnp.asarray(hi, jnp.int32)
+    if impl != "pallas":  # the kernel reads the narrow forms as they are
+        lo, hi = (jnp.broadcast_to(x, q.shape[:2]) for x in (lo, hi))
     if impl == "xla":
         return _xla(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
     if impl == "cudnn":
