@@ -23,6 +23,13 @@ base change. Blocks entirely inside [lo, hi) run without the element mask (unles
 Each split writes an unnormalised partial (o, m, l); the combine is one XLA reduction over the splits.
 With one split the kernel writes the normalised output directly (no combine).
 
+Append mode (``flash_decode(..., append=...)``, a decode step of a ring): the step's own entry (k, v, Λ) comes
+in as small inputs and is logical key hi − 1; the ring is read over [lo, hi − 1), the entry joins split 0's
+online softmax from registers, and split 0's program writes it to slot (hi − 1) mod C of the ring buffers,
+which are aliased to outputs (``input_output_aliases``). No program reads that slot (every key of the range
+lies less than C before hi − 1, and the blocks that contain the slot's other columns are masked), so the write
+races with nothing, and the decode step needs no update kernels before the read.
+
 Head dims that are not powers of two but multiples of 16 (48, 80, 96, …) are handled as a sum of
 power-of-two column chunks (48 = 32 + 16), so nothing is copied; other head dims are zero-padded to a
 multiple of 16 by ``flash_decode`` (a copy of K and V: the caches should use D % 16 == 0).
@@ -165,6 +172,7 @@ class _Geom:
     has_lam: bool
     has_valid: bool
     exact_dot: bool  # float32 inputs: IEEE matmuls (Triton's default for float32 is TF32)
+    append: bool = False  # the step's own key comes in separately and is written to the ring here
 
 
 def _dot(a, b, contract_a: int, contract_b: int, exact: bool):
@@ -179,6 +187,10 @@ def _decode_kernel(*refs, g: _Geom):
     rest = refs[5:]
     lam_refs = (rest.pop(0), rest.pop(0), rest.pop(0), rest.pop(0)) if g.has_lam else None
     valid_ref = rest.pop(0) if g.has_valid else None
+    if g.append:
+        new_refs = [rest.pop(0) for _ in range(4 if g.has_lam else 2)]  # k_new, v_new[, Λ_new hi, lo]
+        ring_out = rest[-len(new_refs):]                                 # k, v[, Λ hi, lo]: the aliased ring
+        rest = rest[:-len(new_refs)]
     out_refs = rest  # (o,) with one split, else (o, m, l)
     bk, gp = g.block_k, g.group_pad
 
@@ -186,6 +198,12 @@ def _decode_kernel(*refs, g: _Geom):
     row_ok = rows < g.group
     lo = jnp.maximum(lo_ref[()], 0)
     hi = jnp.minimum(jnp.maximum(hi_ref[()], lo), lo + g.n_blocks * bk)  # 0 ≤ hi − lo ≤ C
+    if g.append:
+        # the step's key is logical key hi − 1, in registers: the ring is read over [lo, hi − 1) only, so no
+        # program loads the slot this one writes (every key of that range lies less than C before hi − 1)
+        slot = lax.rem(jnp.maximum(hi_ref[()] - 1, 0), g.n_blocks * bk)
+        with_new = hi > lo
+        hi = jnp.where(with_new, hi - 1, lo)
     qs = [pltriton.load(q_ref.at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
     if g.has_lam:
         lq_hi_ref, lq_lo_ref, lk_hi_ref, lk_lo_ref = lam_refs
@@ -245,6 +263,9 @@ def _decode_kernel(*refs, g: _Geom):
         carry = lax.fori_loop(full_a, full_b, functools.partial(step, masked=False), carry)
         carry = lax.fori_loop(full_b, end_n, masked_step, carry)
     accs, m_i, l_i = carry
+    if g.append:
+        accs, m_i, l_i = _append_new_key(g, qs, new_refs, ring_out, slot, with_new, accs, m_i, l_i,
+                                         lq=(lq_hi, lq_lo) if g.has_lam else None, row_ok=row_ok)
 
     if g.num_splits == 1:
         (o_ref,) = out_refs
@@ -257,6 +278,46 @@ def _decode_kernel(*refs, g: _Geom):
             pltriton.store(o_ref.at[:, pl.ds(off, size)], acc, mask=row_ok)
         pltriton.store(m_ref.at[:], m_i, mask=row_ok[:, 0])
         pltriton.store(l_ref.at[:], l_i, mask=row_ok[:, 0])
+
+
+def _append_new_key(g: _Geom, qs, new_refs, ring_out, slot, with_new, accs, m_i, l_i, *, lq, row_ok):
+    """Append mode: the step's own key (its k, v and Λ from ``new_refs``) joins split 0's online softmax as one
+    more column, and split 0 writes it to ring slot ``slot`` (the aliased outputs ``ring_out``). Returns the
+    updated (accs, m, l)."""
+    first = pl.program_id(1) == 0
+    k_new = [pltriton.load(new_refs[0].at[pl.ds(off, size)]) for off, size in g.chunks]
+    v_new = [pltriton.load(new_refs[1].at[pl.ds(off, size)]) for off, size in g.chunks]
+    s = None
+    for q, kn in zip(qs, k_new):
+        part = jnp.sum(q.astype(jnp.float32) * kn.astype(jnp.float32)[None, :], axis=1)
+        s = part if s is None else s + part
+    s = s * g.scale
+    if g.has_lam:  # one Λ per query head of the group ([1] with G = 1: what the ring's row stores)
+        load = (lambda ref: pltriton.load(ref.at[pl.ds(0, 1)])) if g.group == 1 else \
+            (lambda ref: pltriton.load(ref.at[:], mask=row_ok[:, 0], other=0.0))  # noqa: E731
+        ln_hi, ln_lo = load(new_refs[2]), load(new_refs[3])
+        s = s + ((lq[0] - ln_hi) + (lq[1] - ln_lo))
+    s = jnp.where(first & with_new, s, _NEG_INF)
+    m_new = jnp.maximum(m_i, s)
+    m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) * LOG2E
+    alpha = jnp.exp2(m_i * LOG2E - m_base)
+    p = jnp.exp2(s * LOG2E - m_base)
+    new_accs = []
+    for acc, vn in zip(accs, v_new):  # the weight rounded to v's dtype, as the blocks' P·V
+        w = p.astype(vn.dtype).astype(jnp.float32)
+        new_accs.append(acc * alpha[:, None] + w[:, None] * vn.astype(jnp.float32)[None, :])
+    # the write: one program per (row, key/value head)
+    for ref, x in zip(ring_out[:2], (k_new, v_new)):
+        for xc, (off, size) in zip(x, g.chunks):
+            pltriton.store(ref.at[pl.ds(slot, 1), pl.ds(off, size)], xc[None, :],
+                           mask=jnp.full((1, size), first))
+    if g.has_lam:
+        for ref, x in zip(ring_out[2:], (ln_hi, ln_lo)):
+            if g.group == 1:
+                pltriton.store(ref.at[pl.ds(slot, 1)], x, mask=jnp.full((1,), first))
+            else:
+                pltriton.store(ref.at[:, pl.ds(slot, 1)], x[:, None], mask=row_ok & first)
+    return tuple(new_accs), m_new, l_i * alpha + p
 
 
 def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array, dtype) -> jax.Array:
@@ -287,7 +348,7 @@ def _range_operand(x, b: int, hkv: int):
 
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
-                 config: DecodeConfig, interpret: bool) -> jax.Array:
+                 config: DecodeConfig, interpret: bool, append=None):
     """Decode attention on a ring cache with the flash-decoding kernel (shapes unchecked: the public
     op ``fox_jax.ops.decode_attention`` checks them).
 
@@ -300,8 +361,13 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
       lam_q: None or (hi, lo), each [B, Hkv, G] float32; lam_k: None or (hi, lo), each [B, Hkv, G, C]
         float32 (both or neither).
       scale: logit scale; config: tiling; interpret: interpret mode (CPU).
+      append: None, or the step's own entry (k_new, v_new [B, Hkv, D] in q's dtype, lam_new: None or (hi, lo)
+        [B, Hkv, G] float32, as ``lam_k``) for a ring whose slot of logical key hi − 1 it is: the kernel reads the
+        ring over [lo, hi − 1), adds the entry as key hi − 1 and writes it to slot (hi − 1) mod C of k, v (and
+        Λ) in place (``input_output_aliases``: no separate update kernels). Needs D % 16 == 0 and no ``valid``.
     Returns:
-      [B, Hkv, G, D] in q.dtype (0 for a query with no visible key).
+      [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
+      entry written (lam_k None without Λ).
     """
     b, hkv, grp, d = q.shape
     cap = k.shape[2]
@@ -311,6 +377,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be ≤ {MAX_HEAD_DIM} for the Pallas decode kernel, got {d}")
     d_run = -(-d // MIN_BLOCK) * MIN_BLOCK
+    if append is not None and (d_run != d or valid is not None):
+        raise ValueError("append needs head_dim a multiple of 16 and no valid mask (a ring without pinned slots)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
         pad = [(0, 0)] * 3 + [(0, d_run - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
@@ -319,7 +387,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     has_lam, has_valid = lam_k is not None, valid is not None
     geom = _Geom(group=grp, group_pad=gp, n_blocks=cap // bk, block_k=bk, num_splits=ns,
                  chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
-                 exact_dot=q.dtype == jnp.float32)
+                 exact_dot=q.dtype == jnp.float32, append=append is not None)
 
     # [B, Hkv, ...] → [B·Hkv, ...] are free reshapes; the G axis is read in blocks of Gp rows (rows ≥ G
     # masked: no padding copies).
@@ -355,19 +423,42 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         out_shape = [jax.ShapeDtypeStruct((bh, ns, grp, d_run), jnp.float32),
                      jax.ShapeDtypeStruct((bh, ns, grp), jnp.float32),
                      jax.ShapeDtypeStruct((bh, ns, grp), jnp.float32)]
+    aliases = {}
+    if append is not None:  # the step's entry in, the ring's buffers out in place
+        k_new, v_new, lam_new = append
+        ring = [(3, pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0))),
+                (4, pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0)))]
+        in_specs += [pl.BlockSpec((None, d_run), lambda i, s: (i, 0))] * 2
+        args += [k_new.reshape(bh, d_run).astype(q.dtype), v_new.reshape(bh, d_run).astype(q.dtype)]
+        if has_lam:
+            in_specs += [pl.BlockSpec((None, gp), lambda i, s: (i, 0))] * 2
+            args += [x.reshape(bh, grp).astype(jnp.float32) for x in lam_new]
+            ring += [(7, in_specs[7]), (8, in_specs[8])]
+        for arg_index, spec in ring:
+            aliases[arg_index] = len(out_shape)
+            out_specs.append(spec)
+            out_shape.append(jax.ShapeDtypeStruct(args[arg_index].shape, args[arg_index].dtype))
     outs = pl.pallas_call(
         functools.partial(_decode_kernel, g=geom),
         grid=(bh, ns),
         in_specs=in_specs,
         out_specs=out_specs,
         out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=config.num_warps,
                                                                       num_stages=config.num_stages),
         interpret=interpret,
         name="fox_decode_attention",
     )(*args)
-    o = outs[0] if ns == 1 else combine_splits(*outs, q.dtype)
-    return o.reshape(b, hkv, grp, d_run)[..., :d]
+    n_o = 1 if ns == 1 else 3
+    o = outs[0] if ns == 1 else combine_splits(*outs[:3], q.dtype)
+    o = o.reshape(b, hkv, grp, d_run)[..., :d]
+    if append is None:
+        return o
+    ring_out = outs[n_o:]
+    k_out, v_out = (x.reshape(k.shape) for x in ring_out[:2])
+    lam_out = tuple(x.reshape(lam_k[0].shape) for x in ring_out[2:]) if has_lam else None
+    return o, k_out, v_out, lam_out
 
 
 __all__ = ["DecodeConfig", "SHARED_LIMIT", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",

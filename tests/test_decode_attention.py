@@ -29,8 +29,8 @@ import numpy as np
 import pytest
 
 from fox_jax.kernels import decode_attention as dk
-from fox_jax.ops import decode_attention, decode_attention_reference
-from fox_jax.ops.decode_attention import resolve_decode_implementation, visible_slots
+from fox_jax.ops import decode_attention, decode_attention_append, decode_attention_reference
+from fox_jax.ops.decode_attention import resolve_decode_implementation, visible_slots, write_entry
 
 _B, _HKV = 2, 3
 
@@ -132,6 +132,50 @@ def test_narrow_range_forms():
     assert _err(o, ref) <= _tol(jnp.float32)
     with pytest.raises(ValueError, match=r"lo must be an int array \[B, Hkv\] = \[2, 3\], \[B, 1\]"):
         decode_attention(q, k, v, **dict(kw, lo=jnp.zeros((_B,), jnp.int32), hi=hi))
+
+
+# cap, G, D, dtype, Λ pairs, splits, per-row hi
+_APPEND_CASES = [
+    pytest.param(64, 1, 64, jnp.float32, True, 1, False, id="G1-f32-lam-1split"),
+    pytest.param(80, 4, 32, jnp.bfloat16, True, 3, False, id="G4-bf16-lam-3splits"),
+    pytest.param(48, 2, 48, jnp.float32, False, 2, True, id="G2-D48-f32-perrow-hi-2splits"),
+]
+
+
+@pytest.mark.parametrize("cap,grp,d,dtype,lam,splits,per_row", _APPEND_CASES)
+def test_append_writes_then_reads(cap, grp, d, dtype, lam, splits, per_row):
+    """``decode_attention_append``: the Pallas kernel (the step's entry from registers, written to the aliased
+    ring by one program per row and head) gives the oracle's output for "write the entry at slot (hi − 1) mod C,
+    then read [lo, hi)", and exactly the written ring (every other slot untouched), for ranges that wrap, start
+    inside a block, fill the ring, or hold only the new key; the XLA path equals the oracle too."""
+    rng = np.random.default_rng(cap + grp)
+    q, k, v, kw = _inputs(cap, grp, d, dtype, lam, None, seed=cap + d)
+    hi = jnp.asarray([[3 * cap + 5], [cap + 40]], jnp.int32) if per_row else jnp.int32(2 * cap + 21)
+    hi_full = jnp.broadcast_to(hi, (_B, _HKV))
+    n = np.array([[cap, 1, 17], [cap - 3, 40, 2]])  # full ring | only the new key | ... (≤ C keys)
+    lo = hi_full - jnp.asarray(n, jnp.int32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((_B, _HKV, d)), dtype) for _ in range(2))
+    extra = {}
+    if lam:
+        lq = kw["lam_q"]
+        extra = dict(lam_q=lq, lam_k=kw["lam_k"], lam_new=lq)  # the step's Λ is its query's
+    written_k, written_v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
+    written_lam = tuple(write_entry(x, y, hi, 3) for x, y in zip(kw["lam_k"], extra["lam_new"])) if lam else None
+    ref = decode_attention_reference(q, written_k, written_v, lo=lo, hi=hi_full, lam_q=extra.get("lam_q"),
+                                     lam_k=written_lam)
+    for impl in ("xla", "pallas"):
+        o, k2, v2, lam2 = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+            q, k, v, k_new, v_new, lo=lo, hi=hi, **extra)
+        assert _err(o, ref) <= _tol(dtype), impl
+        np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(written_k, np.float32), err_msg=impl)
+        np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(written_v, np.float32), err_msg=impl)
+        if lam:
+            for a, b_ in zip(lam2, written_lam):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=impl)
+        else:
+            assert lam2 is None
+    with pytest.raises(ValueError, match=r"k_new must be"):
+        decode_attention_append(q, k, v, k_new[:, :1], v_new, lo=lo, hi=hi, **extra)
 
 
 def test_lambda_pairs_matter():
@@ -272,6 +316,33 @@ def _gpu_inputs(b, hkv, grp, d, cap, lam, valid_nt):
     if valid_nt is not None:
         kw["valid"] = jnp.asarray(rng.random((b, valid_nt, cap)) > 0.3)
     return q, k, v, kw
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hkv,grp,d,cap,lam,valid_nt,block_k,splits", [c for c in _GPU_CASES if c.values[6] is None])
+def test_gpu_append_matches_reference(b, hkv, grp, d, cap, lam, valid_nt, block_k, splits):
+    """The Triton-lowered append mode (the step's entry from registers, written to the aliased ring in place) on
+    decode shapes: the oracle's output of "write, then read", and exactly the written ring."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    q, k, v, kw = _gpu_inputs(b, hkv, grp, d, cap, lam, valid_nt)
+    rng = np.random.default_rng(7)
+    hi = jnp.int32(5 * cap + 3)
+    lo = hi - jnp.asarray(rng.integers(1, cap + 1, (b, hkv)), jnp.int32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((b, hkv, d)), jnp.bfloat16) for _ in range(2))
+    extra = dict(lam_q=kw["lam_q"], lam_k=kw["lam_k"], lam_new=kw["lam_q"]) if lam else {}
+    wk, wv = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
+    wl = tuple(write_entry(x, y, hi, 3) for x, y in zip(kw["lam_k"], kw["lam_q"])) if lam else None
+    ref = decode_attention_reference(q, wk, wv, lo=lo, hi=jnp.broadcast_to(hi, (b, hkv)), lam_q=extra.get("lam_q"),
+                                     lam_k=wl)
+    o, k2, v2, l2 = jax.jit(functools.partial(decode_attention_append, implementation="pallas", block_k=block_k,
+                                              num_splits=splits))(q, k, v, k_new, v_new, lo=lo, hi=hi, **extra)
+    assert _err(o, ref) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(wk, np.float32))
+    np.testing.assert_array_equal(np.asarray(v2, np.float32), np.asarray(wv, np.float32))
+    if lam:
+        for a, b_ in zip(l2, wl):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ order (tiles, chunks, the ring layout), ~1e-6 apart on logits of std ~0.1: 1e-4,
 
 import dataclasses
 import functools
+import sys
 import math
 import re
 import warnings
@@ -813,6 +814,42 @@ def test_incremental_decoding_equals_full_forward(family):
     if keep is None:
         np.testing.assert_array_equal(live_counts(caches), np.broadcast_to(t - PADS, (len(caches), 3)))
     assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) == 0
+
+
+@pytest.mark.parametrize("policy", ["dense", "acp"])
+def test_pallas_decode_steps_equal_the_xla_path(policy, monkeypatch):
+    """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
+    default: the step's entry written into the ring by the kernel while it reads) give the XLA path's logits and
+    the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals the full forward. Tolerance:
+    float32, summation order only (the split softmax), 1e-5."""
+    dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
+    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)  # D = 16:
+    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))  # the kernel's
+    t, p = 12, 6
+    tokens = padded_batch(t)
+
+    def run():
+        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=t, policy=policy)
+        steps = []
+        for c in range(p, t):
+            step_logits, caches = decode_step(model, params, caches, tokens[:, c])
+            steps.append(np.asarray(step_logits))
+        return np.stack(steps), caches
+
+    ref, ref_caches = run()
+    monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
+    traced = []
+    flash = dec.dk.flash_decode
+    monkeypatch.setattr(dec.dk, "flash_decode", lambda *a, **kw: traced.append(kw.get("append")) or flash(*a, **kw))
+    jax.clear_caches()  # the jitted steps retrace with the kernel
+    got, caches = run()
+    assert traced and all(a is not None for a in traced)  # the append mode ran
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    if policy == "dense":
+        np.testing.assert_allclose(got, np.asarray(full_forward(model, params, tokens)[0][:, p:]).transpose(1, 0, 2),
+                                   atol=1e-4)
+    for a, b_ in zip(jax.tree.leaves(caches), jax.tree.leaves(ref_caches)):  # the ring written by the kernel
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32), atol=1e-6)
 
 
 # A split of 12 tokens whose first chunks hold only left pads for rows 1 and 2 (PADS = 0, 3, 5), so that

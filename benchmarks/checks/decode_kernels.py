@@ -128,7 +128,8 @@ def _layer(op: str) -> str:
     return m.group(1) if m else "(outside the layers)"
 
 
-def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_tokens: int, slots: int | None):
+def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_tokens: int, slots: int | None,
+                     overrides: tuple = ()):
     """The optimized HLO text of ``fox_jax.decoding.generate``'s program for an H200, compiled without a device."""
     from jax.experimental import topologies
 
@@ -144,7 +145,7 @@ def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_
     from fox_jax.decoding import generation as gen
     from fox_jax.decoding import min_slots
 
-    cfg = model_config(model_spec, []).replace(dtype="bfloat16")
+    cfg = model_config(model_spec, list(overrides)).replace(dtype="bfloat16")
     abstract = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tree)
     params = abstract(jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0)))
@@ -168,12 +169,13 @@ def main(argv=None) -> int:
     p.add_argument("--prompt", type=int, default=2048)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--slots", type=int, help="pool per row and head (default: the policy's need)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (kv_heads=4)")
     p.add_argument("--layer", help="list the kernels of this layer (layers_0, h_0, ...) one per line")
     p.add_argument("--json", help="write the counts and the kernel list here")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     kernels = step_kernels(compile_generate(args.model, args.policy, args.batch, args.prompt, args.new_tokens,
-                                            args.slots))
+                                            args.slots, tuple(args.set)))
     per_layer = collections.Counter(_layer(k["op"]) for k in kernels)
     layers = sorted((n for n in per_layer if n != "(outside the layers)"), key=lambda n: int(n.split("_")[1]))
     kinds = collections.Counter(k["kind"] for k in kernels)

@@ -9,9 +9,11 @@ the input, so attention never reads the slot order. Which storage a policy gets 
 * ``RingGroup`` (dense, window, sinks, acp): the key of column c lives in slot c mod C (the shared column
   counter ``length`` aligns left-padded rows), and what is live is a suffix [start, length) per row, or per
   (row, key/value head) for ``acp``: one int per table is the whole eviction state. A decode step writes every
-  row at slot ``length mod C`` (``lax.dynamic_update_slice``, no allocation search) and reads [start, length]
-  through ``fox_jax.ops.decode_attention``. ``sinks:S+W`` puts positions < S in S pinned slots in front of the
-  ring. A suffix longer than C overwrites its oldest entries: ``overflow`` counts them.
+  row at slot ``length mod C`` (no allocation search) and reads [start, length] in one call,
+  ``fox_jax.ops.decode_attention_append`` (the Pallas kernel writes the entry in place while it reads; elsewhere a
+  ``dynamic_update_slice`` then the read). ``sinks:S+W`` puts positions < S in S pinned slots in front of the
+  ring (its decode step writes, then reads the whole ring masked). A suffix longer than C overwrites its oldest
+  entries: ``overflow`` counts them.
 * ``PoolGroup`` (dcp): any key may be dropped, so a slot table of positions (−1: free); a chunk's survivors go
   to the lowest free slots (the highest occupied slot stays near the peak live count) and ``hi`` (1 + the
   highest occupied slot) bounds each row's read.
@@ -45,7 +47,7 @@ from fox_jax.cache.decay import accumulate_log_fgate
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.cache.visibility import Chunk, Keys, LayerFacts, Rule, rule_for
 from fox_jax.ops._common import check_seq_start, dot_precision
-from fox_jax.ops.decode_attention import decode_attention
+from fox_jax.ops.decode_attention import decode_attention, decode_attention_append
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
 KV_AXES = ("batch", "kv_heads", None, None)  # k, v [B, n, C, D] and Λ [B, n, G, C]
@@ -176,6 +178,8 @@ class RingGroup(_Entries):
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
         keys = self._keys(step.cache, lam_q)
         start_t = self._visible_from(step, keys)
+        if q.shape[1] == 1 and step.attend and not self.pinned:  # a decode step: the write and the read in one op
+            return self._write_read(step, self._advance(step, start_t, 1), q, k, v, lam_q)
         new = self._place(step, k, v, lam_q, start_t)
         if not step.attend:
             return None, new
@@ -205,9 +209,6 @@ class RingGroup(_Entries):
         b, t, n, _ = k.shape
         length, c, p = cache.length, self.slots, self.pinned
         ring = c - p
-        wanted = start_t[..., -1]
-        new_start = jnp.maximum(wanted, length + t - ring)
-        dropped = new_start - wanted                                                              # [B, nt]
         kt, vt = (x.transpose(0, 2, 1, 3) for x in (k, v))                                       # [B, n, T, D]
         pos = chunk.pos
         if t == 1:
@@ -238,8 +239,32 @@ class RingGroup(_Entries):
             new = self.replace(k=put(self.k, kt), v=put(self.v, vt))
             if lam_q is not None:
                 new = new.replace(lam_hi=put_lam(self.lam_hi, lam_q[0]), lam_lo=put_lam(self.lam_lo, lam_q[1]))
-        live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - cache.seq_start, 0, p)[:, None]
-        return new.replace(start=new_start, peak=jnp.maximum(self.peak, live), overflow=self.overflow + dropped)
+        return new._advance(step, start_t, t)
+
+    def _advance(self, step: _Step, start_t, t: int) -> RingGroup:
+        """The tables after T columns: the ring keeps its last C − pinned (what the rule kept beyond them overflowed,
+        counted per table), ``peak`` follows the live count; elementwise over [B, nt]."""
+        length, seq_start, p = step.cache.length, step.cache.seq_start, self.pinned
+        wanted = start_t[..., -1]
+        new_start = jnp.maximum(wanted, length + t - (self.slots - p))
+        live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - seq_start, 0, p)[:, None]
+        return self.replace(start=new_start, peak=jnp.maximum(self.peak, live),
+                            overflow=self.overflow + (new_start - wanted))
+
+    def _write_read(self, step: _Step, new: RingGroup, q, k, v, lam_q) -> tuple[jax.Array, RingGroup]:
+        """A decode step (no pinned slots): its entry written at slot ``length`` mod C and the ring read over
+        [start, length] by one op (``decode_attention_append``: in the Pallas kernel, without update kernels).
+        Returns (o [B, 1, n, G, D] float32, the group with the entry)."""
+        hi = (step.cache.length + 1).astype(jnp.int32)
+        lam_new = None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0])              # [B, n, G]
+        o, kbuf, vbuf, lam_k = decode_attention_append(
+            q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), k[:, 0].astype(q.dtype), v[:, 0].astype(q.dtype),
+            lo=new.start, hi=hi, lam_q=lam_new, lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo),
+            lam_new=lam_new, sm_scale=step.chunk.scale)
+        new = new.replace(k=kbuf.astype(new.k.dtype), v=vbuf.astype(new.v.dtype))
+        if lam_k is not None:
+            new = new.replace(lam_hi=lam_k[0], lam_lo=lam_k[1])
+        return o[:, None].astype(jnp.float32), new
 
     def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
         """Attention of a decode step, after its write: the ring's [start, length] through the decode op

@@ -2,7 +2,7 @@
 
 from fox_jax.ops import acp, context_pruning, tiles
 from fox_jax.ops.alpha_sigmoid import alpha_sigmoid, alpha_sigmoid_step, cosine_alpha_schedule
-from fox_jax.ops.decode_attention import DECODE_IMPLEMENTATIONS, decode_attention
+from fox_jax.ops.decode_attention import DECODE_IMPLEMENTATIONS, decode_attention, decode_attention_append
 from fox_jax.ops.forgetting_attention import (IMPLEMENTATIONS, forgetting_attention, resolve_implementation,
                                               sharded_attention)
 from fox_jax.ops.reference import (attention_mask, decay_cumsum, decode_attention_reference,
@@ -19,6 +19,7 @@ __all__ = [
     "attention_mask",
     "decay_cumsum",
     "decode_attention",
+    "decode_attention_append",
     "decode_attention_reference",
     "forgetting_attention",
     "forgetting_attention_reference",

@@ -1,10 +1,12 @@
 """Decode attention: one query per (row, head) against the live range of a ring KV cache.
 
-The op the caches call once per decode step and head group (read-after-write: the new token is in the
-ring already). Implementations: ``"xla"`` (masked einsums over the whole ring: the portable path and
+What the caches call once per decode step and head group: ``decode_attention`` reads after the step's token was
+written (slot pools, rings with pinned sink slots); ``decode_attention_append`` (rings: dense, window, acp) writes
+and reads in one call. Implementations: ``"xla"`` (masked einsums over the whole ring: the portable path and
 the CPU default), ``"pallas"`` (the flash-decoding kernel of kernels/decode_attention.py: reads only
 the live blocks), ``"cudnn"`` (cuDNN flash attention with the decay and the range as a bias; GPU,
 bf16/fp16) and ``"auto"``. The dense float32 oracle is ``fox_jax.ops.reference.decode_attention_reference``.
+In the Pallas kernel ``decode_attention_append`` does both at once, the ring updated in place.
 """
 
 from __future__ import annotations
@@ -284,5 +286,84 @@ def decode_attention(
     return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
 
 
+def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int) -> jax.Array:
+    """``buf`` with ``x`` written at ring slot (hi − 1) mod C of its ``axis`` (C = buf.shape[axis]) for every row and
+    key/value head: one ``dynamic_update_slice`` when ``hi`` is a scalar, else a scatter per row and head. buf
+    [B, Hkv, ...] with the slot axis ``axis``; x: buf without that axis; hi as ``decode_attention``'s."""
+    cap = buf.shape[axis]
+    hi = jnp.asarray(hi, jnp.int32)
+    if hi.ndim == 0:
+        slot = jnp.mod(jnp.maximum(hi - 1, 0), cap)
+        return jax.lax.dynamic_update_slice_in_dim(buf, jnp.expand_dims(x, axis).astype(buf.dtype), slot, axis)
+    slot = jnp.mod(jnp.maximum(jnp.broadcast_to(hi, buf.shape[:2]) - 1, 0), cap)               # [B, Hkv]
+    moved = jnp.moveaxis(buf, axis, 2)                                                           # [B, Hkv, C, ...]
+    rows, heads = jnp.arange(buf.shape[0])[:, None], jnp.arange(buf.shape[1])[None, :]
+    return jnp.moveaxis(moved.at[rows, heads, slot].set(x.astype(buf.dtype)), 2, axis)
+
+
+def decode_attention_append(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    k_new: jax.Array,
+    v_new: jax.Array,
+    *,
+    lo: jax.Array,
+    hi: jax.Array,
+    lam_q: tuple[jax.Array, jax.Array] | None = None,
+    lam_k: tuple[jax.Array, jax.Array] | None = None,
+    lam_new: tuple[jax.Array, jax.Array] | None = None,
+    sm_scale: float | None = None,
+    implementation: str = "auto",
+    block_k: int | None = None,
+    num_splits: int | None = None,
+):
+    """A decode step's write and read of a ring KV cache in one call: the step's entry (``k_new``, ``v_new``,
+    ``lam_new``) goes to ring slot (hi − 1) mod C as logical key hi − 1, then ``decode_attention`` over [lo, hi).
+
+    ``"pallas"`` does both in the flash-decoding kernel (the entry joins the softmax from registers and one
+    program per row and head writes it to the aliased ring: no update kernels before the read); the other
+    implementations write with ``write_entry`` and call ``decode_attention``. Same results either way (the
+    dense oracle: ``write_entry`` then ``decode_attention_reference``).
+
+    Args:
+      q, k, v, lo, hi, lam_q, lam_k, sm_scale, implementation, block_k, num_splits: as ``decode_attention``
+        (no ``valid``: a ring without pinned slots); hi ≥ 1 (the entry is key hi − 1).
+      k_new, v_new: [B, Hkv, D] in q's dtype: the step's key and value.
+      lam_new: (hi, lo) [B, Hkv, G] float32: Λ of the step's token per query head (with ``lam_k``), or None.
+
+    Returns:
+      (o [B, Hkv, G, D] in q's dtype, k, v [B, Hkv, C, D] and lam_k (or None) with the entry written).
+
+    Raises:
+      ValueError: as ``decode_attention``; k_new / v_new / lam_new of the wrong shape or dtype.
+    """
+    b, hkv, grp, d = q.shape
+    for name, x in (("k_new", k_new), ("v_new", v_new)):
+        if tuple(x.shape) != (b, hkv, d) or x.dtype != q.dtype:
+            raise ValueError(f"{name} must be {q.dtype}[{b}, {hkv}, {d}] (the step's entry), got {x.dtype}{list(x.shape)}")
+    if (lam_new is None) != (lam_k is None):
+        raise ValueError("lam_new goes with lam_k (the step's Λ is stored with the ring's): pass both or neither")
+    if lam_new is not None:
+        _check_pair("lam_new", lam_new, (b, hkv, grp))
+    _check_inputs(q, k, v, lo, hi, None, lam_q, lam_k)
+    impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
+    if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
+        scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+        interpret = jax.default_backend() != "gpu"
+        config = dk.default_decode_config(b * hkv, k.shape[2], interpret=interpret, block_k=block_k,
+                                          num_splits=None if num_splits is None else int(num_splits), head_dim=d,
+                                          itemsize=jnp.dtype(q.dtype).itemsize, group=grp, lam=lam_k is not None)
+        return dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
+                               scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new))
+    k, v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
+    if lam_k is not None:
+        lam_k = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_new))
+    o = decode_attention(q, k, v, lo=lo, hi=hi, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
+                         implementation=impl, block_k=block_k, num_splits=num_splits)
+    return o, k, v, lam_k
+
+
 __all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "cudnn_supported", "decode_attention",
+           "decode_attention_append", "write_entry",
            "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]
