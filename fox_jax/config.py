@@ -25,13 +25,42 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar
+import re
+from typing import Any, Callable, ClassVar
 
 GPT2_VOCAB = 50257
 REMAT_POLICIES = ("none", "full", "dots")  # ModelFamily.remat: no remat, save only block inputs, save matmul and attention outputs
 DTYPES = ("float32", "bfloat16", "float16")  # compute dtype names (params are always float32)
 DCP_IMPLS = ("auto", "xla", "pallas")  # dcp_impl: fox_jax.ops.context_pruning.IMPLEMENTATIONS
 LOSS_IMPLS = ("logits", "chunked")  # ModelConfig.loss_impl
+
+
+# Errors that name config fields ----------------------------------------------------------------
+
+class FieldError(ValueError):
+    """A ``ValueError`` about config fields: ``keys`` are the fields its message names, as written there
+    (``steps``, ``optim.lr``, ``ModelConfig.d_model``), so a front end can name them its own way:
+    ``fox-jax`` names the flag the user gave (``--steps``) or the ``key=value`` key (``renamed``)."""
+
+    def __init__(self, message: str, *keys: str):
+        super().__init__(message)
+        self.keys = keys
+
+    def renamed(self, name: Callable[[str], str | None]) -> str:
+        """The message with each of ``keys`` replaced by ``name(key)`` (kept where that is None) wherever it
+        stands as a whole name (not inside ``optim.warmup_steps`` or a path for ``steps``): a message names each
+        of its keys only as the field."""
+        text = str(self)
+        for key in self.keys:
+            new = name(key)
+            if new is not None and new != key:
+                text = re.sub(rf"(?<![\w./-]){re.escape(key)}(?![\w/])", lambda _: new, text)
+        return text
+
+
+def one_of(choices) -> str:
+    """``choices`` for a message: ``a, b, c``."""
+    return ", ".join(map(str, choices))
 
 
 # Numeric ranges of config fields ---------------------------------------------------------------
@@ -75,7 +104,7 @@ class Range:
             text = f"{kind} {'<' if self.hi_open else '<='} {self.hi:g}"
         else:
             text = kind
-        return f"None or {text}" if self.optional else text
+        return f"unset or {text}" if self.optional else text
 
 
 POSITIVE_INT = Range(1, integer=True)
@@ -92,12 +121,12 @@ def check_ranges(obj: Any, prefix: str = "") -> None:
     ``key=value`` overrides, flags, saved JSON) is checked once.
 
     Raises:
-      ValueError: ``"<prefix><field> must be <range>, got <value>"`` for the first field out of range.
+      FieldError: ``"<prefix><field> must be <range>, got <value>"`` for the first field out of range.
     """
     for name, allowed in type(obj).RANGES.items():
         value = getattr(obj, name)
         if not allowed.accepts(value):
-            raise ValueError(f"{prefix}{name} must be {allowed.describe()}, got {value!r}")
+            raise FieldError(f"{prefix}{name} must be {allowed.describe()}, got {value!r}", prefix + name)
 
 
 # Model families: the configs (jax-free) -----------------------------------------------------------
@@ -227,7 +256,7 @@ class FamilyConfig:
 def check_remat(remat: Any, owner: str) -> None:
     """Raise ValueError unless ``remat`` is one of ``REMAT_POLICIES`` (``owner`` names the config)."""
     if remat not in REMAT_POLICIES:
-        raise ValueError(f"{owner}.remat must be one of {REMAT_POLICIES}, got {remat!r}")
+        raise FieldError(f"{owner}.remat must be one of {one_of(REMAT_POLICIES)}, got {remat!r}", f"{owner}.remat")
 
 
 ARCHS = ("fox-llama", "transformer-llama", "fox-pro", "transformer-pro")
@@ -344,7 +373,7 @@ class ModelConfig(FamilyConfig):
 
     def __post_init__(self):
         if self.arch not in ARCHS:
-            raise ValueError(f"ModelConfig.arch must be one of {ARCHS}, got {self.arch!r}")
+            raise FieldError(f"ModelConfig.arch must be one of {one_of(ARCHS)}, got {self.arch!r}", "ModelConfig.arch")
         check_ranges(self, "ModelConfig.")
         threshold = self.adaptive_threshold
         if not (threshold is None or threshold == "auto" if isinstance(threshold, (str, type(None)))
@@ -352,25 +381,30 @@ class ModelConfig(FamilyConfig):
             raise ValueError("ModelConfig.adaptive_threshold must be None, 'auto' or a finite number <= 0 (a log "
                              f"decay threshold), got {self.adaptive_threshold!r}")
         if self.n_heads % self.kv_heads:
-            raise ValueError(
-                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.kv_heads})")
+            raise FieldError(
+                f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of ModelConfig.n_kv_heads ({self.kv_heads})",
+                "ModelConfig.n_heads", "ModelConfig.n_kv_heads")
         if self.head_dim is None and self.d_model % self.n_heads:
-            raise ValueError(
-                f"ModelConfig.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) "
-                "unless head_dim is given")
+            raise FieldError(
+                f"ModelConfig.d_model ({self.d_model}) must be divisible by ModelConfig.n_heads ({self.n_heads}) "
+                "unless ModelConfig.head_dim is given", "ModelConfig.d_model", "ModelConfig.n_heads",
+                "ModelConfig.head_dim")
         if self.use_rope and self.dim_per_head % 2:
             raise ValueError(f"RoPE needs an even head_dim, got {self.dim_per_head}")
         check_remat(self.remat, "ModelConfig")
         if self.dtype not in DTYPES:
-            raise ValueError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+            raise FieldError(f"ModelConfig.dtype must be float32, bfloat16 or float16, got {self.dtype!r}",
+                             "ModelConfig.dtype")
         if not isinstance(self.dcp, bool):
             raise ValueError(f"ModelConfig.dcp must be a bool, got {self.dcp!r}")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
         if self.dcp_impl not in DCP_IMPLS:
-            raise ValueError(f"ModelConfig.dcp_impl must be one of {DCP_IMPLS}, got {self.dcp_impl!r}")
+            raise FieldError(f"ModelConfig.dcp_impl must be one of {one_of(DCP_IMPLS)}, got {self.dcp_impl!r}",
+                             "ModelConfig.dcp_impl")
         if self.loss_impl not in LOSS_IMPLS:
-            raise ValueError(f"ModelConfig.loss_impl must be one of {LOSS_IMPLS}, got {self.loss_impl!r}")
+            raise FieldError(f"ModelConfig.loss_impl must be one of {one_of(LOSS_IMPLS)}, got {self.loss_impl!r}",
+                             "ModelConfig.loss_impl")
         if self.dcp and self.adaptive_threshold is not None:
             raise ValueError("ModelConfig.adaptive_threshold (ACP) cannot be combined with dcp=True: DCP "
                              "attention (dcp_attention) does not implement ACP block pruning; set "
@@ -458,9 +492,9 @@ def preset(size: str = "125M", arch: str = "fox-llama", **overrides) -> ModelCon
       ValueError: unknown size or arch.
     """
     if size not in _SIZES:
-        raise ValueError(f"unknown model size {size!r}; expected one of {SIZES}")
+        raise ValueError(f"unknown model size {size!r}; expected one of {one_of(SIZES)}")
     if arch not in ARCHS:
-        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+        raise ValueError(f"unknown arch {arch!r}; expected one of {one_of(ARCHS)}")
     kw: dict[str, Any] = dict(_SIZES[size])
     fox = arch.startswith("fox")
     pro = arch.endswith("pro")
@@ -588,9 +622,10 @@ class GPT2Config(FamilyConfig):
     def __post_init__(self):
         check_ranges(self, "GPT2Config.")
         if self.d_model % self.n_heads:
-            raise ValueError(f"GPT2Config.d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+            raise FieldError(f"GPT2Config.d_model ({self.d_model}) must be divisible by GPT2Config.n_heads "
+                             f"({self.n_heads})", "GPT2Config.d_model", "GPT2Config.n_heads")
         if self.dtype not in DTYPES:
-            raise ValueError(f"GPT2Config.dtype must be one of {DTYPES}, got {self.dtype!r}")
+            raise FieldError(f"GPT2Config.dtype must be one of {one_of(DTYPES)}, got {self.dtype!r}", "GPT2Config.dtype")
         if not isinstance(self.scan_layers, bool):
             raise ValueError(f"GPT2Config.scan_layers must be a bool, got {self.scan_layers!r}")
         check_remat(self.remat, "GPT2Config")
@@ -600,7 +635,8 @@ class GPT2Config(FamilyConfig):
                 raise ValueError(f"GPT2Config.sparse_pattern={self.sparse_pattern!r} needs dcp=False: a fixed "
                                  "pattern replaces the learned DCP mask (use one or the other)")
         if self.dcp_impl not in DCP_IMPLS:
-            raise ValueError(f"GPT2Config.dcp_impl must be one of {DCP_IMPLS}, got {self.dcp_impl!r}")
+            raise FieldError(f"GPT2Config.dcp_impl must be one of {one_of(DCP_IMPLS)}, got {self.dcp_impl!r}",
+                             "GPT2Config.dcp_impl")
 
     @property
     def dim_per_head(self) -> int:
@@ -652,7 +688,7 @@ def gpt2_preset(name: str = "gpt2", **overrides) -> GPT2Config:
       ValueError: unknown name (one of ``GPT2_SIZES``).
     """
     if name not in GPT2_SIZES:
-        raise ValueError(f"unknown GPT-2 size {name!r}; expected one of {tuple(GPT2_SIZES)}")
+        raise ValueError(f"unknown GPT-2 size {name!r}; expected one of {one_of(GPT2_SIZES)}")
     return GPT2Config(**{**GPT2_SIZES[name], **overrides})
 
 
@@ -668,5 +704,5 @@ def config_from_dict(d: dict) -> ModelConfig | GPT2Config:
     """
     model_type = d.get("model_type", "lm")
     if model_type not in MODEL_TYPES:
-        raise ValueError(f"model_type must be one of {tuple(MODEL_TYPES)}, got {model_type!r}")
+        raise ValueError(f"model_type must be one of {one_of(MODEL_TYPES)}, got {model_type!r}")
     return MODEL_TYPES[model_type].from_dict(d)

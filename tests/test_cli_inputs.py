@@ -27,24 +27,20 @@ BAD_TRAIN_OVERRIDES = [
     ("steps=0", "steps"), ("batch_size=-16", "batch_size"), ("grad_accum=0", "grad_accum"), ("seed=-3", "seed"),
     ("log_every=0", "log_every"), ("eval_every=-1", "eval_every"), ("eval_batches=0", "eval_batches"),
     ("ckpt_every=-5", "ckpt_every"), ("keep_checkpoints=0", "keep_checkpoints"),
-    ("model.d_model=-8", "ModelConfig.d_model"), ("model.n_kv_heads=0", "ModelConfig.n_kv_heads"),
-    ("model.hidden_ratio=0", "ModelConfig.hidden_ratio"), ("model.rope_base=1", "ModelConfig.rope_base"),
-    ("model.norm_eps=0", "ModelConfig.norm_eps"), ("model.init_std=-0.02", "ModelConfig.init_std"),
-    ("model.mlp_dim=-1", "ModelConfig.mlp_dim"), ("model.adaptive_threshold=0.5", "ModelConfig.adaptive_threshold"),
-    ("model.dcp_beta_init=inf", "ModelConfig.dcp_beta_init"),
+    ("model.d_model=-8", "model.d_model"), ("model.n_kv_heads=0", "model.n_kv_heads"),
+    ("model.hidden_ratio=0", "model.hidden_ratio"), ("model.rope_base=1", "model.rope_base"),
+    ("model.norm_eps=0", "model.norm_eps"), ("model.init_std=-0.02", "model.init_std"),
+    ("model.mlp_dim=-1", "model.mlp_dim"), ("model.adaptive_threshold=0.5", "ModelConfig.adaptive_threshold"),
+    ("model.dcp_beta_init=inf", "model.dcp_beta_init"),
 ]
 
-# (flags, field named in the error) for finetune-dcp / pretrain-gpt2
+# flags of finetune-dcp / pretrain-gpt2 with a value out of range: the error names the flag
 BAD_FINETUNE_FLAGS = [
-    (["--lr", "-1"], "lr"), (["--lr", "0"], "lr"), (["--warmup-steps", "-1"], "warmup_steps"),
-    (["--weight-decay", "-1"], "weight_decay"), (["--clip-norm", "-1"], "clip_norm"),
-    (["--interaction-lr", "0"], "interaction_lr"), (["--gamma", "-1"], "gamma"),
-    (["--interaction-dim", "0"], "interaction_dim"), (["--beta-init", "nan"], "beta_init"),
-    (["--alpha-init", "0.5"], "alpha_init"), (["--alpha-final", "0"], "alpha_final"),
-    (["--alpha-steps", "0"], "alpha_steps"), (["--steps", "-1"], "steps"), (["--batch-size", "0"], "batch_size"),
-    (["--seed", "-1"], "seed"), (["--data-seed", "-1"], "data.seed"), (["--seq-len", "-3"], "data.seq_len"),
-    (["--log-every", "0"], "log_every"), (["--eval-every", "-1"], "eval_every"),
-    (["--eval-batches", "0"], "eval_batches"), (["--ckpt-every", "-5"], "ckpt_every"),
+    ["--lr", "-1"], ["--lr", "0"], ["--warmup-steps", "-1"], ["--weight-decay", "-1"], ["--clip-norm", "-1"],
+    ["--interaction-lr", "0"], ["--gamma", "-1"], ["--interaction-dim", "0"], ["--beta-init", "nan"],
+    ["--alpha-init", "0.5"], ["--alpha-final", "0"], ["--alpha-steps", "0"], ["--steps", "-1"], ["--batch-size", "0"],
+    ["--seed", "-1"], ["--data-seed", "-1"], ["--seq-len", "-3"], ["--log-every", "0"], ["--eval-every", "-1"],
+    ["--eval-batches", "0"], ["--ckpt-every", "-5"],
 ]
 
 DCP_FLAGS = {"--interaction-lr", "--gamma", "--interaction-dim", "--beta-init", "--alpha-init", "--alpha-final",
@@ -66,17 +62,51 @@ def test_train_refuses_out_of_range_values(override, field, tmp_path, capsys):
     assert not (tmp_path / "run").exists()  # refused before anything is written
 
 
-@pytest.mark.parametrize("flags,field", BAD_FINETUNE_FLAGS, ids=[" ".join(f) for f, _ in BAD_FINETUNE_FLAGS])
-def test_finetune_and_pretrain_refuse_out_of_range_values(flags, field, tmp_path, capsys):
+@pytest.mark.parametrize("flags", BAD_FINETUNE_FLAGS, ids=[" ".join(f) for f in BAD_FINETUNE_FLAGS])
+def test_finetune_and_pretrain_refuse_out_of_range_values(flags, tmp_path, capsys):
     src = tmp_path / "hf"
     src.mkdir()  # never read: the config is refused first
     common = ["--workdir", str(tmp_path / "run"), "--tokenizer", str(src), "--no-progress", *flags]
     assert cli.main(["finetune-dcp", "--hf-gpt2", str(src), *common]) == 2
-    assert f"{field} must be" in _one_line_error(capsys, "finetune-dcp")
+    assert _one_line_error(capsys, "finetune-dcp").startswith(f"fox-jax finetune-dcp: error: {flags[0]} must be ")
     if flags[0] not in DCP_FLAGS:
         assert cli.main(["pretrain-gpt2", "--n-layer", "2", "--n-embd", "64", "--n-head", "4", *common]) == 2
-        assert f"{field} must be" in _one_line_error(capsys, "pretrain-gpt2")
+        assert _one_line_error(capsys, "pretrain-gpt2").startswith(f"fox-jax pretrain-gpt2: error: {flags[0]} must be ")
     assert not (tmp_path / "run").exists()
+
+
+# (arguments, the error): a bad value names the flag the user typed, or the key of a key=value override;
+# "unset" for None, choices as a list
+NAMED_ERRORS = [
+    (["--steps", "-5"], "--steps must be an int >= 1, got -5"),
+    (["steps=-5"], "steps must be an int >= 1, got -5"),
+    (["--batch-size", "0"], "--batch-size must be an int >= 1, got 0"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["optim.lr=0", "--lr", "-1"], "--lr must be a finite number > 0, got -1.0"),  # the flag wins, and is named
+    (["--warmup-steps", "-1"], "--warmup-steps must be unset or an int >= 0, got -1"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps must be unset or an int >= 0, got -1"),
+    (["--grad-accum", "3"], "--batch-size (16) must be a multiple of --grad-accum (3)"),
+    (["--seq-len", "1"], "--seq-len must be at least 2 (or 0: the model's length), got 1"),
+    (["--arch", "foo"], "--arch must be one of fox-llama, transformer-llama, fox-pro, transformer-pro; got 'foo'"),
+    (["optim.schedule=linear"], "optim.schedule must be one of cosine, constant, got 'linear'"),
+    (["model.n_heads=3"], "model.d_model (128) must be divisible by model.n_heads (3) unless model.head_dim is given"),
+]
+
+
+@pytest.mark.parametrize("args,message", NAMED_ERRORS, ids=[" ".join(a) for a, _ in NAMED_ERRORS])
+def test_train_errors_name_the_flag_given(args, message, tmp_path, capsys):
+    assert cli.main(["train", "--workdir", str(tmp_path / "run"), "--data", str(tmp_path / "missing"), *args]) == 2
+    assert _one_line_error(capsys, "train") == f"fox-jax train: error: {message}"
+
+
+def test_field_errors_rename_whole_names_only():
+    from fox_jax.config import FieldError
+
+    e = FieldError("steps 3: /runs/steps/a (optim.warmup_steps 9, resume_steps 2) is at step 12; give steps above 12",
+                   "steps")
+    assert e.renamed({"steps": "--steps"}.get) == (
+        "--steps 3: /runs/steps/a (optim.warmup_steps 9, resume_steps 2) is at step 12; give --steps above 12")
+    assert e.renamed(lambda key: None) == str(e)
 
 
 def test_eval_refuses_out_of_range_overrides(tmp_path, capsys):

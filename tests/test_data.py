@@ -164,7 +164,7 @@ def test_empty_and_tiny_corpora_raise(tmp_path):
         load_corpus(DataConfig(train=(str(tmp_path / "one.txt"),), seq_len=8))
     assert "max_docs" not in str(e.value)  # it cannot help here
     write_txt(tmp_path / "two.txt", make_docs(2, length=50))
-    with pytest.raises(ValueError, match=r"has \d+ tokens, but data.seq_len=4096"):
+    with pytest.raises(ValueError, match=r"the training text has \d+ tokens, but data.seq_len 4096 needs"):
         load_corpus(DataConfig(train=(str(tmp_path / "two.txt"),), seq_len=4096))
     with pytest.raises(FileNotFoundError, match="--data"):
         load_corpus(DataConfig(train=(str(tmp_path / "missing"),)))

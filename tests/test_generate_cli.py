@@ -115,6 +115,36 @@ def test_generate_command_errors(train_run, capsys, tmp_path):  # noqa: F811
     assert "--top-p samples, but --temperature 0 decodes greedily" in error(["generate", run, "--prompt", "a",
                                                                             "--top-p", "0.9"])
     assert "--mesh: unknown axis 'model'" in error(["generate", run, "--prompt", "a", "--mesh", "model=2"])
+    # the flag the user gave, in the error of a bad value
+    assert error(["generate", run, "--prompt", "a", "--cache", "window:abc"]).startswith(
+        "fox-jax generate: error: --cache 'window:abc': W must be an int")
+    assert error(["generate", run, "--prompt", "a", "--step", "7"]) == (
+        f"fox-jax generate: error: --step: no checkpoint for step 7 in {run}/checkpoints; available steps: 2, 4")
+    assert error(["generate", run, "--prompt-file", str(tmp_path)]) == (
+        f"fox-jax generate: error: --prompt-file {tmp_path} is a directory; give a file: its text is one prompt, or "
+        "a .jsonl file of one prompt per line")
+
+
+def test_eval_errors_name_the_flags(train_run, capsys):  # noqa: F811
+    run = str(train_run[0])
+
+    def error(argv) -> str:
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1, err
+        return err.removeprefix("fox-jax eval: error: ")
+
+    assert error(["eval", "--workdir", run, "--step", "7"]) == (
+        f"--step: no checkpoint for step 7 in {run}/checkpoints; available steps: 2, 4")
+    assert error(["eval", "--workdir", run, "--cache", "window:abc"]).startswith("--cache 'window:abc': W must be")
+    assert error(["eval", "--workdir", run, "--cache", "lru"]).startswith("--cache: unknown cache policy 'lru'")
+    # eval reads only the validation text: the error names it and the flag (the key for a key=value override)
+    err = error(["eval", "--workdir", run, "--seq-len", "100000000"])
+    assert re.fullmatch(r"the validation text \(held out of the training text\) has [\d,]+ tokens, but --seq-len "
+                        r"100000000 needs at least 100,000,001 \(a window and its next token\); pass more text "
+                        r"\(--val-data\) or a smaller --seq-len", err), err
+    err = error(["eval", "--workdir", run, "data.seq_len=100000000"])
+    assert "but data.seq_len 100000000 needs" in err and "a smaller data.seq_len" in err
 
 
 def _serve_under_budget(train_run, tmp_path):  # noqa: F811

@@ -24,6 +24,7 @@ import importlib
 import json
 import math
 
+from fox_jax.config import ARCHS, FieldError, one_of
 from fox_jax.train import config as config_lib
 from fox_jax.train.commands import GPT2_FLAGS, PATH_KEYS, MissingExtraError, alias_flags, build_parser, flag_dest
 
@@ -45,6 +46,31 @@ def explicit_overrides(args) -> list[str]:
             and os.path.isfile(os.path.join(data[0], "meta.json")) and os.path.isdir(os.path.join(data[0], "tokenizer")):
         out.append(f"data.tokenizer={os.path.abspath(os.path.join(data[0], 'tokenizer'))}")  # a pre-tokenized directory
     return out
+
+
+_MODEL_CLASSES = ("ModelConfig.", "GPT2Config.")  # how the model configs name their fields (fox_jax.config)
+
+
+def field_namer(args):
+    """``name(key)``: how an error of this command line names the config field ``key`` (a ``FieldError``'s
+    keys): the flag when the command has one for it (``--steps``), unless the value came from a ``key=value``
+    override and not from the flag, which keeps the key; ``model.<field>`` for the model configs'
+    ``ModelConfig.<field>``. None (the message unchanged) for commands that take no overrides."""
+    if not hasattr(args, "overrides"):
+        return lambda key: None
+    given = {o.split("=", 1)[0] for o in args.overrides or []}
+    flags = {key: flag for flag, key in alias_flags(args.command) if hasattr(args, flag_dest(flag))}
+
+    def name(key: str) -> str:
+        for prefix in _MODEL_CLASSES:
+            if key.startswith(prefix):
+                key = "model." + key.removeprefix(prefix)
+        flag = flags.get(key)
+        if flag is None or (getattr(args, flag_dest(flag), None) is None and key in given):
+            return key
+        return flag
+
+    return name
 
 
 def check_paths(cfg: config_lib.ExperimentConfig) -> None:
@@ -72,6 +98,8 @@ def cmd_train(args) -> int:
     preset, arch = args.preset or ("gpt2" if gpt2 else "tiny"), args.arch or "fox-llama"
     if gpt2 and preset not in config_lib.GPT2_SIZES:
         raise ValueError(f"--size must be one of {', '.join(config_lib.GPT2_SIZES)}; got {preset!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"--arch must be one of {one_of(ARCHS)}; got {arch!r}")
     overrides = explicit_overrides(args)
     cfg_path = os.path.join(args.workdir, config_lib.CONFIG_NAME)
     if args.resume and loop.has_checkpoints(args.workdir) and os.path.exists(cfg_path):
@@ -242,6 +270,9 @@ def main(argv: list[str] | None = None) -> int:
         how = (continue_command(argv, command, e.intact_step)
                if e.intact_step is not None and command in _STEP_FLAGS else None)
         print(f"fox-jax {command}: error: {e.describe(how)}", file=sys.stderr)
+        return 2
+    except FieldError as e:  # names the flag the user gave, or the key=value key
+        print(f"fox-jax {command}: error: {e.renamed(field_namer(args))}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError,
             MissingExtraError) as e:

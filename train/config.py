@@ -14,8 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any, ClassVar
 
-from fox_jax.config import (NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, ModelConfig, Range,
-                            check_ranges, config_from_dict, gpt2_preset, preset as model_preset)
+from fox_jax.config import (NON_NEGATIVE, NON_NEGATIVE_INT, POSITIVE, POSITIVE_INT, FieldError, ModelConfig, Range,
+                            check_ranges, config_from_dict, gpt2_preset, one_of, preset as model_preset)
 
 
 SHARED_DATA_ENV = "FOX_JAX_SHARED_DATA"
@@ -75,9 +75,11 @@ class OptimConfig:
 
     Attributes:
       lr: peak learning rate (the top of the warmup; the cosine decays from it).
-      warmup_steps: steps of the linear warmup from 0 to lr; unset (None in a config file) = min(2000,
-        ceil(0.08·steps)), fixed when the run starts and stored in its config (a resume keeps that number; what
-        the rate does after a resume with more --steps: --resume-schedule).
+      warmup_steps: steps of the linear warmup from 0 to lr: a number (the tiny preset's 30 = 10% of its 300
+        steps; 125M/360M/760M: 100), or unset (optim.warmup_steps=none; null in a config file; the GPT-2 presets
+        and finetune-dcp) = min(2000, ceil(0.08·steps)), fixed when the run starts and stored in its config (a
+        resume keeps that number; what the rate does after a resume with more --steps: --resume-schedule). A run
+        no longer than its warmup ends at the peak rate, with no decay (a note says so).
       schedule: after the warmup, "cosine" (decay to min_lr_ratio·lr at ``steps``) or "constant".
       min_lr_ratio: the final learning rate of the cosine decay as a fraction of lr (the paper decays to 0).
       b1, b2, eps: Adam's moment decays and epsilon.
@@ -114,10 +116,11 @@ class OptimConfig:
     def __post_init__(self):
         check_ranges(self, "optim.")
         if self.schedule not in LR_SCHEDULES:
-            raise ValueError(f"optim.schedule must be one of {LR_SCHEDULES}, got {self.schedule!r}")
+            raise FieldError(f"optim.schedule must be one of {one_of(LR_SCHEDULES)}, got {self.schedule!r}",
+                             "optim.schedule")
         if self.resume_schedule not in RESUME_SCHEDULES:
-            raise ValueError(f"optim.resume_schedule (--resume-schedule) must be one of {RESUME_SCHEDULES}, "
-                             f"got {self.resume_schedule!r}")
+            raise FieldError(f"optim.resume_schedule must be one of {one_of(RESUME_SCHEDULES)}, "
+                             f"got {self.resume_schedule!r}", "optim.resume_schedule")
         self.segments(None)
 
     def segments(self, steps: int | None) -> list[tuple[int, int | None]]:
@@ -135,8 +138,9 @@ class OptimConfig:
                 seg = (-1, None)
             if seg[0] < 0 or (seg[1] is not None and seg[1] <= seg[0]) or (out and seg[0] <= out[-1][0]) \
                     or (not out and seg[0] != 0):
-                raise ValueError(f"optim.schedule_segments: bad entry {entry!r} in {self.schedule_segments!r}; "
-                                 "expected START or START:END with END > START, starts increasing from 0")
+                raise FieldError(f"optim.schedule_segments: bad entry {entry!r} in {self.schedule_segments!r}; "
+                                 "expected START or START:END with END > START, starts increasing from 0",
+                                 "optim.schedule_segments")
             out.append(seg)
         return [(a, steps if b is None else b) for a, b in out]
 
@@ -189,7 +193,7 @@ class DCPConfig:
         check_ranges(self, "dcp.")
         checks = [
             (self.gamma_normalization in GAMMA_NORMALIZATIONS,
-             f"dcp.gamma_normalization must be one of {GAMMA_NORMALIZATIONS}, got {self.gamma_normalization!r}"),
+             f"dcp.gamma_normalization must be one of {one_of(GAMMA_NORMALIZATIONS)}, got {self.gamma_normalization!r}"),
             (not (self.hf_gpt2 and self.from_run),
              "--hf-gpt2 and --from-run are mutually exclusive: give one pretrained model"),
             (self.from_step is None or self.from_run, "--from-step needs --from-run (the checkpoint step of that run)"),
@@ -258,13 +262,14 @@ class ExperimentConfig:
     def __post_init__(self):
         check_ranges(self)
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})")
+            raise FieldError(f"batch_size ({self.batch_size}) must be a multiple of grad_accum ({self.grad_accum})",
+                             "batch_size", "grad_accum")
         if self.partitioner not in ("auto", "shardy", "gspmd"):
-            raise ValueError(f"partitioner must be auto, shardy or gspmd, got {self.partitioner!r}")
+            raise FieldError(f"partitioner must be auto, shardy or gspmd, got {self.partitioner!r}", "partitioner")
         least = 3 if self.dcp is not None else 2  # the sparsity loss needs causal pairs
         if 0 < self.data.seq_len < least:
-            raise ValueError(f"data.seq_len must be at least {least} (or 0: the model's length), "
-                             f"got {self.data.seq_len}")
+            raise FieldError(f"data.seq_len must be at least {least} (or 0: the model's length), "
+                             f"got {self.data.seq_len}", "data.seq_len")
 
     def resolved(self) -> "ExperimentConfig":
         """The defaults that depend on other fields filled in (stored in config.json, so a resume with
@@ -283,12 +288,12 @@ class ExperimentConfig:
         n_positions = getattr(cfg.model, "n_positions", None)  # GPT-2's learned positions
         if cfg.data.seq_len == 0:
             if n_positions is None:
-                raise ValueError("data.seq_len must be given (0 means the model's n_positions, which only "
-                                 "GPT-2 has)")
+                raise FieldError("data.seq_len must be given (0 means the model's n_positions, which only "
+                                 "GPT-2 has)", "data.seq_len")
             cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=n_positions))
         if n_positions is not None and cfg.data.seq_len > n_positions:
-            raise ValueError(f"seq_len {cfg.data.seq_len} exceeds the model's n_positions={n_positions} "
-                             "(GPT-2 has learned absolute positions)")
+            raise FieldError(f"data.seq_len {cfg.data.seq_len} exceeds the model's n_positions={n_positions} "
+                             "(GPT-2 has learned absolute positions)", "data.seq_len")
         return cfg
 
 

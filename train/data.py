@@ -73,7 +73,7 @@ from typing import Iterable, Sequence
 import grain
 import numpy as np
 
-from fox_jax.train.config import DataConfig
+from fox_jax.train.config import DataConfig, FieldError
 from fox_jax.train.progress import bars_shown, progress_bar
 from fox_jax.train.tokenizers import Tokenizer, load_tokenizer
 
@@ -403,12 +403,15 @@ class Corpus:
                 f"{len(self.val_tokens):,} tokens; tokenizer {self.tokenizer.name} (vocab {self.tokenizer.vocab_size})")
 
 
-def load_corpus(data_cfg: DataConfig, *, tokenizer: Tokenizer | None = None) -> Corpus:
+def load_corpus(data_cfg: DataConfig, *, tokenizer: Tokenizer | None = None,
+                splits: tuple[str, ...] = ("train", "val")) -> Corpus:
     """Read, tokenize (cached), subset and split the data described by ``data_cfg``.
 
     Args:
       data_cfg: the ``DataConfig``; see the module docstring for sources, splits and caching.
       tokenizer: an already loaded tokenizer; default ``load_tokenizer(data_cfg.tokenizer)``.
+      splits: the streams that must hold a window of ``seq_len + 1`` tokens ("train", "val"; evaluation
+        reads only "val").
 
     Raises:
       FileNotFoundError / ValueError: bad paths (naming ``--data``/``--val-data``), malformed files, a bad
@@ -447,10 +450,13 @@ def load_corpus(data_cfg: DataConfig, *, tokenizer: Tokenizer | None = None) -> 
         train = _take_docs(everything, starts, order[n_val:])
         val = _take_docs(everything, starts, order[:n_val])
 
-    for what, arg, tokens in (("training", "--data", train), ("validation", "--val-data", val)):
-        if len(tokens) < cfg.seq_len + 1:
-            raise ValueError(f"the {what} stream has {len(tokens)} tokens, but data.seq_len={cfg.seq_len} needs at "
-                             f"least {cfg.seq_len + 1}; pass more text ({arg}) or a smaller seq_len")
+    held_out = "" if cfg.val or prepared is not None else " (held out of the training text)"
+    for split, what, arg, tokens in (("train", "training text", "--data", train),
+                                     ("val", f"validation text{held_out}", "--val-data", val)):
+        if split in splits and len(tokens) < cfg.seq_len + 1:
+            raise FieldError(f"the {what} has {len(tokens):,} tokens, but data.seq_len {cfg.seq_len} needs at least "
+                             f"{cfg.seq_len + 1:,} (a window and its next token); pass more text ({arg}) or a smaller "
+                             "data.seq_len", "data.seq_len")
     corpus = Corpus(tokenizer=tok, train_tokens=train, val_tokens=val, config=cfg)
     log.info("corpus: %s", corpus.summary())
     return corpus

@@ -140,7 +140,7 @@ def evaluate_policy(run, cfg, params, *, policy, slots=None, num_docs: int = 64,
 
     parsed = parse_policy(policy)
     spec = parsed.spec
-    corpus = data_lib.load_corpus(cfg.data)
+    corpus = data_lib.load_corpus(cfg.data, splits=("val",))
     windows = data_lib.document_windows(corpus, num_docs)
     model = cfg.model.build()
     out = {"step": run.step, "seq_len": cfg.data.seq_len, "num_docs": int(windows["inputs"].shape[0]), "cache": spec,
@@ -180,7 +180,7 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
       FileNotFoundError: ``workdir`` is no run. ValueError: a run of another kind than ``fox-jax train``
         (or a fine-tune, with ``cache``), overrides eval does not take, a bad cache policy. CheckpointError: no checkpoint (for ``step``), or a corrupt one.
     """
-    run = open_run(workdir, step=step, flag="--workdir")
+    run = open_run(workdir, step=step, flag="--workdir", step_flag="--step")
     if run.kind != "train" and not (cache is not None and run.kind == "finetune"):
         raise ValueError(f"--workdir {workdir} is {run.what}; eval reads 'fox-jax train' runs (score fine-tuned "
                          "and Hugging Face models with 'fox-jax zeroshot' or 'fox-jax dcp-eval')")
@@ -201,9 +201,9 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
         mesh = make_mesh(cfg.mesh or None)
         select_partitioner(mesh, cfg.partitioner)
     if cache is not None:  # the policy's perplexity next to the dense cache's, on the same document windows
-        from fox_jax.cache.policies import parse_policy
+        from fox_jax.train.generate import parse_cache_flag
 
-        policy = parse_policy(cache)  # a bad spec: before any parameter is read
+        policy = parse_cache_flag(cache)  # a bad spec: before any parameter is read
         missing = policy.missing(cfg.model.cache_layout())
         if missing is not None:
             raise ValueError(f"--cache {policy.spec} needs {missing}; {workdir} ({run.what}) is not one")
@@ -220,7 +220,7 @@ def evaluate_run(workdir: str, *, overrides: list[str] | None = None, step: int 
             json.dump(report, f)
         return report
     params, ckpt_step = run.load_params(), run.step
-    corpus = data_lib.load_corpus(cfg.data)
+    corpus = data_lib.load_corpus(cfg.data, splits=("val",))
     if corpus.tokenizer.vocab_size > cfg.model.vocab_size:
         raise ValueError(f"the tokenizer has {corpus.tokenizer.vocab_size} ids but the model only {cfg.model.vocab_size}; "
                          "evaluate with the tokenizer the model was trained with")

@@ -43,10 +43,26 @@ def check_kv_slots(slots: int | None, policy, fed: int, what: str) -> None:
                          f"and layer for {what}; give --kv-slots ≥ {need} or leave it out")
 
 
-def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None, check=None):
+def parse_cache_flag(spec: str, flag: str = "--cache"):
+    """``parse_policy(spec)`` for a command-line flag: its ValueError names ``flag`` ("--cache 'window:abc': W
+    must be an int ≥ 1, ...", "--cache: unknown cache policy 'lru'; ...")."""
+    from fox_jax.cache.policies import parse_policy
+
+    try:
+        return parse_policy(spec)
+    except ValueError as e:
+        text = str(e)
+        if text.startswith("cache policy "):
+            raise ValueError(f"{flag} {text.removeprefix('cache policy ')}") from None
+        raise ValueError(f"{flag}: {text}") from None
+
+
+def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None, check=None,
+                      step_flag: str = "--step"):
     """(run, tokenizer) of a run or Hugging Face directory for decoding under ``policy``: a DCP model keeps
     its interaction weights only for ``dcp`` (every other policy runs its dense part). ``check(run)``, if
     given, runs before the tokenizer is looked for (argument checks that need only the config).
+    ``step_flag`` names ``step`` in the errors.
 
     Raises:
       ValueError: an unknown policy, ``dcp`` on a model without DCP, no tokenizer, a tokenizer with more
@@ -57,7 +73,7 @@ def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: st
     from fox_jax.train.tokenizers import load_tokenizer
 
     spec = parse_policy(policy)
-    run = open_run(path, step=step)
+    run = open_run(path, step=step, step_flag=step_flag)
     if "interaction_dim" in spec.needs:  # the policy reads DCP's interaction keys
         if not run.model.dcp:
             raise ValueError(f"--cache {spec.spec} needs a DCP model; {path} ({run.what}) has no DCP parameters")
@@ -109,7 +125,8 @@ def read_prompts(texts, files) -> tuple[list[str], list[str]]:
     line N"), any other file is one prompt (its whole text: a chapter, a source file).
 
     Raises:
-      FileNotFoundError: a missing file. ValueError: an empty file, a line that is not such an object.
+      FileNotFoundError: a missing file. ValueError: a directory, an empty file, a line that is not such an
+        object.
     """
     prompts, names = [], []
     for i, text in enumerate(texts or []):
@@ -117,6 +134,9 @@ def read_prompts(texts, files) -> tuple[list[str], list[str]]:
         names.append(f"--prompt #{i + 1}")
     for f in files or []:
         p = Path(f)
+        if p.is_dir():
+            raise ValueError(f"--prompt-file {f} is a directory; give a file: its text is one prompt, or a .jsonl "
+                             "file of one prompt per line")
         if not p.is_file():
             raise FileNotFoundError(f"--prompt-file {f}: no such file")
         text = p.read_text(encoding="utf-8")
@@ -152,7 +172,7 @@ def cmd_generate(args) -> int:
     """The ``fox-jax generate`` handler."""
     import jax
 
-    from fox_jax.decoding import cache_bytes, generate, min_slots, parse_policy, plan_serving
+    from fox_jax.decoding import cache_bytes, generate, min_slots, plan_serving
     from fox_jax.sharding import data_parallel_size, make_mesh, select_partitioner
 
     prompts, names = read_prompts(args.prompt, args.prompt_file)
@@ -163,7 +183,7 @@ def cmd_generate(args) -> int:
     if args.kv_budget is not None and not args.kv_budget > 0:
         raise ValueError(f"--kv-budget must be a positive number of GiB, got {args.kv_budget}")
     check_sampling_flags(args.temperature, args.top_k, args.top_p)
-    policy = parse_policy(args.cache)
+    policy = parse_cache_flag(args.cache)
     mesh = make_mesh(args.mesh) if args.mesh else None   # a bad --mesh: before any file is read
     if mesh is not None:
         select_partitioner(mesh, "auto")  # as training: GSPMD on multi-GPU meshes, so the kernels run per shard
@@ -293,4 +313,5 @@ def _serve(args, model, params, tok, cfg, policy, prompts, ids, stops, plan) -> 
     return 0
 
 
-__all__ = ["check_kv_slots", "check_sampling_flags", "cmd_generate", "load_for_decoding", "read_prompts", "slots_for_budget"]
+__all__ = ["check_kv_slots", "check_sampling_flags", "cmd_generate", "load_for_decoding", "parse_cache_flag", "read_prompts",
+           "slots_for_budget"]

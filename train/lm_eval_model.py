@@ -128,7 +128,8 @@ class FoxJaxLM(TemplateLM):
                 _positive_int(value, name)  # before the (slow) model load
         policy = parse_policy(cache)
         step = None if step is None else _positive_int(step, "step", minimum=0)
-        opened, tok = load_for_decoding(str(run), step=step, policy=policy.spec, tokenizer=tokenizer)
+        opened, tok = load_for_decoding(str(run), step=step, policy=policy.spec, tokenizer=tokenizer,
+                                        step_flag="fox_jax model: step")
         if dtype is not None:
             opened = dataclasses.replace(opened, model=opened.model.replace(dtype=dtype))
         if max_length is None:  # GPT-2's n_positions, else the training length
@@ -396,7 +397,7 @@ def cmd_zeroshot_lm_eval(args) -> int:
     names = parse_harness_tasks(args.tasks)  # the count flags: checked by the parser (positive ints)
     eval_dir = resolve_eval_dir(args)
     flag, source = ("--hf-gpt2", args.hf_gpt2) if args.hf_gpt2 else ("--workdir", args.workdir)
-    opened = open_run(source, step=args.step, flag=flag)  # flag-named errors before the model loads
+    opened = open_run(source, step=args.step, flag=flag, step_flag="--step")  # flag-named errors before the model loads
     if args.hf_gpt2 and opened.kind != "hf-gpt2":
         raise ValueError(f"--hf-gpt2 {source} is {opened.what}, not a Hugging Face GPT-2 directory (use --workdir)")
     if args.dcp and not opened.model.dcp:

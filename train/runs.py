@@ -100,13 +100,15 @@ class Run:
         return dataclasses.replace(self, model=self.model.replace(dcp=False), subset=True)
 
 
-def open_run(path: str | os.PathLike, *, step: int | None = None, flag: str | None = None) -> Run:
+def open_run(path: str | os.PathLike, *, step: int | None = None, flag: str | None = None,
+             step_flag: str | None = None) -> Run:
     """Read the run directory ``path`` (any format of the module docstring) and choose its ``step``.
 
     Args:
       path: the directory.
       step: checkpoint step (None: the latest); only for formats with checkpoints.
       flag: the command-line flag that gave ``path`` (e.g. "--from-run"), to start the messages with.
+      step_flag: the flag that gave ``step`` (e.g. "--step"), to start the messages about ``step`` with.
 
     Returns:
       ``Run`` (no parameters are read yet: ``Run.load_params``).
@@ -131,19 +133,22 @@ def open_run(path: str | os.PathLike, *, step: int | None = None, flag: str | No
         except (ValueError, TypeError, KeyError) as e:
             raise ValueError(f"{prefix}{path}: {e}") from None
         if run is not None:
-            return _at_step(run, step, prefix)
+            return _at_step(run, step, prefix, step_flag)
     raise ValueError(f"{prefix}{path} is not a run directory: expected {_expected()}")
 
 
-def _at_step(run: Run, step: int | None, prefix: str) -> Run:
+def _at_step(run: Run, step: int | None, prefix: str, step_flag: str | None) -> Run:
+    where = f"{step_flag}: " if step_flag else f"{prefix}{run.path}: "
     if run.steps is None:
         if step is not None:
-            raise ValueError(f"{prefix}{run.path} is {run.what}, which has no checkpoint steps (got step {step})")
+            raise ValueError(f"{where}{run.path} is {run.what}, which has no checkpoint steps (got step {step})"
+                             if step_flag else
+                             f"{prefix}{run.path} is {run.what}, which has no checkpoint steps (got step {step})")
         return run
     if step is None:
         return dataclasses.replace(run, step=run.steps[-1] if run.steps else None)
     if step not in run.steps:
-        raise CheckpointError(f"{prefix}{run.path}: no checkpoint for step {step} in "
+        raise CheckpointError(f"{where}no checkpoint for step {step} in "
                               f"{os.path.join(run.path, CHECKPOINTS)}; available steps: "
                               f"{', '.join(map(str, run.steps)) or 'none'}")
     return dataclasses.replace(run, step=step)

@@ -584,7 +584,7 @@ def load_scorer(args) -> tuple[Scorer, Any, int, dict]:
     from fox_jax.train.tokenizers import load_tokenizer
 
     flag, source = ("--hf-gpt2", args.hf_gpt2) if args.hf_gpt2 else ("--workdir", args.workdir)
-    run = open_run(source, step=args.step, flag=flag)
+    run = open_run(source, step=args.step, flag=flag, step_flag="--step")
     if args.hf_gpt2 and run.kind != "hf-gpt2":
         raise ValueError(f"--hf-gpt2 {source} is {run.what}, not a Hugging Face GPT-2 directory (use --workdir)")
     if args.dcp and not run.model.dcp:
