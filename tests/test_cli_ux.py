@@ -68,7 +68,23 @@ def test_train_help_lists_every_config_field_with_its_default(capsys):
             assert f"{f.name}=" in text
     assert "model.n_layers=4" in text and "optim.lr=0.003" in text and "heartbeat_secs=60" in text
     assert "model.vocab_size=257" in text  # what the tiny run saves (the byte tokenizer's)
-    assert "[steps; default the preset's; tiny 300]" in text  # --steps
+    # a flag whose default differs between the presets says so, with tiny's value; one the presets share, plainly
+    for key, tiny_value in (("steps", 300), ("optim.lr", 0.003), ("optim.warmup_steps", 30), ("eval_every", 100),
+                            ("model.dtype", "float32")):
+        assert re.search(rf"\[{re.escape(key)};\s+default\s+the\s+preset's\s+\(tiny:\s+{tiny_value}\)\]", text), key
+    assert re.search(r"\[optim.weight_decay;\s+default 0.1\]", text)
+    assert re.search(r"the\s+tiny\s+preset's\s+30\s+=\s+10%\s+of\s+its\s+300", text)  # --warmup-steps: next to its formula
+
+
+def test_every_command_help_has_one_layout(capsys):
+    """Every command's help (the top level's too) puts the flags' text in one column, however short its flags."""
+    columns = {}
+    for command in (*COMMANDS, "generate", "passkey"):
+        with pytest.raises(SystemExit):
+            cli.parse_args(([command] if command else []) + ["--help"])
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("  -h, --help"))
+        columns[command] = line.index("show this help")
+    assert set(columns.values()) == {30}, columns
 
 
 def test_parser_constants_match_the_handlers():

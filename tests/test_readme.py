@@ -21,7 +21,7 @@ def test_readme_python_snippet_runs():
 
 
 @pytest.mark.slow
-def test_readme_generation_snippet_runs(tmp_path, monkeypatch):
+def test_readme_generation_snippet_runs(tmp_path, monkeypatch, capsys):
     """The README's generation snippet runs as written on a run of the README's first command (shortened to
     3 steps of a one-layer tiny model on a small text, so the continuation is noise: only its length is
     checked)."""
@@ -35,6 +35,7 @@ def test_readme_generation_snippet_runs(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert cli.main(["train", "--preset", "tiny", "--workdir", "runs/tiny", "--no-progress", "--steps", "3",
                      "log_every=1", "eval_every=0", "model.n_layers=1", "--data", str(corpus)]) == 0
+    assert "note: the run's 3 steps are no longer than its warmup (warmup_steps 30)" in capsys.readouterr().err
     namespace = {}
     exec(block, namespace)
     assert len(namespace["out"].tokens[0]) == 60

@@ -140,7 +140,7 @@ def test_cli_errors_are_one_line(corpus_dir, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--data" in err and "does not exist" in err
     assert cli.main(["train", "--workdir", str(tmp_path / "x"), "--data", str(corpus_dir), "--seq-len", "1"]) == 2
-    assert "seq_len" in capsys.readouterr().err
+    assert "error: --seq-len must be at least 2" in capsys.readouterr().err  # the flag given
     assert cli.main(["train", "--workdir", str(tmp_path / "x"), "model.nonsense=3"]) == 2
     assert "unknown config field" in capsys.readouterr().err
     empty = tmp_path / "empty"
@@ -278,7 +278,7 @@ def test_resume_refuses_a_preset_that_describes_another_model(cli_run, tmp_path,
     assert cli.main(["train", "--preset", "tiny", "--workdir", str(workdir), "--resume", "--steps", "10",
                      "--no-progress", "model.n_layers=2", "model.d_model=32", "model.n_heads=2",
                      "model.attention_block=16"]) == 0
-    assert "recomputed for the new steps" in capsys.readouterr().out  # stretch, the default, says so
+    assert "recomputed for the new steps" in capsys.readouterr().err  # stretch, the default, says so (stderr)
 
 
 def test_cli_resume_with_rewarm(cli_run, tmp_path, capsys):
@@ -292,8 +292,8 @@ def test_cli_resume_with_rewarm(cli_run, tmp_path, capsys):
     capsys.readouterr()
     assert cli.main(["train", "--workdir", str(workdir), "--resume", "--steps", "10", "--resume-schedule", "rewarm",
                      "--no-progress"]) == 0
-    out = capsys.readouterr().out
-    assert "--resume with --steps 10 (the run had 8)" in out and "warming up again" in out
+    err = capsys.readouterr().err
+    assert "--resume with --steps 10 (the run had 8)" in err and "warming up again" in err
     cfg = config_lib.load_json(workdir / "config.json")
     assert cfg.optim.schedule_segments == ("0:8", "8") and cfg.optim.resume_schedule == "rewarm"
     rows = {r["step"]: r for r in read_metrics(workdir) if "lr" in r}

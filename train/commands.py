@@ -39,10 +39,12 @@ class _Harness(argparse.Action):
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the generated epilog's layout; wraps the flags' help as usual."""
+    """Keeps the generated epilog's layout; wraps the flags' help as usual, every command's in the same
+    column (30: argparse would move it left for a command whose flags are all short)."""
 
     def __init__(self, prog):
         super().__init__(prog, max_help_position=30, width=110)
+        self._action_max_length = 28  # argparse: help column = min(longest flag + 2, max_help_position)
 
 
 
@@ -203,6 +205,13 @@ _OVERRIDES_NOTE = ("config fields: set any of them with key=value anywhere on th
                    "model.n_layers=6\noptim.lr=1e-3 heartbeat_secs=30); the flags above are aliases of some. ")
 
 
+def preset_defaults(tiny: config_lib.ExperimentConfig, flags) -> dict[str, str]:
+    """The help's default of each flag whose value differs between the presets: "the preset's (tiny: V)"."""
+    presets = [config_lib.preset(name) for name in config_lib.PRESETS]
+    return {key: f"the preset's (tiny: {_default(tiny, key) or 'unset'})" for _, key in flags
+            if len({_default(p, key) for p in presets}) > 1}
+
+
 def _add_train(sub) -> None:
     """``fox-jax train`` and its alias ``pretrain-gpt2`` (handler ``fox_jax.train.cli.cmd_train``)."""
     tiny = config_lib.preset("tiny")
@@ -220,9 +229,7 @@ def _add_train(sub) -> None:
                    "the saved run's model)")
     t.add_argument("--arch", help="fox-llama (default) | transformer-llama | fox-pro | transformer-pro")
     _add_run_control(t)
-    _add_aliases(t, alias_flags("train"), tiny, {"steps": "the preset's; tiny 300",
-                                                 "batch_size": "the preset's; tiny 16",
-                                                 "data.seq_len": "the preset's; tiny 256"})
+    _add_aliases(t, alias_flags("train"), tiny, preset_defaults(tiny, alias_flags("train")))
     _add_multihost(t)
     t.set_defaults(handler="fox_jax.train.cli:cmd_train")
 
@@ -390,8 +397,8 @@ def _add_passkey(sub) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the keys and haystack offsets (default %(default)s)")
     p.add_argument("--mesh", help=DECODE_MESH_HELP)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (none is drawn anyway when stderr is "
-                   "not a terminal; then a line on stderr says what runs, and another comes every 30 s or after each "
-                   "longer batch)")
+                   "not a terminal; then a line on stderr says what runs, and another as a batch starts: the first "
+                   "batch of each length, and any other once 30 s have passed since the last line)")
     p.set_defaults(handler="fox_jax.train.passkey:cmd_passkey", distributed=False, coordinator=None, num_processes=None,
                    process_id=None)
 

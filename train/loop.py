@@ -14,9 +14,11 @@ log columns and a hook at the end. ``LMTask`` is language-model pretraining of a
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import shutil
+import sys
 import time
 from typing import Any, Callable
 
@@ -79,12 +81,16 @@ def make_schedule(cfg: config_lib.ExperimentConfig) -> optax.Schedule:
 
 
 def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.ExperimentConfig,
-                    step: int) -> config_lib.ExperimentConfig:
+                    step: int, ran_at: float | None = None) -> config_lib.ExperimentConfig:
     """The config a resume at ``step`` continues with when ``--steps`` changed: ``optim.schedule_segments`` set
     for ``optim.resume_schedule`` (continue: the old schedule's last segment keeps its end; rewarm: besides, a
-    new segment starts at ``step``; stretch: unchanged, the schedule follows the new steps), and a line
-    saying how the learning rate moves at ``step``. Segments that start after ``step`` (a continuation
-    abandoned by ``--resume-step``) are dropped. Unchanged steps, or none left to train: ``cfg`` as it is."""
+    new segment starts at ``step``; stretch: unchanged, the schedule follows the new steps), and a line on
+    stderr saying how the learning rate moves at ``step`` (``ran_at``: the rate step ``step`` ran at, as
+    logged in metrics.jsonl; default: the saved schedule's). The line is a ``warning:`` when the rate jumps
+    by more than 10% of the peak (stretch), when steps will train at lr 0 (continue past the end of a cosine
+    to 0), or when a rewarm leaves a decay shorter than its warmup (an extension shorter than twice
+    ``warmup_steps``); else a ``note:``. Segments that start after ``step`` (a continuation abandoned by
+    ``--resume-step``) are dropped. Unchanged steps, or none left to train: ``cfg`` as it is."""
     o = cfg.optim
     kept = tuple(e for e in o.schedule_segments if int(str(e).partition(":")[0]) <= step)
     if kept != o.schedule_segments:
@@ -99,29 +105,48 @@ def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.Experime
             segments = segments[:-1]
         cfg = dataclasses.replace(cfg, optim=dataclasses.replace(cfg.optim, schedule_segments=(*segments, str(step))))
     with jax.default_device(jax.devices("cpu")[0]):
-        before = float(make_schedule(saved)(max(step - 1, 0)))
+        before = float(make_schedule(saved)(max(step - 1, 0))) if ran_at is None else ran_at
         after = float(make_schedule(cfg)(step))
         last = float(make_schedule(cfg)(cfg.steps - 1))
+    left = cfg.steps - step
+    warmup = min(o.warmup_steps or 0, max(left - 1, 0))  # make_schedule's: a warmup fits in the steps left
+    cut = f"; warmup_steps {o.warmup_steps}, cut to fit the {left} steps left" if warmup < (o.warmup_steps or 0) else ""
     what = {"stretch": "recomputed for the new steps (optim.resume_schedule=stretch)",
             "continue": "the old one (optim.resume_schedule=continue)",
-            "rewarm": f"warming up again from 0 over {min(o.warmup_steps or 0, max(cfg.steps - step - 1, 0))} steps "
-                      "(optim.resume_schedule=rewarm)"}
+            "rewarm": f"warming up again from 0 over {warmup} steps (optim.resume_schedule=rewarm{cut})"}
     msg = (f"--resume with --steps {cfg.steps} (the run had {saved.steps}): the learning-rate schedule is "
            f"{what[o.resume_schedule]}; step {step} ran at lr {before:.3g}, step {step + 1} runs at {after:.3g}")
+    warn = abs(after - before) > 0.1 * o.lr  # a jump of more than 10% of the peak
     if o.resume_schedule == "stretch":
         msg += "; --resume-schedule continue keeps the old schedule, rewarm warms up again"
     elif o.resume_schedule == "continue" and o.schedule == "cosine" and o.min_lr_ratio == 0:
         end = int(segments[-1].partition(":")[2])
-        msg += (f" (its cosine ends at 0 at step {end}: the steps after it train at lr 0; --resume-schedule rewarm "
-                "warms up again)")
-    if o.resume_schedule == "rewarm" and o.schedule == "cosine" and last > 0.5 * o.lr:
-        msg += (f"; but {cfg.steps - step} more steps leave no room to decay after a warmup of "
-                f"{o.warmup_steps}: the last step runs at lr {last:.3g} ({last / o.lr:.0%} of the peak); give more "
-                "--steps, a smaller --warmup-steps, or --resume-schedule continue")
-        log("warning: " + msg)
-        return cfg
-    log("warning: " + msg if abs(after - before) > 0.1 * o.lr else msg)  # a jump of more than 10% of the peak
+        msg += (f" (its cosine ends at 0 at step {end}: the {cfg.steps - max(end, step)} steps after it train at lr 0; "
+                "--resume-schedule rewarm warms up again)")
+        warn = True
+    elif o.resume_schedule == "rewarm" and o.schedule == "cosine" and left - warmup < (o.warmup_steps or 0):
+        msg += (f"; but {left} more steps leave {left - warmup} to decay after that warmup (fewer than warmup_steps "
+                f"{o.warmup_steps}): "
+                f"the last step runs at lr {last:.3g} ({last / o.lr:.0%} of the peak); give --steps "
+                f"{step + 2 * o.warmup_steps} or more (twice the warmup past step {step}), a smaller --warmup-steps, "
+                "or --resume-schedule continue")
+        warn = True
+    else:
+        warn = False  # continue / rewarm: the rate moves as asked
+    stderr_line(("warning: " if warn else "note: ") + msg)
     return cfg
+
+
+def short_run_note(cfg: config_lib.ExperimentConfig, last: float) -> str | None:
+    """The note of a run no longer than its warmup (``last``: the learning rate of its last step), else None:
+    such a run only warms up and ends at (or, constant, below) the peak rate, with no decay."""
+    o = cfg.optim
+    if not o.warmup_steps or o.warmup_steps < cfg.steps - 1:
+        return None
+    return (f"note: the run's {cfg.steps} steps are no longer than its warmup (warmup_steps {o.warmup_steps}): the "
+            f"learning rate only rises and the last step runs at {last:.3g} ({last / o.lr:.0%} of the peak lr "
+            f"{o.lr:g}), with no decay; for a short run give a smaller --warmup-steps (e.g. "
+            f"{math.ceil(0.08 * cfg.steps)}, 8% of the steps)")
 
 
 def make_optimizer(cfg: config_lib.ExperimentConfig,
@@ -367,6 +392,29 @@ class RunResult:
 RESUMABLE = config_lib.RESUMABLE
 
 
+def resumed(saved: config_lib.ExperimentConfig, given: config_lib.ExperimentConfig, workdir: str, step: int, *,
+            by_resume_step: bool = False) -> config_lib.ExperimentConfig:
+    """The config a resume of the run in ``workdir`` (saved config ``saved``) at checkpoint ``step`` continues
+    with: ``resume_config``, then ``resume_schedule`` against the schedule the run trained with (its lr at
+    ``step`` as metrics.jsonl logged it).
+
+    Raises:
+      FieldError: ``steps`` that would end the run at ``step`` or before it (fewer steps than it trained, or
+        as many, when that changes its length): nothing is written (``by_resume_step``: ``step`` came from
+        ``--resume-step``, as the message says). ValueError: as ``resume_config``.
+    """
+    cfg = resume_config(saved, given).resolved()
+    if cfg.steps < step or cfg.steps == step != saved.steps:  # would end the run where it is, or before
+        at = f"--resume-step {step}" if by_resume_step else "its latest checkpoint"
+        raise config_lib.FieldError(
+            f"steps {cfg.steps}: the run in {workdir} is at step {step} already ({at}); give steps above "
+            f"{step} to train it further (config.json and the checkpoints are left as they are)", "steps")
+    history = saved.resolved()  # the schedule the run trained with, at least to its checkpoint (a config.json
+    if history.steps < step:    # that an earlier version shortened on a resume with fewer --steps says less)
+        history = dataclasses.replace(history, steps=step)
+    return resume_schedule(history, cfg, step, logged_lr(workdir, step))
+
+
 def has_checkpoints(workdir: str) -> bool:
     """Whether ``<workdir>/checkpoints`` holds a step directory."""
     ckpt_dir = os.path.join(workdir, "checkpoints")
@@ -434,9 +482,8 @@ def run(cfg: config_lib.ExperimentConfig, workdir: str, task: Callable[[Any], An
         log(f"--resume: no checkpoint in {ckpt_dir}; starting a new run")
     if has_ckpt and os.path.exists(cfg_path):
         saved = config_lib.load_json(cfg_path)
-        cfg = resume_config(saved, cfg).resolved()
         step = resume_step if resume_step is not None else max(int(n) for n in os.listdir(ckpt_dir) if n.isdigit())
-        cfg = resume_schedule(saved.resolved(), cfg, step)
+        cfg = resumed(saved, cfg, workdir, step, by_resume_step=resume_step is not None)
     cfg = cfg.resolved()
     task = task(cfg)
 
@@ -487,6 +534,9 @@ def run(cfg: config_lib.ExperimentConfig, workdir: str, task: Callable[[Any], An
                                        in_shardings=(state_sharding.params, data_sharding)))
     with jax.default_device(jax.devices("cpu")[0]):  # on the host: no device round trip per row
         lrs = np.asarray(jax.vmap(make_schedule(cfg))(jnp.arange(cfg.steps)), np.float32)
+    note = None if has_ckpt else short_run_note(cfg, float(lrs[-1]))
+    if note:
+        stderr_line(note)
 
     seq_len = cfg.data.seq_len
     tokens_per_step = cfg.batch_size * seq_len
@@ -600,3 +650,26 @@ def log(msg: str) -> None:
     """A line on the console (process 0 only), above the progress bar when one is drawn."""
     if jax.process_index() == 0:
         tqdm.write(msg)
+
+
+def stderr_line(msg: str) -> None:
+    """A ``warning: ...`` / ``note: ...`` line on stderr (process 0 only), above the progress bar."""
+    if jax.process_index() == 0:
+        tqdm.write(msg, file=sys.stderr)
+
+
+def logged_lr(workdir: str, step: int) -> float | None:
+    """The learning rate step ``step`` ran at, as ``<workdir>/metrics.jsonl`` logged it (None: not logged)."""
+    path = os.path.join(workdir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return None
+    found = None
+    with open(path) as f:
+        for line in f:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("step") == step and isinstance(row.get("lr"), (int, float)):
+                found = float(row["lr"])
+    return found
