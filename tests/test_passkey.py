@@ -254,25 +254,38 @@ def test_run_passkey_passes_the_policy_and_left_pads(monkeypatch):
 
 
 def test_run_passkey_reports_progress_on_stderr_without_a_terminal(monkeypatch, capsys):
-    """stderr captured (not a terminal): no bar (no carriage return), a line saying what runs, then one
-    line after each batch when every batch takes longer than ``heartbeat_secs``; ``heartbeat_secs=0``:
-    silent. The fake engine writes no digits: digit accuracy 0, and the note under the table says why."""
+    """stderr captured (not a terminal): no bar (no carriage return), a line saying what runs, then one as a
+    batch starts: every batch when each takes longer than ``heartbeat_secs``, else the first of each length;
+    ``heartbeat_secs=0``: silent. Lengths beyond ``train_len``: one warning. The fake engine writes no digits:
+    digit accuracy 0, and the line under the table says why (once)."""
     monkeypatch.setattr(decoding, "generate", fake_engine([], answer=" I do not know."))
     kwargs = dict(lengths=[200, 256], depths=[0.5], n_per_cell=4, policy="window:32", batch_size=3)
     result = pk.run_passkey(FAKE_GPT2, None, BYTES, TEXT, heartbeat_secs=1e-9, **kwargs)
     err = capsys.readouterr().err
     assert "\r" not in err
     lines = err.strip().splitlines()
-    assert lines[0] == ("passkey (window:32): 8 prompts in 3 batches of 3, the longest (256 tokens) first; a "
-                        "progress line every 1e-09 s or after each longer batch")
-    assert [line.split(" | ")[0] for line in lines[1:]] == [f"passkey (window:32): prompts {n}/8" for n in (3, 6, 8)]
-    assert all(" elapsed" in line for line in lines[1:]) and " | ETA " in lines[1] and " | ETA " not in lines[-1]
+    assert lines[0] == ("passkey (window:32): 8 prompts in 3 batches of 3, the longest (256 tokens) first; a line as "
+                        "a batch starts, for the first of each length and otherwise once 1e-09 s have passed")
+    assert [line.split(" | ")[:2] for line in lines[1:]] == [
+        ["passkey (window:32): batch 1/3: 3 prompts at length 256", "0/8 prompts done"],
+        ["passkey (window:32): batch 2/3: 3 prompts at lengths 256, 200", "3/8 prompts done"],
+        ["passkey (window:32): batch 3/3: 2 prompts at length 200", "6/8 prompts done"]]
+    assert all(" elapsed" in line for line in lines[1:]) and " | ETA " not in lines[1] and " | ETA " in lines[-1]
+    # batches faster than the interval: a line at each new length only; the warning of lengths past training
+    pk.run_passkey(FAKE_GPT2, None, BYTES, TEXT, heartbeat_secs=1e9, train_len=200, **kwargs)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0] == ("warning: context length 256 exceeds the 200 tokens the model was trained on (a test of "
+                        "extrapolation): long prompts take memory and time, each batch of 3 prefilling and caching up "
+                        "to 256 tokens per prompt")
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["passkey (window:32): batch 1/3: 3 prompts at length 256",
+                                                             "passkey (window:32): batch 3/3: 2 prompts at length 200"]
     pk.run_passkey(FAKE_GPT2, None, BYTES, TEXT, heartbeat_secs=0, **kwargs)
     assert capsys.readouterr().err == ""
     assert result["mean_digit_accuracy"] == 0.0 and result["answers_with_digits"] == 0.0
     table = pk.format_table(result)
-    assert "0% of the answers hold any digit: the model writes no digits" in table
-    assert "holds for a model that writes digits, and one that writes none scores 0" in table
+    assert "0% of the answers hold any digit: the model writes no digits after the question, so its digit " \
+           "accuracy is 0, below the chance level of a guess." in table
+    assert table.count("chance") + table.count("Chance") == 2  # the level once, and the line that points at it
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,6 +319,7 @@ def test_cli_on_a_tiny_run(train_run, text_file, tmp_path, capsys):  # noqa: F81
     # --no-progress (and stderr captured): no bar, the line that says what runs on stderr
     assert "\r" not in captured.err and "passkey (dense): 12 prompts in 3 batches of 5, the longest (160 tokens) " \
         "first" in captured.err
+    assert "warning: context lengths 144, 160 exceed the 16 tokens the model was trained on" in captured.err
     report = json.loads((out / "passkey.json").read_text())
     assert summary["answers_with_digits"] == round(report["answers_with_digits"], 4)
     _check_result(report, [144, 160], [0.0, 1.0], 3)
@@ -342,6 +356,12 @@ def test_cli_errors(train_run, text_file, tmp_path, capsys, monkeypatch):  # noq
     assert "no such directory" in _error(["passkey", str(tmp_path / "norun"), "--out", out, "--text",
                                           str(text_file)], capsys)
     assert "unknown cache policy 'lru'" in _error(base + ["--cache", "lru"], capsys)
+    assert _error(base + ["--cache", "window:abc"], capsys).startswith(
+        "fox-jax passkey: error: --cache 'window:abc': W must be an int")
+    assert _error(base + ["--step", "7"], capsys) == (
+        f"fox-jax passkey: error: --step: no checkpoint for step 7 in {run}/checkpoints; available steps: 2, 4")
+    assert _error(["passkey", run, "--out", out, "--text", str(tmp_path)], capsys) == (
+        f"fox-jax passkey: error: --text {tmp_path} is a directory; give a text file (the haystack)")
     assert not os.path.exists(out)
 
 

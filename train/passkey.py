@@ -45,6 +45,7 @@ import json
 import os
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Sequence
 
@@ -52,7 +53,7 @@ import numpy as np
 
 from fox_jax.cache.policies import parse_policy
 from fox_jax.train import config as config_lib
-from fox_jax.train.progress import Heartbeat, bars_shown, progress_bar
+from fox_jax.train.progress import bars_shown, elapsed_eta, progress_bar
 from fox_jax.train.tokenizers import EOT_TOKEN
 
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
@@ -64,7 +65,7 @@ BOUNDARY_WINDOW = 256  # tokens searched on either side of the asked depth for a
 DEFAULT_TEXT = ("corpus_val", "gutenberg_val.txt")  # under the shared data directory
 JSON_NAME, PNG_NAME = "passkey.json", "passkey.png"
 
-HEARTBEAT_SECS = 30.0  # where no bar is drawn: the most seconds between two progress lines on stderr
+HEARTBEAT_SECS = 30.0  # where no bar is drawn: a line as a batch starts once this many seconds passed since the last
 
 _SENTENCE_END = re.compile(r"[.!?][\"')\]’”]*\s*$")
 _NUMBER = re.compile(r"\d+")
@@ -305,7 +306,7 @@ def _stderr_line(line: str) -> None:
 def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], depths: Sequence[float],
                 n_per_cell: int, policy="dense", slots: int | None = None, batch_size: int = 8, seed: int = 0,
                 reserve: int = RESERVE, progress: bool = True, mesh=None,
-                heartbeat_secs: float = HEARTBEAT_SECS) -> dict:
+                heartbeat_secs: float = HEARTBEAT_SECS, train_len: int | None = None) -> dict:
     """Passkey accuracy of a model over (context length × depth), greedy decoding under a cache policy.
 
     Every cell (length, depth) holds ``n_per_cell`` prompts of ``make_passkey_prompts``. All prompts are
@@ -329,12 +330,15 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
       reserve: see ``make_passkey_prompts``.
       progress: a tqdm bar over the prompts (drawn only when stderr is a terminal).
       heartbeat_secs: where no bar is drawn (stderr not a terminal, or ``progress`` False), a line on stderr
-        when the run starts and then, after a batch, ``passkey (dense): prompts 16/48 | 4.2 min elapsed |
-        ETA 8.1 min`` when ``heartbeat_secs`` have passed since the last line (the convention of ``train``'s
-        heartbeat, ``fox_jax.train.progress.Heartbeat``): a batch longer than that gives one line per batch;
-        the ETA extrapolates from the longest prompts, which run first, so it errs long. 0: no lines.
+        when the run starts and then one as a batch starts, ``passkey (dense): batch 3/6: 8 prompts at length
+        4096 | 16/48 prompts done | 4.2 min elapsed | ETA 8.1 min``, for the first batch of each length and
+        for any other once ``heartbeat_secs`` have passed since the last line: so a batch that runs long has
+        been announced (the one before it took that long, or it starts a length). The ETA extrapolates from
+        the longest prompts, which run first, so it errs long. 0: no lines.
       mesh: a ``jax.sharding.Mesh`` to decode on (``generate(mesh=...)``); each batch is filled to a multiple
         of its data × fsdp size (copies of the last row, dropped).
+      train_len: the model's training length in tokens, if known: lengths beyond it get a warning on stderr
+        (extrapolation is a fair test, but long prompts take memory and time), once the prompts are built.
 
     Returns:
       JSON-able dict: ``policy`` (spec string), ``slots``, ``lengths``, ``depths``, ``n`` (per cell),
@@ -372,20 +376,33 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
                 for ex in make_passkey_prompts(haystack, tokenizer, context_len=length, depth=depth, n=n_per_cell,
                                                seed=seed, reserve=reserve)]
     max_new = max(ex.max_new_tokens for ex in examples)  # ≤ reserve: prompt + answer fit in each length
+    longer = [n for n in lengths if train_len and n > train_len]
+    if longer:
+        _stderr_line(f"warning: context length{'s' if len(longer) > 1 else ''} {', '.join(map(str, longer))} "
+                     f"exceed{'' if len(longer) > 1 else 's'} the {train_len} tokens the model was trained on (a test of "
+                     f"extrapolation): long prompts take memory and time, each batch of {batch_size} prefilling and "
+                     f"caching up to {max(longer):,} tokens per prompt")
     order = sorted(range(len(examples)), key=lambda i: -len(examples[i].prompt_ids))
     records: list[dict | None] = [None] * len(examples)
     name = f"passkey ({policy_spec(policy)})"
-    heartbeat = Heartbeat(len(examples), heartbeat_secs, enabled=not bars_shown(progress), write=_stderr_line,
-                          label=f"{name}: prompts")
-    if heartbeat.enabled:  # no bar in logs: say what runs, then a line after the batches (Heartbeat)
-        n_batches = -(-len(examples) // batch_size)
+    lines = heartbeat_secs > 0 and not bars_shown(progress)  # no bar in logs: a line as the batches start
+    n_batches = -(-len(examples) // batch_size)
+    if lines:
         _stderr_line(f"{name}: {len(examples)} prompts in {n_batches} batch{'es' if n_batches > 1 else ''} of "
-                     f"{batch_size}, the longest ({max(lengths)} tokens) first; a progress line every "
-                     f"{heartbeat_secs:g} s or after each longer batch")
-    done = 0
+                     f"{batch_size}, the longest ({max(lengths)} tokens) first; a line as a batch starts, for the "
+                     f"first of each length and otherwise once {heartbeat_secs:g} s have passed")
+    done, t0, last, previous = 0, time.monotonic(), None, None
     with progress_bar(total=len(examples), desc=name, unit="prompt", progress=progress, leave=False) as bar:
-        for start in range(0, len(order), batch_size):
+        for b, start in enumerate(range(0, len(order), batch_size)):
             idx = order[start:start + batch_size]
+            at = sorted({examples[i].context_len for i in idx}, reverse=True)
+            now = time.monotonic()
+            if lines and (at[0] != previous or now - last >= heartbeat_secs):
+                _stderr_line(f"{name}: batch {b + 1}/{n_batches}: {len(idx)} prompt{'s' if len(idx) > 1 else ''} at "
+                             f"length{'s' if len(at) > 1 else ''} {', '.join(map(str, at))} | {done}/{len(examples)} "
+                             f"prompts done | {elapsed_eta(now - t0, done, len(examples))}")
+                last = now
+            previous = at[0]
             tokens, seq_start = left_pad([examples[i].prompt_ids for i in idx], tokenizer.eot_id, fill)
             gen = generate(model, params, tokens, max_new_tokens=max_new, seq_start=seq_start, **engine)
             out = np.asarray(gen.tokens)
@@ -404,7 +421,6 @@ def run_passkey(model, params, tokenizer, text: str, *, lengths: Sequence[int], 
                 records[i] = rec
             bar.update(len(idx))
             done += len(idx)
-            heartbeat.tick(done)
     acc = np.zeros((len(lengths), len(depths)))
     dacc = np.zeros_like(acc)
     for rec in records:
@@ -455,16 +471,16 @@ def digits_line(result: dict) -> str:
         return line + "."
     line += f"; {100 * with_digits:.0f}% of the answers hold any digit"
     if with_digits == 0:
-        return line + (": the model writes no digits after the question, so its digit accuracy is 0; the ~10% "
-                       "chance level under this line is that of a model that writes 5 digits.")
+        return line + (": the model writes no digits after the question, so its digit accuracy is 0, below the "
+                       "chance level of a guess.")
     return line + "."
 
 
 # What the numbers of a run mean (printed under the table).
 CHANCE_NOTE = ("Chance: a random 5-digit guess is exact 1 time in 90,000 (0.001%) and gets about 10% of the digits "
-               "right; that level holds for a model that writes digits, and one that writes none scores 0. What models "
-               "score: retrieval needs a model that learned to copy from far back in its context; small or briefly "
-               "trained models (the tiny preset, or a GPT-2-size model after a few thousand steps) score 0% exact "
+               "right. What models score: retrieval needs a model that learned to copy from far back in its context; "
+               "small or briefly trained models (the tiny preset, or a GPT-2-size model after a few thousand steps) "
+               "score 0% exact "
                "everywhere, which is no bug. Digit accuracy well above 10%, or exact hits at depth 1 (the needle just "
                "before the question), show that copying works; to see what a cache policy loses, compare it with "
                "--cache dense on the same model.")
@@ -531,7 +547,7 @@ def _parse_list(spec: str, kind, flag: str) -> list:
 def cmd_passkey(args) -> int:
     """The ``fox-jax passkey`` handler: writes ``passkey.json`` + ``passkey.png`` in ``--out`` and prints a
     table and one JSON summary line."""
-    from fox_jax.train.generate import load_for_decoding
+    from fox_jax.train.generate import load_for_decoding, parse_cache_flag
 
     lengths = _parse_list(args.lengths, int, "--lengths")
     depths = _check_depths(_parse_list(args.depths, float, "--depths"), "--depths")
@@ -541,7 +557,7 @@ def cmd_passkey(args) -> int:
     if args.seed < 0:
         raise ValueError(f"--seed must be non-negative, got {args.seed}")
 
-    policy = policy_spec(args.cache)  # an unknown policy: ValueError before reading anything
+    policy = parse_cache_flag(args.cache).spec  # an unknown policy: ValueError before reading anything
     mesh = None
     if args.mesh:
         from fox_jax.sharding import make_mesh, select_partitioner
@@ -549,6 +565,8 @@ def cmd_passkey(args) -> int:
         mesh = make_mesh(args.mesh)
         select_partitioner(mesh, "auto")  # as training: GSPMD on multi-GPU meshes, so the kernels run per shard
     text_path = Path(args.text) if args.text else default_text_path()
+    if text_path.is_dir():
+        raise ValueError(f"--text {text_path} is a directory; give a text file (the haystack)")
     if not text_path.is_file():
         raise FileNotFoundError(f"--text {text_path}: no such file")
     run, tokenizer = load_for_decoding(  # the lengths are checked before anything else is read
@@ -559,7 +577,7 @@ def cmd_passkey(args) -> int:
     try:
         result = run_passkey(run.model.build(), params, tokenizer, text, lengths=lengths, depths=depths,
                              n_per_cell=args.n, policy=policy, slots=args.kv_slots, batch_size=args.batch_size,
-                             seed=args.seed, progress=not args.no_progress, mesh=mesh)
+                             seed=args.seed, progress=not args.no_progress, mesh=mesh, train_len=run.seq_len)
     except ValueError as e:  # a length too short for the needle: name the flag
         if str(e).startswith("context_len "):
             raise ValueError("--lengths " + str(e).removeprefix("context_len ")) from None

@@ -62,6 +62,15 @@ def _duration(seconds: float) -> str:
     return f"{seconds / 3600:.1f} h"
 
 
+def elapsed_eta(elapsed: float, done: int, total: int) -> str:
+    """``4.2 min elapsed | ETA 8.1 min``: the ETA extrapolates the rate of the ``done`` units of ``total``
+    (none before the first unit, or when all are done)."""
+    line = f"{_duration(elapsed)} elapsed"
+    if 0 < done < total:
+        line += f" | ETA {_duration(elapsed / done * (total - done))}"
+    return line
+
+
 class Heartbeat:
     """Writes ``step 3/300 | 2.1 min elapsed | ETA 3.4 h`` every ``interval`` seconds of a loop whose
     progress is not otherwise visible (``enabled`` False or ``interval`` <= 0: silent). ``label`` names
@@ -91,9 +100,6 @@ class Heartbeat:
         if now - self._last < self.interval:
             return
         self._last = now
-        elapsed = now - self._t0
         done = step - self.start_step
-        line = f"{self.label} {step}/{self.total} | {_duration(elapsed)} elapsed"
-        if done > 0 and step < self.total:
-            line += f" | ETA {_duration(elapsed / done * (self.total - step))}"
-        self._write(line)
+        self._write(f"{self.label} {step}/{self.total} | "
+                    + elapsed_eta(now - self._t0, done, done + max(self.total - step, 0)))
