@@ -480,7 +480,8 @@ class SlotKVCache:
       length: int32 scalar, columns fed so far including left pads (the next token's column), shared by rows.
       seq_start: [B] int32 left pads per row; the token in column c has position c − seq_start.
       lam_hi, lam_lo: [B, H] float32 Λ of the last token fed (the pair carried into the next chunk), or None.
-      k_shift, v_shift: [B, Hkv, D] the unshifted k/v projections of the last token (KV-shift), or None.
+      kv_shift: [B, 2, Hkv, D] the unshifted k and v projections of the last token (KV-shift), or None: one
+        buffer, so a decode step writes its carry with one kernel (``k_shift`` / ``v_shift`` read its halves).
       state: the policy rule's per-layer state (``fox_jax.cache.visibility``; acp: the running maxima of
         the q and k norms without QK-norm, the threshold from the first chunk's QK-norm bound with it), or None.
       policy: the ``CachePolicy`` (static).
@@ -495,8 +496,7 @@ class SlotKVCache:
     seq_start: jax.Array
     lam_hi: jax.Array | None
     lam_lo: jax.Array | None
-    k_shift: jax.Array | None
-    v_shift: jax.Array | None
+    kv_shift: jax.Array | None
     state: Any
     policy: CachePolicy = flax.struct.field(pytree_node=False)
     max_context: int = flax.struct.field(pytree_node=False)
@@ -506,6 +506,16 @@ class SlotKVCache:
     @property
     def kv_heads(self) -> int:
         return sum(g.k.shape[1] for g in self.groups)
+
+    @property
+    def k_shift(self) -> jax.Array | None:
+        """[B, Hkv, D] the KV-shift carry of the keys, or None."""
+        return None if self.kv_shift is None else self.kv_shift[:, 0]
+
+    @property
+    def v_shift(self) -> jax.Array | None:
+        """[B, Hkv, D] the KV-shift carry of the values, or None."""
+        return None if self.kv_shift is None else self.kv_shift[:, 1]
 
     @property
     def overflow(self) -> jax.Array:
@@ -535,9 +545,9 @@ class SlotKVCache:
         k/v [B, n, C, D] -> ("batch", "kv_heads", None, None); None fields stay None. Map it with
         ``jax.tree.map(f, cache.logical_axes(), is_leaf=lambda x: isinstance(x, tuple))``."""
         gates = None if self.lam_hi is None else ("batch", "heads")
-        shift = None if self.k_shift is None else ("batch", "kv_heads", None)
+        shift = None if self.kv_shift is None else ("batch", None, "kv_heads", None)
         return self.replace(groups=tuple(g.logical_axes() for g in self.groups), length=(), seq_start=("batch",),
-                            lam_hi=gates, lam_lo=gates, k_shift=shift, v_shift=shift,
+                            lam_hi=gates, lam_lo=gates, kv_shift=shift,
                             state=rule_for(self.policy).state_axes(self.state))
 
     def insert_row(self, row, source: SlotKVCache) -> SlotKVCache:
@@ -640,10 +650,10 @@ def new_slot_cache(batch: int, slots, *, n_heads: int, kv_heads: int, head_dim: 
                                  forget_gate=forget_gate, policy=policy, seq_start=seq_start,
                                  interaction_dim=interaction_dim)
                    for c, heads in _split_slots(slots, kv_heads, policy, block))
-    state = (lambda: jnp.zeros((batch, kv_heads, head_dim), dtype)) if kv_shift else (lambda: None)
+    carry = jnp.zeros((batch, 2, kv_heads, head_dim), dtype) if kv_shift else None
     last = (lambda: jnp.zeros((batch, n_heads), jnp.float32)) if forget_gate else (lambda: None)
     capacity = max(g.slots for g in groups)
-    return SlotKVCache(groups, jnp.zeros((), jnp.int32), seq_start, last(), last(), state(), state(),
+    return SlotKVCache(groups, jnp.zeros((), jnp.int32), seq_start, last(), last(), carry,
                        rule_for(policy).init_state(policy, batch, layout), policy,
                        capacity if max_context is None else int(max_context), policy.provable(layout))
 
@@ -720,11 +730,10 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
             for idx, og in outs:
                 o = o.at[:, :, idx].set(og)
         o = o.reshape(b, t, h, d)
-    k_shift, v_shift = carry if carry is not None else (None, None)
     new_cache = cache.replace(
         groups=tuple(groups), length=cache.length + t, state=state,
         lam_hi=None if lam is None else lam[0][:, -1], lam_lo=None if lam is None else lam[1][:, -1],
-        k_shift=k_shift if cache.k_shift is not None else None, v_shift=v_shift if cache.v_shift is not None else None,
+        kv_shift=None if cache.kv_shift is None else jnp.stack([x.astype(cache.kv_shift.dtype) for x in carry], axis=1),
         fresh=False)
     return o.astype(q.dtype), new_cache
 
