@@ -169,6 +169,18 @@ def test_unknown_tokens_are_one_line_errors(tmp_path, capsys):
     assert not (tmp_path / "w").exists()
 
 
+def test_argparse_errors_are_one_line(tmp_path, capsys):
+    """A flag's value of the wrong type, a flag without its value and a missing required flag: one line naming
+    the flag (argparse's usage text is not printed), exit 2, nothing written."""
+    for argv, want in ((["--steps", "abc"], "argument --steps: invalid int value: 'abc'"),
+                       (["--lr"], "argument --lr: expected one argument")):
+        assert cli.main(["train", "--workdir", str(tmp_path / "w"), *argv]) == 2
+        assert want in _one_line_error(capsys, "train")
+    assert cli.main(["eval"]) == 2
+    assert "the following arguments are required: --workdir" in _one_line_error(capsys, "eval")
+    assert not (tmp_path / "w").exists()
+
+
 def test_collection_survives_missing_optional_test_dependencies():
     """``pytest -m gpu`` on a machine with only the package installed: modules that need nbformat,
     nbclient, torch, transformers or hypothesis skip instead of breaking the collection of the others."""

@@ -654,6 +654,7 @@ def test_decode_decay_float32_accurate_at_64k_tokens():
     np.testing.assert_allclose(decay, lam64[-1] - lam64, rtol=1e-6, atol=1e-9)
 
 
+@pytest.mark.filterwarnings("ignore::fox_jax.cache.policies.HeuristicEvictionWarning")  # acp without QK-norm
 def test_cache_logical_axes():
     """``logical_axes()``: a tuple of logical names per array, one name per dimension, for every storage."""
     for policy, kw in (("acp", dict(forget_gate=True, kv_shift=True)), ("dcp", dict(forget_gate=True, kv_shift=False,

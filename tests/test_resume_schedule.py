@@ -52,8 +52,8 @@ def test_resume_schedules(capsys):
         short = loop.resume_schedule(saved, _cfg(300 + extra, resume_schedule="rewarm"), 300)
         err = capsys.readouterr().err
         assert err.startswith("warning: ") and f"warming up again from 0 over {used} steps" in err, err
-        assert f"{extra} more steps leave {extra - used} to decay after that warmup (fewer than warmup_steps " \
-               f"{warmup})" in err and f"give --steps {300 + 2 * warmup} or more" in err
+        assert f"{extra} more steps leave only {extra - used} after that warmup (fewer than warmup_steps " \
+               f"{warmup}), too few for the decay" in err and f"give --steps {300 + 2 * warmup} or more" in err
         assert (f"cut to fit the {extra} steps left" in err) == (used < warmup)
     assert _lrs(short, 300 + warmup // 2)[-1] > 0.5 * saved.optim.lr
     loop.resume_schedule(saved, _cfg(300 + 2 * warmup, resume_schedule="rewarm"), 300)

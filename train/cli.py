@@ -254,10 +254,11 @@ def _one_line_for_ours(default):
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     command = next((a for a in argv if not a.startswith("-")), "")
+    prog = f"fox-jax {command}" if command else "fox-jax"
     try:
         args = parse_args(argv)
     except ValueError as e:
-        print(f"fox-jax {command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     from fox_jax.train.checkpoints import CheckpointError, CorruptCheckpointError
 
@@ -269,14 +270,14 @@ def main(argv: list[str] | None = None) -> int:
     except CorruptCheckpointError as e:
         how = (continue_command(argv, command, e.intact_step)
                if e.intact_step is not None and command in _STEP_FLAGS else None)
-        print(f"fox-jax {command}: error: {e.describe(how)}", file=sys.stderr)
+        print(f"{prog}: error: {e.describe(how)}", file=sys.stderr)
         return 2
     except FieldError as e:  # names the flag the user gave, or the key=value key
-        print(f"fox-jax {command}: error: {e.renamed(field_namer(args))}", file=sys.stderr)
+        print(f"{prog}: error: {e.renamed(field_namer(args))}", file=sys.stderr)
         return 2
     except (ValueError, FileNotFoundError, FileExistsError, CheckpointError, FloatingPointError,
             MissingExtraError) as e:
-        print(f"fox-jax {command}: error: {e}", file=sys.stderr)
+        print(f"{prog}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print(f"fox-jax {command}: interrupted; the last checkpoint is kept (continue with --resume)",

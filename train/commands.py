@@ -443,10 +443,18 @@ def _add_generate(sub) -> None:
                    num_processes=None, process_id=None)
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors (a flag's value of the wrong type, a missing value or argument) are
+    ``ValueError``s that ``fox-jax`` prints as one line naming the flag, instead of the usage text and the error."""
+
+    def error(self, message):
+        raise ValueError(f"{message} (see {self.prog} --help)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole ``fox-jax`` parser (imports no jax; ``args.handler`` names the command's function)."""
-    parser = argparse.ArgumentParser(prog="fox-jax", description="Train and evaluate FoX / Transformer language "
-                                     "models.", epilog=_EXAMPLES, formatter_class=_Formatter)
+    parser = _OneLineParser(prog="fox-jax", description="Train and evaluate FoX / Transformer language "
+                            "models.", epilog=_EXAMPLES, formatter_class=_Formatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_train(sub)
     _add_eval(sub)

@@ -125,8 +125,8 @@ def resume_schedule(saved: config_lib.ExperimentConfig, cfg: config_lib.Experime
                 "--resume-schedule rewarm warms up again)")
         warn = True
     elif o.resume_schedule == "rewarm" and o.schedule == "cosine" and left - warmup < (o.warmup_steps or 0):
-        msg += (f"; but {left} more steps leave {left - warmup} to decay after that warmup (fewer than warmup_steps "
-                f"{o.warmup_steps}): "
+        msg += (f"; but {left} more steps leave only {left - warmup} after that warmup (fewer than warmup_steps "
+                f"{o.warmup_steps}), too few for the decay: "
                 f"the last step runs at lr {last:.3g} ({last / o.lr:.0%} of the peak); give --steps "
                 f"{step + 2 * o.warmup_steps} or more (twice the warmup past step {step}), a smaller --warmup-steps, "
                 "or --resume-schedule continue")
