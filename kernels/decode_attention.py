@@ -426,8 +426,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     aliases = {}
     if append is not None:  # the step's entry in, the ring's buffers out in place
         k_new, v_new, lam_new = append
-        ring = [(3, pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0))),
-                (4, pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0)))]
+        ring = [(3, in_specs[3]), (4, in_specs[4])]  # args 3, 4: k, v; 7, 8: Λ_k hi, lo (after q's pair)
         in_specs += [pl.BlockSpec((None, d_run), lambda i, s: (i, 0))] * 2
         args += [k_new.reshape(bh, d_run).astype(q.dtype), v_new.reshape(bh, d_run).astype(q.dtype)]
         if has_lam:

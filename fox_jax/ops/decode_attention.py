@@ -271,6 +271,16 @@ def decode_attention(
         return _xla(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
     if impl == "cudnn":
         return _cudnn(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
+    config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=valid is not None)
+    return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
+
+
+def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool) -> tuple:
+    """(the kernel's ``DecodeConfig``, interpret mode) for these shapes, after checking ``block_k`` / ``num_splits``.
+
+    Raises:
+      ValueError: a block_k that is not a power of two ≥ 16 dividing C, num_splits < 1, head_dim > 256.
+    """
     cap = k.shape[2]
     if block_k is not None and (block_k < dk.MIN_BLOCK or block_k & (block_k - 1) or cap % block_k):
         raise ValueError(f"block_k must be a power of two ≥ {dk.MIN_BLOCK} dividing C = {cap}, got {block_k}")
@@ -282,8 +292,8 @@ def decode_attention(
     config = dk.default_decode_config(q.shape[0] * q.shape[1], cap, interpret=interpret, block_k=block_k,
                                       num_splits=None if num_splits is None else int(num_splits),
                                       head_dim=q.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize, group=q.shape[2],
-                                      lam=lam_k is not None, valid=valid is not None)
-    return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
+                                      lam=lam, valid=valid)
+    return config, interpret
 
 
 def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int) -> jax.Array:
@@ -350,10 +360,7 @@ def decode_attention_append(
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-        interpret = jax.default_backend() != "gpu"
-        config = dk.default_decode_config(b * hkv, k.shape[2], interpret=interpret, block_k=block_k,
-                                          num_splits=None if num_splits is None else int(num_splits), head_dim=d,
-                                          itemsize=jnp.dtype(q.dtype).itemsize, group=grp, lam=lam_k is not None)
+        config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False)
         return dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
                                scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new))
     k, v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
