@@ -295,3 +295,53 @@ def test_fused_dense_is_separate_dense_layers(dtype, lead):
     g_fus = jax.jit(jax.grad(loss(Fused()), argnums=(0, 1)))(p_sep, x)
     for a, b in zip(jax.tree_util.tree_leaves(g_sep), jax.tree_util.tree_leaves(g_fus)):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=10 * atol, rtol=10 * atol)
+
+
+def test_layer_norm_is_flax_layer_norm():
+    """``fox_jax.nn.layers.LayerNorm`` (two-pass variance: one fused kernel on GPU) = ``flax.linen.LayerNorm``
+    (E[x²] − E[x]²): the same parameter tree and initial values; outputs and input/parameter gradients within 1e-5
+    relative (float32 rounding of the two variance forms) on rows with a large mean, where the one-pass form loses
+    digits (gradients within 1e-4); bfloat16 input, float32 output."""
+    import flax.linen as nn
+
+    from fox_jax.nn.layers import LayerNorm
+
+    x = (jax.random.normal(jax.random.PRNGKey(1), (3, 5, 48), jnp.float32) * 2.0 + 30.0).astype(jnp.bfloat16)
+    ours, ref = LayerNorm(eps=1e-5), nn.LayerNorm(epsilon=1e-5, dtype=jnp.float32, param_dtype=jnp.float32)
+    p = ours.init(jax.random.PRNGKey(0), x)["params"]
+    jax.tree_util.tree_map(np.testing.assert_array_equal, p, ref.init(jax.random.PRNGKey(0), x)["params"])
+    p = {"scale": p["scale"] + jnp.linspace(-0.5, 0.5, 48), "bias": p["bias"] + 0.25}
+    y, y_ref = ours.apply({"params": p}, x), ref.apply({"params": p}, x)
+    assert y.dtype == jnp.float32 and y.shape == x.shape
+    np.testing.assert_allclose(y, y_ref, rtol=1e-5, atol=1e-5)
+
+    def loss(module):
+        return lambda p, x: jnp.sum(jnp.sin(module.apply({"params": p}, x)))
+
+    xf = x.astype(jnp.float32)
+    for a, b in zip(jax.tree_util.tree_leaves(jax.grad(loss(ours), argnums=(0, 1))(p, xf)),
+                    jax.tree_util.tree_leaves(jax.grad(loss(ref), argnums=(0, 1))(p, xf))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_init_params_leaves_the_threefry_setting_as_it_was():
+    """``init_params`` switches JAX's threefry CUDA-kernel lowering on for its own program only (a global
+    left on would change every later jitted program of the user's); its values are those of ``model.init`` jitted."""
+    cfg = preset("tiny", "fox-pro")
+    before = jax.config.jax_threefry_gpu_kernel_lowering
+    params = cfg.init_params(jax.random.PRNGKey(3))
+    assert jax.config.jax_threefry_gpu_kernel_lowering == before
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    plain = jax.jit(lambda k: cfg.build().init(k, tokens)["params"])(jax.random.PRNGKey(3))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, params, plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
+def test_gpu_init_params_threefry_kernel_is_bitwise_the_expansion(arch):
+    """On GPU the threefry kernel (init_params) and XLA's inline expansion (a plain jit of ``model.init``)
+    draw the same bits: the parameters are equal bit for bit, so seeds keep their weights."""
+    cfg = preset("tiny", arch)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+    plain = jax.jit(lambda k: cfg.build().init(k, tokens)["params"])(jax.random.PRNGKey(5))
+    jax.tree_util.tree_map(np.testing.assert_array_equal, cfg.init_params(jax.random.PRNGKey(5)), plain)

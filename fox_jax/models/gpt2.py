@@ -57,6 +57,7 @@ from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.cache.visibility import LayerFacts
 from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_applies, scan_blocks
 from fox_jax.nn.attention import LayerOutput
+from fox_jax.nn.layers import LayerNorm
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
@@ -190,8 +191,8 @@ def match_sparse_pattern(kind: str, target: float, seq_len: int, *, sinks: int =
     return (f"sinks:{sinks}+{best[1]}" if kind == "sinks" else f"{kind}:{best[1]}"), best[2]
 
 
-def _layer_norm(cfg: GPT2Config, name: str) -> nn.LayerNorm:
-    return nn.LayerNorm(epsilon=cfg.norm_eps, dtype=jnp.float32, param_dtype=jnp.float32, name=name)
+def _layer_norm(cfg: GPT2Config, name: str) -> LayerNorm:
+    return LayerNorm(eps=cfg.norm_eps, name=name)
 
 
 def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = None, use_bias: bool = True,

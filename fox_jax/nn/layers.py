@@ -34,6 +34,30 @@ class RMSNorm(nn.Module):
         return (y * scale).astype(self.dtype)
 
 
+class LayerNorm(nn.Module):
+    """y = (x − mean(x)) / sqrt(mean((x − mean(x))²) + eps) · scale + bias, in float32 (Ba et al. 2016).
+
+    The parameters are ``scale`` and ``bias`` [d] float32 (initialised to 1 and 0), as in ``flax.linen.LayerNorm``,
+    so checkpoints and the GPT-2 weight map are the same. The variance is taken in two passes over the centred x
+    (flax takes E[x²] − E[x]² in one multi-output reduction): the same value up to float32 rounding, and on GPU
+    XLA emits the whole norm as one fused kernel instead of a reduction followed by the normalisation (a decode
+    step of GPT-2 runs two per layer; benchmarks/checks/decode_kernels.py).
+    """
+
+    eps: float = 1e-5
+    dtype: Dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        d = x.shape[-1]
+        scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
+        bias = self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
+        xf = x.astype(jnp.float32)
+        xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        y = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + self.eps)
+        return (y * scale + bias).astype(self.dtype)
+
+
 class SwiGLU(nn.Module):
     """down(silu(gate) ⊙ up) with a fused ``gate_proj``: d → 2·hidden (no biases)."""
 
