@@ -173,6 +173,7 @@ class _Geom:
     has_valid: bool
     exact_dot: bool  # float32 inputs: IEEE matmuls (Triton's default for float32 is TF32)
     append: bool = False  # the step's own key comes in separately and is written to the ring here
+    has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
 
 
 def _dot(a, b, contract_a: int, contract_b: int, exact: bool):
@@ -187,10 +188,12 @@ def _decode_kernel(*refs, g: _Geom):
     rest = refs[5:]
     lam_refs = (rest.pop(0), rest.pop(0), rest.pop(0), rest.pop(0)) if g.has_lam else None
     valid_ref = rest.pop(0) if g.has_valid else None
+    floor_ref = rest.pop(0) if g.has_floor else None
     if g.append:
         new_refs = [rest.pop(0) for _ in range(4 if g.has_lam else 2)]  # k_new, v_new[, Λ_new hi, lo]
         ring_out = rest[-len(new_refs):]                                 # k, v[, Λ hi, lo]: the aliased ring
         rest = rest[:-len(new_refs)]
+    first_ref = rest.pop() if g.has_floor else None  # the first visible key, per (row, key/value head)
     out_refs = rest  # (o,) with one split, else (o, m, l)
     bk, gp = g.block_k, g.group_pad
 
@@ -210,6 +213,19 @@ def _decode_kernel(*refs, g: _Geom):
         lq_hi = pltriton.load(lq_hi_ref.at[:], mask=row_ok[:, 0], other=0.0)
         lq_lo = pltriton.load(lq_lo_ref.at[:], mask=row_ok[:, 0], other=0.0)
 
+    def decay_block(start):  # [Gp or 1, bk] float32 Λ_q − Λ_k of the block at physical slot ``start``
+        if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
+            lk_hi = lk_hi_ref[pl.ds(start, bk)][None, :]
+            lk_lo = lk_lo_ref[pl.ds(start, bk)][None, :]
+        else:
+            lk_hi = pltriton.load(lk_hi_ref.at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
+            lk_lo = pltriton.load(lk_lo_ref.at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
+        return (lq_hi[:, None] - lk_hi) + (lq_lo[:, None] - lk_lo)
+
+    if g.has_floor:  # ACP: the range starts after the last key below the floor for every query head of the group
+        lo = _first_above_floor(g, floor_ref, first_ref, decay_block, lo, hi, row_ok)
+        hi = jnp.maximum(hi, lo)
+
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
     n_first = lax.div(lo, bk)
     n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), n_first)
@@ -225,14 +241,8 @@ def _decode_kernel(*refs, g: _Geom):
             part = _dot(q, k_ref[pl.ds(start, bk), pl.ds(off, size)], 1, 1, g.exact_dot)
             s = part if s is None else s + part
         s = s * g.scale
-        if g.has_lam and g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
-            lk_hi = lk_hi_ref[pl.ds(start, bk)][None, :]
-            lk_lo = lk_lo_ref[pl.ds(start, bk)][None, :]
-            s = s + ((lq_hi[:, None] - lk_hi) + (lq_lo[:, None] - lk_lo))
-        elif g.has_lam:
-            lk_hi = pltriton.load(lk_hi_ref.at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
-            lk_lo = pltriton.load(lk_lo_ref.at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
-            s = s + ((lq_hi[:, None] - lk_hi) + (lq_lo[:, None] - lk_lo))
+        if g.has_lam:
+            s = s + decay_block(start)
         if masked:
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             keep = (kpos >= lo) & (kpos < hi)
@@ -278,6 +288,27 @@ def _decode_kernel(*refs, g: _Geom):
             pltriton.store(o_ref.at[:, pl.ds(off, size)], acc, mask=row_ok)
         pltriton.store(m_ref.at[:], m_i, mask=row_ok[:, 0])
         pltriton.store(l_ref.at[:], l_i, mask=row_ok[:, 0])
+
+
+def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, lo, hi, row_ok):
+    """The decay floor (ACP's eviction): key j of [lo, hi) is hidden when Λ_q − Λ_k,j < floor for every query head
+    of the group; it and every older key leave the range, which starts at ``first`` = max(lo, last hidden + 1).
+    A pass over the Λ_k blocks of the whole range (every split the same; 8 bytes per key and query head, against
+    2·D·itemsize of K and V), in the same float32 form as the scores' decay. Split 0 writes ``first`` to
+    ``first_ref``; returns it."""
+    bk = g.block_k
+    floor = pltriton.load(floor_ref.at[:], mask=row_ok[:, 0], other=0.0)
+
+    def scan(n, last):
+        kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        below = (decay_block(pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)) < floor[:, None]) | ~row_ok
+        hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & (kpos >= lo) & (kpos < hi)
+        return jnp.maximum(last, jnp.max(jnp.where(hidden, kpos, -1)))
+
+    n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), lax.div(lo, bk))
+    first = jnp.maximum(lo, lax.fori_loop(lax.div(lo, bk), n_end, scan, jnp.int32(-1)) + 1)
+    pltriton.store(first_ref.at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32), mask=jnp.full((1,), pl.program_id(1) == 0))
+    return first
 
 
 def _append_new_key(g: _Geom, qs, new_refs, ring_out, slot, with_new, accs, m_i, l_i, *, lq, row_ok):
@@ -348,7 +379,7 @@ def _range_operand(x, b: int, hkv: int):
 
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
-                 config: DecodeConfig, interpret: bool, append=None):
+                 config: DecodeConfig, interpret: bool, append=None, decay_floor=None):
     """Decode attention on a ring cache with the flash-decoding kernel (shapes unchecked: the public
     op ``fox_jax.ops.decode_attention`` checks them).
 
@@ -365,9 +396,14 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         [B, Hkv, G] float32, as ``lam_k``) for a ring whose slot of logical key hi − 1 it is: the kernel reads the
         ring over [lo, hi − 1), adds the entry as key hi − 1 and writes it to slot (hi − 1) mod C of k, v (and
         Λ) in place (``input_output_aliases``: no separate update kernels). Needs D % 16 == 0 and no ``valid``.
+      decay_floor: None, or [B, Hkv, G] float32 with Λ (ACP's eviction threshold δ per query head): a key of the
+        range hidden for every query head of its group (Λ_q − Λ_k < floor) leaves the range with every older key;
+        the range starts at ``first`` = max(lo, last hidden key + 1). With ``append``, the step's own key is not
+        tested (it is the newest). Needs no ``valid``.
     Returns:
       [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
-      entry written (lam_k None without Λ).
+      entry written (lam_k None without Λ); with ``decay_floor`` the tuple (or o) followed by ``first`` [B, Hkv]
+      int32.
     """
     b, hkv, grp, d = q.shape
     cap = k.shape[2]
@@ -379,6 +415,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     d_run = -(-d // MIN_BLOCK) * MIN_BLOCK
     if append is not None and (d_run != d or valid is not None):
         raise ValueError("append needs head_dim a multiple of 16 and no valid mask (a ring without pinned slots)")
+    if decay_floor is not None and (lam_k is None or valid is not None):
+        raise ValueError("decay_floor needs lam_q / lam_k and no valid mask (a ring's range)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
         pad = [(0, 0)] * 3 + [(0, d_run - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
@@ -387,7 +425,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     has_lam, has_valid = lam_k is not None, valid is not None
     geom = _Geom(group=grp, group_pad=gp, n_blocks=cap // bk, block_k=bk, num_splits=ns,
                  chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
-                 exact_dot=q.dtype == jnp.float32, append=append is not None)
+                 exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None)
 
     # [B, Hkv, ...] → [B·Hkv, ...] are free reshapes; the G axis is read in blocks of Gp rows (rows ≥ G
     # masked: no padding copies).
@@ -413,6 +451,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         else:
             in_specs.append(pl.BlockSpec((None, cap), lambda i, s: (i, 0)))
             args.append(valid.reshape(bh, cap))
+    if decay_floor is not None:
+        in_specs.append(pl.BlockSpec((None, gp), lambda i, s: (i, 0)))
+        args.append(decay_floor.reshape(bh, grp).astype(jnp.float32))
     if ns == 1:
         out_specs = [pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0))]
         out_shape = [jax.ShapeDtypeStruct((bh, grp, d_run), q.dtype)]
@@ -423,6 +464,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         out_shape = [jax.ShapeDtypeStruct((bh, ns, grp, d_run), jnp.float32),
                      jax.ShapeDtypeStruct((bh, ns, grp), jnp.float32),
                      jax.ShapeDtypeStruct((bh, ns, grp), jnp.float32)]
+    if decay_floor is not None:  # the first visible key per (row, key/value head), written by split 0
+        out_specs.append(pl.BlockSpec((None, 1), lambda i, s: (i, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((bh, 1), jnp.int32))
     aliases = {}
     if append is not None:  # the step's entry in, the ring's buffers out in place
         k_new, v_new, lam_new = append
@@ -452,12 +496,16 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     n_o = 1 if ns == 1 else 3
     o = outs[0] if ns == 1 else combine_splits(*outs[:3], q.dtype)
     o = o.reshape(b, hkv, grp, d_run)[..., :d]
+    first = None
+    if decay_floor is not None:
+        first = outs[n_o].reshape(b, hkv)
+        n_o += 1
     if append is None:
-        return o
+        return o if first is None else (o, first)
     ring_out = outs[n_o:]
     k_out, v_out = (x.reshape(k.shape) for x in ring_out[:2])
     lam_out = tuple(x.reshape(lam_k[0].shape) for x in ring_out[2:]) if has_lam else None
-    return o, k_out, v_out, lam_out
+    return (o, k_out, v_out, lam_out) if first is None else (o, k_out, v_out, lam_out, first)
 
 
 __all__ = ["DecodeConfig", "SHARED_LIMIT", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",

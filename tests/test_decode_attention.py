@@ -250,6 +250,84 @@ def test_head_dim_chunks_and_config():
     assert dk.default_decode_config(4, 48, interpret=True) == dk.DecodeConfig(16, 1)
 
 
+def _floor_case(rng, cap, grp, lo, hi):
+    """Λ pairs at |Λ| ≈ 600 whose decay falls with the key's age at a rate per query head (logical key j of the
+    ring [lo, hi) lives in slot j mod C), and the floors that hide the oldest part of each range for every head
+    of its group; one key in the middle of row 1, head 0 decays below every floor (a hidden key that is not at
+    the front: the keys before it leave with it). [B, Hkv] = [2, 3]. Returns (lam_q, lam_k, decay_floor)."""
+    b, hkv = lo.shape
+    rate = rng.uniform(0.05, 0.2, (b, hkv, grp))
+    age = np.zeros((b, hkv, cap))
+    for r in range(b):
+        for h in range(hkv):
+            for j in range(max(hi[r, h] - cap, 0), hi[r, h]):
+                age[r, h, j % cap] = hi[r, h] - 1 - j
+    q_true = -600.0 + rng.uniform(-0.5, 0.5, (b, hkv, grp))
+    k_true = q_true[..., None] + rate[..., None] * age[:, :, None, :]
+    mid = (lo[1, 0] + hi[1, 0]) // 2
+    k_true[1, 0, :, mid % cap] += 50.0
+    split = lambda x: (jnp.asarray(x, jnp.float32), jnp.asarray(x - x.astype(np.float32), jnp.float32))  # noqa: E731
+    # hides the keys older than m steps (for every head of the group): row 0, head 2 only its two oldest keys (all
+    # in the range's first block)
+    m = np.array([[5.5, 3.5, (hi[0, 2] - lo[0, 2]) - 2.5], [6.5, 20.5, 4.5]])[:b, :hkv]
+    return split(q_true), split(k_true), jnp.asarray(-rate * m[..., None], jnp.float32)
+
+
+def _first_oracle(lam_q, lam_k, floor, lo, hi):
+    """max(lo, 1 + the last key of [lo, hi) below the floor for every head of its group), the decay in the kernel's
+    float32 form, by loops."""
+    qh, ql, kh, kl = (np.asarray(x) for x in (*lam_q, *lam_k))
+    cap = kh.shape[-1]
+    first = np.array(lo, np.int64)
+    for r, h in np.ndindex(*lo.shape):
+        for j in range(lo[r, h], hi[r, h]):
+            c = j % cap
+            decay = (qh[r, h] - kh[r, h, :, c]) + (ql[r, h] - kl[r, h, :, c])
+            if np.all(decay < np.asarray(floor)[r, h]):
+                first[r, h] = j + 1
+    return first
+
+
+@pytest.mark.parametrize("grp,dtype,splits", [(1, jnp.float32, 1), (4, jnp.bfloat16, 3), (2, jnp.float32, 2)])
+def test_append_decay_floor(grp, dtype, splits):
+    """``decode_attention_append(..., decay_floor=δ)`` (ACP's eviction in the decode op): the first visible key
+    equals the loop oracle (the last key below δ for every query head of the group, plus one — a hidden key in
+    the middle takes the older keys with it), exactly, in the Pallas kernel (interpret) and the XLA path, for
+    ranges that wrap, fill the ring or hold only the new key; the output is the oracle's read of [first, hi) after
+    the write, the ring is written exactly; δ = −inf hides nothing. Bad floors name the argument."""
+    cap, d = 80, 32
+    rng = np.random.default_rng(grp)
+    q, k, v, _ = _inputs(cap, grp, d, dtype, False, None, seed=grp)
+    hi = jnp.int32(2 * cap + 21)
+    n = np.array([[cap, 1, 30], [cap - 3, 45, 2]])  # full ring | only the new key | ...
+    lo = np.int32(hi) - n
+    lam_q, lam_k, floor = _floor_case(rng, cap, grp, lo, np.full_like(lo, int(hi) - 1))
+    k_new, v_new = (jnp.asarray(rng.standard_normal((_B, _HKV, d)), dtype) for _ in range(2))
+    first = _first_oracle(lam_q, lam_k, floor, lo, np.full_like(lo, int(hi) - 1))
+    assert (first > lo).sum() >= 3 and first[1, 0] > (lo[1, 0] + int(hi)) // 2  # the case hides keys, mid-ring too
+    assert first[0, 2] == lo[0, 2] + 2
+    written_k, written_v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
+    written_lam = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_q))
+    ref = decode_attention_reference(q, written_k, written_v, lo=jnp.asarray(first, jnp.int32),
+                                     hi=jnp.full((_B, _HKV), hi), lam_q=lam_q, lam_k=written_lam)
+    call = dict(lo=jnp.asarray(lo), hi=hi, lam_q=lam_q, lam_k=lam_k, lam_new=lam_q)
+    for impl in ("xla", "pallas"):
+        f = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))
+        o, k2, v2, lam2, got = f(q, k, v, k_new, v_new, decay_floor=floor, **call)
+        np.testing.assert_array_equal(np.asarray(got), first, err_msg=impl)
+        assert _err(o, ref) <= _tol(dtype), impl
+        np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(written_k, np.float32), err_msg=impl)
+        for a, b_ in zip(lam2, written_lam):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=impl)
+        *_, none_hidden = f(q, k, v, k_new, v_new, decay_floor=jnp.full_like(floor, -jnp.inf), **call)
+        np.testing.assert_array_equal(np.asarray(none_hidden), lo, err_msg=impl)
+    with pytest.raises(ValueError, match=r"decay_floor must be float32\[2, 3, " + str(grp) + r"\]"):
+        decode_attention_append(q, k, v, k_new, v_new, decay_floor=floor[..., :1, :1].astype(jnp.float32)
+                                if grp > 1 else floor[:, :1], **call)
+    with pytest.raises(ValueError, match=r"decay_floor needs lam_q / lam_k"):
+        decode_attention_append(q, k, v, k_new, v_new, lo=jnp.asarray(lo), hi=hi, decay_floor=floor)
+
+
 def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
@@ -270,6 +348,16 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert lower(6, 96, dk.DecodeConfig(64, 4), True, hkv).count("__gpu$xla.gpu.triton") == 1
     assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
     assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
+    for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2))):  # ACP's decode step: append + floor
+        pair = lambda *shape: (sds(shape, jnp.float32),) * 2  # noqa: E731
+        f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
+        text = jax.jit(lambda q, k, v, lo, hi, lq, lk, kn, vn, fl: f(q, k, v, lo, hi, None, lq, lk, append=(kn, vn, lq),
+                                                                     decay_floor=fl)).trace(
+            sds((b, hkv, grp, 64), jnp.bfloat16), sds((b, hkv, 256, 64), jnp.bfloat16),
+            sds((b, hkv, 256, 64), jnp.bfloat16), sds((b, hkv), jnp.int32), sds((), jnp.int32), pair(b, hkv, grp),
+            pair(b, hkv, grp, 256), sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, 64), jnp.bfloat16),
+            sds((b, hkv, grp), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # --------------------------------------------------------------------------------------------------

@@ -820,8 +820,9 @@ def test_incremental_decoding_equals_full_forward(family):
 @pytest.mark.parametrize("policy", ["dense", "acp"])
 def test_pallas_decode_steps_equal_the_xla_path(policy, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
-    default: the step's entry written into the ring by the kernel while it reads) give the XLA path's logits and
-    the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals the full forward. Tolerance:
+    default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there)
+    give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
+    the full forward. Tolerance:
     float32, summation order only (the split softmax), 1e-5."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)  # D = 16:
@@ -841,10 +842,12 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, monkeypatch):
     monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
     traced = []
     flash = dec.dk.flash_decode
-    monkeypatch.setattr(dec.dk, "flash_decode", lambda *a, **kw: traced.append(kw.get("append")) or flash(*a, **kw))
+    monkeypatch.setattr(dec.dk, "flash_decode",
+                        lambda *a, **kw: traced.append((kw.get("append"), kw.get("decay_floor"))) or flash(*a, **kw))
     jax.clear_caches()  # the jitted steps retrace with the kernel
     got, caches = run()
-    assert traced and all(a is not None for a in traced)  # the append mode ran
+    assert traced and all(a is not None for a, _ in traced)  # the append mode ran
+    assert all((f is not None) == (policy == "acp") for _, f in traced)  # acp's rule applied in the kernel
     np.testing.assert_allclose(got, ref, atol=1e-5)
     if policy == "dense":
         np.testing.assert_allclose(got, np.asarray(full_forward(model, params, tokens)[0][:, p:]).transpose(1, 0, 2),

@@ -176,10 +176,16 @@ class RingGroup(_Entries):
         """Visibility, placement and attention of a chunk for this group. q [B, T, n, G, D]; k, v [B, T, n, D];
         lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, the updated group)."""
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
+        if q.shape[1] == 1 and step.attend and not self.pinned:  # a decode step: the write and the read in one op
+            floor = None if lam_q is None else step.rule.decay_floor(step.cache.policy, step.aux, step.chunk,
+                                                                     self.heads)
+            if floor is not None:  # the op applies the rule while it reads (acp): no visibility kernels before
+                o, new, first = self._write_read(step, self, q, k, v, lam_q, floor)
+                return o, new._advance(step, first[..., None], 1)
+            return self._write_read(step, self._advance(step, self._visible_from(step, self._keys(step.cache, lam_q)),
+                                                        1), q, k, v, lam_q)
         keys = self._keys(step.cache, lam_q)
         start_t = self._visible_from(step, keys)
-        if q.shape[1] == 1 and step.attend and not self.pinned:  # a decode step: the write and the read in one op
-            return self._write_read(step, self._advance(step, start_t, 1), q, k, v, lam_q)
         new = self._place(step, k, v, lam_q, start_t)
         if not step.attend:
             return None, new
@@ -251,20 +257,22 @@ class RingGroup(_Entries):
         return self.replace(start=new_start, peak=jnp.maximum(self.peak, live),
                             overflow=self.overflow + (new_start - wanted))
 
-    def _write_read(self, step: _Step, new: RingGroup, q, k, v, lam_q) -> tuple[jax.Array, RingGroup]:
+    def _write_read(self, step: _Step, new: RingGroup, q, k, v, lam_q, floor=None) -> tuple:
         """A decode step (no pinned slots): its entry written at slot ``length`` mod C and the ring read over
         [start, length] by one op (``decode_attention_append``: in the Pallas kernel, without update kernels).
-        Returns (o [B, 1, n, G, D] float32, the group with the entry)."""
+        With ``floor`` (the rule's ``decay_floor``) the op also hides the keys below it (``new`` is then the ring
+        before this step's visibility). Returns (o [B, 1, n, G, D] float32, the group with the entry), and with
+        ``floor`` the first visible key [B, n] int32 as a third element."""
         hi = (step.cache.length + 1).astype(jnp.int32)
         lam_new = None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0])              # [B, n, G]
-        o, kbuf, vbuf, lam_k = decode_attention_append(
+        o, kbuf, vbuf, lam_k, *first = decode_attention_append(
             q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), k[:, 0].astype(q.dtype), v[:, 0].astype(q.dtype),
             lo=new.start, hi=hi, lam_q=lam_new, lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo),
-            lam_new=lam_new, sm_scale=step.chunk.scale)
+            lam_new=lam_new, decay_floor=floor, sm_scale=step.chunk.scale)
         new = new.replace(k=kbuf.astype(new.k.dtype), v=vbuf.astype(new.v.dtype))
         if lam_k is not None:
             new = new.replace(lam_hi=lam_k[0], lam_lo=lam_k[1])
-        return o[:, None].astype(jnp.float32), new
+        return (o[:, None].astype(jnp.float32), new, *first)
 
     def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
         """Attention of a decode step, after its write: the ring's [start, length] through the decode op

@@ -116,6 +116,13 @@ class Rule:
         """Pool policies: (vis_old, vis_new) broadcastable to [B, n, G, T, S] and [B, n, G, T, T]."""
         raise NotImplementedError(f"{type(policy).__name__} has no mask rule (its storage is a ring)")
 
+    def decay_floor(self, policy: CachePolicy, aux: Any, chunk: Chunk, heads: tuple) -> jax.Array | None:
+        """Ring policies whose ``first_visible`` for one query is "one past the last held key whose decay is below
+        a floor for every query head of its group": that floor, [B, n, G] float32 for the key/value heads
+        ``heads`` (a decode step hands it to ``decode_attention_append``, whose kernel applies it while it reads);
+        None for every other rule, and for a subclass that overrides ``first_visible`` (its own rule then runs)."""
+        return None
+
 
 RULES: dict[type, Rule] = {}
 
@@ -224,6 +231,16 @@ class ACPRule(Rule):
         else:
             delta = state.delta
         return jnp.broadcast_to(delta[:, None], (b, t, h)), state
+
+    def decay_floor(self, policy, delta, chunk, heads):
+        if type(self).first_visible is not ACPRule.first_visible:
+            return None  # a subclass with its own first_visible: the floor alone is not its rule
+        b, t, h = delta.shape
+        hkv = chunk.k.shape[2]
+        floor = delta[:, -1].reshape(b, hkv, h // hkv)
+        if heads == tuple(range(heads[0], heads[-1] + 1)):  # contiguous heads (all of them, usually): a slice
+            return floor[:, heads[0]:heads[-1] + 1]
+        return floor[:, jnp.asarray(heads)]
 
     def first_visible(self, policy, delta, chunk, keys):
         b, t, h = delta.shape

@@ -323,6 +323,7 @@ def decode_attention_append(
     lam_q: tuple[jax.Array, jax.Array] | None = None,
     lam_k: tuple[jax.Array, jax.Array] | None = None,
     lam_new: tuple[jax.Array, jax.Array] | None = None,
+    decay_floor: jax.Array | None = None,
     sm_scale: float | None = None,
     implementation: str = "auto",
     block_k: int | None = None,
@@ -330,6 +331,12 @@ def decode_attention_append(
 ):
     """A decode step's write and read of a ring KV cache in one call: the step's entry (``k_new``, ``v_new``,
     ``lam_new``) goes to ring slot (hi − 1) mod C as logical key hi − 1, then ``decode_attention`` over [lo, hi).
+
+    With ``decay_floor`` (ACP's eviction, arXiv 2504.06949 §3: δ per query head) the range first loses its oldest
+    keys: key j of [lo, hi − 1) is hidden when Λ_q − Λ_k,j < decay_floor for every query head of its group, and
+    the read starts at ``first`` = max(lo, the last hidden key + 1) (Λ is non-increasing, so the hidden keys are
+    a prefix up to rounding, and a key older than a hidden one is never read). The Pallas kernel finds ``first``
+    in a pass over the Λ_k blocks before its read: no visibility kernels before the call.
 
     ``"pallas"`` does both in the flash-decoding kernel (the entry joins the softmax from registers and one
     program per row and head writes it to the aliased ring: no update kernels before the read); the other
@@ -341,12 +348,14 @@ def decode_attention_append(
         (no ``valid``: a ring without pinned slots); hi ≥ 1 (the entry is key hi − 1).
       k_new, v_new: [B, Hkv, D] in q's dtype: the step's key and value.
       lam_new: (hi, lo) [B, Hkv, G] float32: Λ of the step's token per query head (with ``lam_k``), or None.
+      decay_floor: [B, Hkv, G] float32 (needs ``lam_k``; ≤ 0 to keep the step's own key, whose decay is 0), or None.
 
     Returns:
-      (o [B, Hkv, G, D] in q's dtype, k, v [B, Hkv, C, D] and lam_k (or None) with the entry written).
+      (o [B, Hkv, G, D] in q's dtype, k, v [B, Hkv, C, D] and lam_k (or None) with the entry written); with
+      ``decay_floor`` a fifth element, ``first`` [B, Hkv] int32.
 
     Raises:
-      ValueError: as ``decode_attention``; k_new / v_new / lam_new of the wrong shape or dtype.
+      ValueError: as ``decode_attention``; k_new / v_new / lam_new / decay_floor of the wrong shape or dtype.
     """
     b, hkv, grp, d = q.shape
     for name, x in (("k_new", k_new), ("v_new", v_new)):
@@ -356,21 +365,43 @@ def decode_attention_append(
         raise ValueError("lam_new goes with lam_k (the step's Λ is stored with the ring's): pass both or neither")
     if lam_new is not None:
         _check_pair("lam_new", lam_new, (b, hkv, grp))
+    if decay_floor is not None:
+        if lam_k is None:
+            raise ValueError("decay_floor needs lam_q / lam_k (the floor bounds the decay Λ_q − Λ_k)")
+        if tuple(decay_floor.shape) != (b, hkv, grp) or decay_floor.dtype != jnp.float32:
+            raise ValueError(f"decay_floor must be float32[{b}, {hkv}, {grp}] (one per query head), "
+                             f"got {decay_floor.dtype}{list(decay_floor.shape)}")
     _check_inputs(q, k, v, lo, hi, None, lam_q, lam_k)
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False)
         return dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
-                               scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new))
+                               scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new),
+                               decay_floor=decay_floor)
+    if decay_floor is not None:  # before the write: the step's own key is not tested
+        lo = first_above_floor(lam_q, lam_k, decay_floor, lo, jnp.asarray(hi, jnp.int32) - 1)
     k, v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
     if lam_k is not None:
         lam_k = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_new))
     o = decode_attention(q, k, v, lo=lo, hi=hi, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
                          implementation=impl, block_k=block_k, num_splits=num_splits)
-    return o, k, v, lam_k
+    return (o, k, v, lam_k) if decay_floor is None else (o, k, v, lam_k, lo)
+
+
+def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
+    """[B, Hkv] int32: max(lo, 1 + the last key j of the ring range [lo, hi) with Λ_q − Λ_k,j < decay_floor for every
+    query head of its group) — the decay floor of ``decode_attention_append`` over the whole ring, in the kernel's
+    float32 form. lam_q, lam_k, decay_floor as there; lo, hi in the narrow forms of ``decode_attention``."""
+    b, hkv, _, cap = lam_k[0].shape
+    lo = jnp.broadcast_to(jnp.maximum(jnp.asarray(lo, jnp.int32), 0), (b, hkv))
+    hi = jnp.broadcast_to(jnp.asarray(hi, jnp.int32), (b, hkv))
+    vis = visible_slots(lo, hi, cap)                                                        # [B, Hkv, C]
+    hidden = vis & jnp.all(_decay(lam_q, lam_k) < decay_floor[..., None], axis=2)
+    col = lo[..., None] + jnp.mod(jnp.arange(cap, dtype=jnp.int32) - lo[..., None], cap)  # logical key per slot
+    return jnp.maximum(lo, jnp.max(jnp.where(hidden, col, -1), axis=-1) + 1)
 
 
 __all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "cudnn_supported", "decode_attention",
-           "decode_attention_append", "write_entry",
+           "decode_attention_append", "first_above_floor", "write_entry",
            "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]
