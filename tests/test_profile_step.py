@@ -106,3 +106,21 @@ def test_quick_cpu_run(tmp_path):
         assert r["trace_source"] == "cpu" and r["total_ms"] > 0 and r["kernels"]
         assert set(r["per_step_ms"]) == set(ps.CATEGORIES)
         assert r["per_step_ms"]["gemm"] > 0
+
+
+def test_train_kernels_bytes_from_the_hlo_types():
+    """benchmarks/checks/train_kernels.py (the offline step listing): every kernel of the module with the bytes its
+    operands and outputs hold per the HLO types (bf16[8,4] = 64 bytes), in schedule order, with the layer index
+    folded out of the op path; tuples count each array."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    env = dict(os.environ)
+    import train_kernels as tk  # its sibling decode_kernels sets the no-device variables: put them back
+    os.environ.clear()
+    os.environ.update(env)
+
+    assert tk.array_bytes("(f32[4,2]{1,0}, bf16[3]{0}, s32[])") == 32 + 6 + 4
+    kernels = tk.kernels_with_bytes(HLO)
+    assert [k["kind"] for k in kernels] == ["kLoop", "kInput", "custom-call:__cublas$gemm",
+                                            "custom-call:__gpu$xla.gpu.triton", "multiply"]
+    assert [k["bytes"] for k in kernels] == [64 + 64 + 128, 128 + 32, 64 + 128, 64 + 128, 32 + 32 + 32]
+    assert tk._fold(kernels[0]["op"]) == "transpose(jvp(LanguageModel))/layers_*/mlp/concatenate"

@@ -1,0 +1,164 @@
+"""The kernels of one training step as XLA compiles them for an H200, on a machine without a GPU, with their bytes.
+
+The train step that ``bench_train.py`` / ``profile_step.py`` time (forward, backward, clipping and the AdamW
+update; batch 1 × ``--seq`` tokens, bf16 compute) is compiled ahead of time for the H200 described in
+``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel:
+the Mosaic kernels need the device). Every kernel of the program (fusions, GEMMs, custom calls; loop bodies
+entered once) is listed with the bytes it reads and writes as its HLO shapes say, so the memory-bound part of a
+step — norms, casts, concatenations, the loss, the optimizer — can be looked for on the CPU machine: a fusion's
+bytes at 4.8 TB/s are the least time it can take. The ranking is by bytes, a lower bound, not a measurement;
+``profile_step.py`` on the device gives the times.
+
+Needs the CUDA-plugin environment of ``decode_kernels.py`` (``/tmp/cu``, with grain for the training stack):
+
+    PYTHONPATH=. /tmp/cu/bin/python benchmarks/checks/train_kernels.py --size 760M --arch fox-pro --seq 16384 \\
+        [--set remat=dots scan_layers=true] [--top 40] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_kernels import H200_TARGET, _SKIP, _computations, _opcode  # noqa: E402  (sets the no-device env)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+HBM_BYTES_PER_S = 4.8e12
+_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
+             "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\]")
+
+
+def array_bytes(type_text: str) -> int:
+    """Bytes of every array type in an HLO type string ("bf16[2,3]{1,0}", a tuple "(f32[4], s32[])")."""
+    total = 0
+    for dtype, dims in _ARRAY.findall(type_text):
+        n = 1
+        for d in filter(None, dims.split(",")):
+            n *= int(d)
+        total += n * _ITEMSIZE[dtype]
+    return total
+
+
+def kernels_with_bytes(hlo: str) -> list[dict]:
+    """Every kernel of an optimized GPU module in schedule order (calls and while bodies entered once):
+    [{"kind", "op", "bytes"}], bytes = operands + outputs from the HLO types."""
+    comps = _computations(hlo)
+    types = {}
+    for lines in comps.values():
+        for line in lines:
+            if " = " in line:
+                lhs, rhs = line.split(" = ", 1)
+                m = re.match(r"(\(.*?\)|\S+)\s", rhs)
+                types[lhs.replace("ROOT ", "").strip().lstrip("%")] = m.group(1) if m else ""
+    entry = next(line.split()[1].lstrip("%") for line in hlo.split("\n") if line.startswith("ENTRY"))
+
+    def walk(comp: str) -> list[dict]:
+        out = []
+        for line in comps.get(comp, []):
+            op = _opcode(line)
+            if op is None or op in _SKIP:
+                continue
+            if op in ("call", "while"):
+                out += walk(re.search(r"(?:to_apply|body)=%?([\w.\-]+)", line).group(1))
+                continue
+            lhs, rhs = line.split(" = ", 1)
+            args = re.search(re.escape(op) + r"\((.*?)\)(?:,|$)", rhs)
+            operands = [a.strip().lstrip("%") for a in args.group(1).split(",")] if args else []
+            if op == "fusion":
+                callee = re.search(r"calls=%?([\w.\-]+)", line).group(1)
+                kind = "gemm" if "gemm" in callee or "gemm" in lhs else re.search(r"kind=(\w+)", line).group(1)
+            elif op == "custom-call":
+                kind = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+            else:
+                kind = op
+            name = re.search(r'op_name="([^"]+)"', line)
+            out.append(dict(kind=kind, op=name.group(1) if name else "",
+                            bytes=array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), ""))
+                            + sum(array_bytes(types.get(a, "")) for a in operands)))
+        return out
+
+    return walk(entry)
+
+
+def _fold(op: str) -> str:
+    """The op path with the layer index and the jit wrapper folded: kernels of the same place in every layer
+    group together."""
+    op = re.sub(r"(layers|h)_\d+", r"\1_*", op)
+    return re.sub(r"^jit\([^)]*\)/(while/body/closed_call/)?", "", op)
+
+
+def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
+    """(optimized HLO text, temp bytes, compile seconds) of the train step for an H200, without a device."""
+    from jax.experimental import topologies
+
+    topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
+    mesh = topologies.make_mesh(topology, (1,), ("d",))
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    jax.default_backend = lambda: "gpu"  # the ops' implementation choices are the GPU's (nothing runs here)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from bench_decode import model_config
+    from fox_jax.train import config as config_lib
+    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
+
+    model_cfg = model_config(f"{arch}:{size}", overrides).replace(dtype="bfloat16")
+    cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=1)
+    optimizer = make_optimizer(cfg)
+    abstract = lambda tree: jax.tree.map(  # noqa: E731
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tree)
+    state = abstract(jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer)))
+    step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
+    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=rep)
+    batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens}
+    t0 = time.perf_counter()
+    compiled = jax.jit(lambda s, b: step(s, b, {}), donate_argnums=(0,)).lower(state, batch).compile()
+    return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size", default="760M")
+    p.add_argument("--arch", default="fox-pro")
+    p.add_argument("--seq", type=int, default=16384, help="tokens per step (batch 1)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (remat=dots)")
+    p.add_argument("--top", type=int, default=30, help="places to list, by bytes (not GEMMs or attention)")
+    p.add_argument("--json", help="write the totals and the ranked places here")
+    args = p.parse_args(argv)
+    hlo, temp, secs = compile_step(args.size, args.arch, args.seq, list(args.set))
+    kernels = kernels_with_bytes(hlo)
+    ms = lambda b: b / HBM_BYTES_PER_S * 1e3  # noqa: E731
+    kinds = collections.defaultdict(lambda: [0, 0])
+    places = collections.defaultdict(lambda: [0, 0])
+    for k in kernels:
+        kinds[k["kind"]][0] += 1
+        kinds[k["kind"]][1] += k["bytes"]
+        if k["kind"] != "gemm" and not k["kind"].startswith("custom-call"):
+            places[(k["kind"], _fold(k["op"]))][0] += 1
+            places[(k["kind"], _fold(k["op"]))][1] += k["bytes"]
+    print(f"{args.arch} {args.size} at {args.seq} tokens ({' '.join(args.set) or 'defaults'}): {len(kernels)} kernels "
+          f"per step, temp memory {temp / 2**30:.1f} GiB (compiled in {secs:.0f} s, no device, no autotuning)")
+    for kind, (n, b) in sorted(kinds.items(), key=lambda x: -x[1][1]):
+        print(f"  {kind:<34} {n:5d} kernels {b / 1e9:8.2f} GB ≥ {ms(b):6.1f} ms at 4.8 TB/s")
+    ranked = sorted(places.items(), key=lambda x: -x[1][1])
+    print("the memory-bound places by bytes (layers folded; ≥ ms at 4.8 TB/s, kernels):")
+    for (kind, op), (n, b) in ranked[:args.top]:
+        print(f"  {ms(b):6.2f} ms {n:5d}  {kind:<7} {op[:110]}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(arch=args.arch, size=args.size, seq=args.seq, overrides=args.set, jax=jax.__version__,
+                           kernels_per_step=len(kernels), temp_bytes=temp,
+                           kinds={k: dict(kernels=n, bytes=b) for k, (n, b) in kinds.items()},
+                           places=[dict(kind=k, op=op, kernels=n, bytes=b) for (k, op), (n, b) in ranked]), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
