@@ -1272,11 +1272,12 @@ def test_generate_greedy(arch):
     assert out.live_counts.shape == (n, model.cfg.n_layers, 3)
     np.testing.assert_array_equal(out.live_counts[:, 0, :], 6 - PADS[None] + np.arange(n)[:, None])
     np.testing.assert_array_equal(out.lengths, [n] * 3)
-    assert int(out.overflow.max()) == 0 and int(out.caches[0].length) == 6 + n - 1
+    assert int(out.overflow.max()) == 0 and [int(c.length) for c in out.caches] == [6 + n - 1] * len(out.caches)
     # steps = k: the same compiled program stops after k samples (the first k tokens, then −1)
     part = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, steps=3)
     np.testing.assert_array_equal(part.tokens[:, :3], out.tokens[:, :3])
-    assert np.all(np.asarray(part.tokens[:, 3:]) == -1) and int(part.caches[0].length) == 6 + 3 - 1
+    assert np.all(np.asarray(part.tokens[:, 3:]) == -1)
+    assert [int(c.length) for c in part.caches] == [6 + 3 - 1] * len(part.caches)  # the loop's one counter, set back
     np.testing.assert_array_equal(part.lengths, [3] * 3)
 
 

@@ -310,14 +310,17 @@ def _decode_block(model, params, state: _State, req, rng, *, steps, n_new, sampl
     stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
     rows = jnp.arange(state.tok.shape[0])
 
-    def body(_, st: _State) -> _State:
-        out = model.apply({"params": params}, st.tok[:, None], cache=st.caches)
+    def body(j, st: _State) -> _State:
+        # one column counter for every layer (the block's first plus j), as in generation._generate: one add per step
+        length = st.caches[0].length + j
+        out = model.apply({"params": params}, st.tok[:, None], cache=tuple(c.replace(length=length) for c in st.caches))
         nxt = _sample_rows(out.logits[:, -1].astype(jnp.float32), rng, req, st.count, sampling)
         active = ~st.done
         count = st.count + active
         live = jnp.mean(live_counts(out.cache), axis=0)                                          # [B]
         held = sum(c.live_bytes() for c in out.cache)                                           # [B]
-        return _State(out.cache, jnp.where(active, nxt, st.tok), count,
+        return _State(tuple(c.replace(length=old.length) for c, old in zip(out.cache, st.caches)),
+                      jnp.where(active, nxt, st.tok), count,
                       st.done | (active & (jnp.isin(nxt, stop_ids) | (count >= n_new))),
                       st.out.at[rows, jnp.where(active, st.count, n_new)].set(nxt, mode="drop"),
                       jnp.where(active, _overflow(out.cache), st.overflow),
@@ -327,7 +330,8 @@ def _decode_block(model, params, state: _State, req, rng, *, steps, n_new, sampl
                       st.tokens + jnp.sum(active, dtype=jnp.int32))
 
     state = state._replace(live_bytes=jnp.zeros((), jnp.float32), tokens=jnp.zeros((), jnp.int32))
-    return lax.fori_loop(0, steps, body, state)
+    state = lax.fori_loop(0, steps, body, state)
+    return state._replace(caches=tuple(c.replace(length=c.length + steps) for c in state.caches))
 
 
 def serve(model, params, prompts: Sequence, *, max_new_tokens: int, policy="dense", kv_budget: float | None = None,

@@ -381,15 +381,20 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
 
     def body(state):
         i, caches, tok, done, out, lives = state
-        step = model.apply({"params": params}, tok[:, None], cache=caches)
+        # Every layer's column counter is the prefill's plus the steps taken: one add per step, not one per layer.
+        # The loop carries the prefill's counters unchanged (XLA drops them from the loop state) and sets them after.
+        length = caches[0].length + (i - 1)
+        step = model.apply({"params": params}, tok[:, None], cache=tuple(c.replace(length=length) for c in caches))
         nxt = sample(step.logits[:, -1].astype(jnp.float32), jax.random.fold_in(rng, i))
         nxt = jnp.where(done, -1, nxt)
         out = out.at[:, i].set(nxt)
         lives = lives.at[i].set(live_counts(step.cache))
-        return i + 1, step.cache, jnp.where(done, tok, nxt), done | jnp.isin(nxt, stops), out, lives
+        new = tuple(c.replace(length=old.length) for c, old in zip(step.cache, caches))
+        return i + 1, new, jnp.where(done, tok, nxt), done | jnp.isin(nxt, stops), out, lives
 
     state = (jnp.ones((), jnp.int32), caches, first, done, out, lives)
     i, caches, _, _, out, lives = lax.while_loop(cond, body, state)
+    caches = tuple(c.replace(length=c.length + (i - 1)) for c in caches)
     lives = jnp.where(jnp.arange(max_new_tokens)[:, None, None] < i, lives, lives[i - 1])
     lengths = jnp.sum(out >= 0, axis=1, dtype=jnp.int32)
     return Generation(out, lengths, lives, caches[0].overflow if len(caches) == 1 else
