@@ -157,3 +157,24 @@ def test_config_checks():
     with pytest.raises(ValueError, match="return_hidden"):
         jax.eval_shape(lambda p: m.build().apply({"params": p}, jnp.zeros((1, 8), jnp.int32), alpha=1.0,
                                                  return_hidden=True), params)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_next_token_ce_is_optax_cross_entropy(dtype):
+    """``next_token_ce`` (logsumexp − the target's logit as a masked sum) = optax's log-softmax-and-gather, value and
+    gradient (a per-token cotangent), targets at both ends of the vocabulary; logits of either dtype are taken in
+    float32. Tolerance: float32 rounding of the two orders, 1e-5 relative (values up to ~10)."""
+    from fox_jax.train.loop import next_token_ce
+
+    k = jax.random.split(jax.random.PRNGKey(4), 3)
+    z = (4.0 * jax.random.normal(k[0], (B, T, V))).astype(dtype)
+    t = jax.random.randint(k[1], (B, T), 0, V).at[0, :2].set(jnp.array([0, V - 1]))
+    cot = jax.random.uniform(k[2], (B, T))
+    ours = lambda z: next_token_ce(z, {"targets": t})  # noqa: E731
+    ref = lambda z: optax.softmax_cross_entropy_with_integer_labels(z.astype(jnp.float32), t)  # noqa: E731
+    np.testing.assert_allclose(ours(z), ref(z), rtol=1e-5, atol=1e-5)
+    g = jax.grad(lambda z: jnp.sum(ours(z) * cot))(z)
+    g_ref = jax.grad(lambda z: jnp.sum(ref(z) * cot))(z)
+    assert g.dtype == dtype
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(g_ref, np.float32), rtol=1e-5,
+                               atol=1e-6 if dtype == jnp.float32 else 1e-2)
