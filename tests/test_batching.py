@@ -27,6 +27,7 @@ insert = jax.jit(lambda cache, row, source: cache.insert_row(row, source))
 # =============================================================================================
 
 @pytest.mark.parametrize("policy", ["sinks:2+5", "acp", "dcp"])
+@pytest.mark.filterwarnings("ignore::fox_jax.cache.policies.HeuristicEvictionWarning")  # acp without QK-norm
 def test_insert_row_moves_a_row_to_the_batch_columns(policy):
     """A one-row cache fed 9 columns (1 pad, then 8 decode steps) put into row 1 of a 2-row cache that is at
     column 22 (a shift of 13: not a multiple of any ring, so the slots roll): row 1 then holds the same positions
@@ -119,6 +120,7 @@ CASES = {  # policy -> (model, params, pool, steps_per_check, sampling)
 
 
 @pytest.mark.parametrize("policy", [pytest.param(p, marks=pytest.mark.slow) if p == "dcp" else p for p in CASES])
+@pytest.mark.filterwarnings("ignore::fox_jax.cache.policies.HeuristicEvictionWarning")  # acp without QK-norm
 def test_serve_equals_generating_each_request_alone(policy):
     """7 requests of 1-90 tokens through 2 rows (a KV budget of 2.5 rows): every request's tokens and live counts
     equal generating it alone (a batch of one, left-padded to the serving width of 128: one compile for all seven; key

@@ -44,6 +44,7 @@ def test_the_json_table_of_generate_is_complete():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("policy", ["window:8", "acp"])  # a positional ring (rounded up to a block) and acp's
+@pytest.mark.filterwarnings("ignore::fox_jax.cache.policies.HeuristicEvictionWarning")  # acp on the tiny run: asserted below (provable)
 def test_generate_command_prints_text_and_one_json_line(train_run, capsys, policy):  # noqa: F811
     """``--cache`` reaches the engine: the summary's numbers and the Python API's tokens on the checkpoint.
     --cache parses with ``parse_policy`` (every form: test_decoding); dense through the command: the
