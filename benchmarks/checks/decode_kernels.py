@@ -84,6 +84,30 @@ def _opcode(line: str) -> str | None:
     return m.group(1) if m else None
 
 
+def kernel_lines(comps: dict, comp: str, *, enter_while: bool = False):
+    """(opcode, line) of every kernel of computation ``comp`` in schedule order: calls (command buffers) entered,
+    and with ``enter_while`` loop bodies too; parameters, tuples, bitcasts and the like skipped."""
+    for line in comps.get(comp, []):
+        op = _opcode(line)
+        if op is None or op in _SKIP:
+            continue
+        if op == "call" or (enter_while and op == "while"):
+            yield from kernel_lines(comps, re.search(r"(?:to_apply|body)=%?([\w.\-]+)", line).group(1),
+                                    enter_while=enter_while)
+            continue
+        yield op, line
+
+
+def kernel_kind(op: str, line: str) -> str:
+    """A kernel's kind: a fusion's kind (GEMM fusions as "gemm"), "custom-call:<target>", else the opcode."""
+    if op == "fusion":
+        callee = re.search(r"calls=%?([\w.\-]+)", line).group(1)
+        return "gemm" if "gemm" in callee or "gemm" in line.split(" = ")[0] else re.search(r"kind=(\w+)", line).group(1)
+    if op == "custom-call":
+        return "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
+    return op
+
+
 def step_kernels(hlo: str) -> list[dict]:
     """The kernels of the largest while body of an optimized GPU HLO module (the decode loop), in schedule order:
     [{"kind", "name", "shape", "op"}]; calls (command buffers) are entered, fusions and custom calls are one
@@ -92,23 +116,9 @@ def step_kernels(hlo: str) -> list[dict]:
 
     def walk(comp: str) -> list[dict]:
         out = []
-        for line in comps.get(comp, []):
-            op = _opcode(line)
-            if op is None or op in _SKIP:
-                continue
-            if op == "call":
-                out += walk(re.search(r"to_apply=%?([\w.\-]+)", line).group(1))
-                continue
-            if op == "fusion":
-                callee = re.search(r"calls=%?([\w.\-]+)", line).group(1)
-                kind = re.search(r"kind=(\w+)", line).group(1)
-                kind = "gemm" if "gemm" in callee or "gemm" in line.split(" = ")[0] else kind
-            elif op == "custom-call":
-                kind = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
-            else:
-                kind = op
+        for op, line in kernel_lines(comps, comp):
             name = re.search(r'op_name="([^"]+)"', line)
-            out.append(dict(kind=kind, name=line.split(" = ")[0].lstrip("%"),
+            out.append(dict(kind=kernel_kind(op, line), name=line.split(" = ")[0].lstrip("%"),
                             shape=line.split(" = ", 1)[1].split(" ")[0],
                             op=name.group(1).split("/body/")[-1] if name else ""))
         return out

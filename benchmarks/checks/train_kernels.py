@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_kernels import H200_TARGET, _SKIP, _computations, _opcode  # noqa: E402  (sets the no-device env)
+from decode_kernels import H200_TARGET, _computations, kernel_kind, kernel_lines  # noqa: E402  (sets the no-device env)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -60,33 +60,16 @@ def kernels_with_bytes(hlo: str) -> list[dict]:
                 m = re.match(r"(\(.*?\)|\S+)\s", rhs)
                 types[lhs.replace("ROOT ", "").strip().lstrip("%")] = m.group(1) if m else ""
     entry = next(line.split()[1].lstrip("%") for line in hlo.split("\n") if line.startswith("ENTRY"))
-
-    def walk(comp: str) -> list[dict]:
-        out = []
-        for line in comps.get(comp, []):
-            op = _opcode(line)
-            if op is None or op in _SKIP:
-                continue
-            if op in ("call", "while"):
-                out += walk(re.search(r"(?:to_apply|body)=%?([\w.\-]+)", line).group(1))
-                continue
-            lhs, rhs = line.split(" = ", 1)
-            args = re.search(re.escape(op) + r"\((.*?)\)(?:,|$)", rhs)
-            operands = [a.strip().lstrip("%") for a in args.group(1).split(",")] if args else []
-            if op == "fusion":
-                callee = re.search(r"calls=%?([\w.\-]+)", line).group(1)
-                kind = "gemm" if "gemm" in callee or "gemm" in lhs else re.search(r"kind=(\w+)", line).group(1)
-            elif op == "custom-call":
-                kind = "custom-call:" + re.search(r'custom_call_target="([^"]+)"', line).group(1)
-            else:
-                kind = op
-            name = re.search(r'op_name="([^"]+)"', line)
-            out.append(dict(kind=kind, op=name.group(1) if name else "",
-                            bytes=array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), ""))
-                            + sum(array_bytes(types.get(a, "")) for a in operands)))
-        return out
-
-    return walk(entry)
+    out = []
+    for op, line in kernel_lines(comps, entry, enter_while=True):
+        lhs, rhs = line.split(" = ", 1)
+        args = re.search(re.escape(op) + r"\((.*?)\)(?:,|$)", rhs)
+        operands = [a.strip().lstrip("%") for a in args.group(1).split(",")] if args else []
+        name = re.search(r'op_name="([^"]+)"', line)
+        out.append(dict(kind=kernel_kind(op, line), op=name.group(1) if name else "",
+                        bytes=array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), ""))
+                        + sum(array_bytes(types.get(a, "")) for a in operands)))
+    return out
 
 
 def _fold(op: str) -> str:
