@@ -199,8 +199,13 @@ def _decode_kernel(*refs, g: _Geom):
 
     rows = lax.broadcasted_iota(jnp.int32, (gp, 1), 0)
     row_ok = rows < g.group
+    cap = g.n_blocks * bk
     lo = jnp.maximum(lo_ref[()], 0)
-    hi = jnp.minimum(jnp.maximum(hi_ref[()], lo), lo + g.n_blocks * bk)  # 0 ≤ hi − lo ≤ C
+    if g.has_floor:  # the ring's start before this step: ≤ C held keys before the new one, the oldest in its slot
+        lo = jnp.maximum(lo, hi_ref[()] - 1 - cap)
+        hi = jnp.maximum(hi_ref[()], lo)  # 0 ≤ hi − lo ≤ C + 1
+    else:
+        hi = jnp.minimum(jnp.maximum(hi_ref[()], lo), lo + cap)  # 0 ≤ hi − lo ≤ C
     if g.append:
         # the step's key is logical key hi − 1, in registers: the ring is read over [lo, hi − 1) only, so no
         # program loads the slot this one writes (every key of that range lies less than C before hi − 1)
@@ -223,7 +228,11 @@ def _decode_kernel(*refs, g: _Geom):
         return (lq_hi[:, None] - lk_hi) + (lq_lo[:, None] - lk_lo)
 
     if g.has_floor:  # ACP: the range starts after the last key below the floor for every query head of the group
-        lo = _first_above_floor(g, floor_ref, first_ref, decay_block, lo, hi, row_ok)
+        # Split 0 also tests the oldest key (hi − C, whose slot it overwrites with the new key after this pass: the
+        # test counts for ``first``, i.e. for the ring's overflow); no other program loads that slot's value.
+        scan_lo = jnp.where(pl.program_id(1) == 0, lo, jnp.maximum(lo, hi + 1 - cap))
+        first = _first_above_floor(g, floor_ref, first_ref, decay_block, scan_lo, lo, hi, row_ok)
+        lo = jnp.maximum(first, hi + 1 - cap)  # the oldest key is never read: its slot receives the new key
         hi = jnp.maximum(hi, lo)
 
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
@@ -290,11 +299,11 @@ def _decode_kernel(*refs, g: _Geom):
         pltriton.store(l_ref.at[:], l_i, mask=row_ok[:, 0])
 
 
-def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, lo, hi, row_ok):
-    """The decay floor (ACP's eviction): key j of [lo, hi) is hidden when Λ_q − Λ_k,j < floor for every query head
-    of the group; it and every older key leave the range, which starts at ``first`` = max(lo, last hidden + 1).
-    A pass over the Λ_k blocks of the whole range (every split the same; 8 bytes per key and query head, against
-    2·D·itemsize of K and V), in the same float32 form as the scores' decay. Split 0 writes ``first`` to
+def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo, hi, row_ok):
+    """The decay floor (ACP's eviction): key j of [scan_lo, hi) is hidden when Λ_q − Λ_k,j < floor for every query
+    head of the group; it and every older key leave the range [lo, hi), which starts at ``first`` = max(lo, last
+    hidden + 1). A pass over the Λ_k blocks of the range (every split the same; 8 bytes per key and query head,
+    against 2·D·itemsize of K and V), in the same float32 form as the scores' decay. Split 0 writes ``first`` to
     ``first_ref``; returns it."""
     bk = g.block_k
     floor = pltriton.load(floor_ref.at[:], mask=row_ok[:, 0], other=0.0)
@@ -302,11 +311,11 @@ def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, lo, hi, row_
     def scan(n, last):
         kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
         below = (decay_block(pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)) < floor[:, None]) | ~row_ok
-        hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & (kpos >= lo) & (kpos < hi)
+        hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & (kpos >= scan_lo) & (kpos < hi)
         return jnp.maximum(last, jnp.max(jnp.where(hidden, kpos, -1)))
 
-    n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), lax.div(lo, bk))
-    first = jnp.maximum(lo, lax.fori_loop(lax.div(lo, bk), n_end, scan, jnp.int32(-1)) + 1)
+    n_end = jnp.where(hi > scan_lo, lax.div(hi + (bk - 1), bk), lax.div(scan_lo, bk))
+    first = jnp.maximum(lo, lax.fori_loop(lax.div(scan_lo, bk), n_end, scan, jnp.int32(-1)) + 1)
     pltriton.store(first_ref.at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32), mask=jnp.full((1,), pl.program_id(1) == 0))
     return first
 
@@ -396,10 +405,11 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         [B, Hkv, G] float32, as ``lam_k``) for a ring whose slot of logical key hi − 1 it is: the kernel reads the
         ring over [lo, hi − 1), adds the entry as key hi − 1 and writes it to slot (hi − 1) mod C of k, v (and
         Λ) in place (``input_output_aliases``: no separate update kernels). Needs D % 16 == 0 and no ``valid``.
-      decay_floor: None, or [B, Hkv, G] float32 with Λ (ACP's eviction threshold δ per query head): a key of the
-        range hidden for every query head of its group (Λ_q − Λ_k < floor) leaves the range with every older key;
-        the range starts at ``first`` = max(lo, last hidden key + 1). With ``append``, the step's own key is not
-        tested (it is the newest). Needs no ``valid``.
+      decay_floor: None, or [B, Hkv, G] float32 with Λ and ``append`` (ACP's eviction threshold δ per query head):
+        ``lo`` may then be the ring's start before this step, with up to C held keys before the new one (hi − lo
+        ≤ C + 1); a key of [max(lo, hi − 1 − C), hi − 1) hidden for every query head of its group (Λ_q − Λ_k <
+        floor) leaves the range with every older key, ``first`` = max(that start, last hidden key + 1), and the
+        read starts at max(first, hi − C) (the oldest key's slot takes the new key). Needs no ``valid``.
     Returns:
       [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
       entry written (lam_k None without Λ); with ``decay_floor`` the tuple (or o) followed by ``first`` [B, Hkv]
@@ -415,8 +425,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     d_run = -(-d // MIN_BLOCK) * MIN_BLOCK
     if append is not None and (d_run != d or valid is not None):
         raise ValueError("append needs head_dim a multiple of 16 and no valid mask (a ring without pinned slots)")
-    if decay_floor is not None and (lam_k is None or valid is not None):
-        raise ValueError("decay_floor needs lam_q / lam_k and no valid mask (a ring's range)")
+    if decay_floor is not None and (lam_k is None or valid is not None or append is None):
+        raise ValueError("decay_floor needs lam_q / lam_k, append and no valid mask (a ring's decode step)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
         pad = [(0, 0)] * 3 + [(0, d_run - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)

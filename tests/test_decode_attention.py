@@ -293,13 +293,15 @@ def test_append_decay_floor(grp, dtype, splits):
     """``decode_attention_append(..., decay_floor=δ)`` (ACP's eviction in the decode op): the first visible key
     equals the loop oracle (the last key below δ for every query head of the group, plus one — a hidden key in
     the middle takes the older keys with it), exactly, in the Pallas kernel (interpret) and the XLA path, for
-    ranges that wrap, fill the ring or hold only the new key; the output is the oracle's read of [first, hi) after
-    the write, the ring is written exactly; δ = −inf hides nothing. Bad floors name the argument."""
+    ranges that wrap, hold C keys before the new one (the ring's start before its eviction: the oldest key is
+    tested, then its slot takes the new key) or only the new key; the output is the oracle's read of
+    [max(first, hi − C), hi) after the write, the ring is written exactly; δ = −inf hides nothing (and a full ring
+    then drops its oldest key). Bad floors name the argument."""
     cap, d = 80, 32
     rng = np.random.default_rng(grp)
     q, k, v, _ = _inputs(cap, grp, d, dtype, False, None, seed=grp)
     hi = jnp.int32(2 * cap + 21)
-    n = np.array([[cap, 1, 30], [cap - 3, 45, 2]])  # full ring | only the new key | ...
+    n = np.array([[cap + 1, 1, 30], [cap - 3, 45, cap + 1]])  # C keys + the new one | only the new key | ...
     lo = np.int32(hi) - n
     lam_q, lam_k, floor = _floor_case(rng, cap, grp, lo, np.full_like(lo, int(hi) - 1))
     k_new, v_new = (jnp.asarray(rng.standard_normal((_B, _HKV, d)), dtype) for _ in range(2))
@@ -308,8 +310,10 @@ def test_append_decay_floor(grp, dtype, splits):
     assert first[0, 2] == lo[0, 2] + 2
     written_k, written_v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
     written_lam = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_q))
-    ref = decode_attention_reference(q, written_k, written_v, lo=jnp.asarray(first, jnp.int32),
-                                     hi=jnp.full((_B, _HKV), hi), lam_q=lam_q, lam_k=written_lam)
+    read = lambda start: decode_attention_reference(  # noqa: E731
+        q, written_k, written_v, lo=jnp.asarray(np.maximum(start, int(hi) - cap), jnp.int32),
+        hi=jnp.full((_B, _HKV), hi), lam_q=lam_q, lam_k=written_lam)
+    ref, ref_none = read(first), read(lo)
     call = dict(lo=jnp.asarray(lo), hi=hi, lam_q=lam_q, lam_k=lam_k, lam_new=lam_q)
     for impl in ("xla", "pallas"):
         f = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))
@@ -319,8 +323,9 @@ def test_append_decay_floor(grp, dtype, splits):
         np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(written_k, np.float32), err_msg=impl)
         for a, b_ in zip(lam2, written_lam):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=impl)
-        *_, none_hidden = f(q, k, v, k_new, v_new, decay_floor=jnp.full_like(floor, -jnp.inf), **call)
+        o_none, *_, none_hidden = f(q, k, v, k_new, v_new, decay_floor=jnp.full_like(floor, -jnp.inf), **call)
         np.testing.assert_array_equal(np.asarray(none_hidden), lo, err_msg=impl)
+        assert _err(o_none, ref_none) <= _tol(dtype), impl
     with pytest.raises(ValueError, match=r"decay_floor must be float32\[2, 3, " + str(grp) + r"\]"):
         decode_attention_append(q, k, v, k_new, v_new, decay_floor=floor[..., :1, :1].astype(jnp.float32)
                                 if grp > 1 else floor[:, :1], **call)
@@ -431,6 +436,49 @@ def test_gpu_append_matches_reference(b, hkv, grp, d, cap, lam, valid_nt, block_
     if lam:
         for a, b_ in zip(l2, wl):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hkv,grp,cap,splits", [(8, 12, 1, 256, None), (4, 8, 4, 1024, 3)])
+def test_gpu_append_decay_floor(b, hkv, grp, cap, splits):
+    """acp's decode step on the device (the Triton-lowered append mode with a decay floor): ``first`` equals the
+    vectorised oracle exactly and the output the oracle's read of [max(first, hi − C), hi) after the write, for
+    rings holding C keys before the new one (the oldest tested, then overwritten) and shorter ones; FoX 125M's
+    acp ring (B8, 12 heads, 256 slots) and a GQA shape with 3 splits."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    rng = np.random.default_rng(cap)
+    d = 64
+    q, k, v, k_new, v_new = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
+                             ((b, hkv, grp, d), (b, hkv, cap, d), (b, hkv, cap, d), (b, hkv, d), (b, hkv, d)))
+    hi = 7 * cap + 5
+    n = rng.integers(1, cap + 2, (b, hkv))
+    n[0, 0] = cap + 1
+    lo = hi - n
+    col = hi - 1 - ((hi - 1 - np.arange(cap)) % cap + cap) % cap  # logical key held by each slot: [hi-1-C, hi-1)
+    col = np.where(col >= hi - 1, col - cap, col)
+    age = (hi - 2 - col).astype(np.float64)                                           # [C], 0 for the newest
+    rate = rng.uniform(0.05, 0.2, (b, hkv, grp))
+    q_true = -600.0 + rng.uniform(-0.5, 0.5, (b, hkv, grp))
+    k_true = q_true[..., None] + rate[..., None] * age
+    split = lambda x: (jnp.asarray(x, jnp.float32), jnp.asarray(x - x.astype(np.float32), jnp.float32))  # noqa: E731
+    lam_q, lam_k = split(q_true), split(k_true)
+    floor = jnp.asarray(-rate * rng.uniform(2.0, cap, (b, hkv, 1)), jnp.float32)
+    decay = (np.asarray(lam_q[0])[..., None] - np.asarray(lam_k[0])) + (np.asarray(lam_q[1])[..., None]
+                                                                         - np.asarray(lam_k[1]))
+    ring_lo = np.maximum(lo, hi - 1 - cap)
+    hidden = np.all(decay < np.asarray(floor)[..., None], axis=2) & (col >= ring_lo[..., None])
+    first = np.maximum(ring_lo, np.max(np.where(hidden, col, -1), axis=-1) + 1)
+    o, k2, *_, got = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=splits))(
+        q, k, v, k_new, v_new, lo=jnp.asarray(lo, jnp.int32), hi=jnp.int32(hi), lam_q=lam_q, lam_k=lam_k,
+        lam_new=lam_q, decay_floor=floor)
+    np.testing.assert_array_equal(np.asarray(got), first)
+    wl = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_q))
+    ref = decode_attention_reference(q, write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2),
+                                     lo=jnp.asarray(np.maximum(first, hi - cap), jnp.int32),
+                                     hi=jnp.full((b, hkv), hi, jnp.int32), lam_q=lam_q, lam_k=wl)
+    assert _err(o, ref) <= 1e-2
+    np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(write_entry(k, k_new, hi, 2), np.float32))
 
 
 @pytest.mark.gpu

@@ -817,21 +817,21 @@ def test_incremental_decoding_equals_full_forward(family):
     assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) == 0
 
 
-@pytest.mark.parametrize("policy", ["dense", "acp"])
-def test_pallas_decode_steps_equal_the_xla_path(policy, monkeypatch):
+@pytest.mark.parametrize("policy,t,p", [("dense", 12, 6), ("acp", 12, 6), ("acp:-1000", 72, 62)])
+def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there)
     give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
-    the full forward. Tolerance:
-    float32, summation order only (the split softmax), 1e-5."""
+    the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
+    every step (the kernel gets the ring's old start: C + 1 keys with the new one). Tolerance: float32, summation
+    order only (the split softmax), 1e-5."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)  # D = 16:
     model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))  # the kernel's
-    t, p = 12, 6
     tokens = padded_batch(t)
 
     def run():
-        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=t, policy=policy)
+        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=min(t, 64), policy=policy)
         steps = []
         for c in range(p, t):
             step_logits, caches = decode_step(model, params, caches, tokens[:, c])
@@ -847,7 +847,9 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, monkeypatch):
     jax.clear_caches()  # the jitted steps retrace with the kernel
     got, caches = run()
     assert traced and all(a is not None for a, _ in traced)  # the append mode ran
-    assert all((f is not None) == (policy == "acp") for _, f in traced)  # acp's rule applied in the kernel
+    assert all((f is not None) == policy.startswith("acp") for _, f in traced)  # acp's rule applied in the kernel
+    if t > 64:
+        assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) > 0  # the ring was full
     np.testing.assert_allclose(got, ref, atol=1e-5)
     if policy == "dense":
         np.testing.assert_allclose(got, np.asarray(full_forward(model, params, tokens)[0][:, p:]).transpose(1, 0, 2),

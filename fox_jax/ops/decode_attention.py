@@ -48,8 +48,9 @@ def _check_pair(name: str, pair, shape: tuple) -> None:
             raise ValueError(f"{name} ({part}) must be float32 {list(shape)}, got {x.dtype}{list(x.shape)}")
 
 
-def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k) -> None:
-    """One-line ValueErrors naming the argument and the expected shape / dtype."""
+def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k, extra_key: bool = False) -> None:
+    """One-line ValueErrors naming the argument and the expected shape / dtype (``extra_key``: hi − lo may be C + 1,
+    a decode step's ring start before its eviction)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Hkv, G, D] (one query per row and head), got shape {q.shape}")
     if q.dtype not in QKV_DTYPES:
@@ -85,9 +86,9 @@ def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k) -> None:
         if (lo_np < 0).any():
             raise ValueError(f"lo must be ≥ 0 (a logical key index), got min {lo_np.min()}")
         n = hi_np - lo_np
-        if (n < 0).any() or (n > cap).any():
-            raise ValueError(f"hi − lo must lie in [0, C = {cap}] (the ring holds at most C keys), "
-                             f"got values in [{n.min()}, {n.max()}]")
+        if (n < 0).any() or (n > cap + extra_key).any():
+            raise ValueError(f"hi − lo must lie in [0, {'C + 1' if extra_key else 'C'} = {cap + extra_key}] (the ring "
+                             f"holds at most C keys), got values in [{n.min()}, {n.max()}]")
 
 
 def visible_slots(lo: jax.Array, hi: jax.Array, capacity: int, valid: jax.Array | None = None) -> jax.Array:
@@ -332,11 +333,14 @@ def decode_attention_append(
     """A decode step's write and read of a ring KV cache in one call: the step's entry (``k_new``, ``v_new``,
     ``lam_new``) goes to ring slot (hi − 1) mod C as logical key hi − 1, then ``decode_attention`` over [lo, hi).
 
-    With ``decay_floor`` (ACP's eviction, arXiv 2504.06949 §3: δ per query head) the range first loses its oldest
-    keys: key j of [lo, hi − 1) is hidden when Λ_q − Λ_k,j < decay_floor for every query head of its group, and
-    the read starts at ``first`` = max(lo, the last hidden key + 1) (Λ is non-increasing, so the hidden keys are
-    a prefix up to rounding, and a key older than a hidden one is never read). The Pallas kernel finds ``first``
-    in a pass over the Λ_k blocks before its read: no visibility kernels before the call.
+    With ``decay_floor`` (ACP's eviction, arXiv 2504.06949 §3: δ per query head) ``lo`` is the ring's start before
+    this step's eviction, so up to C held keys precede the new one (hi − lo ≤ C + 1). The range first loses its
+    oldest keys: key j of [lo', hi − 1), lo' = max(lo, hi − 1 − C), is hidden when Λ_q − Λ_k,j < decay_floor for
+    every query head of its group, and ``first`` = max(lo', the last hidden key + 1) (Λ is non-increasing, so the
+    hidden keys are a prefix up to rounding, and a key older than a hidden one is never read); the read starts at
+    max(first, hi − C), since key hi − 1 − C gives its slot to the new entry (``first`` < hi − C: that key
+    overflowed). The Pallas kernel finds ``first`` in a pass over the Λ_k blocks before its read: no visibility
+    kernels before the call.
 
     ``"pallas"`` does both in the flash-decoding kernel (the entry joins the softmax from registers and one
     program per row and head writes it to the aliased ring: no update kernels before the read); the other
@@ -345,7 +349,8 @@ def decode_attention_append(
 
     Args:
       q, k, v, lo, hi, lam_q, lam_k, sm_scale, implementation, block_k, num_splits: as ``decode_attention``
-        (no ``valid``: a ring without pinned slots); hi ≥ 1 (the entry is key hi − 1).
+        (no ``valid``: a ring without pinned slots); hi ≥ 1 (the entry is key hi − 1); with ``decay_floor``
+        hi − lo ≤ C + 1.
       k_new, v_new: [B, Hkv, D] in q's dtype: the step's key and value.
       lam_new: (hi, lo) [B, Hkv, G] float32: Λ of the step's token per query head (with ``lam_k``), or None.
       decay_floor: [B, Hkv, G] float32 (needs ``lam_k``; ≤ 0 to keep the step's own key, whose decay is 0), or None.
@@ -371,7 +376,7 @@ def decode_attention_append(
         if tuple(decay_floor.shape) != (b, hkv, grp) or decay_floor.dtype != jnp.float32:
             raise ValueError(f"decay_floor must be float32[{b}, {hkv}, {grp}] (one per query head), "
                              f"got {decay_floor.dtype}{list(decay_floor.shape)}")
-    _check_inputs(q, k, v, lo, hi, None, lam_q, lam_k)
+    _check_inputs(q, k, v, lo, hi, None, lam_q, lam_k, extra_key=decay_floor is not None)
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
@@ -379,14 +384,18 @@ def decode_attention_append(
         return dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
                                scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new),
                                decay_floor=decay_floor)
-    if decay_floor is not None:  # before the write: the step's own key is not tested
-        lo = first_above_floor(lam_q, lam_k, decay_floor, lo, jnp.asarray(hi, jnp.int32) - 1)
+    first = None
+    if decay_floor is not None:  # before the write (the oldest key is still in its slot); the step's key untested
+        cap, hi32 = k.shape[2], jnp.asarray(hi, jnp.int32)
+        ring_lo = jnp.maximum(jnp.maximum(jnp.asarray(lo, jnp.int32), 0), hi32 - 1 - cap)
+        first = first_above_floor(lam_q, lam_k, decay_floor, ring_lo, hi32 - 1)
+        lo = jnp.maximum(first, hi32 - cap)
     k, v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
     if lam_k is not None:
         lam_k = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_new))
     o = decode_attention(q, k, v, lo=lo, hi=hi, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
                          implementation=impl, block_k=block_k, num_splits=num_splits)
-    return (o, k, v, lam_k) if decay_floor is None else (o, k, v, lam_k, lo)
+    return (o, k, v, lam_k) if first is None else (o, k, v, lam_k, first)
 
 
 def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
