@@ -177,8 +177,8 @@ class RingGroup(_Entries):
         lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, the updated group)."""
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
         if q.shape[1] == 1 and step.attend and not self.pinned:  # a decode step: the write and the read in one op
-            floor = None if lam_q is None else step.rule.decay_floor(step.cache.policy, step.aux, step.chunk,
-                                                                     self.heads)
+            floor = None if lam_q is None or self.start.shape[1] != len(self.heads) else \
+                step.rule.decay_floor(step.cache.policy, step.aux, step.chunk, self.heads)  # per-head tables only
             if floor is not None:  # the op applies the rule while it reads (acp): no visibility kernels before
                 o, new, first = self._write_read(step, self, q, k, v, lam_q, floor)
                 return o, new._advance(step, first[..., None], 1)

@@ -117,7 +117,8 @@ class ModelFamily(Protocol):
 @contextlib.contextmanager
 def _threefry_kernel():
     """Within the block, jitted programs lower threefry to one CUDA kernel on GPU (bit-identical to XLA's
-    expansion, which compiles for minutes in a large init); the previous setting is restored after."""
+    expansion, which compiles for minutes in a large init); the previous setting is restored after. The setting is
+    process-wide: another thread that compiles during the block sees it too (the same bits either way)."""
     name = "jax_threefry_gpu_kernel_lowering"
     previous = getattr(jax.config, name, None)
     if previous is None:  # an option this JAX does not have: nothing to change
