@@ -172,3 +172,26 @@ def test_train_log_has_heartbeats_no_bar_and_a_loss_png(tiny_run, capsys):
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["dense_tokens"] == int(plain.group(1))
     assert report["dense_loss"] == pytest.approx(float(plain.group(2)), abs=2e-4)  # printed to 4 decimals
+
+
+def test_commands_keep_a_compilation_cache(tmp_path, monkeypatch):
+    """A later run of the same program loads it from JAX's persistent compilation cache: ``FOX_JAX_COMPILE_CACHE``
+    (a folder, or "off"), else JAX's own ``JAX_COMPILATION_CACHE_DIR`` stands, else ``$XDG_CACHE_HOME/fox_jax/xla``;
+    every command points JAX at it before it runs (here: one that then fails on a missing run)."""
+    assert cli.compile_cache_dir({"FOX_JAX_COMPILE_CACHE": "off", "JAX_COMPILATION_CACHE_DIR": "/x"}) is None
+    assert cli.compile_cache_dir({"FOX_JAX_COMPILE_CACHE": "~/c"}) == str(Path.home() / "c")
+    assert cli.compile_cache_dir({"JAX_COMPILATION_CACHE_DIR": "/x"}) is None
+    assert cli.compile_cache_dir({"XDG_CACHE_HOME": "/xdg"}) == "/xdg/fox_jax/xla"
+    import jax
+
+    seen = []
+    real = jax.config.update
+    monkeypatch.setattr(jax.config, "update", lambda name, value: seen.append((name, value)) if
+                        name == "jax_compilation_cache_dir" else real(name, value))
+    monkeypatch.setenv("FOX_JAX_COMPILE_CACHE", str(tmp_path / "xla"))
+    assert cli.main(["eval", "--workdir", str(tmp_path / "no_run")]) == 2
+    assert seen == [("jax_compilation_cache_dir", str(tmp_path / "xla"))]
+    monkeypatch.setenv("FOX_JAX_COMPILE_CACHE", "off")
+    seen.clear()
+    assert cli.main(["eval", "--workdir", str(tmp_path / "no_run")]) == 2
+    assert seen == []

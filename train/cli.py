@@ -177,6 +177,33 @@ def init_distributed(args) -> None:
     jax.distributed.initialize(**kwargs)
 
 
+COMPILE_CACHE_ENV = "FOX_JAX_COMPILE_CACHE"
+
+
+def compile_cache_dir(environ=os.environ) -> str | None:
+    """Where the commands keep JAX's persistent compilation cache (a later run of the same program loads it instead
+    of compiling: on GPU the autotuned kernels too): ``$FOX_JAX_COMPILE_CACHE`` ("off" turns it off), else None when
+    ``$JAX_COMPILATION_CACHE_DIR`` is set (JAX's own setting stands), else ``$XDG_CACHE_HOME/fox_jax/xla``
+    (``~/.cache/fox_jax/xla``). JAX caches the programs that take ≥ 1 s to compile
+    (``JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS``)."""
+    value = environ.get(COMPILE_CACHE_ENV)
+    if value is not None:
+        return None if value.strip().lower() in ("", "off", "0", "none", "false") else os.path.expanduser(value)
+    if environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return None
+    return os.path.join(environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "fox_jax", "xla")
+
+
+def enable_compile_cache() -> str | None:
+    """Point JAX's persistent compilation cache at ``compile_cache_dir()`` (nothing when that is None); returns it."""
+    path = compile_cache_dir()
+    if path:
+        import jax
+
+        jax.config.update("jax_compilation_cache_dir", path)
+    return path
+
+
 _OVERRIDE = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*=")
 _STEP_FLAGS = {"train": "--resume-step", "finetune-dcp": "--resume-step", "pretrain-gpt2": "--resume-step",
                "eval": "--step", "zeroshot": "--step", "passkey": "--step", "generate": "--step"}  # how each command picks a checkpoint step
@@ -265,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     warnings.formatwarning = _one_line_for_ours(warnings.formatwarning)
     try:
         init_distributed(args)
+        enable_compile_cache()
         module, name = args.handler.split(":")
         return getattr(importlib.import_module(module), name)(args)
     except CorruptCheckpointError as e:
