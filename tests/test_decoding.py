@@ -426,11 +426,13 @@ def test_a_new_policy_is_a_class_and_a_rule():
 
 @pytest.mark.parametrize("policy,slots,chunks", [("window:5", 5, (7, 1, 1, 1, 8) + (1,) * 12),
                                                  ("sinks:2+3", 6, (7, 1, 1, 1, 8) + (1,) * 12),
+                                                 ("sinks:2+3", 6, (1,) * 14),  # sinks written by decode steps
                                                  ("dense", 64, (40, 1, 1, 24, 1, 1))])
 def test_rings_wrap_many_times(policy, slots, chunks):
     """``check_slot_cache`` through prefill chunks and decode steps: rings of exactly W (window:5) and of 4
-    behind 2 pinned slots (sinks:2+3) wrap 5–7 times in 30 columns; a dense ring of 64 overflows at 68 columns
-    and keeps the newest 64."""
+    behind 2 pinned slots (sinks:2+3) wrap 5–7 times in 30 columns (also from the first token on, one step at a
+    time: a step writes its ring slot and, at a sink position, its pinned slot in one scatter); a dense ring of 64
+    overflows at 68 columns and keeps the newest 64."""
     over = check_slot_cache(policy, 2, True, chunks, np.array([0, 3]), slots, 5)
     assert over.tolist() == [policy == "dense"] * 2
 

@@ -217,20 +217,21 @@ class RingGroup(_Entries):
         ring = c - p
         kt, vt = (x.transpose(0, 2, 1, 3) for x in (k, v))                                       # [B, n, T, D]
         pos = chunk.pos
-        if t == 1:
+        if t == 1 and not p:
             slot = p + jnp.mod(length, ring)
             put = lambda buf, x, axis: lax.dynamic_update_slice_in_dim(buf, x.astype(buf.dtype), slot, axis=axis)  # noqa: E731
             new = self.replace(k=put(self.k, kt, 2), v=put(self.v, vt, 2))
             if lam_q is not None:
                 new = new.replace(lam_hi=put(self.lam_hi, lam_q[0], 3), lam_lo=put(self.lam_lo, lam_q[1], 3))
-            if p:
-                rows = jnp.arange(b)
-                pin = jnp.where((pos[:, 0] >= 0) & (pos[:, 0] < p), pos[:, 0], c)
-                pin_kv = lambda buf, x: buf.at[rows, :, pin].set(x[:, :, 0].astype(buf.dtype), mode="drop")  # noqa: E731
-                new = new.replace(k=pin_kv(new.k, kt), v=pin_kv(new.v, vt))
-                if lam_q is not None:
-                    pin_lam = lambda buf, x: buf.at[rows, :, :, pin].set(x[..., 0], mode="drop")  # noqa: E731
-                    new = new.replace(lam_hi=pin_lam(new.lam_hi, lam_q[0]), lam_lo=pin_lam(new.lam_lo, lam_q[1]))
+        elif t == 1:  # the ring slot and, for a sink position, its pinned slot: one scatter per buffer
+            rows = jnp.arange(b)[:, None]
+            pin = jnp.where((pos[:, 0] >= 0) & (pos[:, 0] < p), pos[:, 0], c)                     # c: dropped
+            slots = jnp.stack([jnp.broadcast_to(p + jnp.mod(length, ring), (b,)), pin], axis=1)   # [B, 2]
+            put_kv = lambda buf, x: buf.at[rows, :, slots].set(x[:, None, :, 0].astype(buf.dtype), mode="drop")  # noqa: E731
+            new = self.replace(k=put_kv(self.k, kt), v=put_kv(self.v, vt))
+            if lam_q is not None:
+                put_lam = lambda buf, x: buf.at[rows, :, :, slots].set(x[:, None, ..., 0], mode="drop")  # noqa: E731
+                new = new.replace(lam_hi=put_lam(self.lam_hi, lam_q[0]), lam_lo=put_lam(self.lam_lo, lam_q[1]))
         else:
             slot = jnp.where(chunk.cols >= length + t - ring, p + jnp.mod(chunk.cols, ring), c)       # [T]
             if p:
