@@ -326,6 +326,11 @@ def test_append_decay_floor(grp, dtype, splits):
         o_none, *_, none_hidden = f(q, k, v, k_new, v_new, decay_floor=jnp.full_like(floor, -jnp.inf), **call)
         np.testing.assert_array_equal(np.asarray(none_hidden), lo, err_msg=impl)
         assert _err(o_none, ref_none) <= _tol(dtype), impl
+    # eagerly (concrete bounds are checked): C + 1 keys with the new one are allowed with a floor, not without
+    *_, eager = decode_attention_append(q, k, v, k_new, v_new, decay_floor=floor, implementation="xla", **call)
+    np.testing.assert_array_equal(np.asarray(eager), first)
+    with pytest.raises(ValueError, match=r"hi − lo must lie in \[0, C = 80\]"):
+        decode_attention_append(q, k, v, k_new, v_new, implementation="xla", **call)
     with pytest.raises(ValueError, match=r"decay_floor must be float32\[2, 3, " + str(grp) + r"\]"):
         decode_attention_append(q, k, v, k_new, v_new, decay_floor=floor[..., :1, :1].astype(jnp.float32)
                                 if grp > 1 else floor[:, :1], **call)
