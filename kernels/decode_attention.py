@@ -161,6 +161,23 @@ def _pow2_at_least(x: int, floor: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
+class StepGeom:
+    """The fused decode step's per-head work (``flash_decode(..., step=)``; static): which parts run, their eps."""
+
+    shift: bool = False  # KV-shift of the step's k and v from the carried raw k̃, ṽ (α = σ(logit))
+    q_norm: bool = False  # RMSNorm of q over D times a scale
+    k_norm: bool = False  # RMSNorm of the (shifted) k over D times a scale
+    gates: bool = False  # Λ of the step = Λ_prev + log f (pairs), the query's and the entry's Λ
+    o_norm: bool = False  # RMSNorm of the output over D times a scale (one split only: else after the combine)
+    o_gate: bool = False  # output times σ(gate logits) (one split only)
+    gate_logits: bool = True  # the forget gates come as logits (log σ taken here), else as log f
+    heads: int = 1  # H and Hkv: the rows of ``rows`` are q (H), k (Hkv), v (Hkv), o gate (H)
+    kv_heads: int = 1
+    qk_eps: float = 1e-5
+    o_eps: float = 1e-6
+
+
+@dataclasses.dataclass(frozen=True)
 class _Geom:
     group: int  # G
     group_pad: int  # Gp
@@ -174,6 +191,21 @@ class _Geom:
     exact_dot: bool  # float32 inputs: IEEE matmuls (Triton's default for float32 is TF32)
     append: bool = False  # the step's own key comes in separately and is written to the ring here
     has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
+    step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
+    names: tuple = ()  # the refs in the kernel's order: inputs, then outputs
+
+
+def pair_add(a: tuple, b: tuple) -> tuple:
+    """(a_hi + a_lo) + (b_hi + b_lo) as a normalised float32 pair (double-float addition; arrays of any shape, also
+    inside a kernel).
+
+    Knuth's two-sum gives the rounding error of a_hi + b_hi exactly; the low parts are added to it and the result
+    renormalised (fast two-sum), so the pair carries ~2⁻⁴⁴ relative precision. Associative to that precision."""
+    s = a[0] + b[0]
+    bb = s - a[0]
+    err = (a[0] - (s - bb)) + (b[0] - bb) + (a[1] + b[1])
+    hi = s + err
+    return hi, err - (hi - s)
 
 
 def _dot(a, b, contract_a: int, contract_b: int, exact: bool):
@@ -182,56 +214,140 @@ def _dot(a, b, contract_a: int, contract_b: int, exact: bool):
                            preferred_element_type=jnp.float32)
 
 
+def _rms_chunks(xs, scales, eps: float, d: int, dtype):
+    """RMSNorm over the head dim of a row block split into column chunks: xs [..., size] float32 each, scales the
+    matching float32 chunks (broadcastable); returns the chunks in ``dtype``."""
+    ss = None
+    for x in xs:
+        part = jnp.sum(x * x, axis=-1, keepdims=True)
+        ss = part if ss is None else ss + part
+    inv = lax.rsqrt(ss / d + eps)
+    return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
+
+
+def _step_prologue(g: _Geom, r: dict, row_ok):
+    """Fused step: the raw q, k, v of the step made ready for attention, as the layer's ``HeadOps`` does it
+    (fox_jax/ops/head_ops.py): KV-shift, QK-norm, and Λ = Λ_prev + log f. The projections are rows of ``rows`` (the
+    decode GEMM's output, read in place), the shift and gate logits columns of ``gate_rows``. Every split computes
+    it; split 0 writes the carries in place (raw k̃, ṽ; Λ only with one split: with several the others read Λ_prev
+    while split 0 would overwrite it, and the caller adds the gate). Other splits' k and v read a carry split 0 may
+    be writing, but they only enter split 0's softmax and ring write. Returns (q
+    chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype, (Λ hi, lo) [Gp] or None)."""
+    st, dt = g.step, r["rows"].dtype
+    f32 = jnp.float32
+    hkv = st.kv_heads
+    head = lax.rem(pl.program_id(0), hkv)  # this program's key/value head
+    writer = pl.program_id(1) == 0
+    qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
+          for off, size in g.chunks]
+    ks = [pltriton.load(r["rows"].at[st.heads + head, pl.ds(off, size)]) for off, size in g.chunks]
+    vs = [pltriton.load(r["rows"].at[st.heads + hkv + head, pl.ds(off, size)]) for off, size in g.chunks]
+    pos = r["hi"][()] - 1 - r["seq_start"][()]  # the step's position (< 0: a pad)
+    d = sum(size for _, size in g.chunks)
+    if st.shift:
+        keep = pos > 0  # the first token of a row (and a pad) sees zeros
+        out = []
+        for raw, which in ((ks, 0), (vs, 1)):
+            a = jax.nn.sigmoid(jnp.sum(pltriton.load(r["gate_rows"].at[pl.ds(which * hkv + head, 1)])))
+            shifted = []
+            for x, (off, size) in zip(raw, g.chunks):
+                prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
+                prev = jnp.where(keep, prev, 0.0)
+                shifted.append((a * prev + (1.0 - a) * x.astype(f32)).astype(dt))
+                pltriton.store(r["shift_out"].at[jnp.int32(which), pl.ds(off, size)], x, mask=jnp.full((size,), writer))
+            out.append(shifted)
+        ks, vs = out
+    if st.k_norm:
+        scales = [pltriton.load(r["k_scale"].at[pl.ds(off, size)]) for off, size in g.chunks]
+        ks = _rms_chunks([x.astype(f32) for x in ks], scales, st.qk_eps, d, dt)
+    if st.q_norm:
+        scales = [pltriton.load(r["q_scale"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
+        qs = [jnp.where(row_ok, x, 0.0).astype(dt) for x in
+              _rms_chunks([x.astype(f32) for x in qs], scales, st.qk_eps, d, f32)]
+    lam = None
+    if st.gates:
+        first_gate = 2 * hkv if st.shift else 0
+        lf = pltriton.load(r["gate_rows"].at[pl.ds(first_gate + head * g.group, g.group_pad)], mask=row_ok[:, 0],
+                           other=0.0)
+        if st.gate_logits:
+            lf = jax.nn.log_sigmoid(lf)
+        lf = jnp.where((pos >= 0) & row_ok[:, 0], lf, 0.0)  # a pad adds no gate
+        prev = tuple(pltriton.load(r[n].at[:], mask=row_ok[:, 0], other=0.0) for n in ("lp_hi", "lp_lo"))
+        lam = pair_add(prev, (lf, jnp.zeros_like(lf)))
+        if g.num_splits == 1:
+            for n, x in zip(("lp_hi_out", "lp_lo_out"), lam):
+                pltriton.store(r[n].at[:], x, mask=row_ok[:, 0] & writer)
+    return qs, ks, vs, lam
+
+
+def _step_epilogue(g: _Geom, r: dict, outs, row_ok):
+    """Fused step, one split: the output norm and gate on the normalised output chunks (float32 [Gp, size]);
+    returns them in the output dtype, rounded where the layer rounds (``head_epilogue``)."""
+    st, dt = g.step, r["o"].dtype
+    f32 = jnp.float32
+    outs = [x.astype(dt).astype(f32) for x in outs]  # the attention output in its dtype, as the layer sees it
+    if st.o_norm:
+        d = sum(size for _, size in g.chunks)
+        scales = [pltriton.load(r["o_scale"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
+        outs = [x.astype(f32) for x in _rms_chunks(outs, scales, st.o_eps, d, dt)]
+    if st.o_gate:  # the gate logits: rows 2·Hkv + H + head·G of ``rows``
+        first = st.heads + 2 * st.kv_heads + lax.rem(pl.program_id(0), st.kv_heads) * g.group
+        gates = [pltriton.load(r["rows"].at[pl.ds(first, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
+                 for off, size in g.chunks]
+        outs = [x * jax.nn.sigmoid(gt.astype(f32)).astype(dt).astype(f32) for x, gt in zip(outs, gates)]
+    return [x.astype(dt) for x in outs]
+
+
 def _decode_kernel(*refs, g: _Geom):
-    refs = list(refs)
-    lo_ref, hi_ref, q_ref, k_ref, v_ref = refs[:5]
-    rest = refs[5:]
-    lam_refs = (rest.pop(0), rest.pop(0), rest.pop(0), rest.pop(0)) if g.has_lam else None
-    valid_ref = rest.pop(0) if g.has_valid else None
-    floor_ref = rest.pop(0) if g.has_floor else None
-    if g.append:
-        new_refs = [rest.pop(0) for _ in range(4 if g.has_lam else 2)]  # k_new, v_new[, Λ_new hi, lo]
-        ring_out = rest[-len(new_refs):]                                 # k, v[, Λ hi, lo]: the aliased ring
-        rest = rest[:-len(new_refs)]
-    first_ref = rest.pop() if g.has_floor else None  # the first visible key, per (row, key/value head)
-    out_refs = rest  # (o,) with one split, else (o, m, l)
+    r = dict(zip(g.names, refs))
     bk, gp = g.block_k, g.group_pad
+    k_ref, v_ref = r["k"], r["v"]
 
     rows = lax.broadcasted_iota(jnp.int32, (gp, 1), 0)
     row_ok = rows < g.group
     cap = g.n_blocks * bk
-    lo = jnp.maximum(lo_ref[()], 0)
+    lo = jnp.maximum(r["lo"][()], 0)
     if g.has_floor:  # the ring's start before this step: ≤ C held keys before the new one, the oldest in its slot
-        lo = jnp.maximum(lo, hi_ref[()] - 1 - cap)
-        hi = jnp.maximum(hi_ref[()], lo)  # 0 ≤ hi − lo ≤ C + 1
+        lo = jnp.maximum(lo, r["hi"][()] - 1 - cap)
+        hi = jnp.maximum(r["hi"][()], lo)  # 0 ≤ hi − lo ≤ C + 1
     else:
-        hi = jnp.minimum(jnp.maximum(hi_ref[()], lo), lo + cap)  # 0 ≤ hi − lo ≤ C
+        hi = jnp.minimum(jnp.maximum(r["hi"][()], lo), lo + cap)  # 0 ≤ hi − lo ≤ C
     if g.append:
         # the step's key is logical key hi − 1, in registers: the ring is read over [lo, hi − 1) only, so no
         # program loads the slot this one writes (every key of that range lies less than C before hi − 1)
-        slot = lax.rem(jnp.maximum(hi_ref[()] - 1, 0), g.n_blocks * bk)
+        slot = lax.rem(jnp.maximum(r["hi"][()] - 1, 0), g.n_blocks * bk)
         with_new = hi > lo
         hi = jnp.where(with_new, hi - 1, lo)
-    qs = [pltriton.load(q_ref.at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
-    if g.has_lam:
-        lq_hi_ref, lq_lo_ref, lk_hi_ref, lk_lo_ref = lam_refs
-        lq_hi = pltriton.load(lq_hi_ref.at[:], mask=row_ok[:, 0], other=0.0)
-        lq_lo = pltriton.load(lq_lo_ref.at[:], mask=row_ok[:, 0], other=0.0)
+    lq = lam_new = None
+    if g.step is not None:  # the raw projections: the layer's per-head work here
+        qs, k_new, v_new, lq = _step_prologue(g, r, row_ok)
+        lam_new = lq
+    else:
+        qs = [pltriton.load(r["q"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
+        if g.has_lam:
+            lq = tuple(pltriton.load(r[n].at[:], mask=row_ok[:, 0], other=0.0) for n in ("lq_hi", "lq_lo"))
+        if g.append:
+            k_new = [pltriton.load(r["k_new"].at[pl.ds(off, size)]) for off, size in g.chunks]
+            v_new = [pltriton.load(r["v_new"].at[pl.ds(off, size)]) for off, size in g.chunks]
+            if g.has_lam:  # one Λ per query head of the group ([1] with G = 1: what the ring's row stores)
+                load = (lambda ref: pltriton.load(ref.at[pl.ds(0, 1)])) if g.group == 1 else \
+                    (lambda ref: pltriton.load(ref.at[:], mask=row_ok[:, 0], other=0.0))  # noqa: E731
+                lam_new = (load(r["ln_hi"]), load(r["ln_lo"]))
 
     def decay_block(start):  # [Gp or 1, bk] float32 Λ_q − Λ_k of the block at physical slot ``start``
         if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
-            lk_hi = lk_hi_ref[pl.ds(start, bk)][None, :]
-            lk_lo = lk_lo_ref[pl.ds(start, bk)][None, :]
+            lk_hi = r["lk_hi"][pl.ds(start, bk)][None, :]
+            lk_lo = r["lk_lo"][pl.ds(start, bk)][None, :]
         else:
-            lk_hi = pltriton.load(lk_hi_ref.at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
-            lk_lo = pltriton.load(lk_lo_ref.at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
-        return (lq_hi[:, None] - lk_hi) + (lq_lo[:, None] - lk_lo)
+            lk_hi = pltriton.load(r["lk_hi"].at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
+            lk_lo = pltriton.load(r["lk_lo"].at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
+        return (lq[0][:, None] - lk_hi) + (lq[1][:, None] - lk_lo)
 
     if g.has_floor:  # ACP: the range starts after the last key below the floor for every query head of the group
         # Split 0 also tests the oldest key (hi − C, whose slot it overwrites with the new key after this pass: the
         # test counts for ``first``, i.e. for the ring's overflow); no other program loads that slot's value.
         scan_lo = jnp.where(pl.program_id(1) == 0, lo, jnp.maximum(lo, hi + 1 - cap))
-        first = _first_above_floor(g, floor_ref, first_ref, decay_block, scan_lo, lo, hi, row_ok)
+        first = _first_above_floor(g, r["floor"], r["first"], decay_block, scan_lo, lo, hi, row_ok)
         lo = jnp.maximum(first, hi + 1 - cap)  # the oldest key is never read: its slot receives the new key
         hi = jnp.maximum(hi, lo)
 
@@ -256,7 +372,7 @@ def _decode_kernel(*refs, g: _Geom):
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             keep = (kpos >= lo) & (kpos < hi)
             if g.has_valid:
-                keep = keep & valid_ref[pl.ds(start, bk)][None, :]
+                keep = keep & r["valid"][pl.ds(start, bk)][None, :]
             s = jnp.where(keep, s, _NEG_INF)
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
@@ -283,20 +399,21 @@ def _decode_kernel(*refs, g: _Geom):
         carry = lax.fori_loop(full_b, end_n, masked_step, carry)
     accs, m_i, l_i = carry
     if g.append:
-        accs, m_i, l_i = _append_new_key(g, qs, new_refs, ring_out, slot, with_new, accs, m_i, l_i,
-                                         lq=(lq_hi, lq_lo) if g.has_lam else None, row_ok=row_ok)
+        accs, m_i, l_i = _append_new_key(g, r, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i,
+                                         lq=lq, row_ok=row_ok)
 
     if g.num_splits == 1:
-        (o_ref,) = out_refs
         inv = jnp.where(l_i == 0.0, 0.0, 1.0 / jnp.where(l_i == 0.0, 1.0, l_i))
-        for acc, (off, size) in zip(accs, g.chunks):
-            pltriton.store(o_ref.at[:, pl.ds(off, size)], (acc * inv[:, None]).astype(o_ref.dtype), mask=row_ok)
+        outs = [acc * inv[:, None] for acc in accs]
+        if g.step is not None:
+            outs = _step_epilogue(g, r, outs, row_ok)
+        for x, (off, size) in zip(outs, g.chunks):
+            pltriton.store(r["o"].at[:, pl.ds(off, size)], x.astype(r["o"].dtype), mask=row_ok)
     else:
-        o_ref, m_ref, l_ref = out_refs
         for acc, (off, size) in zip(accs, g.chunks):
-            pltriton.store(o_ref.at[:, pl.ds(off, size)], acc, mask=row_ok)
-        pltriton.store(m_ref.at[:], m_i, mask=row_ok[:, 0])
-        pltriton.store(l_ref.at[:], l_i, mask=row_ok[:, 0])
+            pltriton.store(r["o"].at[:, pl.ds(off, size)], acc, mask=row_ok)
+        pltriton.store(r["m"].at[:], m_i, mask=row_ok[:, 0])
+        pltriton.store(r["l"].at[:], l_i, mask=row_ok[:, 0])
 
 
 def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo, hi, row_ok):
@@ -320,23 +437,18 @@ def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo,
     return first
 
 
-def _append_new_key(g: _Geom, qs, new_refs, ring_out, slot, with_new, accs, m_i, l_i, *, lq, row_ok):
-    """Append mode: the step's own key (its k, v and Λ from ``new_refs``) joins split 0's online softmax as one
-    more column, and split 0 writes it to ring slot ``slot`` (the aliased outputs ``ring_out``). Returns the
-    updated (accs, m, l)."""
+def _append_new_key(g: _Geom, r: dict, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i, *, lq, row_ok):
+    """Append mode: the step's own key (k_new, v_new chunks [size], its Λ ``lam_new``: [1] with G = 1 or [Gp])
+    joins split 0's online softmax as one more column, and split 0 writes it to ring slot ``slot`` (the aliased
+    outputs ``k_out``, ``v_out``, ``lk_hi_out``, ``lk_lo_out``). Returns the updated (accs, m, l)."""
     first = pl.program_id(1) == 0
-    k_new = [pltriton.load(new_refs[0].at[pl.ds(off, size)]) for off, size in g.chunks]
-    v_new = [pltriton.load(new_refs[1].at[pl.ds(off, size)]) for off, size in g.chunks]
     s = None
     for q, kn in zip(qs, k_new):
         part = jnp.sum(q.astype(jnp.float32) * kn.astype(jnp.float32)[None, :], axis=1)
         s = part if s is None else s + part
     s = s * g.scale
-    if g.has_lam:  # one Λ per query head of the group ([1] with G = 1: what the ring's row stores)
-        load = (lambda ref: pltriton.load(ref.at[pl.ds(0, 1)])) if g.group == 1 else \
-            (lambda ref: pltriton.load(ref.at[:], mask=row_ok[:, 0], other=0.0))  # noqa: E731
-        ln_hi, ln_lo = load(new_refs[2]), load(new_refs[3])
-        s = s + ((lq[0] - ln_hi) + (lq[1] - ln_lo))
+    if g.has_lam:
+        s = s + ((lq[0] - lam_new[0]) + (lq[1] - lam_new[1]))
     s = jnp.where(first & with_new, s, _NEG_INF)
     m_new = jnp.maximum(m_i, s)
     m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) * LOG2E
@@ -347,16 +459,17 @@ def _append_new_key(g: _Geom, qs, new_refs, ring_out, slot, with_new, accs, m_i,
         w = p.astype(vn.dtype).astype(jnp.float32)
         new_accs.append(acc * alpha[:, None] + w[:, None] * vn.astype(jnp.float32)[None, :])
     # the write: one program per (row, key/value head)
-    for ref, x in zip(ring_out[:2], (k_new, v_new)):
+    for name, x in (("k_out", k_new), ("v_out", v_new)):
         for xc, (off, size) in zip(x, g.chunks):
-            pltriton.store(ref.at[pl.ds(slot, 1), pl.ds(off, size)], xc[None, :],
-                           mask=jnp.full((1, size), first))
+            pltriton.store(r[name].at[pl.ds(slot, 1), pl.ds(off, size)], xc[None, :], mask=jnp.full((1, size), first))
     if g.has_lam:
-        for ref, x in zip(ring_out[2:], (ln_hi, ln_lo)):
+        for name, x in zip(("lk_hi_out", "lk_lo_out"), lam_new):
             if g.group == 1:
-                pltriton.store(ref.at[pl.ds(slot, 1)], x, mask=jnp.full((1,), first))
+                if x.shape[0] != 1:  # the fused step's Λ [Gp]: its one real row
+                    x = jnp.full((1,), jnp.sum(jnp.where(row_ok[:, 0], x, 0.0)), jnp.float32)
+                pltriton.store(r[name].at[pl.ds(slot, 1)], x, mask=jnp.full((1,), first))
             else:
-                pltriton.store(ref.at[:, pl.ds(slot, 1)], x[:, None], mask=row_ok & first)
+                pltriton.store(r[name].at[:, pl.ds(slot, 1)], x[:, None], mask=row_ok & first)
     return tuple(new_accs), m_new, l_i * alpha + p
 
 
@@ -387,8 +500,48 @@ def _range_operand(x, b: int, hkv: int):
     return jnp.broadcast_to(x.reshape(shape), (b, hkv)).reshape(b * hkv), pl.BlockSpec((None,), lambda i, s: (i,))
 
 
+@functools.partial(jax.tree_util.register_dataclass, meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps"],
+                   data_fields=["rows", "seq_start", "gate_rows", "shift_state", "q_scale", "k_scale", "lam_prev",
+                                "o_scale"])
+@dataclasses.dataclass(frozen=True)
+class StepArrays:
+    """``flash_decode(..., step=)``: a decode step's raw inputs; a None field: that part is absent (``StepGeom``). The
+    kernel then reads the step's q, k, v (and output gate logits) as rows of ``rows`` and does the layer's per-head
+    work: KV-shift, QK-norm, Λ = Λ_prev + log f, and with one split the output norm and gate.
+
+    Attributes:
+      rows: [B, R, D] (q's dtype): the raw projections as rows, q (H = Hkv·G rows, query head h·G + g), k (Hkv),
+        v (Hkv), then with ``o_gate`` the output gate logits (H); further rows are ignored.
+      seq_start: [B] int32, each row's first column: the step's position is hi − 1 − seq_start (< 0: a pad, which
+        adds no gate; ≤ 0: the shift sees zeros).
+      gate_rows: [B, W] float32: with ``shift_state`` the logits of the k and v shift weights α (Hkv each), then
+        with ``lam_prev`` the forget gates of the H query heads (logits, or log f when ``gate_logits`` is False);
+        further columns are ignored.
+      shift_state: [B, 2, Hkv, D] (q's dtype), the raw k̃, ṽ of the previous token (returned updated: aliased with
+        one split).
+      q_scale: [Hkv, G, D] float32; k_scale: [Hkv, D] float32 (QK-norm).
+      lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (returned updated).
+      o_scale: [Hkv, G, D] float32 (one split only). o_gate: the rows hold the output gate logits (one split only).
+      gate_logits, qk_eps, o_eps: as ``StepGeom``. (o_gate, gate_logits and the eps are static: a pytree's
+        auxiliary data.)
+    """
+
+    rows: jax.Array
+    seq_start: jax.Array
+    gate_rows: jax.Array | None = None
+    shift_state: jax.Array | None = None
+    q_scale: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    lam_prev: tuple | None = None
+    o_scale: jax.Array | None = None
+    o_gate: bool = False
+    gate_logits: bool = True
+    qk_eps: float = 1e-5
+    o_eps: float = 1e-6
+
+
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
-                 config: DecodeConfig, interpret: bool, append=None, decay_floor=None):
+                 config: DecodeConfig, interpret: bool, append=None, decay_floor=None, step: StepArrays | None = None):
     """Decode attention on a ring cache with the flash-decoding kernel (shapes unchecked: the public
     op ``fox_jax.ops.decode_attention`` checks them).
 
@@ -410,10 +563,14 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         ≤ C + 1); a key of [max(lo, hi − 1 − C), hi − 1) hidden for every query head of its group (Λ_q − Λ_k <
         floor) leaves the range with every older key, ``first`` = max(that start, last hidden key + 1), and the
         read starts at max(first, hi − C) (the oldest key's slot takes the new key). Needs no ``valid``.
+      step: None, or ``StepArrays`` with ``append``: the step's raw projections are rows of ``step.rows`` (q and
+        append's k_new, v_new are not read) and the kernel does the layer's per-head work (with ``step.lam_prev``,
+        lam_q and lam_new must be None: Λ is computed here). The output norm and gate need one split; so does the
+        returned Λ (None with several splits: the caller adds the gate to Λ_prev).
     Returns:
       [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
       entry written (lam_k None without Λ); with ``decay_floor`` the tuple (or o) followed by ``first`` [B, Hkv]
-      int32.
+      int32; with ``step`` followed by (shift_state [B, 2, Hkv, D] or None, Λ (hi, lo) [B, Hkv, G] or None).
     """
     b, hkv, grp, d = q.shape
     cap = k.shape[2]
@@ -427,96 +584,135 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         raise ValueError("append needs head_dim a multiple of 16 and no valid mask (a ring without pinned slots)")
     if decay_floor is not None and (lam_k is None or valid is not None or append is None):
         raise ValueError("decay_floor needs lam_q / lam_k, append and no valid mask (a ring's decode step)")
+    if step is not None and (append is None or (step.lam_prev is not None) != (lam_k is not None)
+                             or (step.lam_prev is not None and (lam_q is not None or append[2] is not None))
+                             or (ns > 1 and (step.o_scale is not None or step.o_gate))):
+        raise ValueError("step needs append, lam_prev exactly with lam_k (then no lam_q / lam_new), and one split "
+                         "for the output norm and gate")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
         pad = [(0, 0)] * 3 + [(0, d_run - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
     bh = b * hkv
     gp = _pow2_at_least(grp, MIN_BLOCK)
     has_lam, has_valid = lam_k is not None, valid is not None
-    geom = _Geom(group=grp, group_pad=gp, n_blocks=cap // bk, block_k=bk, num_splits=ns,
-                 chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
-                 exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None)
+    f32 = jnp.float32
+    per_group = pl.BlockSpec((None, gp), lambda i, s: (i, 0))   # [B·Hkv, G]: the group's query heads
+    per_entry = pl.BlockSpec((None, d_run), lambda i, s: (i, 0))  # [B·Hkv, D]
+    ring_spec = pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0))
+    lam_spec = pl.BlockSpec((None, cap), lambda i, s: (i, 0)) if grp == 1 else \
+        pl.BlockSpec((None, gp, cap), lambda i, s: (i, 0, 0))
+    ins: list = []  # (name, array, BlockSpec), in the kernel's order
 
     # [B, Hkv, ...] → [B·Hkv, ...] are free reshapes; the G axis is read in blocks of Gp rows (rows ≥ G
     # masked: no padding copies).
-    (lo_arg, lo_spec), (hi_arg, hi_spec) = _range_operand(lo, b, hkv), _range_operand(hi, b, hkv)
-    in_specs = [lo_spec, hi_spec,
-                pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0)),
-                pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0)),
-                pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0))]
-    args = [lo_arg, hi_arg, q.reshape(bh, grp, d_run), k.reshape(bh, cap, d_run), v.reshape(bh, cap, d_run)]
-    if has_lam:
-        in_specs += [pl.BlockSpec((None, gp), lambda i, s: (i, 0))] * 2
-        args += [x.reshape(bh, grp).astype(jnp.float32) for x in lam_q]
-        if grp == 1:  # [B·Hkv, C]: the kernel loads one row per block
-            in_specs += [pl.BlockSpec((None, cap), lambda i, s: (i, 0))] * 2
-            args += [x.reshape(bh, cap).astype(jnp.float32) for x in lam_k]
-        else:
-            in_specs += [pl.BlockSpec((None, gp, cap), lambda i, s: (i, 0, 0))] * 2
-            args += [x.reshape(bh, grp, cap).astype(jnp.float32) for x in lam_k]
+    ins += [("lo", *_range_operand(lo, b, hkv)), ("hi", *_range_operand(hi, b, hkv))]
+    if step is None:  # (with ``step``: rows of ``step.rows``)
+        ins.append(("q", q.reshape(bh, grp, d_run), pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0))))
+    ins += [("k", k.reshape(bh, cap, d_run), ring_spec), ("v", v.reshape(bh, cap, d_run), ring_spec)]
+    if lam_q is not None:
+        ins += [(n, x.reshape(bh, grp).astype(f32), per_group) for n, x in zip(("lq_hi", "lq_lo"), lam_q)]
+    if has_lam:  # G = 1: [B·Hkv, C], the kernel loads one row per block
+        shape = (bh, cap) if grp == 1 else (bh, grp, cap)
+        ins += [(n, x.reshape(shape).astype(f32), lam_spec) for n, x in zip(("lk_hi", "lk_lo"), lam_k)]
     if has_valid:
         if valid.shape[1] == 1:
-            in_specs.append(pl.BlockSpec((None, cap), lambda i, s: (lax.div(i, hkv), 0)))
-            args.append(valid.reshape(b, cap))
+            ins.append(("valid", valid.reshape(b, cap), pl.BlockSpec((None, cap), lambda i, s: (lax.div(i, hkv), 0))))
         else:
-            in_specs.append(pl.BlockSpec((None, cap), lambda i, s: (i, 0)))
-            args.append(valid.reshape(bh, cap))
+            ins.append(("valid", valid.reshape(bh, cap), pl.BlockSpec((None, cap), lambda i, s: (i, 0))))
     if decay_floor is not None:
-        in_specs.append(pl.BlockSpec((None, gp), lambda i, s: (i, 0)))
-        args.append(decay_floor.reshape(bh, grp).astype(jnp.float32))
-    if ns == 1:
-        out_specs = [pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0))]
-        out_shape = [jax.ShapeDtypeStruct((bh, grp, d_run), q.dtype)]
-    else:
-        out_specs = [pl.BlockSpec((None, None, gp, d_run), lambda i, s: (i, s, 0, 0)),
-                     pl.BlockSpec((None, None, gp), lambda i, s: (i, s, 0)),
-                     pl.BlockSpec((None, None, gp), lambda i, s: (i, s, 0))]
-        out_shape = [jax.ShapeDtypeStruct((bh, ns, grp, d_run), jnp.float32),
-                     jax.ShapeDtypeStruct((bh, ns, grp), jnp.float32),
-                     jax.ShapeDtypeStruct((bh, ns, grp), jnp.float32)]
-    if decay_floor is not None:  # the first visible key per (row, key/value head), written by split 0
-        out_specs.append(pl.BlockSpec((None, 1), lambda i, s: (i, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((bh, 1), jnp.int32))
-    aliases = {}
-    if append is not None:  # the step's entry in, the ring's buffers out in place
+        ins.append(("floor", decay_floor.reshape(bh, grp).astype(f32), per_group))
+    if append is not None and step is None:  # the step's entry in (with ``step``: rows of ``step.rows``)
         k_new, v_new, lam_new = append
-        ring = [(3, in_specs[3]), (4, in_specs[4])]  # args 3, 4: k, v; 7, 8: Λ_k hi, lo (after q's pair)
-        in_specs += [pl.BlockSpec((None, d_run), lambda i, s: (i, 0))] * 2
-        args += [k_new.reshape(bh, d_run).astype(q.dtype), v_new.reshape(bh, d_run).astype(q.dtype)]
-        if has_lam:
-            in_specs += [pl.BlockSpec((None, gp), lambda i, s: (i, 0))] * 2
-            args += [x.reshape(bh, grp).astype(jnp.float32) for x in lam_new]
-            ring += [(7, in_specs[7]), (8, in_specs[8])]
-        for arg_index, spec in ring:
-            aliases[arg_index] = len(out_shape)
-            out_specs.append(spec)
-            out_shape.append(jax.ShapeDtypeStruct(args[arg_index].shape, args[arg_index].dtype))
-    outs = pl.pallas_call(
+        ins += [("k_new", k_new.reshape(bh, d_run).astype(q.dtype), per_entry),
+                ("v_new", v_new.reshape(bh, d_run).astype(q.dtype), per_entry)]
+        if lam_new is not None:
+            ins += [(n, x.reshape(bh, grp).astype(f32), per_group) for n, x in zip(("ln_hi", "ln_lo"), lam_new)]
+    geom_step = None
+    if step is not None:
+        head_of = lambda i, s: (lax.rem(i, hkv), 0, 0)  # noqa: E731  (parameters per key/value head)
+        of_row = lambda i, s: (lax.div(i, hkv), 0, 0)  # noqa: E731  (a row's whole block)
+        n_rows = step.rows.shape[1]
+        ins += [("rows", step.rows.astype(q.dtype), pl.BlockSpec((None, n_rows, d_run), of_row)),
+                ("seq_start", jnp.asarray(step.seq_start, jnp.int32).reshape(b),
+                 pl.BlockSpec((None,), lambda i, s: (lax.div(i, hkv),)))]
+        if step.gate_rows is not None:
+            ins.append(("gate_rows", step.gate_rows.astype(f32),
+                        pl.BlockSpec((None, step.gate_rows.shape[1]), lambda i, s: (lax.div(i, hkv), 0))))
+        if step.shift_state is not None:
+            ins.append(("shift_state", step.shift_state.astype(q.dtype),
+                        pl.BlockSpec((None, 2, None, d_run), lambda i, s: (lax.div(i, hkv), 0, lax.rem(i, hkv), 0))))
+        if step.q_scale is not None:
+            ins.append(("q_scale", step.q_scale.reshape(hkv, grp, d_run).astype(f32),
+                        pl.BlockSpec((None, gp, d_run), head_of)))
+        if step.k_scale is not None:
+            ins.append(("k_scale", step.k_scale.reshape(hkv, d_run).astype(f32),
+                        pl.BlockSpec((None, d_run), lambda i, s: (lax.rem(i, hkv), 0))))
+        if step.lam_prev is not None:
+            ins += [(n, x.reshape(bh, grp).astype(f32), per_group) for n, x in zip(("lp_hi", "lp_lo"), step.lam_prev)]
+        if step.o_scale is not None:
+            ins.append(("o_scale", step.o_scale.reshape(hkv, grp, d_run).astype(f32),
+                        pl.BlockSpec((None, gp, d_run), head_of)))
+        geom_step = StepGeom(shift=step.shift_state is not None, q_norm=step.q_scale is not None,
+                             k_norm=step.k_scale is not None, gates=step.lam_prev is not None,
+                             o_norm=step.o_scale is not None, o_gate=bool(step.o_gate),
+                             gate_logits=bool(step.gate_logits), heads=hkv * grp, kv_heads=hkv,
+                             qk_eps=float(step.qk_eps), o_eps=float(step.o_eps))
+
+    outs: list = []  # (name, ShapeDtypeStruct, BlockSpec, the input it aliases or None)
+    if ns == 1:
+        outs.append(("o", jax.ShapeDtypeStruct((bh, grp, d_run), q.dtype),
+                     pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0)), None))
+    else:
+        outs += [("o", jax.ShapeDtypeStruct((bh, ns, grp, d_run), f32),
+                  pl.BlockSpec((None, None, gp, d_run), lambda i, s: (i, s, 0, 0)), None),
+                 ("m", jax.ShapeDtypeStruct((bh, ns, grp), f32), pl.BlockSpec((None, None, gp), lambda i, s: (i, s, 0)),
+                  None),
+                 ("l", jax.ShapeDtypeStruct((bh, ns, grp), f32), pl.BlockSpec((None, None, gp), lambda i, s: (i, s, 0)),
+                  None)]
+    if decay_floor is not None:  # the first visible key per (row, key/value head), written by split 0
+        outs.append(("first", jax.ShapeDtypeStruct((bh, 1), jnp.int32), pl.BlockSpec((None, 1), lambda i, s: (i, 0)),
+                     None))
+    spec_of = {n: (x, sp) for n, x, sp in ins}
+    aliased = ["k", "v"] + (["lk_hi", "lk_lo"] if has_lam else []) if append is not None else []
+    # the step's carries, in place: Λ only with one split (with several every split reads Λ_prev)
+    aliased += [n for n in ("shift_state",) + (("lp_hi", "lp_lo") if ns == 1 else ()) if n in spec_of]
+    for n in aliased:
+        x, sp = spec_of[n]
+        outs.append(({"shift_state": "shift_out"}.get(n, n + "_out"), jax.ShapeDtypeStruct(x.shape, x.dtype), sp, n))
+    in_names = [n for n, _, _ in ins]
+    aliases = {in_names.index(src): j for j, (_, _, _, src) in enumerate(outs) if src is not None}
+    geom = _Geom(group=grp, group_pad=gp, n_blocks=cap // bk, block_k=bk, num_splits=ns,
+                 chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
+                 exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
+                 step=geom_step, names=tuple(in_names + [n for n, *_ in outs]))
+    res = pl.pallas_call(
         functools.partial(_decode_kernel, g=geom),
         grid=(bh, ns),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
+        in_specs=[sp for _, _, sp in ins],
+        out_specs=[sp for _, _, sp, _ in outs],
+        out_shape=[sh for _, sh, _, _ in outs],
         input_output_aliases=aliases,
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=config.num_warps,
                                                                       num_stages=config.num_stages),
         interpret=interpret,
         name="fox_decode_attention",
-    )(*args)
-    n_o = 1 if ns == 1 else 3
-    o = outs[0] if ns == 1 else combine_splits(*outs[:3], q.dtype)
+    )(*[x for _, x, _ in ins])
+    res = dict(zip([n for n, *_ in outs], res))
+    o = res["o"] if ns == 1 else combine_splits(res["o"], res["m"], res["l"], q.dtype)
     o = o.reshape(b, hkv, grp, d_run)[..., :d]
-    first = None
-    if decay_floor is not None:
-        first = outs[n_o].reshape(b, hkv)
-        n_o += 1
+    first = None if decay_floor is None else res["first"].reshape(b, hkv)
     if append is None:
         return o if first is None else (o, first)
-    ring_out = outs[n_o:]
-    k_out, v_out = (x.reshape(k.shape) for x in ring_out[:2])
-    lam_out = tuple(x.reshape(lam_k[0].shape) for x in ring_out[2:]) if has_lam else None
-    return (o, k_out, v_out, lam_out) if first is None else (o, k_out, v_out, lam_out, first)
+    k_out, v_out = res["k_out"].reshape(k.shape), res["v_out"].reshape(v.shape)
+    lam_out = (res["lk_hi_out"].reshape(lam_k[0].shape), res["lk_lo_out"].reshape(lam_k[1].shape)) if has_lam else None
+    out = (o, k_out, v_out, lam_out) + (() if first is None else (first,))
+    if step is None:
+        return out
+    shift_out = res.get("shift_out")
+    lam_now = (res["lp_hi_out"].reshape(b, hkv, grp), res["lp_lo_out"].reshape(b, hkv, grp)) \
+        if "lp_hi_out" in res else None
+    return out + ((shift_out, lam_now),)
 
 
-__all__ = ["DecodeConfig", "SHARED_LIMIT", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",
+__all__ = ["DecodeConfig", "SHARED_LIMIT", "StepArrays", "StepGeom", "pair_add", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",
            "largest_block_k"]

@@ -19,6 +19,7 @@ Tolerances (max abs error relative to the oracle's max |o|, ``_tol``):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import sys
@@ -338,11 +339,93 @@ def test_append_decay_floor(grp, dtype, splits):
         decode_attention_append(q, k, v, k_new, v_new, lo=jnp.asarray(lo), hi=hi, decay_floor=floor)
 
 
+def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int):
+    """A decode step handed over raw (``DecodeStep``): the GEMM-shaped rows (q, k, v, output gate logits), the shift
+    and forget-gate logits, the carries and the norm scales, with row 0 at position 0 (its shift sees zeros) and row
+    1 at position 40."""
+    from fox_jax.ops.head_ops import HeadOps
+
+    rng = np.random.default_rng(seed)
+    h = _HKV * grp
+    normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    rows = normal(_B, 1, 2 * h + 2 * _HKV + 1, d).astype(dtype)  # one row more than read: ignored
+    gate_rows = normal(_B, 1, 2 * _HKV + h + 2)  # shift logits, forget-gate logits, 2 ignored columns
+    scale = lambda *shape: 1.0 + 0.3 * normal(*shape)  # noqa: E731
+    ops = HeadOps(k_shift=gate_rows[..., :_HKV], v_shift=gate_rows[..., _HKV:2 * _HKV], q_scale=scale(h, d),
+                  k_scale=scale(d) if shared_k_scale else scale(_HKV, d), o_scale=scale(h, d),
+                  o_gate=rows[:, :, h + 2 * _HKV:2 * h + 2 * _HKV], rows=rows, gate_rows=gate_rows, o_eps=1e-6)
+    log_fgate = jax.nn.log_sigmoid(gate_rows[:, 0, 2 * _HKV:2 * _HKV + h]).reshape(_B, _HKV, grp)
+    lam_prev, _ = _lambda_pairs(rng, grp, 16)
+    shift_state = normal(_B, 2, _HKV, d).astype(dtype)
+    q = rows[:, 0, :h].reshape(_B, _HKV, grp, d)
+    k_new, v_new = rows[:, 0, h:h + _HKV], rows[:, 0, h + _HKV:h + 2 * _HKV]
+    return ops, q, k_new, v_new, shift_state, log_fgate, lam_prev
+
+
+@pytest.mark.parametrize("grp,d,dtype,splits,shared", [(1, 32, jnp.float32, 1, False), (4, 48, jnp.bfloat16, 1, True),
+                                                       (2, 32, jnp.float32, 3, False)])
+def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared):
+    """``decode_attention_append(..., step=DecodeStep)``: the raw projections in (the decode GEMM's rows, read in
+    place by the kernel, or packed by the op), the layer's per-head work done by the op — KV-shift from the carry
+    (zeros at position 0), QK-norm, Λ = Λ_prev + log σ(logit) as pairs, attention over the ring with the entry,
+    output norm and gate (after the combine with several splits) — equals ``head_prologue``, the oracle and
+    ``head_epilogue`` in XLA, and writes the ring, the shift carry (the step's raw k, v) and Λ. Tolerances: the
+    outputs as ``_tol``; the carried raw k, v exactly; Λ to 1e-6 (log σ in the kernel vs XLA: an ulp of the gate);
+    the ring's k, v entries to an ulp of their dtype (the norm's rsqrt)."""
+    from fox_jax.ops.decode_attention import DecodeStep
+    from fox_jax.ops.head_ops import head_epilogue, head_prologue
+
+    cap = 80
+    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, dtype, shared, seed=grp + d)
+    _, k, v, kw = _inputs(cap, grp, d, dtype, True, None, seed=grp)
+    lam_k = kw["lam_k"]
+    hi = jnp.int32(2 * cap + 21)
+    seq_start = jnp.asarray([int(hi) - 1, int(hi) - 41], jnp.int32)  # positions 0 and 40
+    lo = jnp.asarray(np.int32(hi) - np.array([[cap, 1, 17], [cap - 3, 40, 2]]), jnp.int32)
+    # the oracle: the layer's work in XLA, the dense read of the written ring, the epilogue
+    h = _HKV * grp
+    state = (jnp.zeros_like(shift_state[:1, 0]).repeat(2, 0).at[1].set(shift_state[1, 0]),
+             jnp.zeros_like(shift_state[:1, 1]).repeat(2, 0).at[1].set(shift_state[1, 1]))
+    qp, kp, vp, _ = head_prologue(ops, q.reshape(_B, 1, h, d), k_new[:, None], v_new[:, None], state=state)
+    qp, kp, vp = qp.reshape(q.shape), kp[:, 0], vp[:, 0]
+    lam_now = dk.pair_add(lam_prev, (log_fgate, jnp.zeros_like(log_fgate)))
+    ring_k, ring_v = write_entry(k, kp, hi, 2), write_entry(v, vp, hi, 2)
+    ring_lam = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_now))
+    ref = decode_attention_reference(qp, ring_k, ring_v, lo=lo, hi=jnp.broadcast_to(hi, lo.shape), lam_q=lam_now,
+                                     lam_k=ring_lam)
+    ref = head_epilogue(ops, ref.reshape(_B, 1, h, d)).reshape(q.shape)
+    ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    for impl, packed in (("xla", True), ("pallas", True), ("pallas", False)):
+        step = DecodeStep(ops if packed else ops.replace(rows=None, gate_rows=None), seq_start, shift_state,
+                          log_fgate, lam_prev)
+        f = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))
+        o, k2, v2, lam2, (shift2, lam_got) = f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, step=step)
+        what = f"{impl}, rows {'in place' if packed else 'packed by the op'}"
+        assert o.dtype == q.dtype and _err(o, ref) <= _tol(dtype), (what, _err(o, ref))
+        np.testing.assert_array_equal(np.asarray(shift2, np.float32),
+                                      np.asarray(jnp.stack([k_new, v_new], 1), np.float32), err_msg=what)
+        got = np.asarray(lam_got[0], np.float64) + np.asarray(lam_got[1], np.float64)
+        want = np.asarray(lam_now[0], np.float64) + np.asarray(lam_now[1], np.float64)
+        np.testing.assert_allclose(got, want, atol=1e-6, rtol=0, err_msg=what)
+        for a, b_ in ((k2, ring_k), (v2, ring_v)):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32), atol=4 * ulp,
+                                       rtol=2 * ulp, err_msg=what)
+        for a, b_ in zip(lam2, ring_lam):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-6, rtol=0, err_msg=what)
+    with pytest.raises(ValueError, match=r"with step.log_fgate, lam_q and lam_new must be None"):
+        decode_attention_append(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, lam_q=lam_prev, lam_new=lam_prev,
+                                step=DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev))
+    with pytest.raises(ValueError, match=r"step.shift_state must be \[2, 2, 3, " + str(d) + r"\]"):
+        decode_attention_append(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k,
+                                step=DecodeStep(ops, seq_start, None, log_fgate, lam_prev))
+
+
 def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
-    row per block, one split), and without Λ with a shared slot mask, so a change that breaks the Triton
-    lowering fails here, not first on the GPU."""
+    row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
+    with and without the fused per-head work (``StepArrays``), so a change that breaks the Triton lowering fails
+    here, not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
 
@@ -367,6 +450,22 @@ def test_kernel_lowers_to_triton_for_cuda():
             sds((b, hkv, 256, 64), jnp.bfloat16), sds((b, hkv), jnp.int32), sds((), jnp.int32), pair(b, hkv, grp),
             pair(b, hkv, grp, 256), sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, 64), jnp.bfloat16),
             sds((b, hkv, grp), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+        # the fused step: raw rows in, KV-shift, QK-norm, Λ, output norm and gate (one split) in the kernel
+        step = dk.StepArrays(rows=sds((b, 2 * hkv * grp + 2 * hkv, 64), jnp.bfloat16), seq_start=sds((b,), jnp.int32),
+                             gate_rows=sds((b, 2 * hkv + hkv * grp), jnp.float32),
+                             shift_state=sds((b, 2, hkv, 64), jnp.bfloat16), q_scale=sds((hkv, grp, 64), jnp.float32),
+                             k_scale=sds((hkv, 64), jnp.float32), lam_prev=pair(b, hkv, grp),
+                             o_scale=sds((hkv, grp, 64), jnp.float32) if config.num_splits == 1 else None,
+                             o_gate=False)
+        one = config.num_splits == 1  # (the flags stay static: the arrays alone are traced)
+        text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st: f(
+            q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl, step=dataclasses.replace(st, o_gate=one))
+                       ).trace(sds((b, hkv, grp, 64), jnp.bfloat16), sds((b, hkv, 256, 64), jnp.bfloat16),
+                               sds((b, hkv, 256, 64), jnp.bfloat16), sds((b, hkv), jnp.int32), sds((), jnp.int32),
+                               pair(b, hkv, grp, 256), sds((b, hkv, 64), jnp.bfloat16),
+                               sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, grp), jnp.float32), step
+                               ).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 

@@ -822,7 +822,8 @@ def test_incremental_decoding_equals_full_forward(family):
 @pytest.mark.parametrize("policy,t,p", [("dense", 12, 6), ("acp", 12, 6), ("acp:-1000", 72, 62)])
 def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
-    default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there)
+    default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
+    the raw projections in, with the KV-shift, QK-norm, Λ accumulation, output norm and gate done in the kernel)
     give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
     the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
     every step (the kernel gets the ring's old start: C + 1 keys with the new one). Tolerance: float32, summation
@@ -845,11 +846,15 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
     traced = []
     flash = dec.dk.flash_decode
     monkeypatch.setattr(dec.dk, "flash_decode",
-                        lambda *a, **kw: traced.append((kw.get("append"), kw.get("decay_floor"))) or flash(*a, **kw))
+                        lambda *a, **kw: traced.append((kw.get("append"), kw.get("decay_floor"), kw.get("step")))
+                        or flash(*a, **kw))
     jax.clear_caches()  # the jitted steps retrace with the kernel
     got, caches = run()
-    assert traced and all(a is not None for a, _ in traced)  # the append mode ran
-    assert all((f is not None) == policy.startswith("acp") for _, f in traced)  # acp's rule applied in the kernel
+    assert traced and all(a is not None for a, _, _ in traced)  # the append mode ran
+    assert all((f is not None) == policy.startswith("acp") for _, f, _ in traced)  # acp's rule applied in the kernel
+    # the layer's per-head work in the kernel too: KV-shift, QK-norm, Λ; the output norm and gate (one split here)
+    assert all(s is not None and s.shift_state is not None and s.q_scale is not None and s.lam_prev is not None
+               and s.gate_logits and s.o_scale is not None and s.o_gate for _, _, s in traced)
     if t > 64:
         assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) > 0  # the ring was full
     np.testing.assert_allclose(got, ref, atol=1e-5)

@@ -12,19 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-
-def _pair_add(a: tuple, b: tuple) -> tuple:
-    """(a_hi + a_lo) + (b_hi + b_lo) as a normalised float32 pair (double-float addition).
-
-    Knuth's two-sum gives the rounding error of a_hi + b_hi exactly; the low parts are added to it and
-    the result renormalised (fast two-sum), so the pair carries ~2⁻⁴⁴ relative precision. Associative
-    to that precision, hence usable in ``lax.associative_scan``.
-    """
-    s = a[0] + b[0]
-    bb = s - a[0]
-    err = (a[0] - (s - bb)) + (b[0] - bb) + (a[1] + b[1])
-    hi = s + err
-    return hi, err - (hi - s)
+from fox_jax.kernels.decode_attention import pair_add  # the kernel's double-float add, also used in XLA
 
 
 def accumulate_log_fgate(prev_hi: jax.Array, prev_lo: jax.Array, log_fgate: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -36,10 +24,10 @@ def accumulate_log_fgate(prev_hi: jax.Array, prev_lo: jax.Array, log_fgate: jax.
 
     Returns:
       (hi, lo), each [B, T, H] float32 with Λ_t = hi + lo to ~2⁻⁴⁴ relative (a parallel prefix
-      scan of ``_pair_add``, O(T) work).
+      scan of ``pair_add``, O(T) work).
     """
-    scanned = lax.associative_scan(_pair_add, (log_fgate, jnp.zeros_like(log_fgate)), axis=1)
-    return _pair_add((prev_hi[:, None], prev_lo[:, None]), scanned)
+    scanned = lax.associative_scan(pair_add, (log_fgate, jnp.zeros_like(log_fgate)), axis=1)
+    return pair_add((prev_hi[:, None], prev_lo[:, None]), scanned)
 
 
 __all__ = ["accumulate_log_fgate"]

@@ -43,11 +43,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fox_jax.cache.decay import accumulate_log_fgate
+from fox_jax.cache.decay import accumulate_log_fgate, pair_add
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.cache.visibility import Chunk, Keys, LayerFacts, Rule, rule_for
 from fox_jax.ops._common import check_seq_start, dot_precision
-from fox_jax.ops.decode_attention import decode_attention, decode_attention_append
+from fox_jax.ops.decode_attention import DecodeStep, decode_attention, decode_attention_append
+from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
 KV_AXES = ("batch", "kv_heads", None, None)  # k, v [B, n, C, D] and Λ [B, n, G, C]
@@ -177,13 +178,7 @@ class RingGroup(_Entries):
         lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, the updated group)."""
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
         if q.shape[1] == 1 and step.attend and not self.pinned:  # a decode step: the write and the read in one op
-            floor = None if lam_q is None or self.start.shape[1] != len(self.heads) else \
-                step.rule.decay_floor(step.cache.policy, step.aux, step.chunk, self.heads)  # per-head tables only
-            if floor is not None:  # the op applies the rule while it reads (acp): no visibility kernels before
-                o, new, first = self._write_read(step, self, q, k, v, lam_q, floor)
-                return o, new._advance(step, first[..., None], 1)
-            return self._write_read(step, self._advance(step, self._visible_from(step, self._keys(step.cache, lam_q)),
-                                                        1), q, k, v, lam_q)
+            return self.decode_step(step, q, k, v, lam_q)[:2]
         keys = self._keys(step.cache, lam_q)
         start_t = self._visible_from(step, keys)
         new = self._place(step, k, v, lam_q, start_t)
@@ -192,6 +187,24 @@ class RingGroup(_Entries):
         if q.shape[1] == 1:
             return self._read(step, new, q, lam_q), new
         return self._attend(step, keys, start_t, q, k, v), new
+
+    def decode_step(self, step: _Step, q, k, v, lam_q, raw: DecodeStep | None = None) -> tuple:
+        """A decode step of a ring without pinned slots: the write and the read in one op (``_write_read``). q
+        [B, 1, n, G, D]; k, v [B, 1, n, D]; lam_q (hi, lo) [B, n, G, 1] or None. With ``raw`` (every head of the
+        layer in this group) q, k, v are the raw projections and the op does the layer's per-head work and Λ
+        (``DecodeStep``). Returns (o [B, 1, n, G, D] float32, the updated group, the op's (shift state, Λ) with
+        ``raw`` or None)."""
+        floor = None if self.lam_hi is None or self.start.shape[1] != len(self.heads) else \
+            step.rule.decay_floor(step.cache.policy, step.aux, step.chunk, self.heads)  # per-head tables only
+        if floor is not None:  # the op applies the rule while it reads (acp): no visibility kernels before
+            o, new, first, carry = self._write_read(step, self, q, k, v, lam_q, floor, raw)
+            return o, new._advance(step, first[..., None], 1), carry
+        if raw is not None and raw.log_fgate is not None:  # the rule's own decays (XLA drops them where unread)
+            lf = jnp.where((step.chunk.pos[:, 0] >= 0)[:, None, None], raw.log_fgate, 0.0)
+            lam_q = tuple(x[..., None] for x in pair_add(raw.lam_prev, (lf, jnp.zeros_like(lf))))
+        new = self._advance(step, self._visible_from(step, self._keys(step.cache, lam_q)), 1)
+        o, new, _, carry = self._write_read(step, new, q, k, v, lam_q, None, raw)
+        return o, new, carry
 
     def _keys(self, cache, lam_q) -> Keys:
         """What the slots hold before the chunk, and the chunk's decays, as the rule sees them."""
@@ -258,22 +271,24 @@ class RingGroup(_Entries):
         return self.replace(start=new_start, peak=jnp.maximum(self.peak, live),
                             overflow=self.overflow + (new_start - wanted))
 
-    def _write_read(self, step: _Step, new: RingGroup, q, k, v, lam_q, floor=None) -> tuple:
+    def _write_read(self, step: _Step, new: RingGroup, q, k, v, lam_q, floor=None, raw=None) -> tuple:
         """A decode step (no pinned slots): its entry written at slot ``length`` mod C and the ring read over
         [start, length] by one op (``decode_attention_append``: in the Pallas kernel, without update kernels).
         With ``floor`` (the rule's ``decay_floor``) the op also hides the keys below it (``new`` is then the ring
-        before this step's visibility). Returns (o [B, 1, n, G, D] float32, the group with the entry), and with
-        ``floor`` the first visible key [B, n] int32 as a third element."""
+        before this step's visibility); with ``raw`` (a ``DecodeStep``) it also does the layer's per-head work.
+        Returns (o [B, 1, n, G, D] float32, the group with the entry, the first visible key [B, n] int32 or None,
+        the op's (shift state, Λ) or None)."""
         hi = (step.cache.length + 1).astype(jnp.int32)
-        lam_new = None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0])              # [B, n, G]
-        o, kbuf, vbuf, lam_k, *first = decode_attention_append(
+        lam_new = None if lam_q is None or raw is not None else (lam_q[0][..., 0], lam_q[1][..., 0])  # [B, n, G]
+        o, kbuf, vbuf, lam_k, *rest = decode_attention_append(
             q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), k[:, 0].astype(q.dtype), v[:, 0].astype(q.dtype),
-            lo=new.start, hi=hi, lam_q=lam_new, lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo),
-            lam_new=lam_new, decay_floor=floor, sm_scale=step.chunk.scale)
+            lo=new.start, hi=hi, lam_q=lam_new, lam_k=None if self.lam_hi is None else (new.lam_hi, new.lam_lo),
+            lam_new=lam_new, decay_floor=floor, sm_scale=step.chunk.scale, step=raw)
         new = new.replace(k=kbuf.astype(new.k.dtype), v=vbuf.astype(new.v.dtype))
         if lam_k is not None:
             new = new.replace(lam_hi=lam_k[0], lam_lo=lam_k[1])
-        return (o[:, None].astype(jnp.float32), new, *first)
+        first = rest.pop(0) if floor is not None else None
+        return o[:, None].astype(jnp.float32), new, first, rest.pop(0) if raw is not None else None
 
     def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
         """Attention of a decode step, after its write: the ring's [start, length] through the decode op
@@ -674,7 +689,7 @@ def cache_columns(cache: SlotKVCache, t: int) -> jax.Array:
 
 
 def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array | None, *,
-                   carry: tuple | None = None, facts: LayerFacts | None = None,
+                   head_ops: HeadOps | None = None, facts: LayerFacts | None = None,
                    sm_scale: float | None = None) -> tuple[jax.Array, SlotKVCache]:
     """Append a chunk of T ≥ 1 tokens to the cache and attend with it under the cache's policy.
 
@@ -683,19 +698,24 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
 
     Args:
       cache: the layer's ``SlotKVCache``.
-      q: [B, T, H, D]; k, v: [B, T, Hkv, D], ready for attention (shifted, normed, rotated at the positions
-        ``cache.length + arange(T) − seq_start``).
+      q: [B, T, H, D]; k, v: [B, T, Hkv, D]: ready for attention (shifted, normed, rotated at the positions
+        ``cache.length + arange(T) − seq_start``) without ``head_ops``; with it the raw projections.
       log_fgate: [B, T, H] float32 log forget gates, or None (must match the cache); pads are ignored.
-      carry: (k_shift, v_shift), the new KV-shift carry [B, Hkv, D] each (stored as given), or None.
+      head_ops: the layer's per-head work around attention (``fox_jax.ops.head_ops.HeadOps``), or None: the
+        prologue (KV-shift from the cache's carry, which is then updated; QK-norm; RoPE at the cache's positions)
+        before attention and the epilogue (output norm and gate) after. A decode step of a ring without pinned slots
+        whose rule needs no q / k values hands it to the decode op (its Pallas kernel does it all: no kernels of
+        their own); elsewhere ``head_prologue`` / ``head_epilogue`` run here.
       facts: the model facts the policy's rule may need (``LayerFacts``: acp the QK-norm logit bound, dcp
         q_int / k_int / β).
       sm_scale: logit scale, default 1/√D.
 
     Returns:
-      (o [B, T, H, D] in q's dtype, the updated cache).
+      (o [B, T, H, D] in q's dtype, after ``head_ops``'s epilogue; the updated cache).
 
     Raises:
-      ValueError: gates that do not match the cache; facts the policy needs but did not get.
+      ValueError: gates that do not match the cache; a KV-shift in ``head_ops`` for a cache without its carry;
+        facts the policy needs but did not get.
     """
     b, t, h, d = q.shape
     hkv = k.shape[2]
@@ -703,24 +723,51 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     policy = cache.policy
     if (log_fgate is None) != (cache.lam_hi is None):
         raise ValueError("log_fgate must be given exactly when the cache stores forget gates")
+    if head_ops is not None and head_ops.shifts and cache.kv_shift is None:
+        raise ValueError("head_ops shifts k and v but the cache keeps no KV-shift carry (make it with kv_shift=True)")
     scale = d ** -0.5 if sm_scale is None else float(sm_scale)
     cols = cache_columns(cache, t)
     pos = cols[None, :] - cache.seq_start[:, None]                                              # [B, T]
     real = pos >= 0
+    rule = rule_for(policy)
+    only = cache.groups[0]
+    fused = (head_ops is not None and t == 1 and head_ops.rope_base is None and len(cache.groups) == 1
+             and isinstance(only, RingGroup) and not only.pinned and only.heads == tuple(range(hkv))
+             and not rule.needs_qk(cache.state))
+    kv_carry = cache.kv_shift
+    if head_ops is not None and not fused:
+        state = None
+        if head_ops.shifts:  # the cached state is the previous token's, unless that is a pad (or none)
+            after_pad = (pos[:, 0] <= 0)[:, None, None]
+            state = (jnp.where(after_pad, 0, cache.k_shift), jnp.where(after_pad, 0, cache.v_shift))
+        q, k, v, new_state = head_prologue(head_ops, q, k, v, positions=pos, segment_ids=real.astype(jnp.int32),
+                                           state=state)  # the shift never reads a pad
+        if new_state is not None:
+            kv_carry = jnp.stack([x.astype(cache.kv_shift.dtype) for x in new_state], axis=1)
     lam = None
-    if log_fgate is not None:
+    if log_fgate is not None:  # (unused by a fused step, whose op accumulates Λ: XLA drops it)
         lam = accumulate_log_fgate(cache.lam_hi, cache.lam_lo, jnp.where(real[..., None], log_fgate, 0.0))
     chunk = Chunk(cols, pos, real, cache.seq_start, q, k, lam, LayerFacts() if facts is None else facts, scale,
                   cache.max_context, cache.fresh)
-    rule = rule_for(policy)
     aux, state = rule.prepare(policy, cache.state, chunk)
     flash = policy.flash_prefill()  # a first chunk on a fresh cache: the flash op over the chunk itself
     use_flash = cache.fresh and t > 1 and flash is not None and len(cache.groups) == 1
     step = _Step(cache, rule, aux, chunk, not use_flash)
+    qg = q.reshape(b, t, hkv, g, d)
+    if fused:  # the decode op does the layer's per-head work, Λ and the carries
+        raw = DecodeStep(head_ops, cache.seq_start, cache.kv_shift,
+                         None if log_fgate is None else log_fgate.reshape(b, hkv, g),
+                         None if lam is None else (cache.lam_hi.reshape(b, hkv, g), cache.lam_lo.reshape(b, hkv, g)))
+        o, group, (shift, lam_now) = only.decode_step(step, qg, k, v, None, raw)
+        new_cache = cache.replace(
+            groups=(group,), length=cache.length + 1, state=state,
+            lam_hi=None if lam_now is None else lam_now[0].reshape(b, h),
+            lam_lo=None if lam_now is None else lam_now[1].reshape(b, h),
+            kv_shift=kv_carry if shift is None else shift.astype(kv_carry.dtype), fresh=False)
+        return o.reshape(b, 1, h, d).astype(q.dtype), new_cache
     if use_flash:
         o = forgetting_attention(q, k.astype(q.dtype), v.astype(q.dtype), log_fgate, seq_start=cache.seq_start,
                                  sm_scale=scale, **flash)
-    qg = q.reshape(b, t, hkv, g, d)
     lam_g = None if lam is None else tuple(x.reshape(b, t, hkv, g) for x in lam)
     outs, groups = [], []
     for group in cache.groups:
@@ -728,7 +775,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
         whole = group.heads == tuple(range(hkv))
         pick = (lambda x: x) if whole else (lambda x: jnp.take(x, idx, axis=2))
         og, new = group.append(step, pick(qg), pick(k), pick(v),
-                                          None if lam_g is None else tuple(pick(x) for x in lam_g))
+                               None if lam_g is None else tuple(pick(x) for x in lam_g))
         outs.append((idx, og))
         groups.append(new)
     if step.attend:
@@ -739,12 +786,14 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
             for idx, og in outs:
                 o = o.at[:, :, idx].set(og)
         o = o.reshape(b, t, h, d)
+    o = o.astype(q.dtype)
+    if head_ops is not None:
+        o = head_epilogue(head_ops, o)
     new_cache = cache.replace(
         groups=tuple(groups), length=cache.length + t, state=state,
         lam_hi=None if lam is None else lam[0][:, -1], lam_lo=None if lam is None else lam[1][:, -1],
-        kv_shift=None if cache.kv_shift is None else jnp.stack([x.astype(cache.kv_shift.dtype) for x in carry], axis=1),
-        fresh=False)
-    return o.astype(q.dtype), new_cache
+        kv_shift=kv_carry, fresh=False)
+    return o, new_cache
 
 
 __all__ = ["PoolGroup", "RingGroup", "STORAGES", "SlotKVCache", "cache_columns", "new_slot_cache", "slot_attention"]

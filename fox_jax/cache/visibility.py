@@ -108,6 +108,11 @@ class Rule:
         """(aux, new state): per-layer work before the head groups; ``aux`` goes to the per-group calls."""
         return None, state
 
+    def needs_qk(self, state: Any) -> bool:
+        """Whether ``prepare`` reads the values of the chunk's q and k (a decode step then hands the decode op q and
+        k ready for attention, not the raw projections; ``fox_jax.cache.slots.slot_attention``)."""
+        return False
+
     def first_visible(self, policy: CachePolicy, aux: Any, chunk: Chunk, keys: Keys) -> jax.Array:
         """Ring policies: [B or 1, nt or 1, T] int32, the first column each query would see by itself."""
         raise NotImplementedError(f"{type(policy).__name__} has no suffix rule (its storage is a pool)")
@@ -206,6 +211,9 @@ class ACPRule(Rule):
         if isinstance(state, ProvenThreshold):
             return ProvenThreshold(("batch", "heads"))
         return None if state is None else NormMaxima(("batch", "heads"), ("batch", "kv_heads"))
+
+    def needs_qk(self, state):
+        return isinstance(state, NormMaxima)  # the heuristic's running norm maxima
 
     def prepare(self, policy, state, chunk):
         """δ [B, T, H] float32 for every query of the chunk, and the updated state."""

@@ -10,10 +10,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fox_jax.cache.slots import cache_columns, slot_attention
+from fox_jax.cache.slots import slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.nn.layers import DenseParams, HeadRMSNorm, apply_rope, fused_dense, kv_shift, normal_init
+from fox_jax.nn.layers import DenseParams, HeadNormScale, fused_dense, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
+from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
 
@@ -92,18 +93,9 @@ class ForgettingAttentionLayer(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         b, t, _ = x.shape
         h, hkv, dh = cfg.n_heads, cfg.kv_heads, cfg.dim_per_head
-        shift_segments = segment_ids
-        k_state = v_state = None  # KV-shift carry: the cached states in (decode step), the new ones out
-        if cache is not None:
-            if segment_ids is not None or positions is not None:
-                raise ValueError("with a cache, segment_ids and positions must be None "
-                                 "(positions come from the cache columns and seq_start)")
-            positions = cache_columns(cache, t)[None, :] - cache.seq_start[:, None]
-            shift_segments = (positions >= 0).astype(jnp.int32)  # the shift never reads a pad
-            if cfg.kv_shift:  # the cached state is the previous token's, unless that is a pad (or none)
-                after_pad = (positions[:, 0] <= 0)[:, None, None]
-                k_state = jnp.where(after_pad, 0, cache.k_shift)
-                v_state = jnp.where(after_pad, 0, cache.v_shift)
+        if cache is not None and (segment_ids is not None or positions is not None):
+            raise ValueError("with a cache, segment_ids and positions must be None "
+                             "(positions come from the cache columns and seq_start)")
         dense = lambda n, name, bias=False, dt=dtype: nn.Dense(
             n, use_bias=bias, dtype=dt, param_dtype=jnp.float32, kernel_init=normal_init(cfg.init_std), name=name)
         # The projections of x, (output, features, parameter, bias): in the compute dtype and in float32.
@@ -115,7 +107,7 @@ class ForgettingAttentionLayer(nn.Module):
         f32 += [("q_int", cfg.interaction_dim, "q_int", False), ("k_int", cfg.interaction_dim, "k_int", False)] \
             if cfg.dcp else []
         groups = [(dtype, low), (jnp.dtype(jnp.float32), f32)] if dtype != jnp.float32 else [(dtype, low + f32)]
-        y = {}
+        y, packed = {}, {}
         for dt, members in groups:
             if not members:
                 continue
@@ -123,32 +115,37 @@ class ForgettingAttentionLayer(nn.Module):
                 y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
             else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
                 params = [DenseParams(n, bias, cfg.init_std, name=name) for _, n, name, bias in members]
-                y.update(zip([o for o, *_ in members], fused_dense(x, params, dt)))
+                outs, packed[members[0][0]] = fused_dense(x, params, dt, packed=True)
+                y.update(zip([o for o, *_ in members], outs))
         q = y["q"].reshape(b, t, h, dh)
         k = y["k"].reshape(b, t, hkv, dh)
         v = y["v"].reshape(b, t, hkv, dh)
+        # The per-head work around attention as data (KV-shift, QK-norm, RoPE; output norm and gate): applied below
+        # without a cache, by the cache's attention with one (inside the decode kernel on a decode step).
+        ops = HeadOps(qk_eps=1e-5, o_eps=cfg.norm_eps, rope_base=cfg.rope_base if cfg.use_rope else None)
         if cfg.kv_shift:
-            alpha_k, alpha_v = jax.nn.sigmoid(y["k_shift"]), jax.nn.sigmoid(y["v_shift"])
-            k, k_state = kv_shift(k, alpha_k, state=k_state, segment_ids=shift_segments)
-            v, v_state = kv_shift(v, alpha_v, state=v_state, segment_ids=shift_segments)
+            ops = ops.replace(k_shift=y["k_shift"], v_shift=y["v_shift"])
         threshold = cfg.adaptive_threshold
         logit_bound = None  # a model fact: |scale·q·k| ≤ U_h for every pair (QK-norm), else no static bound
         if cfg.qk_norm:
-            q_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="q_norm")
-            k_norm = HeadRMSNorm(1e-5, cfg.qk_norm_shared, dtype, name="k_norm")
-            q, k = q_norm(q), k_norm(k)
-            wq = q_norm.variables["params"]["scale"]
-            wk = k_norm.variables["params"]["scale"]
+            wq = HeadNormScale(cfg.qk_norm_shared, name="q_norm")(h, dh)
+            wk = HeadNormScale(cfg.qk_norm_shared, name="k_norm")(hkv, dh)
+            ops = ops.replace(q_scale=wq, k_scale=wk)
             if not cfg.qk_norm_shared and hkv != h:
                 wk = jnp.repeat(wk, h // hkv, axis=0)
             logit_bound = jnp.broadcast_to(acp.qk_norm_logit_bound(wq, wk), (h,))
             if cache is None and isinstance(threshold, str) and threshold == "auto":
                 threshold = jnp.broadcast_to(acp.threshold_from_bound(logit_bound, t), (b, h))
-        if cfg.use_rope:
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-            q = apply_rope(q, positions, cfg.rope_base)
-            k = apply_rope(k, positions, cfg.rope_base)
+        if cfg.output_norm:
+            ops = ops.replace(o_scale=HeadNormScale(False, name="o_norm")(h, dh))
+        if cfg.output_gate:
+            ops = ops.replace(o_gate=y["ogate"].reshape(b, t, h, dh))
+        if packed:  # decoding: the GEMMs' whole outputs too, for the decode kernel to read in place
+            n_low = sum(n for _, n, _, _ in low)
+            rows, gate_rows = packed["q"][..., :n_low], packed["q"][..., n_low:]  # float32: one GEMM for both
+            if len(packed) > 1:
+                rows, gate_rows = packed["q"], packed[f32[0][0]]  # k_shift, v_shift, fgate (+ DCP's) logits
+            ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_rows=gate_rows if gate_rows.shape[-1] else None)
         log_fgate = None
         if cfg.use_fgate:
             log_fgate = jax.nn.log_sigmoid(y["fgate"])  # [B, T, H] float32
@@ -158,9 +155,11 @@ class ForgettingAttentionLayer(nn.Module):
             q_int, k_int = y["q_int"], y["k_int"]  # [B, T, r] float32
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
         if cache is not None:  # decoding: the cache's policy decides what each query sees, from model facts
-            o, cache = slot_attention(cache, q, k, v, log_fgate, carry=(k_state, v_state),
+            o, cache = slot_attention(cache, q, k, v, log_fgate, head_ops=ops,
                                       facts=LayerFacts(logit_bound, q_int, k_int, beta))
-        elif cfg.dcp:
+            return LayerOutput(dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh)), cache, log_mask)
+        q, k, v, _ = head_prologue(ops, q, k, v, positions=positions, segment_ids=segment_ids)
+        if cfg.dcp:
             z = keep_logits(q_int, k_int, beta)                   # [B, T, T] float32, dcp.md §1.2
             log_mask = cumulative_keep_log_mask(z, alpha)          # §1.3, §1.5: once per layer
             o = dcp_attention(q, k, v, log_mask, log_fgate, segment_ids=segment_ids,
@@ -172,10 +171,7 @@ class ForgettingAttentionLayer(nn.Module):
                 implementation=cfg.attention_impl, block_q=cfg.attention_block, block_k=cfg.attention_block)
             if threshold is not None and log_fgate is not None:
                 self._sow_pruning(q, k, log_fgate, threshold)
-        if cfg.output_norm:
-            o = HeadRMSNorm(cfg.norm_eps, False, dtype, name="o_norm")(o)
-        if cfg.output_gate:
-            o = o * jax.nn.sigmoid(y["ogate"].reshape(b, t, h, dh))
+        o = head_epilogue(ops, o)
         return LayerOutput(dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh)), cache, log_mask)
 
     def _sow_pruning(self, q, k, log_fgate, threshold):

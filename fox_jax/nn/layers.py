@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fox_jax.ops.head_ops import apply_rope, kv_shift  # noqa: F401  (re-exported: the layer's blocks)
+
 Dtype = Any
 
 
@@ -94,86 +96,50 @@ class DenseParams(nn.Module):
 SMALL_F32_ROWS, SMALL_F32_FEATURES = 64, 256  # fused_dense: float32 outputs this small are a reduction
 
 
-def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype) -> list[jax.Array]:
+def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype, *, packed: bool = False):
     """``[nn.Dense(p.features)(x) for p in projections]`` computed as one matmul of ``x`` [..., d_in] with the
     kernels concatenated along their output axis (one GEMM launch instead of one per projection: a decode
     step is launch-bound), in ``dtype`` as ``nn.Dense(dtype=dtype)``. Each output [..., features_i] is in
     ``dtype``; biases are added after the split. Same parameters as separate ``nn.Dense`` layers. The
     attention layer uses it when decoding only: kernels sharded by different head axes over ``tensor`` would be
-    resharded by the concatenation, and with B·T rows per matmul a launch costs nothing."""
+    resharded by the concatenation, and with B·T rows per matmul a launch costs nothing. With ``packed`` returns
+    (the outputs, the whole [..., Σ features] output they are slices of, biases added): a kernel that reads several
+    of them takes the one buffer (a slice passed on its own is a copy kernel per decode step)."""
     weights = [p(x.shape[-1]) for p in projections]
     # each kernel cast on its own (the decode loop's ``precast`` then does it once, before the loop)
     kernel = jnp.concatenate([k.astype(dtype) for k, _ in weights], axis=1)
     rows = math.prod(x.shape[:-1])
+    bias = None
+    if any(b is not None for _, b in weights):
+        bias = jnp.concatenate([jnp.zeros((p.features,), dtype) if b is None else b.astype(dtype)
+                                for p, (_, b) in zip(projections, weights)])
     if jnp.dtype(dtype) == jnp.float32 and rows <= SMALL_F32_ROWS and kernel.shape[1] <= SMALL_F32_FEATURES:
         # a few float32 outputs of a decode step (gates, shifts): multiply-and-sum is one reduction kernel into
         # which XLA can fuse the concatenation, where the GEMM took a copy of the concatenated kernels every step
-        # (not hoisted out of the decode loop on the H200) and a launch that costs more than the work
-        y = jnp.sum(x.astype(dtype)[..., :, None] * kernel, axis=-2)
+        # (not hoisted out of the decode loop on the H200) and a launch that costs more than the work. The biases
+        # join the sum as one more input row (x extended by a 1): the concatenated bias then fuses too (added
+        # after the sum it was a kernel of its own per step).
+        xs, ks = x.astype(dtype)[..., :, None], kernel
+        if bias is not None:
+            xs = jnp.concatenate([xs, jnp.ones((*x.shape[:-1], 1, 1), dtype)], axis=-2)
+            ks = jnp.concatenate([kernel, bias[None]], axis=0)
+        y = jnp.sum(xs * ks, axis=-2)
     else:
         y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
+        if bias is not None:
+            y = y + bias
     sizes = [p.features for p in projections]
     outs = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
-    return [o if b is None else o + b.astype(dtype) for o, (_, b) in zip(outs, weights)]
+    return (outs, y) if packed else outs
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
-    """Rotary embedding, non-interleaved halves (as FLA / LLaMA), computed in float32.
+class HeadNormScale(nn.Module):
+    """The scale of a per-head RMSNorm (QK-norm, the Pro output norm): ``scale`` [H, D] float32, or one [D] shared by
+    all heads, initialised to 1. The norm itself is ``fox_jax.ops.head_ops.rms_norm``, applied by the attention
+    layer's ``HeadOps`` (inside the decode kernel when decoding)."""
 
-    Args:
-      x: [B, T, H, D] with D even; positions: [B, T] int (may be negative under left padding).
-    Returns:
-      [B, T, H, D] in x's dtype.
-    """
-    d = x.shape[-1]
-    inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [D/2]
-    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
-    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
-    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
-
-
-class HeadRMSNorm(nn.Module):
-    """RMSNorm over head_dim of [..., H, D] with a per-head scale [H, D] (or one [D] scale shared by
-    all heads), computed in float32. Used for QK-norm (eps 1e-5) and the Pro output norm (eps 1e-6)."""
-
-    eps: float = 1e-5
     shared: bool = False
-    dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        shape = x.shape[-1:] if self.shared else x.shape[-2:]
-        scale = self.param("scale", nn.initializers.ones, shape, jnp.float32)
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(self.dtype)
-
-
-def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None,
-             segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """Data-dependent token shift (FoX Pro "KV-shift", paper Eq. 14):
-
-        x_t = α_t · x̃_{t−1} + (1 − α_t) · x̃_t,   x̃_{−1} = ``state`` (zeros by default)
-
-    Args:
-      raw: [B, T, H, D] unshifted projections x̃.
-      alpha: [B, T, H] float32 mixing weights in (0, 1).
-      state: [B, H, D] the unshifted projection of the token before this chunk (a continuation that
-        starts from the state of the previous chunk equals one pass over both), or None for zeros.
-      segment_ids: [B, T] int or None: the shift never crosses a document boundary (the first token of
-        a segment sees zeros; the first token of the chunk sees ``state``).
-    Returns:
-      (shifted [B, T, H, D] in raw's dtype, new state [B, H, D] = raw[:, -1]).
-    """
-    if state is None:
-        state = jnp.zeros_like(raw[:, 0])
-    prev = jnp.concatenate([state[:, None].astype(raw.dtype), raw[:, :-1]], axis=1)
-    if segment_ids is not None:
-        boundary = jnp.concatenate(
-            [jnp.zeros_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-        prev = jnp.where(boundary[:, :, None, None], 0, prev)
-    a = alpha[..., None]
-    out = a * prev.astype(jnp.float32) + (1.0 - a) * raw.astype(jnp.float32)
-    return out.astype(raw.dtype), raw[:, -1]
+    def __call__(self, heads: int, dim: int) -> jax.Array:
+        return self.param("scale", nn.initializers.ones, (dim,) if self.shared else (heads, dim), jnp.float32)

@@ -12,6 +12,7 @@ In the Pallas kernel ``decode_attention_append`` does both at once, the ring upd
 from __future__ import annotations
 
 import inspect
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ import numpy as np
 
 from fox_jax.kernels import decode_attention as dk
 from fox_jax.ops._common import QKV_DTYPES, dot_precision
+from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
 
 DECODE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 
@@ -312,6 +314,125 @@ def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int) -> jax.A
     return jnp.moveaxis(moved.at[rows, heads, slot].set(x.astype(buf.dtype)), 2, axis)
 
 
+class DecodeStep(NamedTuple):
+    """``decode_attention_append(..., step=)``: a decode step handed over raw, so that the op does the layer's per-head
+    work (``HeadOps``: KV-shift, QK-norm, output norm and gate) and Λ's accumulation itself (in the Pallas kernel:
+    no kernels of their own around the attention).
+
+    Attributes:
+      ops: the ``HeadOps`` of the step's token (T = 1: k_shift / v_shift [B, 1, Hkv], o_gate [B, 1, H, D]); no RoPE.
+      seq_start: [B] int32, each row's first column: the token's position is hi − 1 − seq_start (< 0: a pad, whose
+        gate is not added; ≤ 0: the shift sees zeros).
+      shift_state: [B, 2, Hkv, D] (q's dtype) the raw k̃, ṽ of the previous token (with ``ops.shifts``), or None.
+      log_fgate: [B, Hkv, G] float32 log forget gates of the token (with Λ), or None.
+      lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (with ``log_fgate``), or None.
+    """
+
+    ops: HeadOps
+    seq_start: jax.Array
+    shift_state: jax.Array | None = None
+    log_fgate: jax.Array | None = None
+    lam_prev: tuple | None = None
+
+
+def _check_step(step: DecodeStep, q, lam_q, lam_k, lam_new) -> None:
+    """One-line ValueErrors for ``decode_attention_append``'s ``step``."""
+    b, hkv, grp, d = q.shape
+    h = hkv * grp
+    ops = step.ops
+    if not isinstance(ops, HeadOps):
+        raise ValueError(f"step.ops must be a HeadOps, got {type(ops).__name__}")
+    if ops.rope_base is not None:
+        raise ValueError("step.ops must not apply RoPE (a decode step's RoPE stays with the layer's XLA path)")
+    if tuple(jnp.shape(step.seq_start)) != (b,) or not jnp.issubdtype(jnp.result_type(step.seq_start), jnp.integer):
+        raise ValueError(f"step.seq_start must be int [{b}], got "
+                         f"{jnp.result_type(step.seq_start)}{list(jnp.shape(step.seq_start))}")
+    n_rows = 2 * h + 2 * hkv if ops.o_gate is not None else h + 2 * hkv
+    if ops.rows is not None and (ops.rows.ndim != 4 or ops.rows.shape[:2] != (b, 1) or ops.rows.shape[2] < n_rows
+                                 or ops.rows.shape[3] != d):
+        raise ValueError(f"step.ops.rows must be [{b}, 1, ≥ {n_rows}, {d}] (q, k, v, o gate rows), "
+                         f"got {list(ops.rows.shape)}")
+    n_gates = (2 * hkv if ops.shifts else 0) + (h if step.log_fgate is not None else 0)
+    if ops.gate_rows is not None and (ops.gate_rows.ndim != 3 or ops.gate_rows.shape[:2] != (b, 1)
+                                      or ops.gate_rows.shape[2] < n_gates):
+        raise ValueError(f"step.ops.gate_rows must be float32 [{b}, 1, ≥ {n_gates}] (shift, forget gate logits), "
+                         f"got {list(ops.gate_rows.shape)}")
+    if ops.shifts:
+        if ops.v_shift is None or tuple(ops.k_shift.shape) != (b, 1, hkv) or tuple(ops.v_shift.shape) != (b, 1, hkv):
+            raise ValueError(f"step.ops.k_shift and v_shift must be float32 [{b}, 1, {hkv}] (one token)")
+        if step.shift_state is None or tuple(step.shift_state.shape) != (b, 2, hkv, d):
+            raise ValueError(f"step.shift_state must be [{b}, 2, {hkv}, {d}] (the raw k, v of the previous token) "
+                             f"with a KV-shift, got {None if step.shift_state is None else list(step.shift_state.shape)}")
+    for name, x, shapes in (("q_scale", ops.q_scale, ((h, d), (d,))), ("k_scale", ops.k_scale, ((hkv, d), (d,))),
+                            ("o_scale", ops.o_scale, ((h, d), (d,)))):
+        if x is not None and tuple(x.shape) not in shapes:
+            raise ValueError(f"step.ops.{name} must be [{', '.join(map(str, shapes[0]))}] or [{d}], got {list(x.shape)}")
+    if ops.o_gate is not None and tuple(ops.o_gate.shape) != (b, 1, h, d):
+        raise ValueError(f"step.ops.o_gate must be [{b}, 1, {h}, {d}] (one token), got {list(ops.o_gate.shape)}")
+    if (step.log_fgate is None) != (lam_k is None) or (step.lam_prev is None) != (step.log_fgate is None):
+        raise ValueError("step.log_fgate and step.lam_prev go with lam_k (the step's Λ is computed from them)")
+    if step.log_fgate is not None:
+        if lam_q is not None or lam_new is not None:
+            raise ValueError("with step.log_fgate, lam_q and lam_new must be None (the op computes the step's Λ)")
+        if tuple(step.log_fgate.shape) != (b, hkv, grp):
+            raise ValueError(f"step.log_fgate must be float32 [{b}, {hkv}, {grp}], got {list(step.log_fgate.shape)}")
+        _check_pair("step.lam_prev", step.lam_prev, (b, hkv, grp))
+
+
+def _step_prologue(step: DecodeStep, q, k_new, v_new, hi):
+    """The step's per-head work in XLA (``head_prologue``), in the op's layout: (q [B, Hkv, G, D], k_new, v_new
+    [B, Hkv, D], Λ (hi, lo) [B, Hkv, G] or None, the new shift state [B, 2, Hkv, D] or None)."""
+    b, hkv, grp, d = q.shape
+    position = jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start                      # [B]
+    state = None
+    if step.ops.shifts:
+        st = jnp.where((position > 0)[:, None, None, None], step.shift_state, 0).astype(k_new.dtype)
+        state = (st[:, 0], st[:, 1])
+    q4, k4, v4, new_state = head_prologue(step.ops, q.reshape(b, 1, hkv * grp, d), k_new[:, None], v_new[:, None],
+                                          state=state)
+    lam = None
+    if step.log_fgate is not None:
+        lf = jnp.where((position >= 0)[:, None, None], step.log_fgate, 0.0)
+        lam = dk.pair_add(step.lam_prev, (lf, jnp.zeros_like(lf)))
+    shift = None if new_state is None else jnp.stack(new_state, axis=1).astype(step.shift_state.dtype)
+    return q4.reshape(q.shape), k4[:, 0], v4[:, 0], lam, shift
+
+
+def _step_epilogue(step: DecodeStep, o):
+    """The output norm and gate in XLA on o [B, Hkv, G, D]."""
+    b, hkv, grp, d = o.shape
+    return head_epilogue(step.ops, o.reshape(b, 1, hkv * grp, d)).reshape(o.shape)
+
+
+def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepArrays:
+    """The kernel's ``StepArrays`` from ``step`` (the output norm and gate only with ``epilogue``): ``ops.rows`` and
+    ``ops.gate_rows`` as they are, else packed here from the separate arrays (a copy; the forget gates as log f)."""
+    b, hkv, grp, d = q.shape
+    ops = step.ops
+    gate = ops.o_gate is not None and epilogue
+    rows = ops.rows
+    if rows is None:
+        parts = [q.reshape(b, hkv * grp, d), k_new, v_new] + ([ops.o_gate.reshape(b, hkv * grp, d)] if gate else [])
+        rows = jnp.concatenate([x.astype(q.dtype) for x in parts], axis=1)
+    else:
+        rows = rows[:, 0]
+    gate_rows, gate_logits = None, True
+    if ops.shifts or step.log_fgate is not None:
+        if ops.gate_rows is not None:
+            gate_rows = ops.gate_rows[:, 0]
+        else:
+            parts = ([ops.k_shift[:, 0], ops.v_shift[:, 0]] if ops.shifts else []) + \
+                ([step.log_fgate.reshape(b, hkv * grp)] if step.log_fgate is not None else [])
+            gate_rows, gate_logits = jnp.concatenate([x.astype(jnp.float32) for x in parts], axis=1), False
+    per_q = lambda x: None if x is None else jnp.broadcast_to(x, (hkv * grp, d)).reshape(hkv, grp, d)  # noqa: E731
+    return dk.StepArrays(
+        rows=rows, seq_start=step.seq_start, gate_rows=gate_rows,
+        shift_state=step.shift_state if ops.shifts else None,
+        q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
+        lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
+        gate_logits=gate_logits, qk_eps=ops.qk_eps, o_eps=ops.o_eps)
+
+
 def decode_attention_append(
     q: jax.Array,
     k: jax.Array,
@@ -329,6 +450,7 @@ def decode_attention_append(
     implementation: str = "auto",
     block_k: int | None = None,
     num_splits: int | None = None,
+    step: DecodeStep | None = None,
 ):
     """A decode step's write and read of a ring KV cache in one call: the step's entry (``k_new``, ``v_new``,
     ``lam_new``) goes to ring slot (hi − 1) mod C as logical key hi − 1, then ``decode_attention`` over [lo, hi).
@@ -354,10 +476,16 @@ def decode_attention_append(
       k_new, v_new: [B, Hkv, D] in q's dtype: the step's key and value.
       lam_new: (hi, lo) [B, Hkv, G] float32: Λ of the step's token per query head (with ``lam_k``), or None.
       decay_floor: [B, Hkv, G] float32 (needs ``lam_k``; ≤ 0 to keep the step's own key, whose decay is 0), or None.
+      step: None, or a ``DecodeStep``: q, k_new, v_new are then the raw projections, and the op does the layer's
+        per-head work around the attention (``step.ops``: KV-shift from ``step.shift_state``, QK-norm; then the
+        output norm and gate on o) and Λ of the step from ``step.lam_prev`` + ``step.log_fgate`` (lam_q and lam_new
+        None). ``"pallas"`` does it all in its kernel (with several splits the output norm and gate follow the
+        combine); the other implementations call ``head_prologue`` / ``head_epilogue`` (fox_jax.ops.head_ops).
 
     Returns:
       (o [B, Hkv, G, D] in q's dtype, k, v [B, Hkv, C, D] and lam_k (or None) with the entry written); with
-      ``decay_floor`` a fifth element, ``first`` [B, Hkv] int32.
+      ``decay_floor`` then ``first`` [B, Hkv] int32; with ``step`` last (shift_state [B, 2, Hkv, D] holding the
+      step's raw k, v, or None; Λ (hi, lo) [B, Hkv, G] of the step, or None).
 
     Raises:
       ValueError: as ``decode_attention``; k_new / v_new / lam_new / decay_floor of the wrong shape or dtype.
@@ -366,7 +494,7 @@ def decode_attention_append(
     for name, x in (("k_new", k_new), ("v_new", v_new)):
         if tuple(x.shape) != (b, hkv, d) or x.dtype != q.dtype:
             raise ValueError(f"{name} must be {q.dtype}[{b}, {hkv}, {d}] (the step's entry), got {x.dtype}{list(x.shape)}")
-    if (lam_new is None) != (lam_k is None):
+    if (lam_new is None) != (lam_k is None) and (step is None or step.log_fgate is None):
         raise ValueError("lam_new goes with lam_k (the step's Λ is stored with the ring's): pass both or neither")
     if lam_new is not None:
         _check_pair("lam_new", lam_new, (b, hkv, grp))
@@ -376,14 +504,35 @@ def decode_attention_append(
         if tuple(decay_floor.shape) != (b, hkv, grp) or decay_floor.dtype != jnp.float32:
             raise ValueError(f"decay_floor must be float32[{b}, {hkv}, {grp}] (one per query head), "
                              f"got {decay_floor.dtype}{list(decay_floor.shape)}")
-    _check_inputs(q, k, v, lo, hi, None, lam_q, lam_k, extra_key=decay_floor is not None)
+    if step is not None:
+        _check_step(step, q, lam_q, lam_k, lam_new)
+        lam_q_chk = None if step.log_fgate is None else step.lam_prev  # stands in for the Λ the op computes
+    else:
+        lam_q_chk = lam_q
+    _check_inputs(q, k, v, lo, hi, None, lam_q_chk, lam_k, extra_key=decay_floor is not None)
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False)
-        return dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
-                               scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new),
-                               decay_floor=decay_floor)
+        one_split = config.num_splits == 1
+        out = dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
+                              scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new),
+                              decay_floor=decay_floor,
+                              step=None if step is None else _step_arrays(step, q, k_new, v_new, epilogue=one_split))
+        if step is not None and not one_split:  # the output norm and gate after the splits' combine, and Λ
+            shift, lam = out[-1]
+            if step.log_fgate is not None:
+                lf = jnp.where((jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start >= 0)[:, None, None],
+                               step.log_fgate, 0.0)
+                lam = dk.pair_add(step.lam_prev, (lf, jnp.zeros_like(lf)))
+            out = (_step_epilogue(step, out[0]),) + out[1:-1] + ((shift, lam),)
+        return out
+    carry = None
+    if step is not None:
+        q, k_new, v_new, lam_step, shift = _step_prologue(step, q, k_new, v_new, hi)
+        if lam_step is not None:
+            lam_q = lam_new = lam_step
+        carry = (shift, lam_step)
     first = None
     if decay_floor is not None:  # before the write (the oldest key is still in its slot); the step's key untested
         cap, hi32 = k.shape[2], jnp.asarray(hi, jnp.int32)
@@ -395,7 +544,8 @@ def decode_attention_append(
         lam_k = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_new))
     o = decode_attention(q, k, v, lo=lo, hi=hi, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
                          implementation=impl, block_k=block_k, num_splits=num_splits)
-    return (o, k, v, lam_k) if first is None else (o, k, v, lam_k, first)
+    out = (o, k, v, lam_k) + (() if first is None else (first,))
+    return out if step is None else (_step_epilogue(step, out[0]),) + out[1:] + (carry,)
 
 
 def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
@@ -411,6 +561,6 @@ def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
     return jnp.maximum(lo, jnp.max(jnp.where(hidden, col, -1), axis=-1) + 1)
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "cudnn_supported", "decode_attention",
+__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "DecodeStep", "cudnn_supported", "decode_attention",
            "decode_attention_append", "first_above_floor", "write_entry",
            "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]

@@ -1,0 +1,156 @@
+"""The per-head work of an attention layer around its attention op: ``HeadOps`` and its XLA forms.
+
+Before attention (the prologue, docs/design/fox_acp.md §2.4, FoX Pro): the KV-shift of k and v (FoX paper
+Eq. 14), the QK RMSNorm over head_dim, RoPE. After attention (the epilogue): the output RMSNorm over head_dim
+and the output gate σ(g). Every step is local to one (token, head), so a decode step can do them all inside its
+attention kernel (``fox_jax.ops.decode_attention.decode_attention_append(..., head_ops=)``; the Pallas kernel
+of kernels/decode_attention.py): the layer hands the raw projections and a ``HeadOps``, and the caches
+(``fox_jax.cache.slots.slot_attention``) apply it with ``head_prologue`` / ``head_epilogue`` wherever the kernel
+does not. The layer without a cache calls the same two functions, so the math has one XLA form.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """y = x / sqrt(mean(x²) + eps) · scale over the last axis, in float32, returned in ``dtype``.
+
+    x: [..., D] any float dtype; scale: broadcastable to x (e.g. [H, D] per head or [D] shared), float32."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * scale).astype(dtype)
+
+
+def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None,
+             segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """Data-dependent token shift (FoX Pro "KV-shift", paper Eq. 14):
+
+        x_t = α_t · x̃_{t−1} + (1 − α_t) · x̃_t,   x̃_{−1} = ``state`` (zeros by default)
+
+    Args:
+      raw: [B, T, H, D] unshifted projections x̃.
+      alpha: [B, T, H] float32 mixing weights in (0, 1).
+      state: [B, H, D] the unshifted projection of the token before this chunk (a continuation that
+        starts from the state of the previous chunk equals one pass over both), or None for zeros.
+      segment_ids: [B, T] int or None: the shift never crosses a document boundary (the first token of
+        a segment sees zeros; the first token of the chunk sees ``state``).
+    Returns:
+      (shifted [B, T, H, D] in raw's dtype, new state [B, H, D] = raw[:, -1]).
+    """
+    if state is None:
+        state = jnp.zeros_like(raw[:, 0])
+    prev = jnp.concatenate([state[:, None].astype(raw.dtype), raw[:, :-1]], axis=1)
+    if segment_ids is not None:
+        boundary = jnp.concatenate(
+            [jnp.zeros_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+        prev = jnp.where(boundary[:, :, None, None], 0, prev)
+    a = alpha[..., None]
+    out = a * prev.astype(jnp.float32) + (1.0 - a) * raw.astype(jnp.float32)
+    return out.astype(raw.dtype), raw[:, -1]
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
+    """Rotary embedding, non-interleaved halves (as FLA / LLaMA), computed in float32.
+
+    Args:
+      x: [B, T, H, D] with D even; positions: [B, T] int (may be negative under left padding).
+    Returns:
+      [B, T, H, D] in x's dtype.
+    """
+    d = x.shape[-1]
+    inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)  # [D/2]
+    angles = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+@flax.struct.dataclass
+class HeadOps:
+    """What a layer does per head around attention, as data (every field optional; None: the step is absent).
+
+    Prologue, in this order: KV-shift k_t = α_t k̃_{t−1} + (1 − α_t) k̃_t with α = σ(logit) (and the same for v),
+    QK-norm q ← RMSNorm(q)·q_scale, k ← RMSNorm(k)·k_scale (eps ``qk_eps``), RoPE (``rope_base``). Epilogue:
+    o ← RMSNorm(o)·o_scale (eps ``o_eps``), then o ← o · σ(o_gate). Norms and gates in float32; each result is
+    rounded to the compute dtype where the layer's modules round it (after the shift, after each norm, σ(g) and
+    the product).
+
+    Attributes:
+      k_shift, v_shift: [B, T, Hkv] float32 logits of the shift weights α (KV-shift), or None.
+      q_scale: [H, D] or [D] float32; k_scale: [Hkv, D] or [D] float32 (QK-norm scales), or None.
+      o_scale: [H, D] or [D] float32 (output norm), or None. o_gate: [B, T, H, D] logits in the compute dtype, or
+        None.
+      rows: [B, T, R, D] in the compute dtype, or None: the same raw projections as one array, q (H rows), k (Hkv),
+        v (Hkv), then the o_gate logits (H) (further rows ignored): the decode GEMM's output, which a kernel reads in
+        place (the separate q, k, v, o_gate are slices of it: each passed on its own would be a copy).
+      gate_rows: [B, T, W] float32, or None: likewise the k_shift and v_shift logits (Hkv each, with a shift), then
+        the forget-gate logits log f = log σ(·) of the H heads (further columns ignored).
+      qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
+    """
+
+    k_shift: jax.Array | None = None
+    v_shift: jax.Array | None = None
+    q_scale: jax.Array | None = None
+    k_scale: jax.Array | None = None
+    o_scale: jax.Array | None = None
+    o_gate: jax.Array | None = None
+    rows: jax.Array | None = None
+    gate_rows: jax.Array | None = None
+    qk_eps: float = flax.struct.field(pytree_node=False, default=1e-5)
+    o_eps: float = flax.struct.field(pytree_node=False, default=1e-6)
+    rope_base: float | None = flax.struct.field(pytree_node=False, default=None)
+
+    @property
+    def shifts(self) -> bool:
+        """The prologue shifts k and v (a KV-shift carry is kept between calls)."""
+        return self.k_shift is not None
+
+
+def head_prologue(ops: HeadOps, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
+                  segment_ids: jax.Array | None = None, state: tuple | None = None) -> tuple:
+    """``ops``'s prologue in XLA: (q, k, v ready for attention, the new KV-shift state or None).
+
+    Args:
+      q: [B, T, H, D]; k, v: [B, T, Hkv, D] raw projections (compute dtype).
+      positions: [B, T] int, RoPE's positions (default arange T); segment_ids: [B, T] int or None (the shift never
+        crosses a boundary); state: (k̃, ṽ) [B, Hkv, D] each, the raw k and v of the token before the chunk
+        (None: zeros).
+    Returns:
+      (q, k, v in their dtypes, (k̃, ṽ) of the chunk's last token, or None without a shift).
+    """
+    new_state = None
+    if ops.shifts:
+        k_state, v_state = (None, None) if state is None else state
+        k, k_last = kv_shift(k, jax.nn.sigmoid(ops.k_shift), state=k_state, segment_ids=segment_ids)
+        v, v_last = kv_shift(v, jax.nn.sigmoid(ops.v_shift), state=v_state, segment_ids=segment_ids)
+        new_state = (k_last, v_last)
+    if ops.q_scale is not None:
+        q = rms_norm(q, ops.q_scale, ops.qk_eps, q.dtype)
+    if ops.k_scale is not None:
+        k = rms_norm(k, ops.k_scale, ops.qk_eps, k.dtype)
+    if ops.rope_base is not None:
+        b, t = q.shape[:2]
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+        q, k = apply_rope(q, positions, ops.rope_base), apply_rope(k, positions, ops.rope_base)
+    return q, k, v, new_state
+
+
+def head_epilogue(ops: HeadOps, o: jax.Array) -> jax.Array:
+    """``ops``'s epilogue in XLA: o [B, T, H, D] (compute dtype) → the output norm and gate applied, same shape and
+    dtype."""
+    if ops.o_scale is not None:
+        o = rms_norm(o, ops.o_scale, ops.o_eps, o.dtype)
+    if ops.o_gate is not None:
+        o = o * jax.nn.sigmoid(ops.o_gate.astype(o.dtype))
+    return o
+
+
+__all__ = ["HeadOps", "apply_rope", "head_epilogue", "head_prologue", "kv_shift", "rms_norm"]
