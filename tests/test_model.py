@@ -174,7 +174,7 @@ def test_config_validation():
 
 @pytest.mark.slow
 def test_kv_shift_continuation_matches_single_pass():
-    from fox_jax.nn.layers import kv_shift
+    from fox_jax.ops.head_ops import kv_shift
     raw = jax.random.normal(jax.random.PRNGKey(0), (2, 20, 3, 4))
     alpha = jax.nn.sigmoid(jax.random.normal(jax.random.PRNGKey(1), (2, 20, 3)))
     full, last = kv_shift(raw, alpha)

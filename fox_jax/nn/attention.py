@@ -44,7 +44,10 @@ class ForgettingAttentionLayer(nn.Module):
     Pro components (each a config flag): KV-shift of k and v (``k_shift_proj``/``v_shift_proj``: d → Hkv,
     α in float32), then per-head QK-norm, then RoPE; after attention a per-head output RMSNorm times
     σ(``ogate_proj`` x). With QK-norm and ``adaptive_threshold="auto"`` the ACP threshold comes from the
-    QK-norm weights (per head, spec §5.2) rather than from the activations.
+    QK-norm weights (per head, spec §5.2) rather than from the activations. This per-head work is a
+    ``fox_jax.ops.head_ops.HeadOps`` (data): applied here without a cache (``head_prologue`` /
+    ``head_epilogue``); with a cache the raw projections and the ops go to the cache's attention, which does
+    them inside the decode kernel on a decode step (``fox_jax.cache.slots.slot_attention``).
 
     DCP (``cfg.dcp``, docs/design/dcp.md §1.1–1.4): from the same normed input x, in float32, bias-free
     ``q_int``/``k_int`` (d → r, N(0, init_std)) and a scalar ``beta`` (init ``cfg.dcp_beta_init``) give

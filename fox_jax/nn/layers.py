@@ -13,8 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.ops.head_ops import apply_rope, kv_shift  # noqa: F401  (re-exported: the layer's blocks)
-
 Dtype = Any
 
 
