@@ -192,6 +192,8 @@ class _Geom:
     append: bool = False  # the step's own key comes in separately and is written to the ring here
     has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
+    tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
+    kv_heads: int = 1
     names: tuple = ()  # the refs in the kernel's order: inputs, then outputs
 
 
@@ -306,12 +308,19 @@ def _decode_kernel(*refs, g: _Geom):
     rows = lax.broadcasted_iota(jnp.int32, (gp, 1), 0)
     row_ok = rows < g.group
     cap = g.n_blocks * bk
+    hi_in = r["hi"][()]
     lo = jnp.maximum(r["lo"][()], 0)
+    if g.tables:  # ``lo`` is the rule's first visible column: the ring's start bounds it too
+        lo = jnp.maximum(lo, jnp.sum(pltriton.load(r["start"].at[pl.ds(0, 1)])))
+    wanted = lo  # what the policy keeps (with a floor: found below)
     if g.has_floor:  # the ring's start before this step: ≤ C held keys before the new one, the oldest in its slot
-        lo = jnp.maximum(lo, r["hi"][()] - 1 - cap)
-        hi = jnp.maximum(r["hi"][()], lo)  # 0 ≤ hi − lo ≤ C + 1
+        lo = jnp.maximum(lo, hi_in - 1 - cap)
+        hi = jnp.maximum(hi_in, lo)  # 0 ≤ hi − lo ≤ C + 1
+    elif g.tables:  # the ring holds the last C columns: what the policy kept beyond them overflows
+        lo = jnp.maximum(lo, hi_in - cap)
+        hi = jnp.maximum(hi_in, lo)
     else:
-        hi = jnp.minimum(jnp.maximum(r["hi"][()], lo), lo + cap)  # 0 ≤ hi − lo ≤ C
+        hi = jnp.minimum(jnp.maximum(hi_in, lo), lo + cap)  # 0 ≤ hi − lo ≤ C
     if g.append:
         # the step's key is logical key hi − 1, in registers: the ring is read over [lo, hi − 1) only, so no
         # program loads the slot this one writes (every key of that range lies less than C before hi − 1)
@@ -350,6 +359,9 @@ def _decode_kernel(*refs, g: _Geom):
         first = _first_above_floor(g, r["floor"], r["first"], decay_block, scan_lo, lo, hi, row_ok)
         lo = jnp.maximum(first, hi + 1 - cap)  # the oldest key is never read: its slot receives the new key
         hi = jnp.maximum(hi, lo)
+        wanted = first
+    if g.tables:  # the ring's tables after this step (one writer per table entry; the others read the same start)
+        _advance_tables(g, r, lo, wanted, hi_in)
 
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
     n_first = lax.div(lo, bk)
@@ -414,6 +426,23 @@ def _decode_kernel(*refs, g: _Geom):
             pltriton.store(r["o"].at[:, pl.ds(off, size)], acc, mask=row_ok)
         pltriton.store(r["m"].at[:], m_i, mask=row_ok[:, 0])
         pltriton.store(r["l"].at[:], l_i, mask=row_ok[:, 0])
+
+
+def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in):
+    """Append mode with the ring's tables: start' = the read start (``start``), peak' = max(peak, hi − start'),
+    overflow' = overflow + (start' − ``wanted``), the keys the policy kept but the ring could not hold. Split 0 writes
+    (per row: the program of kv head 0). Another program reading ``start`` after this write computes the same read
+    start (start' ≥ every bound it took the maximum of), and only the writer reads peak and overflow."""
+    writer = pl.program_id(1) == 0
+    if g.tables == 1:
+        writer = writer & (lax.rem(pl.program_id(0), g.kv_heads) == 0)
+    one = lambda x: jnp.full((1,), x, jnp.int32)  # noqa: E731
+    peak = jnp.sum(pltriton.load(r["peak"].at[pl.ds(0, 1)]))
+    overflow = jnp.sum(pltriton.load(r["overflow"].at[pl.ds(0, 1)]))
+    mask = jnp.full((1,), writer)
+    pltriton.store(r["start_out"].at[pl.ds(0, 1)], one(start), mask=mask)
+    pltriton.store(r["peak_out"].at[pl.ds(0, 1)], one(jnp.maximum(peak, hi_in - start)), mask=mask)
+    pltriton.store(r["overflow_out"].at[pl.ds(0, 1)], one(overflow + (start - wanted)), mask=mask)
 
 
 def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo, hi, row_ok):
@@ -541,7 +570,8 @@ class StepArrays:
 
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
-                 config: DecodeConfig, interpret: bool, append=None, decay_floor=None, step: StepArrays | None = None):
+                 config: DecodeConfig, interpret: bool, append=None, decay_floor=None, step: StepArrays | None = None,
+                 tables=None):
     """Decode attention on a ring cache with the flash-decoding kernel (shapes unchecked: the public
     op ``fox_jax.ops.decode_attention`` checks them).
 
@@ -567,10 +597,15 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         append's k_new, v_new are not read) and the kernel does the layer's per-head work (with ``step.lam_prev``,
         lam_q and lam_new must be None: Λ is computed here). The output norm and gate need one split; so does the
         returned Λ (None with several splits: the caller adds the gate to Λ_prev).
+      tables: None, or with ``append`` the ring's (start, peak, overflow), each int32 [B, nt] with nt ∈ {1, Hkv}: then
+        ``lo`` is the first column the policy's rule lets the step see, the range starts at max(lo, start) (with a
+        floor: the first key above it from there), the ring keeps the last C columns, and the tables advance in place
+        (start' = the read start, peak' = max(peak, hi − start'), overflow' = overflow + what the ring could not hold).
     Returns:
       [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
       entry written (lam_k None without Λ); with ``decay_floor`` the tuple (or o) followed by ``first`` [B, Hkv]
-      int32; with ``step`` followed by (shift_state [B, 2, Hkv, D] or None, Λ (hi, lo) [B, Hkv, G] or None).
+      int32; with ``step`` followed by (shift_state [B, 2, Hkv, D] or None, Λ (hi, lo) [B, Hkv, G] or None); with
+      ``tables`` followed by the advanced (start, peak, overflow).
     """
     b, hkv, grp, d = q.shape
     cap = k.shape[2]
@@ -589,6 +624,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                              or (ns > 1 and (step.o_scale is not None or step.o_gate))):
         raise ValueError("step needs append, lam_prev exactly with lam_k (then no lam_q / lam_new), and one split "
                          "for the output norm and gate")
+    if tables is not None and append is None:
+        raise ValueError("tables need append (a ring's decode step)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
         pad = [(0, 0)] * 3 + [(0, d_run - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
@@ -658,6 +695,12 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                              gate_logits=bool(step.gate_logits), heads=hkv * grp, kv_heads=hkv,
                              qk_eps=float(step.qk_eps), o_eps=float(step.o_eps))
 
+    nt = 0
+    if tables is not None:  # [B, nt] → [B·nt, 1]: one entry per program (per row: the programs of its kv heads)
+        nt = tables[0].shape[1]
+        row_of = (lambda i, s: (i, 0)) if nt == hkv else (lambda i, s: (lax.div(i, hkv), 0))
+        ins += [(n, jnp.asarray(x, jnp.int32).reshape(b * nt, 1), pl.BlockSpec((None, 1), row_of))
+                for n, x in zip(("start", "peak", "overflow"), tables)]
     outs: list = []  # (name, ShapeDtypeStruct, BlockSpec, the input it aliases or None)
     if ns == 1:
         outs.append(("o", jax.ShapeDtypeStruct((bh, grp, d_run), q.dtype),
@@ -674,8 +717,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                      None))
     spec_of = {n: (x, sp) for n, x, sp in ins}
     aliased = ["k", "v"] + (["lk_hi", "lk_lo"] if has_lam else []) if append is not None else []
-    # the step's carries, in place: Λ only with one split (with several every split reads Λ_prev)
-    aliased += [n for n in ("shift_state",) + (("lp_hi", "lp_lo") if ns == 1 else ()) if n in spec_of]
+    # the step's carries, in place: Λ only with one split (with several every split reads Λ_prev); the ring's tables
+    aliased += [n for n in ("shift_state",) + (("lp_hi", "lp_lo") if ns == 1 else ()) + ("start", "peak", "overflow")
+                if n in spec_of]
     for n in aliased:
         x, sp = spec_of[n]
         outs.append(({"shift_state": "shift_out"}.get(n, n + "_out"), jax.ShapeDtypeStruct(x.shape, x.dtype), sp, n))
@@ -684,7 +728,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     geom = _Geom(group=grp, group_pad=gp, n_blocks=cap // bk, block_k=bk, num_splits=ns,
                  chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
-                 step=geom_step, names=tuple(in_names + [n for n, *_ in outs]))
+                 step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
+                 names=tuple(in_names + [n for n, *_ in outs]))
     res = pl.pallas_call(
         functools.partial(_decode_kernel, g=geom),
         grid=(bh, ns),
@@ -706,12 +751,14 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     k_out, v_out = res["k_out"].reshape(k.shape), res["v_out"].reshape(v.shape)
     lam_out = (res["lk_hi_out"].reshape(lam_k[0].shape), res["lk_lo_out"].reshape(lam_k[1].shape)) if has_lam else None
     out = (o, k_out, v_out, lam_out) + (() if first is None else (first,))
-    if step is None:
-        return out
-    shift_out = res.get("shift_out")
-    lam_now = (res["lp_hi_out"].reshape(b, hkv, grp), res["lp_lo_out"].reshape(b, hkv, grp)) \
-        if "lp_hi_out" in res else None
-    return out + ((shift_out, lam_now),)
+    if step is not None:
+        shift_out = res.get("shift_out")
+        lam_now = (res["lp_hi_out"].reshape(b, hkv, grp), res["lp_lo_out"].reshape(b, hkv, grp)) \
+            if "lp_hi_out" in res else None
+        out += ((shift_out, lam_now),)
+    if tables is not None:
+        out += (tuple(res[n + "_out"].reshape(b, nt) for n in ("start", "peak", "overflow")),)
+    return out
 
 
 __all__ = ["DecodeConfig", "SHARED_LIMIT", "StepArrays", "StepGeom", "pair_add", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",

@@ -165,7 +165,7 @@ def test_append_writes_then_reads(cap, grp, d, dtype, lam, splits, per_row):
     ref = decode_attention_reference(q, written_k, written_v, lo=lo, hi=hi_full, lam_q=extra.get("lam_q"),
                                      lam_k=written_lam)
     for impl in ("xla", "pallas"):
-        o, k2, v2, lam2 = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+        o, k2, v2, lam2, *_ = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
             q, k, v, k_new, v_new, lo=lo, hi=hi, **extra)
         assert _err(o, ref) <= _tol(dtype), impl
         np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(written_k, np.float32), err_msg=impl)
@@ -318,17 +318,18 @@ def test_append_decay_floor(grp, dtype, splits):
     call = dict(lo=jnp.asarray(lo), hi=hi, lam_q=lam_q, lam_k=lam_k, lam_new=lam_q)
     for impl in ("xla", "pallas"):
         f = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))
-        o, k2, v2, lam2, got = f(q, k, v, k_new, v_new, decay_floor=floor, **call)
+        o, k2, v2, lam2, got, *_ = f(q, k, v, k_new, v_new, decay_floor=floor, **call)
         np.testing.assert_array_equal(np.asarray(got), first, err_msg=impl)
         assert _err(o, ref) <= _tol(dtype), impl
         np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(written_k, np.float32), err_msg=impl)
         for a, b_ in zip(lam2, written_lam):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b_), err_msg=impl)
-        o_none, *_, none_hidden = f(q, k, v, k_new, v_new, decay_floor=jnp.full_like(floor, -jnp.inf), **call)
+        res = f(q, k, v, k_new, v_new, decay_floor=jnp.full_like(floor, -jnp.inf), **call)
+        o_none, none_hidden = res.o, res.first
         np.testing.assert_array_equal(np.asarray(none_hidden), lo, err_msg=impl)
         assert _err(o_none, ref_none) <= _tol(dtype), impl
     # eagerly (concrete bounds are checked): C + 1 keys with the new one are allowed with a floor, not without
-    *_, eager = decode_attention_append(q, k, v, k_new, v_new, decay_floor=floor, implementation="xla", **call)
+    eager = decode_attention_append(q, k, v, k_new, v_new, decay_floor=floor, implementation="xla", **call).first
     np.testing.assert_array_equal(np.asarray(eager), first)
     with pytest.raises(ValueError, match=r"hi − lo must lie in \[0, C = 80\]"):
         decode_attention_append(q, k, v, k_new, v_new, implementation="xla", **call)
@@ -337,6 +338,64 @@ def test_append_decay_floor(grp, dtype, splits):
                                 if grp > 1 else floor[:, :1], **call)
     with pytest.raises(ValueError, match=r"decay_floor needs lam_q / lam_k"):
         decode_attention_append(q, k, v, k_new, v_new, lo=jnp.asarray(lo), hi=hi, decay_floor=floor)
+
+
+@pytest.mark.parametrize("splits", [1, 2])
+def test_append_advances_the_ring_tables(splits):
+    """``decode_attention_append(..., ring_tables=(start, peak, overflow))``: ``lo`` is the rule's first visible column
+    and the op reads from max(lo, start, hi − C), or with a decay floor from the first key above it from the ring's
+    start; the tables advance to start' = the read start, peak' = max(peak, hi − start'), overflow' = overflow +
+    (start' − what the policy kept) — per row (nt = 1: a window's rule, a dense ring that overflows, a start ahead of
+    the rule) and per key/value head (acp's floor, a full ring whose oldest key overflows); the Pallas kernel (in
+    place) and the XLA path equal this loop oracle exactly, and the output the dense read of the kept range."""
+    cap, d, grp = 80, 32, 2
+    rng = np.random.default_rng(7)
+    q, k, v, _ = _inputs(cap, grp, d, jnp.float32, False, None, seed=7)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((_B, _HKV, d)), jnp.float32) for _ in range(2))
+    hi = 2 * cap + 21
+    written = lambda buf, x, axis=2: write_entry(buf, x, jnp.int32(hi), axis)  # noqa: E731
+    read = lambda start, lam_q=None, lam_k=None: decode_attention_reference(  # noqa: E731
+        q, written(k, k_new), written(v, v_new), lo=jnp.asarray(start, jnp.int32), hi=jnp.full((_B, _HKV), hi, jnp.int32),
+        lam_q=lam_q, lam_k=None if lam_k is None else tuple(written(x, y, 3) for x, y in zip(lam_k, lam_q)))
+    # per row: a window of 30 (row 0's start behind it), row 1's start ahead of it; then "dense" (lo very negative):
+    # row 0's start keeps more than C columns (overflow), row 1's start is inside the ring
+    for lo, start in ((jnp.int32(hi - 30), np.array([[hi - 60], [hi - 12]])),
+                      (jnp.int32(-(2 ** 30)), np.array([[hi - cap - 9], [hi - 40]]))):
+        peak, overflow = np.array([[7], [70]]), np.array([[3], [0]])
+        wanted = np.maximum(np.maximum(np.asarray(lo), 0), start)
+        new_start = np.maximum(wanted, hi - cap)
+        tables = (new_start, np.maximum(peak, hi - new_start), overflow + new_start - wanted)
+        ref = read(np.broadcast_to(new_start, (_B, _HKV)))
+        for impl in ("xla", "pallas"):
+            res = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+                q, k, v, k_new, v_new, lo=lo, hi=jnp.int32(hi),
+                ring_tables=tuple(jnp.asarray(x, jnp.int32) for x in (start, peak, overflow)))
+            for got, want in zip(res.tables, tables):
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
+            assert _err(res.o, ref) <= _tol(jnp.float32), impl
+    # per key/value head, with acp's floor: the ring's start is the only bound (lo = 0)
+    n = np.array([[cap + 1, 1, 30], [cap - 3, 45, cap + 1]])
+    start = hi - n
+    lam_q, lam_k, floor = _floor_case(rng, cap, grp, start, np.full_like(start, hi - 1))
+    floor = floor.at[0, 0].set(-jnp.inf)  # row 0, head 0: C keys before the new one, none hidden
+    first = _first_oracle(lam_q, lam_k, floor, start, np.full_like(start, hi - 1))
+    new_start = np.maximum(first, hi - cap)
+    peak, overflow = rng.integers(0, 90, (2, _B, _HKV))
+    tables = (new_start, np.maximum(peak, hi - new_start), overflow + new_start - first)
+    assert (new_start > first).any()  # a full ring whose oldest key the floor kept: it overflows
+    ref = read(new_start, lam_q, lam_k)
+    for impl in ("xla", "pallas"):
+        res = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+            q, k, v, k_new, v_new, lo=jnp.int32(0), hi=jnp.int32(hi), lam_q=lam_q, lam_k=lam_k, lam_new=lam_q,
+            decay_floor=floor, ring_tables=tuple(jnp.asarray(x, jnp.int32) for x in (start, peak, overflow)))
+        np.testing.assert_array_equal(np.asarray(res.first), first, err_msg=impl)
+        for got, want in zip(res.tables, tables):
+            np.testing.assert_array_equal(np.asarray(got), want, err_msg=impl)
+        assert _err(res.o, ref) <= _tol(jnp.float32), impl
+    with pytest.raises(ValueError, match=r"ring_tables \(peak\) must be int32 \[2, 1\] or \[2, 3\]"):
+        decode_attention_append(q, k, v, k_new, v_new, lo=jnp.int32(0), hi=jnp.int32(hi),
+                                ring_tables=(jnp.zeros((_B, 1), jnp.int32), jnp.zeros((_B,), jnp.int32),
+                                             jnp.zeros((_B, 1), jnp.int32)))
 
 
 def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv: int = _HKV):
@@ -399,7 +458,7 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared):
         step = DecodeStep(ops if packed else ops.replace(rows=None, gate_rows=None), seq_start, shift_state,
                           log_fgate, lam_prev)
         f = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))
-        o, k2, v2, lam2, (shift2, lam_got) = f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, step=step)
+        o, k2, v2, lam2, _, (shift2, lam_got), _ = f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, step=step)
         what = f"{impl}, rows {'in place' if packed else 'packed by the op'}"
         assert o.dtype == q.dtype and _err(o, ref) <= 2 * _tol(dtype), (what, _err(o, ref))
         np.testing.assert_array_equal(np.asarray(shift2, np.float32),
@@ -532,7 +591,7 @@ def test_gpu_append_matches_reference(b, hkv, grp, d, cap, lam, valid_nt, block_
     wl = tuple(write_entry(x, y, hi, 3) for x, y in zip(kw["lam_k"], kw["lam_q"])) if lam else None
     ref = decode_attention_reference(q, wk, wv, lo=lo, hi=jnp.broadcast_to(hi, (b, hkv)), lam_q=extra.get("lam_q"),
                                      lam_k=wl)
-    o, k2, v2, l2 = jax.jit(functools.partial(decode_attention_append, implementation="pallas", block_k=block_k,
+    o, k2, v2, l2, *_ = jax.jit(functools.partial(decode_attention_append, implementation="pallas", block_k=block_k,
                                               num_splits=splits))(q, k, v, k_new, v_new, lo=lo, hi=hi, **extra)
     assert _err(o, ref) <= 1e-2
     np.testing.assert_array_equal(np.asarray(k2, np.float32), np.asarray(wk, np.float32))
@@ -573,7 +632,7 @@ def test_gpu_append_decay_floor(b, hkv, grp, cap, splits):
     ring_lo = np.maximum(lo, hi - 1 - cap)
     hidden = np.all(decay < np.asarray(floor)[..., None], axis=2) & (col >= ring_lo[..., None])
     first = np.maximum(ring_lo, np.max(np.where(hidden, col, -1), axis=-1) + 1)
-    o, k2, *_, got = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=splits))(
+    o, k2, _, _, got, *_ = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=splits))(
         q, k, v, k_new, v_new, lo=jnp.asarray(lo, jnp.int32), hi=jnp.int32(hi), lam_q=lam_q, lam_k=lam_k,
         lam_new=lam_q, decay_floor=floor)
     np.testing.assert_array_equal(np.asarray(got), first)
@@ -608,12 +667,35 @@ def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits):
     step = DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev)
     outs = {impl: jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
         q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, step=step) for impl in ("xla", "pallas")}
-    (o_x, k_x, _, lam_x, (sh_x, l_x)), (o_p, k_p, _, lam_p, (sh_p, l_p)) = outs["xla"], outs["pallas"]
+    (o_x, k_x, _, _, _, (sh_x, l_x), _), (o_p, k_p, _, _, _, (sh_p, l_p), _) = outs["xla"], outs["pallas"]
     assert _err(o_p, o_x) <= 2e-2  # the attention's 1e-2 and the epilogue's bf16 roundings (2–3 ulps of 2⁻⁸)
     np.testing.assert_array_equal(np.asarray(sh_p, np.float32), np.asarray(sh_x, np.float32))
     for a, b_ in zip(l_p, l_x):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-6, rtol=0)
     np.testing.assert_allclose(np.asarray(k_p, np.float32), np.asarray(k_x, np.float32), atol=2e-2, rtol=2 ** -7)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nt,splits", [(1, None), (1, 3), (12, 3)])
+def test_gpu_append_ring_tables_equal_the_xla_path(nt, splits):
+    """The ring's tables advanced in place on the device (one writer per entry: per row the program of kv head 0 of
+    split 0, though every program of the row reads its start) equal the XLA path exactly, with starts that keep
+    more than C columns (overflow) and starts inside the ring; B8, 12 kv heads, a 256-slot ring."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    b, hkv, grp, d, cap = 8, 12, 1, 64, 256
+    rng = np.random.default_rng(nt)
+    q, k, v, k_new, v_new = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
+                             ((b, hkv, grp, d), (b, hkv, cap, d), (b, hkv, cap, d), (b, hkv, d), (b, hkv, d)))
+    hi = 9 * cap + 7
+    start = jnp.asarray(hi - rng.integers(1, 2 * cap, (b, nt)), jnp.int32)
+    peak, overflow = (jnp.asarray(rng.integers(0, 300, (b, nt)), jnp.int32) for _ in range(2))
+    outs = [jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+        q, k, v, k_new, v_new, lo=jnp.int32(hi - 200), hi=jnp.int32(hi), ring_tables=(start, peak, overflow))
+        for impl in ("xla", "pallas")]
+    for a, b_ in zip(outs[0].tables, outs[1].tables):
+        np.testing.assert_array_equal(np.asarray(b_), np.asarray(a))
+    assert _err(outs[1].o, outs[0].o) <= 1e-2
 
 
 @pytest.mark.gpu

@@ -819,15 +819,16 @@ def test_incremental_decoding_equals_full_forward(family):
     assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) == 0
 
 
-@pytest.mark.parametrize("policy,t,p", [("dense", 12, 6), ("acp", 12, 6), ("acp:-1000", 72, 62)])
+@pytest.mark.parametrize("policy,t,p", [("dense", 12, 6), ("acp", 12, 6), ("acp:-1000", 72, 62), ("window:20", 40, 30)])
 def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
     the raw projections in, with the KV-shift, QK-norm, Λ accumulation, output norm and gate done in the kernel)
     give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
     the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
-    every step (the kernel gets the ring's old start: C + 1 keys with the new one). Tolerance: float32, summation
-    order only (the split softmax), 1e-5."""
+    every step (the kernel gets the ring's old start: C + 1 keys with the new one); a window moves the ring's start
+    (the kernel advances the ring's start, peak and overflow in place). Tolerance: float32, summation order only
+    (the split softmax), 1e-5."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)  # D = 16:
     model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))  # the kernel's

@@ -189,22 +189,23 @@ class RingGroup(_Entries):
         return self._attend(step, keys, start_t, q, k, v), new
 
     def decode_step(self, step: _Step, q, k, v, lam_q, raw: DecodeStep | None = None) -> tuple:
-        """A decode step of a ring without pinned slots: the write and the read in one op (``_write_read``). q
-        [B, 1, n, G, D]; k, v [B, 1, n, D]; lam_q (hi, lo) [B, n, G, 1] or None. With ``raw`` (every head of the
-        layer in this group) q, k, v are the raw projections and the op does the layer's per-head work and Λ
-        (``DecodeStep``). Returns (o [B, 1, n, G, D] float32, the updated group, the op's (shift state, Λ) with
-        ``raw`` or None)."""
+        """A decode step of a ring without pinned slots: the write, the read and the ring's tables in one op
+        (``decode_attention_append``; its Pallas kernel does all three). q [B, 1, n, G, D]; k, v [B, 1, n, D]; lam_q
+        (hi, lo) [B, n, G, 1] or None. With ``raw`` (every head of the layer in this group) q, k, v are the raw
+        projections and the op does the layer's per-head work and Λ (``DecodeStep``). Returns (o [B, 1, n, G, D]
+        float32, the updated group, the op's (shift state, Λ) with ``raw`` or None)."""
         floor = None if self.lam_hi is None or self.start.shape[1] != len(self.heads) else \
             step.rule.decay_floor(step.cache.policy, step.aux, step.chunk, self.heads)  # per-head tables only
-        if floor is not None:  # the op applies the rule while it reads (acp): no visibility kernels before
-            o, new, first, carry = self._write_read(step, self, q, k, v, lam_q, floor, raw)
-            return o, new._advance(step, first[..., None], 1), carry
-        if raw is not None and raw.log_fgate is not None:  # the rule's own decays (XLA drops them where unread)
-            lf = jnp.where((step.chunk.pos[:, 0] >= 0)[:, None, None], raw.log_fgate, 0.0)
-            lam_q = tuple(x[..., None] for x in pair_add(raw.lam_prev, (lf, jnp.zeros_like(lf))))
-        new = self._advance(step, self._visible_from(step, self._keys(step.cache, lam_q)), 1)
-        o, new, _, carry = self._write_read(step, new, q, k, v, lam_q, None, raw)
-        return o, new, carry
+        if floor is not None:  # the op applies the rule while it reads (acp), from the ring's start
+            lo = jnp.int32(0)
+        else:  # the rule's first visible column; the op takes the maximum with the ring's start
+            if raw is not None and raw.log_fgate is not None:  # the rule's own decays (XLA drops them where unread)
+                lf = jnp.where((step.chunk.pos[:, 0] >= 0)[:, None, None], raw.log_fgate, 0.0)
+                lam_q = tuple(x[..., None] for x in pair_add(raw.lam_prev, (lf, jnp.zeros_like(lf))))
+            first = step.rule.first_visible(step.cache.policy, step.aux, step.chunk,
+                                            self._keys(step.cache, lam_q))[..., -1]             # [B or 1, nt or 1]
+            lo = first.reshape(()) if first.size == 1 else jnp.broadcast_to(first, (q.shape[0], first.shape[1]))
+        return self._write_read(step, q, k, v, lam_q, lo, floor, raw)
 
     def _keys(self, cache, lam_q) -> Keys:
         """What the slots hold before the chunk, and the chunk's decays, as the rule sees them."""
@@ -271,24 +272,25 @@ class RingGroup(_Entries):
         return self.replace(start=new_start, peak=jnp.maximum(self.peak, live),
                             overflow=self.overflow + (new_start - wanted))
 
-    def _write_read(self, step: _Step, new: RingGroup, q, k, v, lam_q, floor=None, raw=None) -> tuple:
-        """A decode step (no pinned slots): its entry written at slot ``length`` mod C and the ring read over
-        [start, length] by one op (``decode_attention_append``: in the Pallas kernel, without update kernels).
-        With ``floor`` (the rule's ``decay_floor``) the op also hides the keys below it (``new`` is then the ring
-        before this step's visibility); with ``raw`` (a ``DecodeStep``) it also does the layer's per-head work.
-        Returns (o [B, 1, n, G, D] float32, the group with the entry, the first visible key [B, n] int32 or None,
-        the op's (shift state, Λ) or None)."""
+    def _write_read(self, step: _Step, q, k, v, lam_q, lo, floor=None, raw=None) -> tuple:
+        """A decode step (no pinned slots): its entry written at slot ``length`` mod C, the ring read from
+        max(``lo``, start) (with ``floor``, the rule's ``decay_floor``: from the first key above it) to ``length``, and
+        start / peak / overflow advanced, by one op (``decode_attention_append``: in the Pallas kernel, without
+        update or bookkeeping kernels); with ``raw`` (a ``DecodeStep``) it also does the layer's per-head work.
+        Returns (o [B, 1, n, G, D] float32, the updated group, the op's (shift state, Λ) or None)."""
         hi = (step.cache.length + 1).astype(jnp.int32)
         lam_new = None if lam_q is None or raw is not None else (lam_q[0][..., 0], lam_q[1][..., 0])  # [B, n, G]
-        o, kbuf, vbuf, lam_k, *rest = decode_attention_append(
-            q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), k[:, 0].astype(q.dtype), v[:, 0].astype(q.dtype),
-            lo=new.start, hi=hi, lam_q=lam_new, lam_k=None if self.lam_hi is None else (new.lam_hi, new.lam_lo),
-            lam_new=lam_new, decay_floor=floor, sm_scale=step.chunk.scale, step=raw)
-        new = new.replace(k=kbuf.astype(new.k.dtype), v=vbuf.astype(new.v.dtype))
-        if lam_k is not None:
-            new = new.replace(lam_hi=lam_k[0], lam_lo=lam_k[1])
-        first = rest.pop(0) if floor is not None else None
-        return o[:, None].astype(jnp.float32), new, first, rest.pop(0) if raw is not None else None
+        res = decode_attention_append(
+            q[:, 0], self.k.astype(q.dtype), self.v.astype(q.dtype), k[:, 0].astype(q.dtype), v[:, 0].astype(q.dtype),
+            lo=lo, hi=hi, lam_q=lam_new, lam_k=None if self.lam_hi is None else (self.lam_hi, self.lam_lo),
+            lam_new=lam_new, decay_floor=floor, sm_scale=step.chunk.scale, step=raw,
+            ring_tables=(self.start, self.peak, self.overflow))
+        start, peak, overflow = res.tables
+        new = self.replace(k=res.k.astype(self.k.dtype), v=res.v.astype(self.v.dtype), start=start, peak=peak,
+                           overflow=overflow)
+        if res.lam_k is not None:
+            new = new.replace(lam_hi=res.lam_k[0], lam_lo=res.lam_k[1])
+        return res.o[:, None].astype(jnp.float32), new, res.carry
 
     def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
         """Attention of a decode step, after its write: the ring's [start, length] through the decode op

@@ -50,9 +50,9 @@ def _check_pair(name: str, pair, shape: tuple) -> None:
             raise ValueError(f"{name} ({part}) must be float32 {list(shape)}, got {x.dtype}{list(x.shape)}")
 
 
-def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k, extra_key: bool = False) -> None:
+def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k, extra_key: bool = False, evicts: bool = False) -> None:
     """One-line ValueErrors naming the argument and the expected shape / dtype (``extra_key``: hi − lo may be C + 1,
-    a decode step's ring start before its eviction)."""
+    a decode step's ring start before its eviction; ``evicts``: any lo ≤ hi, the op keeps the last C columns)."""
     if q.ndim != 4:
         raise ValueError(f"q must be [B, Hkv, G, D] (one query per row and head), got shape {q.shape}")
     if q.dtype not in QKV_DTYPES:
@@ -85,10 +85,12 @@ def _check_inputs(q, k, v, lo, hi, valid, lam_q, lam_k, extra_key: bool = False)
         _check_pair("lam_k", lam_k, (b, hkv, grp, cap))
     if not (_is_tracer(lo) or _is_tracer(hi)):
         lo_np, hi_np = np.asarray(lo).astype(np.int64), np.asarray(hi).astype(np.int64)
+        if evicts:
+            lo_np = np.maximum(lo_np, 0)
         if (lo_np < 0).any():
             raise ValueError(f"lo must be ≥ 0 (a logical key index), got min {lo_np.min()}")
         n = hi_np - lo_np
-        if (n < 0).any() or (n > cap + extra_key).any():
+        if (n < 0).any() or (not evicts and (n > cap + extra_key).any()):
             raise ValueError(f"hi − lo must lie in [0, {'C + 1' if extra_key else 'C'} = {cap + extra_key}] (the ring "
                              f"holds at most C keys), got values in [{n.min()}, {n.max()}]")
 
@@ -314,6 +316,25 @@ def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int) -> jax.A
     return jnp.moveaxis(moved.at[rows, heads, slot].set(x.astype(buf.dtype)), 2, axis)
 
 
+class AppendResult(NamedTuple):
+    """What ``decode_attention_append`` returns; a part that was not asked for is None.
+
+    Attributes:
+      o: [B, Hkv, G, D] in q's dtype. k, v: [B, Hkv, C, D], the ring buffers with the step's entry. lam_k: (hi, lo)
+        [B, Hkv, G, C] with the entry's Λ, or None. first: [B, Hkv] int32, the first key above ``decay_floor``.
+      carry: with ``step``, (the new KV-shift state [B, 2, Hkv, D] or None, Λ of the step (hi, lo) [B, Hkv, G] or
+        None). tables: with ``ring_tables``, the advanced (start, peak, overflow).
+    """
+
+    o: jax.Array
+    k: jax.Array
+    v: jax.Array
+    lam_k: tuple | None = None
+    first: jax.Array | None = None
+    carry: tuple | None = None
+    tables: tuple | None = None
+
+
 class DecodeStep(NamedTuple):
     """``decode_attention_append(..., step=)``: a decode step handed over raw, so that the op does the layer's per-head
     work (``HeadOps``: KV-shift, QK-norm, output norm and gate) and Λ's accumulation itself (in the Pallas kernel:
@@ -451,7 +472,8 @@ def decode_attention_append(
     block_k: int | None = None,
     num_splits: int | None = None,
     step: DecodeStep | None = None,
-):
+    ring_tables: tuple | None = None,
+) -> AppendResult:
     """A decode step's write and read of a ring KV cache in one call: the step's entry (``k_new``, ``v_new``,
     ``lam_new``) goes to ring slot (hi − 1) mod C as logical key hi − 1, then ``decode_attention`` over [lo, hi).
 
@@ -482,10 +504,18 @@ def decode_attention_append(
         None). ``"pallas"`` does it all in its kernel (with several splits the output norm and gate follow the
         combine); the other implementations call ``head_prologue`` / ``head_epilogue`` (fox_jax.ops.head_ops).
 
+      ring_tables: None, or the ring's (start, peak, overflow), each int32 [B, nt] with nt ∈ {1, Hkv} (per row or per
+        key/value head): ``lo`` is then the first column the policy's rule lets the step see (any int ≤ hi − 1, e.g.
+        very negative for "all"), the range starts at max(lo, start) (with ``decay_floor``: the first key above the
+        floor from there), the ring keeps its last C columns, and the op advances the tables — start' = the read
+        start, peak' = max(peak, hi − start'), overflow' = overflow + (start' − what the policy kept): the Pallas
+        kernel in place, so a decode step spends no bookkeeping kernel of its own.
+
     Returns:
-      (o [B, Hkv, G, D] in q's dtype, k, v [B, Hkv, C, D] and lam_k (or None) with the entry written); with
-      ``decay_floor`` then ``first`` [B, Hkv] int32; with ``step`` last (shift_state [B, 2, Hkv, D] holding the
-      step's raw k, v, or None; Λ (hi, lo) [B, Hkv, G] of the step, or None).
+      ``AppendResult``: o [B, Hkv, G, D] in q's dtype; k, v [B, Hkv, C, D] and lam_k (or None) with the entry
+      written; ``first`` [B, Hkv] int32 with ``decay_floor``; ``carry`` with ``step`` (shift_state [B, 2, Hkv, D]
+      holding the step's raw k, v, or None; Λ (hi, lo) [B, Hkv, G] of the step, or None); ``tables`` with
+      ``ring_tables`` (the advanced start, peak, overflow). Absent parts are None.
 
     Raises:
       ValueError: as ``decode_attention``; k_new / v_new / lam_new / decay_floor of the wrong shape or dtype.
@@ -504,48 +534,73 @@ def decode_attention_append(
         if tuple(decay_floor.shape) != (b, hkv, grp) or decay_floor.dtype != jnp.float32:
             raise ValueError(f"decay_floor must be float32[{b}, {hkv}, {grp}] (one per query head), "
                              f"got {decay_floor.dtype}{list(decay_floor.shape)}")
+    if ring_tables is not None:
+        if not isinstance(ring_tables, (tuple, list)) or len(ring_tables) != 3:
+            raise ValueError("ring_tables must be a (start, peak, overflow) triple of int32 [B, nt] arrays")
+        nt = jnp.shape(ring_tables[0])[-1] if jnp.ndim(ring_tables[0]) == 2 else None
+        for name, x in zip(("start", "peak", "overflow"), ring_tables):
+            if tuple(jnp.shape(x)) not in ((b, 1), (b, hkv)) or jnp.shape(x)[1] != nt \
+                    or jnp.result_type(x) != jnp.int32:
+                raise ValueError(f"ring_tables ({name}) must be int32 [{b}, 1] or [{b}, {hkv}] like start, "
+                                 f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
     if step is not None:
         _check_step(step, q, lam_q, lam_k, lam_new)
         lam_q_chk = None if step.log_fgate is None else step.lam_prev  # stands in for the Λ the op computes
     else:
         lam_q_chk = lam_q
-    _check_inputs(q, k, v, lo, hi, None, lam_q_chk, lam_k, extra_key=decay_floor is not None)
+    _check_inputs(q, k, v, lo, hi, None, lam_q_chk, lam_k, extra_key=decay_floor is not None,
+                  evicts=ring_tables is not None)
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False)
         one_split = config.num_splits == 1
-        out = dk.flash_decode(q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k,
-                              scale=scale, config=config, interpret=interpret, append=(k_new, v_new, lam_new),
-                              decay_floor=decay_floor,
-                              step=None if step is None else _step_arrays(step, q, k_new, v_new, epilogue=one_split))
+        out = list(dk.flash_decode(
+            q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k, scale=scale,
+            config=config, interpret=interpret, append=(k_new, v_new, lam_new), decay_floor=decay_floor,
+            step=None if step is None else _step_arrays(step, q, k_new, v_new, epilogue=one_split),
+            tables=None if ring_tables is None else tuple(ring_tables)))
+        o, k, v, lam_k = out[:4]
+        first = out.pop(4) if decay_floor is not None else None
+        carry = out.pop(4) if step is not None else None
+        tables = out.pop(4) if ring_tables is not None else None
         if step is not None and not one_split:  # the output norm and gate after the splits' combine, and Λ
-            shift, lam = out[-1]
+            o = _step_epilogue(step, o)
             if step.log_fgate is not None:
                 lf = jnp.where((jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start >= 0)[:, None, None],
                                step.log_fgate, 0.0)
-                lam = dk.pair_add(step.lam_prev, (lf, jnp.zeros_like(lf)))
-            out = (_step_epilogue(step, out[0]),) + out[1:-1] + ((shift, lam),)
-        return out
+                carry = (carry[0], dk.pair_add(step.lam_prev, (lf, jnp.zeros_like(lf))))
+        return AppendResult(o, k, v, lam_k, first, carry, tables)
     carry = None
     if step is not None:
         q, k_new, v_new, lam_step, shift = _step_prologue(step, q, k_new, v_new, hi)
         if lam_step is not None:
             lam_q = lam_new = lam_step
         carry = (shift, lam_step)
-    first = None
+    cap, hi32 = k.shape[2], jnp.asarray(hi, jnp.int32)
+    lo = jnp.maximum(jnp.asarray(lo, jnp.int32), 0)
+    if ring_tables is not None:
+        lo = jnp.maximum(lo, ring_tables[0])
+    wanted, first = lo, None
     if decay_floor is not None:  # before the write (the oldest key is still in its slot); the step's key untested
-        cap, hi32 = k.shape[2], jnp.asarray(hi, jnp.int32)
-        ring_lo = jnp.maximum(jnp.maximum(jnp.asarray(lo, jnp.int32), 0), hi32 - 1 - cap)
-        first = first_above_floor(lam_q, lam_k, decay_floor, ring_lo, hi32 - 1)
+        first = first_above_floor(lam_q, lam_k, decay_floor, jnp.maximum(lo, hi32 - 1 - cap), hi32 - 1)
+        wanted = first
         lo = jnp.maximum(first, hi32 - cap)
+    elif ring_tables is not None:
+        lo = jnp.maximum(lo, hi32 - cap)
+    tables = None
+    if ring_tables is not None:
+        _, peak, overflow = ring_tables
+        start = jnp.broadcast_to(lo, peak.shape) if lo.shape != peak.shape else lo
+        tables = (start, jnp.maximum(peak, hi32 - start), overflow + (start - jnp.broadcast_to(wanted, peak.shape)))
     k, v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
     if lam_k is not None:
         lam_k = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_new))
     o = decode_attention(q, k, v, lo=lo, hi=hi, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
                          implementation=impl, block_k=block_k, num_splits=num_splits)
-    out = (o, k, v, lam_k) + (() if first is None else (first,))
-    return out if step is None else (_step_epilogue(step, out[0]),) + out[1:] + (carry,)
+    if step is not None:
+        o = _step_epilogue(step, o)
+    return AppendResult(o, k, v, lam_k, first, carry, tables)
 
 
 def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
@@ -561,6 +616,6 @@ def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
     return jnp.maximum(lo, jnp.max(jnp.where(hidden, col, -1), axis=-1) + 1)
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "DecodeStep", "cudnn_supported", "decode_attention",
+__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "AppendResult", "DecodeStep", "cudnn_supported", "decode_attention",
            "decode_attention_append", "first_above_floor", "write_entry",
            "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]

@@ -1,9 +1,9 @@
 """The per-head work of an attention layer around its attention op: ``HeadOps`` and its XLA forms.
 
-Before attention (the prologue, docs/design/fox_acp.md §2.4, FoX Pro): the KV-shift of k and v (FoX paper
+Before attention (the prologue, docs/design/fox_acp.md §2.3, FoX Pro): the KV-shift of k and v (FoX paper
 Eq. 14), the QK RMSNorm over head_dim, RoPE. After attention (the epilogue): the output RMSNorm over head_dim
 and the output gate σ(g). Every step is local to one (token, head), so a decode step can do them all inside its
-attention kernel (``fox_jax.ops.decode_attention.decode_attention_append(..., head_ops=)``; the Pallas kernel
+attention kernel (``fox_jax.ops.decode_attention.decode_attention_append(..., step=)``; the Pallas kernel
 of kernels/decode_attention.py): the layer hands the raw projections and a ``HeadOps``, and the caches
 (``fox_jax.cache.slots.slot_attention``) apply it with ``head_prologue`` / ``head_epilogue`` wherever the kernel
 does not. The layer without a cache calls the same two functions, so the math has one XLA form.
