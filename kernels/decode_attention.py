@@ -30,6 +30,13 @@ which are aliased to outputs (``input_output_aliases``). No program reads that s
 lies less than C before hi − 1, and the blocks that contain the slot's other columns are masked), so the write
 races with nothing, and the decode step needs no update kernels before the read.
 
+The fused step (``step=``: the layer's per-head work on the raw projections) and the ring's tables (``tables=``) are
+updated in place too: each program reads its carries (raw k̃, ṽ, Λ) and table entries, then a barrier, then the
+writes (global memory is not ordered between a program's threads otherwise). Other splits of the same (row, head)
+read a carry split 0 may be writing, but their k and v only enter split 0's softmax and ring write, and Λ is
+written in place only with one split; a per-row table is written by one program (kv head 0, split 0), and the
+others of the row compute the same read start from the old or the new value.
+
 Head dims that are not powers of two but multiples of 16 (48, 80, 96, …) are handled as a sum of
 power-of-two column chunks (48 = 32 + 16), so nothing is copied; other head dims are zero-padded to a
 multiple of 16 by ``flash_decode`` (a copy of K and V: the caches should use D % 16 == 0).
@@ -194,6 +201,7 @@ class _Geom:
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
     kv_heads: int = 1
+    interpret: bool = False  # interpret mode (no barrier there: one thread, in order)
     names: tuple = ()  # the refs in the kernel's order: inputs, then outputs
 
 
@@ -233,13 +241,16 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     decode GEMM's output, read in place), the shift and gate logits columns of ``gate_rows``. Every split computes
     it; split 0 writes the carries in place (raw k̃, ṽ; Λ only with one split: with several the others read Λ_prev
     while split 0 would overwrite it, and the caller adds the gate). Other splits' k and v read a carry split 0 may
-    be writing, but they only enter split 0's softmax and ring write. Returns (q
-    chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype, (Λ hi, lo) [Gp] or None)."""
+    be writing, but they only enter split 0's softmax and ring write. The writes are returned, not done: the kernel
+    does them after a barrier, once every thread of the program has read the carries (global memory is not ordered
+    between a program's threads). Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
+    (Λ hi, lo) [Gp] or None, the carries' writes: a list of thunks)."""
     st, dt = g.step, r["rows"].dtype
     f32 = jnp.float32
     hkv = st.kv_heads
     head = lax.rem(pl.program_id(0), hkv)  # this program's key/value head
     writer = pl.program_id(1) == 0
+    writes = []
     qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
           for off, size in g.chunks]
     ks = [pltriton.load(r["rows"].at[st.heads + head, pl.ds(off, size)]) for off, size in g.chunks]
@@ -256,7 +267,8 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
                 prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
                 prev = jnp.where(keep, prev, 0.0)
                 shifted.append((a * prev + (1.0 - a) * x.astype(f32)).astype(dt))
-                pltriton.store(r["shift_out"].at[jnp.int32(which), pl.ds(off, size)], x, mask=jnp.full((size,), writer))
+                writes.append(functools.partial(pltriton.store, r["shift_out"].at[jnp.int32(which), pl.ds(off, size)],
+                                                x, mask=jnp.full((size,), writer)))
             out.append(shifted)
         ks, vs = out
     if st.k_norm:
@@ -277,9 +289,9 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
         prev = tuple(pltriton.load(r[n].at[:], mask=row_ok[:, 0], other=0.0) for n in ("lp_hi", "lp_lo"))
         lam = pair_add(prev, (lf, jnp.zeros_like(lf)))
         if g.num_splits == 1:
-            for n, x in zip(("lp_hi_out", "lp_lo_out"), lam):
-                pltriton.store(r[n].at[:], x, mask=row_ok[:, 0] & writer)
-    return qs, ks, vs, lam
+            writes += [functools.partial(pltriton.store, r[n].at[:], x, mask=row_ok[:, 0] & writer)
+                       for n, x in zip(("lp_hi_out", "lp_lo_out"), lam)]
+    return qs, ks, vs, lam, writes
 
 
 def _step_epilogue(g: _Geom, r: dict, outs, row_ok):
@@ -311,7 +323,8 @@ def _decode_kernel(*refs, g: _Geom):
     hi_in = r["hi"][()]
     lo = jnp.maximum(r["lo"][()], 0)
     if g.tables:  # ``lo`` is the rule's first visible column: the ring's start bounds it too
-        lo = jnp.maximum(lo, jnp.sum(pltriton.load(r["start"].at[pl.ds(0, 1)])))
+        start, peak, overflow = (jnp.sum(pltriton.load(r[n].at[pl.ds(0, 1)])) for n in ("start", "peak", "overflow"))
+        lo = jnp.maximum(lo, start)
     wanted = lo  # what the policy keeps (with a floor: found below)
     if g.has_floor:  # the ring's start before this step: ≤ C held keys before the new one, the oldest in its slot
         lo = jnp.maximum(lo, hi_in - 1 - cap)
@@ -328,8 +341,9 @@ def _decode_kernel(*refs, g: _Geom):
         with_new = hi > lo
         hi = jnp.where(with_new, hi - 1, lo)
     lq = lam_new = None
+    writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
-        qs, k_new, v_new, lq = _step_prologue(g, r, row_ok)
+        qs, k_new, v_new, lq, writes = _step_prologue(g, r, row_ok)
         lam_new = lq
     else:
         qs = [pltriton.load(r["q"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
@@ -342,6 +356,12 @@ def _decode_kernel(*refs, g: _Geom):
                 load = (lambda ref: pltriton.load(ref.at[pl.ds(0, 1)])) if g.group == 1 else \
                     (lambda ref: pltriton.load(ref.at[:], mask=row_ok[:, 0], other=0.0))  # noqa: E731
                 lam_new = (load(r["ln_hi"]), load(r["ln_lo"]))
+
+    if g.tables or writes:  # every in-place buffer (carries, tables) read above by all threads, then written
+        if not g.interpret:
+            pltriton.debug_barrier()
+        for write in writes:
+            write()
 
     def decay_block(start):  # [Gp or 1, bk] float32 Λ_q − Λ_k of the block at physical slot ``start``
         if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
@@ -361,7 +381,7 @@ def _decode_kernel(*refs, g: _Geom):
         hi = jnp.maximum(hi, lo)
         wanted = first
     if g.tables:  # the ring's tables after this step (one writer per table entry; the others read the same start)
-        _advance_tables(g, r, lo, wanted, hi_in)
+        _advance_tables(g, r, lo, wanted, hi_in, peak, overflow)
 
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
     n_first = lax.div(lo, bk)
@@ -428,17 +448,16 @@ def _decode_kernel(*refs, g: _Geom):
         pltriton.store(r["l"].at[:], l_i, mask=row_ok[:, 0])
 
 
-def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in):
+def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in, peak, overflow):
     """Append mode with the ring's tables: start' = the read start (``start``), peak' = max(peak, hi − start'),
-    overflow' = overflow + (start' − ``wanted``), the keys the policy kept but the ring could not hold. Split 0 writes
-    (per row: the program of kv head 0). Another program reading ``start`` after this write computes the same read
-    start (start' ≥ every bound it took the maximum of), and only the writer reads peak and overflow."""
+    overflow' = overflow + (start' − ``wanted``), the keys the policy kept but the ring could not hold (peak and
+    overflow as the program read them before its barrier). Split 0 writes (per row: the program of kv head 0). Another
+    program reading ``start`` after this write computes the same read start (start' ≥ every bound it took the
+    maximum of), and only the writer's peak and overflow are stored."""
     writer = pl.program_id(1) == 0
     if g.tables == 1:
         writer = writer & (lax.rem(pl.program_id(0), g.kv_heads) == 0)
     one = lambda x: jnp.full((1,), x, jnp.int32)  # noqa: E731
-    peak = jnp.sum(pltriton.load(r["peak"].at[pl.ds(0, 1)]))
-    overflow = jnp.sum(pltriton.load(r["overflow"].at[pl.ds(0, 1)]))
     mask = jnp.full((1,), writer)
     pltriton.store(r["start_out"].at[pl.ds(0, 1)], one(start), mask=mask)
     pltriton.store(r["peak_out"].at[pl.ds(0, 1)], one(jnp.maximum(peak, hi_in - start)), mask=mask)
@@ -546,8 +565,7 @@ class StepArrays:
       gate_rows: [B, W] float32: with ``shift_state`` the logits of the k and v shift weights α (Hkv each), then
         with ``lam_prev`` the forget gates of the H query heads (logits, or log f when ``gate_logits`` is False);
         further columns are ignored.
-      shift_state: [B, 2, Hkv, D] (q's dtype), the raw k̃, ṽ of the previous token (returned updated: aliased with
-        one split).
+      shift_state: [B, 2, Hkv, D] (q's dtype), the raw k̃, ṽ of the previous token (returned updated, in place).
       q_scale: [Hkv, G, D] float32; k_scale: [Hkv, D] float32 (QK-norm).
       lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (returned updated).
       o_scale: [Hkv, G, D] float32 (one split only). o_gate: the rows hold the output gate logits (one split only).
@@ -729,6 +747,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
+                 interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))
     res = pl.pallas_call(
         functools.partial(_decode_kernel, g=geom),
@@ -761,5 +780,5 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     return out
 
 
-__all__ = ["DecodeConfig", "SHARED_LIMIT", "StepArrays", "StepGeom", "pair_add", "combine_splits", "default_decode_config", "flash_decode", "head_dim_chunks",
-           "largest_block_k"]
+__all__ = ["DecodeConfig", "SHARED_LIMIT", "StepArrays", "StepGeom", "combine_splits", "default_decode_config",
+           "flash_decode", "head_dim_chunks", "largest_block_k", "pair_add"]

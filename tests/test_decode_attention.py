@@ -420,12 +420,14 @@ def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv:
     return ops, q, k_new, v_new, shift_state, log_fgate, lam_prev
 
 
-@pytest.mark.parametrize("grp,d,dtype,splits,shared", [(1, 32, jnp.float32, 1, False), (4, 48, jnp.bfloat16, 1, True),
-                                                       (2, 32, jnp.float32, 3, False)])
-def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared):
+@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0", [(1, 32, jnp.float32, 1, False, 0),
+                                                            (4, 48, jnp.bfloat16, 1, True, 0),
+                                                            (2, 32, jnp.float32, 3, False, -2)])
+def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0):
     """``decode_attention_append(..., step=DecodeStep)``: the raw projections in (the decode GEMM's rows, read in
     place by the kernel, or packed by the op), the layer's per-head work done by the op — KV-shift from the carry
-    (zeros at position 0), QK-norm, Λ = Λ_prev + log σ(logit) as pairs, attention over the ring with the entry,
+    (zeros at position 0 and on a left pad), QK-norm, Λ = Λ_prev + log σ(logit) as pairs (no gate on a pad),
+    attention over the ring with the entry,
     output norm and gate (after the combine with several splits) — equals ``head_prologue``, the oracle and
     ``head_epilogue`` in XLA, and writes the ring, the shift carry (the step's raw k, v) and Λ. Tolerances: the
     outputs twice ``_tol`` (after the attention the output norm and gate round to the dtype three times: in bf16
@@ -439,15 +441,17 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared):
     _, k, v, kw = _inputs(cap, grp, d, dtype, True, None, seed=grp)
     lam_k = kw["lam_k"]
     hi = jnp.int32(2 * cap + 21)
-    seq_start = jnp.asarray([int(hi) - 1, int(hi) - 41], jnp.int32)  # positions 0 and 40
+    pos = np.array([pos0, 40])  # row 0 at position 0, or a left pad (−2); row 1 at 40
+    seq_start = jnp.asarray(int(hi) - 1 - pos, jnp.int32)
     lo = jnp.asarray(np.int32(hi) - np.array([[cap, 1, 17], [cap - 3, 40, 2]]), jnp.int32)
     # the oracle: the layer's work in XLA, the dense read of the written ring, the epilogue
     h = _HKV * grp
-    state = (jnp.zeros_like(shift_state[:1, 0]).repeat(2, 0).at[1].set(shift_state[1, 0]),
-             jnp.zeros_like(shift_state[:1, 1]).repeat(2, 0).at[1].set(shift_state[1, 1]))
+    keep = jnp.asarray(pos > 0)[:, None, None]  # the shift sees zeros at position 0 and on a pad
+    state = (jnp.where(keep, shift_state[:, 0], 0), jnp.where(keep, shift_state[:, 1], 0))
     qp, kp, vp, _ = head_prologue(ops, q.reshape(_B, 1, h, d), k_new[:, None], v_new[:, None], state=state)
     qp, kp, vp = qp.reshape(q.shape), kp[:, 0], vp[:, 0]
-    lam_now = dk.pair_add(lam_prev, (log_fgate, jnp.zeros_like(log_fgate)))
+    gate = jnp.where(jnp.asarray(pos >= 0)[:, None, None], log_fgate, 0.0)  # a pad adds no gate
+    lam_now = dk.pair_add(lam_prev, (gate, jnp.zeros_like(gate)))
     ring_k, ring_v = write_entry(k, kp, hi, 2), write_entry(v, vp, hi, 2)
     ring_lam = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_now))
     ref = decode_attention_reference(qp, ring_k, ring_v, lo=lo, hi=jnp.broadcast_to(hi, lo.shape), lam_q=lam_now,
@@ -483,8 +487,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
     row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
-    with and without the fused per-head work (``StepArrays``), so a change that breaks the Triton lowering fails
-    here, not first on the GPU."""
+    with and without the fused per-head work (``StepArrays``) and the ring's tables, so a change that breaks the
+    Triton lowering fails here, not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
 
@@ -518,13 +522,13 @@ def test_kernel_lowers_to_triton_for_cuda():
                              o_scale=sds((hkv, grp, 64), jnp.float32) if config.num_splits == 1 else None,
                              o_gate=False)
         one = config.num_splits == 1  # (the flags stay static: the arrays alone are traced)
-        text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st: f(
-            q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl, step=dataclasses.replace(st, o_gate=one))
-                       ).trace(sds((b, hkv, grp, 64), jnp.bfloat16), sds((b, hkv, 256, 64), jnp.bfloat16),
+        text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
+            q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl, step=dataclasses.replace(st, o_gate=one),
+            tables=tb)).trace(sds((b, hkv, grp, 64), jnp.bfloat16), sds((b, hkv, 256, 64), jnp.bfloat16),
                                sds((b, hkv, 256, 64), jnp.bfloat16), sds((b, hkv), jnp.int32), sds((), jnp.int32),
                                pair(b, hkv, grp, 256), sds((b, hkv, 64), jnp.bfloat16),
-                               sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, grp), jnp.float32), step
-                               ).lower(lowering_platforms=("cuda",)).as_text()
+                               sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, grp), jnp.float32), step,
+                               (sds((b, hkv), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 
@@ -649,9 +653,9 @@ def test_gpu_append_decay_floor(b, hkv, grp, cap, splits):
 def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits):
     """FoX (Pro)'s fused decode step on the device (``DecodeStep``: the Triton kernel reads the GEMM's rows and does
     the KV-shift, QK-norm, Λ, output norm and gate) equals the XLA path of the same call (``head_prologue``, masked
-    einsums, ``head_epilogue``): output within 2e-2 of the output scale (bf16's 1e-2 and the epilogue's roundings), the carried raw k, v exactly, Λ to
-    1e-6; FoX 125M's shape (B8, 12 heads, one split: the epilogue in the kernel) and a GQA shape with 3 splits (the
-    epilogue and Λ after the combine)."""
+    einsums, ``head_epilogue``): output within 2e-2 of the output scale (bf16's 1e-2 and the epilogue's roundings),
+    the carried raw k, v exactly, Λ to 1e-6; FoX 125M's shape (B8, 12 heads, one split: the epilogue in the kernel)
+    and a GQA shape with 3 splits (the epilogue and Λ after the combine)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     from fox_jax.ops.decode_attention import DecodeStep

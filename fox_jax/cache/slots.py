@@ -705,9 +705,10 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
       log_fgate: [B, T, H] float32 log forget gates, or None (must match the cache); pads are ignored.
       head_ops: the layer's per-head work around attention (``fox_jax.ops.head_ops.HeadOps``), or None: the
         prologue (KV-shift from the cache's carry, which is then updated; QK-norm; RoPE at the cache's positions)
-        before attention and the epilogue (output norm and gate) after. A decode step of a ring without pinned slots
-        whose rule needs no q / k values hands it to the decode op (its Pallas kernel does it all: no kernels of
-        their own); elsewhere ``head_prologue`` / ``head_epilogue`` run here.
+        before attention and the epilogue (output norm and gate) after. A decode step (T = 1) without RoPE, on a
+        cache of one ring group holding every key/value head and no pinned slots, whose rule needs no q / k values
+        (``Rule.needs_qk``), hands it to the decode op (its Pallas kernel does it all: no kernels of their own);
+        elsewhere ``head_prologue`` / ``head_epilogue`` run here.
       facts: the model facts the policy's rule may need (``LayerFacts``: acp the QK-norm logit bound, dcp
         q_int / k_int / β).
       sm_scale: logit scale, default 1/√D.

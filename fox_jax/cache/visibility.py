@@ -54,7 +54,9 @@ class Chunk(NamedTuple):
 
     Attributes:
       cols: [T] int32 columns; pos: [B, T] int32 positions (negative on left pads); real: [B, T] bool.
-      seq_start: [B] int32. q: [B, T, H, D], k: [B, T, Hkv, D] (ready for attention).
+      seq_start: [B] int32. q: [B, T, H, D], k: [B, T, Hkv, D]: ready for attention — except on a fused decode step
+        (``fox_jax.cache.slots.slot_attention`` with ``HeadOps``, when the rule's ``needs_qk`` is False), where they
+        are the raw projections and only their shapes are meaningful.
       lam: (hi, lo) Λ of the chunk's tokens, each [B, T, H] float32, or None without forget gates.
       facts: ``LayerFacts``. scale: the logit scale. max_context: N, the most keys a query can see.
       fresh: the cache had been fed nothing before this chunk (static).
@@ -109,8 +111,10 @@ class Rule:
         return None, state
 
     def needs_qk(self, state: Any) -> bool:
-        """Whether ``prepare`` reads the values of the chunk's q and k (a decode step then hands the decode op q and
-        k ready for attention, not the raw projections; ``fox_jax.cache.slots.slot_attention``)."""
+        """Whether any method of the rule reads the values of the chunk's q and k (then a decode step computes them
+        ready for attention in XLA; else the decode op may get the raw projections and do the layer's per-head work
+        in its kernel: ``Chunk.q`` / ``Chunk.k`` are raw there; ``fox_jax.cache.slots.slot_attention``). A rule
+        that reads them must say so here."""
         return False
 
     def first_visible(self, policy: CachePolicy, aux: Any, chunk: Chunk, keys: Keys) -> jax.Array:

@@ -356,11 +356,14 @@ class DecodeStep(NamedTuple):
     lam_prev: tuple | None = None
 
 
-def _check_step(step: DecodeStep, q, lam_q, lam_k, lam_new) -> None:
+def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
     """One-line ValueErrors for ``decode_attention_append``'s ``step``."""
     b, hkv, grp, d = q.shape
     h = hkv * grp
     ops = step.ops
+    if tuple(jnp.shape(hi)) not in ((), (b, 1)):
+        raise ValueError(f"with step, hi must be a scalar or [{b}, 1] (a decode step has one position per row), "
+                         f"got {list(jnp.shape(hi))}")
     if not isinstance(ops, HeadOps):
         raise ValueError(f"step.ops must be a HeadOps, got {type(ops).__name__}")
     if ops.rope_base is not None:
@@ -544,7 +547,7 @@ def decode_attention_append(
                 raise ValueError(f"ring_tables ({name}) must be int32 [{b}, 1] or [{b}, {hkv}] like start, "
                                  f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
     if step is not None:
-        _check_step(step, q, lam_q, lam_k, lam_new)
+        _check_step(step, q, hi, lam_q, lam_k, lam_new)
         lam_q_chk = None if step.log_fgate is None else step.lam_prev  # stands in for the Λ the op computes
     else:
         lam_q_chk = lam_q

@@ -91,7 +91,8 @@ class HeadOps:
         v (Hkv), then the o_gate logits (H) (further rows ignored): the decode GEMM's output, which a kernel reads in
         place (the separate q, k, v, o_gate are slices of it: each passed on its own would be a copy).
       gate_rows: [B, T, W] float32, or None: likewise the k_shift and v_shift logits (Hkv each, with a shift), then
-        the forget-gate logits log f = log σ(·) of the H heads (further columns ignored).
+        the forget-gate logits of the H heads (logits: log f = log σ(logit) is taken by the reader; further columns
+        ignored).
       qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
     """
 
