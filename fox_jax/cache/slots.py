@@ -739,14 +739,14 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
              and not rule.needs_qk(cache.state))
     kv_carry = cache.kv_shift
     if head_ops is not None and not fused:
-        state = None
+        shift_state = None
         if head_ops.shifts:  # the cached state is the previous token's, unless that is a pad (or none)
             after_pad = (pos[:, 0] <= 0)[:, None, None]
-            state = (jnp.where(after_pad, 0, cache.k_shift), jnp.where(after_pad, 0, cache.v_shift))
-        q, k, v, new_state = head_prologue(head_ops, q, k, v, positions=pos, segment_ids=real.astype(jnp.int32),
-                                           state=state)  # the shift never reads a pad
-        if new_state is not None:
-            kv_carry = jnp.stack([x.astype(cache.kv_shift.dtype) for x in new_state], axis=1)
+            shift_state = (jnp.where(after_pad, 0, cache.k_shift), jnp.where(after_pad, 0, cache.v_shift))
+        q, k, v, new_shift = head_prologue(head_ops, q, k, v, positions=pos, segment_ids=real.astype(jnp.int32),
+                                           state=shift_state)  # the shift never reads a pad
+        if new_shift is not None:
+            kv_carry = jnp.stack([x.astype(cache.kv_shift.dtype) for x in new_shift], axis=1)
     lam = None
     if log_fgate is not None:  # (unused by a fused step, whose op accumulates Λ: XLA drops it)
         lam = accumulate_log_fgate(cache.lam_hi, cache.lam_lo, jnp.where(real[..., None], log_fgate, 0.0))
