@@ -126,21 +126,25 @@ def head_prologue(ops: HeadOps, q: jax.Array, k: jax.Array, v: jax.Array, *, pos
     Returns:
       (q, k, v in their dtypes, (k̃, ṽ) of the chunk's last token, or None without a shift).
     """
-    new_state = None
+    new_state = None  # (each step under its own name scope: profiles attribute its kernels as the modules' did)
     if ops.shifts:
         k_state, v_state = (None, None) if state is None else state
-        k, k_last = kv_shift(k, jax.nn.sigmoid(ops.k_shift), state=k_state, segment_ids=segment_ids)
-        v, v_last = kv_shift(v, jax.nn.sigmoid(ops.v_shift), state=v_state, segment_ids=segment_ids)
+        with jax.named_scope("kv_shift"):
+            k, k_last = kv_shift(k, jax.nn.sigmoid(ops.k_shift), state=k_state, segment_ids=segment_ids)
+            v, v_last = kv_shift(v, jax.nn.sigmoid(ops.v_shift), state=v_state, segment_ids=segment_ids)
         new_state = (k_last, v_last)
     if ops.q_scale is not None:
-        q = rms_norm(q, ops.q_scale, ops.qk_eps, q.dtype)
+        with jax.named_scope("q_norm"):
+            q = rms_norm(q, ops.q_scale, ops.qk_eps, q.dtype)
     if ops.k_scale is not None:
-        k = rms_norm(k, ops.k_scale, ops.qk_eps, k.dtype)
+        with jax.named_scope("k_norm"):
+            k = rms_norm(k, ops.k_scale, ops.qk_eps, k.dtype)
     if ops.rope_base is not None:
         b, t = q.shape[:2]
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t), (b, t))
-        q, k = apply_rope(q, positions, ops.rope_base), apply_rope(k, positions, ops.rope_base)
+        with jax.named_scope("rope"):
+            q, k = apply_rope(q, positions, ops.rope_base), apply_rope(k, positions, ops.rope_base)
     return q, k, v, new_state
 
 
@@ -148,9 +152,11 @@ def head_epilogue(ops: HeadOps, o: jax.Array) -> jax.Array:
     """``ops``'s epilogue in XLA: o [B, T, H, D] (compute dtype) → the output norm and gate applied, same shape and
     dtype."""
     if ops.o_scale is not None:
-        o = rms_norm(o, ops.o_scale, ops.o_eps, o.dtype)
+        with jax.named_scope("o_norm"):
+            o = rms_norm(o, ops.o_scale, ops.o_eps, o.dtype)
     if ops.o_gate is not None:
-        o = o * jax.nn.sigmoid(ops.o_gate.astype(o.dtype))
+        with jax.named_scope("o_gate"):
+            o = o * jax.nn.sigmoid(ops.o_gate.astype(o.dtype))
     return o
 
 
