@@ -178,8 +178,9 @@ class StepGeom:
     o_norm: bool = False  # RMSNorm of the output over D times a scale (one split only: else after the combine)
     o_gate: bool = False  # output times σ(gate logits) (one split only)
     gate_logits: bool = True  # the forget gates come as logits (log σ taken here), else as log f
-    heads: int = 1  # H and Hkv: the rows of ``rows`` are q (H), k (Hkv), v (Hkv), o gate (H)
+    heads: int = 1  # H and Hkv of the layer: the rows of ``rows`` are q (H), k (Hkv), v (Hkv), o gate (H)
     kv_heads: int = 1
+    group_heads: tuple | None = None  # the layer's kv head of each of this call's kv heads (a cache's head group)
     qk_eps: float = 1e-5
     o_eps: float = 1e-6
 
@@ -224,6 +225,17 @@ def _dot(a, b, contract_a: int, contract_b: int, exact: bool):
                            preferred_element_type=jnp.float32)
 
 
+def layer_head(j, group_heads: tuple | None):
+    """The layer's key/value head of this call's kv head ``j`` (int32, traced): j itself, or ``group_heads[j]`` for a
+    head group (a static tuple, so a chain of selects: also usable in a BlockSpec's index map)."""
+    if group_heads is None:
+        return j
+    out = jnp.int32(group_heads[0])
+    for n, h in enumerate(group_heads[1:], start=1):
+        out = jnp.where(j == n, jnp.int32(h), out)
+    return out
+
+
 def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     """RMSNorm over the head dim of a row block split into column chunks: xs [..., size] float32 each, scales the
     matching float32 chunks (broadcastable); returns the chunks in ``dtype``."""
@@ -248,7 +260,8 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     st, dt = g.step, r["rows"].dtype
     f32 = jnp.float32
     hkv = st.kv_heads
-    head = lax.rem(pl.program_id(0), hkv)  # this program's key/value head
+    n_call = st.kv_heads if st.group_heads is None else len(st.group_heads)
+    head = layer_head(lax.rem(pl.program_id(0), n_call), st.group_heads)  # this program's kv head in the layer
     writer = pl.program_id(1) == 0
     writes = []
     qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
@@ -305,7 +318,8 @@ def _step_epilogue(g: _Geom, r: dict, outs, row_ok):
         scales = [pltriton.load(r["o_scale"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
         outs = [x.astype(f32) for x in _rms_chunks(outs, scales, st.o_eps, d, dt)]
     if st.o_gate:  # the gate logits: rows 2·Hkv + H + head·G of ``rows``
-        first = st.heads + 2 * st.kv_heads + lax.rem(pl.program_id(0), st.kv_heads) * g.group
+        n_call = st.kv_heads if st.group_heads is None else len(st.group_heads)
+        first = st.heads + 2 * st.kv_heads + layer_head(lax.rem(pl.program_id(0), n_call), st.group_heads) * g.group
         gates = [pltriton.load(r["rows"].at[pl.ds(first, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
                  for off, size in g.chunks]
         outs = [x * jax.nn.sigmoid(gt.astype(f32)).astype(dt).astype(f32) for x, gt in zip(outs, gates)]
@@ -548,7 +562,8 @@ def _range_operand(x, b: int, hkv: int):
     return jnp.broadcast_to(x.reshape(shape), (b, hkv)).reshape(b * hkv), pl.BlockSpec((None,), lambda i, s: (i,))
 
 
-@functools.partial(jax.tree_util.register_dataclass, meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps"],
+@functools.partial(jax.tree_util.register_dataclass,
+                   meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads"],
                    data_fields=["rows", "seq_start", "gate_rows", "shift_state", "q_scale", "k_scale", "lam_prev",
                                 "o_scale"])
 @dataclasses.dataclass(frozen=True)
@@ -569,7 +584,10 @@ class StepArrays:
       q_scale: [Hkv, G, D] float32; k_scale: [Hkv, D] float32 (QK-norm).
       lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (returned updated).
       o_scale: [Hkv, G, D] float32 (one split only). o_gate: the rows hold the output gate logits (one split only).
-      gate_logits, qk_eps, o_eps: as ``StepGeom``. (o_gate, gate_logits and the eps are static: a pytree's
+      gate_logits, qk_eps, o_eps: as ``StepGeom``. group_heads: None, or the layer's kv head of each of this
+        call's kv heads (a cache's head group; a tuple of ints): q, k, v, the ring and the tables are the group's,
+        while ``rows``, ``gate_rows``, the carries and the scales are the layer's ([B, 2, Hkv, D], [B, Hkv, G],
+        [Hkv, ...] with the layer's Hkv). (o_gate, gate_logits, the eps and group_heads are static: a pytree's
         auxiliary data.)
     """
 
@@ -585,6 +603,7 @@ class StepArrays:
     gate_logits: bool = True
     qk_eps: float = 1e-5
     o_eps: float = 1e-6
+    group_heads: tuple | None = None
 
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
@@ -684,7 +703,11 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
             ins += [(n, x.reshape(bh, grp).astype(f32), per_group) for n, x in zip(("ln_hi", "ln_lo"), lam_new)]
     geom_step = None
     if step is not None:
-        head_of = lambda i, s: (lax.rem(i, hkv), 0, 0)  # noqa: E731  (parameters per key/value head)
+        gh = step.group_heads
+        hkv_l = hkv if gh is None else step.shift_state.shape[2] if step.shift_state is not None else \
+            step.lam_prev[0].shape[1] if step.lam_prev is not None else max(gh) + 1  # the layer's Hkv
+        lh = lambda i: layer_head(lax.rem(i, hkv), gh)  # noqa: E731  (this program's kv head in the layer)
+        head_of = lambda i, s: (lh(i), 0, 0)  # noqa: E731  (parameters per key/value head)
         of_row = lambda i, s: (lax.div(i, hkv), 0, 0)  # noqa: E731  (a row's whole block)
         n_rows = step.rows.shape[1]
         ins += [("rows", step.rows.astype(q.dtype), pl.BlockSpec((None, n_rows, d_run), of_row)),
@@ -695,22 +718,25 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                         pl.BlockSpec((None, step.gate_rows.shape[1]), lambda i, s: (lax.div(i, hkv), 0))))
         if step.shift_state is not None:
             ins.append(("shift_state", step.shift_state.astype(q.dtype),
-                        pl.BlockSpec((None, 2, None, d_run), lambda i, s: (lax.div(i, hkv), 0, lax.rem(i, hkv), 0))))
+                        pl.BlockSpec((None, 2, None, d_run), lambda i, s: (lax.div(i, hkv), 0, lh(i), 0))))
         if step.q_scale is not None:
-            ins.append(("q_scale", step.q_scale.reshape(hkv, grp, d_run).astype(f32),
+            ins.append(("q_scale", step.q_scale.reshape(hkv_l, grp, d_run).astype(f32),
                         pl.BlockSpec((None, gp, d_run), head_of)))
         if step.k_scale is not None:
-            ins.append(("k_scale", step.k_scale.reshape(hkv, d_run).astype(f32),
-                        pl.BlockSpec((None, d_run), lambda i, s: (lax.rem(i, hkv), 0))))
-        if step.lam_prev is not None:
-            ins += [(n, x.reshape(bh, grp).astype(f32), per_group) for n, x in zip(("lp_hi", "lp_lo"), step.lam_prev)]
+            ins.append(("k_scale", step.k_scale.reshape(hkv_l, d_run).astype(f32),
+                        pl.BlockSpec((None, d_run), lambda i, s: (lh(i), 0))))
+        if step.lam_prev is not None:  # [B·Hkv (the layer's), G]: the program's row and layer kv head
+            ins += [(n, x.reshape(b * hkv_l, grp).astype(f32),
+                     pl.BlockSpec((None, gp), lambda i, s: (lax.div(i, hkv) * hkv_l + lh(i), 0)))
+                    for n, x in zip(("lp_hi", "lp_lo"), step.lam_prev)]
         if step.o_scale is not None:
-            ins.append(("o_scale", step.o_scale.reshape(hkv, grp, d_run).astype(f32),
+            ins.append(("o_scale", step.o_scale.reshape(hkv_l, grp, d_run).astype(f32),
                         pl.BlockSpec((None, gp, d_run), head_of)))
         geom_step = StepGeom(shift=step.shift_state is not None, q_norm=step.q_scale is not None,
                              k_norm=step.k_scale is not None, gates=step.lam_prev is not None,
                              o_norm=step.o_scale is not None, o_gate=bool(step.o_gate),
-                             gate_logits=bool(step.gate_logits), heads=hkv * grp, kv_heads=hkv,
+                             gate_logits=bool(step.gate_logits), heads=hkv_l * grp, kv_heads=hkv_l,
+                             group_heads=None if gh is None else tuple(int(x) for x in gh),
                              qk_eps=float(step.qk_eps), o_eps=float(step.o_eps))
 
     nt = 0
@@ -772,7 +798,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     out = (o, k_out, v_out, lam_out) + (() if first is None else (first,))
     if step is not None:
         shift_out = res.get("shift_out")
-        lam_now = (res["lp_hi_out"].reshape(b, hkv, grp), res["lp_lo_out"].reshape(b, hkv, grp)) \
+        lam_now = (res["lp_hi_out"].reshape(step.lam_prev[0].shape), res["lp_lo_out"].reshape(step.lam_prev[1].shape)) \
             if "lp_hi_out" in res else None
         out += ((shift_out, lam_now),)
     if tables is not None:

@@ -530,6 +530,15 @@ def test_kernel_lowers_to_triton_for_cuda():
                                sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, grp), jnp.float32), step,
                                (sds((b, hkv), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
+        # a head group: the call holds the layer's kv head 1 only (its rows, scales and carries are the layer's)
+        text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
+            q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl,
+            step=dataclasses.replace(st, o_gate=one, group_heads=(1,)), tables=tb)).trace(
+            sds((b, 1, grp, 64), jnp.bfloat16), sds((b, 1, 256, 64), jnp.bfloat16), sds((b, 1, 256, 64), jnp.bfloat16),
+            sds((b, 1), jnp.int32), sds((), jnp.int32), pair(b, 1, grp, 256), sds((b, 1, 64), jnp.bfloat16),
+            sds((b, 1, 64), jnp.bfloat16), sds((b, 1, grp), jnp.float32), step,
+            (sds((b, 1), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
 
 
 # --------------------------------------------------------------------------------------------------
@@ -649,26 +658,32 @@ def test_gpu_append_decay_floor(b, hkv, grp, cap, splits):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,hkv,grp,cap,splits", [(8, 12, 1, 256, None), (4, 8, 4, 1024, 3)])
-def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits):
+@pytest.mark.parametrize("b,hkv,grp,cap,splits,group", [(8, 12, 1, 256, None, None), (4, 8, 4, 1024, 3, None),
+                                                        (8, 12, 1, 256, None, (1, 4, 11))])
+def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits, group):
     """FoX (Pro)'s fused decode step on the device (``DecodeStep``: the Triton kernel reads the GEMM's rows and does
     the KV-shift, QK-norm, Λ, output norm and gate) equals the XLA path of the same call (``head_prologue``, masked
     einsums, ``head_epilogue``): output within 2e-2 of the output scale (bf16's 1e-2 and the epilogue's roundings),
     the carried raw k, v exactly, Λ to 1e-6; FoX 125M's shape (B8, 12 heads, one split: the epilogue in the kernel)
-    and a GQA shape with 3 splits (the epilogue and Λ after the combine)."""
+    and a GQA shape with 3 splits (the epilogue and Λ after the combine); a head group (3 of the 12 kv heads: the
+    call's ring and q are the group's, the rows, scales and carries the layer's, updated at the group's heads)."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
     from fox_jax.ops.decode_attention import DecodeStep
 
     d = 64
     ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.bfloat16, False, cap, b, hkv)
+    n = hkv if group is None else len(group)
+    if group is not None:
+        q, k_new, v_new = (jnp.take(x, jnp.asarray(group), axis=1) for x in (q, k_new, v_new))
     rng = np.random.default_rng(cap)
-    k, v = (jnp.asarray(rng.standard_normal((b, hkv, cap, d)), jnp.bfloat16) for _ in range(2))
-    lam_k = _lambda_pairs(rng, grp, cap, b, hkv)[1]
+    k, v = (jnp.asarray(rng.standard_normal((b, n, cap, d)), jnp.bfloat16) for _ in range(2))
+    lam_k = _lambda_pairs(rng, grp, cap, b, n)[1]
     hi = jnp.int32(5 * cap + 3)
-    lo = jnp.asarray(int(hi) - rng.integers(1, cap + 1, (b, hkv)), jnp.int32)
+    lo = jnp.asarray(int(hi) - rng.integers(1, cap + 1, (b, n)), jnp.int32)
     seq_start = jnp.asarray(rng.integers(int(hi) - 3 * cap, int(hi), (b,)), jnp.int32).at[0].set(int(hi) - 1)
-    step = DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev)
+    step = DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev, heads=group,
+                      kv_heads=None if group is None else hkv)
     outs = {impl: jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
         q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, step=step) for impl in ("xla", "pallas")}
     (o_x, k_x, _, _, _, (sh_x, l_x), _), (o_p, k_p, _, _, _, (sh_p, l_p), _) = outs["xla"], outs["pallas"]

@@ -27,7 +27,7 @@ from fox_jax.cache.decay import accumulate_log_fgate
 from fox_jax.cache.policies import (ACP, DCP, DEFAULT_LOG_EPSILON, POLICIES, POLICY_FORMS, RING_BLOCK,
                                     HeuristicEvictionWarning, Sinks, Window, parse_policy, register_policy)
 from fox_jax.cache.slots import PoolGroup, RingGroup, new_slot_cache, slot_attention
-from fox_jax.cache.visibility import RULES, ACPRule, LayerFacts, register_rule, rule_for
+from fox_jax.cache.visibility import RULES, ACPRule, LayerFacts, Rule, register_rule, rule_for
 from fox_jax.decoding import (decode_step, extend, generate, init_cache, live_counts, prefill,
                               token_losses_under_policy)
 from fox_jax.decoding import generation
@@ -819,23 +819,28 @@ def test_incremental_decoding_equals_full_forward(family):
     assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) == 0
 
 
-@pytest.mark.parametrize("policy,t,p", [("dense", 12, 6), ("acp", 12, 6), ("acp:-1000", 72, 62), ("window:20", 40, 30)])
-def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
+@pytest.mark.parametrize("policy,t,p,slots", [("dense", 12, 6, None), ("acp", 12, 6, None), ("acp:-1000", 72, 62, None),
+                                              ("window:20", 40, 30, None), ("acp:-1000", 72, 62, ((64, 128),))])
+def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
     the raw projections in, with the KV-shift, QK-norm, Λ accumulation, output norm and gate done in the kernel)
     give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
     the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
     every step (the kernel gets the ring's old start: C + 1 keys with the new one); a window moves the ring's start
-    (the kernel advances the ring's start, peak and overflow in place). Tolerance: float32, summation order only
-    (the split softmax), 1e-5."""
+    (the kernel advances the ring's start, peak and overflow in place); per-head capacities (64 and 128 slots: two
+    head groups, one full) run one kernel per group, the KV-shift and Λ carries passed from group to group. The XLA
+    path itself, fused (the op does the layer's work) and unfused (the layer's work before the op), agrees to 1e-6.
+    Tolerance: float32, summation order only (the split softmax), 1e-5."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)  # D = 16:
     model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))  # the kernel's
     tokens = padded_batch(t)
 
     def run():
-        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=min(t, 64), policy=policy)
+        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=slots or min(t, 64),
+                                 policy=policy)
+        assert len(caches[0].groups) == (1 if slots is None else 2)
         steps = []
         for c in range(p, t):
             step_logits, caches = decode_step(model, params, caches, tokens[:, c])
@@ -843,6 +848,14 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
         return np.stack(steps), caches
 
     ref, ref_caches = run()
+    with monkeypatch.context() as m:  # the XLA path unfused (the layer's work before the op, as a rule reading q, k)
+        for cls in (Rule, ACPRule):
+            m.setattr(cls, "needs_qk", lambda self, state: True)
+        jax.clear_caches()
+        unfused, unfused_caches = run()
+    np.testing.assert_allclose(unfused, ref, atol=1e-6)
+    for a, b_ in zip(jax.tree.leaves(unfused_caches), jax.tree.leaves(ref_caches)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32), atol=1e-6)
     monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
     traced = []
     flash = dec.dk.flash_decode
@@ -856,6 +869,7 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, monkeypatch):
     # the layer's per-head work in the kernel too: KV-shift, QK-norm, Λ; the output norm and gate (one split here)
     assert all(s is not None and s.shift_state is not None and s.q_scale is not None and s.lam_prev is not None
                and s.gate_logits and s.o_scale is not None and s.o_gate for _, _, s in traced)
+    assert all((s.group_heads is None) == (slots is None) for _, _, s in traced)  # a head group: its layer heads
     if t > 64:
         assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) > 0  # the ring was full
     np.testing.assert_allclose(got, ref, atol=1e-5)

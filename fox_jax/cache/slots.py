@@ -200,8 +200,9 @@ class RingGroup(_Entries):
             lo = jnp.int32(0)
         else:  # the rule's first visible column; the op takes the maximum with the ring's start
             if raw is not None and raw.log_fgate is not None:  # the rule's own decays (XLA drops them where unread)
-                lf = jnp.where((step.chunk.pos[:, 0] >= 0)[:, None, None], raw.log_fgate, 0.0)
-                lam_q = tuple(x[..., None] for x in pair_add(raw.lam_prev, (lf, jnp.zeros_like(lf))))
+                _, _, log_fgate, lam_prev = raw.group_view(q.shape[3])
+                lf = jnp.where((step.chunk.pos[:, 0] >= 0)[:, None, None], log_fgate, 0.0)
+                lam_q = tuple(x[..., None] for x in pair_add(lam_prev, (lf, jnp.zeros_like(lf))))
             first = step.rule.first_visible(step.cache.policy, step.aux, step.chunk,
                                             self._keys(step.cache, lam_q))[..., -1]             # [B or 1, nt or 1]
             lo = first.reshape(()) if first.size == 1 else jnp.broadcast_to(first, (q.shape[0], first.shape[1]))
@@ -690,6 +691,16 @@ def cache_columns(cache: SlotKVCache, t: int) -> jax.Array:
     return cache.length + jnp.arange(t, dtype=jnp.int32)
 
 
+def _merge_heads(outs, groups, shape) -> jax.Array:
+    """The groups' outputs [(heads index, o [B, T, n, G, D])] as one [B, T, Hkv, G, D] float32 array."""
+    if len(outs) == 1 and groups[0].heads == tuple(range(shape[2])):
+        return outs[0][1]
+    o = jnp.zeros(shape, jnp.float32)
+    for idx, og in outs:
+        o = o.at[:, :, idx].set(og)
+    return o
+
+
 def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array | None, *,
                    head_ops: HeadOps | None = None, facts: LayerFacts | None = None,
                    sm_scale: float | None = None) -> tuple[jax.Array, SlotKVCache]:
@@ -705,10 +716,10 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
       log_fgate: [B, T, H] float32 log forget gates, or None (must match the cache); pads are ignored.
       head_ops: the layer's per-head work around attention (``fox_jax.ops.head_ops.HeadOps``), or None: the
         prologue (KV-shift from the cache's carry, which is then updated; QK-norm; RoPE at the cache's positions)
-        before attention and the epilogue (output norm and gate) after. A decode step (T = 1) without RoPE, on a
-        cache of one ring group holding every key/value head and no pinned slots, whose rule needs no q / k values
-        (``Rule.needs_qk``), hands it to the decode op (its Pallas kernel does it all: no kernels of their own);
-        elsewhere ``head_prologue`` / ``head_epilogue`` run here.
+        before attention and the epilogue (output norm and gate) after. A decode step (T = 1) without RoPE, on ring
+        groups without pinned slots, whose rule needs no q / k values (``Rule.needs_qk``), hands it to the decode op
+        of each head group (its Pallas kernel does it all: no kernels of their own; the carries pass from group to
+        group); elsewhere ``head_prologue`` / ``head_epilogue`` run here.
       facts: the model facts the policy's rule may need (``LayerFacts``: acp the QK-norm logit bound, dcp
         q_int / k_int / β).
       sm_scale: logit scale, default 1/√D.
@@ -733,10 +744,8 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     pos = cols[None, :] - cache.seq_start[:, None]                                              # [B, T]
     real = pos >= 0
     rule = rule_for(policy)
-    only = cache.groups[0]
-    fused = (head_ops is not None and t == 1 and head_ops.rope_base is None and len(cache.groups) == 1
-             and isinstance(only, RingGroup) and not only.pinned and only.heads == tuple(range(hkv))
-             and not rule.needs_qk(cache.state))
+    fused = (head_ops is not None and t == 1 and head_ops.rope_base is None and not rule.needs_qk(cache.state)
+             and all(isinstance(grp_, RingGroup) and not grp_.pinned for grp_ in cache.groups))
     kv_carry = cache.kv_shift
     if head_ops is not None and not fused:
         shift_state = None
@@ -757,17 +766,27 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     use_flash = cache.fresh and t > 1 and flash is not None and len(cache.groups) == 1
     step = _Step(cache, rule, aux, chunk, not use_flash)
     qg = q.reshape(b, t, hkv, g, d)
-    if fused:  # the decode op does the layer's per-head work, Λ and the carries
-        raw = DecodeStep(head_ops, cache.seq_start, cache.kv_shift,
-                         None if log_fgate is None else log_fgate.reshape(b, hkv, g),
-                         None if lam is None else (cache.lam_hi.reshape(b, hkv, g), cache.lam_lo.reshape(b, hkv, g)))
-        o, group, (shift, lam_now) = only.decode_step(step, qg, k, v, None, raw)
+    if fused:  # the decode op does the layer's per-head work, Λ and the carries (chained through the head groups)
+        shift = cache.kv_shift
+        lam_now = None if lam is None else (cache.lam_hi.reshape(b, hkv, g), cache.lam_lo.reshape(b, hkv, g))
+        gates = None if log_fgate is None else log_fgate.reshape(b, hkv, g)
+        outs, groups = [], []
+        for group in cache.groups:
+            idx, whole = jnp.asarray(group.heads), group.heads == tuple(range(hkv))
+            pick = (lambda x: x) if whole else (lambda x: jnp.take(x, idx, axis=2))  # noqa: E731 (unread: rows)
+            raw = DecodeStep(head_ops, cache.seq_start, shift, gates, lam_now, heads=None if whole else group.heads,
+                             kv_heads=None if whole else hkv)
+            og, new, (new_shift, new_lam) = group.decode_step(step, pick(qg), pick(k), pick(v), None, raw)
+            shift = shift if new_shift is None else new_shift
+            lam_now = lam_now if new_lam is None else new_lam
+            outs.append((idx, og))
+            groups.append(new)
         new_cache = cache.replace(
-            groups=(group,), length=cache.length + 1, state=state,
+            groups=tuple(groups), length=cache.length + 1, state=state,
             lam_hi=None if lam_now is None else lam_now[0].reshape(b, h),
             lam_lo=None if lam_now is None else lam_now[1].reshape(b, h),
-            kv_shift=kv_carry if shift is None else shift.astype(kv_carry.dtype), fresh=False)
-        return o.reshape(b, 1, h, d).astype(q.dtype), new_cache
+            kv_shift=None if shift is None else shift.astype(cache.kv_shift.dtype), fresh=False)
+        return _merge_heads(outs, cache.groups, (b, 1, hkv, g, d)).reshape(b, 1, h, d).astype(q.dtype), new_cache
     if use_flash:
         o = forgetting_attention(q, k.astype(q.dtype), v.astype(q.dtype), log_fgate, seq_start=cache.seq_start,
                                  sm_scale=scale, **flash)
@@ -782,13 +801,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
         outs.append((idx, og))
         groups.append(new)
     if step.attend:
-        if len(outs) == 1 and cache.groups[0].heads == tuple(range(hkv)):
-            o = outs[0][1]
-        else:
-            o = jnp.zeros((b, t, hkv, g, d), jnp.float32)
-            for idx, og in outs:
-                o = o.at[:, :, idx].set(og)
-        o = o.reshape(b, t, h, d)
+        o = _merge_heads(outs, cache.groups, (b, t, hkv, g, d)).reshape(b, t, h, d)
     o = o.astype(q.dtype)
     if head_ops is not None:
         o = head_epilogue(head_ops, o)

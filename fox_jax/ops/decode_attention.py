@@ -14,6 +14,8 @@ from __future__ import annotations
 import inspect
 from typing import NamedTuple
 
+import flax.struct
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -335,10 +337,14 @@ class AppendResult(NamedTuple):
     tables: tuple | None = None
 
 
-class DecodeStep(NamedTuple):
+@flax.struct.dataclass
+class DecodeStep:
     """``decode_attention_append(..., step=)``: a decode step handed over raw, so that the op does the layer's per-head
     work (``HeadOps``: KV-shift, QK-norm, output norm and gate) and Λ's accumulation itself (in the Pallas kernel:
     no kernels of their own around the attention).
+
+    Everything here is the layer's (all its Hkv key/value heads, H = Hkv·G query heads), while the op's q, k, v,
+    ring and tables may be one head group of a cache (``heads``).
 
     Attributes:
       ops: the ``HeadOps`` of the step's token (T = 1: k_shift / v_shift [B, 1, Hkv], o_gate [B, 1, H, D]); no RoPE.
@@ -347,6 +353,9 @@ class DecodeStep(NamedTuple):
       shift_state: [B, 2, Hkv, D] (q's dtype) the raw k̃, ṽ of the previous token (with ``ops.shifts``), or None.
       log_fgate: [B, Hkv, G] float32 log forget gates of the token (with Λ), or None.
       lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (with ``log_fgate``), or None.
+      heads: None (the op's q holds every kv head of the layer), or the layer's kv head of each of the op's (a
+        cache's head group; static). The returned carries are the layer's, with the group's heads updated.
+      kv_heads: the layer's Hkv when ``heads`` is given (static).
     """
 
     ops: HeadOps
@@ -354,11 +363,44 @@ class DecodeStep(NamedTuple):
     shift_state: jax.Array | None = None
     log_fgate: jax.Array | None = None
     lam_prev: tuple | None = None
+    heads: tuple | None = flax.struct.field(pytree_node=False, default=None)
+    kv_heads: int | None = flax.struct.field(pytree_node=False, default=None)
+
+    def group_view(self, grp: int) -> tuple:
+        """(ops, shift_state, log_fgate, lam_prev) of the op's heads only (XLA selections; as they are without
+        ``heads``): the group's HeadOps (no rows), shift state [B, 2, n, D], log f and Λ_prev [B, n, G]."""
+        if self.heads is None:
+            return self.ops, self.shift_state, self.log_fgate, self.lam_prev
+        idx, hkv, ops = jnp.asarray(self.heads), self.kv_heads, self.ops
+        per_q = lambda x: x if x is None or x.ndim == 1 else x.reshape(hkv, grp, -1)[idx].reshape(-1, x.shape[-1])  # noqa: E731
+        pick = lambda x, axis: None if x is None else jnp.take(x, idx, axis=axis)  # noqa: E731
+        o_gate = None if ops.o_gate is None else \
+            pick(ops.o_gate.reshape(*ops.o_gate.shape[:2], hkv, grp, -1), 2).reshape(*ops.o_gate.shape[:2], -1,
+                                                                                 ops.o_gate.shape[-1])
+        ops = ops.replace(k_shift=pick(ops.k_shift, 2), v_shift=pick(ops.v_shift, 2), q_scale=per_q(ops.q_scale),
+                          k_scale=ops.k_scale if ops.k_scale is None or ops.k_scale.ndim == 1 else pick(ops.k_scale, 0),
+                          o_scale=per_q(ops.o_scale), o_gate=o_gate, rows=None, gate_rows=None)
+        lam = None if self.lam_prev is None else tuple(pick(x, 1) for x in self.lam_prev)
+        return ops, pick(self.shift_state, 2), pick(self.log_fgate, 1), lam
+
+    def scatter(self, shift, lam) -> tuple:
+        """The layer's carries with the op's heads set to ``shift`` [B, 2, n, D] and ``lam`` (hi, lo) [B, n, G]."""
+        if self.heads is None:
+            return shift, lam
+        idx = jnp.asarray(self.heads)
+        shift = None if shift is None else self.shift_state.at[:, :, idx].set(shift.astype(self.shift_state.dtype))
+        lam = None if lam is None else tuple(full.at[:, idx].set(x) for full, x in zip(self.lam_prev, lam))
+        return shift, lam
 
 
 def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
     """One-line ValueErrors for ``decode_attention_append``'s ``step``."""
-    b, hkv, grp, d = q.shape
+    b, n, grp, d = q.shape
+    if step.heads is not None and (step.kv_heads is None or len(step.heads) != n
+                                   or not all(0 <= x < step.kv_heads for x in step.heads)):
+        raise ValueError(f"step.heads must name the layer's kv head (< step.kv_heads) of each of q's {n}, got "
+                         f"{step.heads} of {step.kv_heads}")
+    hkv = n if step.heads is None else step.kv_heads  # the layer's
     h = hkv * grp
     ops = step.ops
     if tuple(jnp.shape(hi)) not in ((), (b, 1)):
@@ -404,38 +446,41 @@ def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
 
 
 def _step_prologue(step: DecodeStep, q, k_new, v_new, hi):
-    """The step's per-head work in XLA (``head_prologue``), in the op's layout: (q [B, Hkv, G, D], k_new, v_new
-    [B, Hkv, D], Λ (hi, lo) [B, Hkv, G] or None, the new shift state [B, 2, Hkv, D] or None)."""
-    b, hkv, grp, d = q.shape
+    """The step's per-head work in XLA (``head_prologue``), in the op's layout: (q [B, n, G, D], k_new, v_new
+    [B, n, D] and Λ (hi, lo) [B, n, G] or None for the op's n kv heads; the layer's carries (shift state
+    [B, 2, Hkv, D] or None, Λ [B, Hkv, G] or None) with the op's heads updated)."""
+    b, n, grp, d = q.shape
+    ops, shift_state, log_fgate, lam_prev = step.group_view(grp)
     position = jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start                      # [B]
     state = None
-    if step.ops.shifts:
-        st = jnp.where((position > 0)[:, None, None, None], step.shift_state, 0).astype(k_new.dtype)
+    if ops.shifts:
+        st = jnp.where((position > 0)[:, None, None, None], shift_state, 0).astype(k_new.dtype)
         state = (st[:, 0], st[:, 1])
-    q4, k4, v4, new_state = head_prologue(step.ops, q.reshape(b, 1, hkv * grp, d), k_new[:, None], v_new[:, None],
+    q4, k4, v4, new_state = head_prologue(ops, q.reshape(b, 1, n * grp, d), k_new[:, None], v_new[:, None],
                                           state=state)
     lam = None
-    if step.log_fgate is not None:
-        lf = jnp.where((position >= 0)[:, None, None], step.log_fgate, 0.0)
-        lam = dk.pair_add(step.lam_prev, (lf, jnp.zeros_like(lf)))
+    if log_fgate is not None:
+        lf = jnp.where((position >= 0)[:, None, None], log_fgate, 0.0)
+        lam = dk.pair_add(lam_prev, (lf, jnp.zeros_like(lf)))
     shift = None if new_state is None else jnp.stack(new_state, axis=1).astype(step.shift_state.dtype)
-    return q4.reshape(q.shape), k4[:, 0], v4[:, 0], lam, shift
+    return q4.reshape(q.shape), k4[:, 0], v4[:, 0], lam, step.scatter(shift, lam)
 
 
 def _step_epilogue(step: DecodeStep, o):
-    """The output norm and gate in XLA on o [B, Hkv, G, D]."""
-    b, hkv, grp, d = o.shape
-    return head_epilogue(step.ops, o.reshape(b, 1, hkv * grp, d)).reshape(o.shape)
+    """The output norm and gate in XLA on o [B, n, G, D] (the op's heads)."""
+    b, n, grp, d = o.shape
+    return head_epilogue(step.group_view(grp)[0], o.reshape(b, 1, n * grp, d)).reshape(o.shape)
 
 
 def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepArrays:
     """The kernel's ``StepArrays`` from ``step`` (the output norm and gate only with ``epilogue``): ``ops.rows`` and
     ``ops.gate_rows`` as they are, else packed here from the separate arrays (a copy; the forget gates as log f)."""
-    b, hkv, grp, d = q.shape
+    b, n, grp, d = q.shape
+    hkv = n if step.heads is None else step.kv_heads  # the layer's
     ops = step.ops
     gate = ops.o_gate is not None and epilogue
     rows = ops.rows
-    if rows is None:
+    if rows is None:  # (not with a head group: the op runs XLA then)
         parts = [q.reshape(b, hkv * grp, d), k_new, v_new] + ([ops.o_gate.reshape(b, hkv * grp, d)] if gate else [])
         rows = jnp.concatenate([x.astype(q.dtype) for x in parts], axis=1)
     else:
@@ -454,7 +499,7 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
         shift_state=step.shift_state if ops.shifts else None,
         q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
         lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
-        gate_logits=gate_logits, qk_eps=ops.qk_eps, o_eps=ops.o_eps)
+        gate_logits=gate_logits, qk_eps=ops.qk_eps, o_eps=ops.o_eps, group_heads=step.heads)
 
 
 def decode_attention_append(
@@ -548,13 +593,15 @@ def decode_attention_append(
                                  f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
     if step is not None:
         _check_step(step, q, hi, lam_q, lam_k, lam_new)
-        lam_q_chk = None if step.log_fgate is None else step.lam_prev  # stands in for the Λ the op computes
+        lam_q_chk = step.group_view(grp)[3]  # the op's heads of Λ_prev: stands in for the Λ the op computes
     else:
         lam_q_chk = lam_q
     _check_inputs(q, k, v, lo, hi, None, lam_q_chk, lam_k, extra_key=decay_floor is not None,
                   evicts=ring_tables is not None)
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
-    if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0:
+    kernel_ok = step is None or step.heads is None or step.ops.rows is not None  # a group's rows: the layer's
+    if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0 \
+            and kernel_ok:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False)
         one_split = config.num_splits == 1
@@ -569,17 +616,17 @@ def decode_attention_append(
         tables = out.pop(4) if ring_tables is not None else None
         if step is not None and not one_split:  # the output norm and gate after the splits' combine, and Λ
             o = _step_epilogue(step, o)
-            if step.log_fgate is not None:
+            _, _, log_fgate, lam_prev = step.group_view(grp)
+            if log_fgate is not None:
                 lf = jnp.where((jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start >= 0)[:, None, None],
-                               step.log_fgate, 0.0)
-                carry = (carry[0], dk.pair_add(step.lam_prev, (lf, jnp.zeros_like(lf))))
+                               log_fgate, 0.0)
+                carry = (carry[0], step.scatter(None, dk.pair_add(lam_prev, (lf, jnp.zeros_like(lf))))[1])
         return AppendResult(o, k, v, lam_k, first, carry, tables)
     carry = None
     if step is not None:
-        q, k_new, v_new, lam_step, shift = _step_prologue(step, q, k_new, v_new, hi)
+        q, k_new, v_new, lam_step, carry = _step_prologue(step, q, k_new, v_new, hi)
         if lam_step is not None:
             lam_q = lam_new = lam_step
-        carry = (shift, lam_step)
     cap, hi32 = k.shape[2], jnp.asarray(hi, jnp.int32)
     lo = jnp.maximum(jnp.asarray(lo, jnp.int32), 0)
     if ring_tables is not None:
