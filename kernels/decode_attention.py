@@ -563,7 +563,7 @@ def _range_operand(x, b: int, hkv: int):
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads"],
+                   meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads"],
                    data_fields=["rows", "seq_start", "gate_rows", "shift_state", "q_scale", "k_scale", "lam_prev",
                                 "o_scale"])
 @dataclasses.dataclass(frozen=True)
@@ -588,7 +588,7 @@ class StepArrays:
         call's kv heads (a cache's head group; a tuple of ints): q, k, v, the ring and the tables are the group's,
         while ``rows``, ``gate_rows``, the carries and the scales are the layer's ([B, 2, Hkv, D], [B, Hkv, G],
         [Hkv, ...] with the layer's Hkv). (o_gate, gate_logits, the eps and group_heads are static: a pytree's
-        auxiliary data.)
+        auxiliary data.) layer_kv_heads: the layer's Hkv, with group_heads.
     """
 
     rows: jax.Array
@@ -604,6 +604,7 @@ class StepArrays:
     qk_eps: float = 1e-5
     o_eps: float = 1e-6
     group_heads: tuple | None = None
+    layer_kv_heads: int | None = None
 
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
@@ -663,6 +664,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                          "for the output norm and gate")
     if tables is not None and append is None:
         raise ValueError("tables need append (a ring's decode step)")
+    if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
+        raise ValueError("step.group_heads needs step.layer_kv_heads (the layer's Hkv)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
         pad = [(0, 0)] * 3 + [(0, d_run - d)]
         q, k, v = jnp.pad(q, pad), jnp.pad(k, pad), jnp.pad(v, pad)
@@ -704,8 +707,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     geom_step = None
     if step is not None:
         gh = step.group_heads
-        hkv_l = hkv if gh is None else step.shift_state.shape[2] if step.shift_state is not None else \
-            step.lam_prev[0].shape[1] if step.lam_prev is not None else max(gh) + 1  # the layer's Hkv
+        hkv_l = hkv if gh is None else step.layer_kv_heads  # the layer's Hkv
         lh = lambda i: layer_head(lax.rem(i, hkv), gh)  # noqa: E731  (this program's kv head in the layer)
         head_of = lambda i, s: (lh(i), 0, 0)  # noqa: E731  (parameters per key/value head)
         of_row = lambda i, s: (lax.div(i, hkv), 0, 0)  # noqa: E731  (a row's whole block)

@@ -533,7 +533,7 @@ def test_kernel_lowers_to_triton_for_cuda():
         # a head group: the call holds the layer's kv head 1 only (its rows, scales and carries are the layer's)
         text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
             q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl,
-            step=dataclasses.replace(st, o_gate=one, group_heads=(1,)), tables=tb)).trace(
+            step=dataclasses.replace(st, o_gate=one, group_heads=(1,), layer_kv_heads=hkv), tables=tb)).trace(
             sds((b, 1, grp, 64), jnp.bfloat16), sds((b, 1, 256, 64), jnp.bfloat16), sds((b, 1, 256, 64), jnp.bfloat16),
             sds((b, 1), jnp.int32), sds((), jnp.int32), pair(b, 1, grp, 256), sds((b, 1, 64), jnp.bfloat16),
             sds((b, 1, 64), jnp.bfloat16), sds((b, 1, grp), jnp.float32), step,
