@@ -530,14 +530,15 @@ def test_kernel_lowers_to_triton_for_cuda():
                                sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, grp), jnp.float32), step,
                                (sds((b, hkv), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
-        # a head group: the call holds the layer's kv head 1 only (its rows, scales and carries are the layer's)
+        # a head group: the call holds the layer's kv heads 1 and 0, in that order (its rows, scales and carries
+        # are the layer's; the table lookup is a select chain in the index maps)
         text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
             q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl,
-            step=dataclasses.replace(st, o_gate=one, group_heads=(1,), layer_kv_heads=hkv), tables=tb)).trace(
-            sds((b, 1, grp, 64), jnp.bfloat16), sds((b, 1, 256, 64), jnp.bfloat16), sds((b, 1, 256, 64), jnp.bfloat16),
-            sds((b, 1), jnp.int32), sds((), jnp.int32), pair(b, 1, grp, 256), sds((b, 1, 64), jnp.bfloat16),
-            sds((b, 1, 64), jnp.bfloat16), sds((b, 1, grp), jnp.float32), step,
-            (sds((b, 1), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
+            step=dataclasses.replace(st, o_gate=one, group_heads=(1, 0), layer_kv_heads=hkv), tables=tb)).trace(
+            sds((b, 2, grp, 64), jnp.bfloat16), sds((b, 2, 256, 64), jnp.bfloat16), sds((b, 2, 256, 64), jnp.bfloat16),
+            sds((b, 2), jnp.int32), sds((), jnp.int32), pair(b, 2, grp, 256), sds((b, 2, 64), jnp.bfloat16),
+            sds((b, 2, 64), jnp.bfloat16), sds((b, 2, grp), jnp.float32), step,
+            (sds((b, 2), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 

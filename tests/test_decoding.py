@@ -820,7 +820,8 @@ def test_incremental_decoding_equals_full_forward(family):
 
 
 @pytest.mark.parametrize("policy,t,p,slots", [("dense", 12, 6, None), ("acp", 12, 6, None), ("acp:-1000", 72, 62, None),
-                                              ("window:20", 40, 30, None), ("acp:-1000", 72, 62, ((64, 128),))])
+                                              ("window:20", 40, 30, None),
+                                              ("acp:-1000", 72, 62, ((64, 128, 64, 128),))])
 def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
@@ -828,12 +829,13 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch
     give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
     the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
     every step (the kernel gets the ring's old start: C + 1 keys with the new one); a window moves the ring's start
-    (the kernel advances the ring's start, peak and overflow in place); per-head capacities (64 and 128 slots: two
-    head groups, one full) run one kernel per group, the KV-shift and Λ carries passed from group to group. The XLA
+    (the kernel advances the ring's start, peak and overflow in place); per-head capacities (64, 128, 64, 128
+    slots: two interleaved head groups, one full) run one kernel per group, the KV-shift and Λ carries passed from group to group. The XLA
     path itself, fused (the op does the layer's work) and unfused (the layer's work before the op), agrees to 1e-6.
     Tolerance: float32, summation order only (the split softmax), 1e-5."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
-    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)  # D = 16:
+    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4,  # D = 16:
+                 n_kv_heads=2 if slots is None else 4)  # per-head capacities: groups of heads (0, 2) and (1, 3)
     model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))  # the kernel's
     tokens = padded_batch(t)
 

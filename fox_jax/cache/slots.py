@@ -191,8 +191,9 @@ class RingGroup(_Entries):
     def decode_step(self, step: _Step, q, k, v, lam_q, raw: DecodeStep | None = None) -> tuple:
         """A decode step of a ring without pinned slots: the write, the read and the ring's tables in one op
         (``decode_attention_append``; its Pallas kernel does all three). q [B, 1, n, G, D]; k, v [B, 1, n, D]; lam_q
-        (hi, lo) [B, n, G, 1] or None. With ``raw`` (every head of the layer in this group) q, k, v are the raw
-        projections and the op does the layer's per-head work and Λ (``DecodeStep``). Returns (o [B, 1, n, G, D]
+        (hi, lo) [B, n, G, 1] or None. With ``raw`` (a ``DecodeStep``; this group may hold some of the layer's kv heads,
+        ``raw.heads``, while its carries are the layer's) q, k, v are the raw projections and the op does the layer's
+        per-head work and Λ. Returns (o [B, 1, n, G, D]
         float32, the updated group, the op's (shift state, Λ) with ``raw`` or None)."""
         floor = None if self.lam_hi is None or self.start.shape[1] != len(self.heads) else \
             step.rule.decay_floor(step.cache.policy, step.aux, step.chunk, self.heads)  # per-head tables only

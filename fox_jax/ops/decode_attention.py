@@ -396,9 +396,9 @@ class DecodeStep:
 def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
     """One-line ValueErrors for ``decode_attention_append``'s ``step``."""
     b, n, grp, d = q.shape
-    if step.heads is not None and (step.kv_heads is None or len(step.heads) != n
+    if step.heads is not None and (step.kv_heads is None or len(step.heads) != n or len(set(step.heads)) != n
                                    or not all(0 <= x < step.kv_heads for x in step.heads)):
-        raise ValueError(f"step.heads must name the layer's kv head (< step.kv_heads) of each of q's {n}, got "
+        raise ValueError(f"step.heads must name a distinct layer kv head (< step.kv_heads) for each of q's {n}, got "
                          f"{step.heads} of {step.kv_heads}")
     hkv = n if step.heads is None else step.kv_heads  # the layer's
     h = hkv * grp
@@ -551,7 +551,9 @@ def decode_attention_append(
         per-head work around the attention (``step.ops``: KV-shift from ``step.shift_state``, QK-norm; then the
         output norm and gate on o) and Λ of the step from ``step.lam_prev`` + ``step.log_fgate`` (lam_q and lam_new
         None). ``"pallas"`` does it all in its kernel (with several splits the output norm and gate follow the
-        combine); the other implementations call ``head_prologue`` / ``head_epilogue`` (fox_jax.ops.head_ops).
+        combine); the other implementations call ``head_prologue`` / ``head_epilogue`` (fox_jax.ops.head_ops). A
+        head group (``step.heads``) without ``step.ops.rows`` runs the XLA path whatever ``implementation`` says
+        (the kernel finds a group's q, k, v in the layer's rows).
 
       ring_tables: None, or the ring's (start, peak, overflow), each int32 [B, nt] with nt ∈ {1, Hkv} (per row or per
         key/value head): ``lo`` is then the first column the policy's rule lets the step see (any int ≤ hi − 1, e.g.
