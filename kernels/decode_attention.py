@@ -178,7 +178,7 @@ class StepGeom:
     o_norm: bool = False  # RMSNorm of the output over D times a scale (one split only: else after the combine)
     o_gate: bool = False  # output times σ(gate logits) (one split only)
     gate_logits: bool = True  # the forget gates come as logits (log σ taken here), else as log f
-    heads: int = 1  # H and Hkv of the layer: the rows of ``rows`` are q (H), k (Hkv), v (Hkv), o gate (H)
+    q_heads: int = 1  # H and Hkv of the layer: the rows of ``rows`` are q (H), k (Hkv), v (Hkv), o gate (H)
     kv_heads: int = 1
     group_heads: tuple | None = None  # the layer's kv head of each of this call's kv heads (a cache's head group)
     qk_eps: float = 1e-5
@@ -266,8 +266,8 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     writes = []
     qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
           for off, size in g.chunks]
-    ks = [pltriton.load(r["rows"].at[st.heads + head, pl.ds(off, size)]) for off, size in g.chunks]
-    vs = [pltriton.load(r["rows"].at[st.heads + hkv + head, pl.ds(off, size)]) for off, size in g.chunks]
+    ks = [pltriton.load(r["rows"].at[st.q_heads + head, pl.ds(off, size)]) for off, size in g.chunks]
+    vs = [pltriton.load(r["rows"].at[st.q_heads + hkv + head, pl.ds(off, size)]) for off, size in g.chunks]
     pos = r["hi"][()] - 1 - r["seq_start"][()]  # the step's position (< 0: a pad)
     d = sum(size for _, size in g.chunks)
     if st.shift:
@@ -319,7 +319,7 @@ def _step_epilogue(g: _Geom, r: dict, outs, row_ok):
         outs = [x.astype(f32) for x in _rms_chunks(outs, scales, st.o_eps, d, dt)]
     if st.o_gate:  # the gate logits: rows 2·Hkv + H + head·G of ``rows``
         n_call = st.kv_heads if st.group_heads is None else len(st.group_heads)
-        first = st.heads + 2 * st.kv_heads + layer_head(lax.rem(pl.program_id(0), n_call), st.group_heads) * g.group
+        first = st.q_heads + 2 * st.kv_heads + layer_head(lax.rem(pl.program_id(0), n_call), st.group_heads) * g.group
         gates = [pltriton.load(r["rows"].at[pl.ds(first, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
                  for off, size in g.chunks]
         outs = [x * jax.nn.sigmoid(gt.astype(f32)).astype(dt).astype(f32) for x, gt in zip(outs, gates)]
@@ -737,7 +737,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         geom_step = StepGeom(shift=step.shift_state is not None, q_norm=step.q_scale is not None,
                              k_norm=step.k_scale is not None, gates=step.lam_prev is not None,
                              o_norm=step.o_scale is not None, o_gate=bool(step.o_gate),
-                             gate_logits=bool(step.gate_logits), heads=hkv_l * grp, kv_heads=hkv_l,
+                             gate_logits=bool(step.gate_logits), q_heads=hkv_l * grp, kv_heads=hkv_l,
                              group_heads=None if gh is None else tuple(int(x) for x in gh),
                              qk_eps=float(step.qk_eps), o_eps=float(step.o_eps))
 

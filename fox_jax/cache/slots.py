@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fox_jax.cache.decay import accumulate_log_fgate, pair_add
+from fox_jax.cache.decay import accumulate_log_fgate
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.cache.visibility import Chunk, Keys, LayerFacts, Rule, rule_for
 from fox_jax.ops._common import check_seq_start, dot_precision
@@ -201,9 +201,7 @@ class RingGroup(_Entries):
             lo = jnp.int32(0)
         else:  # the rule's first visible column; the op takes the maximum with the ring's start
             if raw is not None and raw.log_fgate is not None:  # the rule's own decays (XLA drops them where unread)
-                _, _, log_fgate, lam_prev = raw.group_view(q.shape[3])
-                lf = jnp.where((step.chunk.pos[:, 0] >= 0)[:, None, None], log_fgate, 0.0)
-                lam_q = tuple(x[..., None] for x in pair_add(lam_prev, (lf, jnp.zeros_like(lf))))
+                lam_q = tuple(x[..., None] for x in raw.step_lam(step.cache.length + 1, q.shape[3]))
             first = step.rule.first_visible(step.cache.policy, step.aux, step.chunk,
                                             self._keys(step.cache, lam_q))[..., -1]             # [B or 1, nt or 1]
             lo = first.reshape(()) if first.size == 1 else jnp.broadcast_to(first, (q.shape[0], first.shape[1]))

@@ -383,6 +383,16 @@ class DecodeStep:
         lam = None if self.lam_prev is None else tuple(pick(x, 1) for x in self.lam_prev)
         return ops, pick(self.shift_state, 2), pick(self.log_fgate, 1), lam
 
+    def step_lam(self, hi, grp: int) -> tuple | None:
+        """Λ of the step for the op's heads, (hi, lo) [B, n, G] float32: Λ_prev + log f as a pair (a pad, position
+        hi − 1 − seq_start < 0, adds no gate); None without forget gates. The kernel's float32 form, in XLA."""
+        _, _, log_fgate, lam_prev = self.group_view(grp)
+        if log_fgate is None:
+            return None
+        position = jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - self.seq_start                   # [B]
+        lf = jnp.where((position >= 0)[:, None, None], log_fgate, 0.0)
+        return dk.pair_add(lam_prev, (lf, jnp.zeros_like(lf)))
+
     def scatter(self, shift, lam) -> tuple:
         """The layer's carries with the op's heads set to ``shift`` [B, 2, n, D] and ``lam`` (hi, lo) [B, n, G]."""
         if self.heads is None:
@@ -450,7 +460,7 @@ def _step_prologue(step: DecodeStep, q, k_new, v_new, hi):
     [B, n, D] and Λ (hi, lo) [B, n, G] or None for the op's n kv heads; the layer's carries (shift state
     [B, 2, Hkv, D] or None, Λ [B, Hkv, G] or None) with the op's heads updated)."""
     b, n, grp, d = q.shape
-    ops, shift_state, log_fgate, lam_prev = step.group_view(grp)
+    ops, shift_state, _, _ = step.group_view(grp)
     position = jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start                      # [B]
     state = None
     if ops.shifts:
@@ -458,10 +468,7 @@ def _step_prologue(step: DecodeStep, q, k_new, v_new, hi):
         state = (st[:, 0], st[:, 1])
     q4, k4, v4, new_state = head_prologue(ops, q.reshape(b, 1, n * grp, d), k_new[:, None], v_new[:, None],
                                           state=state)
-    lam = None
-    if log_fgate is not None:
-        lf = jnp.where((position >= 0)[:, None, None], log_fgate, 0.0)
-        lam = dk.pair_add(lam_prev, (lf, jnp.zeros_like(lf)))
+    lam = step.step_lam(hi, grp)
     shift = None if new_state is None else jnp.stack(new_state, axis=1).astype(step.shift_state.dtype)
     return q4.reshape(q.shape), k4[:, 0], v4[:, 0], lam, step.scatter(shift, lam)
 
@@ -619,11 +626,9 @@ def decode_attention_append(
         tables = out.pop(4) if ring_tables is not None else None
         if step is not None and not one_split:  # the output norm and gate after the splits' combine, and Λ
             o = _step_epilogue(step, o)
-            _, _, log_fgate, lam_prev = step.group_view(grp)
-            if log_fgate is not None:
-                lf = jnp.where((jnp.asarray(hi, jnp.int32).reshape(-1) - 1 - step.seq_start >= 0)[:, None, None],
-                               log_fgate, 0.0)
-                carry = (carry[0], step.scatter(None, dk.pair_add(lam_prev, (lf, jnp.zeros_like(lf))))[1])
+            lam = step.step_lam(hi, grp)
+            if lam is not None:
+                carry = (carry[0], step.scatter(None, lam)[1])
         return AppendResult(o, k, v, lam_k, first, carry, tables)
     carry = None
     if step is not None:
