@@ -29,7 +29,7 @@ from fox_jax.decoding import cache_bytes, generate, min_slots
 from fox_jax.decoding import generation as gen
 
 # sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
-from bench_decode import model_config
+from bench_decode import model_config, weight_bytes_read
 from profile_step import CATEGORIES, device_events, find_trace, load_trace, parse_hlo, summarize
 
 
@@ -137,7 +137,7 @@ def main(argv=None):
     params = cfg.init_params(jax.random.PRNGKey(0))
     if args.param_dtype != "float32":  # every parameter stored in the compute dtype (gates and norms too)
         params = jax.tree_util.tree_map(lambda x: x.astype(args.param_dtype), params)
-    weight_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(params))
+    weight_bytes = weight_bytes_read(cfg, params, args.dtype)  # as bench_decode.py's bound: what a step reads
     model = cfg.build()
     tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.prompt), 0, cfg.vocab_size, jnp.int32)
     rows = []

@@ -247,10 +247,31 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
 
 
+def _gate_logits(r: dict, member: int, offset: int, col, width: int, mask=None):
+    """Fused step: [width] float32 logits, columns col … col + width − 1 of the gate projection ``member`` (0, 1: the
+    k and v shifts, then the forget gates): read from ``gate_rows`` (at ``offset`` + col), or computed from the
+    row's x and the projection's weights (x·kernel + bias in float32, over d_in in power-of-two chunks). ``mask``
+    [width]: columns to compute (others 0)."""
+    load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
+    if "gate_x" not in r:
+        return load(r["gate_rows"].at[pl.ds(offset + col, width)], mask)
+    w = r[f"gate_w{member}"]
+    out = None
+    for off, size in head_dim_chunks(r["gate_x"].shape[0]):
+        x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)
+        k = load(w.at[pl.ds(off, size), pl.ds(col, width)], None if mask is None else jnp.broadcast_to(
+            mask[None, :], (size, width)))
+        part = jnp.sum(x[:, None] * k, axis=0)
+        out = part if out is None else out + part
+    if f"gate_b{member}" in r:
+        out = out + load(r[f"gate_b{member}"].at[pl.ds(col, width)], mask)
+    return out
+
+
 def _step_prologue(g: _Geom, r: dict, row_ok):
     """Fused step: the raw q, k, v of the step made ready for attention, as the layer's ``HeadOps`` does it
     (fox_jax/ops/head_ops.py): KV-shift, QK-norm, and Λ = Λ_prev + log f. The projections are rows of ``rows`` (the
-    decode GEMM's output, read in place), the shift and gate logits columns of ``gate_rows``. Every split computes
+    decode GEMM's output, read in place), the shift and gate logits ``_gate_logits``. Every split computes
     it; split 0 writes the carries in place (raw k̃, ṽ; Λ only with one split: with several the others read Λ_prev
     while split 0 would overwrite it, and the caller adds the gate). Other splits' k and v read a carry split 0 may
     be writing, but they only enter split 0's softmax and ring write. The writes are returned, not done: the kernel
@@ -274,7 +295,7 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
         out = []
         for raw, which in ((ks, 0), (vs, 1)):
-            a = jax.nn.sigmoid(jnp.sum(pltriton.load(r["gate_rows"].at[pl.ds(which * hkv + head, 1)])))
+            a = jax.nn.sigmoid(jnp.sum(_gate_logits(r, which, which * hkv, head, 1)))
             shifted = []
             for x, (off, size) in zip(raw, g.chunks):
                 prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
@@ -293,17 +314,17 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
               _rms_chunks([x.astype(f32) for x in qs], scales, st.qk_eps, d, f32)]
     lam = None
     if st.gates:
-        first_gate = 2 * hkv if st.shift else 0
-        lf = pltriton.load(r["gate_rows"].at[pl.ds(first_gate + head * g.group, g.group_pad)], mask=row_ok[:, 0],
-                           other=0.0)
+        lf = _gate_logits(r, 2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad,
+                          mask=row_ok[:, 0])
         if st.gate_logits:
             lf = jax.nn.log_sigmoid(lf)
         lf = jnp.where((pos >= 0) & row_ok[:, 0], lf, 0.0)  # a pad adds no gate
         prev = tuple(pltriton.load(r[n].at[:], mask=row_ok[:, 0], other=0.0) for n in ("lp_hi", "lp_lo"))
         lam = pair_add(prev, (lf, jnp.zeros_like(lf)))
-        if g.num_splits == 1:
+        names = ("lp_hi_out", "lp_lo_out") if g.num_splits == 1 else ("lp_hi_new", "lp_lo_new")  # in place, or not
+        if names[0] in r:
             writes += [functools.partial(pltriton.store, r[n].at[:], x, mask=row_ok[:, 0] & writer)
-                       for n, x in zip(("lp_hi_out", "lp_lo_out"), lam)]
+                       for n, x in zip(names, lam)]
     return qs, ks, vs, lam, writes
 
 
@@ -564,8 +585,8 @@ def _range_operand(x, b: int, hkv: int):
 
 @functools.partial(jax.tree_util.register_dataclass,
                    meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads"],
-                   data_fields=["rows", "seq_start", "gate_rows", "shift_state", "q_scale", "k_scale", "lam_prev",
-                                "o_scale"])
+                   data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "shift_state", "q_scale",
+                                "k_scale", "lam_prev", "o_scale"])
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
     """``flash_decode(..., step=)``: a decode step's raw inputs; a None field: that part is absent (``StepGeom``). The
@@ -579,7 +600,10 @@ class StepArrays:
         adds no gate; ≤ 0: the shift sees zeros).
       gate_rows: [B, W] float32: with ``shift_state`` the logits of the k and v shift weights α (Hkv each), then
         with ``lam_prev`` the forget gates of the H query heads (logits, or log f when ``gate_logits`` is False);
-        further columns are ignored.
+        further columns are ignored. Or, in their place (then ``gate_rows`` is None):
+      gate_x, gate_w: the projections behind those logits, computed here: x [B, d_in] (any float dtype, d_in a
+        multiple of 16) and, in the same column order, (kernel [d_in, n] float32, bias [n] float32 or None) of the
+        k shift (n = Hkv), the v shift (Hkv), the forget gates (H); logit = x·kernel + bias in float32.
       shift_state: [B, 2, Hkv, D] (q's dtype), the raw k̃, ṽ of the previous token (returned updated, in place).
       q_scale: [Hkv, G, D] float32; k_scale: [Hkv, D] float32 (QK-norm).
       lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (returned updated).
@@ -594,6 +618,8 @@ class StepArrays:
     rows: jax.Array
     seq_start: jax.Array
     gate_rows: jax.Array | None = None
+    gate_x: jax.Array | None = None
+    gate_w: tuple | None = None
     shift_state: jax.Array | None = None
     q_scale: jax.Array | None = None
     k_scale: jax.Array | None = None
@@ -634,7 +660,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
       step: None, or ``StepArrays`` with ``append``: the step's raw projections are rows of ``step.rows`` (q and
         append's k_new, v_new are not read) and the kernel does the layer's per-head work (with ``step.lam_prev``,
         lam_q and lam_new must be None: Λ is computed here). The output norm and gate need one split; so does the
-        returned Λ (None with several splits: the caller adds the gate to Λ_prev).
+        returned Λ is in place with one split; with several (whose other splits read Λ_prev) a new array, and None
+        with a head group (then the caller adds the gate to Λ_prev).
       tables: None, or with ``append`` the ring's (start, peak, overflow), each int32 [B, nt] with nt ∈ {1, Hkv}: then
         ``lo`` is the first column the policy's rule lets the step see, the range starts at max(lo, start) (with a
         floor: the first key above it from there), the ring keeps the last C columns, and the tables advance in place
@@ -664,6 +691,10 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                          "for the output norm and gate")
     if tables is not None and append is None:
         raise ValueError("tables need append (a ring's decode step)")
+    if step is not None and step.gate_x is not None and (step.gate_rows is not None
+                                                         or step.gate_x.shape[1] % MIN_BLOCK):
+        raise ValueError(f"step.gate_x needs no gate_rows and d_in a multiple of {MIN_BLOCK}, got "
+                         f"{step.gate_x.shape[1]}")
     if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
         raise ValueError("step.group_heads needs step.layer_kv_heads (the layer's Hkv)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
@@ -718,6 +749,13 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         if step.gate_rows is not None:
             ins.append(("gate_rows", step.gate_rows.astype(f32),
                         pl.BlockSpec((None, step.gate_rows.shape[1]), lambda i, s: (lax.div(i, hkv), 0))))
+        if step.gate_x is not None:  # the gate projections: the row's x, every program the weights whole
+            d_in = step.gate_x.shape[1]
+            ins.append(("gate_x", step.gate_x, pl.BlockSpec((None, d_in), lambda i, s: (lax.div(i, hkv), 0))))
+            for m, (w, bias) in enumerate(step.gate_w):
+                ins.append((f"gate_w{m}", w.astype(f32), pl.BlockSpec(w.shape, lambda i, s: (0, 0))))
+                if bias is not None:
+                    ins.append((f"gate_b{m}", bias.astype(f32), pl.BlockSpec(bias.shape, lambda i, s: (0,))))
         if step.shift_state is not None:
             ins.append(("shift_state", step.shift_state.astype(q.dtype),
                         pl.BlockSpec((None, 2, None, d_run), lambda i, s: (lax.div(i, hkv), 0, lh(i), 0))))
@@ -758,6 +796,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                   None),
                  ("l", jax.ShapeDtypeStruct((bh, ns, grp), f32), pl.BlockSpec((None, None, gp), lambda i, s: (i, s, 0)),
                   None)]
+    if step is not None and step.lam_prev is not None and ns > 1 and step.group_heads is None:
+        outs += [(n, jax.ShapeDtypeStruct((bh, grp), f32), per_group, None) for n in ("lp_hi_new", "lp_lo_new")]
     if decay_floor is not None:  # the first visible key per (row, key/value head), written by split 0
         outs.append(("first", jax.ShapeDtypeStruct((bh, 1), jnp.int32), pl.BlockSpec((None, 1), lambda i, s: (i, 0)),
                      None))
@@ -800,8 +840,10 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     out = (o, k_out, v_out, lam_out) + (() if first is None else (first,))
     if step is not None:
         shift_out = res.get("shift_out")
-        lam_now = (res["lp_hi_out"].reshape(step.lam_prev[0].shape), res["lp_lo_out"].reshape(step.lam_prev[1].shape)) \
-            if "lp_hi_out" in res else None
+        lam_now = None
+        for names in (("lp_hi_out", "lp_lo_out"), ("lp_hi_new", "lp_lo_new")):
+            if names[0] in res:
+                lam_now = tuple(res[n].reshape(x.shape) for n, x in zip(names, step.lam_prev))
         out += ((shift_out, lam_now),)
     if tables is not None:
         out += (tuple(res[n + "_out"].reshape(b, nt) for n in ("start", "peak", "overflow")),)

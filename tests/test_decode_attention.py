@@ -398,21 +398,25 @@ def test_append_advances_the_ring_tables(splits):
                                              jnp.zeros((_B, 1), jnp.int32)))
 
 
-def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv: int = _HKV):
+def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv: int = _HKV, d_in: int = 48):
     """A decode step handed over raw (``DecodeStep``): the GEMM-shaped rows (q, k, v, output gate logits), the shift
-    and forget-gate logits, the carries and the norm scales, for B rows and Hkv key/value heads."""
+    and forget-gate projections (x [B, 1, d_in] and their weights, a fourth member ignored; the logits from them in
+    XLA), the carries and the norm scales, for B rows and Hkv key/value heads."""
     from fox_jax.ops.head_ops import HeadOps
 
     rng = np.random.default_rng(seed)
     h = hkv * grp
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     rows = normal(b, 1, 2 * h + 2 * hkv + 1, d).astype(dtype)  # one row more than read: ignored
-    gate_rows = normal(b, 1, 2 * hkv + h + 2)  # shift logits, forget-gate logits, 2 ignored columns
+    weights = tuple((normal(d_in, n) / np.sqrt(d_in), bias) for n, bias in  # logits of order 1
+                    ((hkv, None), (hkv, None), (h, normal(h)), (3, None)))
     scale = lambda *shape: 1.0 + 0.3 * normal(*shape)  # noqa: E731
-    ops = HeadOps(k_shift=gate_rows[..., :hkv], v_shift=gate_rows[..., hkv:2 * hkv], q_scale=scale(h, d),
-                  k_scale=scale(d) if shared_k_scale else scale(hkv, d), o_scale=scale(h, d),
-                  o_gate=rows[:, :, h + 2 * hkv:2 * h + 2 * hkv], rows=rows, gate_rows=gate_rows, o_eps=1e-6)
-    log_fgate = jax.nn.log_sigmoid(gate_rows[:, 0, 2 * hkv:2 * hkv + h]).reshape(b, hkv, grp)
+    ops = HeadOps(q_scale=scale(h, d), k_scale=scale(d) if shared_k_scale else scale(hkv, d), o_scale=scale(h, d),
+                  o_gate=rows[:, :, h + 2 * hkv:2 * h + 2 * hkv], rows=rows, gate_x=normal(b, 1, d_in).astype(dtype),
+                  gate_weights=weights, o_eps=1e-6)
+    logits = ops.gate_logits(3)
+    ops = ops.replace(k_shift=logits[..., :hkv], v_shift=logits[..., hkv:2 * hkv])
+    log_fgate = jax.nn.log_sigmoid(logits[:, 0, 2 * hkv:]).reshape(b, hkv, grp)
     lam_prev = _lambda_pairs(rng, grp, 16, b, hkv)[0]
     shift_state = normal(b, 2, hkv, d).astype(dtype)
     q = rows[:, 0, :h].reshape(b, hkv, grp, d)
@@ -420,12 +424,13 @@ def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv:
     return ops, q, k_new, v_new, shift_state, log_fgate, lam_prev
 
 
-@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0", [(1, 32, jnp.float32, 1, False, 0),
-                                                            (4, 48, jnp.bfloat16, 1, True, 0),
-                                                            (2, 32, jnp.float32, 3, False, -2)])
-def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0):
+@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0,d_in", [(1, 32, jnp.float32, 1, False, 0, 48),
+                                                                 (4, 48, jnp.bfloat16, 1, True, 0, 40),
+                                                                 (2, 32, jnp.float32, 3, False, -2, 64)])
+def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d_in):
     """``decode_attention_append(..., step=DecodeStep)``: the raw projections in (the decode GEMM's rows, read in
-    place by the kernel, or packed by the op), the layer's per-head work done by the op — KV-shift from the carry
+    place by the kernel, or packed by the op; the gate logits computed by the kernel from their projections, by XLA
+    where d_in is not a multiple of 16, or packed by the op), the layer's per-head work done by the op — KV-shift from the carry
     (zeros at position 0 and on a left pad), QK-norm, Λ = Λ_prev + log σ(logit) as pairs (no gate on a pad),
     attention over the ring with the entry,
     output norm and gate (after the combine with several splits) — equals ``head_prologue``, the oracle and
@@ -437,7 +442,8 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0):
     from fox_jax.ops.head_ops import head_epilogue, head_prologue
 
     cap = 80
-    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, dtype, shared, seed=grp + d)
+    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, dtype, shared, seed=grp + d,
+                                                                        d_in=d_in)
     _, k, v, kw = _inputs(cap, grp, d, dtype, True, None, seed=grp)
     lam_k = kw["lam_k"]
     hi = jnp.int32(2 * cap + 21)
@@ -459,8 +465,8 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0):
     ref = head_epilogue(ops, ref.reshape(_B, 1, h, d)).reshape(q.shape)
     ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7
     for impl, packed in (("xla", True), ("pallas", True), ("pallas", False)):
-        step = DecodeStep(ops if packed else ops.replace(rows=None, gate_rows=None), seq_start, shift_state,
-                          log_fgate, lam_prev)
+        step = DecodeStep(ops if packed else ops.replace(rows=None, gate_x=None, gate_weights=None), seq_start,
+                          shift_state, log_fgate, lam_prev)
         f = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))
         o, k2, v2, lam2, _, (shift2, lam_got), _ = f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k, step=step)
         what = f"{impl}, rows {'in place' if packed else 'packed by the op'}"
@@ -487,7 +493,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
     row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
-    with and without the fused per-head work (``StepArrays``) and the ring's tables, so a change that breaks the
+    with and without the fused per-head work (``StepArrays``: gate logits computed in the kernel, or read from
+    ``gate_rows`` with a head group) and the ring's tables, so a change that breaks the
     Triton lowering fails here, not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
@@ -516,7 +523,9 @@ def test_kernel_lowers_to_triton_for_cuda():
         assert text.count("__gpu$xla.gpu.triton") == 1
         # the fused step: raw rows in, KV-shift, QK-norm, Λ, output norm and gate (one split) in the kernel
         step = dk.StepArrays(rows=sds((b, 2 * hkv * grp + 2 * hkv, 64), jnp.bfloat16), seq_start=sds((b,), jnp.int32),
-                             gate_rows=sds((b, 2 * hkv + hkv * grp), jnp.float32),
+                             gate_x=sds((b, 48), jnp.bfloat16),  # the gate projections: d_in 48 = 32 + 16
+                             gate_w=tuple((sds((48, n), jnp.float32), bias) for n, bias in
+                                          ((hkv, None), (hkv, None), (hkv * grp, sds((hkv * grp,), jnp.float32)))),
                              shift_state=sds((b, 2, hkv, 64), jnp.bfloat16), q_scale=sds((hkv, grp, 64), jnp.float32),
                              k_scale=sds((hkv, 64), jnp.float32), lam_prev=pair(b, hkv, grp),
                              o_scale=sds((hkv, grp, 64), jnp.float32) if config.num_splits == 1 else None,
@@ -534,7 +543,9 @@ def test_kernel_lowers_to_triton_for_cuda():
         # are the layer's; the table lookup is a select chain in the index maps)
         text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
             q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl,
-            step=dataclasses.replace(st, o_gate=one, group_heads=(1, 0), layer_kv_heads=hkv), tables=tb)).trace(
+            step=dataclasses.replace(st, o_gate=one, group_heads=(1, 0), layer_kv_heads=hkv, gate_x=None, gate_w=None,
+                                     gate_rows=jnp.zeros((b, 2 * hkv + hkv * grp), jnp.float32)),
+            tables=tb)).trace(
             sds((b, 2, grp, 64), jnp.bfloat16), sds((b, 2, 256, 64), jnp.bfloat16), sds((b, 2, 256, 64), jnp.bfloat16),
             sds((b, 2), jnp.int32), sds((), jnp.int32), pair(b, 2, grp, 256), sds((b, 2, 64), jnp.bfloat16),
             sds((b, 2, 64), jnp.bfloat16), sds((b, 2, grp), jnp.float32), step,
@@ -673,7 +684,8 @@ def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits, group):
     from fox_jax.ops.decode_attention import DecodeStep
 
     d = 64
-    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.bfloat16, False, cap, b, hkv)
+    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.bfloat16, False, cap, b, hkv,
+                                                                        d_in=768)  # FoX 125M: 512 + 256
     n = hkv if group is None else len(group)
     if group is not None:
         q, k_new, v_new = (jnp.take(x, jnp.asarray(group), axis=1) for x in (q, k_new, v_new))

@@ -276,7 +276,8 @@ def test_fused_dense_is_separate_dense_layers(dtype, lead):
     class Fused(nn.Module):
         @nn.compact
         def __call__(self, x):
-            return fused_dense(x, [DenseParams(n, b, 0.3, name=f"p{i}") for i, (n, b) in enumerate(sizes)], dt)
+            return fused_dense(x, [DenseParams(n, b, 0.3, name=f"p{i}")(x.shape[-1]) for i, (n, b) in enumerate(sizes)],
+                               dt)
 
     x = jax.random.normal(jax.random.PRNGKey(1), (*lead, 16), jnp.float32).astype(dt)
     p_sep = Separate().init(jax.random.PRNGKey(0), x)["params"]

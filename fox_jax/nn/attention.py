@@ -110,16 +110,17 @@ class ForgettingAttentionLayer(nn.Module):
         f32 += [("q_int", cfg.interaction_dim, "q_int", False), ("k_int", cfg.interaction_dim, "k_int", False)] \
             if cfg.dcp else []
         groups = [(dtype, low), (jnp.dtype(jnp.float32), f32)] if dtype != jnp.float32 else [(dtype, low + f32)]
-        y, packed = {}, {}
+        y, packed, weights = {}, {}, {}
         for dt, members in groups:
             if not members:
                 continue
             if cache is None:  # B·T rows per matmul; each kernel shards by its own heads over `tensor`
                 y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
             else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
-                params = [DenseParams(n, bias, cfg.init_std, name=name) for _, n, name, bias in members]
-                outs, packed[members[0][0]] = fused_dense(x, params, dt, packed=True)
+                ws = [DenseParams(n, bias, cfg.init_std, name=name)(x.shape[-1]) for _, n, name, bias in members]
+                outs, packed[members[0][0]] = fused_dense(x, ws, dt, packed=True)
                 y.update(zip([o for o, *_ in members], outs))
+                weights.update(zip([o for o, *_ in members], ws))
         q = y["q"].reshape(b, t, h, dh)
         k = y["k"].reshape(b, t, hkv, dh)
         v = y["v"].reshape(b, t, hkv, dh)
@@ -143,12 +144,12 @@ class ForgettingAttentionLayer(nn.Module):
             ops = ops.replace(o_scale=HeadNormScale(False, name="o_norm")(h, dh))
         if cfg.output_gate:
             ops = ops.replace(o_gate=y["ogate"].reshape(b, t, h, dh))
-        if packed:  # decoding: the GEMMs' whole outputs too, for the decode kernel to read in place
-            n_low = sum(n for _, n, _, _ in low)
-            rows, gate_rows = packed["q"][..., :n_low], packed["q"][..., n_low:]  # float32: one GEMM for both
-            if len(packed) > 1:
-                rows, gate_rows = packed["q"], packed[f32[0][0]]  # k_shift, v_shift, fgate (+ DCP's) logits
-            ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_rows=gate_rows if gate_rows.shape[-1] else None)
+        if packed:  # decoding: the GEMM's whole output, for the decode kernel to read in place, and the gates'
+            # float32 projections as data (the kernel computes the logits it reads: no kernel of their own)
+            rows = packed["q"] if len(packed) > 1 else packed["q"][..., :sum(n for _, n, _, _ in low)]
+            gates = [weights[o] for o in ("k_shift", "v_shift", "fgate") if o in weights]
+            ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_x=x if gates else None,
+                              gate_weights=tuple(gates) if gates else None)
         log_fgate = None
         if cfg.use_fgate:
             log_fgate = jax.nn.log_sigmoid(y["fgate"])  # [B, T, H] float32

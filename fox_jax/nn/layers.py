@@ -94,23 +94,22 @@ class DenseParams(nn.Module):
 SMALL_F32_ROWS, SMALL_F32_FEATURES = 64, 256  # fused_dense: float32 outputs this small are a reduction
 
 
-def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype, *, packed: bool = False):
-    """``[nn.Dense(p.features)(x) for p in projections]`` computed as one matmul of ``x`` [..., d_in] with the
+def fused_dense(x: jax.Array, weights: list[tuple], dtype: Dtype, *, packed: bool = False):
+    """``[nn.Dense(n)(x) for each (kernel, bias)]`` computed as one matmul of ``x`` [..., d_in] with the
     kernels concatenated along their output axis (one GEMM launch instead of one per projection: a decode
-    step is launch-bound), in ``dtype`` as ``nn.Dense(dtype=dtype)``. Each output [..., features_i] is in
-    ``dtype``; biases are added after the split. Same parameters as separate ``nn.Dense`` layers. The
+    step is launch-bound), in ``dtype`` as ``nn.Dense(dtype=dtype)``. ``weights``: the ``DenseParams`` outputs,
+    (kernel [d_in, n], bias [n] or None) per projection. Each output [..., n_i] is in ``dtype``; biases are added
+    after the split. Same parameters as separate ``nn.Dense`` layers. The
     attention layer uses it when decoding only: kernels sharded by different head axes over ``tensor`` would be
     resharded by the concatenation, and with B·T rows per matmul a launch costs nothing. With ``packed`` returns
     (the outputs, the whole [..., Σ features] output they are slices of, biases added): a kernel that reads several
     of them takes the one buffer (a slice passed on its own is a copy kernel per decode step)."""
-    weights = [p(x.shape[-1]) for p in projections]
-    # each kernel cast on its own (the decode loop's ``precast`` then does it once, before the loop)
     kernel = jnp.concatenate([k.astype(dtype) for k, _ in weights], axis=1)
     rows = math.prod(x.shape[:-1])
     bias = None
     if any(b is not None for _, b in weights):
-        bias = jnp.concatenate([jnp.zeros((p.features,), dtype) if b is None else b.astype(dtype)
-                                for p, (_, b) in zip(projections, weights)])
+        bias = jnp.concatenate([jnp.zeros((k.shape[1],), dtype) if b is None else b.astype(dtype)
+                                for k, b in weights])
     if jnp.dtype(dtype) == jnp.float32 and rows <= SMALL_F32_ROWS and kernel.shape[1] <= SMALL_F32_FEATURES:
         # a few float32 outputs of a decode step (gates, shifts): multiply-and-sum is one reduction kernel into
         # which XLA can fuse the concatenation, where the GEMM took a copy of the concatenated kernels every step
@@ -126,7 +125,7 @@ def fused_dense(x: jax.Array, projections: list[DenseParams], dtype: Dtype, *, p
         y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if bias is not None:
             y = y + bias
-    sizes = [p.features for p in projections]
+    sizes = [k.shape[1] for k, _ in weights]
     outs = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
     return (outs, y) if packed else outs
 

@@ -379,7 +379,8 @@ class DecodeStep:
                                                                                  ops.o_gate.shape[-1])
         ops = ops.replace(k_shift=pick(ops.k_shift, 2), v_shift=pick(ops.v_shift, 2), q_scale=per_q(ops.q_scale),
                           k_scale=ops.k_scale if ops.k_scale is None or ops.k_scale.ndim == 1 else pick(ops.k_scale, 0),
-                          o_scale=per_q(ops.o_scale), o_gate=o_gate, rows=None, gate_rows=None)
+                          o_scale=per_q(ops.o_scale), o_gate=o_gate, rows=None, gate_x=None,
+                          gate_weights=None)
         lam = None if self.lam_prev is None else tuple(pick(x, 1) for x in self.lam_prev)
         return ops, pick(self.shift_state, 2), pick(self.log_fgate, 1), lam
 
@@ -428,11 +429,19 @@ def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
                                  or ops.rows.shape[3] != d):
         raise ValueError(f"step.ops.rows must be [{b}, 1, ≥ {n_rows}, {d}] (q, k, v, o gate rows), "
                          f"got {list(ops.rows.shape)}")
-    n_gates = (2 * hkv if ops.shifts else 0) + (h if step.log_fgate is not None else 0)
-    if ops.gate_rows is not None and (ops.gate_rows.ndim != 3 or ops.gate_rows.shape[:2] != (b, 1)
-                                      or ops.gate_rows.shape[2] < n_gates):
-        raise ValueError(f"step.ops.gate_rows must be float32 [{b}, 1, ≥ {n_gates}] (shift, forget gate logits), "
-                         f"got {list(ops.gate_rows.shape)}")
+    if ops.gate_weights is not None:
+        x = ops.gate_x
+        if x is None or x.ndim != 3 or tuple(x.shape[:2]) != (b, 1):
+            raise ValueError(f"step.ops.gate_x must be [{b}, 1, d_in] with gate_weights, got "
+                             f"{None if x is None else list(x.shape)}")
+        widths = ([hkv, hkv] if ops.shifts else []) + ([h] if step.log_fgate is not None else [])
+        ws = tuple(ops.gate_weights)
+        if len(ws) < len(widths) or any(
+                tuple(k.shape) != (x.shape[2], n) or (bias is not None and tuple(bias.shape) != (n,))
+                for (k, bias), n in zip(ws, widths)):
+            raise ValueError(f"step.ops.gate_weights must start with (kernel [{x.shape[2]}, n], bias [n] or None) "
+                             f"for n = {widths} (k shift, v shift, forget gates), got "
+                             f"{[(list(k.shape), None if c is None else list(c.shape)) for k, c in ws]}")
     if ops.shifts:
         if ops.v_shift is None or tuple(ops.k_shift.shape) != (b, 1, hkv) or tuple(ops.v_shift.shape) != (b, 1, hkv):
             raise ValueError(f"step.ops.k_shift and v_shift must be float32 [{b}, 1, {hkv}] (one token)")
@@ -480,8 +489,10 @@ def _step_epilogue(step: DecodeStep, o):
 
 
 def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepArrays:
-    """The kernel's ``StepArrays`` from ``step`` (the output norm and gate only with ``epilogue``): ``ops.rows`` and
-    ``ops.gate_rows`` as they are, else packed here from the separate arrays (a copy; the forget gates as log f)."""
+    """The kernel's ``StepArrays`` from ``step`` (the output norm and gate only with ``epilogue``): ``ops.rows`` as
+    it is, else packed here from the separate arrays (a copy); the gates as their projections (``ops.gate_x``,
+    ``ops.gate_weights``: the kernel computes the logits; their XLA form when d_in is not a multiple of 16), else
+    packed from the separate arrays (the forget gates as log f)."""
     b, n, grp, d = q.shape
     hkv = n if step.heads is None else step.kv_heads  # the layer's
     ops = step.ops
@@ -492,17 +503,20 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
         rows = jnp.concatenate([x.astype(q.dtype) for x in parts], axis=1)
     else:
         rows = rows[:, 0]
-    gate_rows, gate_logits = None, True
-    if ops.shifts or step.log_fgate is not None:
-        if ops.gate_rows is not None:
-            gate_rows = ops.gate_rows[:, 0]
+    gate_rows, gate_logits, gate_x, gate_w = None, True, None, None
+    members = (2 if ops.shifts else 0) + (1 if step.log_fgate is not None else 0)
+    if members:
+        if ops.gate_weights is not None and ops.gate_x.shape[-1] % dk.MIN_BLOCK == 0:
+            gate_x, gate_w = ops.gate_x[:, 0], tuple(ops.gate_weights[:members])
+        elif ops.gate_weights is not None:
+            gate_rows = ops.gate_logits(members)[:, 0]
         else:
             parts = ([ops.k_shift[:, 0], ops.v_shift[:, 0]] if ops.shifts else []) + \
                 ([step.log_fgate.reshape(b, hkv * grp)] if step.log_fgate is not None else [])
             gate_rows, gate_logits = jnp.concatenate([x.astype(jnp.float32) for x in parts], axis=1), False
     per_q = lambda x: None if x is None else jnp.broadcast_to(x, (hkv * grp, d)).reshape(hkv, grp, d)  # noqa: E731
     return dk.StepArrays(
-        rows=rows, seq_start=step.seq_start, gate_rows=gate_rows,
+        rows=rows, seq_start=step.seq_start, gate_rows=gate_rows, gate_x=gate_x, gate_w=gate_w,
         shift_state=step.shift_state if ops.shifts else None,
         q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
         lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
@@ -624,11 +638,10 @@ def decode_attention_append(
         first = out.pop(4) if decay_floor is not None else None
         carry = out.pop(4) if step is not None else None
         tables = out.pop(4) if ring_tables is not None else None
-        if step is not None and not one_split:  # the output norm and gate after the splits' combine, and Λ
+        if step is not None and not one_split:  # the output norm and gate after the splits' combine
             o = _step_epilogue(step, o)
-            lam = step.step_lam(hi, grp)
-            if lam is not None:
-                carry = (carry[0], step.scatter(None, lam)[1])
+            if carry[1] is None and step.lam_prev is not None:  # a head group's Λ (the kernel's needs no group)
+                carry = (carry[0], step.scatter(None, step.step_lam(hi, grp))[1])
         return AppendResult(o, k, v, lam_k, first, carry, tables)
     carry = None
     if step is not None:

@@ -90,9 +90,12 @@ class HeadOps:
       rows: [B, T, R, D] in the compute dtype, or None: the same raw projections as one array, q (H rows), k (Hkv),
         v (Hkv), then the o_gate logits (H) (further rows ignored): the decode GEMM's output, which a kernel reads in
         place (the separate q, k, v, o_gate are slices of it: each passed on its own would be a copy).
-      gate_rows: [B, T, W] float32, or None: likewise the k_shift and v_shift logits (Hkv each, with a shift), then
-        the forget-gate logits of the H heads (logits: log f = log σ(logit) is taken by the reader; further columns
-        ignored).
+      gate_x, gate_weights: the float32 projections behind the shift and forget-gate logits, as data, or None: the
+        layer's input x [B, T, d_in] (any float dtype) and, in column order, (kernel [d_in, n] float32, bias [n]
+        float32 or None) of k_shift and v_shift (n = Hkv each, with a shift), then of the forget gates (n = H);
+        further members ignored. A kernel computes the logits it reads (logit = x·kernel + bias in float32; log f =
+        log σ(logit) is taken by the reader), so they cost no kernel of their own per step; ``gate_logits`` is
+        their XLA form.
       qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
     """
 
@@ -103,7 +106,8 @@ class HeadOps:
     o_scale: jax.Array | None = None
     o_gate: jax.Array | None = None
     rows: jax.Array | None = None
-    gate_rows: jax.Array | None = None
+    gate_x: jax.Array | None = None
+    gate_weights: tuple | None = None
     qk_eps: float = flax.struct.field(pytree_node=False, default=1e-5)
     o_eps: float = flax.struct.field(pytree_node=False, default=1e-6)
     rope_base: float | None = flax.struct.field(pytree_node=False, default=None)
@@ -112,6 +116,16 @@ class HeadOps:
     def shifts(self) -> bool:
         """The prologue shifts k and v (a KV-shift carry is kept between calls)."""
         return self.k_shift is not None
+
+    def gate_logits(self, members: int) -> jax.Array:
+        """The first ``members`` projections of ``gate_weights`` in XLA: [B, T, Σ n] float32, x·kernel + bias
+        (float32, full precision; the kernel's columns equal these to float32 summation order)."""
+        outs = []
+        for kernel, bias in self.gate_weights[:members]:
+            y = jnp.einsum("btd,dn->btn", self.gate_x.astype(jnp.float32), kernel.astype(jnp.float32),
+                           precision=jax.lax.Precision.HIGHEST)
+            outs.append(y if bias is None else y + bias.astype(jnp.float32))
+        return jnp.concatenate(outs, axis=-1)
 
 
 def head_prologue(ops: HeadOps, q: jax.Array, k: jax.Array, v: jax.Array, *, positions: jax.Array | None = None,
