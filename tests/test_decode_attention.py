@@ -676,7 +676,9 @@ def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits, group):
     """FoX (Pro)'s fused decode step on the device (``DecodeStep``: the Triton kernel reads the GEMM's rows and does
     the KV-shift, QK-norm, Λ, output norm and gate) equals the XLA path of the same call (``head_prologue``, masked
     einsums, ``head_epilogue``): output within 2e-2 of the output scale (bf16's 1e-2 and the epilogue's roundings),
-    the carried raw k, v exactly, Λ to 1e-6; FoX 125M's shape (B8, 12 heads, one split: the epilogue in the kernel)
+    the carried raw k, v exactly, Λ (a pair's value) to 1e-5: the kernel sums the forget-gate logit's 768 products
+    in another float32 order than XLA (≈ √768 · 2⁻²⁴ ≈ 2e-6 of a logit of order 1; on the H200 each pair's hi and
+    lo parts differed by an ulp of Λ, 1.2e-6, in opposite directions); FoX 125M's shape (B8, 12 heads, one split: the epilogue in the kernel)
     and a GQA shape with 3 splits (the epilogue and Λ after the combine); a head group (3 of the 12 kv heads: the
     call's ring and q are the group's, the rows, scales and carries the layer's, updated at the group's heads)."""
     if jax.default_backend() != "gpu":
@@ -702,8 +704,8 @@ def test_gpu_append_step_equals_the_xla_path(b, hkv, grp, cap, splits, group):
     (o_x, k_x, _, _, _, (sh_x, l_x), _), (o_p, k_p, _, _, _, (sh_p, l_p), _) = outs["xla"], outs["pallas"]
     assert _err(o_p, o_x) <= 2e-2  # the attention's 1e-2 and the epilogue's bf16 roundings (2–3 ulps of 2⁻⁸)
     np.testing.assert_array_equal(np.asarray(sh_p, np.float32), np.asarray(sh_x, np.float32))
-    for a, b_ in zip(l_p, l_x):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-6, rtol=0)
+    pair = lambda x: np.asarray(x[0], np.float64) + np.asarray(x[1], np.float64)  # noqa: E731  (a pair's value)
+    np.testing.assert_allclose(pair(l_p), pair(l_x), atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(k_p, np.float32), np.asarray(k_x, np.float32), atol=2e-2, rtol=2 ** -7)
 
 

@@ -864,8 +864,7 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
         jax.clear_caches()
         unfused, unfused_caches = run()
     np.testing.assert_allclose(unfused, ref, atol=1e-6)
-    for a, b_ in zip(jax.tree.leaves(unfused_caches), jax.tree.leaves(ref_caches)):
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32), atol=1e-6)
+    _assert_same_caches(unfused_caches, ref_caches)  # (on the H200 the two XLA programs' Λ pairs differ by ulps)
     monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
     traced = []
     flash = dec.dk.flash_decode
@@ -891,8 +890,9 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
 
 def _assert_same_caches(got, want):
     """Every leaf of two lists of caches to 1e-6, Λ as its pair's value (hi + lo in float64) to 1e-5: the kernel
-    computes the gate logits from their projections in another float32 summation order than XLA, so each step's
-    log f differs by an ulp or so, and a pair's hi by an ulp of Λ (|Λ| ≈ 30: 2e-6), its lo taking the rest."""
+    computes the gate logits from their projections in another float32 summation order than XLA (and on a GPU two
+    XLA programs may too), so each step's log f differs by an ulp or so, and a pair's hi by an ulp of Λ (|Λ| ≈ 30:
+    2e-6), its lo taking the rest."""
     def split(c):
         lam = [(x.lam_hi, x.lam_lo) for x in (c, *c.groups) if getattr(x, "lam_hi", None) is not None]
         drop = lambda x: x.replace(lam_hi=None, lam_lo=None) if hasattr(x, "lam_hi") else x  # noqa: E731
