@@ -247,24 +247,31 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
 
 
-def _gate_logits(r: dict, member: int, offset: int, col, width: int, mask=None):
+def _gate_logits(r: dict, member: int, offset: int, col, width: int, mask=None, valid: int = 0):
     """Fused step: [width] float32 logits, columns col … col + width − 1 of the gate projection ``member`` (0, 1: the
     k and v shifts, then the forget gates): read from ``gate_rows`` (at ``offset`` + col), or computed from the
     row's x and the projection's weights (x·kernel + bias in float32, over d_in in power-of-two chunks). ``mask``
-    [width]: columns to compute (others 0)."""
+    [width]: columns to compute (others 0), with a mask the first ``valid`` (static) lanes."""
     load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
     if "gate_x" not in r:
         return load(r["gate_rows"].at[pl.ds(offset + col, width)], mask)
     w = r[f"gate_w{member}"]
+    # the weights' tile is [chunk, n] with n = the columns computed, a power of two ≥ the valid ones (G of a padded
+    # group of Gp: a [chunk, Gp] tile of mostly masked lanes would cost registers), spread into ``width`` after
+    n = width if mask is None else min(width, 1 << max(0, (valid - 1).bit_length()))
+    sub = mask if n == width else None if n == valid else lax.broadcasted_iota(jnp.int32, (n,), 0) < valid
     out = None
     for off, size in head_dim_chunks(r["gate_x"].shape[0]):
         x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)
-        k = load(w.at[pl.ds(off, size), pl.ds(col, width)], None if mask is None else jnp.broadcast_to(
-            mask[None, :], (size, width)))
+        k = load(w.at[pl.ds(off, size), pl.ds(col, n)], None if sub is None else jnp.broadcast_to(sub[None, :],
+                                                                                                   (size, n)))
         part = jnp.sum(x[:, None] * k, axis=0)
         out = part if out is None else out + part
     if f"gate_b{member}" in r:
-        out = out + load(r[f"gate_b{member}"].at[pl.ds(col, width)], mask)
+        out = out + load(r[f"gate_b{member}"].at[pl.ds(col, n)], sub)
+    if n < width:  # column j of the n into lane j of ``width`` (the others 0)
+        lanes, cols = lax.broadcasted_iota(jnp.int32, (width,), 0), lax.broadcasted_iota(jnp.int32, (n,), 0)
+        out = sum(jnp.where(lanes == j, jnp.sum(jnp.where(cols == j, out, 0.0)), 0.0) for j in range(min(n, valid)))
     return out
 
 
@@ -272,8 +279,8 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     """Fused step: the raw q, k, v of the step made ready for attention, as the layer's ``HeadOps`` does it
     (fox_jax/ops/head_ops.py): KV-shift, QK-norm, and Λ = Λ_prev + log f. The projections are rows of ``rows`` (the
     decode GEMM's output, read in place), the shift and gate logits ``_gate_logits``. Every split computes
-    it; split 0 writes the carries in place (raw k̃, ṽ; Λ only with one split: with several the others read Λ_prev
-    while split 0 would overwrite it, and the caller adds the gate). Other splits' k and v read a carry split 0 may
+    it; split 0 writes the carries (raw k̃, ṽ in place; Λ in place with one split, else to a new array: the other
+    splits read Λ_prev while split 0 would overwrite it). Other splits' k and v read a carry split 0 may
     be writing, but they only enter split 0's softmax and ring write. The writes are returned, not done: the kernel
     does them after a barrier, once every thread of the program has read the carries (global memory is not ordered
     between a program's threads). Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
@@ -315,7 +322,7 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     lam = None
     if st.gates:
         lf = _gate_logits(r, 2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad,
-                          mask=row_ok[:, 0])
+                          mask=row_ok[:, 0], valid=g.group)
         if st.gate_logits:
             lf = jax.nn.log_sigmoid(lf)
         lf = jnp.where((pos >= 0) & row_ok[:, 0], lf, 0.0)  # a pad adds no gate
@@ -659,9 +666,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         read starts at max(first, hi − C) (the oldest key's slot takes the new key). Needs no ``valid``.
       step: None, or ``StepArrays`` with ``append``: the step's raw projections are rows of ``step.rows`` (q and
         append's k_new, v_new are not read) and the kernel does the layer's per-head work (with ``step.lam_prev``,
-        lam_q and lam_new must be None: Λ is computed here). The output norm and gate need one split; so does the
-        returned Λ is in place with one split; with several (whose other splits read Λ_prev) a new array, and None
-        with a head group (then the caller adds the gate to Λ_prev).
+        lam_q and lam_new must be None: Λ is computed here). The output norm and gate need one split. The returned
+        Λ is ``lam_prev`` updated in place with one split; with several (whose other splits read Λ_prev) a new
+        array [B, Hkv, G] of this call's heads (with a head group the caller scatters it into the layer's).
       tables: None, or with ``append`` the ring's (start, peak, overflow), each int32 [B, nt] with nt ∈ {1, Hkv}: then
         ``lo`` is the first column the policy's rule lets the step see, the range starts at max(lo, start) (with a
         floor: the first key above it from there), the ring keeps the last C columns, and the tables advance in place
@@ -691,10 +698,11 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                          "for the output norm and gate")
     if tables is not None and append is None:
         raise ValueError("tables need append (a ring's decode step)")
-    if step is not None and step.gate_x is not None and (step.gate_rows is not None
-                                                         or step.gate_x.shape[1] % MIN_BLOCK):
-        raise ValueError(f"step.gate_x needs no gate_rows and d_in a multiple of {MIN_BLOCK}, got "
-                         f"{step.gate_x.shape[1]}")
+    if step is not None and step.gate_x is not None and (
+            step.gate_rows is not None or step.gate_x.shape[1] % MIN_BLOCK
+            or len(step.gate_w) != 2 * (step.shift_state is not None) + (step.lam_prev is not None)):
+        raise ValueError(f"step.gate_x needs no gate_rows, d_in a multiple of {MIN_BLOCK} (got {step.gate_x.shape[1]}) "
+                         f"and one projection in gate_w per gate the step uses (k and v shift, forget gates)")
     if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
         raise ValueError("step.group_heads needs step.layer_kv_heads (the layer's Hkv)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
@@ -796,7 +804,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                   None),
                  ("l", jax.ShapeDtypeStruct((bh, ns, grp), f32), pl.BlockSpec((None, None, gp), lambda i, s: (i, s, 0)),
                   None)]
-    if step is not None and step.lam_prev is not None and ns > 1 and step.group_heads is None:
+    if step is not None and step.lam_prev is not None and ns > 1:  # Λ's carry, this call's heads
         outs += [(n, jax.ShapeDtypeStruct((bh, grp), f32), per_group, None) for n in ("lp_hi_new", "lp_lo_new")]
     if decay_floor is not None:  # the first visible key per (row, key/value head), written by split 0
         outs.append(("first", jax.ShapeDtypeStruct((bh, 1), jnp.int32), pl.BlockSpec((None, 1), lambda i, s: (i, 0)),
@@ -841,9 +849,10 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     if step is not None:
         shift_out = res.get("shift_out")
         lam_now = None
-        for names in (("lp_hi_out", "lp_lo_out"), ("lp_hi_new", "lp_lo_new")):
-            if names[0] in res:
-                lam_now = tuple(res[n].reshape(x.shape) for n, x in zip(names, step.lam_prev))
+        if "lp_hi_out" in res:
+            lam_now = tuple(res[n].reshape(x.shape) for n, x in zip(("lp_hi_out", "lp_lo_out"), step.lam_prev))
+        elif "lp_hi_new" in res:
+            lam_now = tuple(res[n].reshape(b, hkv, grp) for n in ("lp_hi_new", "lp_lo_new"))
         out += ((shift_out, lam_now),)
     if tables is not None:
         out += (tuple(res[n + "_out"].reshape(b, nt) for n in ("start", "peak", "overflow")),)

@@ -400,8 +400,7 @@ def test_append_advances_the_ring_tables(splits):
 
 def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv: int = _HKV, d_in: int = 48):
     """A decode step handed over raw (``DecodeStep``): the GEMM-shaped rows (q, k, v, output gate logits), the shift
-    and forget-gate projections (x [B, 1, d_in] and their weights, a fourth member ignored; the logits from them in
-    XLA), the carries and the norm scales, for B rows and Hkv key/value heads."""
+    and forget-gate projections (x [B, 1, d_in] and their weights; the logits from them in XLA), the carries and the norm scales, for B rows and Hkv key/value heads."""
     from fox_jax.ops.head_ops import HeadOps
 
     rng = np.random.default_rng(seed)
@@ -409,7 +408,7 @@ def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv:
     normal = lambda *shape: jnp.asarray(rng.standard_normal(shape), jnp.float32)  # noqa: E731
     rows = normal(b, 1, 2 * h + 2 * hkv + 1, d).astype(dtype)  # one row more than read: ignored
     weights = tuple((normal(d_in, n) / np.sqrt(d_in), bias) for n, bias in  # logits of order 1
-                    ((hkv, None), (hkv, None), (h, normal(h)), (3, None)))
+                    ((hkv, None), (hkv, None), (h, normal(h))))
     scale = lambda *shape: 1.0 + 0.3 * normal(*shape)  # noqa: E731
     ops = HeadOps(q_scale=scale(h, d), k_scale=scale(d) if shared_k_scale else scale(hkv, d), o_scale=scale(h, d),
                   o_gate=rows[:, :, h + 2 * hkv:2 * h + 2 * hkv], rows=rows, gate_x=normal(b, 1, d_in).astype(dtype),

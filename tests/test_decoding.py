@@ -819,10 +819,11 @@ def test_incremental_decoding_equals_full_forward(family):
     assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) == 0
 
 
-@pytest.mark.parametrize("policy,t,p,slots", [("dense", 12, 6, None), ("acp", 12, 6, None), ("acp:-1000", 72, 62, None),
-                                              ("window:20", 40, 30, None),
-                                              ("acp:-1000", 72, 62, ((64, 128, 64, 128),))])
-def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
+@pytest.mark.parametrize("policy,t,p,slots,splits", [("dense", 12, 6, None, 1), ("acp", 12, 6, None, 1),
+                                                     ("acp:-1000", 72, 62, None, 1), ("window:20", 40, 30, None, 1),
+                                                     ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 1),
+                                                     ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 2)])
+def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
     the raw projections in, with the KV-shift, QK-norm, Λ accumulation, output norm and gate done in the kernel)
@@ -830,16 +831,18 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch
     the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
     every step (the kernel gets the ring's old start: C + 1 keys with the new one); a window moves the ring's start
     (the kernel advances the ring's start, peak and overflow in place); per-head capacities (64, 128, 64, 128
-    slots: two interleaved head groups, one full) run one kernel per group, the KV-shift and Λ carries passed from group to group. The XLA
+    slots: two interleaved head groups, one full) run one kernel per group, the KV-shift and Λ carries passed from group
+    to group; with 2 splits the output norm and gate follow the combine and each group's Λ comes back from its kernel
+    as a new array, scattered into the layer's carry. The XLA
     path itself, fused (the op does the layer's work) and unfused (the layer's work before the op), agrees to 1e-6.
     Tolerance: float32, summation order only (the split softmax; the gate logits, computed by the kernel from their
     projections), 1e-5 in the logits; the caches as ``_assert_same_caches``. (On the H200 the dense comparison with
     the full forward failed at 1e-4 under TF32 GEMMs, max 1.1e-3; hence full precision here.)"""
     with jax.default_matmul_precision("highest"):  # on a GPU too: float32 GEMMs in full precision, not TF32
-        _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch)
+        _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch)
 
 
-def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
+def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch):
     """``test_pallas_decode_steps_equal_the_xla_path``'s body (under its matmul precision)."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4,  # D = 16:
@@ -866,6 +869,10 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
     np.testing.assert_allclose(unfused, ref, atol=1e-6)
     _assert_same_caches(unfused_caches, ref_caches)  # (on the H200 the two XLA programs' Λ pairs differ by ulps)
     monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
+    if splits > 1:  # (interpret mode picks one split)
+        config = dec.dk.default_decode_config
+        monkeypatch.setattr(dec.dk, "default_decode_config",
+                            lambda *a, **kw: config(*a, **{**kw, "num_splits": kw.get("num_splits") or splits}))
     traced = []
     flash = dec.dk.flash_decode
     monkeypatch.setattr(dec.dk, "flash_decode",
@@ -877,7 +884,8 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, monkeypatch):
     assert all((f is not None) == policy.startswith("acp") for _, f, _ in traced)  # acp's rule applied in the kernel
     # the layer's per-head work in the kernel too: KV-shift, QK-norm, Λ; the output norm and gate (one split here)
     assert all(s is not None and s.shift_state is not None and s.q_scale is not None and s.lam_prev is not None
-               and s.gate_logits and s.o_scale is not None and s.o_gate for _, _, s in traced)
+               and s.gate_x is not None and ((s.o_scale is not None and s.o_gate) == (splits == 1))
+               for _, _, s in traced)
     assert all((s.group_heads is None) == (slots is None) for _, _, s in traced)  # a head group: its layer heads
     if t > 64:
         assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) > 0  # the ring was full

@@ -436,11 +436,11 @@ def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
                              f"{None if x is None else list(x.shape)}")
         widths = ([hkv, hkv] if ops.shifts else []) + ([h] if step.log_fgate is not None else [])
         ws = tuple(ops.gate_weights)
-        if len(ws) < len(widths) or any(
+        if len(ws) != len(widths) or any(
                 tuple(k.shape) != (x.shape[2], n) or (bias is not None and tuple(bias.shape) != (n,))
                 for (k, bias), n in zip(ws, widths)):
-            raise ValueError(f"step.ops.gate_weights must start with (kernel [{x.shape[2]}, n], bias [n] or None) "
-                             f"for n = {widths} (k shift, v shift, forget gates), got "
+            raise ValueError(f"step.ops.gate_weights must be (kernel [{x.shape[2]}, n], bias [n] or None) for each "
+                             f"n = {widths} (the step's k shift, v shift, forget gates), got "
                              f"{[(list(k.shape), None if c is None else list(c.shape)) for k, c in ws]}")
     if ops.shifts:
         if ops.v_shift is None or tuple(ops.k_shift.shape) != (b, 1, hkv) or tuple(ops.v_shift.shape) != (b, 1, hkv):
@@ -640,8 +640,8 @@ def decode_attention_append(
         tables = out.pop(4) if ring_tables is not None else None
         if step is not None and not one_split:  # the output norm and gate after the splits' combine
             o = _step_epilogue(step, o)
-            if carry[1] is None and step.lam_prev is not None:  # a head group's Λ (the kernel's needs no group)
-                carry = (carry[0], step.scatter(None, step.step_lam(hi, grp))[1])
+            if carry[1] is not None and step.heads is not None:  # the kernel's Λ of a head group: the layer's
+                carry = (carry[0], step.scatter(None, carry[1])[1])
         return AppendResult(o, k, v, lam_k, first, carry, tables)
     carry = None
     if step is not None:
