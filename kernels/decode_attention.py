@@ -248,8 +248,8 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
 
 
 def _gate_logits(r: dict, member: int, offset: int, col, width: int, mask=None, valid: int = 0):
-    """Fused step: [width] float32 logits, columns col … col + width − 1 of the gate projection ``member`` (0, 1: the
-    k and v shifts, then the forget gates): read from ``gate_rows`` (at ``offset`` + col), or computed from the
+    """Fused step: [width] float32 logits, columns col … col + width − 1 of the gate projection ``member`` (0, 1:
+    the k and v shifts, then the forget gates): read from ``gate_rows`` (at ``offset`` + col), or computed from the
     row's x and the projection's weights (x·kernel + bias in float32, over d_in in power-of-two chunks). ``mask``
     [width]: columns to compute (others 0), with a mask the first ``valid`` (static) lanes."""
     load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731

@@ -507,7 +507,7 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
     members = (2 if ops.shifts else 0) + (1 if step.log_fgate is not None else 0)
     if members:
         if ops.gate_weights is not None and ops.gate_x.shape[-1] % dk.MIN_BLOCK == 0:
-            gate_x, gate_w = ops.gate_x[:, 0], tuple(ops.gate_weights[:members])
+            gate_x, gate_w = ops.gate_x[:, 0], tuple(ops.gate_weights)
         elif ops.gate_weights is not None:
             gate_rows = ops.gate_logits(members)[:, 0]
         else:

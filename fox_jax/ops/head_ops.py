@@ -93,9 +93,9 @@ class HeadOps:
       gate_x, gate_weights: the float32 projections behind the shift and forget-gate logits, as data, or None: the
         layer's input x [B, T, d_in] (any float dtype) and, in column order, (kernel [d_in, n] float32, bias [n]
         float32 or None) of k_shift and v_shift (n = Hkv each, with a shift), then of the forget gates (n = H, with
-        forget gates): one member per gate the layer has. A kernel computes the logits it reads (logit = x·kernel + bias in float32; log f =
-        log σ(logit) is taken by the reader), so they cost no kernel of their own per step; ``gate_logits`` is
-        their XLA form.
+        forget gates): one member per gate the layer has. A kernel computes the logits it reads (logit =
+        x·kernel + bias in float32; log f = log σ(logit) is taken by the reader), so they cost no kernel of their
+        own per step; ``gate_logits`` is their XLA form.
       qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
     """
 
