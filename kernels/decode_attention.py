@@ -247,32 +247,41 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
 
 
-def _gate_logits(r: dict, member: int, offset: int, col, width: int, mask=None, valid: int = 0):
-    """Fused step: [width] float32 logits, columns col … col + width − 1 of the gate projection ``member`` (0, 1:
-    the k and v shifts, then the forget gates): read from ``gate_rows`` (at ``offset`` + col), or computed from the
-    row's x and the projection's weights (x·kernel + bias in float32, over d_in in power-of-two chunks). ``mask``
-    [width]: columns to compute (others 0), with a mask the first ``valid`` (static) lanes."""
+def _gate_logits(r: dict, specs: list) -> list:
+    """Fused step: the float32 gate logits a program needs, one [width] vector per spec (member, offset, col, width,
+    mask, valid): columns col … col + width − 1 of the gate projection ``member`` (0, 1: the k and v shifts, then
+    the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the projections'
+    weights (x·kernel + bias in float32) in one pass over d_in in power-of-two chunks, each chunk of x loaded once
+    for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are computed,
+    the others are 0."""
     load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
     if "gate_x" not in r:
-        return load(r["gate_rows"].at[pl.ds(offset + col, width)], mask)
-    w = r[f"gate_w{member}"]
-    # the weights' tile is [chunk, n] with n = the columns computed, a power of two ≥ the valid ones (G of a padded
-    # group of Gp: a [chunk, Gp] tile of mostly masked lanes would cost registers), spread into ``width`` after
-    n = width if mask is None else min(width, 1 << max(0, (valid - 1).bit_length()))
-    sub = mask if n == width else None if n == valid else lax.broadcasted_iota(jnp.int32, (n,), 0) < valid
-    out = None
+        return [load(r["gate_rows"].at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs]
+    # a weights' tile is [chunk, n] with n = a power of two ≥ the valid columns (G of a padded group of Gp: a
+    # [chunk, Gp] tile of mostly masked lanes would cost registers), spread into ``width`` at the end
+    tiles = []
+    for member, _, col, width, mask, valid in specs:
+        n = width if mask is None else min(width, 1 << max(0, (valid - 1).bit_length()))
+        sub = mask if n == width else None if n == valid else lax.broadcasted_iota(jnp.int32, (n,), 0) < valid
+        tiles.append((member, col, width, n, sub, valid))
+    sums = [None] * len(tiles)
     for off, size in head_dim_chunks(r["gate_x"].shape[0]):
-        x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)
-        k = load(w.at[pl.ds(off, size), pl.ds(col, n)], None if sub is None else jnp.broadcast_to(sub[None, :],
-                                                                                                   (size, n)))
-        part = jnp.sum(x[:, None] * k, axis=0)
-        out = part if out is None else out + part
-    if f"gate_b{member}" in r:
-        out = out + load(r[f"gate_b{member}"].at[pl.ds(col, n)], sub)
-    if n < width:  # column j of the n into lane j of ``width`` (the others 0)
-        lanes, cols = lax.broadcasted_iota(jnp.int32, (width,), 0), lax.broadcasted_iota(jnp.int32, (n,), 0)
-        out = sum(jnp.where(lanes == j, jnp.sum(jnp.where(cols == j, out, 0.0)), 0.0) for j in range(min(n, valid)))
-    return out
+        x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[:, None]
+        for t, (member, col, _, n, sub, _) in enumerate(tiles):
+            w = load(r[f"gate_w{member}"].at[pl.ds(off, size), pl.ds(col, n)],
+                     None if sub is None else jnp.broadcast_to(sub[None, :], (size, n)))
+            part = jnp.sum(x * w, axis=0)
+            sums[t] = part if sums[t] is None else sums[t] + part
+    outs = []
+    for out, (member, col, width, n, sub, valid) in zip(sums, tiles):
+        if f"gate_b{member}" in r:
+            out = out + load(r[f"gate_b{member}"].at[pl.ds(col, n)], sub)
+        if n < width:  # column j of the n into lane j of ``width`` (the others 0)
+            lanes, cols = lax.broadcasted_iota(jnp.int32, (width,), 0), lax.broadcasted_iota(jnp.int32, (n,), 0)
+            out = sum(jnp.where(lanes == j, jnp.sum(jnp.where(cols == j, out, 0.0)), 0.0)
+                      for j in range(min(n, valid)))
+        outs.append(out)
+    return outs
 
 
 def _step_prologue(g: _Geom, r: dict, row_ok):
@@ -298,11 +307,18 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     vs = [pltriton.load(r["rows"].at[st.q_heads + hkv + head, pl.ds(off, size)]) for off, size in g.chunks]
     pos = r["hi"][()] - 1 - r["seq_start"][()]  # the step's position (< 0: a pad)
     d = sum(size for _, size in g.chunks)
+    # every gate logit of the program in one pass, before anything waits on them: the k and v shifts' of its kv
+    # head, then its group's forget gates
+    specs = [(which, which * hkv, head, 1, None, 0) for which in ((0, 1) if st.shift else ())]
+    if st.gates:
+        specs.append((2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad, row_ok[:, 0],
+                      g.group))
+    logits = _gate_logits(r, specs) if specs else []
     if st.shift:
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
         out = []
         for raw, which in ((ks, 0), (vs, 1)):
-            a = jax.nn.sigmoid(jnp.sum(_gate_logits(r, which, which * hkv, head, 1)))
+            a = jax.nn.sigmoid(jnp.sum(logits[which]))
             shifted = []
             for x, (off, size) in zip(raw, g.chunks):
                 prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
@@ -321,8 +337,7 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
               _rms_chunks([x.astype(f32) for x in qs], scales, st.qk_eps, d, f32)]
     lam = None
     if st.gates:
-        lf = _gate_logits(r, 2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad,
-                          mask=row_ok[:, 0], valid=g.group)
+        lf = logits[-1]
         if st.gate_logits:
             lf = jax.nn.log_sigmoid(lf)
         lf = jnp.where((pos >= 0) & row_ok[:, 0], lf, 0.0)  # a pad adds no gate
