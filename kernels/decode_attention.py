@@ -261,7 +261,7 @@ def _gate_logits(r: dict, specs: list) -> list:
     # [chunk, Gp] tile of mostly masked lanes would cost registers), spread into ``width`` at the end
     tiles = []
     for member, _, col, width, mask, valid in specs:
-        n = width if mask is None else min(width, 1 << max(0, (valid - 1).bit_length()))
+        n = width if mask is None else min(width, _pow2_at_least(valid, 1))
         sub = mask if n == width else None if n == valid else lax.broadcasted_iota(jnp.int32, (n,), 0) < valid
         tiles.append((member, col, width, n, sub, valid))
     sums = [None] * len(tiles)
