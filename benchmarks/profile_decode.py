@@ -9,11 +9,25 @@ bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` T
     python benchmarks/profile_decode.py --model gpt2 --batch 32 --prompt 896 --new-tokens 128 \\
         --policies dense,window:256 --out $OUT/profile_decode.json
     python benchmarks/profile_decode.py --quick        # CPU smoke run (tiny model; "kernels" are XLA CPU thunks)
+
+``--kernel-variants``: the same profile once per variant of the Pallas decode kernel, each a fresh compile (a
+few layers are enough: ``--set n_layers=4``), to choose its launch settings and to price what it fuses. A variant
+is ``name`` or ``name:key=value,...`` with keys of ``kernels.decode_attention.DecodeConfig`` (num_warps,
+num_stages, block_k, num_splits: replacing the default tiling), ``gates=xla`` (the gate logits computed by
+XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel) and
+``gate_layout=strided|table`` (``kernels.decode_attention.GATE_LAYOUT``):
+
+    python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \
+        --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 w8:num_warps=8 \
+        xla-gates:gates=xla --out $OUT/profile_decode_variants.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import importlib
 import json
 import platform
 import shutil
@@ -27,6 +41,9 @@ import jax.numpy as jnp
 from fox_jax.cache.policies import parse_policy
 from fox_jax.decoding import cache_bytes, generate, min_slots
 from fox_jax.decoding import generation as gen
+from fox_jax.kernels import decode_attention as dk
+
+decode_op = importlib.import_module("fox_jax.ops.decode_attention")  # the module (fox_jax.ops exports the function)
 
 # sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
 from bench_decode import model_config, weight_bytes_read
@@ -97,8 +114,66 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
                 live_tokens=float(jax.numpy.asarray(out.live_counts)[-1].mean()), trace_source=source, walls_s={str(k): v for k, v in walls.items()})
 
 
+def parse_kernel_variant(spec: str) -> tuple[str, dict]:
+    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``,
+    ``gate_layout``.
+
+    Raises:
+      ValueError: an unknown key or a bad value (an int for the DecodeConfig fields).
+    """
+    name, _, rest = spec.partition(":")
+    fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
+    choices = {"gates": ("xla", "kernel"), "gate_layout": ("strided", "table")}
+    settings = {}
+    for item in [x for x in rest.split(",") if x]:
+        key, eq, value = item.partition("=")
+        if not eq or (key not in fields and key not in choices):
+            raise ValueError(f"--kernel-variants {spec!r}: expected key=value with key in "
+                             f"{', '.join(sorted(fields | set(choices)))}, got {item!r}")
+        if key in choices:
+            if value not in choices[key]:
+                raise ValueError(f"--kernel-variants {spec!r}: {key} takes {' or '.join(choices[key])}, got {value!r}")
+            settings[key] = value
+        else:
+            try:
+                settings[key] = int(value)
+            except ValueError:
+                raise ValueError(f"--kernel-variants {spec!r}: {key} takes an int, got {value!r}") from None
+    return name, settings
+
+
+@contextlib.contextmanager
+def kernel_variant(settings: dict):
+    """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
+    on entry and exit so that every program is traced again)."""
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "gate_layout")}
+    saved = dk.default_decode_config, decode_op._step_arrays, dk.GATE_LAYOUT
+    base_config, base_arrays, _ = saved
+
+    def config(*args, **kwargs):
+        return dataclasses.replace(base_config(*args, **kwargs), **tiling)
+
+    def arrays(step, *args, **kwargs):
+        out = base_arrays(step, *args, **kwargs)
+        if out.gate_x is None:
+            return out
+        return dataclasses.replace(out, gate_x=None, gate_w=None,
+                                   gate_rows=step.ops.gate_logits(len(out.gate_w))[:, 0])
+
+    jax.clear_caches()
+    dk.default_decode_config = config
+    if settings.get("gates") == "xla":
+        decode_op._step_arrays = arrays
+    dk.GATE_LAYOUT = settings.get("gate_layout", dk.GATE_LAYOUT)
+    try:
+        yield
+    finally:
+        dk.default_decode_config, decode_op._step_arrays, dk.GATE_LAYOUT = saved
+        jax.clear_caches()
+
+
 def print_report(row: dict) -> None:
-    print(f"\n== {row['policy']}: {row['step_ms']:.3f} ms/step wall, {row['device_ms_per_step']:.3f} ms device, "
+    print(f"\n== {row['policy']}{' [' + row['variant'] + ']' if 'variant' in row else ''}: {row['step_ms']:.3f} ms/step wall, {row['device_ms_per_step']:.3f} ms device, "
           f"compiled in {row['compile_s']:.0f} s, "
           f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
           f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "
@@ -127,6 +202,8 @@ def main(argv=None):
     p.add_argument("--param-dtype", default="float32", choices=("bfloat16", "float32"),
                    help="dtype the parameters are stored in (float32: as init_params / checkpoints give them)")
     p.add_argument("--bandwidth", type=float, default=4.8, help="TB/s of the bound (H200: 4.8)")
+    p.add_argument("--kernel-variants", nargs="*", default=[], metavar="NAME[:KEY=VALUE,...]",
+                   help="profile once per variant of the Pallas decode kernel (see the module docstring)")
     p.add_argument("--out", default="profile_decode.json")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny model and short prompts")
     args = p.parse_args(argv)
@@ -140,17 +217,29 @@ def main(argv=None):
     weight_bytes = weight_bytes_read(cfg, params, args.dtype)  # as bench_decode.py's bound: what a step reads
     model = cfg.build()
     tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.prompt), 0, cfg.vocab_size, jnp.int32)
+    variants = [parse_kernel_variant(v) for v in args.kernel_variants] or [(None, {})]
     rows = []
-    for spec in [s for s in args.policies.split(",") if s]:
-        row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
-                             args.bandwidth, weight_bytes, args.slots)
-        row.update(model=args.model, batch=args.batch, prompt=args.prompt, new_tokens=args.new_tokens)
-        print_report(row)
-        rows.append(row)
-        meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__, python=platform.python_version(),
-                    dtype=args.dtype, param_dtype=args.param_dtype, date=time.strftime("%Y-%m-%d %H:%M:%S"))
-        with open(args.out, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    for name, settings in variants:
+        with kernel_variant(settings):
+            for spec in [s for s in args.policies.split(",") if s]:
+                row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
+                                     args.bandwidth, weight_bytes, args.slots)
+                row.update(model=args.model, set=args.set, batch=args.batch, prompt=args.prompt,
+                           new_tokens=args.new_tokens)
+                if name is not None:
+                    row.update(variant=name, kernel_settings=settings)
+                print_report(row)
+                rows.append(row)
+                meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+                            python=platform.python_version(), dtype=args.dtype, param_dtype=args.param_dtype,
+                            date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                with open(args.out, "w") as f:
+                    json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    if len(variants) > 1:
+        print(f"\n{'variant':<14} {'policy':<12} {'ms/step':>8} {'device':>8} {'attention':>9} {'kernels':>7}")
+        for r in rows:
+            print(f"{r['variant']:<14} {r['policy']:<12} {r['step_ms']:8.3f} {r['device_ms_per_step']:8.3f} "
+                  f"{r['per_step_ms']['attention']:9.4f} {r['kernels_per_step']:7.0f}")
     print(f"\nwrote {args.out}")
     return rows
 

@@ -221,6 +221,9 @@ if [[ " $STAGES " != " prepare " ]] && ! python3 -c "import grain" 2>/dev/null &
   python3 -m pip install -q --no-deps --target /tmp/wheels .whl/*.whl 2>&1 | tail -n 2; WHEELS=/tmp/wheels
 fi
 export PYTHONPATH=$ROOT${WHEELS:+:$WHEELS}
+if [[ " $STAGES " != " prepare " ]] && ! grain_err=$(python3 -c "import grain.python" 2>&1); then  # say so once, up front
+  stamp "grain does not import (the training stack needs it; benchmarks/README.md lists the wheels for .whl/): $(tail -n 1 <<< "$grain_err")"
+fi
 export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/fox_jax_cache}
 export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}
 # XLA's GEMM autotuning results per fusion, shared by every process of the call and kept for the next call:

@@ -47,6 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -92,6 +93,10 @@ _GPU_MIN_BLOCKS_PER_SPLIT = 4
 SHARED_LIMIT = 220 * 1024  # sm_90 allows 227 KB of shared memory per block
 # Interpret mode (CPU tests): 16-key blocks so short rings still give many blocks, wraps and splits.
 _INTERPRET_BLOCK_K = 16
+# The fused step's gate projections as the kernel reads them: "strided" (the projections' own [d_in, n] layout) or
+# "table" (``gate_table``: each kv head's rows contiguous; built per step unless hoisted). Being measured
+# (FOX_JAX_DECODE_GATE_LAYOUT chooses while it is).
+GATE_LAYOUT = os.environ.get("FOX_JAX_DECODE_GATE_LAYOUT", "strided")
 
 
 def largest_block_k(capacity: int, preferred: int) -> int | None:
@@ -250,13 +255,36 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
 def _gate_logits(r: dict, specs: list) -> list:
     """Fused step: the float32 gate logits a program needs, one [width] vector per spec (member, offset, col, width,
     mask, valid): columns col … col + width − 1 of the gate projection ``member`` (0, 1: the k and v shifts, then
-    the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the projections'
-    weights (x·kernel + bias in float32) in one pass over d_in in power-of-two chunks, each chunk of x loaded once
-    for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are computed,
-    the others are 0."""
-    load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
+    the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the program's
+    rows of the gate table (``gate_table``: row ``member`` for the shifts, the group's G forget gates from the last
+    member's row on) in one pass over d_in in power-of-two chunks: each chunk of x and of the table loaded once,
+    one reduction for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are
+    filled, the others are 0."""
     if "gate_x" not in r:
+        load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
         return [load(r["gate_rows"].at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs]
+    if "gate_wt" not in r:
+        return _gate_logits_strided(r, specs)
+    sums = None
+    for off, size in head_dim_chunks(r["gate_x"].shape[0]):
+        x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[None, :]
+        part = jnp.sum(pltriton.load(r["gate_wt"].at[:, pl.ds(off, size)]) * x, axis=1)  # [P]
+        sums = part if sums is None else sums + part
+    sums = sums + pltriton.load(r["gate_bt"].at[:])
+    rows = lax.broadcasted_iota(jnp.int32, sums.shape, 0)
+    outs = []
+    for member, _, _, width, mask, valid in specs:
+        lanes = lax.broadcasted_iota(jnp.int32, (width,), 0)
+        n = 1 if mask is None else valid  # the member's rows: member, member + 1, … (a group's forget gates)
+        outs.append(sum(jnp.where(lanes == j, jnp.sum(jnp.where(rows == member + j, sums, 0.0)), 0.0)
+                        for j in range(n)))
+    return outs
+
+
+def _gate_logits_strided(r: dict, specs: list) -> list:
+    """``_gate_logits`` from the projections' own layout (``gate_w<m>`` [d_in, n]: a program's columns are strided
+    loads), kept while the two layouts are measured against each other (``GATE_LAYOUT``)."""
+    load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
     # a weights' tile is [chunk, n] with n = a power of two ≥ the valid columns (G of a padded group of Gp: a
     # [chunk, Gp] tile of mostly masked lanes would cost registers), spread into ``width`` at the end
     tiles = []
@@ -282,6 +310,23 @@ def _gate_logits(r: dict, specs: list) -> list:
                       for j in range(min(n, valid)))
         outs.append(out)
     return outs
+
+
+def gate_table(gate_w: tuple, kv_heads: int) -> tuple[jax.Array, jax.Array]:
+    """The fused step's gate projections per key/value head, as each program reads them: (weights [Hkv, P, d_in],
+    bias [Hkv, P]) float32, P = the next power of two ≥ the rows: row m the k / v shift of the head (m = 0, 1, with
+    shifts), then the G forget gates of its query heads; padding rows 0, a missing bias 0. ``gate_w``: (kernel
+    [d_in, n] float32, bias [n] or None) per gate as ``StepArrays.gate_w`` (n = Hkv for a shift, H = Hkv·G for the
+    forget gates; query head h·G + g belongs to kv head h)."""
+    ws, bs = [], []
+    for kernel, bias in gate_w:
+        d_in, n = kernel.shape
+        ws.append(kernel.astype(jnp.float32).T.reshape(kv_heads, n // kv_heads, d_in))
+        bs.append(jnp.zeros((n,), jnp.float32) if bias is None else bias.astype(jnp.float32))
+    w = jnp.concatenate(ws, axis=1)
+    b = jnp.concatenate([x.reshape(kv_heads, -1) for x in bs], axis=1)
+    pad = _pow2_at_least(w.shape[1], 1) - w.shape[1]
+    return jnp.pad(w, ((0, 0), (0, pad), (0, 0))), jnp.pad(b, ((0, 0), (0, pad)))
 
 
 def _step_prologue(g: _Geom, r: dict, row_ok):
@@ -772,13 +817,18 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         if step.gate_rows is not None:
             ins.append(("gate_rows", step.gate_rows.astype(f32),
                         pl.BlockSpec((None, step.gate_rows.shape[1]), lambda i, s: (lax.div(i, hkv), 0))))
-        if step.gate_x is not None:  # the gate projections: the row's x, every program the weights whole
+        if step.gate_x is not None:  # the gate projections: the row's x, the program's kv head's rows of the table
             d_in = step.gate_x.shape[1]
             ins.append(("gate_x", step.gate_x, pl.BlockSpec((None, d_in), lambda i, s: (lax.div(i, hkv), 0))))
-            for m, (w, bias) in enumerate(step.gate_w):
-                ins.append((f"gate_w{m}", w.astype(f32), pl.BlockSpec(w.shape, lambda i, s: (0, 0))))
-                if bias is not None:
-                    ins.append((f"gate_b{m}", bias.astype(f32), pl.BlockSpec(bias.shape, lambda i, s: (0,))))
+            if GATE_LAYOUT == "table":
+                table_w, table_b = gate_table(step.gate_w, hkv_l)
+                ins += [("gate_wt", table_w, pl.BlockSpec((None,) + table_w.shape[1:], head_of)),
+                        ("gate_bt", table_b, pl.BlockSpec((None, table_b.shape[1]), lambda i, s: (lh(i), 0)))]
+            else:
+                for m, (w, bias) in enumerate(step.gate_w):
+                    ins.append((f"gate_w{m}", w.astype(f32), pl.BlockSpec(w.shape, lambda i, s: (0, 0))))
+                    if bias is not None:
+                        ins.append((f"gate_b{m}", bias.astype(f32), pl.BlockSpec(bias.shape, lambda i, s: (0,))))
         if step.shift_state is not None:
             ins.append(("shift_state", step.shift_state.astype(q.dtype),
                         pl.BlockSpec((None, 2, None, d_run), lambda i, s: (lax.div(i, hkv), 0, lh(i), 0))))
