@@ -14,8 +14,7 @@ bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` T
 few layers are enough: ``--set n_layers=4``), to choose its launch settings and to price what it fuses. A variant
 is ``name`` or ``name:key=value,...`` with keys of ``kernels.decode_attention.DecodeConfig`` (num_warps,
 num_stages, block_k, num_splits: replacing the default tiling), ``gates=xla`` (the gate logits computed by
-XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel) and
-``gate_layout=strided|table`` (``kernels.decode_attention.GATE_LAYOUT``):
+XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel):
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \
         --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 w8:num_warps=8 \
@@ -115,15 +114,14 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
-    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``,
-    ``gate_layout``.
+    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields and ``gates``.
 
     Raises:
       ValueError: an unknown key or a bad value (an int for the DecodeConfig fields).
     """
     name, _, rest = spec.partition(":")
     fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
-    choices = {"gates": ("xla", "kernel"), "gate_layout": ("strided", "table")}
+    choices = {"gates": ("xla", "kernel")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -146,9 +144,9 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "gate_layout")}
-    saved = dk.default_decode_config, decode_op._step_arrays, dk.GATE_LAYOUT
-    base_config, base_arrays, _ = saved
+    tiling = {k: v for k, v in settings.items() if k != "gates"}
+    saved = dk.default_decode_config, decode_op._step_arrays
+    base_config, base_arrays = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -157,18 +155,17 @@ def kernel_variant(settings: dict):
         out = base_arrays(step, *args, **kwargs)
         if out.gate_x is None:
             return out
-        return dataclasses.replace(out, gate_x=None, gate_w=None,
+        return dataclasses.replace(out, gate_x=None, gate_w=None, gate_table=None,
                                    gate_rows=step.ops.gate_logits(len(out.gate_w))[:, 0])
 
     jax.clear_caches()
     dk.default_decode_config = config
     if settings.get("gates") == "xla":
         decode_op._step_arrays = arrays
-    dk.GATE_LAYOUT = settings.get("gate_layout", dk.GATE_LAYOUT)
     try:
         yield
     finally:
-        dk.default_decode_config, decode_op._step_arrays, dk.GATE_LAYOUT = saved
+        dk.default_decode_config, decode_op._step_arrays = saved
         jax.clear_caches()
 
 

@@ -47,7 +47,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -93,10 +92,6 @@ _GPU_MIN_BLOCKS_PER_SPLIT = 4
 SHARED_LIMIT = 220 * 1024  # sm_90 allows 227 KB of shared memory per block
 # Interpret mode (CPU tests): 16-key blocks so short rings still give many blocks, wraps and splits.
 _INTERPRET_BLOCK_K = 16
-# The fused step's gate projections as the kernel reads them: "strided" (the projections' own [d_in, n] layout) or
-# "table" (``gate_table``: each kv head's rows contiguous; built per step unless hoisted). Being measured
-# (FOX_JAX_DECODE_GATE_LAYOUT chooses while it is).
-GATE_LAYOUT = os.environ.get("FOX_JAX_DECODE_GATE_LAYOUT", "strided")
 
 
 def largest_block_k(capacity: int, preferred: int) -> int | None:
@@ -263,8 +258,6 @@ def _gate_logits(r: dict, specs: list) -> list:
     if "gate_x" not in r:
         load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
         return [load(r["gate_rows"].at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs]
-    if "gate_wt" not in r:
-        return _gate_logits_strided(r, specs)
     sums = None
     for off, size in head_dim_chunks(r["gate_x"].shape[0]):
         x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[None, :]
@@ -278,37 +271,6 @@ def _gate_logits(r: dict, specs: list) -> list:
         n = 1 if mask is None else valid  # the member's rows: member, member + 1, … (a group's forget gates)
         outs.append(sum(jnp.where(lanes == j, jnp.sum(jnp.where(rows == member + j, sums, 0.0)), 0.0)
                         for j in range(n)))
-    return outs
-
-
-def _gate_logits_strided(r: dict, specs: list) -> list:
-    """``_gate_logits`` from the projections' own layout (``gate_w<m>`` [d_in, n]: a program's columns are strided
-    loads), kept while the two layouts are measured against each other (``GATE_LAYOUT``)."""
-    load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
-    # a weights' tile is [chunk, n] with n = a power of two ≥ the valid columns (G of a padded group of Gp: a
-    # [chunk, Gp] tile of mostly masked lanes would cost registers), spread into ``width`` at the end
-    tiles = []
-    for member, _, col, width, mask, valid in specs:
-        n = width if mask is None else min(width, _pow2_at_least(valid, 1))
-        sub = mask if n == width else None if n == valid else lax.broadcasted_iota(jnp.int32, (n,), 0) < valid
-        tiles.append((member, col, width, n, sub, valid))
-    sums = [None] * len(tiles)
-    for off, size in head_dim_chunks(r["gate_x"].shape[0]):
-        x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[:, None]
-        for t, (member, col, _, n, sub, _) in enumerate(tiles):
-            w = load(r[f"gate_w{member}"].at[pl.ds(off, size), pl.ds(col, n)],
-                     None if sub is None else jnp.broadcast_to(sub[None, :], (size, n)))
-            part = jnp.sum(x * w, axis=0)
-            sums[t] = part if sums[t] is None else sums[t] + part
-    outs = []
-    for out, (member, col, width, n, sub, valid) in zip(sums, tiles):
-        if f"gate_b{member}" in r:
-            out = out + load(r[f"gate_b{member}"].at[pl.ds(col, n)], sub)
-        if n < width:  # column j of the n into lane j of ``width`` (the others 0)
-            lanes, cols = lax.broadcasted_iota(jnp.int32, (width,), 0), lax.broadcasted_iota(jnp.int32, (n,), 0)
-            out = sum(jnp.where(lanes == j, jnp.sum(jnp.where(cols == j, out, 0.0)), 0.0)
-                      for j in range(min(n, valid)))
-        outs.append(out)
     return outs
 
 
@@ -652,7 +614,7 @@ def _range_operand(x, b: int, hkv: int):
 
 @functools.partial(jax.tree_util.register_dataclass,
                    meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads"],
-                   data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "shift_state", "q_scale",
+                   data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "gate_table", "shift_state", "q_scale",
                                 "k_scale", "lam_prev", "o_scale"])
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
@@ -671,6 +633,9 @@ class StepArrays:
       gate_x, gate_w: the projections behind those logits, computed here: x [B, d_in] (any float dtype, d_in a
         multiple of 16) and, in the same column order, (kernel [d_in, n] float32, bias [n] float32 or None) of the
         k shift (n = Hkv), the v shift (Hkv), the forget gates (H); logit = x·kernel + bias in float32.
+      gate_table: None, or ``gate_table(gate_w, Hkv)`` (the layer's Hkv) made once before a decode loop: the
+        kernel reads the projections in that layout (each program its kv head's rows, contiguous) and builds it
+        from ``gate_w`` (two small XLA kernels per call) when it is not given; gate_w may then be None.
       shift_state: [B, 2, Hkv, D] (q's dtype), the raw k̃, ṽ of the previous token (returned updated, in place).
       q_scale: [Hkv, G, D] float32; k_scale: [Hkv, D] float32 (QK-norm).
       lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (returned updated).
@@ -687,6 +652,7 @@ class StepArrays:
     gate_rows: jax.Array | None = None
     gate_x: jax.Array | None = None
     gate_w: tuple | None = None
+    gate_table: tuple | None = None
     shift_state: jax.Array | None = None
     q_scale: jax.Array | None = None
     k_scale: jax.Array | None = None
@@ -758,11 +724,19 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                          "for the output norm and gate")
     if tables is not None and append is None:
         raise ValueError("tables need append (a ring's decode step)")
-    if step is not None and step.gate_x is not None and (
-            step.gate_rows is not None or step.gate_x.shape[1] % MIN_BLOCK
-            or len(step.gate_w) != 2 * (step.shift_state is not None) + (step.lam_prev is not None)):
-        raise ValueError(f"step.gate_x needs no gate_rows, d_in a multiple of {MIN_BLOCK} (got {step.gate_x.shape[1]}) "
-                         f"and one projection in gate_w per gate the step uses (k and v shift, forget gates)")
+    if step is not None and step.gate_x is not None:
+        members = 2 * (step.shift_state is not None) + (step.lam_prev is not None)
+        hkv_l = hkv if step.group_heads is None else step.layer_kv_heads
+        d_in, rows = step.gate_x.shape[1], (2 if step.shift_state is not None else 0) + grp * (step.lam_prev is not None)
+        table = step.gate_table
+        if step.gate_rows is not None or d_in % MIN_BLOCK or (
+                table is None and (step.gate_w is None or len(step.gate_w) != members)):
+            raise ValueError(f"step.gate_x needs no gate_rows, d_in a multiple of {MIN_BLOCK} (got {d_in}) and one "
+                             f"projection in gate_w per gate the step uses (k and v shift, forget gates), or gate_table")
+        want = ((hkv_l, _pow2_at_least(rows, 1), d_in), (hkv_l, _pow2_at_least(rows, 1)))
+        if table is not None and tuple(tuple(x.shape) for x in table) != want:
+            raise ValueError(f"step.gate_table must be float32 ({list(want[0])}, {list(want[1])}) (gate_table of the "
+                             f"step's {rows} gate rows per kv head), got {[list(x.shape) for x in table]}")
     if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
         raise ValueError("step.group_heads needs step.layer_kv_heads (the layer's Hkv)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
@@ -820,15 +794,10 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         if step.gate_x is not None:  # the gate projections: the row's x, the program's kv head's rows of the table
             d_in = step.gate_x.shape[1]
             ins.append(("gate_x", step.gate_x, pl.BlockSpec((None, d_in), lambda i, s: (lax.div(i, hkv), 0))))
-            if GATE_LAYOUT == "table":
-                table_w, table_b = gate_table(step.gate_w, hkv_l)
-                ins += [("gate_wt", table_w, pl.BlockSpec((None,) + table_w.shape[1:], head_of)),
-                        ("gate_bt", table_b, pl.BlockSpec((None, table_b.shape[1]), lambda i, s: (lh(i), 0)))]
-            else:
-                for m, (w, bias) in enumerate(step.gate_w):
-                    ins.append((f"gate_w{m}", w.astype(f32), pl.BlockSpec(w.shape, lambda i, s: (0, 0))))
-                    if bias is not None:
-                        ins.append((f"gate_b{m}", bias.astype(f32), pl.BlockSpec(bias.shape, lambda i, s: (0,))))
+            # (built here from gate_w when not given: two small XLA kernels per call)
+            table_w, table_b = step.gate_table if step.gate_table is not None else gate_table(step.gate_w, hkv_l)
+            ins += [("gate_wt", table_w.astype(f32), pl.BlockSpec((None,) + table_w.shape[1:], head_of)),
+                    ("gate_bt", table_b.astype(f32), pl.BlockSpec((None, table_b.shape[1]), lambda i, s: (lh(i), 0)))]
         if step.shift_state is not None:
             ins.append(("shift_state", step.shift_state.astype(q.dtype),
                         pl.BlockSpec((None, 2, None, d_run), lambda i, s: (lax.div(i, hkv), 0, lh(i), 0))))

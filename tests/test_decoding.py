@@ -33,6 +33,7 @@ from fox_jax.decoding import (decode_step, extend, generate, init_cache, live_co
 from fox_jax.decoding import generation
 from fox_jax.models import LanguageModel, preset
 from fox_jax.models.gpt2 import GPT2, GPT2Config
+from fox_jax.nn.attention import gate_tables
 from fox_jax.ops import acp as acp_ops
 from fox_jax.ops import forgetting_attention
 from fox_jax.ops.decode_attention import decode_attention
@@ -894,6 +895,44 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeyp
         np.testing.assert_allclose(got, np.asarray(full_forward(model, params, tokens)[0][:, p:]).transpose(1, 0, 2),
                                    atol=1e-4)
     _assert_same_caches(caches, ref_caches)  # the ring written by the kernel
+
+
+@pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])
+def test_gate_tables_feed_the_decode_kernel(arch, monkeypatch):
+    """``gate_tables`` finds every layer's gate projections — KV-shift and forget gates in FoX (Pro), forget gates
+    alone in FoX (LLaMA), whose Hkv (2 of 4 heads, GQA) it reads from the projections' widths — and lays them out
+    as the decode kernel's ``gate_table``; a decode step applied with them (as ``generate``'s loop does) hands the
+    kernel the prepared table and gives bitwise the logits and caches of the step without them, where the kernel
+    builds the same table itself. The greedy tokens of ``generate`` (which applies them) equal the XLA path's."""
+    dec = sys.modules["fox_jax.ops.decode_attention"]
+    cfg = preset("tiny", arch, vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
+    tables = gate_tables(params)["decode"]
+    assert sorted(tables) == ["layers_0", "layers_1"]
+    for name, layer in tables.items():
+        attn = params[name]["attn"]
+        names = [n for n in ("k_shift_proj", "v_shift_proj", "fgate_proj") if n in attn]
+        assert len(names) == (3 if arch == "fox-pro" else 1)
+        want = dec.gate_table(tuple((attn[n]["kernel"], attn[n].get("bias")) for n in names), 2)
+        rows = (2 if arch == "fox-pro" else 0) + 2  # the shifts, then G = 2 forget gates per kv head (a power of 2)
+        assert layer["attn"]["gate_table"][0].shape == (2, rows, 64)
+        for x, y in zip(layer["attn"]["gate_table"], want):
+            np.testing.assert_array_equal(x, y)
+    tokens = padded_batch(10)
+    greedy = generate(model, params, tokens, max_new_tokens=3).tokens  # the XLA path
+    monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
+    seen = []
+    flash = dec.dk.flash_decode
+    monkeypatch.setattr(dec.dk, "flash_decode", lambda *a, **kw: seen.append(kw["step"].gate_table) or flash(*a, **kw))
+    jax.clear_caches()
+    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy="dense")
+    step = lambda variables: model.apply(variables, tokens[:, 8:9], cache=caches)  # noqa: E731
+    with_tables, without = step({"params": params, "decode": tables}), step({"params": params})
+    assert len(seen) == 4 and all(t is not None for t in seen[:2]) and all(t is None for t in seen[2:])
+    np.testing.assert_array_equal(with_tables.logits, without.logits)
+    for a, b in zip(jax.tree.leaves(with_tables.cache), jax.tree.leaves(without.cache)):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(generate(model, params, tokens, max_new_tokens=3).tokens, greedy)
 
 
 def _assert_same_caches(got, want):

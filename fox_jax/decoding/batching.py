@@ -59,7 +59,7 @@ from tqdm.auto import tqdm
 
 from fox_jax.cache.policies import CachePolicy, parse_policy, round_up
 from fox_jax.decoding.generation import (_check_decoding, _config, _scan_chunks, cache_bytes, calibrate_slots,
-                                         cast_plan, generate, init_cache, live_counts, min_slots, precast,
+                                         cast_plan, decode_variables, generate, init_cache, live_counts, min_slots,
                                          sample_logits)
 
 GiB = 2 ** 30
@@ -305,15 +305,16 @@ def _admit(model, params, state: _State, tokens, pad, row, req, rng, *, slots, p
 
 @functools.partial(jax.jit, static_argnames=("model", "steps", "n_new", "sampling", "stops"),
                    donate_argnames=("state",))
-def _decode_block(model, params, state: _State, req, rng, *, steps, n_new, sampling, stops) -> _State:
-    """``steps`` decode steps of every row (a fixed trip count); finished rows step on, masked."""
+def _decode_block(model, variables, state: _State, req, rng, *, steps, n_new, sampling, stops) -> _State:
+    """``steps`` decode steps of every row (a fixed trip count); finished rows step on, masked. ``variables``:
+    ``generation.decode_variables``."""
     stop_ids = jnp.asarray(stops or (-1,), jnp.int32)
     rows = jnp.arange(state.tok.shape[0])
 
     def body(j, st: _State) -> _State:
         # one column counter for every layer (the block's first plus j), as in generation._generate: one add per step
         length = st.caches[0].length + j
-        out = model.apply({"params": params}, st.tok[:, None], cache=tuple(c.replace(length=length) for c in st.caches))
+        out = model.apply(variables, st.tok[:, None], cache=tuple(c.replace(length=length) for c in st.caches))
         nxt = _sample_rows(out.logits[:, -1].astype(jnp.float32), rng, req, st.count, sampling)
         active = ~st.done
         count = st.count + active
@@ -385,7 +386,8 @@ def serve(model, params, prompts: Sequence, *, max_new_tokens: int, policy="dens
         tuple(s) if isinstance(s, (list, tuple)) else s for s in plan.slots)   # hashable: a static argument
     caches = init_cache(model, b, slots, policy=policy, max_context=plan.max_context)
     caches = tuple(c.replace(length=jnp.asarray(plan.width, jnp.int32), fresh=False) for c in caches)
-    params = precast(params, cast_plan(model, params, caches))  # the converts every step would do, done once
+    variables = decode_variables(params, cast_plan(model, params, caches))  # per-step converts and layouts, once
+    params = variables["params"]
     f32 = lambda: jnp.zeros((b,), jnp.float32)  # noqa: E731
     state = _State(caches, jnp.zeros((b,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), bool),
                    jnp.full((b, n_new), -1, jnp.int32), jnp.zeros((b,), jnp.int32), f32(), f32(),
@@ -424,7 +426,7 @@ def serve(model, params, prompts: Sequence, *, max_new_tokens: int, policy="dens
     steps = max(1, min(steps_per_check, n_new - 1))  # one block length: one compile
     while (req >= 0).any():
         t0 = time.perf_counter()
-        state = _decode_block(model, params, state, jnp.asarray(req), rng, steps=steps, **block_kw)
+        state = _decode_block(model, variables, state, jnp.asarray(req), rng, steps=steps, **block_kw)
         done, cnt, out, ovf, live_sum, live_peak, live_bytes, made = jax.device_get(
             (state.done, state.count, state.out, state.overflow, state.live_sum, state.live_peak, state.live_bytes,
              state.tokens))

@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
+from fox_jax.nn.attention import gate_tables
 from fox_jax.ops._common import check_seq_start
 from fox_jax.sharding import place_for_decoding, under_mesh
 
@@ -198,6 +199,13 @@ def precast(params, plan: tuple):
     """``params`` with each leaf cast to its ``cast_plan`` dtype (the others unchanged)."""
     leaves, treedef = jax.tree.flatten(params)
     return jax.tree.unflatten(treedef, [x if dt is None else x.astype(dt) for x, dt in zip(leaves, plan)])
+
+
+def decode_variables(params, plan: tuple) -> dict:
+    """What a decode loop applies the model with, made once before the loop: the parameters cast as ``plan`` says
+    (``precast``) and the attention layers' ``"decode"`` collection (``fox_jax.nn.attention.gate_tables``: the gate
+    projections in the decode kernel's layout)."""
+    return {"params": precast(params, plan), **gate_tables(params)}
 
 
 @functools.partial(jax.jit, static_argnums=0)
@@ -366,7 +374,8 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
 def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens,
               plan, steps):
     b = tokens.shape[0]
-    params = precast(params, plan)  # the converts the model would do every step, done once
+    variables = decode_variables(params, plan)  # the converts and layouts every step would do, done once
+    params = variables["params"]
     sample = functools.partial(sample_logits, temperature=temperature, top_k=top_k, top_p=top_p)
     stops = jnp.asarray(stop_tokens if stop_tokens else (-1,), jnp.int32)
     caches, logits, _ = _scan_chunks(model, params, tokens, caches, chunk)
@@ -384,7 +393,7 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
         # Every layer's column counter is the prefill's plus the steps taken: one add per step, not one per layer.
         # The loop carries the prefill's counters unchanged (XLA drops them from the loop state) and sets them after.
         length = caches[0].length + (i - 1)
-        step = model.apply({"params": params}, tok[:, None], cache=tuple(c.replace(length=length) for c in caches))
+        step = model.apply(variables, tok[:, None], cache=tuple(c.replace(length=length) for c in caches))
         nxt = sample(step.logits[:, -1].astype(jnp.float32), jax.random.fold_in(rng, i))
         nxt = jnp.where(done, -1, nxt)
         out = out.at[:, i].set(nxt)
@@ -539,5 +548,5 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     return (nll, overflow, live_counts(caches)) if with_live else (nll, overflow)
 
 
-__all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "extend", "generate", "init_cache",
+__all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "decode_variables", "extend", "generate", "init_cache",
            "live_counts", "min_slots", "precast", "prefill", "sample_logits", "token_losses_under_policy"]

@@ -3,6 +3,7 @@ optional Dynamic Context Pruning (docs/design/dcp.md §1)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax
@@ -16,7 +17,39 @@ from fox_jax.nn.layers import DenseParams, HeadNormScale, fused_dense, normal_in
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
+from fox_jax.ops.decode_attention import gate_table
 from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
+
+
+# The layer's float32 gate projections as its parameters name them, in the decode kernel's order.
+GATE_PROJECTIONS = ("k_shift_proj", "v_shift_proj", "fgate_proj")
+
+
+def gate_tables(params) -> dict:
+    """The ``"decode"`` variables of the attention layers of a parameter tree: for each layer with gate projections
+    (KV-shift, forget gates), ``gate_table`` = those projections in the decode kernel's layout
+    (``fox_jax.ops.decode_attention.gate_table``: each key/value head's rows contiguous), at the layer's path.
+
+    Made once before a decode loop and applied as ``{"params": params, **gate_tables(params)}``, so that no step
+    re-arranges the weights (two XLA kernels per layer and step otherwise); the layer uses the table when it is
+    there and the same numbers without it. Returns {} for a model without gate projections.
+    """
+    def walk(tree):
+        if not isinstance(tree, Mapping):
+            return {}
+        out = {k: sub for k, v in tree.items() if (sub := walk(v))}
+        names = [n for n in GATE_PROJECTIONS if n in tree]
+        if names:
+            if "k_shift_proj" in tree:
+                hkv = tree["k_shift_proj"]["kernel"].shape[1]
+            else:  # H forget gates; H·D query and Hkv·D key columns
+                hkv = tree["fgate_proj"]["kernel"].shape[1] * tree["k_proj"]["kernel"].shape[1] \
+                    // tree["q_proj"]["kernel"].shape[1]
+            out["gate_table"] = gate_table(tuple((tree[n]["kernel"], tree[n].get("bias")) for n in names), hkv)
+        return out
+
+    tables = walk(params)
+    return {"decode": tables} if tables else {}
 
 
 @flax.struct.dataclass
@@ -148,8 +181,9 @@ class ForgettingAttentionLayer(nn.Module):
             # float32 projections as data (the kernel computes the logits it reads: no kernel of their own)
             rows = packed["q"] if len(packed) > 1 else packed["q"][..., :sum(n for _, n, _, _ in low)]
             gates = [weights[o] for o in ("k_shift", "v_shift", "fgate") if o in weights]
+            table = self.get_variable("decode", "gate_table") if self.has_variable("decode", "gate_table") else None
             ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_x=x if gates else None,
-                              gate_weights=tuple(gates) if gates else None)
+                              gate_weights=tuple(gates) if gates else None, gate_table=table if gates else None)
         log_fgate = None
         if cfg.use_fgate:
             log_fgate = jax.nn.log_sigmoid(y["fgate"])  # [B, T, H] float32

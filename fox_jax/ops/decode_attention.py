@@ -503,11 +503,12 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
         rows = jnp.concatenate([x.astype(q.dtype) for x in parts], axis=1)
     else:
         rows = rows[:, 0]
-    gate_rows, gate_logits, gate_x, gate_w = None, True, None, None
+    gate_rows, gate_logits, gate_x, gate_w, gate_table = None, True, None, None, None
     members = (2 if ops.shifts else 0) + (1 if step.log_fgate is not None else 0)
     if members:
         if ops.gate_weights is not None and ops.gate_x.shape[-1] % dk.MIN_BLOCK == 0:
             gate_x, gate_w = ops.gate_x[:, 0], tuple(ops.gate_weights)
+            gate_table = ops.gate_table
         elif ops.gate_weights is not None:
             gate_rows = ops.gate_logits(members)[:, 0]
         else:
@@ -516,7 +517,7 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
             gate_rows, gate_logits = jnp.concatenate([x.astype(jnp.float32) for x in parts], axis=1), False
     per_q = lambda x: None if x is None else jnp.broadcast_to(x, (hkv * grp, d)).reshape(hkv, grp, d)  # noqa: E731
     return dk.StepArrays(
-        rows=rows, seq_start=step.seq_start, gate_rows=gate_rows, gate_x=gate_x, gate_w=gate_w,
+        rows=rows, seq_start=step.seq_start, gate_rows=gate_rows, gate_x=gate_x, gate_w=gate_w, gate_table=gate_table,
         shift_state=step.shift_state if ops.shifts else None,
         q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
         lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
@@ -674,6 +675,9 @@ def decode_attention_append(
     return AppendResult(o, k, v, lam_k, first, carry, tables)
 
 
+gate_table = dk.gate_table  # the decode kernel's layout of a layer's gate projections (``HeadOps.gate_table``)
+
+
 def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
     """[B, Hkv] int32: max(lo, 1 + the last key j of the ring range [lo, hi) with Λ_q − Λ_k,j < decay_floor for every
     query head of its group) — the decay floor of ``decode_attention_append`` over the whole ring, in the kernel's
@@ -688,5 +692,5 @@ def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
 
 
 __all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "AppendResult", "DecodeStep", "cudnn_supported", "decode_attention",
-           "decode_attention_append", "first_above_floor", "write_entry",
+           "decode_attention_append", "first_above_floor", "gate_table", "write_entry",
            "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]

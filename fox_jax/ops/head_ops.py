@@ -96,6 +96,9 @@ class HeadOps:
         forget gates): one member per gate the layer has. A kernel computes the logits it reads (logit =
         x·kernel + bias in float32; log f = log σ(logit) is taken by the reader), so they cost no kernel of their
         own per step; ``gate_logits`` is their XLA form.
+      gate_table: None, or the same projections laid out per key/value head for the decode kernel
+        (``fox_jax.ops.decode_attention.gate_table``), made once before a decode loop (``gate_tables``); the kernel
+        otherwise re-arranges ``gate_weights`` on every call.
       qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
     """
 
@@ -108,6 +111,7 @@ class HeadOps:
     rows: jax.Array | None = None
     gate_x: jax.Array | None = None
     gate_weights: tuple | None = None
+    gate_table: tuple | None = None
     qk_eps: float = flax.struct.field(pytree_node=False, default=1e-5)
     o_eps: float = flax.struct.field(pytree_node=False, default=1e-6)
     rope_base: float | None = flax.struct.field(pytree_node=False, default=None)
