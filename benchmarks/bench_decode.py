@@ -444,17 +444,19 @@ def write_rows(path: str, new: list[dict]) -> None:
 
 def markdown_rows(path: str) -> str:
     """The docs' table (README, docs/inference.md) from a ``--rows-out`` file: one line per row, grouped by
-    model, prompt and mode."""
+    model, prompt and mode; the last column is when the row was measured (month-day hour:minute of its date: rows
+    of one command share it, and the ratios compare rows of different commands where they differ)."""
     rows = json.load(open(path))
     num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
+    when = lambda r: (r.get("date") or "")[5:16].replace("T", " ") or "–"  # noqa: E731
     lines = ["| model | prompt + new | mode | policy | batch | decode tok/s | ms/step | bound tok/s (% of it) "
-             "| KV allocated | KV live | ×dense decode | ×dense step | ×dense batch |", "|" + "---|" * 13]
+             "| KV allocated | KV live | ×dense decode | ×dense step | ×dense batch | measured |", "|" + "---|" * 14]
     order = {"equal-batch": 0, "kv-budget": 1}
     for r in sorted(rows, key=lambda r: (r["model"].split(" ")[0], r.get("prompt") or 0, order.get(r.get("mode"), 2),
                                          " " in r["model"], r.get("policy") != "dense")):
         if "error" in r:
             lines.append(f"| {r['model']} | {r.get('prompt')} | {r.get('mode')} | {r.get('policy')} | | error: "
-                         f"{r['error'][:60]} | | | | | | | |")
+                         f"{r['error'][:60]} | | | | | | | | {when(r)} |")
             continue
         mib = lambda x: "–" if x is None else f"{x / 2**20:,.0f} MiB"  # noqa: E731
         frac = r.get("fraction_of_bound")
@@ -465,7 +467,7 @@ def markdown_rows(path: str) -> str:
             f"{num(r.get('bound_tokens_per_s'))} ({num(None if frac is None else 100 * frac, '{:.0f}')}%) | "
             f"{mib(r.get('kv_bytes_allocated'))} | {mib(r.get('kv_bytes_live'))} | "
             f"{num(r.get('decode_vs_dense'), '{:.2f}')} | {num(r.get('step_vs_dense'), '{:.2f}')} | "
-            f"{num(r.get('batch_vs_dense'), '{:.1f}')} |")
+            f"{num(r.get('batch_vs_dense'), '{:.1f}')} | {when(r)} |")
     return "\n".join(lines)
 
 

@@ -214,7 +214,10 @@ stage_quality() {  # models trained and scored: QUALITY=inference (default) | dc
 
 # ------------------------------------------------------------------------------------------------- setup
 : > "$OUT/timeline.log"
-stamp "start: STAGES=\"$STAGES\" OUT=$OUT DEADLINE=${DEADLINE}s${PREV:+ PREV=$PREV} $(git rev-parse --short HEAD 2>/dev/null)"
+# the code's identity: the device's copy of .git can predate its tree, so also a hash of the tracked files' contents
+# (the same command on the CPU machine, at a commit, names the commit that matches)
+tree_hash() { git ls-files -z 2>/dev/null | xargs -0 cat 2>/dev/null | sha1sum | cut -c1-12; }
+stamp "start: STAGES=\"$STAGES\" OUT=$OUT DEADLINE=${DEADLINE}s${PREV:+ PREV=$PREV} HEAD $(git rev-parse --short HEAD 2>/dev/null), tree $(tree_hash)"
 export PYTHONUNBUFFERED=1
 WHEELS=
 if [[ " $STAGES " != " prepare " ]] && ! python3 -c "import grain" 2>/dev/null && ls .whl/*.whl > /dev/null 2>&1; then
