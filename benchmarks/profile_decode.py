@@ -170,7 +170,8 @@ def kernel_variant(settings: dict):
 
 
 def print_report(row: dict) -> None:
-    print(f"\n== {row['policy']}{' [' + row['variant'] + ']' if 'variant' in row else ''}: {row['step_ms']:.3f} ms/step wall, {row['device_ms_per_step']:.3f} ms device, "
+    variant = f" [{row['variant']}]" if "variant" in row else ""
+    print(f"\n== {row['policy']}{variant}: {row['step_ms']:.3f} ms/step wall, {row['device_ms_per_step']:.3f} ms device, "
           f"compiled in {row['compile_s']:.0f} s, "
           f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
           f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "

@@ -614,8 +614,8 @@ def _range_operand(x, b: int, hkv: int):
 
 @functools.partial(jax.tree_util.register_dataclass,
                    meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads"],
-                   data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "gate_table", "shift_state", "q_scale",
-                                "k_scale", "lam_prev", "o_scale"])
+                   data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "gate_table", "shift_state",
+                                "q_scale", "k_scale", "lam_prev", "o_scale"])
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
     """``flash_decode(..., step=)``: a decode step's raw inputs; a None field: that part is absent (``StepGeom``). The
@@ -727,12 +727,14 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     if step is not None and step.gate_x is not None:
         members = 2 * (step.shift_state is not None) + (step.lam_prev is not None)
         hkv_l = hkv if step.group_heads is None else step.layer_kv_heads
-        d_in, rows = step.gate_x.shape[1], (2 if step.shift_state is not None else 0) + grp * (step.lam_prev is not None)
+        d_in = step.gate_x.shape[1]
+        rows = (2 if step.shift_state is not None else 0) + grp * (step.lam_prev is not None)
         table = step.gate_table
         if step.gate_rows is not None or d_in % MIN_BLOCK or (
                 table is None and (step.gate_w is None or len(step.gate_w) != members)):
             raise ValueError(f"step.gate_x needs no gate_rows, d_in a multiple of {MIN_BLOCK} (got {d_in}) and one "
-                             f"projection in gate_w per gate the step uses (k and v shift, forget gates), or gate_table")
+                             f"projection in gate_w per gate the step uses (k and v shift, forget gates), or "
+                             f"gate_table")
         want = ((hkv_l, _pow2_at_least(rows, 1), d_in), (hkv_l, _pow2_at_least(rows, 1)))
         if table is not None and tuple(tuple(x.shape) for x in table) != want:
             raise ValueError(f"step.gate_table must be float32 ({list(want[0])}, {list(want[1])}) (gate_table of the "

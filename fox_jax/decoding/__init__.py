@@ -7,11 +7,12 @@ scoring under a cache policy (``generation``); ``serve``, continuous batching of
 from fox_jax.cache.policies import POLICY_FORMS, CachePolicy, parse_policy
 from fox_jax.cache.slots import SlotKVCache
 from fox_jax.decoding.batching import Completion, RequestRefused, Served, ServingPlan, plan_serving, serve
-from fox_jax.decoding.generation import (Generation, cache_bytes, calibrate_slots, cast_plan, decode_step, extend,
-                                         generate, init_cache, live_counts, min_slots, precast, prefill, sample_logits,
-                                         token_losses_under_policy)
+from fox_jax.decoding.generation import (Generation, cache_bytes, calibrate_slots, cast_plan, decode_step,
+                                         decode_variables, extend, generate, init_cache, live_counts, min_slots,
+                                         precast, prefill, sample_logits, token_losses_under_policy)
 
 __all__ = ["CachePolicy", "Completion", "Generation", "POLICY_FORMS", "RequestRefused", "Served", "ServingPlan",
-           "SlotKVCache", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "extend", "generate",
+           "SlotKVCache", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "decode_variables", "extend",
+           "generate",
            "init_cache", "live_counts", "min_slots", "parse_policy", "plan_serving", "precast", "prefill",
            "sample_logits", "serve", "token_losses_under_policy"]

@@ -548,5 +548,6 @@ def token_losses_under_policy(model, params, tokens, *, policy="dense", slots=No
     return (nll, overflow, live_counts(caches)) if with_live else (nll, overflow)
 
 
-__all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "decode_variables", "extend", "generate", "init_cache",
-           "live_counts", "min_slots", "precast", "prefill", "sample_logits", "token_losses_under_policy"]
+__all__ = ["Generation", "cache_bytes", "calibrate_slots", "cast_plan", "decode_step", "decode_variables", "extend",
+           "generate", "init_cache", "live_counts", "min_slots", "precast", "prefill", "sample_logits",
+           "token_losses_under_policy"]
