@@ -251,9 +251,9 @@ def _gate_logits(r: dict, specs: list) -> list:
     """Fused step: the float32 gate logits a program needs, one [width] vector per spec (member, offset, col, width,
     mask, valid): columns col … col + width − 1 of the gate projection ``member`` (0, 1: the k and v shifts, then
     the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the program's
-    rows of the gate table (``gate_table``: row ``member`` for the shifts, the group's G forget gates from the last
-    member's row on) in one pass over d_in in power-of-two chunks: each chunk of x and of the table loaded once,
-    one reduction for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are
+    rows of the gate table (``gate_table``: row ``member`` for a shift, rows ``member`` … member + G − 1 for the
+    group's forget gates) in one pass over d_in in power-of-two chunks: each chunk of x and of the table loaded
+    once, one reduction for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are
     filled, the others are 0."""
     if "gate_x" not in r:
         load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
