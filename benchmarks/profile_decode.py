@@ -17,7 +17,7 @@ num_stages, block_k, num_splits: replacing the default tiling), ``gates=xla`` (t
 XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel):
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \
-        --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 w8:num_warps=8 \
+        --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 nofold:fold_floor=0 \
         xla-gates:gates=xla --out $OUT/profile_decode_variants.json
 """
 

@@ -67,13 +67,16 @@ class DecodeConfig:
 
     block_k: keys per block (a power of two ≥ 16 dividing the capacity C); num_splits: programs per
     (row, key/value head), each taking an equal share of the live blocks; num_warps / num_stages: the
-    Triton launch knobs (num_stages = software-pipelined K/V block loads in flight).
+    Triton launch knobs (num_stages = software-pipelined K/V block loads in flight); fold_floor: with ACP's
+    decay floor and one split, the floor's pass over Λ_k is the attention loop itself (blocks newest first), not a
+    pass of its own before it (the same keys, Λ_k loaded once; the softmax summed in the other order).
     """
 
     block_k: int = 64
     num_splits: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    fold_floor: bool = True
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
@@ -199,6 +202,7 @@ class _Geom:
     exact_dot: bool  # float32 inputs: IEEE matmuls (Triton's default for float32 is TF32)
     append: bool = False  # the step's own key comes in separately and is written to the ring here
     has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
+    fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
     kv_heads: int = 1
@@ -436,7 +440,10 @@ def _decode_kernel(*refs, g: _Geom):
             lk_lo = pltriton.load(r["lk_lo"].at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
         return (lq[0][:, None] - lk_hi) + (lq[1][:, None] - lk_lo)
 
-    if g.has_floor:  # ACP: the range starts after the last key below the floor for every query head of the group
+    # ACP's floor with one split (``fold``): the floor's pass over Λ_k is the attention loop itself, blocks newest
+    # first (the first hidden key met is the last one; every older key is masked), so Λ_k is loaded once per block.
+    fold = g.fold_floor
+    if g.has_floor and not fold:  # ACP: the range starts after the last key below the floor for every head of the group
         # Split 0 also tests the oldest key (hi − C, whose slot it overwrites with the new key after this pass: the
         # test counts for ``first``, i.e. for the ring's overflow); no other program loads that slot's value.
         scan_lo = jnp.where(pl.program_id(1) == 0, lo, jnp.maximum(lo, hi + 1 - cap))
@@ -444,8 +451,8 @@ def _decode_kernel(*refs, g: _Geom):
         lo = jnp.maximum(first, hi + 1 - cap)  # the oldest key is never read: its slot receives the new key
         hi = jnp.maximum(hi, lo)
         wanted = first
-    if g.tables:  # the ring's tables after this step (one writer per table entry; the others read the same start)
-        _advance_tables(g, r, lo, wanted, hi_in, peak, overflow)
+    if g.tables and not fold:  # the ring's tables after this step (one writer per table entry; the others read the
+        _advance_tables(g, r, lo, wanted, hi_in, peak, overflow)  # same start)
 
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
     n_first = lax.div(lo, bk)
@@ -454,22 +461,15 @@ def _decode_kernel(*refs, g: _Geom):
     start_n = jnp.minimum(n_first + pl.program_id(1) * per, n_end)
     end_n = jnp.minimum(start_n + per, n_end)
 
-    def step(n, carry, masked: bool):
-        accs, m_i, l_i = carry
-        start = pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)  # physical slot of logical key n·bk
+    def scores(start):  # [Gp, bk] float32 scale · q·k of the block at physical slot ``start``
         s = None
         for q, (off, size) in zip(qs, g.chunks):
             part = _dot(q, k_ref[pl.ds(start, bk), pl.ds(off, size)], 1, 1, g.exact_dot)
             s = part if s is None else s + part
-        s = s * g.scale
-        if g.has_lam:
-            s = s + decay_block(start)
-        if masked:
-            kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            keep = (kpos >= lo) & (kpos < hi)
-            if g.has_valid:
-                keep = keep & r["valid"][pl.ds(start, bk)][None, :]
-            s = jnp.where(keep, s, _NEG_INF)
+        return s * g.scale
+
+    def accumulate(carry, s, start, masked: bool):  # the online softmax over one block's scores s
+        accs, m_i, l_i = carry
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
         m_base = m_base * LOG2E
@@ -482,10 +482,45 @@ def _decode_kernel(*refs, g: _Geom):
             new_accs.append(acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 1, 0, g.exact_dot))
         return tuple(new_accs), m_new, l_new
 
+    def step(n, carry, masked: bool):
+        start = pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)  # physical slot of logical key n·bk
+        s = scores(start)
+        if g.has_lam:
+            s = s + decay_block(start)
+        if masked:
+            kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            keep = (kpos >= lo) & (kpos < hi)
+            if g.has_valid:
+                keep = keep & r["valid"][pl.ds(start, bk)][None, :]
+            s = jnp.where(keep, s, _NEG_INF)
+        return accumulate(carry, s, start, masked)
+
     carry = (tuple(jnp.zeros((gp, size), jnp.float32) for _, size in g.chunks),
              jnp.full((gp,), _NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
     masked_step = functools.partial(step, masked=True)
-    if g.has_valid:  # every block needs the slot mask
+    if fold:
+        floor = pltriton.load(r["floor"].at[:], mask=row_ok[:, 0], other=0.0)
+        oldest = hi + 1 - cap  # the oldest key is tested (for ``first``, the ring's overflow), never read
+
+        def step_above_floor(i, carry):  # block n_end − 1 − i: newest first
+            n = n_end - 1 - i
+            start = pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)
+            decay = decay_block(start)
+            kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+            inside = (kpos >= lo) & (kpos < hi)
+            below = (decay < floor[:, None]) | ~row_ok
+            hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & inside
+            cut = jnp.maximum(carry[3], jnp.max(jnp.where(hidden, kpos, -1)))
+            s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start) + decay, _NEG_INF)
+            return accumulate(carry[:3], s, start, True) + (cut,)
+
+        carry = lax.fori_loop(0, n_end - n_first, step_above_floor, carry + (jnp.int32(-1),))
+        first = jnp.maximum(lo, carry[3] + 1)
+        carry = carry[:3]
+        pltriton.store(r["first"].at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32))
+        if g.tables:
+            _advance_tables(g, r, jnp.maximum(first, oldest), first, hi_in, peak, overflow)
+    elif g.has_valid:  # every block needs the slot mask
         carry = lax.fori_loop(start_n, end_n, masked_step, carry)
     else:  # blocks [full_lo, full_hi) lie inside [lo, hi): no element mask
         full_a = jnp.clip(lax.div(lo + (bk - 1), bk), start_n, end_n)
@@ -858,6 +893,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     geom = _Geom(group=grp, group_pad=gp, n_blocks=cap // bk, block_k=bk, num_splits=ns,
                  chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
+                 fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

@@ -289,15 +289,22 @@ def _first_oracle(lam_q, lam_k, floor, lo, hi):
     return first
 
 
-@pytest.mark.parametrize("grp,dtype,splits", [(1, jnp.float32, 1), (4, jnp.bfloat16, 3), (2, jnp.float32, 2)])
-def test_append_decay_floor(grp, dtype, splits):
+@pytest.mark.parametrize("grp,dtype,splits,fold", [(1, jnp.float32, 1, True), (1, jnp.float32, 1, False),
+                                                   (4, jnp.bfloat16, 1, True), (4, jnp.bfloat16, 3, True),
+                                                   (2, jnp.float32, 2, True)])
+def test_append_decay_floor(grp, dtype, splits, fold, monkeypatch):
     """``decode_attention_append(..., decay_floor=δ)`` (ACP's eviction in the decode op): the first visible key
     equals the loop oracle (the last key below δ for every query head of the group, plus one — a hidden key in
     the middle takes the older keys with it), exactly, in the Pallas kernel (interpret) and the XLA path, for
     ranges that wrap, hold C keys before the new one (the ring's start before its eviction: the oldest key is
     tested, then its slot takes the new key) or only the new key; the output is the oracle's read of
     [max(first, hi − C), hi) after the write, the ring is written exactly; δ = −inf hides nothing (and a full ring
-    then drops its oldest key). Bad floors name the argument."""
+    then drops its oldest key). With one split the kernel folds the floor's pass into the attention loop (blocks
+    newest first; ``DecodeConfig.fold_floor``), and also runs it as a pass of its own (``fold``: False); several
+    splits always make the pass. Bad floors name the argument."""
+    config = dk.default_decode_config
+    monkeypatch.setattr(dk, "default_decode_config",
+                        lambda *a, **kw: dataclasses.replace(config(*a, **kw), fold_floor=fold))
     cap, d = 80, 32
     rng = np.random.default_rng(grp)
     q, k, v, _ = _inputs(cap, grp, d, dtype, False, None, seed=grp)
