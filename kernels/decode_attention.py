@@ -508,9 +508,7 @@ def _decode_kernel(*refs, g: _Geom):
             decay = decay_block(start)
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             inside = (kpos >= lo) & (kpos < hi)
-            below = (decay < floor[:, None]) | ~row_ok
-            hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & inside
-            cut = jnp.maximum(carry[3], jnp.max(jnp.where(hidden, kpos, -1)))
+            cut = jnp.maximum(carry[3], _last_hidden(decay, floor, kpos, inside, row_ok))
             s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start) + decay, _NEG_INF)
             return accumulate(carry[:3], s, start, True) + (cut,)
 
@@ -574,14 +572,21 @@ def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo,
 
     def scan(n, last):
         kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        below = (decay_block(pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)) < floor[:, None]) | ~row_ok
-        hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & (kpos >= scan_lo) & (kpos < hi)
-        return jnp.maximum(last, jnp.max(jnp.where(hidden, kpos, -1)))
+        decay = decay_block(pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk))
+        return jnp.maximum(last, _last_hidden(decay, floor, kpos, (kpos >= scan_lo) & (kpos < hi), row_ok))
 
     n_end = jnp.where(hi > scan_lo, lax.div(hi + (bk - 1), bk), lax.div(scan_lo, bk))
     first = jnp.maximum(lo, lax.fori_loop(lax.div(scan_lo, bk), n_end, scan, jnp.int32(-1)) + 1)
     pltriton.store(first_ref.at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32), mask=jnp.full((1,), pl.program_id(1) == 0))
     return first
+
+
+def _last_hidden(decay, floor, kpos, inside, row_ok):
+    """The last key of a block below the decay floor for every query head of the group: max kpos where
+    decay [Gp or 1, bk] < floor [Gp] on every real row and ``inside`` [1, bk], else −1 (int32 scalar)."""
+    below = (decay < floor[:, None]) | ~row_ok
+    hidden = (jnp.min(below.astype(jnp.int32), axis=0) > 0)[None, :] & inside
+    return jnp.max(jnp.where(hidden, kpos, -1))
 
 
 def _append_new_key(g: _Geom, r: dict, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i, *, lq, row_ok):

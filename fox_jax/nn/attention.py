@@ -180,7 +180,7 @@ class ForgettingAttentionLayer(nn.Module):
         if packed:  # decoding: the GEMM's whole output, for the decode kernel to read in place, and the gates'
             # float32 projections as data (the kernel computes the logits it reads: no kernel of their own)
             rows = packed["q"] if len(packed) > 1 else packed["q"][..., :sum(n for _, n, _, _ in low)]
-            gates = [weights[o] for o in ("k_shift", "v_shift", "fgate") if o in weights]
+            gates = [weights[o] for o, _, name, _ in f32 if name in GATE_PROJECTIONS]  # the kernel's order
             table = self.get_variable("decode", "gate_table") if self.has_variable("decode", "gate_table") else None
             ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_x=x if gates else None,
                               gate_weights=tuple(gates) if gates else None, gate_table=table if gates else None)
