@@ -30,6 +30,11 @@ which are aliased to outputs (``input_output_aliases``). No program reads that s
 lies less than C before hi − 1, and the blocks that contain the slot's other columns are masked), so the write
 races with nothing, and the decode step needs no update kernels before the read.
 
+Pinned slots (``pinned=``, ``sinks:S+W``): the ring is slots [P, C) (logical block n at P + (n mod (C − P)/bk)·bk)
+and slots [0, P) hold each row's first S positions; split 0 reads them as one masked block of P keys before the
+ring's blocks, and a step at a pinned position is written to its pinned slot too (the ring's start is past every
+pinned column, so that key enters the softmax once, from registers).
+
 The fused step (``step=``: the layer's per-head work on the raw projections) and the ring's tables (``tables=``) are
 updated in place too: each program reads its carries (raw k̃, ṽ, Λ) and table entries, then a barrier, then the
 writes (global memory is not ordered between a program's threads otherwise). Other splits of the same (row, head)
@@ -192,7 +197,7 @@ class StepGeom:
 class _Geom:
     group: int  # G
     group_pad: int  # Gp
-    n_blocks: int  # C // bk
+    n_blocks: int  # the ring's blocks: (C − pin_slots) // bk
     block_k: int
     num_splits: int
     chunks: tuple[tuple[int, int], ...]
@@ -206,6 +211,8 @@ class _Geom:
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
     kv_heads: int = 1
+    sinks: int = 0  # append mode: positions 0 .. sinks − 1 of a row kept in slots [0, pin_slots) (``sinks:S+W``)
+    pin_slots: int = 0  # slots in front of the ring (a power of two ≥ 16, read as one block), or 0
     interpret: bool = False  # interpret mode (no barrier there: one thread, in order)
     names: tuple = ()  # the refs in the kernel's order: inputs, then outputs
 
@@ -405,9 +412,17 @@ def _decode_kernel(*refs, g: _Geom):
     if g.append:
         # the step's key is logical key hi − 1, in registers: the ring is read over [lo, hi − 1) only, so no
         # program loads the slot this one writes (every key of that range lies less than C before hi − 1)
-        slot = lax.rem(jnp.maximum(r["hi"][()] - 1, 0), g.n_blocks * bk)
+        slot = g.pin_slots + lax.rem(jnp.maximum(r["hi"][()] - 1, 0), g.n_blocks * bk)
         with_new = hi > lo
         hi = jnp.where(with_new, hi - 1, lo)
+    pin_slot = n_pinned = n_held = None
+    if g.pin_slots:  # the pinned positions written before this step; the step's own, if pinned, joins from registers
+        pos_new = hi_in - 1 - r["seq_start" if g.step is not None else "sink_seq"][()]
+        n_pinned = jnp.clip(pos_new, 0, g.sinks)
+        n_held = jnp.clip(pos_new + 1, 0, g.sinks)  # after this step
+        at_pin = (pos_new >= 0) & (pos_new < g.sinks)  # its ring column is behind the ring's start (≥ seq_start + S)
+        with_new = with_new | at_pin
+        pin_slot = (jnp.clip(pos_new, 0, g.pin_slots - 1), at_pin)
     lq = lam_new = None
     writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
@@ -431,14 +446,17 @@ def _decode_kernel(*refs, g: _Geom):
         for write in writes:
             write()
 
-    def decay_block(start):  # [Gp or 1, bk] float32 Λ_q − Λ_k of the block at physical slot ``start``
+    def decay_block(start, size=bk):  # [Gp or 1, size] float32 Λ_q − Λ_k of the block at physical slot ``start``
         if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
-            lk_hi = r["lk_hi"][pl.ds(start, bk)][None, :]
-            lk_lo = r["lk_lo"][pl.ds(start, bk)][None, :]
+            lk_hi = r["lk_hi"][pl.ds(start, size)][None, :]
+            lk_lo = r["lk_lo"][pl.ds(start, size)][None, :]
         else:
-            lk_hi = pltriton.load(r["lk_hi"].at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
-            lk_lo = pltriton.load(r["lk_lo"].at[:, pl.ds(start, bk)], mask=row_ok, other=0.0)
+            lk_hi = pltriton.load(r["lk_hi"].at[:, pl.ds(start, size)], mask=row_ok, other=0.0)
+            lk_lo = pltriton.load(r["lk_lo"].at[:, pl.ds(start, size)], mask=row_ok, other=0.0)
         return (lq[0][:, None] - lk_hi) + (lq[1][:, None] - lk_lo)
+
+    def physical(n):  # the first slot of the ring's logical block n (the blocks start after the pinned slots)
+        return pl.multiple_of(g.pin_slots + lax.rem(n, g.n_blocks) * bk, min(bk, g.pin_slots or bk))
 
     # ACP's floor with one split (``fold``): the floor's pass over Λ_k is the attention loop itself, blocks newest
     # first (the first hidden key met is the last one; every older key is masked), so Λ_k is loaded once per block.
@@ -447,12 +465,12 @@ def _decode_kernel(*refs, g: _Geom):
         # Split 0 also tests the oldest key (hi − C, whose slot it overwrites with the new key after this pass: the
         # test counts for ``first``, i.e. for the ring's overflow); no other program loads that slot's value.
         scan_lo = jnp.where(pl.program_id(1) == 0, lo, jnp.maximum(lo, hi + 1 - cap))
-        first = _first_above_floor(g, r["floor"], r["first"], decay_block, scan_lo, lo, hi, row_ok)
+        first = _first_above_floor(g, r["floor"], r["first"], decay_block, physical, scan_lo, lo, hi, row_ok)
         lo = jnp.maximum(first, hi + 1 - cap)  # the oldest key is never read: its slot receives the new key
         hi = jnp.maximum(hi, lo)
         wanted = first
     if g.tables and not fold:  # the ring's tables after this step (one writer per table entry; the others read the
-        _advance_tables(g, r, lo, wanted, hi_in, peak, overflow)  # same start)
+        _advance_tables(g, r, lo, wanted, hi_in, peak, overflow, n_held)  # same start)
 
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
     n_first = lax.div(lo, bk)
@@ -461,14 +479,14 @@ def _decode_kernel(*refs, g: _Geom):
     start_n = jnp.minimum(n_first + pl.program_id(1) * per, n_end)
     end_n = jnp.minimum(start_n + per, n_end)
 
-    def scores(start):  # [Gp, bk] float32 scale · q·k of the block at physical slot ``start``
+    def scores(start, n_keys=bk):  # [Gp, n_keys] float32 scale · q·k of the block at physical slot ``start``
         s = None
         for q, (off, size) in zip(qs, g.chunks):
-            part = _dot(q, k_ref[pl.ds(start, bk), pl.ds(off, size)], 1, 1, g.exact_dot)
+            part = _dot(q, k_ref[pl.ds(start, n_keys), pl.ds(off, size)], 1, 1, g.exact_dot)
             s = part if s is None else s + part
         return s * g.scale
 
-    def accumulate(carry, s, start, masked: bool):  # the online softmax over one block's scores s
+    def accumulate(carry, s, start, masked: bool):  # the online softmax over one block's scores s [Gp, keys]
         accs, m_i, l_i = carry
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
@@ -478,12 +496,12 @@ def _decode_kernel(*refs, g: _Geom):
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         new_accs = []
         for acc, (off, size) in zip(accs, g.chunks):
-            v = v_ref[pl.ds(start, bk), pl.ds(off, size)]
+            v = v_ref[pl.ds(start, s.shape[1]), pl.ds(off, size)]
             new_accs.append(acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 1, 0, g.exact_dot))
         return tuple(new_accs), m_new, l_new
 
     def step(n, carry, masked: bool):
-        start = pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)  # physical slot of logical key n·bk
+        start = physical(n)  # physical slot of logical key n·bk
         s = scores(start)
         if g.has_lam:
             s = s + decay_block(start)
@@ -497,6 +515,12 @@ def _decode_kernel(*refs, g: _Geom):
 
     carry = (tuple(jnp.zeros((gp, size), jnp.float32) for _, size in g.chunks),
              jnp.full((gp,), _NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    if g.pin_slots:  # split 0 reads the pinned slots, one block of pin_slots keys
+        s = scores(0, g.pin_slots)
+        if g.has_lam:
+            s = s + decay_block(0, g.pin_slots)
+        kpos = lax.broadcasted_iota(jnp.int32, (1, g.pin_slots), 1)
+        carry = accumulate(carry, jnp.where((kpos < n_pinned) & (pl.program_id(1) == 0), s, _NEG_INF), 0, True)
     masked_step = functools.partial(step, masked=True)
     if fold:
         floor = pltriton.load(r["floor"].at[:], mask=row_ok[:, 0], other=0.0)
@@ -504,7 +528,7 @@ def _decode_kernel(*refs, g: _Geom):
 
         def step_above_floor(i, carry):  # block n_end − 1 − i: newest first
             n = n_end - 1 - i
-            start = pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk)
+            start = physical(n)
             decay = decay_block(start)
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             inside = (kpos >= lo) & (kpos < hi)
@@ -529,7 +553,7 @@ def _decode_kernel(*refs, g: _Geom):
     accs, m_i, l_i = carry
     if g.append:
         accs, m_i, l_i = _append_new_key(g, r, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i,
-                                         lq=lq, row_ok=row_ok)
+                                         lq=lq, row_ok=row_ok, pin_slot=pin_slot)
 
     if g.num_splits == 1:
         inv = jnp.where(l_i == 0.0, 0.0, 1.0 / jnp.where(l_i == 0.0, 1.0, l_i))
@@ -545,9 +569,9 @@ def _decode_kernel(*refs, g: _Geom):
         pltriton.store(r["l"].at[:], l_i, mask=row_ok[:, 0])
 
 
-def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in, peak, overflow):
-    """Append mode with the ring's tables: start' = the read start (``start``), peak' = max(peak, hi − start'),
-    overflow' = overflow + (start' − ``wanted``), the keys the policy kept but the ring could not hold (peak and
+def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in, peak, overflow, n_held=None):
+    """Append mode with the ring's tables: start' = the read start (``start``), peak' = max(peak, hi − start') (with
+    pinned slots: max(peak, max(hi − start', 0) + ``n_held``, the pinned positions held after this step), overflow' = overflow + (start' − ``wanted``), the keys the policy kept but the ring could not hold (peak and
     overflow as the program read them before its barrier). Split 0 writes (per row: the program of kv head 0). Another
     program reading ``start`` after this write computes the same read start (start' ≥ every bound it took the
     maximum of), and only the writer's peak and overflow are stored."""
@@ -557,11 +581,14 @@ def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in, peak, overflow):
     one = lambda x: jnp.full((1,), x, jnp.int32)  # noqa: E731
     mask = jnp.full((1,), writer)
     pltriton.store(r["start_out"].at[pl.ds(0, 1)], one(start), mask=mask)
-    pltriton.store(r["peak_out"].at[pl.ds(0, 1)], one(jnp.maximum(peak, hi_in - start)), mask=mask)
+    live = hi_in - start
+    if n_held is not None:
+        live = jnp.maximum(live, 0) + n_held
+    pltriton.store(r["peak_out"].at[pl.ds(0, 1)], one(jnp.maximum(peak, live)), mask=mask)
     pltriton.store(r["overflow_out"].at[pl.ds(0, 1)], one(overflow + (start - wanted)), mask=mask)
 
 
-def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo, hi, row_ok):
+def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, physical, scan_lo, lo, hi, row_ok):
     """The decay floor (ACP's eviction): key j of [scan_lo, hi) is hidden when Λ_q − Λ_k,j < floor for every query
     head of the group; it and every older key leave the range [lo, hi), which starts at ``first`` = max(lo, last
     hidden + 1). A pass over the Λ_k blocks of the range (every split the same; 8 bytes per key and query head,
@@ -572,7 +599,7 @@ def _first_above_floor(g: _Geom, floor_ref, first_ref, decay_block, scan_lo, lo,
 
     def scan(n, last):
         kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-        decay = decay_block(pl.multiple_of(lax.rem(n, g.n_blocks) * bk, bk))
+        decay = decay_block(physical(n))
         return jnp.maximum(last, _last_hidden(decay, floor, kpos, (kpos >= scan_lo) & (kpos < hi), row_ok))
 
     n_end = jnp.where(hi > scan_lo, lax.div(hi + (bk - 1), bk), lax.div(scan_lo, bk))
@@ -589,10 +616,12 @@ def _last_hidden(decay, floor, kpos, inside, row_ok):
     return jnp.max(jnp.where(hidden, kpos, -1))
 
 
-def _append_new_key(g: _Geom, r: dict, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i, *, lq, row_ok):
+def _append_new_key(g: _Geom, r: dict, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i, *, lq, row_ok,
+                    pin_slot=None):
     """Append mode: the step's own key (k_new, v_new chunks [size], its Λ ``lam_new``: [1] with G = 1 or [Gp])
     joins split 0's online softmax as one more column, and split 0 writes it to ring slot ``slot`` (the aliased
-    outputs ``k_out``, ``v_out``, ``lk_hi_out``, ``lk_lo_out``). Returns the updated (accs, m, l)."""
+    outputs ``k_out``, ``v_out``, ``lk_hi_out``, ``lk_lo_out``) and, with ``pin_slot`` = (its pinned slot, whether
+    its position is pinned), there too. Returns the updated (accs, m, l)."""
     first = pl.program_id(1) == 0
     s = None
     for q, kn in zip(qs, k_new):
@@ -611,17 +640,19 @@ def _append_new_key(g: _Geom, r: dict, qs, k_new, v_new, lam_new, slot, with_new
         w = p.astype(vn.dtype).astype(jnp.float32)
         new_accs.append(acc * alpha[:, None] + w[:, None] * vn.astype(jnp.float32)[None, :])
     # the write: one program per (row, key/value head)
-    for name, x in (("k_out", k_new), ("v_out", v_new)):
-        for xc, (off, size) in zip(x, g.chunks):
-            pltriton.store(r[name].at[pl.ds(slot, 1), pl.ds(off, size)], xc[None, :], mask=jnp.full((1, size), first))
-    if g.has_lam:
-        for name, x in zip(("lk_hi_out", "lk_lo_out"), lam_new):
-            if g.group == 1:
-                if x.shape[0] != 1:  # the fused step's Λ [Gp]: its one real row
-                    x = jnp.full((1,), jnp.sum(jnp.where(row_ok[:, 0], x, 0.0)), jnp.float32)
-                pltriton.store(r[name].at[pl.ds(slot, 1)], x, mask=jnp.full((1,), first))
-            else:
-                pltriton.store(r[name].at[:, pl.ds(slot, 1)], x[:, None], mask=row_ok & first)
+    places = [(slot, first)] + ([] if pin_slot is None else [(pin_slot[0], first & pin_slot[1])])
+    if g.has_lam and g.group == 1 and lam_new[0].shape[0] != 1:  # the fused step's Λ [Gp]: its one real row
+        lam_new = tuple(jnp.full((1,), jnp.sum(jnp.where(row_ok[:, 0], x, 0.0)), jnp.float32) for x in lam_new)
+    for at, write in places:
+        for name, x in (("k_out", k_new), ("v_out", v_new)):
+            for xc, (off, size) in zip(x, g.chunks):
+                pltriton.store(r[name].at[pl.ds(at, 1), pl.ds(off, size)], xc[None, :], mask=jnp.full((1, size), write))
+        if g.has_lam:
+            for name, x in zip(("lk_hi_out", "lk_lo_out"), lam_new):
+                if g.group == 1:
+                    pltriton.store(r[name].at[pl.ds(at, 1)], x, mask=jnp.full((1,), write))
+                else:
+                    pltriton.store(r[name].at[:, pl.ds(at, 1)], x[:, None], mask=row_ok & write)
     return tuple(new_accs), m_new, l_i * alpha + p
 
 
@@ -708,7 +739,7 @@ class StepArrays:
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
                  config: DecodeConfig, interpret: bool, append=None, decay_floor=None, step: StepArrays | None = None,
-                 tables=None):
+                 tables=None, pinned=None):
     """Decode attention on a ring cache with the flash-decoding kernel (shapes unchecked: the public
     op ``fox_jax.ops.decode_attention`` checks them).
 
@@ -739,6 +770,12 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         ``lo`` is the first column the policy's rule lets the step see, the range starts at max(lo, start) (with a
         floor: the first key above it from there), the ring keeps the last C columns, and the tables advance in place
         (start' = the read start, peak' = max(peak, hi − start'), overflow' = overflow + what the ring could not hold).
+      pinned: None, or with ``append`` (S, P, seq_start [B] int32) (``sinks:S+W``; the op's ``PinnedSlots``): slots
+        [0, P) of k, v hold each row's positions 0 .. S − 1 (position p in slot p, column seq_start + p; P a power of
+        two ≥ 16, read as one block), the ring is slots [P, C) (column c in slot P + (c mod (C − P)); "C" above is
+        C − P); split 0 also reads the pinned positions written before the step, a step at a pinned position joins the
+        softmax from registers and is written to its pinned slot too, and with ``tables`` peak' = max(peak,
+        max(hi − start', 0) + min(S, max(hi − seq_start, 0))). Needs no ``valid`` or ``decay_floor``.
     Returns:
       [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
       entry written (lam_k None without Λ); with ``decay_floor`` the tuple (or o) followed by ``first`` [B, Hkv]
@@ -746,10 +783,16 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
       ``tables`` followed by the advanced (start, peak, overflow).
     """
     b, hkv, grp, d = q.shape
-    cap = k.shape[2]
+    slots = k.shape[2]
+    sinks, pin = (0, 0) if pinned is None else (int(pinned[0]), int(pinned[1]))
+    cap = slots - pin  # the ring's capacity
     bk, ns = config.block_k, config.num_splits
     if cap % bk:
         raise ValueError(f"the ring capacity C={cap} must be a multiple of block_k={bk}")
+    if pinned is not None and (append is None or valid is not None or decay_floor is not None or sinks > pin
+                               or pin < MIN_BLOCK or pin & (pin - 1)):
+        raise ValueError(f"pinned needs append, no valid mask or decay floor, and S ≤ P with P a power of two ≥ "
+                         f"{MIN_BLOCK}, got S={sinks}, P={pin}")
     if d > MAX_HEAD_DIM:
         raise ValueError(f"head_dim must be ≤ {MAX_HEAD_DIM} for the Pallas decode kernel, got {d}")
     d_run = -(-d // MIN_BLOCK) * MIN_BLOCK
@@ -790,9 +833,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     f32 = jnp.float32
     per_group = pl.BlockSpec((None, gp), lambda i, s: (i, 0))   # [B·Hkv, G]: the group's query heads
     per_entry = pl.BlockSpec((None, d_run), lambda i, s: (i, 0))  # [B·Hkv, D]
-    ring_spec = pl.BlockSpec((None, cap, d_run), lambda i, s: (i, 0, 0))
-    lam_spec = pl.BlockSpec((None, cap), lambda i, s: (i, 0)) if grp == 1 else \
-        pl.BlockSpec((None, gp, cap), lambda i, s: (i, 0, 0))
+    ring_spec = pl.BlockSpec((None, slots, d_run), lambda i, s: (i, 0, 0))
+    lam_spec = pl.BlockSpec((None, slots), lambda i, s: (i, 0)) if grp == 1 else \
+        pl.BlockSpec((None, gp, slots), lambda i, s: (i, 0, 0))
     ins: list = []  # (name, array, BlockSpec), in the kernel's order
 
     # [B, Hkv, ...] → [B·Hkv, ...] are free reshapes; the G axis is read in blocks of Gp rows (rows ≥ G
@@ -800,17 +843,20 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
     ins += [("lo", *_range_operand(lo, b, hkv)), ("hi", *_range_operand(hi, b, hkv))]
     if step is None:  # (with ``step``: rows of ``step.rows``)
         ins.append(("q", q.reshape(bh, grp, d_run), pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0))))
-    ins += [("k", k.reshape(bh, cap, d_run), ring_spec), ("v", v.reshape(bh, cap, d_run), ring_spec)]
+    ins += [("k", k.reshape(bh, slots, d_run), ring_spec), ("v", v.reshape(bh, slots, d_run), ring_spec)]
     if lam_q is not None:
         ins += [(n, x.reshape(bh, grp).astype(f32), per_group) for n, x in zip(("lq_hi", "lq_lo"), lam_q)]
     if has_lam:  # G = 1: [B·Hkv, C], the kernel loads one row per block
-        shape = (bh, cap) if grp == 1 else (bh, grp, cap)
+        shape = (bh, slots) if grp == 1 else (bh, grp, slots)
         ins += [(n, x.reshape(shape).astype(f32), lam_spec) for n, x in zip(("lk_hi", "lk_lo"), lam_k)]
-    if has_valid:
+    if has_valid:  # (no pinned slots: cap = C)
         if valid.shape[1] == 1:
             ins.append(("valid", valid.reshape(b, cap), pl.BlockSpec((None, cap), lambda i, s: (lax.div(i, hkv), 0))))
         else:
             ins.append(("valid", valid.reshape(bh, cap), pl.BlockSpec((None, cap), lambda i, s: (i, 0))))
+    if pinned is not None and step is None:  # each row's first column (with ``step``: its seq_start)
+        ins.append(("sink_seq", jnp.asarray(pinned[2], jnp.int32).reshape(b),
+                    pl.BlockSpec((None,), lambda i, s: (lax.div(i, hkv),))))
     if decay_floor is not None:
         ins.append(("floor", decay_floor.reshape(bh, grp).astype(f32), per_group))
     if append is not None and step is None:  # the step's entry in (with ``step``: rows of ``step.rows``)
@@ -900,7 +946,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
-                 interpret=interpret,
+                 sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))
     res = pl.pallas_call(
         functools.partial(_decode_kernel, g=geom),

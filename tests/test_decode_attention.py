@@ -31,7 +31,7 @@ import pytest
 
 from fox_jax.kernels import decode_attention as dk
 from fox_jax.ops import decode_attention, decode_attention_append, decode_attention_reference
-from fox_jax.ops.decode_attention import resolve_decode_implementation, visible_slots, write_entry
+from fox_jax.ops.decode_attention import PinnedSlots, resolve_decode_implementation, visible_slots, write_entry
 
 _B, _HKV = 2, 3
 
@@ -405,6 +405,73 @@ def test_append_advances_the_ring_tables(splits):
                                              jnp.zeros((_B, 1), jnp.int32)))
 
 
+@pytest.mark.parametrize("grp,dtype,lam,splits", [(1, jnp.float32, True, 1), (2, jnp.float32, False, 2),
+                                                  (4, jnp.bfloat16, True, 1)])
+def test_append_pinned_slots(grp, dtype, lam, splits):
+    """``decode_attention_append(..., pinned=PinnedSlots(S, P, seq_start))`` (``sinks:S+W``): the ring is slots
+    [P, C) (column c in slot P + c mod (C − P)) and slots [0, P) hold each row's first S positions. Against a numpy
+    oracle of the rule (the written buffers, the slots a step reads, the advanced tables), at three steps: row 1
+    (seq_start 3) writing a pinned position while row 0 (seq_start 0) writes its first ring-only one, row 0 on a
+    left pad (hi − 1 < seq_start: nothing pinned nor visible but the ring's start), and a wrapped ring long after,
+    with per-row tables and a window rule. The Pallas kernel (P read as one 16-slot block, the ring's blocks behind
+    it) and the XLA path equal the oracle: buffers exactly, outputs at ``_tol``; stale pinned slots beyond the
+    positions written are never read (they hold random values)."""
+    sinks, pin, ring, d, window = 5, 16, 48, 32, 40
+    cap = pin + ring
+    rng = np.random.default_rng(grp)
+    q, k, v, kw = _inputs(cap, grp, d, dtype, lam, None, seed=11 + grp)
+    seq = np.array([0, 3], np.int32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((_B, _HKV, d)), dtype) for _ in range(2))
+    lam_kw = dict(lam_q=kw["lam_q"], lam_k=kw["lam_k"], lam_new=kw["lam_q"]) if lam else {}
+    for hi in (7, 3, 5 * ring + 9):
+        start = seq[:, None] + sinks                     # the ring's start: never a pinned position
+        peak, overflow = rng.integers(0, 3, (_B, 1)), rng.integers(0, 60, (_B, 1))  # peak' from this step's count
+        lo_rule = hi - window
+        # the oracle: the writes, the tables, then the slots read
+        pos = hi - 1 - seq                                                                          # [B]
+        bufs = [np.array(x, np.float32) for x in (k, v)]
+        lams = [np.array(x) for x in kw["lam_k"]] if lam else []
+        ring_slot = pin + (hi - 1) % ring
+        for r in range(_B):
+            slots_r = [ring_slot] + ([pos[r]] if 0 <= pos[r] < sinks else [])
+            for sl in slots_r:
+                for buf, new in zip(bufs, (k_new, v_new)):
+                    buf[r, :, sl] = np.asarray(new, np.float32)[r]
+                for lbuf, new in zip(lams, kw["lam_q"] if lam else ()):
+                    lbuf[r, :, :, sl] = np.asarray(new)[r]
+        wanted = np.maximum(np.maximum(lo_rule, 0), start)
+        new_start = np.maximum(wanted, hi - ring)
+        held = np.clip(hi - seq, 0, sinks)[:, None]
+        tables = (new_start, np.maximum(peak, np.maximum(hi - new_start, 0) + held), overflow + new_start - wanted)
+        slot = np.arange(cap)
+        col = hi - 1 - (hi - 1 - (slot - pin)) % ring
+        valid = ((slot >= pin) & (col >= new_start) & (col < hi)) | (slot < held)                 # [B, C]
+        assert valid[:, :pin].any() and (hi == 3 or valid[:, pin:].any())
+        ref = decode_attention_reference(
+            q, jnp.asarray(bufs[0], dtype), jnp.asarray(bufs[1], dtype), lo=jnp.zeros((_B, _HKV), jnp.int32),
+            hi=jnp.full((_B, _HKV), cap, jnp.int32), valid=jnp.asarray(valid[:, None]),
+            lam_q=kw["lam_q"] if lam else None, lam_k=tuple(jnp.asarray(x) for x in lams) if lam else None)
+        for impl in ("xla", "pallas"):
+            res = jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+                q, k, v, k_new, v_new, lo=jnp.int32(lo_rule), hi=jnp.int32(hi), **lam_kw,
+                ring_tables=tuple(jnp.asarray(x, jnp.int32) for x in (start, peak, overflow)),
+                pinned=PinnedSlots(sinks, pin, jnp.asarray(seq)))
+            msg = f"{impl} hi={hi}"
+            assert _err(res.o, ref) <= _tol(dtype), msg
+            for got, want in zip((res.k, res.v), bufs):
+                np.testing.assert_array_equal(np.asarray(got, np.float32), want, err_msg=msg)
+            for got, want in zip(res.lam_k or (), lams):
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=msg)
+            for got, want in zip(res.tables, tables):
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=msg)
+    with pytest.raises(ValueError, match=r"pinned.sinks S and pinned.slots P must be ints"):
+        decode_attention_append(q, k, v, k_new, v_new, lo=jnp.int32(0), hi=jnp.int32(9),
+                                pinned=PinnedSlots(sinks, cap, jnp.asarray(seq)))
+    with pytest.raises(ValueError, match=r"pinned.seq_start must be an int array \[B\] = \[2\]"):
+        decode_attention_append(q, k, v, k_new, v_new, lo=jnp.int32(0), hi=jnp.int32(9),
+                                pinned=PinnedSlots(sinks, pin, jnp.zeros((3,), jnp.int32)))
+
+
 def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv: int = _HKV, d_in: int = 48):
     """A decode step handed over raw (``DecodeStep``): the GEMM-shaped rows (q, k, v, output gate logits), the shift
     and forget-gate projections (x [B, 1, d_in] and their weights; the logits from them in XLA), the carries and the norm scales, for B rows and Hkv key/value heads."""
@@ -500,8 +567,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
     row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
     with and without the fused per-head work (``StepArrays``: gate logits computed in the kernel, or read from
-    ``gate_rows`` with a head group) and the ring's tables, so a change that breaks the
-    Triton lowering fails here, not first on the GPU."""
+    ``gate_rows`` with a head group) and the ring's tables, and a ring behind pinned sink slots, so a change that
+    breaks the Triton lowering fails here, not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
 
@@ -556,6 +623,15 @@ def test_kernel_lowers_to_triton_for_cuda():
             sds((b, 2), jnp.int32), sds((), jnp.int32), pair(b, 2, grp, 256), sds((b, 2, 64), jnp.bfloat16),
             sds((b, 2, 64), jnp.bfloat16), sds((b, 2, grp), jnp.float32), step,
             (sds((b, 2), jnp.int32),) * 3).lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("__gpu$xla.gpu.triton") == 1
+    for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2))):  # sinks: 16 slots + a ring of 256
+        f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
+        text = jax.jit(lambda q, k, v, hi, lq, lk, kn, vn, tb, seq: f(
+            q, k, v, jnp.int32(0), hi, None, lq, lk, append=(kn, vn, lq), tables=tb, pinned=(4, 16, seq))).trace(
+            sds((b, hkv, grp, 64), jnp.bfloat16), sds((b, hkv, 272, 64), jnp.bfloat16),
+            sds((b, hkv, 272, 64), jnp.bfloat16), sds((), jnp.int32), pair(b, hkv, grp), pair(b, hkv, grp, 272),
+            sds((b, hkv, 64), jnp.bfloat16), sds((b, hkv, 64), jnp.bfloat16), (sds((b, 1), jnp.int32),) * 3,
+            sds((b,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert text.count("__gpu$xla.gpu.triton") == 1
 
 

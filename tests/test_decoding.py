@@ -67,7 +67,10 @@ def test_policies_answer_what_the_engine_asks():
         {}, {"window_size": 7}, None, None)
     assert [p.max_live(100) for p in (dense, window, sinks, dcp, acp)] == [100, 7, 16, 100, 100]
     assert [p.max_live(5) for p in (window, sinks)] == [5, 5] and sinks.pinned == 4 and window.pinned == 0
-    assert dense.capacity(65) == 128 and dense.capacity(1) == RING_BLOCK and sinks.capacity(3, block=1) == 5
+    assert dense.capacity(65) == 128 and dense.capacity(1) == RING_BLOCK and sinks.capacity(3, block=1) == 17
+    # the sink slots: a power of two ≥ 16 in front of a ring of the other slots − S, a multiple of the block
+    assert sinks.pin_slots == 16 and sinks.capacity(300) == 16 + 320 and window.pin_slots == 0
+    assert parse_policy("sinks:20+4").pin_slots == 32 and parse_policy("sinks:0+4").pin_slots == 0
     fox, pro, gpt2 = (dict(forget_gate=True, qk_norm=False, interaction_dim=None),
                       dict(forget_gate=True, qk_norm=True, interaction_dim=8),
                       dict(forget_gate=False, qk_norm=False, interaction_dim=None))
@@ -209,7 +212,7 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
         counter is > 0 exactly when the policy wanted more tokens than the capacity, by the surplus; a chunk
         of T > 1 that overflows still attended to the cache as it was (a decode step writes first);
     (e) placement: a pool (dcp) fills its lowest free slots (the highest occupied slot < the peak live count
-        so far); a ring holds column c in slot pinned + (c mod (C − pinned)) and a sink position p in slot p;
+        so far); a ring holds column c in slot P + (c mod (C − P)) and a sink position p in slot p (P = pin_slots);
         the groups' ``peak`` is the peak live count over the rows;
     (f) each held slot stores the k/v (Λ pair, DCP k_int) of the token at its position;
     (g) with per-head tables (acp) each key/value head keeps its own set (its own ring ``start``): (c) is
@@ -289,8 +292,8 @@ def check_slot_cache(policy, hkv, gates, chunks, pads, slots, seed):
                     if isinstance(g, PoolGroup):
                         assert len(occ) == 0 or occ.max() < peak[r, n], "(e) not lowest-free-first"
                     else:
-                        pin, ring = g.pinned, g.slots - g.pinned
-                        np.testing.assert_array_equal(occ, np.where(held_pos < pin, held_pos,
+                        pin, ring = g.pin_slots, g.slots - g.pin_slots
+                        np.testing.assert_array_equal(occ, np.where(held_pos < g.pinned, held_pos,
                                                                     pin + (held_pos + pads[r]) % ring), "(e) ring slot")
                     cols = held_pos + pads[r]                                                  # (f)
                     np.testing.assert_array_equal(np.asarray(g.k)[r, ni, occ], k[r, cols, n])    # [n, S, D]
@@ -823,7 +826,8 @@ def test_incremental_decoding_equals_full_forward(family):
 @pytest.mark.parametrize("policy,t,p,slots,splits", [("dense", 12, 6, None, 1), ("acp", 12, 6, None, 1),
                                                      ("acp:-1000", 72, 62, None, 1), ("window:20", 40, 30, None, 1),
                                                      ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 1),
-                                                     ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 2)])
+                                                     ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 2),
+                                                     ("sinks:3+20", 12, 6, None, 1), ("sinks:4+60", 80, 70, None, 2)])
 def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
@@ -831,7 +835,9 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, mon
     give the XLA path's logits and the same caches, on FoX (Pro) with GQA, KV-shift and Λ pairs; dense also equals
     the full forward; acp at ε = e^-1000 keeps every key, so its 64-slot ring fills and drops its oldest key at
     every step (the kernel gets the ring's old start: C + 1 keys with the new one); a window moves the ring's start
-    (the kernel advances the ring's start, peak and overflow in place); per-head capacities (64, 128, 64, 128
+    (the kernel advances the ring's start, peak and overflow in place); sinks read their pinned slots with the ring
+    (the kernel's pinned block), from the first steps on (left-padded rows write their sink positions in decode
+    steps: into the pinned and the ring slot) and with a ring that wraps behind them; per-head capacities (64, 128, 64, 128
     slots: two interleaved head groups, one full) run one kernel per group, the KV-shift and Λ carries passed from group
     to group; with 2 splits the output norm and gate follow the combine and each group's Λ comes back from its kernel
     as a new array, scattered into the layer's carry. The XLA
@@ -877,18 +883,19 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeyp
     traced = []
     flash = dec.dk.flash_decode
     monkeypatch.setattr(dec.dk, "flash_decode",
-                        lambda *a, **kw: traced.append((kw.get("append"), kw.get("decay_floor"), kw.get("step")))
-                        or flash(*a, **kw))
+                        lambda *a, **kw: traced.append((kw.get("append"), kw.get("decay_floor"), kw.get("step"),
+                                                        kw.get("pinned"))) or flash(*a, **kw))
     jax.clear_caches()  # the jitted steps retrace with the kernel
     got, caches = run()
-    assert traced and all(a is not None for a, _, _ in traced)  # the append mode ran
-    assert all((f is not None) == policy.startswith("acp") for _, f, _ in traced)  # acp's rule applied in the kernel
+    assert traced and all(a is not None for a, *_ in traced)  # the append mode ran
+    assert all((f is not None) == policy.startswith("acp") for _, f, *_ in traced)  # acp's rule applied in the kernel
+    assert all((pin is not None) == policy.startswith("sinks") for *_, pin in traced)  # the sink slots read there
     # the layer's per-head work in the kernel too: KV-shift, QK-norm, Λ; the output norm and gate (one split here)
     assert all(s is not None and s.shift_state is not None and s.q_scale is not None and s.lam_prev is not None
                and s.gate_x is not None and ((s.o_scale is not None and s.o_gate) == (splits == 1))
-               for _, _, s in traced)
-    assert all((s.group_heads is None) == (slots is None) for _, _, s in traced)  # a head group: its layer heads
-    if t > 64:
+               for _, _, s, _ in traced)
+    assert all((s.group_heads is None) == (slots is None) for _, _, s, _ in traced)  # a head group: its layer heads
+    if t > 64 and policy.startswith("acp"):
         assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) > 0  # the ring was full
     np.testing.assert_allclose(got, ref, atol=1e-5)
     if policy == "dense":

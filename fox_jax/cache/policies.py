@@ -43,7 +43,8 @@ from typing import ClassVar
 from fox_jax.call_site import caller_stacklevel
 
 DEFAULT_LOG_EPSILON = -10.0  # = fox_jax.ops.acp.DEFAULT_LOG_EPSILON (the ACP repository's tolerance)
-RING_BLOCK = 64  # every cache capacity is a multiple of this: the decode attention kernel's key block
+RING_BLOCK = 64  # every ring's capacity (behind any pinned slots) is a multiple of this: the decode kernel's key block
+PIN_BLOCK = 16  # pinned slots come in a power of two ≥ this: the decode kernel reads them as one block (its MIN_BLOCK)
 
 
 class HeuristicEvictionWarning(UserWarning):
@@ -95,6 +96,11 @@ class CachePolicy:
     @property
     def pinned(self) -> int:
         """Positions 0 .. pinned − 1 of a row kept for good in slots of their own (``sinks``: S), else 0."""
+        return 0
+
+    @property
+    def pin_slots(self) -> int:
+        """The slots in front of the ring that hold the ``pinned`` positions (0 without)."""
         return 0
 
     def max_live(self, context: int) -> int:
@@ -296,12 +302,19 @@ class Sinks(CachePolicy):
     def pinned(self) -> int:
         return self.sinks
 
+    @property
+    def pin_slots(self) -> int:
+        """S rounded up to a power of two ≥ ``PIN_BLOCK`` (the decode kernel reads the sink slots as one block), or
+        0 when S = 0."""
+        return max(PIN_BLOCK, 1 << (self.sinks - 1).bit_length()) if self.sinks else 0
+
     def max_live(self, context: int) -> int:
         return max(1, min(self.sinks + self.window, context))
 
     def capacity(self, slots: int, block: int = RING_BLOCK) -> int:
-        """As the base, but at least S + 1 (the ring behind the S sink slots needs one entry)."""
-        return round_up(max(slots, self.sinks + 1), block)
+        """The sink slots (``pin_slots``) and a ring of the other slots − S entries rounded up to a multiple of
+        ``block`` (at least one: a decode step writes every token to the ring)."""
+        return self.pin_slots + round_up(slots - self.sinks, block)
 
 
 POLICY_FORMS = ", ".join(cls.form for cls in POLICIES.values())

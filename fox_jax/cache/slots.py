@@ -11,9 +11,10 @@ the input, so attention never reads the slot order. Which storage a policy gets 
   (row, key/value head) for ``acp``: one int per table is the whole eviction state. A decode step writes every
   row at slot ``length mod C`` (no allocation search) and reads [start, length] in one call,
   ``fox_jax.ops.decode_attention_append`` (the Pallas kernel writes the entry in place while it reads; elsewhere a
-  ``dynamic_update_slice`` then the read). ``sinks:S+W`` puts positions < S in S pinned slots in front of the
-  ring (its decode step writes, then reads the whole ring masked). A suffix longer than C overwrites its oldest
-  entries: ``overflow`` counts them.
+  ``dynamic_update_slice`` then the read). ``sinks:S+W`` puts positions < S in pinned slots in front of the
+  ring (P = S rounded up to a power of two ≥ 16, ``CachePolicy.pin_slots``; the ring is the other C − P slots),
+  which the same op reads with the ring. A suffix longer than the ring overwrites its oldest entries: ``overflow``
+  counts them.
 * ``PoolGroup`` (dcp): any key may be dropped, so a slot table of positions (−1: free); a chunk's survivors go
   to the lowest free slots (the highest occupied slot stays near the peak live count) and ``hi`` (1 + the
   highest occupied slot) bounds each row's read.
@@ -47,7 +48,7 @@ from fox_jax.cache.decay import accumulate_log_fgate
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.cache.visibility import Chunk, Keys, LayerFacts, Rule, rule_for
 from fox_jax.ops._common import check_seq_start, dot_precision
-from fox_jax.ops.decode_attention import DecodeStep, decode_attention, decode_attention_append
+from fox_jax.ops.decode_attention import DecodeStep, PinnedSlots, decode_attention, decode_attention_append
 from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
@@ -87,8 +88,8 @@ class RingGroup(_Entries):
     """Ring buffers of a group of key/value heads (module docstring).
 
     Attributes:
-      k, v: [B, n, C, D] compute dtype; the key of column c in slot ``pinned`` + (c mod (C − pinned)), a
-        pinned position p < ``pinned`` in slot p.
+      k, v: [B, n, C, D] compute dtype; the key of column c in slot P + (c mod (C − P)) (P = ``pin_slots``), a
+        pinned position p < ``pinned`` also in slot p.
       lam_hi, lam_lo: [B, n, G, C] float32 Λ = hi + lo of the entry in each slot for each query head, or None.
       start: [B, nt] int32, the first live column per row (nt = 1) or per (row, key/value head) (nt = n,
         ``acp``): the ring holds [start, length); ≥ seq_start + pinned.
@@ -97,7 +98,8 @@ class RingGroup(_Entries):
       overflow: [B, nt] int32, the entries each table could not hold although the policy kept them (tokens).
       ``start``, ``peak`` and ``overflow`` are updated together elementwise (a decode step spends no reduction on
       its bookkeeping; ``SlotKVCache.overflow`` sums on reading).
-      heads: the layer's key/value heads of this group (static); pinned: S of ``sinks:S+W`` (static).
+      heads: the layer's key/value heads of this group (static); pinned: S of ``sinks:S+W`` (static); pin_slots:
+        P ≥ S, the slots in front of the ring that hold them (static; ``CachePolicy.pin_slots``).
     """
 
     k: jax.Array
@@ -109,6 +111,12 @@ class RingGroup(_Entries):
     overflow: jax.Array
     heads: tuple = flax.struct.field(pytree_node=False)
     pinned: int = flax.struct.field(pytree_node=False, default=0)
+    pin_slots: int = flax.struct.field(pytree_node=False, default=0)
+
+    @property
+    def ring(self) -> int:
+        """The ring's capacity: C − ``pin_slots``."""
+        return self.slots - self.pin_slots
 
     @classmethod
     def empty(cls, batch: int, capacity: int, heads: tuple, *, head_dim: int, g: int, dtype, forget_gate: bool,
@@ -119,25 +127,26 @@ class RingGroup(_Entries):
         start = jnp.broadcast_to((seq_start + policy.pinned)[:, None], (batch, nt)).astype(jnp.int32)
         return cls(jnp.zeros((batch, n, capacity, head_dim), dtype), jnp.zeros((batch, n, capacity, head_dim), dtype),
                    lam(), lam(), start, jnp.zeros((batch, nt), jnp.int32), jnp.zeros((batch, nt), jnp.int32), heads,
-                   policy.pinned)
+                   policy.pinned, policy.pin_slots)
 
     def columns(self, length, seq_start) -> jax.Array:
         """[B or 1, 1, C] int32: the column each slot holds (the latest written one; meaningful where held);
         the same for every row unless there are pinned slots."""
-        c, p = self.slots, self.pinned
-        ring = length - 1 - jnp.mod(length - 1 - jnp.arange(c - p, dtype=jnp.int32), c - p)
+        p, n = self.pin_slots, self.ring
+        ring = length - 1 - jnp.mod(length - 1 - jnp.arange(n, dtype=jnp.int32), n)
         if not p:
             return ring[None, None]
         pinned = seq_start[:, None] + jnp.arange(p, dtype=jnp.int32)
-        return jnp.concatenate([pinned, jnp.broadcast_to(ring, (pinned.shape[0], c - p))], axis=1)[:, None]
+        return jnp.concatenate([pinned, jnp.broadcast_to(ring, (pinned.shape[0], n))], axis=1)[:, None]
 
     def held_mask(self, length, seq_start) -> jax.Array:
         """[B, nt, C] bool: the slots that hold a live key."""
         col = self.columns(length, seq_start)
         live = col >= self.start[..., None]
-        if not self.pinned:
+        if not self.pin_slots:
             return live
-        return jnp.where((jnp.arange(self.slots) < self.pinned)[None, None], col < length, live)
+        slot = jnp.arange(self.slots)[None, None]
+        return jnp.where(slot < self.pin_slots, (slot < self.pinned) & (col < length), live)
 
     def live(self, length, seq_start) -> jax.Array:
         """[B, nt] int32 live entries per table."""
@@ -157,10 +166,10 @@ class RingGroup(_Entries):
 
     def shift_columns(self, shift) -> RingGroup:
         """The group with every key moved from column c to column c + ``shift`` (int32 scalar ≥ 0, may be traced):
-        the ring's slots rolled by shift mod (C − pinned) (column c lives in slot pinned + c mod (C − pinned)),
+        the ring's slots rolled by shift mod (C − P) (column c lives in slot P + c mod (C − P), P = ``pin_slots``),
         ``start`` advanced by ``shift``; the pinned slots hold positions and stay."""
-        p, ring = self.pinned, self.slots - self.pinned
-        s = jnp.mod(shift, ring)
+        p = self.pin_slots
+        s = jnp.mod(shift, self.ring)
 
         def roll(x, axis):
             if x is None:
@@ -177,19 +186,17 @@ class RingGroup(_Entries):
         """Visibility, placement and attention of a chunk for this group. q [B, T, n, G, D]; k, v [B, T, n, D];
         lam: (hi, lo) [B, T, n, G] or None. Returns (o [B, T, n, G, D] float32 or None, the updated group)."""
         lam_q = None if lam is None else tuple(x.transpose(0, 2, 3, 1) for x in lam)              # [B, n, G, T]
-        if q.shape[1] == 1 and step.attend and not self.pinned:  # a decode step: the write and the read in one op
+        if q.shape[1] == 1 and step.attend:  # a decode step: the write and the read in one op
             return self.decode_step(step, q, k, v, lam_q)[:2]
         keys = self._keys(step.cache, lam_q)
         start_t = self._visible_from(step, keys)
         new = self._place(step, k, v, lam_q, start_t)
         if not step.attend:
             return None, new
-        if q.shape[1] == 1:
-            return self._read(step, new, q, lam_q), new
         return self._attend(step, keys, start_t, q, k, v), new
 
     def decode_step(self, step: _Step, q, k, v, lam_q, raw: DecodeStep | None = None) -> tuple:
-        """A decode step of a ring without pinned slots: the write, the read and the ring's tables in one op
+        """A decode step of a ring (and its pinned slots): the write, the read and the ring's tables in one op
         (``decode_attention_append``; its Pallas kernel does all three). q [B, 1, n, G, D]; k, v [B, 1, n, D]; lam_q
         (hi, lo) [B, n, G, 1] or None. With ``raw`` (a ``DecodeStep``; this group may hold some of the layer's kv heads,
         ``raw.heads``, while its carries are the layer's) q, k, v are the raw projections and the op does the layer's
@@ -222,13 +229,13 @@ class RingGroup(_Entries):
         return lax.cummax(start_t, axis=2) if start_t.shape[2] > 1 else start_t
 
     def _place(self, step: _Step, k, v, lam_q, start_t) -> RingGroup:
-        """Placement: the ring keeps its last C − pinned columns (what the rule kept beyond them overflowed,
-        counted); the chunk is written at slot pinned + (column mod (C − pinned)), a decode step with one
+        """Placement: the ring keeps its last C − P columns (P = ``pin_slots``; what the rule kept beyond them
+        overflowed, counted); the chunk is written at slot P + (column mod (C − P)), a decode step with one
         ``dynamic_update_slice`` for every row, sink positions also to their pinned slots."""
         cache, chunk = step.cache, step.chunk
         b, t, n, _ = k.shape
-        length, c, p = cache.length, self.slots, self.pinned
-        ring = c - p
+        length, c, p, sinks = cache.length, self.slots, self.pin_slots, self.pinned
+        ring = self.ring
         kt, vt = (x.transpose(0, 2, 1, 3) for x in (k, v))                                       # [B, n, T, D]
         pos = chunk.pos
         if t == 1 and not p:
@@ -239,7 +246,7 @@ class RingGroup(_Entries):
                 new = new.replace(lam_hi=put(self.lam_hi, lam_q[0], 3), lam_lo=put(self.lam_lo, lam_q[1], 3))
         elif t == 1:  # the ring slot and, for a sink position, its pinned slot: one scatter per buffer
             rows = jnp.arange(b)[:, None]
-            pin = jnp.where((pos[:, 0] >= 0) & (pos[:, 0] < p), pos[:, 0], c)                     # c: dropped
+            pin = jnp.where((pos[:, 0] >= 0) & (pos[:, 0] < sinks), pos[:, 0], c)                 # c: dropped
             slots = jnp.stack([jnp.broadcast_to(p + jnp.mod(length, ring), (b,)), pin], axis=1)   # [B, 2]
             put_kv = lambda buf, x: buf.at[rows, :, slots].set(x[:, None, :, 0].astype(buf.dtype), mode="drop")  # noqa: E731
             new = self.replace(k=put_kv(self.k, kt), v=put_kv(self.v, vt))
@@ -249,7 +256,7 @@ class RingGroup(_Entries):
         else:
             slot = jnp.where(chunk.cols >= length + t - ring, p + jnp.mod(chunk.cols, ring), c)       # [T]
             if p:
-                slot = jnp.where((pos >= 0) & (pos < p), pos, slot[None])                          # [B, T]
+                slot = jnp.where((pos >= 0) & (pos < sinks), pos, slot[None])                      # [B, T]
                 rows, hs = jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None]
                 sn = jnp.broadcast_to(slot[:, None], (b, n, t))
                 put = lambda buf, x: buf.at[rows, hs, sn].set(x.astype(buf.dtype), mode="drop")      # noqa: E731
@@ -263,20 +270,21 @@ class RingGroup(_Entries):
         return new._advance(step, start_t, t)
 
     def _advance(self, step: _Step, start_t, t: int) -> RingGroup:
-        """The tables after T columns: the ring keeps its last C − pinned (what the rule kept beyond them overflowed,
+        """The tables after T columns: the ring keeps its last C − P columns (what the rule kept beyond them overflowed,
         counted per table), ``peak`` follows the live count; elementwise over [B, nt]."""
         length, seq_start, p = step.cache.length, step.cache.seq_start, self.pinned
         wanted = start_t[..., -1]
-        new_start = jnp.maximum(wanted, length + t - (self.slots - p))
+        new_start = jnp.maximum(wanted, length + t - self.ring)
         live = jnp.maximum(length + t - new_start, 0) + jnp.clip(length + t - seq_start, 0, p)[:, None]
         return self.replace(start=new_start, peak=jnp.maximum(self.peak, live),
                             overflow=self.overflow + (new_start - wanted))
 
     def _write_read(self, step: _Step, q, k, v, lam_q, lo, floor=None, raw=None) -> tuple:
-        """A decode step (no pinned slots): its entry written at slot ``length`` mod C, the ring read from
-        max(``lo``, start) (with ``floor``, the rule's ``decay_floor``: from the first key above it) to ``length``, and
-        start / peak / overflow advanced, by one op (``decode_attention_append``: in the Pallas kernel, without
-        update or bookkeeping kernels); with ``raw`` (a ``DecodeStep``) it also does the layer's per-head work.
+        """A decode step: its entry written at ring slot P + (``length`` mod (C − P)) (and at a pinned position to its
+        pinned slot), the ring read from max(``lo``, start) (with ``floor``, the rule's ``decay_floor``: from the
+        first key above it) to ``length`` with the pinned positions written so far, and start / peak / overflow
+        advanced, by one op (``decode_attention_append``: in the Pallas kernel, without update or bookkeeping
+        kernels); with ``raw`` (a ``DecodeStep``) it also does the layer's per-head work.
         Returns (o [B, 1, n, G, D] float32, the updated group, the op's (shift state, Λ) or None)."""
         hi = (step.cache.length + 1).astype(jnp.int32)
         lam_new = None if lam_q is None or raw is not None else (lam_q[0][..., 0], lam_q[1][..., 0])  # [B, n, G]
@@ -284,28 +292,14 @@ class RingGroup(_Entries):
             q[:, 0], self.k.astype(q.dtype), self.v.astype(q.dtype), k[:, 0].astype(q.dtype), v[:, 0].astype(q.dtype),
             lo=lo, hi=hi, lam_q=lam_new, lam_k=None if self.lam_hi is None else (self.lam_hi, self.lam_lo),
             lam_new=lam_new, decay_floor=floor, sm_scale=step.chunk.scale, step=raw,
-            ring_tables=(self.start, self.peak, self.overflow))
+            ring_tables=(self.start, self.peak, self.overflow),
+            pinned=PinnedSlots(self.pinned, self.pin_slots, step.cache.seq_start) if self.pin_slots else None)
         start, peak, overflow = res.tables
         new = self.replace(k=res.k.astype(self.k.dtype), v=res.v.astype(self.v.dtype), start=start, peak=peak,
                            overflow=overflow)
         if res.lam_k is not None:
             new = new.replace(lam_hi=res.lam_k[0], lam_lo=res.lam_k[1])
         return res.o[:, None].astype(jnp.float32), new, res.carry
-
-    def _read(self, step: _Step, new: RingGroup, q, lam_q) -> jax.Array:
-        """Attention of a decode step, after its write: the ring's [start, length] through the decode op
-        (with pinned slots: every slot, masked). Returns [B, 1, n, G, D] float32."""
-        cache, c = step.cache, self.slots
-        # the range in its narrow forms (start [B, nt], one hi for every row): the kernel reads them per program
-        # and clamps a start past hi to an empty range, so nothing is broadcast here
-        lo, hi = new.start, (cache.length + 1).astype(jnp.int32)
-        valid = None
-        if self.pinned:  # the logical range [0, C) is the physical one
-            valid, lo, hi = new.held_mask(cache.length + 1, cache.seq_start), jnp.int32(0), jnp.int32(c)
-        o = decode_attention(q[:, 0], new.k.astype(q.dtype), new.v.astype(q.dtype), lo=lo, hi=hi, valid=valid,
-                             lam_q=None if lam_q is None else (lam_q[0][..., 0], lam_q[1][..., 0]),
-                             lam_k=None if lam_q is None else (new.lam_hi, new.lam_lo), sm_scale=step.chunk.scale)
-        return o[:, None].astype(jnp.float32)
 
     def _attend(self, step: _Step, keys: Keys, start_t, q, k, v) -> jax.Array:
         """Attention of a chunk of T > 1: the ring as it was (pinned slots, and columns ≥ each query's start)
@@ -716,7 +710,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
       head_ops: the layer's per-head work around attention (``fox_jax.ops.head_ops.HeadOps``), or None: the
         prologue (KV-shift from the cache's carry, which is then updated; QK-norm; RoPE at the cache's positions)
         before attention and the epilogue (output norm and gate) after. A decode step (T = 1) without RoPE, on ring
-        groups without pinned slots, whose rule needs no q / k values (``Rule.needs_qk``), hands it to the decode op
+        groups, whose rule needs no q / k values (``Rule.needs_qk``), hands it to the decode op
         of each head group (its Pallas kernel does it all: no kernels of their own; the carries pass from group to
         group); elsewhere ``head_prologue`` / ``head_epilogue`` run here.
       facts: the model facts the policy's rule may need (``LayerFacts``: acp the QK-norm logit bound, dcp
@@ -744,7 +738,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     real = pos >= 0
     rule = rule_for(policy)
     fused = (head_ops is not None and t == 1 and head_ops.rope_base is None and not rule.needs_qk(cache.state)
-             and all(isinstance(grp_, RingGroup) and not grp_.pinned for grp_ in cache.groups))
+             and all(isinstance(grp_, RingGroup) for grp_ in cache.groups))
     kv_carry = cache.kv_shift
     if head_ops is not None and not fused:
         shift_state = None

@@ -3,8 +3,8 @@ the per-head work around attention (``HeadOps``)."""
 
 from fox_jax.ops import acp, context_pruning, tiles
 from fox_jax.ops.alpha_sigmoid import alpha_sigmoid, alpha_sigmoid_step, cosine_alpha_schedule
-from fox_jax.ops.decode_attention import (DECODE_IMPLEMENTATIONS, AppendResult, DecodeStep, decode_attention,
-                                          decode_attention_append)
+from fox_jax.ops.decode_attention import (DECODE_IMPLEMENTATIONS, AppendResult, DecodeStep, PinnedSlots,
+                                          decode_attention, decode_attention_append)
 from fox_jax.ops.forgetting_attention import (IMPLEMENTATIONS, forgetting_attention, resolve_implementation,
                                               sharded_attention)
 from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
@@ -17,6 +17,7 @@ __all__ = [
     "DecodeStep",
     "HeadOps",
     "IMPLEMENTATIONS",
+    "PinnedSlots",
     "acp",
     "alpha_sigmoid",
     "alpha_sigmoid_step",

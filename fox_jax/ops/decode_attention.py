@@ -282,13 +282,14 @@ def decode_attention(
     return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
 
 
-def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool) -> tuple:
-    """(the kernel's ``DecodeConfig``, interpret mode) for these shapes, after checking ``block_k`` / ``num_splits``.
+def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool, pinned_slots: int = 0) -> tuple:
+    """(the kernel's ``DecodeConfig``, interpret mode) for these shapes, after checking ``block_k`` / ``num_splits``;
+    the ring is the last C − ``pinned_slots`` slots.
 
     Raises:
       ValueError: a block_k that is not a power of two ≥ 16 dividing C, num_splits < 1, head_dim > 256.
     """
-    cap = k.shape[2]
+    cap = k.shape[2] - pinned_slots
     if block_k is not None and (block_k < dk.MIN_BLOCK or block_k & (block_k - 1) or cap % block_k):
         raise ValueError(f"block_k must be a power of two ≥ {dk.MIN_BLOCK} dividing C = {cap}, got {block_k}")
     if num_splits is not None and (not isinstance(num_splits, (int, np.integer)) or num_splits < 1):
@@ -303,19 +304,45 @@ def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool) -> tupl
     return config, interpret
 
 
-def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int) -> jax.Array:
-    """``buf`` with ``x`` written at ring slot (hi − 1) mod C of its ``axis`` (C = buf.shape[axis]) for every row and
+def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int, offset: int = 0) -> jax.Array:
+    """``buf`` with ``x`` written at ring slot ``offset`` + (hi − 1) mod (C − ``offset``) of its ``axis`` (C =
+    buf.shape[axis]; ``offset``: pinned slots in front of the ring, ``PinnedSlots.slots``) for every row and
     key/value head: one ``dynamic_update_slice`` when ``hi`` is a scalar, else a scatter per row and head. buf
     [B, Hkv, ...] with the slot axis ``axis``; x: buf without that axis; hi as ``decode_attention``'s."""
-    cap = buf.shape[axis]
+    ring = buf.shape[axis] - offset
     hi = jnp.asarray(hi, jnp.int32)
     if hi.ndim == 0:
-        slot = jnp.mod(jnp.maximum(hi - 1, 0), cap)
+        slot = offset + jnp.mod(jnp.maximum(hi - 1, 0), ring)
         return jax.lax.dynamic_update_slice_in_dim(buf, jnp.expand_dims(x, axis).astype(buf.dtype), slot, axis)
-    slot = jnp.mod(jnp.maximum(jnp.broadcast_to(hi, buf.shape[:2]) - 1, 0), cap)               # [B, Hkv]
+    slot = offset + jnp.mod(jnp.maximum(jnp.broadcast_to(hi, buf.shape[:2]) - 1, 0), ring)      # [B, Hkv]
+    return _write_slots(buf, x, slot, axis)
+
+
+def _write_slots(buf: jax.Array, x: jax.Array, slot: jax.Array, axis: int) -> jax.Array:
+    """``buf`` with ``x`` written at slot ``slot`` [B, Hkv] int32 (≥ C: not written) of its ``axis``."""
     moved = jnp.moveaxis(buf, axis, 2)                                                           # [B, Hkv, C, ...]
     rows, heads = jnp.arange(buf.shape[0])[:, None], jnp.arange(buf.shape[1])[None, :]
-    return jnp.moveaxis(moved.at[rows, heads, slot].set(x.astype(buf.dtype)), 2, axis)
+    return jnp.moveaxis(moved.at[rows, heads, slot].set(x.astype(buf.dtype), mode="drop"), 2, axis)
+
+
+@flax.struct.dataclass
+class PinnedSlots:
+    """Positions kept for good in slots of their own in front of a ring (``sinks:S+W``'s sink tokens).
+
+    Slots [0, ``slots``) of the ring buffers hold positions 0 .. ``sinks`` − 1 of each row (position p in slot p;
+    position p is column ``seq_start`` + p); the ring is slots [``slots``, C), column c in slot ``slots`` +
+    (c mod (C − ``slots``)). A decode step sees the pinned positions written so far as well as its ring range, and
+    a step at a pinned position is written to its pinned slot as well as to its ring slot.
+
+    Attributes:
+      sinks: S ≥ 0 (static: a pytree's auxiliary data). slots: P ≥ S (static; the Pallas kernel reads the pinned
+        slots as one block: a power of two ≥ 16, else the XLA path runs). seq_start: [B] int32, each row's first
+        column.
+    """
+
+    sinks: int = flax.struct.field(pytree_node=False)
+    slots: int = flax.struct.field(pytree_node=False)
+    seq_start: jax.Array
 
 
 class AppendResult(NamedTuple):
@@ -544,6 +571,7 @@ def decode_attention_append(
     num_splits: int | None = None,
     step: DecodeStep | None = None,
     ring_tables: tuple | None = None,
+    pinned: PinnedSlots | None = None,
 ) -> AppendResult:
     """A decode step's write and read of a ring KV cache in one call: the step's entry (``k_new``, ``v_new``,
     ``lam_new``) goes to ring slot (hi − 1) mod C as logical key hi − 1, then ``decode_attention`` over [lo, hi).
@@ -583,6 +611,11 @@ def decode_attention_append(
         floor from there), the ring keeps its last C columns, and the op advances the tables — start' = the read
         start, peak' = max(peak, hi − start'), overflow' = overflow + (start' − what the policy kept): the Pallas
         kernel in place, so a decode step spends no bookkeeping kernel of its own.
+      pinned: None, or ``PinnedSlots`` (``sinks:S+W``): the ring is slots [P, C) of k, v (column c in slot P +
+        (c mod (C − P)), and "C" above means C − P), slots [0, P) hold the row's first S positions; the step also
+        reads the pinned positions written so far (min(S, hi − seq_start) of them, the step's own included) and, at a
+        pinned position, writes its entry to its pinned slot too; with ``ring_tables`` peak' counts them:
+        max(peak, max(hi − start', 0) + min(S, max(hi − seq_start, 0))). Not with ``decay_floor``.
 
     Returns:
       ``AppendResult``: o [B, Hkv, G, D] in q's dtype; k, v [B, Hkv, C, D] and lam_k (or None) with the entry
@@ -616,6 +649,11 @@ def decode_attention_append(
                     or jnp.result_type(x) != jnp.int32:
                 raise ValueError(f"ring_tables ({name}) must be int32 [{b}, 1] or [{b}, {hkv}] like start, "
                                  f"got {jnp.result_type(x)}{list(jnp.shape(x))}")
+    pin = 0
+    if pinned is not None:
+        pin = _check_pinned(pinned, k.shape[2], b)
+        if decay_floor is not None:
+            raise ValueError("pinned slots do not go with decay_floor (a policy with sinks has no decay floor)")
     if step is not None:
         _check_step(step, q, hi, lam_q, lam_k, lam_new)
         lam_q_chk = step.group_view(grp)[3]  # the op's heads of Λ_prev: stands in for the Λ the op computes
@@ -625,16 +663,19 @@ def decode_attention_append(
                   evicts=ring_tables is not None)
     impl = resolve_decode_implementation(implementation, q, k, has_lam=lam_k is not None)
     kernel_ok = step is None or step.heads is None or step.ops.rows is not None  # a group's rows: the layer's
+    pin_ok = pin % dk.MIN_BLOCK == 0 and not pin & (pin - 1)  # the kernel reads the pinned slots as one block
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0 \
-            and kernel_ok:
+            and kernel_ok and pin_ok:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-        config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False)
+        config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False,
+                                           pinned_slots=pin)
         one_split = config.num_splits == 1
         out = list(dk.flash_decode(
             q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k, scale=scale,
             config=config, interpret=interpret, append=(k_new, v_new, lam_new), decay_floor=decay_floor,
             step=None if step is None else _step_arrays(step, q, k_new, v_new, epilogue=one_split),
-            tables=None if ring_tables is None else tuple(ring_tables)))
+            tables=None if ring_tables is None else tuple(ring_tables),
+            pinned=None if pinned is None else (pinned.sinks, pin, jnp.asarray(pinned.seq_start, jnp.int32))))
         o, k, v, lam_k = out[:4]
         first = out.pop(4) if decay_floor is not None else None
         carry = out.pop(4) if step is not None else None
@@ -649,7 +690,7 @@ def decode_attention_append(
         q, k_new, v_new, lam_step, carry = _step_prologue(step, q, k_new, v_new, hi)
         if lam_step is not None:
             lam_q = lam_new = lam_step
-    cap, hi32 = k.shape[2], jnp.asarray(hi, jnp.int32)
+    cap, hi32 = k.shape[2] - pin, jnp.asarray(hi, jnp.int32)  # the ring's capacity
     lo = jnp.maximum(jnp.asarray(lo, jnp.int32), 0)
     if ring_tables is not None:
         lo = jnp.maximum(lo, ring_tables[0])
@@ -664,15 +705,57 @@ def decode_attention_append(
     if ring_tables is not None:
         _, peak, overflow = ring_tables
         start = jnp.broadcast_to(lo, peak.shape) if lo.shape != peak.shape else lo
-        tables = (start, jnp.maximum(peak, hi32 - start), overflow + (start - jnp.broadcast_to(wanted, peak.shape)))
-    k, v = write_entry(k, k_new, hi, 2), write_entry(v, v_new, hi, 2)
+        live = hi32 - start
+        if pinned is not None:  # and the pinned positions written, the step's own included
+            live = jnp.maximum(live, 0) + jnp.clip(hi32 - jnp.asarray(pinned.seq_start, jnp.int32)[:, None], 0,
+                                                   pinned.sinks)
+        tables = (start, jnp.maximum(peak, live), overflow + (start - jnp.broadcast_to(wanted, peak.shape)))
+    k, v = write_entry(k, k_new, hi, 2, pin), write_entry(v, v_new, hi, 2, pin)
     if lam_k is not None:
-        lam_k = tuple(write_entry(x, y, hi, 3) for x, y in zip(lam_k, lam_new))
-    o = decode_attention(q, k, v, lo=lo, hi=hi, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
+        lam_k = tuple(write_entry(x, y, hi, 3, pin) for x, y in zip(lam_k, lam_new))
+    valid = None
+    if pinned is not None:  # every slot, masked: the ring's range and the pinned positions written
+        k, v, lam_k, valid = _pinned_write_and_mask(pinned, k, v, lam_k, k_new, v_new, lam_new, lo, hi32)
+        lo, hi = jnp.int32(0), jnp.int32(k.shape[2])
+    o = decode_attention(q, k, v, lo=lo, hi=hi, valid=valid, lam_q=lam_q, lam_k=lam_k, sm_scale=sm_scale,
                          implementation=impl, block_k=block_k, num_splits=num_splits)
     if step is not None:
         o = _step_epilogue(step, o)
     return AppendResult(o, k, v, lam_k, first, carry, tables)
+
+
+def _check_pinned(pinned, capacity: int, b: int) -> int:
+    """P of ``pinned`` after checking it (one-line ValueErrors naming the field)."""
+    if not isinstance(pinned, PinnedSlots):
+        raise ValueError(f"pinned must be a PinnedSlots(sinks, slots, seq_start), got {type(pinned).__name__}")
+    s, p = pinned.sinks, pinned.slots
+    if not (isinstance(s, int) and isinstance(p, int) and 0 <= s <= p < capacity):
+        raise ValueError(f"pinned.sinks S and pinned.slots P must be ints with 0 ≤ S ≤ P < C = {capacity}, "
+                         f"got S={s!r}, P={p!r}")
+    seq = pinned.seq_start
+    if tuple(jnp.shape(seq)) != (b,) or not jnp.issubdtype(jnp.result_type(seq), jnp.integer):
+        raise ValueError(f"pinned.seq_start must be an int array [B] = [{b}], got "
+                         f"{jnp.result_type(seq)}{list(jnp.shape(seq))}")
+    return p
+
+
+def _pinned_write_and_mask(pinned: PinnedSlots, k, v, lam_k, k_new, v_new, lam_new, lo, hi) -> tuple:
+    """The XLA path's pinned slots: the step's entry also written to its pinned slot when its position is < S, and
+    [B, Hkv, C] the slots a step reads (the ring's [lo, hi) and the pinned positions < min(S, hi − seq_start))."""
+    b, hkv, c = k.shape[:3]
+    p = pinned.slots
+    seq = jnp.asarray(pinned.seq_start, jnp.int32)[:, None]
+    lo, hi = (jnp.broadcast_to(jnp.asarray(x, jnp.int32), (b, hkv)) for x in (lo, hi))
+    pos = hi - 1 - seq                                                                            # [B, Hkv]
+    at = jnp.where((pos >= 0) & (pos < pinned.sinks), pos, c)  # c: not written
+    k, v = _write_slots(k, k_new, at, 2), _write_slots(v, v_new, at, 2)
+    if lam_k is not None:
+        lam_k = tuple(_write_slots(x, y, at, 3) for x, y in zip(lam_k, lam_new))
+    slot = jnp.arange(c, dtype=jnp.int32)
+    col = hi[..., None] - 1 - jnp.mod(hi[..., None] - 1 - (slot - p), c - p)  # the latest column of each ring slot
+    ring = (slot >= p) & (col >= jnp.maximum(lo, 0)[..., None]) & (col < hi[..., None])
+    held = slot < jnp.clip(hi - seq, 0, pinned.sinks)[..., None]
+    return k, v, lam_k, ring | held
 
 
 gate_table = dk.gate_table  # the decode kernel's layout of a layer's gate projections (``HeadOps.gate_table``)
@@ -691,6 +774,7 @@ def first_above_floor(lam_q, lam_k, decay_floor, lo, hi) -> jax.Array:
     return jnp.maximum(lo, jnp.max(jnp.where(hidden, col, -1), axis=-1) + 1)
 
 
-__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "AppendResult", "DecodeStep", "cudnn_supported", "decode_attention",
+__all__ = ["DECODE_IMPLEMENTATIONS", "GPU_AUTO_IMPLEMENTATION", "AppendResult", "DecodeStep", "PinnedSlots",
+           "cudnn_supported", "decode_attention",
            "decode_attention_append", "first_above_floor", "gate_table", "write_entry",
            "gpu_auto_implementation", "resolve_decode_implementation", "visible_slots"]
