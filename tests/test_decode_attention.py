@@ -815,6 +815,33 @@ def test_gpu_append_ring_tables_equal_the_xla_path(nt, splits):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 3])
+def test_gpu_append_pinned_slots_equal_the_xla_path(splits):
+    """``sinks:4+252`` on the device (B8, 12 kv heads, bf16, Λ pairs): 16 pinned slots in front of a 256-slot ring,
+    rows whose step writes a pinned position, rows on a left pad and rows long past the sinks; the kernel's output,
+    buffers and tables equal the XLA path's (output at bf16's 1e-2, the rest exactly)."""
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU")
+    b, hkv, grp, d, pin, ring = 8, 12, 1, 64, 16, 256
+    rng = np.random.default_rng(3)
+    q, k, v, k_new, v_new = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16) for s in
+                             ((b, hkv, grp, d), (b, hkv, pin + ring, d), (b, hkv, pin + ring, d), (b, hkv, d),
+                              (b, hkv, d)))
+    lam_q, lam_k = _lambda_pairs(rng, grp, pin + ring, b, hkv)
+    for hi, seq in ((5, np.array([0, 1, 2, 3, 4, 5, 6, 0])), (3 * ring + 11, np.arange(b) * 3)):
+        start = jnp.asarray(seq[:, None] + 4, jnp.int32)
+        peak, overflow = (jnp.asarray(rng.integers(0, 3, (b, 1)), jnp.int32) for _ in range(2))
+        outs = [jax.jit(functools.partial(decode_attention_append, implementation=impl, num_splits=splits))(
+            q, k, v, k_new, v_new, lo=jnp.int32(hi - 252), hi=jnp.int32(hi), lam_q=lam_q, lam_k=lam_k, lam_new=lam_q,
+            ring_tables=(start, peak, overflow), pinned=PinnedSlots(4, pin, jnp.asarray(seq, jnp.int32)))
+            for impl in ("xla", "pallas")]
+        for a, b_ in zip([*outs[0].tables, outs[0].k, outs[0].v, *outs[0].lam_k],
+                         [*outs[1].tables, outs[1].k, outs[1].v, *outs[1].lam_k]):
+            np.testing.assert_array_equal(np.asarray(b_, np.float32), np.asarray(a, np.float32))
+        assert _err(outs[1].o, outs[0].o) <= 1e-2, hi
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("b,hkv,grp,d,cap,lam,valid_nt,block_k,splits", _GPU_CASES)
 def test_gpu_cudnn_matches_reference(b, hkv, grp, d, cap, lam, valid_nt, block_k, splits):
     if jax.default_backend() != "gpu":
