@@ -14,11 +14,13 @@ bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` T
 few layers are enough: ``--set n_layers=4``), to choose its launch settings and to price what it fuses. A variant
 is ``name`` or ``name:key=value,...`` with keys of ``kernels.decode_attention.DecodeConfig`` (num_warps,
 num_stages, block_k, num_splits: replacing the default tiling), ``gates=xla`` (the gate logits computed by
-XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel):
+XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel),
+``head=stored`` (the untied LM head multiplied as stored, [d, V] with unaligned rows, instead of the copy padded to
+128 columns that ``decode_variables`` makes once):
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \
         --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 nofold:fold_floor=0 \
-        xla-gates:gates=xla --out $OUT/profile_decode_variants.json
+        xla-gates:gates=xla stored-head:head=stored --out $OUT/profile_decode_variants.json
 """
 
 from __future__ import annotations
@@ -114,14 +116,14 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
-    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields and ``gates``.
+    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``.
 
     Raises:
       ValueError: an unknown key or a bad value (an int for the DecodeConfig fields).
     """
     name, _, rest = spec.partition(":")
     fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
-    choices = {"gates": ("xla", "kernel")}
+    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -144,9 +146,9 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k != "gates"}
-    saved = dk.default_decode_config, decode_op._step_arrays
-    base_config, base_arrays = saved
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head")}
+    saved = dk.default_decode_config, decode_op._step_arrays, gen.head_table
+    base_config, base_arrays, _ = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -162,10 +164,12 @@ def kernel_variant(settings: dict):
     dk.default_decode_config = config
     if settings.get("gates") == "xla":
         decode_op._step_arrays = arrays
+    if settings.get("head") == "stored":
+        gen.head_table = lambda params: {}
     try:
         yield
     finally:
-        dk.default_decode_config, decode_op._step_arrays = saved
+        dk.default_decode_config, decode_op._step_arrays, gen.head_table = saved
         jax.clear_caches()
 
 

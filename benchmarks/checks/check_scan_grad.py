@@ -8,6 +8,12 @@ forward kernel sits (the primitive path around it), so a second forward shows up
 
     python benchmarks/checks/check_scan_grad.py                       # pallas (interpret on CPU)
     python benchmarks/checks/check_scan_grad.py --impls mosaic,pallas # on a Hopper GPU
+    # the profiled program's shape (760M FoX (Pro), 16k, scanned only): the custom calls of each while body
+    python benchmarks/checks/check_scan_grad.py --impls mosaic --size 760M --seq 16384 --scan on
+
+The 2-layer check on the H200 (2026-12-03) found one forward call per layer in both forms, while the 760M
+profile's forward loop ran 48 Mosaic launches per step (2 per layer, each at the forward kernel's time): the
+``--size`` / ``--scan`` form looks at the profiled shape itself.
 """
 
 from __future__ import annotations
@@ -39,17 +45,31 @@ def _walk(jaxpr, path, out):
                     _walk(sub, path + [name], out)
 
 
+def _while_bodies(hlo: str) -> dict[str, str]:
+    """{computation name: its text} for the computations that are some while loop's body in HLO text."""
+    names = set(re.findall(r"\bbody=%?([\w.\-]+)", hlo))
+    comps = {}
+    for block in re.split(r"\n(?=\S)", hlo):  # computations start at column 0
+        m = re.match(r"%?([\w.\-]+)\s", block)
+        if m and m.group(1) in names:
+            comps[m.group(1)] = block
+    return comps
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", default="pallas")
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--size", default="tiny", help="a fox-pro preset size (tiny: 2 small layers, --layers)")
+    ap.add_argument("--scan", choices=("both", "on", "off"), default="both")
     args = ap.parse_args(argv)
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     for impl in args.impls.split(","):
-        for scan in (False, True):
-            cfg = preset("tiny", "fox-pro", vocab_size=256, n_layers=args.layers, attention_impl=impl,
-                         scan_layers=scan, remat="none", dtype=dtype)
+        for scan in {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]:
+            shape = dict(vocab_size=256, n_layers=args.layers) if args.size == "tiny" else {}
+            cfg = preset(args.size, "fox-pro", attention_impl=impl, scan_layers=scan, remat="none", dtype=dtype,
+                         **shape)
             model, params = cfg.build(), cfg.init_params(jax.random.PRNGKey(0))
             tokens = jnp.ones((1, args.seq), jnp.int32)
 
@@ -64,6 +84,9 @@ def main(argv=None):
             calls = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', hlo))
             print(f"== {impl} scan_layers={scan}: jaxpr kernels {dict(collections.Counter(k for _, k in found))}; "
                   f"HLO custom calls {dict(calls)}; HLO while loops {hlo.count(' while(')}", flush=True)
+            for comp, body in _while_bodies(hlo).items():  # what each loop iteration launches
+                targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', body))
+                print(f"   while body {comp}: custom calls {dict(targets)}")
             for path, k in found:
                 print(f"   {k:28s} in {path or '(top)'}")
 

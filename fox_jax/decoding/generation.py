@@ -37,6 +37,7 @@ import numpy as np
 from jax import lax
 
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
+from fox_jax.models.lm import head_table
 from fox_jax.nn.attention import gate_tables
 from fox_jax.ops._common import check_seq_start
 from fox_jax.sharding import place_for_decoding, under_mesh
@@ -203,9 +204,12 @@ def precast(params, plan: tuple):
 
 def decode_variables(params, plan: tuple) -> dict:
     """What a decode loop applies the model with, made once before the loop: the parameters cast as ``plan`` says
-    (``precast``) and the attention layers' ``"decode"`` collection (``fox_jax.nn.attention.gate_tables``: the gate
-    projections in the decode kernel's layout)."""
-    return {"params": precast(params, plan), **gate_tables(params)}
+    (``precast``) and the ``"decode"`` collection: the attention layers' gate projections in the decode kernel's
+    layout (``fox_jax.nn.attention.gate_tables``) and an untied LM head, cast, padded to aligned rows
+    (``fox_jax.models.lm.head_table``)."""
+    cast = precast(params, plan)
+    decode = {**gate_tables(params).get("decode", {}), **head_table(cast).get("decode", {})}
+    return {"params": cast, **({"decode": decode} if decode else {})}
 
 
 @functools.partial(jax.jit, static_argnums=0)

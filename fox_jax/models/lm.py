@@ -67,9 +67,25 @@ class LMHead(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel = self.param("kernel", normal_init(self.init_std), (x.shape[-1], self.vocab_size), jnp.float32)
-        w = padded_head(kernel, self.dtype, self.pad_multiple)
+        if self.has_variable("decode", "kernel"):  # a decode loop's head, padded once before the loop (head_table)
+            w = self.get_variable("decode", "kernel").astype(self.dtype)
+        else:
+            w = padded_head(kernel, self.dtype, self.pad_multiple)
         y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (0,)), ((), ())))
         return y[..., :self.vocab_size] if w.shape[1] > self.vocab_size else y
+
+
+def head_table(params, pad_multiple: int = 128) -> dict:
+    """The ``"decode"`` variable of an untied LM head: ``params["lm_head"]["kernel"]`` [d, V] in its own dtype,
+    zero-padded to ``padded_vocab(V, pad_multiple)`` columns. Made once before a decode loop from the cast parameters
+    (``fox_jax.decoding.decode_variables``), so that every step's head matmul reads rows that start 16-byte aligned
+    (V = 50257 bf16 columns do not) without copying the head per step; ``LMHead`` multiplies by it and slices the
+    logits back to V (the same numbers). Returns {} for a model without an untied head."""
+    head = params.get("lm_head") if hasattr(params, "get") else None
+    if not head or "kernel" not in head:
+        return {}
+    kernel = head["kernel"]
+    return {"decode": {"lm_head": {"kernel": padded_head(kernel, kernel.dtype, pad_multiple)}}}
 
 
 class LanguageModel(nn.Module):
