@@ -346,7 +346,7 @@ if given is not None:
         """(policy, Hkv, gates, chunk sizes, left pads, capacities, seed) for a policy of ``kind``: W and S
         random (acp's δ and dcp's votes come from the seed), GQA (H = 4, Hkv = 2) or not (Hkv = 4), 2–7 pushes
         of 1–3 tokens, up to 4 left pads, capacities from below to above the policy's ``max_live`` (rings wrap;
-        acp: also one capacity per key/value head; sinks: 16 sink slots and a ring of at least one)."""
+        acp: also one capacity per key/value head; sinks: 16 sink slots, none at S = 0, and a ring of at least one)."""
         if kind == "window":
             policy = f"window:{draw(st.integers(1, 5))}"
         elif kind == "sinks":
