@@ -13,7 +13,12 @@ forward kernel sits (the primitive path around it), so a second forward shows up
 
 The 2-layer check on the H200 (2026-12-03) found one forward call per layer in both forms, while the 760M
 profile's forward loop ran 48 Mosaic launches per step (2 per layer, each at the forward kernel's time): the
-``--size`` / ``--scan`` form looks at the profiled shape itself.
+``--size`` / ``--scan`` form looks at the profiled shape itself. ``--train-step`` traces the program the profile
+times (``fox_jax.train.loop.make_train_step``: loss, gradient, clipping, AdamW) and prints the kernels of each scan
+body in its jaxpr; with ``--trace-only`` it stops there, so it runs on the CPU machine for the Mosaic kernels too
+(their availability check is bypassed: nothing is lowered):
+
+    python benchmarks/checks/check_scan_grad.py --train-step --trace-only --impls mosaic --size 760M --seq 16384
 """
 
 from __future__ import annotations
@@ -28,12 +33,16 @@ import jax.numpy as jnp
 from fox_jax.models import preset
 
 
+_KERNELS = ("pallas_call", "mpmd_map")  # a Pallas (Triton) kernel; a Mosaic GPU kernel
+
+
 def _walk(jaxpr, path, out):
-    """(path of primitive names, pallas kernel name) for every pallas_call in a closed jaxpr, recursively."""
+    """(path of primitive names, kernel name) for every kernel call in a closed jaxpr, recursively."""
     for eqn in jaxpr.eqns:
         name = eqn.primitive.name
-        if name == "pallas_call":
-            kname = str(eqn.params.get("name_and_src_info", eqn.params.get("name", "?"))).split(" ")[0]
+        if name in _KERNELS:
+            kname = str(eqn.params.get("name_and_src_info", eqn.params.get("name", "?"))).split(" ")[0] \
+                if name == "pallas_call" else "mosaic"  # (a Mosaic kernel's jaxpr names no kernel)
             out.append(("/".join(path), kname))
         for v in eqn.params.values():
             subs = v if isinstance(v, (list, tuple)) else [v]
@@ -56,6 +65,67 @@ def _while_bodies(hlo: str) -> dict[str, str]:
     return comps
 
 
+def _subjaxprs(eqn):
+    for v in eqn.params.values():
+        for sub in (v if isinstance(v, (list, tuple)) else [v]):
+            inner = getattr(sub, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield inner
+            elif hasattr(sub, "eqns"):
+                yield sub
+
+
+def _scan_report(jaxpr, depth=0) -> list[str]:
+    """A line per scan in the jaxpr (nested scans indented): its length and the kernel calls of its body."""
+    lines = []
+    for eqn in jaxpr.eqns:
+        subs = list(_subjaxprs(eqn))
+        if eqn.primitive.name == "scan":
+            found = []
+            _walk(subs[0], [], found)
+            lines.append(f"{'  ' * depth}scan of {eqn.params['length']}: {dict(collections.Counter(k for _, k in found))}")
+        for sub in subs:
+            lines += _scan_report(sub, depth + (eqn.primitive.name == "scan"))
+    return lines
+
+
+def train_step_report(impl: str, size: str, seq: int, scan: bool, trace_only: bool) -> None:
+    """The kernels per scan body of the train step's jaxpr (and, unless ``trace_only``, of the compiled HLO's while
+    bodies) for FoX (Pro) ``size`` at ``seq`` tokens, bf16, batch 1."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from bench_decode import model_config
+    from fox_jax.train import config as config_lib
+    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
+
+    if trace_only and impl == "mosaic":  # tracing needs no device; the op's availability check is for running
+        import fox_jax.ops.pallas as pallas_ops
+        pallas_ops.mosaic_supported = lambda q, k: None
+        pallas_ops._interpret_default = lambda: False
+        jax.default_backend = lambda: "gpu"
+    model_cfg = model_config(f"fox-pro:{size}", [f"scan_layers={str(scan).lower()}",
+                                                 f"attention_impl={impl}"]).replace(dtype="bfloat16")
+    cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=1)
+    optimizer = make_optimizer(cfg)
+    state = jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer))
+    step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
+    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens}
+    fn = lambda s, b: step(s, b, {})  # noqa: E731
+    print(f"== train step, {impl}, fox-pro {size}, {seq} tokens, scan_layers={scan}", flush=True)
+    for line in _scan_report(jax.make_jaxpr(fn)(state, batch).jaxpr):
+        print("   jaxpr " + line)
+    if trace_only:
+        return
+    hlo = jax.jit(fn).lower(state, batch).compile().as_text()
+    for comp, body in _while_bodies(hlo).items():
+        targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', body))
+        if targets:
+            print(f"   HLO while body {comp}: custom calls {dict(targets)}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--impls", default="pallas")
@@ -63,7 +133,14 @@ def main(argv=None):
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--size", default="tiny", help="a fox-pro preset size (tiny: 2 small layers, --layers)")
     ap.add_argument("--scan", choices=("both", "on", "off"), default="both")
+    ap.add_argument("--train-step", action="store_true", help="the profiled program (make_train_step), not a plain loss")
+    ap.add_argument("--trace-only", action="store_true", help="with --train-step: the jaxpr only (no compile)")
     args = ap.parse_args(argv)
+    if args.train_step:
+        for impl in args.impls.split(","):
+            for scan in {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]:
+                train_step_report(impl, args.size, args.seq, scan, args.trace_only)
+        return
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     for impl in args.impls.split(","):
         for scan in {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]:
