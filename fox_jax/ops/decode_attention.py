@@ -624,7 +624,8 @@ def decode_attention_append(
       ``ring_tables`` (the advanced start, peak, overflow). Absent parts are None.
 
     Raises:
-      ValueError: as ``decode_attention``; k_new / v_new / lam_new / decay_floor of the wrong shape or dtype.
+      ValueError: as ``decode_attention``; k_new / v_new / lam_new / decay_floor of the wrong shape or dtype; a bad
+        ``pinned`` (S > P, P ≥ C, seq_start not [B] ints) or one with decay_floor.
     """
     b, hkv, grp, d = q.shape
     for name, x in (("k_new", k_new), ("v_new", v_new)):
