@@ -34,12 +34,14 @@ from profile_step import parse_variant  # a sibling script: the same KEY=VALUE p
 
 
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",
-              model_overrides=None):
+              model_overrides=None, devices=None):
+    """One row: the train step of ``arch:size`` at ``seq_len`` timed on ``mesh_spec`` over all devices, or over
+    ``devices`` (``fox_jax.sharding.make_mesh``), with ``batch_tokens`` tokens per step."""
     overrides = dict(dtype=dtype, remat=remat, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
     if size == "tiny":
         overrides["vocab_size"] = 257
     model_cfg = preset(size, arch, **overrides)
-    mesh = make_mesh(mesh_spec)
+    mesh = make_mesh(mesh_spec, devices)
     partitioner = select_partitioner(mesh, partitioner)
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = max(n_batch, batch_tokens // seq_len // n_batch * n_batch)
@@ -81,7 +83,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     tok_s = batch * seq_len / dt
     flops = 3 * model_cfg.flops_per_token(seq_len) * batch * seq_len
     peak = device_peak_flops(dtype)
-    n_dev = jax.device_count()
+    n_dev = mesh.size
     row = dict(arch=arch, size=size, seq_len=seq_len, acp=acp, batch=batch, remat=remat, mesh=mesh_spec or "",
                partitioner=partitioner, kernels_sharded=kernel_sharding_enabled() and mesh.size > 1, devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
                mfu=(flops / dt / (peak * n_dev)) if peak else None, compile_s=compile_s,

@@ -37,7 +37,7 @@ STAGES=${STAGES:-"tests attention"}
 DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
-  [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [train]=540 [scaling]=330 [profile]=400
+  [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [train]=540 [scaling]=560 [profile]=400
   [decode]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
 
 # ------------------------------------------------------------------------------------------------- settings
@@ -52,7 +52,11 @@ DCP_SHAPES=${DCP_SHAPES:-8x1024x12x64,4x2048x16x128,1x8192x16x128}; DCP_ARGS=${D
 TRAIN_CONFIGS=${TRAIN_CONFIGS:-"fox-pro:760M:16384 fox-pro:760M:2048 fox-llama:760M:16384 transformer-pro:760M:16384"}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}   # ModelConfig KEY=VALUE,..., e.g. attention_impl=pallas (the Triton kernels)
 TRAIN_ACP=${TRAIN_ACP:-both}           # off | on | both (bench_train.py --acp)
-SCALING_CONFIG=${SCALING_CONFIG:-fox-pro:760M:16384}; MESHES=${MESHES:-"data=2 fsdp=2"}   # 2 GPUs: weak scaling
+# scaling (bench_scaling.py): weak scaling against one device in the same call; 4 GPUs (nvidia-h200-x4) by default,
+# MESHES="data=2 fsdp=2" on 2; SCALING_ACP off | on | both; rows merge into $OUT/scaling_h200.json (start from
+# SCALING_ROWS, carried along, to grow one file over calls)
+SCALING_CONFIGS=${SCALING_CONFIGS:-"fox-pro:760M:16384 fox-pro:125M:2048"}
+MESHES=${MESHES:-"data=4 fsdp=4 data=2,fsdp=2 fsdp=2,tensor=2"}; SCALING_ACP=${SCALING_ACP:-both}
 # profile (profile_step.py): each variant = ModelConfig overrides
 PROFILE_CONFIGS=${PROFILE_CONFIGS:-fox-pro:760M:16384}
 PROFILE_VARIANTS=${PROFILE_VARIANTS:-"triton:attention_impl=pallas,vocab_pad_multiple=1,loss_impl=logits \
@@ -123,12 +127,12 @@ stage_dcp() {  # DCP attention: the Pallas kernels (live-tile lists) vs dense Pa
 stage_train() {  # the training table: one row per (config, ACP off/auto), 16k tokens per step
   each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp "$TRAIN_ACP" --batch-tokens 16384 \
     --steps 5 --warmup 1 --overrides "$TRAIN_OVERRIDES" --out "$OUT/train{tag}.json"; }
-stage_scaling() {  # 2 GPUs (nvidia-h200-x2): the 760M at 16k on each mesh of MESHES, 16k tokens per GPU
-  local m rc=0
-  for m in $MESHES; do
-    t python3 benchmarks/bench_train.py --configs "$SCALING_CONFIG" --batch-tokens 32768 --mesh "$m" \
-      --steps 5 --warmup 1 --out "$OUT/scaling_${m/=/}.json" || rc=$?
-  done; return $rc; }
+stage_scaling() {  # weak scaling (nvidia-h200-x4): each config on one GPU, then on every mesh of MESHES over all
+  # GPUs, 16k tokens per GPU and step; efficiency against the one-GPU row of the same call
+  local rows=$OUT/scaling_h200.json
+  cp "${SCALING_ROWS:-benchmarks/results/scaling/scaling_h200.json}" "$rows" 2>/dev/null; chmod u+w "$rows" 2>/dev/null
+  t python3 benchmarks/bench_scaling.py --configs $SCALING_CONFIGS --meshes $MESHES --acp "$SCALING_ACP" \
+    --tokens-per-device 16384 --steps 5 --warmup 1 --merge --out "$rows"; }
 stage_profile() {  # where a training step's device time goes, per kernel category, variants side by side
   t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 \
     --variants $PROFILE_VARIANTS --out "$OUT/profile.json"; }

@@ -28,14 +28,15 @@ LOGICAL_AXIS_RULES = {
 }
 
 
-def parse_mesh(spec: str | None) -> dict[str, int]:
+def parse_mesh(spec: str | None, n: int | None = None) -> dict[str, int]:
     """``"data=2,fsdp=2,tensor=2"`` → {"data": 2, "fsdp": 2, "tensor": 2}; missing axes are 1 and
-    one axis may be -1 (all remaining devices). None/"" = all devices on ``data``.
+    one axis may be -1 (all remaining devices). None/"" = all devices on ``data``. ``n``: the devices the mesh
+    spans (default all).
 
     Raises:
       ValueError: unknown axis, bad number, or sizes that do not multiply to the device count.
     """
-    n = jax.device_count()
+    n = jax.device_count() if n is None else n
     sizes = {"data": -1, "fsdp": 1, "tensor": 1} if not spec else {"data": 1, "fsdp": 1, "tensor": 1}
     for part in (spec or "").split(","):
         if not part.strip():
@@ -63,16 +64,17 @@ def parse_mesh(spec: str | None) -> dict[str, int]:
     return sizes
 
 
-def make_mesh(spec: str | None = None) -> Mesh:
-    """A ``Mesh`` with axes (data, fsdp, tensor) over all devices (see ``parse_mesh``).
+def make_mesh(spec: str | None = None, devices=None) -> Mesh:
+    """A ``Mesh`` with axes (data, fsdp, tensor) over all devices, or over ``devices`` (a sequence of devices,
+    e.g. ``jax.devices()[:1]`` for a one-device baseline beside a run on all of them; see ``parse_mesh``).
 
     Built by ``jax.make_mesh``, which orders the devices by the physical topology (so ``tensor``, the
     innermost axis, stays on neighbouring devices), with ``Auto`` axis types: arrays are partitioned by
     the shardings the trainer gives, not by explicit-sharding types.
     """
-    sizes = parse_mesh(spec)
+    sizes = parse_mesh(spec, None if devices is None else len(devices))
     auto = (jax.sharding.AxisType.Auto,) * len(MESH_AXES)
-    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=auto)
+    return jax.make_mesh(tuple(sizes[a] for a in MESH_AXES), MESH_AXES, axis_types=auto, devices=devices)
 
 
 def logical_to_spec(names: tuple[str | None, ...]) -> P:
