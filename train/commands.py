@@ -358,7 +358,7 @@ def _add_eval(sub) -> None:
     e.add_argument("--cache", metavar="POLICY", help="instead: teacher-forced perplexity of the first seq_len tokens "
                    "of --num-docs validation documents under a KV-cache policy (" + POLICY_FORMS + "), exactly as "
                    "generation sees them, next to the dense cache on the same tokens; also for fine-tuned runs")
-    e.add_argument("--kv-slots", type=_positive, metavar="N", help="with --cache: KV slots per row and layer, rounded up to a multiple of 64 (default: "
+    e.add_argument("--kv-slots", type=_positive, metavar="N", help="with --cache: KV slots per row and layer, rounded up to a multiple of 64 (sinks: plus its sink slots) (default: "
                    "what the policy can need)")
     _add_aliases(e, DATA_FLAGS + MESH_FLAGS, None, {**{k: "the run's" for _, k in DATA_FLAGS},
                                                      "mesh": "one device; given: batches, --cache's caches and "
@@ -387,7 +387,7 @@ def _add_passkey(sub) -> None:
     p.add_argument("--n", type=int, default=4, help="prompts per (length, depth) cell (default %(default)s)")
     p.add_argument("--cache", default="dense", metavar="POLICY", help="KV-cache policy: " + POLICY_FORMS +
                    " (default %(default)s)")
-    p.add_argument("--kv-slots", type=_positive, metavar="N", help="KV slots per row per layer, rounded up to a multiple of 64 (default: what the policy "
+    p.add_argument("--kv-slots", type=_positive, metavar="N", help="KV slots per row per layer, rounded up to a multiple of 64 (sinks: plus its sink slots) (default: what the policy "
                    "can need)")
     p.add_argument("--text", help="haystack text file (default: $FOX_JAX_SHARED_DATA/corpus_val/gutenberg_val.txt)")
     p.add_argument("--out", required=True, help="output directory (passkey.json, passkey.png)")
@@ -427,7 +427,7 @@ def _add_generate(sub) -> None:
     g.add_argument("--top-k", type=int, help="sample among the k most likely tokens")
     g.add_argument("--top-p", type=float, help="nucleus sampling: the smallest set of tokens with probability ≥ p")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
-    g.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row and layer, rounded up to a multiple of 64 (default: what the policy "
+    g.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row and layer, rounded up to a multiple of 64 (sinks: plus its sink slots) (default: what the policy "
                    "can need for prompt + new tokens)")
     g.add_argument("--kv-budget", type=float, metavar="GIB", help="GiB of KV for the whole batch: one batch with the "
                    "largest pool that fits when every prompt fits at once, else continuous batching with as many rows "
