@@ -54,7 +54,9 @@ class LMHead(nn.Module):
 
     The matmul runs in ``dtype`` on W zero-padded to ``padded_vocab(vocab_size, pad_multiple)`` columns
     (aligned GPU matmul shapes; ``fox_jax.ops.cross_entropy.padded_head``) and the logits are sliced
-    back: the values equal ``nn.Dense``'s.
+    back: the values equal ``nn.Dense``'s. Applied with a ``"decode"`` collection holding this module's ``kernel``
+    (``head_table``: a decode loop's head, cast and padded once) it multiplies by that one instead (no gradient
+    reaches the parameter through it: a collection for inference loops only).
 
     Call args: x [B, T, d]. Returns: [B, T, vocab_size] in ``dtype``.
     """
