@@ -948,24 +948,23 @@ def test_decode_variables_pad_the_untied_head_once():
     slices back (a head doubled there doubles the logits): a decode step's logits are V wide and equal the step's
     without it (the same products, the extra columns are zeros; a bfloat16 model, whose plan casts the head); GPT-2's
     tied head has none."""
-    for dtype in ("bfloat16",):  # (float32: the same path, the plan casting nothing)
-        cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, dtype=dtype)
-        model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
-        tokens = padded_batch(9)
-        _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy="dense")
-        variables = generation.decode_variables(params, generation.cast_plan(model, params, caches))
-        head = variables["decode"]["lm_head"]["kernel"]
-        assert head.shape == (64, 128) and head.dtype == jnp.dtype(dtype)
-        np.testing.assert_array_equal(head[:, VOCAB:], 0)
-        step = jax.jit(lambda v: model.apply(v, tokens[:, 8:9], cache=caches).logits)  # (eager: 10 s of op compiles)
-        with_head = step(variables)
-        without = step({"params": variables["params"], "decode": {k: x for k, x in variables["decode"].items()
-                                                                   if k != "lm_head"}})
-        assert with_head.shape == (3, 1, VOCAB)
-        doubled = step({**variables, "decode": {**variables["decode"], "lm_head": {"kernel": head * 2}}})
-        np.testing.assert_allclose(np.asarray(doubled, np.float32), 2 * np.asarray(with_head, np.float32), rtol=1e-2)
-        np.testing.assert_allclose(np.asarray(with_head, np.float32), np.asarray(without, np.float32), rtol=1e-6,
-                                   atol=1e-6)
+    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, dtype="bfloat16")
+    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
+    tokens = padded_batch(9)
+    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy="dense")
+    variables = generation.decode_variables(params, generation.cast_plan(model, params, caches))
+    head = variables["decode"]["lm_head"]["kernel"]
+    assert head.shape == (64, 128) and head.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(head[:, VOCAB:], 0)
+    step = jax.jit(lambda v: model.apply(v, tokens[:, 8:9], cache=caches).logits)  # (eager: 10 s of op compiles)
+    with_head = step(variables)
+    without = step({"params": variables["params"], "decode": {k: x for k, x in variables["decode"].items()
+                                                               if k != "lm_head"}})
+    assert with_head.shape == (3, 1, VOCAB)
+    doubled = step({**variables, "decode": {**variables["decode"], "lm_head": {"kernel": head * 2}}})
+    np.testing.assert_allclose(np.asarray(doubled, np.float32), 2 * np.asarray(with_head, np.float32), rtol=1e-2)
+    np.testing.assert_allclose(np.asarray(with_head, np.float32), np.asarray(without, np.float32), rtol=1e-6,
+                               atol=1e-6)
     gpt2 = GPT2(GPT2Config(vocab_size=VOCAB, n_positions=32, d_model=32, n_layers=1, n_heads=2))
     gparams = gpt2.init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32))["params"]
     assert "decode" not in generation.decode_variables(gparams, (None,) * len(jax.tree.leaves(gparams)))
