@@ -136,14 +136,15 @@ def main(argv=None):
     ap.add_argument("--train-step", action="store_true", help="the profiled program (make_train_step), not a plain loss")
     ap.add_argument("--trace-only", action="store_true", help="with --train-step: the jaxpr only (no compile)")
     args = ap.parse_args(argv)
+    scans = {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]
     if args.train_step:
         for impl in args.impls.split(","):
-            for scan in {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]:
+            for scan in scans:
                 train_step_report(impl, args.size, args.seq, scan, args.trace_only)
         return
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     for impl in args.impls.split(","):
-        for scan in {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]:
+        for scan in scans:
             shape = dict(vocab_size=256, n_layers=args.layers) if args.size == "tiny" else {}
             cfg = preset(args.size, "fox-pro", attention_impl=impl, scan_layers=scan, remat="none", dtype=dtype,
                          **shape)
