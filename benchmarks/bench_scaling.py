@@ -31,6 +31,7 @@ import jax
 
 from bench_train import bench_one
 from fox_jax.sharding import parse_mesh
+from profile_step import parse_variant
 
 ROW_KEY = ("arch", "size", "seq_len", "acp", "mesh")
 DEFAULT_CONFIGS = ("fox-pro:760M:16384", "fox-pro:125M:2048")
@@ -120,7 +121,6 @@ def main(argv=None) -> int:
         with open(args.table) as f:
             print(table(json.load(f)["rows"]))
         return 0
-    from profile_step import parse_variant
     overrides = parse_variant(f"overrides:{args.overrides}")[1]
     if args.quick:
         n = jax.device_count()

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fox_jax.cache.policies import PIN_BLOCK, RING_BLOCK
 from fox_jax.kernels import decode_attention as dk
 from fox_jax.ops import decode_attention, decode_attention_append, decode_attention_reference
 from fox_jax.ops.decode_attention import PinnedSlots, resolve_decode_implementation, visible_slots, write_entry
@@ -249,6 +250,8 @@ def test_head_dim_chunks_and_config():
     big = dk.default_decode_config(8, 4096, block_k=128, head_dim=128, itemsize=4)
     assert big.num_stages < 3 and dk.shared_bytes(big, 128, 4) <= dk.SHARED_LIMIT
     assert dk.default_decode_config(4, 48, interpret=True) == dk.DecodeConfig(16, 1)
+    # the cache policies (jax-free) size sink slots by the kernel's smallest block: the two constants agree
+    assert PIN_BLOCK == dk.MIN_BLOCK and RING_BLOCK % dk.MIN_BLOCK == 0
 
 
 def _floor_case(rng, cap, grp, lo, hi):

@@ -36,6 +36,17 @@ from fox_jax.models import preset
 _KERNELS = ("pallas_call", "mpmd_map")  # a Pallas (Triton) kernel; a Mosaic GPU kernel
 
 
+def _subjaxprs(eqn):
+    """The jaxprs inside an equation's parameters (loop bodies, calls, branches)."""
+    for v in eqn.params.values():
+        for sub in (v if isinstance(v, (list, tuple)) else [v]):
+            inner = getattr(sub, "jaxpr", None)
+            if inner is not None and hasattr(inner, "eqns"):
+                yield inner
+            elif hasattr(sub, "eqns"):
+                yield sub
+
+
 def _walk(jaxpr, path, out):
     """(path of primitive names, kernel name) for every kernel call in a closed jaxpr, recursively."""
     for eqn in jaxpr.eqns:
@@ -44,14 +55,8 @@ def _walk(jaxpr, path, out):
             kname = str(eqn.params.get("name_and_src_info", eqn.params.get("name", "?"))).split(" ")[0] \
                 if name == "pallas_call" else "mosaic"  # (a Mosaic kernel's jaxpr names no kernel)
             out.append(("/".join(path), kname))
-        for v in eqn.params.values():
-            subs = v if isinstance(v, (list, tuple)) else [v]
-            for sub in subs:
-                inner = getattr(sub, "jaxpr", None)
-                if inner is not None and hasattr(inner, "eqns"):
-                    _walk(inner, path + [name], out)
-                elif hasattr(sub, "eqns"):
-                    _walk(sub, path + [name], out)
+        for sub in _subjaxprs(eqn):
+            _walk(sub, path + [name], out)
 
 
 def _while_bodies(hlo: str) -> dict[str, str]:
@@ -63,16 +68,6 @@ def _while_bodies(hlo: str) -> dict[str, str]:
         if m and m.group(1) in names:
             comps[m.group(1)] = block
     return comps
-
-
-def _subjaxprs(eqn):
-    for v in eqn.params.values():
-        for sub in (v if isinstance(v, (list, tuple)) else [v]):
-            inner = getattr(sub, "jaxpr", None)
-            if inner is not None and hasattr(inner, "eqns"):
-                yield inner
-            elif hasattr(sub, "eqns"):
-                yield sub
 
 
 def _scan_report(jaxpr, depth=0) -> list[str]:
