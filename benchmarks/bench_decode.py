@@ -43,7 +43,8 @@ Rows in the issue's format (``--rows-out FILE``, a JSON list; rows of earlier ca
 several models of one run land in one file): model, mode, policy, provable, batch, prompt, new_tokens,
 tokens_per_s, decode_tokens_per_s, ms_per_step (decode: (generate − prefill) / (N − 1)), bound_tokens_per_s
 (B / the seconds to read, once per step, the weights in the compute dtype (all but an untied input embedding,
-which a step only gathers) and the mean live KV bytes, at ``--bandwidth`` TB/s), kv_bytes_allocated,
+which a step only gathers) and the mean live KV bytes, at ``--bandwidth`` TB/s, by default the device's HBM peak, in
+bandwidth_tb_s), kv_bytes_allocated,
 kv_bytes_live, capacity, overflow, sparsity, plus the device and versions. ``--hf`` adds Hugging Face
 ``transformers`` GPT-2 rows (static and dynamic cache, ``hf_decode.py``) on the same shape at ``--equal-batch``
 (with ``--policies ""`` only those, their bound from the dense row already in the ``--rows-out`` file).
@@ -553,7 +554,8 @@ def parse_args(argv=None):
     p.add_argument("--rows-out", help="also merge the rows, in the issue's keys, into this JSON list (e.g. "
                    "benchmarks/results/decode/decode_h200.json)")
     p.add_argument("--model-name", help="the rows' model name (default --model, or the run directory's name)")
-    p.add_argument("--bandwidth", type=float, default=4.8, help="TB/s of the bound (H200: 4.8)")
+    p.add_argument("--bandwidth", type=float, help="TB/s of the bound (default the device's HBM peak: H200 4.8, "
+                   "H100 SXM 3.35; 4.8 where the device is unknown, e.g. a CPU)")
     p.add_argument("--hf", action="store_true", help="add Hugging Face transformers GPT-2 rows (static and dynamic "
                    "cache) on the same shape at --equal-batch (needs torch with CUDA; GPT-2 shapes only)")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: short prompts, tiny budget; with --model "
@@ -569,9 +571,19 @@ def parse_args(argv=None):
         args.max_batch, args.calib_batch = min(args.max_batch, 8), 2
     if args.equal_batch is None and args.kv_budget is None:
         args.equal_batch = 8
+    if args.bandwidth is not None and not args.bandwidth > 0:
+        raise SystemExit(f"--bandwidth: expected TB/s > 0, got {args.bandwidth}")
     for spec in args.policies:
         parse_policy(spec)  # a bad spec fails here, before any compile
     return args
+
+
+def bound_bandwidth(given: float | None) -> float:
+    """The bound's TB/s: ``--bandwidth``, else the device's HBM peak, else the H200's 4.8."""
+    from fox_jax.train.metrics import device_peak_bandwidth
+
+    peak = device_peak_bandwidth()
+    return given if given is not None else (peak / 1e12 if peak else 4.8)
 
 
 def main(argv=None) -> dict:
@@ -599,7 +611,8 @@ def main(argv=None) -> dict:
     rows = result["rows"]
     name = args.model_name or (os.path.basename(os.path.normpath(args.run)) if args.run else args.model)
     m = result["meta"]
-    device = dict(device=m["device"], jax=m["jax"], dtype=args.dtype, date=m["time"])
+    args.bandwidth = bound_bandwidth(args.bandwidth)
+    device = dict(device=m["device"], jax=m["jax"], dtype=args.dtype, date=m["time"], bandwidth_tb_s=args.bandwidth)
     weights = weight_bytes_read(cfg, params, args.dtype)
     extra: list[dict] = []   # rows measured elsewhere (HF), already in the issue's keys
 

@@ -4,7 +4,7 @@ For each cache policy, the same model and prompts are generated twice by one com
 stopped after the first sample (``generate(steps=1)``: the prefill) and with all ``--new-tokens N``. The difference of the two,
 divided by the N − 1 decode steps, is the decode step: its wall time, its kernels (count and time per
 category, the categories of ``profile_step.py``), and the top kernels and JAX ops by time. The bound is the
-bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` TB/s.
+bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` TB/s (default the device's HBM peak).
 
     python benchmarks/profile_decode.py --model gpt2 --batch 32 --prompt 896 --new-tokens 128 \\
         --policies dense,window:256 --out $OUT/profile_decode.json
@@ -47,7 +47,7 @@ from fox_jax.kernels import decode_attention as dk
 decode_op = importlib.import_module("fox_jax.ops.decode_attention")  # the module (fox_jax.ops exports the function)
 
 # sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
-from bench_decode import model_config, weight_bytes_read
+from bench_decode import bound_bandwidth, model_config, weight_bytes_read
 from profile_step import CATEGORIES, device_events, find_trace, load_trace, parse_hlo, summarize
 
 
@@ -203,7 +203,8 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--param-dtype", default="float32", choices=("bfloat16", "float32"),
                    help="dtype the parameters are stored in (float32: as init_params / checkpoints give them)")
-    p.add_argument("--bandwidth", type=float, default=4.8, help="TB/s of the bound (H200: 4.8)")
+    p.add_argument("--bandwidth", type=float, help="TB/s of the bound (default the device's HBM peak; 4.8 where "
+                   "unknown)")
     p.add_argument("--kernel-variants", nargs="*", default=[], metavar="NAME[:KEY=VALUE,...]",
                    help="profile once per variant of the Pallas decode kernel (see the module docstring)")
     p.add_argument("--out", default="profile_decode.json")
@@ -212,6 +213,7 @@ def main(argv=None):
     if args.quick:
         args.set = args.set or ["n_layers=2", "d_model=64", "n_heads=2", "vocab_size=256"]
         args.batch, args.prompt, args.new_tokens, args.repeats = 2, 16, 6, 1
+    args.bandwidth = bound_bandwidth(args.bandwidth)
     cfg = model_config(args.model, args.set).replace(dtype=args.dtype)
     params = cfg.init_params(jax.random.PRNGKey(0))
     if args.param_dtype != "float32":  # every parameter stored in the compute dtype (gates and norms too)
@@ -227,7 +229,7 @@ def main(argv=None):
                 row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
                                      args.bandwidth, weight_bytes, args.slots)
                 row.update(model=args.model, set=args.set, batch=args.batch, prompt=args.prompt,
-                           new_tokens=args.new_tokens)
+                           new_tokens=args.new_tokens, bandwidth_tb_s=args.bandwidth)
                 if name is not None:
                     row.update(variant=name, kernel_settings=settings)
                 print_report(row)

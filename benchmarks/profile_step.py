@@ -386,7 +386,7 @@ def categorize(name: str, hlo_op: str, info: HloInfo | None, attention_names=Non
     attention_names = attention_names or attention_kernel_names()
     text = f"{name} {hlo_op}".lower()
     if any(k.lower().lstrip("_") in text for k in attention_names) or re.search(
-            r"mosaic|fmha|cudnn|flash|pallas", text):
+            r"mosaic|fmha|cudnn|flash|pallas|decode_attention", text):  # decode_attention: the decode kernel
         return "attention"
     if info is not None:
         target = info.target.lower()

@@ -138,10 +138,13 @@ stage_profile() {  # where a training step's device time goes, per kernel catego
     --variants $PROFILE_VARIANTS --out "$OUT/profile.json"; }
 stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 35-60 s each; rows merge into one file):
   # gpt2 (B32, 896 + 128, every policy + HF static/dynamic cache) | fox:<prompt> (FoX (Pro) 125M, B8, prompt + 128)
-  # equal batch and a DECODE_BUDGET GiB KV budget; DECODE_ROWS (default results/decode/decode_h200.json, carried
-  # along) collects the rows of every part; $OUT/decode_h200.json is the merged file to commit back.
-  local rows=$OUT/decode_h200.json part rc=0
-  cp "${DECODE_ROWS:-benchmarks/results/decode/decode_h200.json}" "$rows" 2>/dev/null; chmod u+w "$rows" 2>/dev/null
+  # equal batch and a DECODE_BUDGET GiB KV budget; rows go to one file per card, decode_<card>.json (h100, h200:
+  # from nvidia-smi): DECODE_ROWS (default results/decode/decode_<card>.json, carried along) collects the rows of
+  # every part and call on that card; $OUT/decode_<card>.json is the merged file to commit back.
+  local card part rc=0 rows
+  card=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -io 'h[0-9]00' | tr A-Z a-z)
+  rows=$OUT/decode_${card:-gpu}.json
+  cp "${DECODE_ROWS:-benchmarks/results/decode/decode_${card:-gpu}.json}" "$rows" 2>/dev/null; chmod u+w "$rows" 2>/dev/null
   for part in ${DECODE_PART:-gpt2}; do
     case $part in
       gpt2) t python3 benchmarks/bench_decode.py --model gpt2 --model-name gpt2-124M --policies "$DECODE_POLICIES" \

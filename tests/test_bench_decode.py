@@ -43,3 +43,20 @@ def test_issue_rows_bound_step_and_merge(tmp_path):
     assert len(rows) == 3 and [r["ms_per_step"] for r in rows if r["policy"] == "acp"] == [pytest.approx(10.0)]
     table = markdown_rows(str(path)).splitlines()
     assert len(table) == 2 + 3 and "| acp | 8 |" in table[3] and "error: OOM" in table[4]
+
+
+def test_the_bound_reads_the_device_bandwidth():
+    from types import SimpleNamespace
+
+    from bench_decode import bound_bandwidth, parse_args
+    from fox_jax.train.metrics import device_peak_bandwidth
+
+    card = lambda kind: SimpleNamespace(device_kind=kind)  # noqa: E731
+    assert device_peak_bandwidth(card("NVIDIA H200")) == 4.8e12
+    assert device_peak_bandwidth(card("NVIDIA H100 80GB HBM3")) == 3.35e12  # SXM
+    assert device_peak_bandwidth(card("NVIDIA H100 PCIe")) == 2.0e12  # not the SXM card's figure
+    assert device_peak_bandwidth(card("cpu")) is None
+    assert bound_bandwidth(3.0) == 3.0
+    assert bound_bandwidth(None) == 4.8  # this CPU: no figure, the H200's
+    with pytest.raises(SystemExit, match="--bandwidth"):
+        parse_args(["--bandwidth", "0"])

@@ -78,6 +78,12 @@ def test_gpu_trace_categories(tmp_path):
     assert any(o["jax_op"].endswith("layers_*/mlp/concatenate") for o in s["ops"])
 
 
+def test_the_decode_kernel_is_attention():
+    # the decode step's Pallas kernel, named after itself (its HLO is a custom call that names no kernel)
+    assert ps.categorize("fox_decode_attention", "", None) == "attention"
+    assert ps.categorize("gemm_fusion_dot_173", "", None) == "gemm"
+
+
 def test_missing_trace_is_a_clear_error(tmp_path):
     (tmp_path / "x.xplane.pb").write_bytes(b"")
     with pytest.raises(ps.TraceError, match="trace.json.gz"):
@@ -124,3 +130,41 @@ def test_train_kernels_bytes_from_the_hlo_types():
                                             "custom-call:__gpu$xla.gpu.triton", "multiply"]
     assert [k["bytes"] for k in kernels] == [64 + 64 + 128, 128 + 32, 64 + 128, 64 + 128, 32 + 32 + 32]
     assert tk._fold(kernels[0]["op"]) == "transpose(jvp(LanguageModel))/layers_*/mlp/concatenate"
+
+
+LOOP_HLO = """HloModule m
+
+%inner (p: f32[]) -> f32[] {
+  %p = f32[] parameter(0)
+  ROOT %k = f32[] custom-call(%p), custom_call_target="mosaic_gpu_v2"
+}
+
+%body.1 (x: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %a = f32[] custom-call(%x), custom_call_target="__cublas$lt$matmul"
+  ROOT %c = f32[] call(%a), to_apply=%inner
+}
+
+%cond.1 (x: f32[]) -> pred[] {
+  %x = f32[] parameter(0)
+  ROOT %t = pred[] constant(true)
+}
+
+ENTRY %main (x: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  ROOT %w = f32[] while(%x), condition=%cond.1, body=%body.1
+}
+"""
+
+
+def test_scan_check_counts_the_calls_nested_in_a_loop_body():
+    # benchmarks/checks/check_scan_grad.py: a kernel XLA wrapped in a called computation (a command buffer, an
+    # async wrapper) is still launched by the loop's iteration (on an H100 the 760M check found no Mosaic call
+    # directly in the backward loop's body)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    import check_scan_grad
+
+    bodies = check_scan_grad._while_bodies(LOOP_HLO)
+    assert list(bodies) == ["body.1"]
+    assert 'custom_call_target="mosaic_gpu_v2"' in bodies["body.1"]
+    assert "%cond.1" not in bodies["body.1"]

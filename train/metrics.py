@@ -31,6 +31,20 @@ def device_peak_flops(dtype: str, device: jax.Device | None = None) -> float | N
     return None
 
 
+# HBM bytes/s of one device (the vendors' figures), for memory-bound rooflines such as a decode step's. Keys are
+# matched against ``device_kind`` in order: "h100 pcie" (HBM2e) before "h100" (the SXM card's HBM3).
+PEAK_HBM_BYTES_PER_S = {"h200": 4.8e12, "h100 pcie": 2.0e12, "h100": 3.35e12, "a100": 2.0e12, "l40s": 0.864e12}
+
+
+def device_peak_bandwidth(device: jax.Device | None = None) -> float | None:
+    """Peak HBM bandwidth of one device in bytes/s, or None when unknown (e.g. CPUs)."""
+    kind = (device or jax.devices()[0]).device_kind.lower()
+    for name, bandwidth in PEAK_HBM_BYTES_PER_S.items():
+        if name in kind:
+            return bandwidth
+    return None
+
+
 def _summary_writer_class():
     """tensorboardX's ``SummaryWriter`` (None without tensorboardX), imported without torch: tensorboardX
     imports torch when it can (2 s) only to accept torch tensors, and we write Python floats."""

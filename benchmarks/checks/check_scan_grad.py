@@ -60,14 +60,28 @@ def _walk(jaxpr, path, out):
 
 
 def _while_bodies(hlo: str) -> dict[str, str]:
-    """{computation name: its text} for the computations that are some while loop's body in HLO text."""
-    names = set(re.findall(r"\bbody=%?([\w.\-]+)", hlo))
+    """{computation name: its text} for the computations that are some while loop's body in HLO text, each with
+    the text of every computation it calls (fusions, command buffers, async wrappers), transitively: a custom call
+    launched by one loop iteration is in its body's text wherever XLA nested it."""
     comps = {}
     for block in re.split(r"\n(?=\S)", hlo):  # computations start at column 0
-        m = re.match(r"%?([\w.\-]+)\s", block)
-        if m and m.group(1) in names:
+        m = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s", block)
+        if m:
             comps[m.group(1)] = block
-    return comps
+    calls = re.compile(r"\b(?:calls|to_apply|body|condition|branch_computations|called_computations)="
+                       r"\{?([%\w.\-, ]+)\}?")
+
+    def closure(name: str, seen: set[str]) -> str:
+        seen.add(name)
+        text = comps.get(name, "")
+        parts = [text]
+        for group in calls.findall(text):
+            for callee in (c.strip().lstrip("%") for c in group.split(",")):
+                if callee and callee not in seen:
+                    parts.append(closure(callee, seen))
+        return "\n".join(parts)
+
+    return {name: closure(name, set()) for name in set(re.findall(r"\bbody=%?([\w.\-]+)", hlo)) if name in comps}
 
 
 def _scan_report(jaxpr, depth=0) -> list[str]:
