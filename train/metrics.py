@@ -32,8 +32,10 @@ def device_peak_flops(dtype: str, device: jax.Device | None = None) -> float | N
 
 
 # HBM bytes/s of one device (the vendors' figures), for memory-bound rooflines such as a decode step's. Keys are
-# matched against ``device_kind`` in order: "h100 pcie" (HBM2e) before "h100" (the SXM card's HBM3).
-PEAK_HBM_BYTES_PER_S = {"h200": 4.8e12, "h100 pcie": 2.0e12, "h100": 3.35e12, "a100": 2.0e12, "l40s": 0.864e12}
+# matched against ``device_kind`` in order, the variants first: "h100 pcie" (HBM2e) and "h100 nvl" before "h100"
+# (the SXM card), the 40 GB A100s before the 80 GB ones.
+PEAK_HBM_BYTES_PER_S = {"h200": 4.8e12, "h100 pcie": 2.0e12, "h100 nvl": 3.9e12, "h100": 3.35e12,
+                        "a100-sxm4-40gb": 1.555e12, "a100-pcie-40gb": 1.555e12, "a100": 2.0e12, "l40s": 0.864e12}
 
 
 def device_peak_bandwidth(device: jax.Device | None = None) -> float | None:
