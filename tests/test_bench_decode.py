@@ -60,3 +60,15 @@ def test_the_bound_reads_the_device_bandwidth():
     assert bound_bandwidth(None) == 4.8  # this CPU: no figure, the H200's
     with pytest.raises(SystemExit, match="--bandwidth"):
         parse_args(["--bandwidth", "0"])
+
+
+def test_profile_decode_quick_run(tmp_path):
+    # benchmarks/profile_decode.py end to end on CPU: the trace is read, the step's kernels counted, the bound's
+    # bandwidth recorded (a CPU has no figure: the H200's)
+    import profile_decode
+
+    out = tmp_path / "p.json"
+    profile_decode.main(["--quick", "--model", "fox-pro:tiny", "--policies", "acp", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["policy"] == "acp" and row["bandwidth_tb_s"] == 4.8
+    assert row["kernels_per_step"] > 0 and row["device_ms_per_step"] > 0 and row["compile_s"] > 0

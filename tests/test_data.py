@@ -60,7 +60,7 @@ def test_byte_tokenizer_round_trip():
 
 def test_gpt2_tokenizer_known_ids():
     if not GPT2_DIR.is_dir():
-        pytest.skip(f"shared data not found at {GPT2_DIR}")
+        pytest.skip(f"shared data not found at {GPT2_DIR} (set FOX_JAX_SHARED_DATA)")
     tok = load_tokenizer(str(GPT2_DIR))
     assert (tok.vocab_size, tok.eot_id) == (50257, 50256)
     assert tok.name.startswith("gpt2-bpe-") and tok.name == load_tokenizer(str(GPT2_DIR)).name

@@ -29,8 +29,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", ROOT.parent / "shared" / "data"))
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
-needs_gpt2_tokenizer = pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(),
-                                          reason="the GPT-2 tokenizer of ../shared/data is absent")
+needs_gpt2_tokenizer = pytest.mark.skipif(
+    not (GPT2_TOKENIZER / "vocab.json").is_file(),
+    reason="the GPT-2 tokenizer of ../shared/data is absent (set FOX_JAX_SHARED_DATA)")
 TINY = dict(n_layers=2, d_model=64, n_heads=4, vocab_size=257, n_positions=128)  # 257: the byte tokenizer
 STEPS = 10
 
@@ -193,7 +194,7 @@ def test_gamma_code_normalisation_has_the_codes_gradient():
 def test_zeroshot_on_the_finetuned_run(full_run, capsys):
     eval_dir = SHARED / "eval"
     if not eval_dir.is_dir():
-        pytest.skip("../shared/data/eval is absent")
+        pytest.skip("../shared/data/eval is absent (set FOX_JAX_SHARED_DATA)")
     for extra, name in (([], "zeroshot.json"), (["--dcp"], "zeroshot_dcp.json")):
         assert cli.main(["zeroshot", "--workdir", str(full_run), "--tasks", "piqa", "--limit", "2",
                          "--eval-dir", str(eval_dir), "--no-progress", *extra]) == 0
@@ -416,7 +417,7 @@ def test_from_run_cli_errors(fox_run, tmp_path, capsys):
 def test_zeroshot_on_a_from_run_model(lm_full_run):
     eval_dir = SHARED / "eval"
     if not eval_dir.is_dir():
-        pytest.skip("../shared/data/eval is absent")
+        pytest.skip("../shared/data/eval is absent (set FOX_JAX_SHARED_DATA)")
     for extra, name in (([], "zeroshot.json"), (["--dcp"], "zeroshot_dcp.json")):
         assert cli.main(["zeroshot", "--workdir", str(lm_full_run), "--tasks", "copa", "--limit", "2",
                          "--eval-dir", str(eval_dir), "--no-progress", "--batch-size", "4", *extra]) == 0

@@ -167,7 +167,7 @@ def _slice_corpus(src: Path, dst: Path, n_docs: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (SHARED / "corpus").is_dir(), reason="../shared/data is absent")
+@pytest.mark.skipif(not (SHARED / "corpus").is_dir(), reason="../shared/data is absent (set FOX_JAX_SHARED_DATA)")
 def test_cli_on_gutenberg_slice_val_loss_falls(tmp_path, capsys):
     train_file = tmp_path / "train" / "books.txt"
     val_file = tmp_path / "val" / "books.txt"
