@@ -1330,6 +1330,10 @@ def test_generation_equals_recomputation_under_the_policy(family, policy, monkey
     out = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, policy=policy, prefill_chunk=3)
     seq = jnp.concatenate([prompt, out.tokens[:, :-1]], axis=1)    # everything generation fed: 15 columns
     t = seq.shape[1]
+    if policy.startswith("acp"):  # one-token chunks: the first sets δ on a fresh cache, outside the scan
+        one = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, policy=policy, prefill_chunk=1)
+        np.testing.assert_array_equal(one.tokens, out.tokens)
+        np.testing.assert_array_equal(one.live_counts, out.live_counts)
     logits, caches = prefill(model, params, seq, policy=policy, seq_start=PADS, max_context=t)
     np.testing.assert_array_equal(out.tokens, np.argmax(logits[:, 7:], axis=-1))
     assert int(out.overflow.max()) == 0 and int(caches[0].overflow.max()) == 0

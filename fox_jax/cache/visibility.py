@@ -185,9 +185,10 @@ class NormMaxima(NamedTuple):
 
 
 class ProvenThreshold(NamedTuple):
-    """acp with QK-norm: δ [B, H] float32 per row and query head, set from the layer's logit bound by the first
-    chunk (−∞: not set, hides nothing); later calls read it, so a decode step recomputes nothing from the
-    weights. Per row, so a row refilled while others decode can set its own."""
+    """acp with QK-norm: δ [B, H] float32 per row and query head, set from the layer's logit bound by a fresh
+    cache's first chunk and by every chunk of several tokens (the same value; −∞: not set, hides nothing); a
+    decode step reads it, so it recomputes nothing from the weights. Per row, so a row refilled while others
+    decode can set its own."""
 
     delta: jax.Array
 
@@ -201,8 +202,8 @@ class ACPRule(Rule):
     (a heuristic that depends only on the tokens up to n, so any chunking gives the same visibility). Query n
     hides every key j with Λ_n − Λ_j < δ_n for all query heads of the key/value head; Λ is non-increasing, so
     those keys are a prefix and ``first_visible`` is one past the last of them. The state is ``NormMaxima``
-    (heuristic) or ``ProvenThreshold`` (provable: δ from the first chunk's bound; the weights do not change
-    while a cache is filled).
+    (heuristic) or ``ProvenThreshold`` (provable: δ from the bound, set by the prefill's chunks; the weights do
+    not change while a cache is filled).
     """
 
     def init_state(self, policy, batch, layout):
@@ -234,7 +235,10 @@ class ACPRule(Rule):
             qn, kn = jnp.maximum(state.q[:, None], qn), jnp.maximum(state.k[:, None], kn)
             return threshold(chunk.scale * qn * jnp.repeat(kn, h // kn.shape[2], axis=2)), NormMaxima(qn[:, -1],
                                                                                                     kn[:, -1])
-        if chunk.fresh or state is None:
+        # δ from the bound on a fresh cache, and on every chunk of several tokens that has the bound (the same δ:
+        # the weights are fixed, so a prefill's chunks may all run in one scan without a fresh first chunk); a
+        # decode step reads the stored δ
+        if chunk.fresh or state is None or (t > 1 and chunk.facts.logit_bound is not None):
             if chunk.facts.logit_bound is None:
                 raise ValueError("cache policy 'acp' needs the layer's logit bound (QK-norm) or a cache made for a "
                                  "model without QK-norm (which keeps running maxima of the q and k norms)")

@@ -346,13 +346,17 @@ def _left_pad(tokens, seq_start, chunk: int):
 
 
 def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
-    """Feed [B, T] tokens (T a multiple of ``chunk``) through the caches chunk by chunk: the first chunk on
-    its own (a fresh cache may take the flash path), the rest in a ``lax.scan``. Returns (caches, logits of
-    the last column [B, V] float32, NLL [B, T] of ``targets`` or None)."""
+    """Feed [B, T] tokens (T a multiple of ``chunk``) through the caches chunk by chunk in a ``lax.scan``; the
+    first chunk on its own where a fresh cache takes another form (a policy's flash prefill) or a chunk is one
+    token (acp's threshold is set by a fresh cache's first call). Every chunk in the scan is one copy of the model
+    in the program instead of two: a third less to compile for ``generate``. Returns (caches, logits of the last
+    column [B, V] float32, NLL [B, T] of ``targets`` or None)."""
     b, t = tokens.shape
     split = lambda x: x.reshape(b, t // chunk, chunk).transpose(1, 0, 2)
     xs = split(tokens)
     ys = None if targets is None else split(targets)
+    first_alone = chunk == 1 or any(getattr(c, "policy", None) is None or c.policy.flash_prefill() is not None
+                                    for c in caches)
 
     def body(caches, x):
         # without targets only the last column is sampled from: the head runs on that column alone
@@ -364,6 +368,9 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
             nll = lse - jnp.take_along_axis(logits, x[1][..., None], axis=-1)[..., 0]
         return out.cache, (logits[:, -1], nll)
 
+    if xs.shape[0] > 1 and not first_alone:  # the scan's carry: caches that have been fed (a static flag)
+        caches, (lasts, nlls) = lax.scan(body, tuple(c.replace(fresh=False) for c in caches), (xs, ys))
+        return caches, lasts[-1], None if nlls is None else nlls.transpose(1, 0, 2).reshape(b, t)
     caches, (last, nll) = body(caches, (xs[0], None if ys is None else ys[0]))
     if xs.shape[0] > 1:
         caches, (lasts, nlls) = lax.scan(body, caches, (xs[1:], None if ys is None else ys[1:]))
