@@ -45,7 +45,7 @@ def test_issue_rows_bound_step_and_merge(tmp_path):
     assert len(table) == 2 + 3 and "| acp | 8 |" in table[3] and "error: OOM" in table[4]
 
 
-def test_the_bound_reads_the_device_bandwidth():
+def test_the_bound_reads_the_device_bandwidth(monkeypatch):
     from types import SimpleNamespace
 
     from bench_decode import bound_bandwidth, parse_args
@@ -57,18 +57,22 @@ def test_the_bound_reads_the_device_bandwidth():
     assert device_peak_bandwidth(card("NVIDIA H100 PCIe")) == 2.0e12  # not the SXM card's figure
     assert device_peak_bandwidth(card("cpu")) is None
     assert bound_bandwidth(3.0) == 3.0
-    assert bound_bandwidth(None) == 4.8  # this CPU: no figure, the H200's
+    monkeypatch.setattr("fox_jax.train.metrics.device_peak_bandwidth", lambda: 3.35e12)
+    assert bound_bandwidth(None) == 3.35  # the device's
+    monkeypatch.setattr("fox_jax.train.metrics.device_peak_bandwidth", lambda: None)
+    assert bound_bandwidth(None) == 4.8  # no figure (a CPU): the H200's
     with pytest.raises(SystemExit, match="--bandwidth"):
         parse_args(["--bandwidth", "0"])
 
 
 def test_profile_decode_quick_run(tmp_path):
-    # benchmarks/profile_decode.py end to end on CPU: the trace is read, the step's kernels counted, the bound's
-    # bandwidth recorded (a CPU has no figure: the H200's)
+    # benchmarks/profile_decode.py end to end: the trace is read, the step's kernels counted, the bound's
+    # bandwidth recorded (the device's figure; a CPU has none: the H200's)
     import profile_decode
+    from bench_decode import bound_bandwidth
 
     out = tmp_path / "p.json"
     profile_decode.main(["--quick", "--model", "fox-pro:tiny", "--policies", "acp", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["policy"] == "acp" and row["bandwidth_tb_s"] == 4.8
+    assert row["policy"] == "acp" and row["bandwidth_tb_s"] == bound_bandwidth(None)
     assert row["kernels_per_step"] > 0 and row["device_ms_per_step"] > 0 and row["compile_s"] > 0
