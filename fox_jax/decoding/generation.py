@@ -368,16 +368,16 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
             nll = lse - jnp.take_along_axis(logits, x[1][..., None], axis=-1)[..., 0]
         return out.cache, (logits[:, -1], nll)
 
-    if xs.shape[0] > 1 and not first_alone:  # the scan's carry: caches that have been fed (a static flag)
-        caches, (lasts, nlls) = lax.scan(body, tuple(c.replace(fresh=False) for c in caches), (xs, ys))
-        return caches, lasts[-1], None if nlls is None else nlls.transpose(1, 0, 2).reshape(b, t)
-    caches, (last, nll) = body(caches, (xs[0], None if ys is None else ys[0]))
-    if xs.shape[0] > 1:
-        caches, (lasts, nlls) = lax.scan(body, caches, (xs[1:], None if ys is None else ys[1:]))
-        last = lasts[-1]
-        nll = None if nll is None else jnp.concatenate([nll[None], nlls], axis=0).transpose(1, 0, 2).reshape(b, t)
-    elif nll is not None:
-        nll = nll.reshape(b, t)
+    nlls = []                                                               # [chunks, B, chunk] pieces
+    if first_alone or xs.shape[0] == 1:
+        caches, (last, nll) = body(caches, (xs[0], None if ys is None else ys[0]))
+        xs, ys, nlls = xs[1:], None if ys is None else ys[1:], [] if nll is None else [nll[None]]
+    else:  # the scan's carry: caches that have been fed (a static flag)
+        caches = tuple(c.replace(fresh=False) for c in caches)
+    if xs.shape[0]:
+        caches, (lasts, nll) = lax.scan(body, caches, (xs, ys))
+        last, nlls = lasts[-1], nlls + ([] if nll is None else [nll])
+    nll = None if targets is None else jnp.concatenate(nlls, axis=0).transpose(1, 0, 2).reshape(b, t)
     return caches, last, nll
 
 
