@@ -418,22 +418,34 @@ def dense_live_bytes(rows: list[dict], rows_out: str | None, model: str, prompt:
         if r.get("mode") == "equal-batch" and r.get("policy") == "dense" and r.get("prompt_len") == prompt \
                 and "error" not in r:
             return r.get("kv_live_bytes_mean") or 0
-    if rows_out and os.path.exists(rows_out):
-        for r in json.load(open(rows_out)):
+    if rows_out:
+        for r in read_rows(rows_out):
             if (r.get("model"), r.get("mode"), r.get("policy"), r.get("prompt"), r.get("batch")) == \
                     (model, "equal-batch", "dense", prompt, batch) and "error" not in r:
                 return r.get("kv_bytes_live_mean") or 0
     return 0
 
 
+def read_rows(path: str) -> list[dict]:
+    """The rows of a ``--rows-out`` file: [] when it does not exist or is empty (``DECODE_ROWS=/dev/null`` copies
+    an empty file); SystemExit naming the flag when it is not a JSON list."""
+    if not os.path.exists(path) or not os.path.getsize(path):
+        return []
+    with open(path) as f:
+        try:
+            rows = json.load(f)
+        except json.JSONDecodeError as e:
+            raise SystemExit(f"--rows-out {path}: not a JSON list of rows ({e})") from None
+    if not isinstance(rows, list):
+        raise SystemExit(f"--rows-out {path}: expected a JSON list of rows, found a {type(rows).__name__}")
+    return rows
+
+
 def write_rows(path: str, new: list[dict]) -> None:
     """Merge ``new`` into the JSON list at ``path`` (a row with the same model, mode, policy and prompt is
     replaced), with the ratios to dense recomputed over the whole file (rows of several calls side by side)."""
     key = lambda r: (r.get("model"), r.get("mode"), r.get("policy"), r.get("prompt"))  # noqa: E731
-    old = []
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f)
+    old = read_rows(path)
     keys = {key(r) for r in new}
     rows = [r for r in old if key(r) not in keys] + new
     vs_dense(rows)
@@ -575,6 +587,8 @@ def parse_args(argv=None):
         raise SystemExit(f"--bandwidth: expected TB/s > 0, got {args.bandwidth}")
     for spec in args.policies:
         parse_policy(spec)  # a bad spec fails here, before any compile
+    if args.rows_out:
+        read_rows(args.rows_out)  # so does a rows file that is not a JSON list (nothing measured is lost)
     return args
 
 

@@ -45,6 +45,21 @@ def test_issue_rows_bound_step_and_merge(tmp_path):
     assert len(table) == 2 + 3 and "| acp | 8 |" in table[3] and "error: OOM" in table[4]
 
 
+def test_rows_file_empty_or_not_a_list(tmp_path):
+    from bench_decode import parse_args, read_rows
+
+    empty = tmp_path / "empty.json"
+    empty.write_text("")  # what DECODE_ROWS=/dev/null leaves: no rows, not an error
+    assert read_rows(str(empty)) == [] and read_rows(str(tmp_path / "missing.json")) == []
+    write_rows(str(empty), [dict(model="m", mode="equal-batch", policy="acp", prompt=8)])
+    assert [r["policy"] for r in json.loads(empty.read_text())] == ["acp"]
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"policy": "dense"}')
+    with pytest.raises(SystemExit, match="--rows-out .*bad.json: expected a JSON list"):
+        parse_args(["--rows-out", str(bad)])  # refused before anything compiles
+    assert bad.read_text() == '{"policy": "dense"}'
+
+
 def test_the_bound_reads_the_device_bandwidth(monkeypatch):
     from types import SimpleNamespace
 

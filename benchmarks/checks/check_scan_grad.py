@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gzip
 import re
 
 import jax
@@ -98,7 +99,8 @@ def _scan_report(jaxpr, depth=0) -> list[str]:
     return lines
 
 
-def train_step_report(impl: str, size: str, seq: int, scan: bool, trace_only: bool) -> None:
+def train_step_report(impl: str, size: str, seq: int, scan: bool, trace_only: bool,
+                      hlo_out: str | None = None) -> None:
     """The kernels per scan body of the train step's jaxpr (and, unless ``trace_only``, of the compiled HLO's while
     bodies) for FoX (Pro) ``size`` at ``seq`` tokens, bf16, batch 1."""
     import os
@@ -129,10 +131,30 @@ def train_step_report(impl: str, size: str, seq: int, scan: bool, trace_only: bo
     if trace_only:
         return
     hlo = jax.jit(fn).lower(state, batch).compile().as_text()
+    if hlo_out:
+        with gzip.open(hlo_out, "wt") as f:
+            f.write(hlo)
+        print(f"   wrote the optimized HLO to {hlo_out}")
     for comp, body in _while_bodies(hlo).items():
         targets = collections.Counter(re.findall(r'custom_call_target="([^"]+)"', body))
         if targets:
             print(f"   HLO while body {comp}: custom calls {dict(targets)}")
+            for line in _kernel_calls(body):
+                print(f"      {line}")
+
+
+def _kernel_calls(text: str) -> list[str]:
+    """One line per attention custom call (Mosaic or Triton) in HLO text: its instruction name, result types and
+    the tail of its op_name, so that two calls of one body say whether they are the same kernel (same operands and
+    results: a forward cloned by a pass, whose suffix — ``.remat``, ``.clone`` — names it) or two different ones."""
+    out = []
+    for line in text.splitlines():
+        m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (\(.*?\)|\S+) custom-call\((.*?)\), custom_call_target=\"([^\"]+)\"", line)
+        if m and ("mosaic" in m.group(4) or "triton" in m.group(4)):
+            op = re.search(r'op_name="([^"]+)"', line)
+            out.append(f"{m.group(1)}: {m.group(2)[:120]} <- {m.group(3).count('%')} operands "
+                       f"[{m.group(4)}] {op.group(1)[-90:] if op else ''}")
+    return out
 
 
 def main(argv=None):
@@ -144,12 +166,13 @@ def main(argv=None):
     ap.add_argument("--scan", choices=("both", "on", "off"), default="both")
     ap.add_argument("--train-step", action="store_true", help="the profiled program (make_train_step), not a plain loss")
     ap.add_argument("--trace-only", action="store_true", help="with --train-step: the jaxpr only (no compile)")
+    ap.add_argument("--hlo-out", help="with --train-step: also write the compiled program's HLO text here (gzip)")
     args = ap.parse_args(argv)
     scans = {"both": (False, True), "on": (True,), "off": (False,)}[args.scan]
     if args.train_step:
         for impl in args.impls.split(","):
             for scan in scans:
-                train_step_report(impl, args.size, args.seq, scan, args.trace_only)
+                train_step_report(impl, args.size, args.seq, scan, args.trace_only, args.hlo_out)
         return
     dtype = "bfloat16" if jax.default_backend() == "gpu" else "float32"
     for impl in args.impls.split(","):
