@@ -20,6 +20,7 @@ Tolerances as tests/test_pallas.py (relative to the reference's max magnitude): 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +90,17 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
         assert (calls, triton) == (1, 2), (calls, triton)
     else:
         assert (calls, triton) == (3, 0), (calls, triton)
+
+
+def test_forward_outputs_are_read_through_a_barrier():
+    """The forward kernel's o reaches its readers (the layer's output, the backward's residual) only through
+    ``jax.lax.optimization_barrier`` (``ops.pallas._apart``): with ``scan_layers`` XLA 0.11's dynamic-slice fusion
+    otherwise clones the kernel into the stacking of the residual (two forward kernels per layer on the H200)."""
+    text = _lower_op(1, 256, 256, 2, 2, 64, jnp.bfloat16)
+    forward = re.search(r"(%\w+):2 = stablehlo\.custom_call @mosaic_gpu", text).group(1)
+    readers = [line for line in text.splitlines() if f"{forward}#0" in line and " = " in line
+               and not line.strip().startswith(f"{forward}:")]
+    assert readers and all("stablehlo.optimization_barrier" in line for line in readers), readers
 
 
 def test_config_checks_and_smem_budget():
@@ -229,6 +241,36 @@ def test_gpu_mosaic_forward_with_triton_backward():
     _assert_close("o", o, o_ref, 2e-2)
     for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_ref):
         _assert_close(name, g, gr, 3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("impl,target", [("mosaic", "mosaic_gpu"), ("pallas", "__gpu$xla.gpu.triton")])
+def test_gpu_scanned_train_step_runs_the_forward_kernel_once_per_layer(impl, target):
+    """A 2-layer FoX (Pro) train step with ``scan_layers``, compiled for the GPU: the forward loop's body holds one
+    attention kernel call (the forward), the backward's two (dQ, dK/dV). Without ``ops.pallas._apart`` XLA 0.11 put
+    a clone of the Mosaic forward kernel in the forward body (found offline for a described H200 and on the
+    device); the Triton kernels (``pallas``) share the code path."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    import check_scan_grad
+
+    from fox_jax.models import preset
+    from fox_jax.train import config as config_lib
+    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
+
+    model_cfg = preset("125M", "fox-pro", n_layers=2, scan_layers=True, attention_impl=impl, dtype="bfloat16")
+    cfg = config_lib.ExperimentConfig(model=model_cfg, steps=10, batch_size=1)
+    optimizer = make_optimizer(cfg)
+    state = jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer))
+    step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
+    tokens = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+    batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens}
+    hlo = jax.jit(lambda s, b: step(s, b, {})).lower(state, batch).compile().as_text()
+    counts = [body.count(f'custom_call_target="{target}') for body in check_scan_grad._while_bodies(hlo).values()]
+    # (a loop around both layer loops, if XLA keeps one, holds all three)
+    assert set(counts) - {0, 3} == {1, 2}, counts
 
 
 def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):

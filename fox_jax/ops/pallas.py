@@ -168,7 +168,7 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
             raise NotImplementedError("the Mosaic forward runs on a Hopper GPU, without a DCP mask")
         o, lse = mgpu_kernels.mosaic_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.row_ranges(),
                                              scale=scale, config=config.mosaic, window_size=f.window_size)
-        o, lse = name_attention_residuals(o, lse)
+        o, lse = name_attention_residuals(*_apart(o, lse))
         return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
     o, lse = fa_kernels.attention_forward(q, k, v, lam, _seq_start(f, q.shape[0]), segment_ids, f.kv_start,
                                           scale=scale, config=config, interpret=interpret,
@@ -179,8 +179,21 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
         # there (the forward's lse of such a row covers only the tiles it visited, not the other kernels').
         o = jnp.where(kept_rows[:, :, None, None], o, jnp.zeros((), o.dtype))
         lse = jnp.where(kept_rows[:, None, :], lse, -jnp.inf)
-    o, lse = name_attention_residuals(o, lse)
+    o, lse = name_attention_residuals(*_apart(o, lse))
     return o, (q, k, v, lam, log_mask, segment_ids, visits, o, lse)
+
+
+def _apart(o, lse):
+    """The forward kernel's (o, lse) through ``jax.lax.optimization_barrier``, before anything reads them.
+
+    Under ``scan_layers`` the residuals of every layer (with remat "dots", the named o and lse) are written into
+    stacked [L, ...] buffers. XLA 0.11's dynamic-slice fusion (``--xla_gpu_enable_dynamic_slice_fusion``, on by
+    default) fuses such a write into the custom call that made the value — and, because o also feeds the next
+    layer, it does so by *cloning* the kernel: the scanned forward ran every attention forward kernel twice (the
+    760M FoX (Pro) at 16k on an H200: 2 Mosaic launches per layer, ~80 ms of a 604 ms step; benchmarks/NOTES.md,
+    "Scanned layers"). With the barrier between the kernel and every reader, the kernel runs once and the write
+    is a plain copy (o of the 760M at 16k: 50 MB per layer). Values and gradients are unchanged."""
+    return jax.lax.optimization_barrier((o, lse))
 
 
 def _kernels_bwd(scale, config, interpret, res, do):
