@@ -2,11 +2,12 @@
 
 The train step that ``bench_train.py`` / ``profile_step.py`` time (forward, backward, clipping and the AdamW
 update; batch 1 × ``--seq`` tokens, bf16 compute) is compiled ahead of time for the H200 described in
-``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel:
-the Mosaic kernels need the device). Every kernel of the program (fusions, GEMMs, custom calls; loop bodies
-entered once) is listed with the bytes it reads and writes as its HLO shapes say, so the memory-bound part of a
-step — norms, casts, concatenations, the loss, the optimizer — can be looked for on the CPU machine: a fusion's
-bytes at 4.8 TB/s are the least time it can take. The ranking is by bytes, a lower bound, not a measurement;
+``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel,
+or with ``--set attention_impl=mosaic`` the Mosaic kernels, lowered with their device check bypassed). Every
+kernel of the program (fusions, GEMMs, custom calls; loop bodies entered once) is listed with the bytes it
+reads and writes as its HLO shapes say, so the memory-bound part of a step — norms, casts, concatenations, the
+loss, the optimizer — can be looked for on the CPU machine: a fusion's bytes at 4.8 TB/s are the least time it
+can take. The ranking is by bytes, a lower bound, not a measurement;
 ``profile_step.py`` on the device gives the times.
 
 Needs the CUDA-plugin environment of ``decode_kernels.py`` (``/tmp/cu``, with grain for the training stack):
@@ -87,6 +88,10 @@ def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
     mesh = topologies.make_mesh(topology, (1,), ("d",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     jax.default_backend = lambda: "gpu"  # the ops' implementation choices are the GPU's (nothing runs here)
+    if "attention_impl=mosaic" in overrides:  # the Mosaic kernels lower without a device; their check is for running
+        import fox_jax.ops.pallas as pallas_ops
+        pallas_ops.mosaic_supported = lambda q, k: None
+        pallas_ops._interpret_default = lambda: False
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from bench_decode import model_config
     from fox_jax.train import config as config_lib
