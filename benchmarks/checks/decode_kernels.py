@@ -53,6 +53,13 @@ runtime_version { major: 12 minor: 9 patch: 0 }
 device_description_str: "NVIDIA H200"
 """
 
+try:  # jax ≥ 0.11 asks the device for the Triton target when lowering a Pallas kernel: tell it the H200's
+    from jax._src.pallas.triton import gpu_info as _gpu_info
+
+    _gpu_info.get_gpu_info = lambda: _gpu_info.get_gpu_info_from_version(_gpu_info.GpuVersion.H200)
+except (ImportError, AttributeError):  # jax 0.10 takes the compute capability from the lowering platform
+    pass
+
 _SKIP = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id", "replica-id"}
 
 

@@ -186,13 +186,14 @@ def _kernels_fwd(q, k, v, lam, log_mask, segment_ids, visits, kept_rows, scale, 
 def _apart(o, lse):
     """The forward kernel's (o, lse) through ``jax.lax.optimization_barrier``, before anything reads them.
 
-    Under ``scan_layers`` the residuals of every layer (with remat "dots", the named o and lse) are written into
-    stacked [L, ...] buffers. XLA 0.11's dynamic-slice fusion (``--xla_gpu_enable_dynamic_slice_fusion``, on by
-    default) fuses such a write into the custom call that made the value — and, because o also feeds the next
-    layer, it does so by *cloning* the kernel: the scanned forward ran every attention forward kernel twice (the
-    760M FoX (Pro) at 16k on an H200: 2 Mosaic launches per layer, ~80 ms of a 604 ms step; benchmarks/NOTES.md,
-    "Scanned layers"). With the barrier between the kernel and every reader, the kernel runs once and the write
-    is a plain copy (o of the 760M at 16k: 50 MB per layer). Values and gradients are unchanged."""
+    Under ``scan_layers`` each layer's residuals (o and lse; with remat "dots" their named copies) are written
+    into stacked [L, ...] buffers. XLA 0.11's dynamic-slice fusion (``--xla_gpu_enable_dynamic_slice_fusion``, on
+    by default) fuses such a write into the custom call that made the value, and since o is also read by the
+    rest of the layer it does so by cloning the Mosaic kernel: two forward kernels per layer (the 760M FoX (Pro)
+    at 16k on an H200: ~78 ms of the scanned step; benchmarks/NOTES.md, "Scanned layers"). With the barrier
+    between the kernel and every reader the compiled loop holds one forward call (XLA 0.11.2, compiled for an
+    H200 offline) and the write is a plain copy (o of the 760M at 16k: 50 MB per layer). Values and gradients
+    are unchanged."""
     return jax.lax.optimization_barrier((o, lse))
 
 
