@@ -249,7 +249,7 @@ def test_gpu_scanned_train_step_runs_the_forward_kernel_once_per_layer(impl, tar
     """A 2-layer FoX (Pro) train step with ``scan_layers``, compiled for the GPU: the forward loop's body holds one
     attention kernel call (the forward), the backward's two (dQ, dK/dV). Without ``ops.pallas._apart`` XLA 0.11 put
     a clone of the Mosaic forward kernel in the forward body (found offline for a described H200 and on the
-    device); the Triton kernels (``pallas``) share the code path."""
+    device); the Triton kernels (``pallas``), which it did not clone, go through the same barrier."""
     import os
     import sys
 

@@ -169,4 +169,4 @@ def test_scan_check_counts_the_calls_nested_in_a_loop_body():
     assert 'custom_call_target="mosaic_gpu_v2"' in bodies["body.1"]
     assert "%cond.1" not in bodies["body.1"]
     # each attention call named with its results and operand count (cuBLAS calls are not listed)
-    assert check_scan_grad._kernel_calls(bodies["body.1"]) == ["k: f32[] <- 1 operands [mosaic_gpu_v2] "]
+    assert check_scan_grad._kernel_calls(bodies["body.1"]) == ["k in inner: f32[] <- 1 operands [mosaic_gpu_v2] "]

@@ -144,15 +144,19 @@ def train_step_report(impl: str, size: str, seq: int, scan: bool, trace_only: bo
 
 
 def _kernel_calls(text: str) -> list[str]:
-    """One line per attention custom call (Mosaic or Triton) in HLO text: its instruction name, result types and
-    the tail of its op_name, so that two calls of one body say whether they are the same kernel (same operands and
-    results: a forward cloned by a pass, whose suffix — ``.remat``, ``.clone`` — names it) or two different ones."""
-    out = []
+    """One line per attention custom call (Mosaic or Triton) in HLO text: its instruction name, the computation
+    it sits in, its result types, operand count and the tail of its op_name — so two calls of one loop body say
+    whether they are one kernel twice (same results and operands; e.g. a clone inside a ``dynamic-slice-fusion``
+    computation, which XLA 0.11 made of the Mosaic forward) or two different kernels (dQ and dK/dV)."""
+    out, comp = [], "?"
     for line in text.splitlines():
+        header = re.match(r"(?:ENTRY\s+)?%?([\w.\-]+)\s", line)
+        if header:  # a computation starts at column 0
+            comp = header.group(1)
         m = re.match(r"\s*(?:ROOT\s+)?%?([\w.\-]+) = (\(.*?\)|\S+) custom-call\((.*?)\), custom_call_target=\"([^\"]+)\"", line)
         if m and ("mosaic" in m.group(4) or "triton" in m.group(4)):
             op = re.search(r'op_name="([^"]+)"', line)
-            out.append(f"{m.group(1)}: {m.group(2)[:120]} <- {m.group(3).count('%')} operands "
+            out.append(f"{m.group(1)} in {comp}: {m.group(2)[:120]} <- {m.group(3).count('%')} operands "
                        f"[{m.group(4)}] {op.group(1)[-90:] if op else ''}")
     return out
 

@@ -7,8 +7,8 @@ or with ``--set attention_impl=mosaic`` the Mosaic kernels, lowered with their d
 kernel of the program (fusions, GEMMs, custom calls; loop bodies entered once) is listed with the bytes it
 reads and writes as its HLO shapes say, so the memory-bound part of a step — norms, casts, concatenations, the
 loss, the optimizer — can be looked for on the CPU machine: a fusion's bytes at 4.8 TB/s are the least time it
-can take. The ranking is by bytes, a lower bound, not a measurement;
-``profile_step.py`` on the device gives the times.
+can take. The ranking is by bytes, a lower bound, not a measurement; ``profile_step.py`` on the device gives
+the times.
 
 Needs the CUDA-plugin environment of ``decode_kernels.py`` (``/tmp/cu``, with grain for the training stack):
 
