@@ -437,6 +437,10 @@ stage_dcp_eval() {
   fi; }
 stage_zeroshot() {
   stage_begin zeroshot "$T_ZS"
+  if [ ! -d "$EVAL_DIR" ]; then  # STAGES=prepare copies the zero-shot sets only when asked (the carry limit)
+    stamp "zeroshot: skipped (no $EVAL_DIR: run STAGES=prepare with PREPARE_EVAL=1 on the CPU machine and carry .gpu)"
+    stage_end 1; return
+  fi
   local mid; mid=$(echo $GAMMAS | awk '{print $(NF > 1 ? 2 : 1)}'); mkdir -p "$R/zeroshot"
   hf_export && job zeroshot pre dense - "$R/logs/zeroshot_dense.log" $CLI zeroshot --hf-gpt2 "$PRE/hf" \
     --tasks "$ZS_TASKS" --eval-dir "$EVAL_DIR" --limit "$ZS_LIMIT" --batch-size 32 --output "$R/zeroshot/dense.json" \

@@ -15,7 +15,8 @@
 # .gpu/ (ignored by git; carried to the device) is written by STAGES=prepare on the CPU machine:
 #   .gpu/data/        train_tok/ (the first TRAIN_MB MB of the Gutenberg shards pre-tokenized with GPT-2 BPE,
 #                     python -m fox_jax.train.data), val.txt (VAL_MB MB of corpus_val: passkey haystack), tok/
-#                     (GPT-2 vocab + merges), long/ (four novels: FoX at 2k-16k), eval/ (zero-shot sets)
+#                     (GPT-2 vocab + merges), long/ (four novels: FoX at 2k-16k), eval/ (zero-shot sets; only
+#                     with PREPARE_EVAL=1, for QUALITY=dcp's zeroshot stage: the carry limit is 64 MiB)
 #   .gpu/fox_triton/  the official FoX Triton kernel (benchmark-only copy; bench_attention.py --fox-triton)
 #   .gpu/prev/        with PREV_REV=<commit>: that commit's fox_jax kernels train benchmarks (for PREV=.gpu/prev)
 # About 40 MB for TRAIN_MB=48; the carry limit is 64 MiB with the wheels.
@@ -99,7 +100,8 @@ stage_prepare() {  # CPU machine, repo root: .gpu/ for the device (SHARED: the s
   mkdir -p "$d/long" "$d/tok" "$GPU/fox_triton"
   cp "$shared"/data/tokenizers/gpt2/vocab.json "$shared"/data/tokenizers/gpt2/merges.txt "$d/tok/"
   cp "$shared"/data/long/*.txt "$d/long/"
-  rm -rf "$d/eval"; cp -r "$shared/data/eval" "$d/eval"
+  # the zero-shot sets (7 MB) only with PREPARE_EVAL=1: the tree, .gpu and .whl must fit run's 64 MiB carry
+  rm -rf "$d/eval"; [ "${PREPARE_EVAL:-0}" = 1 ] && cp -r "$shared/data/eval" "$d/eval"
   head -c $(( ${VAL_MB:-1} * 1000000 )) "$shared"/data/corpus_val/gutenberg_val.txt > "$d/val.txt"
   (set +o pipefail; cat "$shared"/data/corpus/gutenberg_train_0*.txt | head -c $(( ${TRAIN_MB:-48} * 1000000 )) \
     > "$stage/train.txt")
