@@ -11,6 +11,9 @@ Implementations (all bf16 q/k/v, float32 log forget gates):
   mosaic        fox_jax forgetting_attention(implementation="mosaic"): the Hopper Mosaic GPU forward,
                 the same Triton backward kernels
   mosaic-acp    same with adaptive_threshold="auto"
+  pallas-seg, mosaic-seg  pallas / mosaic with segment ids of one document per row (all ones), as the train
+                step passes them: the cost of the segment mask where no tile needs it (checked equal to the
+                impl without ids)
   fla           fla-core's PyTorch/Triton parallel_forgetting_attn (if importable), same process
   fox-triton    the official FoX Triton kernel (PyTorch), loaded by path from --fox-triton DIR (a copy for
                 benchmarking only; never imported by the package), same process
@@ -179,7 +182,11 @@ def jax_fns(impl, d, config=None):
               "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto"),
               "mosaic": dict(implementation="mosaic"),
               "mosaic-acp": dict(implementation="mosaic", adaptive_threshold="auto"),
-              "pallas-acp-trained": dict(implementation="pallas", adaptive_threshold="auto")}[impl]
+              "pallas-acp-trained": dict(implementation="pallas", adaptive_threshold="auto"),
+              # segment ids of one document per row (all ones), as the train step passes them: the price of
+              # the segment mask on tiles that need none
+              "pallas-seg": dict(implementation="pallas", one_document=True),
+              "mosaic-seg": dict(implementation="mosaic", one_document=True)}[impl]
         if (impl.startswith("pallas") or impl == "mosaic") and config is not None:
             def f(q, k, v, lf, _kw=kw):
                 lam = decay_cumsum(lf)
@@ -190,6 +197,9 @@ def jax_fns(impl, d, config=None):
                                          implementation="mosaic" if _kw["implementation"] == "mosaic" else "pallas")
         else:
             def f(q, k, v, lf, _kw=kw):
+                _kw = dict(_kw)
+                if _kw.pop("one_document", False):
+                    _kw["segment_ids"] = jnp.ones(q.shape[:2], jnp.int32)
                 return forgetting_attention(q, k, v, lf, sm_scale=scale, **_kw)
         argnums = (0, 1, 2, 3)
 
@@ -684,7 +694,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
                 ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
                 r[mode] = ms
                 if impl in ("pallas", "pallas-default", "pallas-prev", "pallas-acp", "pallas-acp-trained", "xla-blockwise",
-                            "mosaic", "mosaic-acp", *VARIANTS):
+                            "mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg", *VARIANTS):
                     outs[(impl, mode)] = exe(*args)
                 log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
             except Exception as e:  # noqa: BLE001
@@ -703,8 +713,9 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
                 a, bb = outs[("pallas", mode)], outs[("pallas-acp", mode)]
                 checks[f"pallas_acp_vs_dense_{mode}_max_abs"] = max(
                     _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
-            for other in ("mosaic", "mosaic-acp"):
-                base = "pallas" if other == "mosaic" else "pallas-acp"
+            for other in ("mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg"):
+                base = {"mosaic": "pallas", "mosaic-acp": "pallas-acp", "pallas-seg": "pallas",
+                        "mosaic-seg": "mosaic"}[other]
                 if (base, mode) in outs and (other, mode) in outs:
                     a, bb = outs[(base, mode)], outs[(other, mode)]
                     checks[f"{other}_vs_{base}_{mode}_max_abs"] = max(

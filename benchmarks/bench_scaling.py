@@ -47,7 +47,7 @@ def parse_config(entry: str) -> tuple[str, str, int]:
 
 
 def scaling_rows(configs, meshes, acps, tokens_per_device: int, steps: int, warmup: int, *, dtype: str = "bfloat16",
-                 remat: str = "none", overrides: dict | None = None, bench=bench_one, log=print) -> list[dict]:
+                 remat: str | None = None, overrides: dict | None = None, bench=bench_one, log=print) -> list[dict]:
     """The rows of every (config, ACP) pair: the one-device baseline, then each mesh over all devices, each with
     its ``efficiency`` against that baseline. ``bench``: ``bench_train.bench_one``'s signature (a stand-in in tests)."""
     n = jax.device_count()
@@ -109,7 +109,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens-per-device", type=int, default=16384, help="tokens per step and device")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--remat", default="none")
+    p.add_argument("--remat", default=None, choices=("none", "full", "dots"),
+                   help="activation rematerialisation (default: the model config's, dots)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--overrides", default="", metavar="KEY=VALUE,...", help="ModelConfig overrides (bench_train.py)")
     p.add_argument("--out", default="scaling.json")

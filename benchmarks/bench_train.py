@@ -37,7 +37,9 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
               model_overrides=None, devices=None):
     """One row: the train step of ``arch:size`` at ``seq_len`` timed on ``mesh_spec`` over all devices, or over
     ``devices`` (``fox_jax.sharding.make_mesh``), with ``batch_tokens`` tokens per step."""
-    overrides = dict(dtype=dtype, remat=remat, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
+    overrides = dict(dtype=dtype, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
+    if remat is not None:  # None: the model's default (ModelConfig.remat)
+        overrides["remat"] = remat
     if size == "tiny":
         overrides["vocab_size"] = 257
     model_cfg = preset(size, arch, **overrides)
@@ -84,7 +86,8 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     flops = 3 * model_cfg.flops_per_token(seq_len) * batch * seq_len
     peak = device_peak_flops(dtype)
     n_dev = mesh.size
-    row = dict(arch=arch, size=size, seq_len=seq_len, acp=acp, batch=batch, remat=remat, mesh=mesh_spec or "",
+    row = dict(arch=arch, size=size, seq_len=seq_len, acp=acp, batch=batch, remat=model_cfg.remat,
+               scan_layers=model_cfg.scan_layers, mesh=mesh_spec or "",
                partitioner=partitioner, kernels_sharded=kernel_sharding_enabled() and mesh.size > 1, devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
                mfu=(flops / dt / (peak * n_dev)) if peak else None, compile_s=compile_s,
                loss=float(m["loss"]), params=model_cfg.param_count())
@@ -101,7 +104,8 @@ def main(argv=None):
     p.add_argument("--batch-tokens", type=int, default=65536, help="tokens per step (global)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--remat", default="none")
+    p.add_argument("--remat", default=None, choices=("none", "full", "dots"),
+                   help="activation rematerialisation (default: the model config's, dots)")
     p.add_argument("--mesh", default=None)
     p.add_argument("--partitioner", choices=("auto", "shardy", "gspmd"), default="auto",
                    help="XLA SPMD partitioner (fox_jax.sharding.select_partitioner)")

@@ -90,7 +90,7 @@ def build_step(arch: str, size: str, seq_len: int, batch_tokens: int, dtype: str
     from fox_jax.train import config as config_lib
     from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
 
-    kw = dict(dtype=dtype, remat=remat)
+    kw = dict(dtype=dtype) if remat is None else dict(dtype=dtype, remat=remat)  # None: the model's default
     if size == "tiny":
         kw["vocab_size"] = 257
     kw.update(overrides)
@@ -553,7 +553,8 @@ def main(argv=None):
                         "old:vocab_pad_multiple=1,loss_impl=logits new:loss_impl=chunked")
     p.add_argument("--steps", type=int, default=3, help="steps traced")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--remat", default="none")
+    p.add_argument("--remat", default=None, choices=("none", "full", "dots"),
+                   help="activation rematerialisation (default: the model config's, dots)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--keep-trace", default=None, help="copy each trace JSON into this folder")

@@ -294,13 +294,16 @@ class ModelConfig(FamilyConfig):
       attention_block: block size of the blockwise XLA attention.
       adaptive_threshold: ACP threshold passed to the op (``None`` = off, ``"auto"``, or a float <= 0).
       remat: activation rematerialisation per block: ``"none"``, ``"full"`` (save only block inputs)
-        or ``"dots"`` (save the matmul and attention outputs, recompute the rest).
+        or ``"dots"`` (default: save the matmul and attention outputs, recompute the rest; with
+        ``scan_layers`` the scanned body then stacks only those, not every elementwise intermediate).
       scan_layers: the training and scoring forward (no cache) runs the blocks as one ``jax.lax.scan``
         over their stacked parameters, so the step compiles one block whatever ``n_layers``
         (``fox_jax.models.family.scan_blocks``). Same values, same parameter layout (``layers_{i}``);
-        decoding with a cache, ``init`` and ``capture_intermediates`` unroll. Off by default: on one H200
-        the 760M FoX (Pro) step at 16k compiles in 29.5 s instead of 139 s but runs at 604 instead of
-        446 ms with 68 instead of 31 GiB of XLA temp memory (benchmarks/NOTES.md, "Scanned layers").
+        decoding with a cache, ``init`` and ``capture_intermediates`` unroll. On by default: on one H200
+        (2026-12-05, one call) the 760M FoX (Pro) step at 16k with ``remat="dots"`` compiles in 23.3 s
+        instead of 140.4 s and runs at 464.7 ms against 466.8 ms unrolled without remat, in 21.0 instead
+        of 30.0 GiB of XLA temp memory; scanned without remat it is slower (525 ms, 68 GiB)
+        (benchmarks/NOTES.md, "Scanned layers").
       dcp: Dynamic Context Pruning (docs/design/dcp.md §1): every attention layer gets bias-free float32
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).
@@ -352,8 +355,8 @@ class ModelConfig(FamilyConfig):
     attention_impl: str = "auto"
     attention_block: int = 128
     adaptive_threshold: Any = None
-    remat: str = "none"
-    scan_layers: bool = False
+    remat: str = "dots"
+    scan_layers: bool = True
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0
@@ -569,9 +572,9 @@ class GPT2Config(FamilyConfig):
         (non-DCP) path ("auto", "xla", "dense", ...).
       attention_block: tile size of the blockwise DCP attention (``dcp_attention``).
       remat: rematerialisation of each block in the backward pass: "none", "full" (save only the
-        block inputs) or "dots" (save the matmul and attention outputs).
+        block inputs) or "dots" (default: save the matmul and attention outputs).
       scan_layers: the forward without a cache runs the blocks as one ``jax.lax.scan`` (as
-        ``ModelConfig.scan_layers``, off by default for the same reason; same values and parameter
+        ``ModelConfig.scan_layers``, on by default for the same reason; same values and parameter
         layout ``h_{i}``).
       dcp: Dynamic Context Pruning on (adds q_int, k_int, β per layer; ``apply`` needs ``alpha``).
       interaction_dim: r, width of the interaction queries/keys (64 in the paper's recipe).
@@ -601,8 +604,8 @@ class GPT2Config(FamilyConfig):
     dtype: str = "float32"
     attention_impl: str = "auto"
     attention_block: int = 128
-    remat: str = "none"
-    scan_layers: bool = False
+    remat: str = "dots"
+    scan_layers: bool = True
     dcp: bool = False
     interaction_dim: int = 64
     dcp_beta_init: float = 2.0

@@ -114,3 +114,5 @@ def test_fox_rows_from_an_inference_summary(tmp_path):
                      "--out-dir", str(out)]) == 0
     assert "| fox-pro-125M | 8192 | acp | no | 93.0 | 50.05 | 1.00010 (to dense) | 50 | fox-pro |" in \
         (out / "quality.md").read_text()
+    # the figure: a panel for the evaluated context only, none for the passkey-only lengths (2048, 16384)
+    assert mod._panels(all_rows) == [("fox-pro-125M", 8192, "fox-pro")]

@@ -267,7 +267,7 @@ def _add_finetune_dcp(sub) -> None:
     notes = {"data.tokenizer": "--hf-gpt2 if it holds vocab.json + merges.txt; for --from-run the run's",
              "data.seq_len": "n_positions; for --from-run the run's", "data.train": "for --from-run the run's",
              "data.val": "held out of --data; for --from-run the run's", "optim.warmup_steps": "min(2000, 8% of steps)",
-             "model.remat": "none; for --from-run the run's", "dcp.alpha_steps": "--steps",
+             "model.remat": "dots; for --from-run the run's", "dcp.alpha_steps": "--steps",
              "dcp.interaction_lr": "--lr"}
     _add_aliases(f, alias_flags("train") + DCP_FLAGS, d, notes)
     _add_multihost(f)

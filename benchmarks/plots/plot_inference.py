@@ -285,7 +285,7 @@ def markdown(summary: dict) -> str:
         lines.append("")
     models = summary.get("models") or {}
     if models:
-        lines += ["| model | family | last step | val ppl (training) | DCP sparsity (training eval) |", "|---|---|---|---|---|"]
+        lines += ["| model | family | last logged step | val ppl (training) | DCP sparsity (training eval) |", "|---|---|---|---|---|"]
         for name, m in models.items():
             t = m.get("train") or {}
             lines.append(f"| {name} | {m.get('family')} | {_fmt(t.get('last_step'))} | {_fmt(t.get('val_ppl'), '{:.2f}')} "

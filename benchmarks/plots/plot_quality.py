@@ -208,20 +208,27 @@ def _recency(rows: list[dict], field: str) -> dict:
 LABEL_OFFSET = {"strided": (4, -9)}  # points; strided below the others: it often shares a window's sparsity and ratio
 
 
+def _panels(rows: list[dict]) -> list[tuple]:
+    """The figure's panels, (model, context, stage) in plotting order (``plot``); only rows with a perplexity
+    ratio make one (passkey-only rows, a run of their own with no evaluation, are in the table and heatmaps)."""
+    model_rank, stage_rank = _recency(rows, "model"), _recency(rows, "stage")
+    return sorted({(r["model"], r["context"], r["stage"]) for r in rows if r.get("ppl_ratio") is not None},
+                  key=lambda p: (-model_rank[p[0]], p[0], -stage_rank[p[2]], p[2], p[1]))
+
+
 def plot(rows: list[dict], path: str) -> None:
     """Perplexity ratio against sparsity, one panel per (model, context, stage): every method; fine-tuned filled
     (the fixed patterns fine-tuned with their own pattern: filled, dashed line, "(fine-tuned)" in the legend),
     untuned (dense weights with the pattern) hollow. A stage is one experiment (its own pretrained model and
-    fine-tuning budget), so points of two stages never share a panel or a line. Panels: the most recently merged
+    fine-tuning budget), so points of two stages never share a panel or a line; rows without a perplexity
+    (passkey only) get no panel. Panels: the most recently merged
     model first, then its stages newest first, then by context."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    model_rank, stage_rank = _recency(rows, "model"), _recency(rows, "stage")
-    panels = sorted({(r["model"], r["context"], r["stage"]) for r in rows},
-                    key=lambda p: (-model_rank[p[0]], p[0], -stage_rank[p[2]], p[2], p[1]))
+    panels = _panels(rows)
     ncols = min(3, len(panels))
     nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(6.0 * ncols, 4.4 * nrows), squeeze=False, layout="constrained")
