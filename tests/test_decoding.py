@@ -27,7 +27,8 @@ from fox_jax.cache.decay import accumulate_log_fgate
 from fox_jax.cache.policies import (ACP, DCP, DEFAULT_LOG_EPSILON, POLICIES, POLICY_FORMS, RING_BLOCK,
                                     HeuristicEvictionWarning, Sinks, Window, parse_policy, register_policy)
 from fox_jax.cache.slots import PoolGroup, RingGroup, new_slot_cache, slot_attention
-from fox_jax.cache.visibility import RULES, ACPRule, LayerFacts, Rule, register_rule, rule_for
+from fox_jax.cache import visibility
+from fox_jax.cache.visibility import RULES, ACPRule, LayerFacts, Rule, last_hidden, register_rule, rule_for
 from fox_jax.decoding import (decode_step, extend, generate, init_cache, live_counts, prefill,
                               token_losses_under_policy)
 from fox_jax.decoding import generation
@@ -551,12 +552,16 @@ def heuristic_delta(q, k, pads, n, log_eps):
     return np.minimum(-(2 * u + math.log(n)) + log_eps, 0.0)
 
 
-def test_heuristic_acp_is_independent_of_the_chunking():
+@pytest.mark.parametrize("key_block", [None, 16])
+def test_heuristic_acp_is_independent_of_the_chunking(key_block, monkeypatch):
     """acp without QK-norm (a heuristic; the cache warns once): δ_n comes from the running maxima of the q and
     k norms kept in the cache and the rule is cumulative, so feeding 70 columns in chunks of 7 or in one pass
     gives the same outputs to float32 rounding (≤ 1e-6 here; the earlier per-chunk bound moved them by ~1e-3)
     and the same live sets, equal to the float64 reference of the rule. Heads forget fast, so the rule does
-    evict."""
+    evict. With ``key_block`` 16 the rule reads the 70 slots 16 at a time (``visibility.last_hidden``'s loop,
+    the last block overlapping), as it does past ``KEY_BLOCK`` slots: the same live sets."""
+    if key_block is not None:
+        monkeypatch.setattr(visibility, "KEY_BLOCK", key_block)
     rng = np.random.default_rng(7)
     t, hkv, pads, log_eps = 70, 2, np.array([0, 3]), -3.0
     q, k, v = (rng.standard_normal((B, t, h, D)).astype(np.float32) for h in (H, hkv, hkv))
@@ -584,6 +589,25 @@ def test_heuristic_acp_is_independent_of_the_chunking():
         np.testing.assert_allclose(o, outs[-1], atol=1e-6, rtol=0)
         np.testing.assert_array_equal(live, lives[-1])
     assert np.all(lives[-1] < t - pads - 5)  # it evicts
+
+
+def test_last_hidden_in_blocks_equals_one_reduction():
+    """``visibility.last_hidden`` over S slots in blocks (a loop; 64 does not divide 200, so the last block
+    overlaps) equals the one [T, S] reduction, with GQA (all query heads must hide a slot), slots not held,
+    per-row columns (row 0 in slot order, as an unwrapped ring; row 1 permuted), rows where nothing is hidden
+    (NEG) and rows where everything is (the answer in the last block)."""
+    rng = np.random.default_rng(3)
+    b, n, g, t, s = 2, 3, 2, 5, 200
+    decay = jnp.asarray(-rng.exponential(3.0, (b, n, g, t, s)).astype(np.float32))
+    d = jnp.asarray(-rng.exponential(3.0, (b, n, g, t)).astype(np.float32))
+    d = d.at[0, 0, :, 0].set(-1e9).at[0, 1, :, 2].set(1e9).at[1, 2, :, 3].set(1e9)
+    held = jnp.asarray(rng.random((b, 1, s)) < 0.8)
+    col = jnp.asarray(np.stack([np.arange(s), rng.permutation(s)])[:, None].astype(np.int32))
+    one = last_hidden(decay, d, held, col, block=s)
+    np.testing.assert_array_equal(last_hidden(decay, d, held, col, block=64), one)
+    assert one[0, 0, 0] == visibility.NEG and np.all(np.asarray(one) > visibility.NEG - 1)
+    assert one[0, 1, 2] == np.max(np.where(held[0, 0], col[0, 0], -1)) > 192  # every held slot hidden
+    assert len(np.unique(np.asarray(one))) > 10  # varied: the maxima are not all one column
 
 
 def test_window_policy_equals_the_ops_sliding_window():

@@ -15,6 +15,8 @@ Needs JAX's CUDA plugin next to the CPU jaxlib (a separate environment; ~3 GB of
         flax optax tokenizers safetensors
     PYTHONPATH=. /tmp/cu/bin/python benchmarks/checks/decode_kernels.py --model fox-pro:125M --policy acp \\
         --batch 8 --prompt 2048 --slots 256 [--layer 0] [--json out.json]
+    PYTHONPATH=. /tmp/cu/bin/python benchmarks/checks/decode_kernels.py --model fox-llama:125M --policy acp \\
+        --batch 2 --prompt 16384 --score     # eval --cache's program: its compile time
 
 ``CUDA_VISIBLE_DEVICES=-1`` and ``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1`` are set here (no device, no driver); the ops
 pick their GPU implementations (``jax.default_backend`` reads "gpu" in this process: the Pallas kernels lower
@@ -145,9 +147,8 @@ def _layer(op: str) -> str:
     return m.group(1) if m else "(outside the layers)"
 
 
-def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_tokens: int, slots: int | None,
-                     overrides: tuple = ()):
-    """The optimized HLO text of ``fox_jax.decoding.generate``'s program for an H200, compiled without a device."""
+def _h200_model(model_spec: str, overrides: tuple):
+    """(model, abstract params, ``abstract``: a tree's shapes placed on a described H200) — nothing allocated."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
@@ -158,24 +159,46 @@ def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import fox_jax.models  # noqa: F401
     from bench_decode import model_config
-    from fox_jax.cache.policies import parse_policy
-    from fox_jax.decoding import generation as gen
-    from fox_jax.decoding import min_slots
 
     cfg = model_config(model_spec, list(overrides)).replace(dtype="bfloat16")
     abstract = lambda tree: jax.tree.map(  # noqa: E731
         lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tree)
-    params = abstract(jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0)))
-    model, pol = cfg.build(), parse_policy(policy)
+    return cfg.build(), abstract(jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0))), abstract
+
+
+def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_tokens: int, slots: int | None,
+                     overrides: tuple = ()):
+    """The optimized HLO text of ``fox_jax.decoding.generate``'s program for an H200, compiled without a device."""
+    from fox_jax.cache.policies import parse_policy
+    from fox_jax.decoding import generation as gen
+    from fox_jax.decoding import min_slots
+
+    model, params, abstract = _h200_model(model_spec, overrides)
+    pol = parse_policy(policy)
     context = prompt + new_tokens - 1
     with jax.default_device(jax.devices("cpu")[0]):  # the preamble builds concrete (empty) caches
         padded, caches, chunk = gen._fresh_caches(model, jnp.zeros((batch, prompt), jnp.int32), pol,
                                                   slots or min_slots(pol, context), None, 512, context)
-    scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=rep)
-    key = jax.ShapeDtypeStruct((2,), jnp.uint32, sharding=rep)
+    scalar, key = abstract(jax.ShapeDtypeStruct((), jnp.int32)), abstract(jax.ShapeDtypeStruct((2,), jnp.uint32))
     lowered = gen._generate.lower(model, params, abstract(padded), abstract(caches), key, chunk, new_tokens, 0.0,
                                   None, None, (), gen.cast_plan(model, params, caches), scalar)
     return lowered.compile().as_text()
+
+
+def compile_score(model_spec: str, policy: str, batch: int, context: int, slots: int | None,
+                  overrides: tuple = ()) -> str:
+    """The optimized HLO text of ``eval --cache POLICY``'s program (``token_losses_under_policy``: the chunked
+    prefill over ``context`` tokens, teacher-forced) for an H200, compiled without a device."""
+    from fox_jax.cache.policies import parse_policy
+    from fox_jax.decoding import generation as gen
+
+    model, params, abstract = _h200_model(model_spec, overrides)
+    with jax.default_device(jax.devices("cpu")[0]):
+        padded, caches, chunk = gen._fresh_caches(model, jnp.zeros((batch, context), jnp.int32), parse_policy(policy),
+                                                  slots, None, 512, context)
+        plan = gen.cast_plan(model, params, caches)
+    last = abstract(jax.ShapeDtypeStruct((batch,), jnp.int32))
+    return gen._score.lower(model, params, abstract(padded), abstract(caches), chunk, plan, last).compile().as_text()
 
 
 def main(argv=None) -> int:
@@ -189,8 +212,18 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (kv_heads=4)")
     p.add_argument("--layer", help="list the kernels of this layer (layers_0, h_0, ...) one per line")
     p.add_argument("--json", help="write the counts and the kernel list here")
+    p.add_argument("--score", action="store_true",
+                   help="compile eval --cache's program over --prompt tokens instead (no decode loop) and print its "
+                        "compile time and its Triton fusions' tiles (XLA's generic Triton emitter)")
     args = p.parse_args(argv)
     t0 = time.perf_counter()
+    if args.score:
+        hlo = compile_score(args.model, args.policy, args.batch, args.prompt, args.slots, tuple(args.set))
+        tiles = collections.Counter(re.findall(r'"output_tiles":\[\{"sizes":\[([^]]*)\]', hlo))
+        print(f"{args.model} {args.policy} B{args.batch} context {args.prompt}: eval --cache's program compiled in "
+              f"{time.perf_counter() - t0:.1f} s (no device); Triton fusions by output tile: "
+              f"{', '.join(f'{n} × [{t}]' for t, n in tiles.most_common()) or 'none'}")
+        return 0
     kernels = step_kernels(compile_generate(args.model, args.policy, args.batch, args.prompt, args.new_tokens,
                                             args.slots, tuple(args.set)))
     per_layer = collections.Counter(_layer(k["op"]) for k in kernels)

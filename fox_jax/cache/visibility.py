@@ -193,6 +193,42 @@ class ProvenThreshold(NamedTuple):
     delta: jax.Array
 
 
+KEY_BLOCK = 1024  # slots per step of ``last_hidden``'s loop
+
+
+def last_hidden(decay: jax.Array, d: jax.Array, held: jax.Array, col: jax.Array, *,
+                block: int | None = None) -> jax.Array:
+    """For each query, the last column of a held slot that acp hides: max of ``col`` over the slots where
+    ``held`` and ``decay < d`` for every query head of the group (``NEG`` where none).
+
+    Args:
+      decay: [B, n, G, T, S] float32 Λ_query − Λ_slot; d: [B, n, G, T] float32 δ per query and query head;
+      held: [B, nt, S] bool; col: [B or 1, 1, S] int32 (``Keys``).
+      block: (default ``KEY_BLOCK``) with S > block the slots are taken ``block`` at a time in a loop (same values: a running maximum;
+        the last block overlaps the one before it when block does not divide S). As one [T, S] reduction XLA
+        0.11 compiles it for the GPU as a Triton fusion whose tile spans all S slots, and its compile time grows
+        faster than S: 183 s for one such reduction at T = 512, S = 16384 (6 s at 4096), so the heuristic acp's
+        evaluation of a 125M FoX (LLaMA) at 16k compiled for minutes (issue 21); in blocks of 1024 it takes 0.6 s.
+    Returns:
+      [B, n, T] int32.
+    """
+    def part(dec, hl, cl):
+        hidden = jnp.all(dec < d[..., None], axis=2) & hl[:, :, None, :]
+        return jnp.max(jnp.where(hidden, cl[:, :, None, :], NEG), axis=-1)
+
+    s, block = decay.shape[-1], KEY_BLOCK if block is None else block
+    if s <= block:
+        return part(decay, held, col)
+
+    def take(x, i):
+        return lax.dynamic_slice_in_dim(x, jnp.minimum(i * block, s - block), block, axis=x.ndim - 1)
+
+    def body(i, acc):
+        return jnp.maximum(acc, part(take(decay, i), take(held, i), take(col, i)))
+
+    return lax.fori_loop(1, -(-s // block), body, part(take(decay, 0), take(held, 0), take(col, 0)))
+
+
 @register_rule(ACP)
 class ACPRule(Rule):
     """Λ_n − Λ_j ≥ δ_n for every query n ∈ (j, i], for some query head of the key/value head.
@@ -262,8 +298,7 @@ class ACPRule(Rule):
         b, t, h = delta.shape
         hkv = chunk.k.shape[2]
         d = delta.reshape(b, t, hkv, h // hkv)[:, :, jnp.asarray(keys.heads)].transpose(0, 2, 3, 1)  # [B, n, G, T]
-        hidden_old = jnp.all(keys.decay_old < d[..., None], axis=2) & keys.held[:, :, None, :]       # [B, n, T, S]
-        last_old = jnp.max(jnp.where(hidden_old, keys.col[:, :, None, :], NEG), axis=-1)
+        last_old = last_hidden(keys.decay_old, d, keys.held, keys.col)                               # [B, n, T]
         earlier = jnp.arange(t)[:, None] > jnp.arange(t)[None, :]                                   # key j < query
         hidden_new = jnp.all(keys.decay_new < d[..., None], axis=2) & earlier & chunk.real[:, None, None, :]
         last_new = jnp.max(jnp.where(hidden_new, chunk.cols, NEG), axis=-1)                          # [B, n, T]
@@ -288,5 +323,5 @@ class DCPRule(Rule):
         return vis_old, vis_new
 
 
-__all__ = ["Chunk", "Keys", "LayerFacts", "NEG", "NormMaxima", "ProvenThreshold", "RULES", "Rule", "register_rule",
+__all__ = ["Chunk", "Keys", "LayerFacts", "NEG", "NormMaxima", "ProvenThreshold", "RULES", "Rule", "last_hidden", "register_rule",
            "rule_for"]
