@@ -2,6 +2,7 @@
 the ratios to dense across them (pure Python: no model runs)."""
 
 import json
+import math
 
 import pytest
 
@@ -90,4 +91,7 @@ def test_profile_decode_quick_run(tmp_path):
     profile_decode.main(["--quick", "--model", "fox-pro:tiny", "--policies", "acp", "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
     assert row["policy"] == "acp" and row["bandwidth_tb_s"] == bound_bandwidth(None)
-    assert row["kernels_per_step"] > 0 and row["device_ms_per_step"] > 0 and row["compile_s"] > 0
+    # device time per step is the difference of two traces (N steps minus 1): on a loaded CPU its sign is noise
+    # (−0.45 ms once in the suite, the host's elementwise events of the 1-step run being slower), so only finite
+    assert row["kernels_per_step"] > 0 and math.isfinite(row["device_ms_per_step"]) and row["compile_s"] > 0
+    assert set(row["per_step_ms"]) >= {"attention", "gemm", "elementwise"}

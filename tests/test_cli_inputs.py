@@ -146,6 +146,16 @@ def test_defaults_and_presets_validate():
         "dcp.alpha_init=1", "dcp.alpha_final=1"])
 
 
+def test_remat_none_is_the_policy_named_none():
+    """``--remat none`` / ``model.remat=none`` turn the default ``dots`` off: a str field keeps the word "none"
+    (an Optional field still reads it as None)."""
+    cfg = config_lib.apply_overrides(config_lib.preset("tiny"), cli.explicit_overrides(cli.parse_args(
+        ["train", "--workdir", "w", "--remat", "none", "model.adaptive_threshold=none"])))
+    assert cfg.model.remat == "none" and cfg.model.adaptive_threshold is None
+    assert config_lib.apply_overrides(config_lib.preset("tiny"), ["model.remat=NONE"]).model.remat == "none"
+    assert config_lib.preset("tiny").model.remat == "dots"
+
+
 def test_overrides_anywhere_on_the_command_line(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -464,7 +464,8 @@ def _parse_value(text: str, current: Any, type_hint) -> Any:
             return False
         raise ValueError(f"expected a boolean, got {text!r}")
     if text.lower() in ("none", "null"):
-        return None
+        # a plain str field keeps the word: remat=none is the policy named "none", not a missing value
+        return text.lower() if type_hint is str and current is not None else None
     if isinstance(current, int) and not isinstance(current, bool):
         return int(text)
     if isinstance(current, float):
