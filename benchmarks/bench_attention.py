@@ -187,7 +187,7 @@ def jax_fns(impl, d, config=None):
               # the segment mask on tiles that need none
               "pallas-seg": dict(implementation="pallas", one_document=True),
               "mosaic-seg": dict(implementation="mosaic", one_document=True)}[impl]
-        if (impl.startswith("pallas") or impl == "mosaic") and config is not None:
+        if (impl.startswith("pallas") or impl == "mosaic") and config is not None and "one_document" not in kw:
             def f(q, k, v, lf, _kw=kw):
                 lam = decay_cumsum(lf)
                 delta = None

@@ -303,7 +303,9 @@ class ModelConfig(FamilyConfig):
         (2026-12-05, one call) the 760M FoX (Pro) step at 16k with ``remat="dots"`` compiles in 23.3 s
         instead of 140.4 s and runs at 464.7 ms against 466.8 ms unrolled without remat, in 21.0 instead
         of 30.0 GiB of XLA temp memory; scanned without remat it is slower (525 ms, 68 GiB)
-        (benchmarks/NOTES.md, "Scanned layers").
+        (benchmarks/NOTES.md, "Scanned layers"). On a CPU the tiny preset trains ~13% slower than
+        unrolled without remat (7.1k against 8.2k tokens/s on 2 cores, the same losses):
+        ``scan_layers=False, remat="none"`` there.
       dcp: Dynamic Context Pruning (docs/design/dcp.md §1): every attention layer gets bias-free float32
         interaction projections ``q_int``/``k_int`` [d, r] of its normed input and a scalar bias
         ``beta``; the cumulative keep log-mask is added to every head's logits (``dcp_attention``).

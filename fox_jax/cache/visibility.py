@@ -204,11 +204,12 @@ def last_hidden(decay: jax.Array, d: jax.Array, held: jax.Array, col: jax.Array,
     Args:
       decay: [B, n, G, T, S] float32 Λ_query − Λ_slot; d: [B, n, G, T] float32 δ per query and query head;
       held: [B, nt, S] bool; col: [B or 1, 1, S] int32 (``Keys``).
-      block: (default ``KEY_BLOCK``) with S > block the slots are taken ``block`` at a time in a loop (same values: a running maximum;
-        the last block overlaps the one before it when block does not divide S). As one [T, S] reduction XLA
-        0.11 compiles it for the GPU as a Triton fusion whose tile spans all S slots, and its compile time grows
-        faster than S: 183 s for one such reduction at T = 512, S = 16384 (6 s at 4096), so the heuristic acp's
-        evaluation of a 125M FoX (LLaMA) at 16k compiled for minutes (issue 21); in blocks of 1024 it takes 0.6 s.
+      block: (default ``KEY_BLOCK``) with S > block the slots are taken ``block`` at a time in a loop (same
+        values: a running maximum; the last block overlaps the one before it when block does not divide S).
+        As one [T, S] reduction XLA 0.11 compiles it for the GPU as a Triton fusion whose tile spans all S
+        slots, and its compile time grows faster than S: 183 s for one such reduction at T = 512, S = 16384
+        (6 s at 4096), so the heuristic acp's evaluation of a 125M FoX (LLaMA) at 16k compiled for minutes
+        (issue 21); in blocks of 1024 it takes 0.6 s.
     Returns:
       [B, n, T] int32.
     """
@@ -323,5 +324,5 @@ class DCPRule(Rule):
         return vis_old, vis_new
 
 
-__all__ = ["Chunk", "Keys", "LayerFacts", "NEG", "NormMaxima", "ProvenThreshold", "RULES", "Rule", "last_hidden", "register_rule",
-           "rule_for"]
+__all__ = ["Chunk", "Keys", "LayerFacts", "NEG", "NormMaxima", "ProvenThreshold", "RULES", "Rule", "last_hidden",
+           "register_rule", "rule_for"]
