@@ -9,6 +9,10 @@ the device's dense bf16 peak (``fox_jax.train.metrics.PEAK_FLOPS``; 989 TFLOP/s 
     python benchmarks/bench_train.py --configs fox-pro:125M:2048 transformer-pro:125M:2048 --acp both \
         --batch-tokens 65536 --out results.json
     python benchmarks/bench_train.py --quick      # CPU smoke run
+
+ACP's speed depends on the forget gates: at init they decay little, so ``--params-from RUN_DIR`` starts every
+config from a trained run's parameters (``fox-jax train`` of the same arch and size, e.g. a few hundred steps in
+the same device call; a config whose parameter shapes differ gets an error row). The tokens stay synthetic.
 """
 
 from __future__ import annotations
@@ -33,10 +37,36 @@ from fox_jax.sharding import kernel_sharding_enabled
 from profile_step import parse_variant  # a sibling script: the same KEY=VALUE parser as its --variants
 
 
+def trained_params(run_dir: str, model_cfg) -> dict:
+    """The parameters of the run in ``run_dir`` (its latest checkpoint), checked against ``model_cfg``'s shapes.
+
+    Raises:
+      FileNotFoundError / ValueError / CheckpointError: no run there, or one without a checkpoint
+        (``fox_jax.train.runs.open_run``); ValueError: parameters of other shapes than ``model_cfg``'s, naming
+        the first that differs.
+    """
+    from fox_jax.train.runs import open_run
+
+    run = open_run(run_dir, flag="--params-from")
+    params = run.load_params()
+    want = jax.eval_shape(model_cfg.init_params, jax.random.PRNGKey(0))
+    got_shapes = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(params)}
+    for k, v in jax.tree_util.tree_leaves_with_path(want):
+        name = jax.tree_util.keystr(k)
+        if got_shapes.get(name) != tuple(v.shape):
+            raise ValueError(f"--params-from {run_dir}: {name} is {got_shapes.get(name, 'missing')} there, "
+                             f"{tuple(v.shape)} in this config (train the same arch and size)")
+    if len(got_shapes) != len(jax.tree_util.tree_leaves(want)):
+        raise ValueError(f"--params-from {run_dir}: {len(got_shapes)} parameter arrays there, "
+                         f"{len(jax.tree_util.tree_leaves(want))} in this config (train the same arch and size)")
+    return jax.tree_util.tree_map(lambda x, w: np.asarray(x, w.dtype), params, want)
+
+
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",
-              model_overrides=None, devices=None):
+              model_overrides=None, devices=None, params_from=None):
     """One row: the train step of ``arch:size`` at ``seq_len`` timed on ``mesh_spec`` over all devices, or over
-    ``devices`` (``fox_jax.sharding.make_mesh``), with ``batch_tokens`` tokens per step."""
+    ``devices`` (``fox_jax.sharding.make_mesh``), with ``batch_tokens`` tokens per step; from a fresh init, or
+    from the parameters of the run ``params_from`` (``trained_params``)."""
     overrides = dict(dtype=dtype, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
     if remat is not None:  # None: the model's default (ModelConfig.remat)
         overrides["remat"] = remat
@@ -50,10 +80,11 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=batch)
     optimizer = make_optimizer(cfg)
     rng = jax.random.PRNGKey(0)
+    params = None if params_from is None else trained_params(params_from, model_cfg)
     abstract = jax.eval_shape(lambda: init_state(cfg, rng, optimizer))
     shard = state_shardings(mesh, abstract)
     t_init = time.perf_counter()
-    state = jax.device_put(init_state(cfg, rng, optimizer), shard)  # then placed, as train/loop.py does
+    state = jax.device_put(init_state(cfg, rng, optimizer, params), shard)  # then placed, as train/loop.py does
     jax.block_until_ready(state)
     # progress on stderr as it happens: a call cut by its deadline still shows how far it got
     print(f"# {arch}:{size}:{seq_len} acp={acp}: state initialised in {time.perf_counter() - t_init:.1f} s",
@@ -90,7 +121,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
                scan_layers=model_cfg.scan_layers, mesh=mesh_spec or "",
                partitioner=partitioner, kernels_sharded=kernel_sharding_enabled() and mesh.size > 1, devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
                mfu=(flops / dt / (peak * n_dev)) if peak else None, compile_s=compile_s,
-               loss=float(m["loss"]), params=model_cfg.param_count())
+               loss=float(m["loss"]), params=model_cfg.param_count(), params_from=params_from or "init")
     if acp:
         row["acp_fraction_skipped"] = float(m["acp_fraction_skipped"])
     return row
@@ -114,6 +145,8 @@ def main(argv=None):
                    help="ModelConfig overrides for every config, e.g. attention_impl=pallas,loss_impl=chunked")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
+    p.add_argument("--params-from", default=None, metavar="RUN_DIR",
+                   help="start from this run's parameters (trained forget gates for ACP; same arch and size)")
     args = p.parse_args(argv)
     if args.quick:
         args.configs, args.batch_tokens, args.steps, args.warmup, args.dtype = (
@@ -128,7 +161,8 @@ def main(argv=None):
                 continue
             try:
                 row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
-                                args.remat, args.mesh, args.dtype, args.partitioner, model_overrides)
+                                args.remat, args.mesh, args.dtype, args.partitioner, model_overrides,
+                                params_from=args.params_from)
                 row["overrides"] = model_overrides
             except Exception as e:  # OOM or unsupported: record and go on
                 row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp, error=f"{type(e).__name__}: {str(e)[:200]}")

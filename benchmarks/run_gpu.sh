@@ -38,7 +38,7 @@ STAGES=${STAGES:-"tests attention"}
 DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
-  [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [train]=540 [scaling]=560 [profile]=400
+  [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [gates]=240 [train]=540 [scaling]=560 [profile]=400
   [decode]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
 
 # ------------------------------------------------------------------------------------------------- settings
@@ -53,6 +53,10 @@ DCP_SHAPES=${DCP_SHAPES:-8x1024x12x64,4x2048x16x128,1x8192x16x128}; DCP_ARGS=${D
 TRAIN_CONFIGS=${TRAIN_CONFIGS:-"fox-pro:760M:16384 fox-pro:760M:2048 fox-llama:760M:16384 transformer-pro:760M:16384"}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}   # ModelConfig KEY=VALUE,..., e.g. attention_impl=pallas (the Triton kernels)
 TRAIN_ACP=${TRAIN_ACP:-both}           # off | on | both (bench_train.py --acp)
+TRAIN_PARAMS_FROM=${TRAIN_PARAMS_FROM:-} # a run directory: every config starts from its parameters (trained gates)
+# gates: a short real-data run of GATES_CONFIG (arch:size:seq_len) whose parameters the train stage then starts
+# from (ACP on trained forget gates, issue 22): STAGES="gates train" TRAIN_CONFIGS=<the same config>
+GATES_CONFIG=${GATES_CONFIG:-fox-pro:760M:16384}; GATES_STEPS=${GATES_STEPS:-200}
 # scaling (bench_scaling.py): weak scaling against one device in the same call; 4 GPUs (nvidia-h200-x4) by default,
 # MESHES="data=2 fsdp=2" on 2; SCALING_ACP off | on | both; rows merge into $OUT/scaling_h200.json (start from
 # SCALING_ROWS, carried along, to grow one file over calls)
@@ -126,9 +130,17 @@ stage_sweep() {  # Mosaic tilings (BQxBKxSTAGES forward x BBQxBBKxBSTAGES backwa
 stage_dcp() {  # DCP attention: the Pallas kernels (live-tile lists) vs dense Pallas at 50% / 90% of pairs dropped
   each_tree t python3 benchmarks/bench_dcp.py $DCP_ARGS --shapes "$DCP_SHAPES" --sparsities 0.5,0.9 \
     --out "$OUT/dcp{tag}.json"; }
+stage_gates() {  # needs .gpu/data/train_tok (STAGES=prepare on the CPU) and grain; sets TRAIN_PARAMS_FROM
+  local arch size seq; IFS=: read -r arch size seq <<< "$GATES_CONFIG"
+  rm -rf /tmp/gates_run
+  t python3 -m fox_jax.train.cli train --preset "$size" --arch "$arch" --seq-len "$seq" --batch-size 1 \
+    --steps "$GATES_STEPS" --data "$GPU/data/train_tok" --tokenizer "$GPU/data/train_tok/tokenizer" \
+    --workdir /tmp/gates_run --ckpt-every "$GATES_STEPS" --eval-every 0 --log-every 50 --no-progress \
+    --dtype bfloat16 && TRAIN_PARAMS_FROM=/tmp/gates_run; }
 stage_train() {  # the training table: one row per (config, ACP off/auto), 16k tokens per step
   each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp "$TRAIN_ACP" --batch-tokens 16384 \
-    --steps 5 --warmup 1 --overrides "$TRAIN_OVERRIDES" --out "$OUT/train{tag}.json"; }
+    --steps 5 --warmup 1 --overrides "$TRAIN_OVERRIDES" ${TRAIN_PARAMS_FROM:+--params-from "$TRAIN_PARAMS_FROM"} \
+    --out "$OUT/train{tag}.json"; }
 stage_scaling() {  # weak scaling (nvidia-h200-x4): each config on one GPU, then on every mesh of MESHES over all
   # GPUs, 16k tokens per GPU and step; efficiency against the one-GPU row of the same call
   local rows=$OUT/scaling_h200.json
