@@ -38,28 +38,26 @@ from profile_step import parse_variant  # a sibling script: the same KEY=VALUE p
 
 
 def trained_params(run_dir: str, model_cfg) -> dict:
-    """The parameters of the run in ``run_dir`` (its latest checkpoint), checked against ``model_cfg``'s shapes.
+    """The parameters of the run in ``run_dir`` (its latest checkpoint) restored onto ``model_cfg``'s shapes
+    (``fox_jax.train.runs``: the checkpoint's own check of the arrays).
 
     Raises:
       FileNotFoundError / ValueError / CheckpointError: no run there, or one without a checkpoint
-        (``fox_jax.train.runs.open_run``); ValueError: parameters of other shapes than ``model_cfg``'s, naming
-        the first that differs.
+        (``open_run``); ValueError: parameters of other shapes than ``model_cfg``'s.
     """
+    import dataclasses
+
+    from fox_jax.train.checkpoints import CheckpointError, CorruptCheckpointError
     from fox_jax.train.runs import open_run
 
     run = open_run(run_dir, flag="--params-from")
-    params = run.load_params()
-    want = jax.eval_shape(model_cfg.init_params, jax.random.PRNGKey(0))
-    got_shapes = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in jax.tree_util.tree_leaves_with_path(params)}
-    for k, v in jax.tree_util.tree_leaves_with_path(want):
-        name = jax.tree_util.keystr(k)
-        if got_shapes.get(name) != tuple(v.shape):
-            raise ValueError(f"--params-from {run_dir}: {name} is {got_shapes.get(name, 'missing')} there, "
-                             f"{tuple(v.shape)} in this config (train the same arch and size)")
-    if len(got_shapes) != len(jax.tree_util.tree_leaves(want)):
-        raise ValueError(f"--params-from {run_dir}: {len(got_shapes)} parameter arrays there, "
-                         f"{len(jax.tree_util.tree_leaves(want))} in this config (train the same arch and size)")
-    return jax.tree_util.tree_map(lambda x, w: np.asarray(x, w.dtype), params, want)
+    try:
+        return dataclasses.replace(run, model=model_cfg).load_params()
+    except CheckpointError as e:
+        if run.step is None or isinstance(e, CorruptCheckpointError):  # no checkpoint, or an unreadable one
+            raise
+        raise ValueError(f"--params-from {run_dir}: other parameters than this config's (train the same arch and "
+                         f"size): {e}") from None
 
 
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",

@@ -147,22 +147,26 @@ def _layer(op: str) -> str:
     return m.group(1) if m else "(outside the layers)"
 
 
-def _h200_model(model_spec: str, overrides: tuple):
-    """(model, abstract params, ``abstract``: a tree's shapes placed on a described H200) — nothing allocated."""
+def on_h200():
+    """``abstract``: a tree's shapes placed on the described H200 (``H200_TARGET``, one device, nothing allocated);
+    from here on the ops choose their GPU implementations (``jax.default_backend`` reads "gpu")."""
     from jax.experimental import topologies
 
     topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
     mesh = topologies.make_mesh(topology, (1,), ("d",))
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     jax.default_backend = lambda: "gpu"  # the ops' implementation choices are the GPU's (nothing runs here)
+    return lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tree)
 
+
+def _h200_model(model_spec: str, overrides: tuple):
+    """(model, abstract params, ``abstract``: ``on_h200``'s placement) — nothing allocated."""
+    abstract = on_h200()
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     import fox_jax.models  # noqa: F401
     from bench_decode import model_config
 
     cfg = model_config(model_spec, list(overrides)).replace(dtype="bfloat16")
-    abstract = lambda tree: jax.tree.map(  # noqa: E731
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tree)
     return cfg.build(), abstract(jax.eval_shape(cfg.init_params, jax.random.PRNGKey(0))), abstract
 
 

@@ -27,7 +27,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_kernels import H200_TARGET, _computations, kernel_kind, kernel_lines  # noqa: E402  (sets the no-device env)
+from decode_kernels import _computations, kernel_kind, kernel_lines, on_h200  # noqa: E402  (sets the no-device env)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -82,12 +82,7 @@ def _fold(op: str) -> str:
 
 def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
     """(optimized HLO text, temp bytes, compile seconds) of the train step for an H200, without a device."""
-    from jax.experimental import topologies
-
-    topology = topologies.get_topology_desc(platform="cuda", target_config=H200_TARGET, topology="1x1x1")
-    mesh = topologies.make_mesh(topology, (1,), ("d",))
-    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    jax.default_backend = lambda: "gpu"  # the ops' implementation choices are the GPU's (nothing runs here)
+    abstract = on_h200()
     if "attention_impl=mosaic" in overrides:  # the Mosaic kernels lower without a device; their check is for running
         import fox_jax.ops.pallas as pallas_ops
         pallas_ops.mosaic_supported = lambda q, k: None
@@ -100,11 +95,9 @@ def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
     model_cfg = model_config(f"{arch}:{size}", overrides).replace(dtype="bfloat16")
     cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=1)
     optimizer = make_optimizer(cfg)
-    abstract = lambda tree: jax.tree.map(  # noqa: E731
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=rep), tree)
     state = abstract(jax.eval_shape(lambda: init_state(cfg, jax.random.PRNGKey(0), optimizer)))
     step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
-    tokens = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=rep)
+    tokens = abstract(jax.ShapeDtypeStruct((1, seq), jnp.int32))
     batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens}
     t0 = time.perf_counter()
     compiled = jax.jit(lambda s, b: step(s, b, {}), donate_argnums=(0,)).lower(state, batch).compile()
