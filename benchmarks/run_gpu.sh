@@ -19,7 +19,7 @@
 #                     with PREPARE_EVAL=1, for QUALITY=dcp's zeroshot stage: the carry limit is 64 MiB)
 #   .gpu/fox_triton/  the official FoX Triton kernel (benchmark-only copy; bench_attention.py --fox-triton)
 #   .gpu/prev/        with PREV_REV=<commit>: that commit's fox_jax kernels train benchmarks (for PREV=.gpu/prev)
-# About 40 MB for TRAIN_MB=48; the carry limit is 64 MiB with the wheels.
+# About 34 MB for TRAIN_MB=40; the carry limit is 64 MiB with the wheels.
 #
 # Outputs, in $OUT (default /tmp/out; the device tool returns at most 8 files, 2 folders deep):
 #   <stage>.json        the stage's main JSON (with PREV: also <stage>_prev.json)
@@ -107,7 +107,7 @@ stage_prepare() {  # CPU machine, repo root: .gpu/ for the device (SHARED: the s
   # the zero-shot sets (7 MB) only with PREPARE_EVAL=1: the tree, .gpu and .whl must fit run's 64 MiB carry
   rm -rf "$d/eval"; [ "${PREPARE_EVAL:-0}" = 1 ] && cp -r "$shared/data/eval" "$d/eval"
   head -c $(( ${VAL_MB:-1} * 1000000 )) "$shared"/data/corpus_val/gutenberg_val.txt > "$d/val.txt"
-  (set +o pipefail; cat "$shared"/data/corpus/gutenberg_train_0*.txt | head -c $(( ${TRAIN_MB:-48} * 1000000 )) \
+  (set +o pipefail; cat "$shared"/data/corpus/gutenberg_train_0*.txt | head -c $(( ${TRAIN_MB:-40} * 1000000 )) \
     > "$stage/train.txt")
   rm -rf "$d/train_tok"
   python3 -m fox_jax.train.data "$d/train_tok" --data "$stage/train.txt" --val-data "$shared/data/corpus_val" \
