@@ -39,7 +39,8 @@ DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
   [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [gates]=240 [train]=540 [scaling]=560 [profile]=400
-  [decode]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560)
+  [decode]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560
+  [tables]=30)
 
 # ------------------------------------------------------------------------------------------------- settings
 # attention / sweep (bench_attention.py): the anchor shapes + the 760M layer; every implementation side by side
@@ -53,6 +54,7 @@ DCP_SHAPES=${DCP_SHAPES:-8x1024x12x64,4x2048x16x128,1x8192x16x128}; DCP_ARGS=${D
 TRAIN_CONFIGS=${TRAIN_CONFIGS:-"fox-pro:760M:16384 fox-pro:760M:2048 fox-llama:760M:16384 transformer-pro:760M:16384"}
 TRAIN_OVERRIDES=${TRAIN_OVERRIDES:-}   # ModelConfig KEY=VALUE,..., e.g. attention_impl=pallas (the Triton kernels)
 TRAIN_ACP=${TRAIN_ACP:-both}           # off | on | both (bench_train.py --acp)
+TRAIN_TOKENS=${TRAIN_TOKENS:-16384}    # tokens per step (bench_train.py --batch-tokens; 65536 for the 125M rows)
 TRAIN_PARAMS_FROM=${TRAIN_PARAMS_FROM:-} # a run directory: every config starts from its parameters (trained gates)
 # gates: a short real-data run of GATES_CONFIG (arch:size:seq_len) whose parameters the train stage then starts
 # from (ACP on trained forget gates, issue 22): STAGES="gates train" TRAIN_CONFIGS=<the same config>
@@ -137,10 +139,17 @@ stage_gates() {  # needs .gpu/data/train_tok (STAGES=prepare on the CPU) and gra
     --steps "$GATES_STEPS" --data "$GPU/data/train_tok" --tokenizer "$GPU/data/train_tok/tokenizer" \
     --workdir /tmp/gates_run --ckpt-every "$GATES_STEPS" --eval-every 0 --log-every 50 --no-progress \
     --dtype bfloat16 && TRAIN_PARAMS_FROM=/tmp/gates_run; }
-stage_train() {  # the training table: one row per (config, ACP off/auto), 16k tokens per step
-  each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp "$TRAIN_ACP" --batch-tokens 16384 \
+stage_train() {  # the training table: one row per (config, ACP off/auto), TRAIN_TOKENS per step
+  each_tree t python3 benchmarks/bench_train.py --configs $TRAIN_CONFIGS --acp "$TRAIN_ACP" --batch-tokens "$TRAIN_TOKENS" \
     --steps 5 --warmup 1 --overrides "$TRAIN_OVERRIDES" ${TRAIN_PARAMS_FROM:+--params-from "$TRAIN_PARAMS_FROM"} \
     --out "$OUT/train{tag}.json"; }
+stage_tables() {  # issue 22's two tables from this call's attention / dcp / train JSON: attention_<gpu>.json,
+  # train_<gpu>.json, speed_<gpu>.md in $OUT (merge into benchmarks/results/speed/ on the CPU with --merge)
+  local a=()
+  [ -f "$OUT/attention.json" ] && a+=(--attention "$OUT/attention.json")
+  [ -f "$OUT/dcp.json" ] && a+=(--dcp "$OUT/dcp.json")
+  [ -f "$OUT/train.json" ] && a+=(--train "$OUT/train.json")
+  t python3 benchmarks/plots/speed_tables.py "${a[@]}" --out-dir "$OUT"; }
 stage_scaling() {  # weak scaling (nvidia-h200-x4): each config on one GPU, then on every mesh of MESHES over all
   # GPUs, 16k tokens per GPU and step; efficiency against the one-GPU row of the same call
   local rows=$OUT/scaling_h200.json

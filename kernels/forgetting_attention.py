@@ -32,9 +32,11 @@ No atomics, nothing T×T in memory. Skipping is done with loop bounds, never wit
   each kernel's own block sizes. Tiles outside are never loaded.
 
 Element masks (causal diagonal, key padding, seq_start boundary, window edge, segment ids) are applied
-only on the tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part
-(with segment ids every tile is masked, but document-aware skipping — per-block segment id ranges,
-``seg_bounds`` — drops the tiles before the first and after the last block that shares an id).
+only on the tiles that need them: each key loop is split into a masked boundary part and an unmasked interior part.
+With segment ids the unmasked part is further narrowed to the tiles wholly inside the block's one document
+(``document_runs``: per block, the run of blocks on the other side holding only its id, computed from the ids
+by the wrappers), the tiles on document edges are masked; document-aware skipping — per-block segment id ranges,
+``seg_bounds`` — drops the tiles before the first and after the last block that shares an id.
 
 DCP (Dynamic Context Pruning, docs/design/dcp.md §1.4): all three kernels optionally add a log mask shared by
 the heads, ``log_mask[b, i, j]`` (float32, natural log, [B, Tq_pad, Tk_pad]; the dK/dV kernel reads its
@@ -66,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from fox_jax.kernels.forgetting_attention_mgpu import MosaicConfig
+from fox_jax.kernels.forgetting_attention_mgpu import MosaicConfig, clip_run, document_runs
 
 LOG2E = math.log2(math.e)
 _NEG_INF = float("-inf")
@@ -270,7 +272,8 @@ def _key_loop_bounds(g: _Geom, m, bq: int, bk: int, ss, acp_lo, seg_lo=None, seg
     window of the block's last row; mid is the first block that crosses the causal diagonal of the
     block's first row, hi is
     one past the block holding the last visible column. ``seg_lo``/``seg_hi`` (document-aware
-    skipping, segment ids only: then every block is masked and only [lo, hi) matters) narrow [lo, hi).
+    skipping, segment ids only) narrow [lo, hi); with segment ids ``clip_run`` then narrows
+    the unmasked part to the block's document.
     """
     r0 = g.offset + m * bq  # first (absolute) row of the block; always < tk
     r_last = jnp.minimum(r0 + (bq - 1), g.tk - 1)
@@ -316,14 +319,15 @@ def _row_block_scores(g, q, lq, qpos, ss, sq, k_ref, lk_ref, sk_ref, start, bk: 
 def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interleave: bool, q_ref, lq_ref, ss_ref):
     """Shared prologue of the forward and dQ kernels (one query block against a loop over key blocks).
 
-    Pops the optional inputs (ACP start, document bounds, segment ids, DCP mask and tile list) from
-    ``rest`` in the order ``_query_side_optional_inputs`` passes them, leaving the outputs there, and
-    returns (q, lq, ss, sq, sk_ref, qpos, bounds, dcp) with bounds = ``_key_loop_bounds`` of this block
-    and dcp = (mask_ref [bq, Tk_pad], (idx_ref [nk_pow2], n_masked_ref [], count_ref [])) or (None, None).
+    Pops the optional inputs (ACP start, document bounds, segment ids and document runs, DCP mask and
+    tile list) from ``rest`` in the order ``_query_side_optional_inputs`` passes them, leaving the outputs
+    there, and returns (q, lq, ss, sq, sk_ref, qpos, bounds, dcp) with bounds = ``_key_loop_bounds`` of
+    this block plus, with segment ids, its unmasked document interior (``clip_run``), and
+    dcp = (mask_ref [bq, Tk_pad], (idx_ref [nk_pow2], n_masked_ref [], count_ref [])) or (None, None).
     """
     lo_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
-    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    sq_ref, sk_ref, rlo_ref, rhi_ref = [rest.pop(0) for _ in range(4)] if g.has_seg else (None,) * 4
     dcp = (rest.pop(0), (rest.pop(0), rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
     m = nq - 1 - _block_id(interleave)  # longest rows first (causal load balance)
     ss = ss_ref[()]
@@ -331,6 +335,10 @@ def _query_block_setup(g: _Geom, rest: list, bq: int, bk: int, nq: int, interlea
     qpos = g.offset + m * bq + lax.broadcasted_iota(jnp.int32, (bq, 1), 0)
     bounds = _key_loop_bounds(g, m, bq, bk, ss, None if lo_ref is None else lo_ref[()],
                               None if slo_ref is None else slo_ref[()], None if shi_ref is None else shi_ref[()])
+    if g.has_seg:
+        lo, lo_full, mid, hi = bounds
+        lower = jnp.minimum(lo_full, hi)
+        bounds += clip_run(lower, jnp.maximum(lower, jnp.minimum(mid, hi)), rlo_ref[()], rhi_ref[()])
     return q_ref[...], lq_ref[...], ss, sq, sk_ref, qpos, bounds, dcp
 
 
@@ -348,14 +356,18 @@ def _run_tile_list(step, carry, tile_list):
 
 def _run_key_loops(g: _Geom, step, carry, bounds, tile_list=None):
     """The key-block loops of a query block: masked [lo, min(lo_full, mid)), unmasked [lo_full, mid),
-    masked [max(mid, lo), hi) — or one masked loop over [lo, hi) with segment ids. With ``tile_list``
-    (DCP: the live key blocks in the loop range, ``_run_tile_list``), the loops over the list."""
+    masked [max(mid, lo), hi) — with segment ids masked [lo, a), unmasked [a, b), masked [b, hi), [a, b)
+    the document interior. With ``tile_list`` (DCP: the live key blocks in the loop range,
+    ``_run_tile_list``), the loops over the list."""
     if tile_list is not None:
         return _run_tile_list(step, carry, tile_list)
-    lo, lo_full, mid, hi = bounds
+    lo, lo_full, mid, hi = bounds[:4]
     masked_step = functools.partial(step, masked=True)
     if g.has_seg:
-        return lax.fori_loop(lo, hi, masked_step, carry)
+        a, b = bounds[4:]
+        carry = lax.fori_loop(lo, a, masked_step, carry)
+        carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+        return lax.fori_loop(b, hi, masked_step, carry)
     carry = lax.fori_loop(lo, jnp.minimum(lo_full, mid), masked_step, carry)
     carry = lax.fori_loop(lo_full, mid, functools.partial(step, masked=False), carry)
     return lax.fori_loop(jnp.maximum(mid, lo), hi, masked_step, carry)
@@ -414,12 +426,13 @@ def _tile_list_specs(spec, blk, tile_list):
             spec((None, None, None), lambda i, j, z: (z, head(j), blk(i)))]
 
 
-def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_bounds, seg_q, seg_k,
+def _query_side_optional_inputs(spec, qblk, bq: int, bk: int, tk_pad: int, kv_start, seg_bounds, seg_q, seg_k,
                                 log_mask=None, tile_list=None):
     """BlockSpecs and arrays of the optional inputs of the query-block kernels (forward and dQ), in the
     order the kernels pop them: the ACP key-block start of each query block, the document-aware key
-    block range (lo, hi) of each query block, the query and key segment ids, then the DCP log mask
-    [B, Tq_pad, Tk_pad] and the key-block list (idx [B, Hl, nq, nk_pow2], n_masked, count [B, Hl, nq])."""
+    block range (lo, hi) of each query block, the query and key segment ids and each query block's
+    document run of key blocks (``document_runs``), then the DCP log mask [B, Tq_pad, Tk_pad] and the
+    key-block list (idx [B, Hl, nq, nk_pow2], n_masked, count [B, Hl, nq])."""
     specs, args = [], []
     if kv_start is not None:
         specs.append(spec((None, None, None), lambda i, j, z: (z, j, qblk(i))))
@@ -429,7 +442,8 @@ def _query_side_optional_inputs(spec, qblk, bq: int, tk_pad: int, kv_start, seg_
         args += list(seg_bounds)
     if seg_q is not None:
         specs += [spec((None, bq), lambda i, j, z: (z, qblk(i))), spec((None, tk_pad), lambda i, j, z: (z, 0))]
-        args += [seg_q, seg_k]
+        specs += [spec((None, None), lambda i, j, z: (z, qblk(i)))] * 2
+        args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     if log_mask is not None:
         specs += [spec((None, bq, tk_pad), lambda i, j, z: (z, qblk(i), 0))] + _tile_list_specs(spec, qblk, tile_list)
         args += [log_mask, *tile_list]
@@ -481,7 +495,7 @@ def flash_forward(q, k, v, lam_q, lam_k, seq_start, kv_start, seg_q, seg_k, *, t
         spec((None,), lambda i, j, z: (z,)),
     ]
     args = [q, k, v, lam_q, lam_k, seq_start]
-    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
+    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, bk, tk_pad, kv_start, seg_bounds,
                                                           seg_q, seg_k, log_mask, kv_list)
     in_specs += extra_specs
     args += extra_args
@@ -568,7 +582,7 @@ def flash_backward_dq(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, kv_star
                 spec((None, None, tk_pad), lambda i, j, z: (z, j, 0)),
                 rowspec, rowspec, spec((None,), lambda i, j, z: (z,))]
     args = [q, k, v, do, lam_q, lam_k, lse2, delta, seq_start]
-    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, tk_pad, kv_start, seg_bounds,
+    extra_specs, extra_args = _query_side_optional_inputs(spec, qblk, bq, bk, tk_pad, kv_start, seg_bounds,
                                                           seg_q, seg_k, log_mask, kv_list)
     in_specs += extra_specs
     args += extra_args
@@ -596,7 +610,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     rest = refs[9:]
     hi_ref = rest.pop(0) if g.has_acp else None
     slo_ref, shi_ref = (rest.pop(0), rest.pop(0)) if g.has_sb else (None, None)
-    sq_ref, sk_ref = (rest.pop(0), rest.pop(0)) if g.has_seg else (None, None)
+    sq_ref, sk_ref, rlo_ref, rhi_ref = [rest.pop(0) for _ in range(4)] if g.has_seg else (None,) * 4
     mask_t_ref, tile_list = (rest.pop(0), (rest.pop(0), rest.pop(0), rest.pop(0))) if g.has_mask else (None, None)
     dk_ref, dv_ref, dlk_ref = rest
 
@@ -614,7 +628,7 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
 
     lo = lax.div(jnp.maximum(c0 - g.offset, 0), bq)  # first query block that sees column c0
     hi = jnp.int32(nq) if hi_ref is None else jnp.minimum(hi_ref[()], nq)
-    if slo_ref is not None:  # document-aware skipping (all tiles are masked with segment ids)
+    if slo_ref is not None:  # document-aware skipping
         lo = jnp.maximum(lo, slo_ref[()])
         hi = jnp.minimum(hi, shi_ref[()])
     if g.window_size is not None:  # rows past c_last + W − 1 see no column of this block
@@ -661,8 +675,12 @@ def _dkv_kernel(*refs, g: _Geom, bq: int, bk: int, interleave: bool):
     masked_step = functools.partial(step, masked=True)
     if tile_list is not None:  # DCP: the live query blocks of this key block
         carry = _run_tile_list(step, carry, tile_list)
-    elif g.has_seg:
-        carry = lax.fori_loop(lo, hi, masked_step, carry)
+    elif g.has_seg:  # masked [lo, a), the document interior [a, b) unmasked, masked [b, hi)
+        lower = jnp.maximum(mid, lo)
+        a, b = clip_run(lower, jnp.maximum(lower, full), rlo_ref[()], rhi_ref[()])
+        carry = lax.fori_loop(lo, a, masked_step, carry)
+        carry = lax.fori_loop(a, b, functools.partial(step, masked=False), carry)
+        carry = lax.fori_loop(b, hi, masked_step, carry)
     else:
         carry = lax.fori_loop(lo, mid, masked_step, carry)
         carry = lax.fori_loop(jnp.maximum(mid, lo), full, functools.partial(step, masked=False), carry)
@@ -717,8 +735,8 @@ def flash_backward_dkv(q, k, v, do, lam_q, lam_k, lse2, delta, seq_start, q_end,
         args += list(seg_bounds)
     if seg_q is not None:
         in_specs += [spec((None, tq_pad), lambda i, j, z: (z, 0)),
-                     spec((None, bk), lambda i, j, z: (z, i))]
-        args += [seg_q, seg_k]
+                     spec((None, bk), lambda i, j, z: (z, i))] + [spec((None, None), lambda i, j, z: (z, i))] * 2
+        args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     if log_mask_t is not None:
         in_specs += [spec((None, bk, tq_pad), lambda i, j, z: (z, i, 0))] + _tile_list_specs(spec, lambda i: i,
                                                                                              q_list)

@@ -21,9 +21,11 @@ Tile skipping is data: per (b, h, tile) the key-block range [lo, hi) — seq_sta
 bounds, window and causal end, the ``fox_jax.ops.tiles.TileVisits`` row ranges at the tiling
 (2·block_q, block_k) — is read from memory by all three warpgroups, so skipped blocks are never
 loaded. Each compute warpgroup runs the blocks of the range in three loops: masked blocks before
-seq_start's edge, unmasked blocks, masked blocks on its causal diagonal (with segment ids or a window,
-every block is masked); then it only releases the blocks it does not need (the other warpgroup's
-causal tail), so that the producer never waits forever.
+seq_start's edge, unmasked blocks, masked blocks on its causal diagonal. With segment ids the unmasked
+loop covers only the blocks inside its rows' document (``document_runs``: per block of rows, the run of
+key blocks with the rows' one id), the blocks around them are masked; with a window every block is.
+Then it only releases the blocks it does not need (the other warpgroup's causal tail), so that the
+producer never waits forever.
 
 Rows with no visible key output 0 with lse = −inf. Layout: q [B, Tq, H, D], k/v [B, Tk, Hkv, D] as
 the op takes them (GQA: key head = h // (H / Hkv)); Tq a multiple of 2·block_q, Tk of block_k,
@@ -147,16 +149,16 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
     n_tiles = tq // config.tile_q
     dtype = q.dtype
     segments = seg_q is not None
-    always_mask = segments or window_size is not None
+    always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout = plgpu.Layout.WGMMA.reduce(1)
     col_layout = plgpu.Layout.WGMMA.reduce(0)
 
     def kernel(q_ref, k_ref, v_ref, lq_ref, lk_ref, lo_ref, hi_ref, ss_ref, *rest):
         if segments:
-            sq_ref, sk_ref, o_ref, lse_ref, scoped = rest
+            sq_ref, sk_ref, dlo_ref, dhi_ref, o_ref, lse_ref, scoped = rest
         else:
-            sq_ref = sk_ref = None
+            sq_ref = sk_ref = dlo_ref = dhi_ref = None
             o_ref, lse_ref, scoped = rest
         (q_smem2, k_smem, v_smem, lk_smem, sk_smem, lse_smem2), (k_full, v_full, q_full), \
             (k_free, v_free), schedule = scoped
@@ -184,6 +186,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)  # below: no causal mask
             ss = ss_ref[bi]
             n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)      # below: seq_start mask
+            u_lo, u_hi = _unmasked(n_edge, n_full, dlo_ref, dhi_ref, bi, 2 * ti + wg)
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), head], q_smem, q_full.at[wg])
             lq = plgpu.load(lq_ref.at[bi, head, pl.ds(q_base, bq)], (), layout=row_layout, optimized=False)
             sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
@@ -211,7 +214,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
-                sk = None if sk_smem is None else plgpu.load(sk_smem.at[slot], (), layout=col_layout)
+                sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
                 plgpu.barrier_arrive(k_free.at[slot])
                 shape = (bq, bk)
                 s = s * qk_scale + _row(lq, shape) - _col(lk, shape)
@@ -258,9 +261,9 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             if always_mask:
                 carry = lax.fori_loop(n_lo, n_hi, masked, carry)
             else:
-                carry = lax.fori_loop(n_lo, n_edge, masked, carry)
-                carry = lax.fori_loop(n_edge, n_full, functools.partial(step, masked=False), carry)
-                carry = lax.fori_loop(n_full, n_hi, masked, carry)
+                carry = lax.fori_loop(n_lo, u_lo, masked, carry)
+                carry = lax.fori_loop(u_lo, u_hi, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(u_hi, n_hi, masked, carry)
             acc, m_i, l_i = carry
             lax.fori_loop(n_hi, n_tile, release, None)
             pl.when(wg == 0)(take_turn)
@@ -324,7 +327,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
     args = [q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start]
     if segments:
-        args += [seg_q, seg_k]
+        args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     o, lse2 = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
@@ -348,6 +351,34 @@ def _pad_axis(x, axis: int, new_len: int, value=0, edge: bool = False):
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
     return jnp.pad(x, widths, mode="edge") if edge else jnp.pad(x, widths, constant_values=value)
+
+
+def document_runs(seg_rows, seg_cols, rows: int, cols: int):
+    """Per block of ``rows`` rows, the run of column blocks that lie wholly inside the rows' one document.
+
+    A tile whose rows and columns all carry one id needs no document mask (only the causal, seq_start and
+    padding ones, which the kernels bound separately: ``clip_run``), so the kernels run it without one. Packed
+    documents (ids constant on runs) make those tiles a contiguous run of column blocks per row block: the
+    interior of the document. Block sparsity as data, like the tile ranges.
+
+    Args:
+      seg_rows: [B, R] int32, R a multiple of ``rows``; seg_cols: [B, C] int32, C a multiple of ``cols``
+        (padding carries ids no real position has: −1 for rows, −2 for columns).
+    Returns:
+      (lo, hi): [B, R / rows] int32 each; the column blocks [lo, hi) hold the rows' id only (the first such
+      run where ids recur out of order), lo = hi = C / cols where the row block spans two ids or none match.
+    """
+    b = seg_rows.shape[0]
+    r = seg_rows.reshape(b, -1, rows)
+    c = seg_cols.reshape(b, -1, cols)
+    r_id, c_id = r.min(-1), c.min(-1)
+    same = ((r_id == r.max(-1))[:, :, None] & (c_id == c.max(-1))[:, None, :]
+            & (r_id[:, :, None] == c_id[:, None, :]))
+    n = same.shape[-1]
+    idx = jnp.arange(n, dtype=jnp.int32)
+    lo = jnp.min(jnp.where(same, idx, n), axis=-1)
+    hi = jnp.min(jnp.where(~same & (idx > lo[..., None]), idx, n), axis=-1)
+    return lo.astype(jnp.int32), hi.astype(jnp.int32)
 
 
 def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: float, config: MosaicConfig,
@@ -450,6 +481,24 @@ def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry):
     return lax.fori_loop(phases[-1][1], n_tile, release, carry)
 
 
+def clip_run(start, stop, run_lo, run_hi):
+    """A block's document run [run_lo, run_hi) (``document_runs``) clipped to [start, stop), the blocks free of
+    every other mask (causal, seq_start, window, padding): the blocks a loop may run unmasked. An empty range
+    inside [start, stop] where they do not meet; needs start ≤ stop. int32 scalars (the Mosaic and the Triton
+    kernels)."""
+    lo = jnp.minimum(jnp.maximum(run_lo, start), stop)
+    return lo, jnp.minimum(jnp.maximum(run_hi, lo), stop)
+
+
+def _unmasked(start, stop, dlo_ref, dhi_ref, bi, block):
+    """The blocks a compute warpgroup runs without a mask: [start, stop) (past the seq_start edge, before the
+    causal diagonal), with segment ids ``clip_run`` of its rows' document run (row ``block`` of batch row
+    ``bi``)."""
+    if dlo_ref is None:
+        return start, stop
+    return clip_run(start, stop, dlo_ref[bi, block], dhi_ref[bi, block])
+
+
 def _visible(r, c, ss, window_size, seg_r=None, seg_c=None):
     """Element mask: key position c visible from query position r (causal, seq_start, window, documents)."""
     vis = (c <= r) & (c >= ss)
@@ -486,15 +535,15 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
     group = h // hkv
     dtype = q.dtype
     segments = seg_q is not None
-    always_mask = segments or window_size is not None
+    always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
         if segments:
-            sq_ref, sk_ref, dq_ref, dlq_ref, scoped = rest
+            sq_ref, sk_ref, dlo_ref, dhi_ref, dq_ref, dlq_ref, scoped = rest
         else:
-            sq_ref = sk_ref = None
+            sq_ref = sk_ref = dlo_ref = dhi_ref = None
             dq_ref, dlq_ref, scoped = rest
         (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free) = scoped
         bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
@@ -521,6 +570,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
             n_hi = jnp.clip(pl.cdiv(row0 + bq, jnp.int32(bk)), n_lo, n_tile)
             n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)
             n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)
+            u_lo, u_hi = _unmasked(n_edge, n_full, dlo_ref, dhi_ref, bi, 2 * ti + wg)
             plgpu.barrier_wait(res_full.at[wg])
             shape = (bq, bk)
 
@@ -558,7 +608,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
             dq0 = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
             dl0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
             phases = [(n_lo, n_hi, True)] if always_mask else [
-                (n_lo, n_edge, True), (n_edge, n_full, False), (n_full, n_hi, True)]
+                (n_lo, u_lo, True), (u_lo, u_hi, False), (u_hi, n_hi, True)]
             dq_acc, dlq = _consume(n_lo, n_tile, phases, stages, full, free, step, (dq0, dl0))
             q_smem[...] = (dq_acc * float(scale)).astype(dtype)
             out_smem = out_smem2.at[wg]
@@ -600,7 +650,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
 
     args = [q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv_hi, seq_start]
     if segments:
-        args += [seg_q, seg_k]
+        args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
@@ -628,15 +678,15 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
     group = h // hkv
     dtype = q.dtype
     segments = seg_q is not None
-    always_mask = segments or window_size is not None
+    always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
         if segments:
-            sq_ref, sk_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
+            sq_ref, sk_ref, dlo_ref, dhi_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
         else:
-            sq_ref = sk_ref = None
+            sq_ref = sk_ref = dlo_ref = dhi_ref = None
             dk_ref, dv_ref, dlk_ref, scoped = rest
         (k_smem2, v_smem2, q_smem, do_smem, lq_smem, lse_smem, dl_smem, sq_smem, out_smem2), \
             (res_full, full, free) = scoped
@@ -664,6 +714,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
             m_begin = jnp.where(k0 + bk <= ss, m_tile, m_begin)
             m_full = jnp.clip(pl.cdiv(jnp.maximum(k0 + bk - 1 - offset, 0), jnp.int32(bq)), m_begin, m_tile)
             m_full = jnp.where(k0 < ss, m_tile, m_full)  # keys straddling seq_start: mask every block
+            u_lo, u_hi = _unmasked(m_full, m_tile, dlo_ref, dhi_ref, bi, 2 * ti + wg)
             plgpu.barrier_wait(res_full.at[wg])
             shape = (bk, bq)
 
@@ -704,7 +755,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
             dl0 = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), row_layout)
-            phases = [(m_begin, m_tile, True)] if always_mask else [(m_begin, m_full, True), (m_full, m_tile, False)]
+            phases = [(m_begin, m_tile, True)] if always_mask else [
+                (m_begin, u_lo, True), (u_lo, u_hi, False), (u_hi, m_tile, True)]
             dk_acc, dv_acc, dlk = _consume(m_lo, m_tile, phases, stages, full, free, step, (acc0, acc0, dl0))
             k_smem[...] = (dk_acc * float(scale)).astype(dtype)
             v_smem[...] = dv_acc.astype(dtype)
@@ -753,7 +805,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
 
     args = [q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_hi, seq_start]
     if segments:
-        args += [seg_q, seg_k]
+        args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
     return plgpu.kernel(
         entry,

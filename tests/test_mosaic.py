@@ -7,7 +7,8 @@ kernels), so on CPU:
   Mosaic lowering runs in Python and checks layouts, wgmma shapes, barrier and TMA arguments, so an
   API or layout mistake fails here, not first on the GPU;
 * the algorithm (the same tiles, 2·block_q rows × block_k keys, the same skip rule: TileVisits row
-  ranges; masks on the seq_start edge, the causal diagonal, every tile with segment ids or a window)
+  ranges; masks on the seq_start edge, the causal diagonal, document edges (the interior tiles of a document,
+  ``document_runs``, run unmasked: checked against a brute force here), every tile with a window)
   is the blockwise XLA path at the Mosaic tiling, checked against the dense float32 oracle;
 * the op's refusals (CPU, float32, D > 128) and what `"auto"` picks on a (faked) Hopper device.
 ``-m gpu`` runs the kernel on the H200 against the dense float32 oracle (outputs and all four
@@ -103,6 +104,33 @@ def test_forward_outputs_are_read_through_a_barrier():
     assert readers and all("stablehlo.optimization_barrier" in line for line in readers), readers
 
 
+@pytest.mark.parametrize("rows,cols", [(64, 128), (128, 64)])
+def test_document_runs_are_the_blocks_inside_the_rows_document(rows, cols):
+    """``document_runs`` (which tiles the kernels run without a document mask) against a brute force: every
+    block of the run holds only the rows' id, the run is the first such run and is maximal, and row blocks
+    spanning two documents (or padding) get none. Packed documents with cuts on and off block edges, one
+    short document, padding ids, and one batch row whose ids recur out of order."""
+    t = 1024
+    packed = _segments(1, t, (100, 128, 640, 650, 896))[0]
+    recur = jnp.where((jnp.arange(t) >= 256) & (jnp.arange(t) < 512), 7, 3)  # 3, 7, 3: two runs of id 3
+    seg = jnp.stack([packed, recur]).astype(jnp.int32)
+    seg_rows, seg_cols = seg.at[:, -32:].set(-1), seg.at[:, -32:].set(-2)
+    lo, hi = mgpu.document_runs(seg_rows, seg_cols, rows, cols)
+    r, c = np.asarray(seg_rows).reshape(2, -1, rows), np.asarray(seg_cols).reshape(2, -1, cols)
+    n = c.shape[1]
+    found = 0
+    for b in range(2):
+        for i in range(r.shape[1]):
+            same = [len(set(r[b, i])) == 1 and set(c[b, j]) == set(r[b, i]) for j in range(n)]
+            first = same.index(True) if any(same) else n
+            end = first
+            while end < n and same[end]:
+                end += 1
+            assert (int(lo[b, i]), int(hi[b, i])) == (first, end), (b, i)
+            found += end - first
+    assert found > 0  # the cases hold interior tiles
+
+
 def test_config_checks_and_smem_budget():
     with pytest.raises(ValueError, match="block_q"):
         MosaicConfig(96, 128, 2)
@@ -187,6 +215,9 @@ _GPU_CASES = [
     pytest.param(2, 777, 777, 4, 4, 64, jnp.bfloat16, (100, 0), None, id="T777-D64-seqstart"),
     pytest.param(1, 333, 333, 4, 1, 64, jnp.float16, None, None, id="T333-D64-fp16-mqa"),
     pytest.param(1, 100, 900, 2, 2, 96, jnp.bfloat16, (50,), None, id="T100of900-D96"),
+    # documents: cuts on and off block edges, a 24-token one; the unmasked interiors (document_runs)
+    pytest.param(1, 4096, 4096, 4, 4, 64, jnp.bfloat16, None, (1000, 1024, 2500, 2560, 2584),
+                 id="T4096-D64-docs"),
 ]
 
 

@@ -65,6 +65,8 @@ _CASES = [
     pytest.param(1, 30, 30, 2, 2, 48, jnp.float32, None, True, id="f32-d48-padded-headdim"),
     pytest.param(2, 50, 50, 4, 2, 64, jnp.bfloat16, (0, 9), False, id="bf16-gqa-seqstart"),
     pytest.param(2, 40, 47, 2, 2, 32, jnp.float16, None, True, id="fp16-tq<tk-seg"),
+    # documents of ~50 keys over 16/32-wide blocks: tiles wholly inside a document run unmasked (document_runs)
+    pytest.param(2, 160, 160, 2, 1, 32, jnp.float32, (0, 20), True, id="f32-long-docs-interior"),
 ]
 
 

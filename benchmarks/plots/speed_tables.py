@@ -1,0 +1,190 @@
+"""Issue 22's two speed tables from the benchmarks' own JSON: ``attention_<device>.json`` and ``train_<device>.json``.
+
+Attention rows (one per shape, from ``bench_attention.py`` and ``bench_dcp.py`` output of one call):
+  B, T, H, D            the shape (bf16, causal, fwd+bwd)
+  fox_ms                ours as ``implementation="auto"`` runs it on that GPU (Mosaic on Hopper, else Pallas/Triton)
+  fox_impl              which of the two it was
+  fox_seg_ms            the same with (all-ones) segment ids, as a training step calls it (None if not timed)
+  cudnn_ms              cuDNN's plain causal attention (no gates: the yardstick)
+  fox_acp_ms            ours with ``adaptive_threshold="auto"`` (the benchmark's synthetic gates)
+  official_ms, official_acp_ms   the official FoX Triton kernel, dense and ACP auto, in the same call
+  dcp_ms                {"0.5": ms, "0.9": ms}: ``dcp_attention`` (the Pallas DCP kernels) at that fraction of the
+                        causal pairs dropped (``bench_dcp.py``; the achieved sparsity in ``dcp_sparsity``)
+  ratios                fox / cuDNN, fox_acp / official_acp, dcp / fox (the issue's targets: ≤ 1.1, ≤ 0.5, ≤ 1)
+Train rows (``bench_train.py``): arch, size, seq_len, acp, mfu, tokens_per_s, step_ms, compile_s, and batch,
+params_from, acp_fraction_skipped, device, date. Times are milliseconds; a missing measurement is None, never 0.
+
+    python benchmarks/plots/speed_tables.py --attention OUT/attention.json --dcp OUT/dcp.json \\
+        --train OUT/train.json --out-dir benchmarks/results/speed [--merge]
+
+``--merge`` keeps the rows already in the output files that this call did not measure (same shape, or same
+arch/size/seq_len/acp/params_from), so that a table can grow over several device calls. Prints both tables in
+markdown (README / docs/results.md) and writes them next to the JSON as ``speed_<device>.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import sys
+
+
+def _device_tag(name: str) -> str:
+    """'NVIDIA H100 80GB HBM3' -> 'h100', 'NVIDIA H200' -> 'h200', else a lower-case slug."""
+    m = re.search(r"\b([A-Z]\d{2,3})\b", name or "")
+    return m.group(1).lower() if m else re.sub(r"[^a-z0-9]+", "_", (name or "unknown").lower()).strip("_")
+
+
+def _ms(impls: dict, name: str, mode: str = "fwd_bwd"):
+    v = (impls.get(name) or {}).get(mode)
+    return None if v is None else round(float(v), 4)
+
+
+def _ratio(a, b):
+    return None if a is None or not b else round(a / b, 4)
+
+
+def attention_rows(attention: dict, dcp: dict | None, date: str) -> list[dict]:
+    """One row per shape of a ``bench_attention.py`` JSON, with the ``bench_dcp.py`` rows of the same shape."""
+    device = attention["versions"].get("device")
+    dcp_by_shape: dict[tuple, dict] = {}
+    for r in (dcp or {}).get("rows", []):
+        s = r["shape"]
+        dcp_by_shape.setdefault((s["B"], s["T"], s["H"], s["D"]), {})[f"{r['target_sparsity']:g}"] = r
+    rows = []
+    for r in attention["results"]:
+        s, impls = r["shape"], r["impls"]
+        fox_impl = "mosaic" if _ms(impls, "mosaic") is not None else "pallas"
+        fox = _ms(impls, fox_impl)
+        acp = _ms(impls, f"{fox_impl}-acp")
+        official_acp = _ms(impls, "fox-triton-acp")
+        cudnn = _ms(impls, "cudnn")
+        dcp_rows = dcp_by_shape.get((s["B"], s["T"], s["H"], s["D"]), {})
+        dcp_ms = {k: (None if d["ms"].get("pallas|fwd_bwd") is None else round(d["ms"]["pallas|fwd_bwd"], 4))
+                  for k, d in sorted(dcp_rows.items())}
+        rows.append({
+            "B": s["B"], "T": s["T"], "H": s["H"], "D": s["D"],
+            "fox_ms": fox, "fox_impl": fox_impl, "fox_seg_ms": _ms(impls, f"{fox_impl}-seg"),
+            "cudnn_ms": cudnn, "fox_acp_ms": acp,
+            "official_ms": _ms(impls, "fox-triton"), "official_acp_ms": official_acp,
+            "dcp_ms": dcp_ms or None,
+            "dcp_sparsity": {k: round(d["sparsity"], 4) for k, d in sorted(dcp_rows.items())} or None,
+            "fox_over_cudnn": _ratio(fox, cudnn), "acp_over_official_acp": _ratio(acp, official_acp),
+            "dcp_over_fox": {k: _ratio(v, fox) for k, v in dcp_ms.items()} or None,
+            "acp_fraction_skipped": r.get("acp_fraction_skipped"),
+            "device": device, "jax": attention["versions"].get("jax"), "date": date,
+        })
+    return rows
+
+
+TRAIN_KEYS = ("arch", "size", "seq_len", "acp", "mfu", "tokens_per_s", "step_ms", "compile_s", "batch",
+              "params_from", "acp_fraction_skipped", "scan_layers", "remat")
+
+
+def train_rows(train: dict, date: str) -> list[dict]:
+    """The issue's keys of a ``bench_train.py`` JSON's rows (rows with an error are left out)."""
+    device = train["meta"].get("device")
+    rows = []
+    for r in train["rows"]:
+        if r.get("step_ms") is None:
+            continue
+        row = {k: r.get(k) for k in TRAIN_KEYS if k != "tokens_per_s"}
+        row["tokens_per_s"] = r.get("tokens_per_sec")
+        for k in ("mfu", "step_ms", "compile_s", "tokens_per_s"):
+            row[k] = None if row[k] is None else round(float(row[k]), 4)
+        rows.append({**row, "device": device, "jax": train["meta"].get("jax"), "date": date})
+    return rows
+
+
+def _merge(path: str, new: list[dict], key) -> list[dict]:
+    if not os.path.exists(path):
+        return new
+    with open(path) as f:
+        old = json.load(f)
+    fresh = {key(r) for r in new}
+    return [r for r in old if key(r) not in fresh] + new
+
+
+def _shape_key(r):
+    return (r["B"], r["T"], r["H"], r["D"])
+
+
+def _train_key(r):
+    return (r["arch"], r["size"], r["seq_len"], bool(r["acp"]), r.get("params_from") not in (None, "init"))
+
+
+def _f(x, spec=".3f"):
+    return "–" if x is None else format(x, spec)
+
+
+def markdown(att: list[dict], train: list[dict]) -> str:
+    lines = []
+    if att:
+        lines += ["| B T H D | cuDNN | fox_jax | / cuDNN | fox_jax + seg ids | fox_jax ACP | official | official ACP "
+                  "| ACP / official ACP | DCP 50% | DCP 90% |", "|---" * 11 + "|"]
+        for r in sorted(att, key=_shape_key):
+            d = r.get("dcp_ms") or {}
+            lines.append(f"| B{r['B']} T{r['T']} H{r['H']} D{r['D']} | {_f(r['cudnn_ms'])} | {_f(r['fox_ms'])} "
+                         f"| {_f(r['fox_over_cudnn'], '.2f')} | {_f(r['fox_seg_ms'])} | {_f(r['fox_acp_ms'])} "
+                         f"| {_f(r['official_ms'])} | {_f(r['official_acp_ms'])} "
+                         f"| {_f(r['acp_over_official_acp'], '.2f')} | {_f(d.get('0.5'))} | {_f(d.get('0.9'))} |")
+        lines.append("")
+    if train:
+        lines += ["| arch | size | ctx | ACP | gates | step ms | tokens/s | MFU | compile s |", "|---" * 9 + "|"]
+        for r in sorted(train, key=lambda r: (r["arch"], r["size"], r["seq_len"], bool(r["acp"]))):
+            gates = "init" if r.get("params_from") in (None, "init") else "trained"
+            lines.append(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} | {gates} "
+                         f"| {_f(r['step_ms'], '.1f')} | {_f(r['tokens_per_s'], ',.0f')} "
+                         f"| {_f(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}% | {_f(r['compile_s'], '.1f')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--attention", help="bench_attention.py JSON")
+    ap.add_argument("--dcp", help="bench_dcp.py JSON of the same call (the dcp_ms columns)")
+    ap.add_argument("--train", nargs="*", default=[], help="bench_train.py JSON files")
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--merge", action="store_true", help="keep the rows of the output files this call did not measure")
+    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    args = ap.parse_args(argv)
+    loaded = {}
+    for flag, path in [("--attention", args.attention), ("--dcp", args.dcp)] + [("--train", p) for p in args.train]:
+        if path is None:
+            continue
+        if not os.path.exists(path):
+            print(f"{flag}: no such file {path}", file=sys.stderr)
+            return 2
+        with open(path) as f:
+            loaded.setdefault(flag, []).append(json.load(f))
+    if not loaded.get("--attention") and not loaded.get("--train"):
+        print("--attention or --train: give at least one benchmark JSON", file=sys.stderr)
+        return 2
+    att = attention_rows(loaded["--attention"][0], (loaded.get("--dcp") or [None])[0], args.date) \
+        if loaded.get("--attention") else []
+    train = [r for t in loaded.get("--train", []) for r in train_rows(t, args.date)]
+    os.makedirs(args.out_dir, exist_ok=True)
+    device = (att or train)[0]["device"]
+    tag = _device_tag(device)
+    tables = {}
+    for name, rows, key in (("attention", att, _shape_key), ("train", train, _train_key)):
+        path = os.path.join(args.out_dir, f"{name}_{tag}.json")
+        if args.merge:
+            rows = _merge(path, rows, key)
+        tables[name] = rows
+        if rows and (att if name == "attention" else train):
+            with open(path, "w") as f:
+                json.dump(rows, f, indent=1)
+            print(f"wrote {path} ({len(rows)} rows)")
+    table = markdown(tables["attention"], tables["train"])
+    with open(os.path.join(args.out_dir, f"speed_{tag}.md"), "w") as f:
+        f.write(table + "\n")
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

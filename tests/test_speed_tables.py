@@ -1,0 +1,75 @@
+"""benchmarks/plots/speed_tables.py on small synthetic benchmark JSON (issue 22's two tables)."""
+
+import json
+
+from plots import speed_tables  # benchmarks/ is on the tests' path (pyproject.toml)
+
+DEVICE = "NVIDIA H100 80GB HBM3"
+
+
+def _attention(tmp_path, fox=9.0):
+    impls = {"cudnn": 7.5, "mosaic": fox, "mosaic-seg": 9.3, "mosaic-acp": 2.0, "fox-triton": 12.0,
+             "fox-triton-acp": 4.0}
+    doc = {"versions": {"device": DEVICE, "jax": "0.11.2"},
+           "results": [{"shape": {"B": 1, "T": 16384, "H": 16, "D": 128}, "acp_fraction_skipped": {"fwd": 0.8},
+                        "impls": {k: {"fwd": v / 3, "fwd_bwd": v, "bwd": 2 * v / 3} for k, v in impls.items()}},
+                       {"shape": {"B": 8, "T": 2048, "H": 16, "D": 128},
+                        "impls": {"cudnn": {"fwd_bwd": 1.2}, "pallas": {"fwd_bwd": 1.8}}}]}
+    path = tmp_path / "attention.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _dcp(tmp_path):
+    rows = [{"shape": {"B": 1, "T": 16384, "H": 16, "D": 128}, "target_sparsity": s, "sparsity": s + 0.01,
+             "ms": {"pallas|fwd_bwd": ms, "dense pallas (no mask)|fwd_bwd": 11.0}} for s, ms in ((0.5, 12.0), (0.9, 4.5))]
+    path = tmp_path / "dcp.json"
+    path.write_text(json.dumps({"versions": {"device": DEVICE}, "rows": rows}))
+    return path
+
+
+def _train(tmp_path, name, step_ms, acp=False, params_from="init"):
+    row = {"arch": "fox-pro", "size": "760M", "seq_len": 16384, "acp": acp, "batch": 1, "step_ms": step_ms,
+           "tokens_per_sec": 16384 / step_ms * 1e3, "mfu": 0.3, "compile_s": 19.0, "params_from": params_from}
+    path = tmp_path / name
+    path.write_text(json.dumps({"meta": {"device": DEVICE, "jax": "0.11.2"},
+                                "rows": [row, {"arch": "fox-pro", "size": "125M", "error": "OOM"}]}))
+    return path
+
+
+def test_rows_carry_the_issue_keys_and_ratios(tmp_path, capsys):
+    out = tmp_path / "out"
+    assert speed_tables.main(["--attention", str(_attention(tmp_path)), "--dcp", str(_dcp(tmp_path)),
+                              "--train", str(_train(tmp_path, "t.json", 430.0)), "--out-dir", str(out)]) == 0
+    att = json.loads((out / "attention_h100.json").read_text())
+    big = next(r for r in att if r["T"] == 16384)
+    assert (big["fox_ms"], big["fox_impl"], big["cudnn_ms"], big["fox_seg_ms"]) == (9.0, "mosaic", 7.5, 9.3)
+    assert (big["fox_acp_ms"], big["official_ms"], big["official_acp_ms"]) == (2.0, 12.0, 4.0)
+    assert big["dcp_ms"] == {"0.5": 12.0, "0.9": 4.5} and big["dcp_sparsity"] == {"0.5": 0.51, "0.9": 0.91}
+    assert big["fox_over_cudnn"] == 1.2 and big["acp_over_official_acp"] == 0.5
+    assert big["dcp_over_fox"] == {"0.5": round(12.0 / 9.0, 4), "0.9": 0.5}
+    small = next(r for r in att if r["T"] == 2048)  # no Mosaic timing: the Triton kernels are "auto" there
+    assert small["fox_impl"] == "pallas" and small["fox_ms"] == 1.8 and small["official_ms"] is None
+    assert small["dcp_ms"] is None
+    train = json.loads((out / "train_h100.json").read_text())
+    assert len(train) == 1  # the error row is left out
+    assert {"arch", "size", "seq_len", "acp", "mfu", "tokens_per_s", "step_ms", "compile_s"} <= set(train[0])
+    assert "| B1 T16384 H16 D128 | 7.500 | 9.000 | 1.20 |" in capsys.readouterr().out
+
+
+def test_merge_grows_the_tables_over_calls(tmp_path):
+    out = tmp_path / "out"
+    speed_tables.main(["--train", str(_train(tmp_path, "a.json", 480.0)), "--out-dir", str(out)])
+    speed_tables.main(["--train", str(_train(tmp_path, "b.json", 240.0, acp=True, params_from="/run")),
+                       "--out-dir", str(out), "--merge"])
+    speed_tables.main(["--train", str(_train(tmp_path, "c.json", 430.0)), "--out-dir", str(out), "--merge"])
+    rows = json.loads((out / "train_h100.json").read_text())
+    assert sorted(r["step_ms"] for r in rows) == [240.0, 430.0]  # the re-measured row replaced, the other kept
+    assert "| fox-pro | 760M | 16384 | on | trained | 240.0 |" in (out / "speed_h100.md").read_text()
+
+
+def test_bad_input_names_the_flag(tmp_path, capsys):
+    assert speed_tables.main(["--train", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 2
+    assert "--train: no such file" in capsys.readouterr().err
+    assert speed_tables.main(["--out-dir", str(tmp_path)]) == 2
+    assert "--attention or --train" in capsys.readouterr().err
