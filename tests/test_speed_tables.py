@@ -22,17 +22,19 @@ def _attention(tmp_path, fox=9.0):
 
 def _dcp(tmp_path):
     rows = [{"shape": {"B": 1, "T": 16384, "H": 16, "D": 128}, "target_sparsity": s, "sparsity": s + 0.01,
-             "ms": {"pallas|fwd_bwd": ms, "dense pallas (no mask)|fwd_bwd": 11.0}} for s, ms in ((0.5, 12.0), (0.9, 4.5))]
+             "ms": {"pallas|fwd_bwd": ms, "dense pallas (no mask)|fwd_bwd": 11.0}}
+            for s, ms in ((0.5, 12.0), (0.9, 4.5))]
     path = tmp_path / "dcp.json"
     path.write_text(json.dumps({"versions": {"device": DEVICE}, "rows": rows}))
     return path
 
 
-def _train(tmp_path, name, step_ms, acp=False, params_from="init"):
+def _train(tmp_path, name, step_ms, acp=False, params_from="init", device=DEVICE, **extra):
     row = {"arch": "fox-pro", "size": "760M", "seq_len": 16384, "acp": acp, "batch": 1, "step_ms": step_ms,
-           "tokens_per_sec": 16384 / step_ms * 1e3, "mfu": 0.3, "compile_s": 19.0, "params_from": params_from}
+           "tokens_per_sec": 16384 / step_ms * 1e3, "mfu": 0.3, "compile_s": 19.0, "params_from": params_from,
+           **extra}
     path = tmp_path / name
-    path.write_text(json.dumps({"meta": {"device": DEVICE, "jax": "0.11.2"},
+    path.write_text(json.dumps({"meta": {"device": device, "jax": "0.11.2"},
                                 "rows": [row, {"arch": "fox-pro", "size": "125M", "error": "OOM"}]}))
     return path
 
@@ -47,7 +49,7 @@ def test_rows_carry_the_issue_keys_and_ratios(tmp_path, capsys):
     assert (big["fox_acp_ms"], big["official_ms"], big["official_acp_ms"]) == (2.0, 12.0, 4.0)
     assert big["dcp_ms"] == {"0.5": 12.0, "0.9": 4.5} and big["dcp_sparsity"] == {"0.5": 0.51, "0.9": 0.91}
     assert big["fox_over_cudnn"] == 1.2 and big["acp_over_official_acp"] == 0.5
-    assert big["dcp_over_fox"] == {"0.5": round(12.0 / 9.0, 4), "0.9": 0.5}
+    assert big["dcp_over_fox"] == {"0.5": 12.0 / 9.0, "0.9": 0.5}
     small = next(r for r in att if r["T"] == 2048)  # no Mosaic timing: the Triton kernels are "auto" there
     assert small["fox_impl"] == "pallas" and small["fox_ms"] == 1.8 and small["official_ms"] is None
     assert small["dcp_ms"] is None
@@ -68,8 +70,32 @@ def test_merge_grows_the_tables_over_calls(tmp_path):
     assert "| fox-pro | 760M | 16384 | on | trained | 240.0 |" in (out / "speed_h100.md").read_text()
 
 
-def test_bad_input_names_the_flag(tmp_path, capsys):
-    assert speed_tables.main(["--train", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 2
-    assert "--train: no such file" in capsys.readouterr().err
+def test_rows_of_a_merged_file_keep_their_tree_call_and_date(tmp_path, capsys):
+    path = _train(tmp_path, "merged.json", 481.0, tree="abc", call="15:57", date="2026-12-01")
+    assert speed_tables.main(["--train", str(path), "--out-dir", str(tmp_path / "o"), "--date", "2030-01-01"]) == 0
+    row = json.loads((tmp_path / "o" / "train_h100.json").read_text())[0]
+    assert (row["tree"], row["call"], row["date"]) == ("abc", "15:57", "2026-12-01")
+    assert "| abc | 15:57 |" in capsys.readouterr().out
+
+
+def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys):
+    out = ["--out-dir", str(tmp_path / "o")]
+    assert speed_tables.main(["--train", str(tmp_path / "none.json"), *out]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("--train: ") and err.strip().endswith("no such file") and err.count("\n") == 1
+    assert speed_tables.main(["--attention", str(_train(tmp_path, "t.json", 430.0)), *out]) == 2  # a train file
+    assert "not bench_attention.py output" in capsys.readouterr().err
+    (tmp_path / "rows.jsonl").write_text('{"a": 1}\n{"a": 2}\n')
+    assert speed_tables.main(["--train", str(tmp_path / "rows.jsonl"), *out]) == 2
+    assert "--train: " in (err := capsys.readouterr().err) and "not a JSON document" in err
+    assert speed_tables.main(["--train", str(tmp_path), *out]) == 2  # a folder
+    assert "no such file" in capsys.readouterr().err
+    assert speed_tables.main(["--dcp", str(_dcp(tmp_path)), "--train", str(_train(tmp_path, "t.json", 430.0)),
+                              *out]) == 2
+    assert "--dcp: " in capsys.readouterr().err
+    other = _train(tmp_path, "h200.json", 400.0, device="NVIDIA H200")  # two devices: never one mislabelled table
+    assert speed_tables.main(["--attention", str(_attention(tmp_path)), "--train", str(other), *out]) == 2
+    assert "different devices" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # nothing written on refusal
     assert speed_tables.main(["--out-dir", str(tmp_path)]) == 2
     assert "--attention or --train" in capsys.readouterr().err

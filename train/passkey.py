@@ -506,7 +506,8 @@ def plot_heatmap(result: dict, path: str | os.PathLike) -> None:
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("needle depth (0 = start, 1 = end)")
     slots = f", {result['slots']} slots" if result.get("slots") else ""
-    ax.set_title(f"passkey retrieval, cache {result['policy']}{slots} (n = {result['n']} per cell)", fontsize=9)
+    model = f"{result['model']} step {result['step']}, " if result.get("model") else ""
+    ax.set_title(f"passkey retrieval, {model}cache {result['policy']}{slots} (n = {result['n']} per cell)", fontsize=9)
     fig.colorbar(img, ax=ax, label="exact-match accuracy")
     fig.tight_layout()
     path = os.fspath(path)

@@ -1,4 +1,6 @@
-"""Issue 22's two speed tables from the benchmarks' own JSON: ``attention_<device>.json`` and ``train_<device>.json``.
+"""Attention and training speed tables (attention_<gpu>.json, train_<gpu>.json, speed_<gpu>.md) from benchmark JSON.
+
+The inputs are what bench_attention.py, bench_dcp.py and bench_train.py write (issue 22's deliverable 4).
 
 Attention rows (one per shape, from ``bench_attention.py`` and ``bench_dcp.py`` output of one call):
   B, T, H, D            the shape (bf16, causal, fwd+bwd)
@@ -19,7 +21,9 @@ params_from, acp_fraction_skipped, device, date. Times are milliseconds; a missi
 
 ``--merge`` keeps the rows already in the output files that this call did not measure (same shape, or same
 arch/size/seq_len/acp/params_from), so that a table can grow over several device calls. Prints both tables in
-markdown (README / docs/results.md) and writes them next to the JSON as ``speed_<device>.md``.
+markdown (README / docs/results.md) and writes them next to the JSON as ``speed_<gpu>.md``; ``<gpu>`` is the
+device the inputs name (``h100``, ``h200``): inputs from two devices are refused. Times are milliseconds.
+A train input may also be one of this tool's own merged files (rows keep their ``tree``, ``call`` and ``date``).
 """
 
 from __future__ import annotations
@@ -40,11 +44,11 @@ def _device_tag(name: str) -> str:
 
 def _ms(impls: dict, name: str, mode: str = "fwd_bwd"):
     v = (impls.get(name) or {}).get(mode)
-    return None if v is None else round(float(v), 4)
+    return None if v is None else float(v)
 
 
 def _ratio(a, b):
-    return None if a is None or not b else round(a / b, 4)
+    return None if a is None or not b else a / b
 
 
 def attention_rows(attention: dict, dcp: dict | None, date: str) -> list[dict]:
@@ -63,15 +67,14 @@ def attention_rows(attention: dict, dcp: dict | None, date: str) -> list[dict]:
         official_acp = _ms(impls, "fox-triton-acp")
         cudnn = _ms(impls, "cudnn")
         dcp_rows = dcp_by_shape.get((s["B"], s["T"], s["H"], s["D"]), {})
-        dcp_ms = {k: (None if d["ms"].get("pallas|fwd_bwd") is None else round(d["ms"]["pallas|fwd_bwd"], 4))
-                  for k, d in sorted(dcp_rows.items())}
+        dcp_ms = {k: d["ms"].get("pallas|fwd_bwd") for k, d in sorted(dcp_rows.items())}
         rows.append({
             "B": s["B"], "T": s["T"], "H": s["H"], "D": s["D"],
             "fox_ms": fox, "fox_impl": fox_impl, "fox_seg_ms": _ms(impls, f"{fox_impl}-seg"),
             "cudnn_ms": cudnn, "fox_acp_ms": acp,
             "official_ms": _ms(impls, "fox-triton"), "official_acp_ms": official_acp,
             "dcp_ms": dcp_ms or None,
-            "dcp_sparsity": {k: round(d["sparsity"], 4) for k, d in sorted(dcp_rows.items())} or None,
+            "dcp_sparsity": {k: d["sparsity"] for k, d in sorted(dcp_rows.items())} or None,
             "fox_over_cudnn": _ratio(fox, cudnn), "acp_over_official_acp": _ratio(acp, official_acp),
             "dcp_over_fox": {k: _ratio(v, fox) for k, v in dcp_ms.items()} or None,
             "acp_fraction_skipped": r.get("acp_fraction_skipped"),
@@ -81,7 +84,7 @@ def attention_rows(attention: dict, dcp: dict | None, date: str) -> list[dict]:
 
 
 TRAIN_KEYS = ("arch", "size", "seq_len", "acp", "mfu", "tokens_per_s", "step_ms", "compile_s", "batch",
-              "params_from", "acp_fraction_skipped", "scan_layers", "remat")
+              "params_from", "acp_fraction_skipped", "scan_layers", "remat", "tree", "call")
 
 
 def train_rows(train: dict, date: str) -> list[dict]:
@@ -91,12 +94,31 @@ def train_rows(train: dict, date: str) -> list[dict]:
     for r in train["rows"]:
         if r.get("step_ms") is None:
             continue
-        row = {k: r.get(k) for k in TRAIN_KEYS if k != "tokens_per_s"}
-        row["tokens_per_s"] = r.get("tokens_per_sec")
-        for k in ("mfu", "step_ms", "compile_s", "tokens_per_s"):
-            row[k] = None if row[k] is None else round(float(row[k]), 4)
-        rows.append({**row, "device": device, "jax": train["meta"].get("jax"), "date": date})
+        row = {k: r.get(k) for k in TRAIN_KEYS if k not in ("tokens_per_s", "tree", "call") or k in r}
+        row["tokens_per_s"] = r.get("tokens_per_sec", r.get("tokens_per_s"))
+        rows.append({**row, "device": r.get("device", device), "jax": train["meta"].get("jax"),
+                     "date": r.get("date", date)})
     return rows
+
+
+_EXPECTED = {"--attention": ("versions", "results", "bench_attention.py"),
+             "--dcp": ("versions", "rows", "bench_dcp.py"),
+             "--train": ("meta", "rows", "bench_train.py")}
+
+
+def _load(path: str, expected) -> tuple[dict | None, str | None]:
+    """(document, None) or (None, a one-line reason): a JSON object with the keys its benchmark writes."""
+    head, body, script = expected
+    if not os.path.isfile(path):
+        return None, "no such file"
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return None, f"not a JSON document ({e.__class__.__name__}: {str(e).splitlines()[0]})"
+    if not isinstance(doc, dict) or head not in doc or body not in doc:
+        return None, f"not {script} output (expected a JSON object with {head!r} and {body!r})"
+    return doc, None
 
 
 def _merge(path: str, new: list[dict], key) -> list[dict]:
@@ -113,7 +135,8 @@ def _shape_key(r):
 
 
 def _train_key(r):
-    return (r["arch"], r["size"], r["seq_len"], bool(r["acp"]), r.get("params_from") not in (None, "init"))
+    return (r["arch"], r["size"], r["seq_len"], bool(r["acp"]), r.get("params_from") not in (None, "init"),
+            r.get("tree"), r.get("call"))
 
 
 def _f(x, spec=".3f"):
@@ -133,12 +156,16 @@ def markdown(att: list[dict], train: list[dict]) -> str:
                          f"| {_f(r['acp_over_official_acp'], '.2f')} | {_f(d.get('0.5'))} | {_f(d.get('0.9'))} |")
         lines.append("")
     if train:
-        lines += ["| arch | size | ctx | ACP | gates | step ms | tokens/s | MFU | compile s |", "|---" * 9 + "|"]
-        for r in sorted(train, key=lambda r: (r["arch"], r["size"], r["seq_len"], bool(r["acp"]))):
+        trees = any(r.get("tree") or r.get("call") for r in train)
+        lines += ["| arch | size | ctx | ACP | gates | step ms | tokens/s | MFU | compile s |"
+                  + (" tree | call |" if trees else ""), "|---" * (11 if trees else 9) + "|"]
+        for r in sorted(train, key=lambda r: (r["arch"], r["size"], r["seq_len"], bool(r["acp"]), str(r.get("call")))):
             gates = "init" if r.get("params_from") in (None, "init") else "trained"
+            extra = f" {r.get('tree') or '–'} | {r.get('call') or '–'} |" if trees else ""
             lines.append(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} | {gates} "
                          f"| {_f(r['step_ms'], '.1f')} | {_f(r['tokens_per_s'], ',.0f')} "
-                         f"| {_f(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}% | {_f(r['compile_s'], '.1f')} |")
+                         f"| {_f(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}% | {_f(r['compile_s'], '.1f')} |"
+                         + extra)
     return "\n".join(lines)
 
 
@@ -147,21 +174,33 @@ def main(argv=None) -> int:
     ap.add_argument("--attention", help="bench_attention.py JSON")
     ap.add_argument("--dcp", help="bench_dcp.py JSON of the same call (the dcp_ms columns)")
     ap.add_argument("--train", nargs="*", default=[], help="bench_train.py JSON files")
-    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--out-dir", required=True,
+                    help="folder of attention_<gpu>.json, train_<gpu>.json and speed_<gpu>.md (made if missing)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the output files this call did not measure")
-    ap.add_argument("--date", default=datetime.date.today().isoformat())
+    ap.add_argument("--date", default=datetime.date.today().isoformat(),
+                    help="the measurement date written into rows that carry none (default: today)")
     args = ap.parse_args(argv)
     loaded = {}
     for flag, path in [("--attention", args.attention), ("--dcp", args.dcp)] + [("--train", p) for p in args.train]:
         if path is None:
             continue
-        if not os.path.exists(path):
-            print(f"{flag}: no such file {path}", file=sys.stderr)
+        doc, problem = _load(path, _EXPECTED[flag])
+        if problem:
+            print(f"{flag}: {path}: {problem}", file=sys.stderr)
             return 2
-        with open(path) as f:
-            loaded.setdefault(flag, []).append(json.load(f))
+        loaded.setdefault(flag, []).append(doc)
     if not loaded.get("--attention") and not loaded.get("--train"):
         print("--attention or --train: give at least one benchmark JSON", file=sys.stderr)
+        return 2
+    if loaded.get("--dcp") and not loaded.get("--attention"):
+        print("--dcp: its rows join the --attention rows of the same call; give --attention too", file=sys.stderr)
+        return 2
+    devices = {d["versions"].get("device") for k in ("--attention", "--dcp") for d in loaded.get(k, [])}
+    devices |= {r.get("device", d["meta"].get("device")) for d in loaded.get("--train", []) for r in d["rows"]}
+    if len({_device_tag(x) for x in devices}) > 1:
+        names = ", ".join(sorted(map(str, devices)))
+        print(f"--attention/--dcp/--train: the inputs come from different devices ({names}); make one table per device",
+              file=sys.stderr)
         return 2
     att = attention_rows(loaded["--attention"][0], (loaded.get("--dcp") or [None])[0], args.date) \
         if loaded.get("--attention") else []
