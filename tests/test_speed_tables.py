@@ -89,7 +89,7 @@ def test_bad_input_is_one_line_naming_the_flag(tmp_path, capsys):
     assert speed_tables.main(["--train", str(tmp_path / "rows.jsonl"), *out]) == 2
     assert "--train: " in (err := capsys.readouterr().err) and "not a JSON document" in err
     assert speed_tables.main(["--train", str(tmp_path), *out]) == 2  # a folder
-    assert "no such file" in capsys.readouterr().err
+    assert "not a file" in capsys.readouterr().err
     assert speed_tables.main(["--dcp", str(_dcp(tmp_path)), "--train", str(_train(tmp_path, "t.json", 430.0)),
                               *out]) == 2
     assert "--dcp: " in capsys.readouterr().err

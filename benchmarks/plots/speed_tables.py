@@ -94,8 +94,8 @@ def train_rows(train: dict, date: str) -> list[dict]:
     for r in train["rows"]:
         if r.get("step_ms") is None:
             continue
-        row = {k: r.get(k) for k in TRAIN_KEYS if k not in ("tokens_per_s", "tree", "call") or k in r}
-        row["tokens_per_s"] = r.get("tokens_per_sec", r.get("tokens_per_s"))
+        row = {k: r.get(k) for k in TRAIN_KEYS if k not in ("tree", "call") or k in r}  # tree, call: merged files
+        row["tokens_per_s"] = r.get("tokens_per_sec", r.get("tokens_per_s"))  # bench_train.py's name, or ours
         rows.append({**row, "device": r.get("device", device), "jax": train["meta"].get("jax"),
                      "date": r.get("date", date)})
     return rows
@@ -109,8 +109,10 @@ _EXPECTED = {"--attention": ("versions", "results", "bench_attention.py"),
 def _load(path: str, expected) -> tuple[dict | None, str | None]:
     """(document, None) or (None, a one-line reason): a JSON object with the keys its benchmark writes."""
     head, body, script = expected
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         return None, "no such file"
+    if not os.path.isfile(path):
+        return None, "not a file"
     try:
         with open(path) as f:
             doc = json.load(f)
