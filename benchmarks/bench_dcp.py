@@ -78,6 +78,36 @@ def main(argv=None) -> int:
     info = versions()
     log(json.dumps(info))
     rows = []
+
+    def write(final: bool) -> None:  # after every row, so a cut run keeps what was measured
+        lines = ["| B×T×H×D | sparsity | " + " | ".join(f"{n} {m}" for n in impls for m in ("fwd", "fwd+bwd")) + " |",
+                 "|---" * (2 + 2 * len(impls)) + "|"]
+        for r in rows:
+            s = r["shape"]
+            fl = r["flops_fwd_dense"]
+            cells = [fmt(r["ms"].get(f"{n}|{m}"), None if r["ms"].get(f"{n}|{m}") is None else
+                         fl * (1.0 if m == "fwd" else 3.5) / r["ms"][f"{n}|{m}"] / 1e9)
+                     for n in impls for m in ("fwd", "fwd_bwd")]
+            shape = f"{s['B']}×{s['T']}×{s['H']}×{s['D']}"
+            lines.append(f"| {shape} | {100 * r['sparsity']:.0f}% | " + " | ".join(cells) + " |")
+        ratio_names = [n for n in impls if n.startswith("pallas")]
+        lines += ["", "| B×T×H×D | sparsity | tiles skipped fwd/dq/dkv | "
+                  + " | ".join(f"{n} / dense {m}" for n in ratio_names for m in ("fwd", "fwd+bwd")) + " |",
+                  "|---" * (3 + 2 * len(ratio_names)) + "|"]
+        for r in rows:
+            s = r["shape"]
+            sk = r["causal_tiles_skipped"]
+            cells = [("—" if r["ratio_vs_dense"].get(f"{n}|{m}") is None else f"{r['ratio_vs_dense'][f'{n}|{m}']:.2f}×")
+                     for n in ratio_names for m in ("fwd", "fwd_bwd")]
+            lines.append(f"| {s['B']}×{s['T']}×{s['H']}×{s['D']} | {100 * r['sparsity']:.0f}% | "
+                         f"{100 * sk['fwd']:.0f}/{100 * sk['dq']:.0f}/{100 * sk['dkv']:.0f}% | " + " | ".join(cells) + " |")
+        table = "\n".join(lines)
+        if final:
+            log("\nms (dense-equivalent TFLOP/s: the dense causal FLOPs, whatever the mask drops)\n" + table)
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+        with open(args.out, "w") as f:
+            json.dump(dict(versions=info, rows=rows, markdown=table), f, indent=1)
+
     for b, t, h, d in shapes:
         rng = np.random.default_rng(1)
         q, k, v = (jnp.asarray(rng.normal(size=(b, t, h, d)), jnp.bfloat16) for _ in range(3))
@@ -123,32 +153,8 @@ def main(argv=None) -> int:
                                      for n in impls if n.startswith("pallas") for m in ("fwd", "fwd_bwd")}
             log(json.dumps(row))
             rows.append(row)
-    lines = ["| B×T×H×D | sparsity | " + " | ".join(f"{n} {m}" for n in impls for m in ("fwd", "fwd+bwd")) + " |",
-             "|---" * (2 + 2 * len(impls)) + "|"]
-    for r in rows:
-        s = r["shape"]
-        fl = r["flops_fwd_dense"]
-        cells = [fmt(r["ms"].get(f"{n}|{m}"), None if r["ms"].get(f"{n}|{m}") is None else
-                     fl * (1.0 if m == "fwd" else 3.5) / r["ms"][f"{n}|{m}"] / 1e9)
-                 for n in impls for m in ("fwd", "fwd_bwd")]
-        shape = f"{s['B']}×{s['T']}×{s['H']}×{s['D']}"
-        lines.append(f"| {shape} | {100 * r['sparsity']:.0f}% | " + " | ".join(cells) + " |")
-    ratio_names = [n for n in impls if n.startswith("pallas")]
-    lines += ["", "| B×T×H×D | sparsity | tiles skipped fwd/dq/dkv | "
-              + " | ".join(f"{n} / dense {m}" for n in ratio_names for m in ("fwd", "fwd+bwd")) + " |",
-              "|---" * (3 + 2 * len(ratio_names)) + "|"]
-    for r in rows:
-        s = r["shape"]
-        sk = r["causal_tiles_skipped"]
-        cells = [("—" if r["ratio_vs_dense"].get(f"{n}|{m}") is None else f"{r['ratio_vs_dense'][f'{n}|{m}']:.2f}×")
-                 for n in ratio_names for m in ("fwd", "fwd_bwd")]
-        lines.append(f"| {s['B']}×{s['T']}×{s['H']}×{s['D']} | {100 * r['sparsity']:.0f}% | "
-                     f"{100 * sk['fwd']:.0f}/{100 * sk['dq']:.0f}/{100 * sk['dkv']:.0f}% | " + " | ".join(cells) + " |")
-    table = "\n".join(lines)
-    log("\nms (dense-equivalent TFLOP/s: the dense causal FLOPs, whatever the mask drops)\n" + table)
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(dict(versions=info, rows=rows, markdown=table), f, indent=1)
+            write(final=False)
+    write(final=True)
     return 0
 
 

@@ -189,6 +189,73 @@ def test_kv_shift_continuation_matches_single_pass():
     np.testing.assert_allclose(packed[:, 7:], alone, atol=1e-6)  # never shifts across documents
 
 
+def _kv_shift_oracle(raw, alpha, state, segment_ids):
+    """Eq. 14 written out per token in float64 (numpy): the oracle of kv_shift's values."""
+    raw, alpha, state = (np.asarray(x, np.float64) for x in (raw, alpha, state))
+    out = np.empty_like(raw)
+    for t in range(raw.shape[1]):
+        prev = state if t == 0 else raw[:, t - 1]
+        if segment_ids is not None and t > 0:
+            prev = np.where((segment_ids[:, t] != segment_ids[:, t - 1])[:, None, None], 0.0, prev)
+        out[:, t] = alpha[:, t, :, None] * prev + (1 - alpha[:, t, :, None]) * raw[:, t]
+    return out
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["one-doc", "packed"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_shift_gradients_match_autodiff_of_the_oracle(packed, dtype):
+    """kv_shift's written-out backward (one reduction for dα, dx̃ rounded once) against autodiff of Eq. 14 in
+    float32, into raw, α and the carried state, with document starts inside the chunk and at its first token.
+    Tolerances: float32 5e-6 (summation order over D); bfloat16 inputs give a bfloat16 output and dx̃, so the
+    comparison is at bf16's resolution (2⁻⁸ relative) and dα, accumulated in float32, at 2e-2 absolute over D=4."""
+    from fox_jax.ops.head_ops import kv_shift
+    ks = jax.random.split(jax.random.PRNGKey(3), 5)
+    dt = jnp.dtype(dtype)
+    raw = jax.random.normal(ks[0], (2, 11, 3, 4)).astype(dt)
+    alpha = jax.nn.sigmoid(jax.random.normal(ks[1], (2, 11, 3)))
+    state = jax.random.normal(ks[2], (2, 3, 4)).astype(dt)
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2, 2, 2, 3, 3, 3], [4] * 11]) if packed else None
+    w = jax.random.normal(ks[3], raw.shape)
+
+    def plain(r, a, s):  # the same math for autodiff: float32 throughout
+        prev = jnp.concatenate([s[:, None], r[:, :-1]], axis=1)
+        if seg is not None:
+            prev = jnp.where(jnp.concatenate([jnp.zeros((2, 1), bool), seg[:, 1:] != seg[:, :-1]], 1)[..., None, None],
+                             0.0, prev)
+        return a[..., None] * prev + (1 - a[..., None]) * r
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    out, last = kv_shift(raw, alpha, state=state, segment_ids=seg)
+    assert out.dtype == dt and last.dtype == dt
+    tol = dict(atol=5e-6, rtol=5e-6) if dtype == "float32" else dict(atol=2e-2, rtol=1e-2)
+    np.testing.assert_allclose(f32(out), _kv_shift_oracle(f32(raw), alpha, f32(state), seg), **tol)
+    ours = jax.grad(lambda r, a, s: jnp.sum(f32(kv_shift(r, a, state=s, segment_ids=seg)[0]) * w),
+                    argnums=(0, 1, 2))(raw, alpha, state)
+    ref = jax.grad(lambda r, a, s: jnp.sum(plain(r, a, s) * w), argnums=(0, 1, 2))(f32(raw), alpha, f32(state))
+    for name, a, b in zip(("raw", "alpha", "state"), ours, ref):
+        np.testing.assert_allclose(f32(a), b, **tol, err_msg=name)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_swiglu_gradient_matches_autodiff_of_the_split_form(dtype):
+    """swiglu's backward (one [.., 2·hidden] array, computed in float32) against autodiff of
+    silu(gate)·up written with a split, in float32. bf16: the output and dh are rounded to bf16 (2⁻⁸)."""
+    from fox_jax.nn.layers import swiglu
+    h = (3 * jax.random.normal(jax.random.PRNGKey(5), (2, 3, 10))).astype(dtype)
+    w = jax.random.normal(jax.random.PRNGKey(6), (2, 3, 5))
+
+    def plain(h):
+        gate, up = jnp.split(h, 2, axis=-1)
+        return gate * jax.nn.sigmoid(gate) * up
+
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == "float32" else dict(atol=3e-2, rtol=1e-2)
+    hf = h.astype(jnp.float32)
+    np.testing.assert_allclose(swiglu(h).astype(jnp.float32), plain(hf), **tol)
+    ours = jax.grad(lambda h: jnp.sum(swiglu(h).astype(jnp.float32) * w))(h)
+    assert ours.dtype == h.dtype
+    np.testing.assert_allclose(ours.astype(jnp.float32), jax.grad(lambda h: jnp.sum(plain(h) * w))(hf), **tol)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-pro"])
 def test_pro_models_run_and_respect_segments(arch):

@@ -69,8 +69,37 @@ class SwiGLU(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
                                          kernel_init=normal_init(self.init_std), name=name)
-        gate, up = jnp.split(dense(2 * self.hidden, "gate_proj")(x), 2, axis=-1)
-        return dense(x.shape[-1], "down_proj")(nn.silu(gate) * up)
+        return dense(x.shape[-1], "down_proj")(swiglu(dense(2 * self.hidden, "gate_proj")(x)))
+
+
+@jax.custom_vjp
+def swiglu(h: jax.Array) -> jax.Array:
+    """silu(gate) ⊙ up of the fused projection h = [gate | up] [..., 2·hidden], in h's dtype: [..., hidden].
+
+    The backward returns dh as one [..., 2·hidden] array computed in float32 (each half reads the other half
+    through a reversal of the (gate, up) pair axis), so no concatenation of d_gate and d_up is materialised
+    before the projection's weight gradient (autodiff of a split writes one: a copy of the [B·T, 2·hidden]
+    cotangent per layer in the training step)."""
+    gate, up = jnp.split(h, 2, axis=-1)
+    return nn.silu(gate) * up
+
+
+def _swiglu_fwd(h):
+    return swiglu(h), h
+
+
+def _swiglu_bwd(h, g):
+    pair = h.reshape(*h.shape[:-1], 2, -1).astype(jnp.float32)  # [..., (gate, up), hidden]
+    other = pair[..., ::-1, :]                                   # [..., (up, gate), hidden]
+    is_gate = jax.lax.broadcasted_iota(jnp.int32, pair.shape, pair.ndim - 2) == 0
+    gate, up = jnp.where(is_gate, pair, other), jnp.where(is_gate, other, pair)
+    sig = jax.nn.sigmoid(gate)
+    g = g.astype(jnp.float32)[..., None, :]
+    d = jnp.where(is_gate, g * up * sig * (1.0 + gate * (1.0 - sig)), g * gate * sig)
+    return (d.reshape(h.shape).astype(h.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
 class DenseParams(nn.Module):

@@ -33,6 +33,10 @@ def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None
 
         x_t = α_t · x̃_{t−1} + (1 − α_t) · x̃_t,   x̃_{−1} = ``state`` (zeros by default)
 
+    computed in float32 and rounded to raw's dtype once. Its backward is written out (``_shift_mix``): one pass
+    over the cotangent gives dα_t = Σ_d g_t·(x̃_{t−1} − x̃_t) (one reduction, where autodiff takes two) and
+    dx̃ in float32, rounded once.
+
     Args:
       raw: [B, T, H, D] unshifted projections x̃.
       alpha: [B, T, H] float32 mixing weights in (0, 1).
@@ -43,16 +47,40 @@ def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None
     Returns:
       (shifted [B, T, H, D] in raw's dtype, new state [B, H, D] = raw[:, -1]).
     """
-    if state is None:
-        state = jnp.zeros_like(raw[:, 0])
-    prev = jnp.concatenate([state[:, None].astype(raw.dtype), raw[:, :-1]], axis=1)
-    if segment_ids is not None:
-        boundary = jnp.concatenate(
-            [jnp.zeros_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
-        prev = jnp.where(boundary[:, :, None, None], 0, prev)
+    state = jnp.zeros_like(raw[:, 0]) if state is None else state.astype(raw.dtype)
+    boundary = jnp.zeros(raw.shape[:2], bool) if segment_ids is None else jnp.concatenate(
+        [jnp.zeros_like(segment_ids[:, :1], dtype=bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return _shift_mix(raw, alpha.astype(jnp.float32), state, boundary), raw[:, -1]
+
+
+def _previous(raw: jax.Array, state: jax.Array, boundary: jax.Array) -> jax.Array:
+    """x̃_{t−1} [B, T, H, D]: ``state`` before the first token, zeros where a document starts (``boundary``)."""
+    prev = jnp.concatenate([state[:, None], raw[:, :-1]], axis=1)
+    return jnp.where(boundary[:, :, None, None], 0, prev)
+
+
+@jax.custom_vjp
+def _shift_mix(raw, alpha, state, boundary):
     a = alpha[..., None]
-    out = a * prev.astype(jnp.float32) + (1.0 - a) * raw.astype(jnp.float32)
-    return out.astype(raw.dtype), raw[:, -1]
+    out = a * _previous(raw, state, boundary).astype(jnp.float32) + (1.0 - a) * raw.astype(jnp.float32)
+    return out.astype(raw.dtype)
+
+
+def _shift_mix_fwd(raw, alpha, state, boundary):
+    return _shift_mix(raw, alpha, state, boundary), (raw, alpha, state, boundary)
+
+
+def _shift_mix_bwd(res, g):
+    raw, alpha, state, boundary = res
+    g = g.astype(jnp.float32)
+    a = alpha[..., None]
+    d_alpha = jnp.sum(g * (_previous(raw, state, boundary).astype(jnp.float32) - raw.astype(jnp.float32)), axis=-1)
+    g_prev = jnp.where(boundary[:, :, None, None], 0.0, a * g)  # the cotangent of x̃_{t−1}, which is x̃ one row up
+    d_raw = (1.0 - a) * g + jnp.concatenate([g_prev[:, 1:], jnp.zeros_like(g_prev[:, :1])], axis=1)
+    return d_raw.astype(raw.dtype), d_alpha, g_prev[:, 0].astype(state.dtype), None
+
+
+_shift_mix.defvjp(_shift_mix_fwd, _shift_mix_bwd)
 
 
 def apply_rope(x: jax.Array, positions: jax.Array, base: float) -> jax.Array:
