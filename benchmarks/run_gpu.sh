@@ -27,7 +27,7 @@
 #   run.tar.gz          everything: <stage>.log (the stage's stdout + stderr) and <stage>/ (its other files)
 # rewritten after every stage, so a cut call still returns what finished. JSON files beyond 6 stay in the tarball.
 #
-# PREV=DIR (an earlier tree, e.g. .gpu/prev): the stages attention, dcp, train, decode and e2e also run there, in
+# PREV=DIR (an earlier tree, e.g. .gpu/prev): the stages attention, dcp, train, profile, decode and e2e also run there, in
 # the same call on the same machine, writing <stage>_prev.json next to <stage>.json: a change keeps the speed.
 set -uo pipefail
 ROOT=$PWD
@@ -157,8 +157,8 @@ stage_scaling() {  # weak scaling (nvidia-h200-x4): each config on one GPU, then
   t python3 benchmarks/bench_scaling.py --configs $SCALING_CONFIGS --meshes $MESHES --acp "$SCALING_ACP" \
     --tokens-per-device 16384 --steps 5 --warmup 1 --merge --out "$rows"; }
 stage_profile() {  # where a training step's device time goes, per kernel category, variants side by side
-  t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 \
-    --variants $PROFILE_VARIANTS --out "$OUT/profile.json"; }
+  each_tree t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 \
+    --variants $PROFILE_VARIANTS --out "$OUT/profile{tag}.json"; }
 stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 35-60 s each; rows merge into one file):
   # gpt2 (B32, 896 + 128, every policy + HF static/dynamic cache) | fox:<prompt> (FoX (Pro) 125M, B8, prompt + 128)
   # equal batch and a DECODE_BUDGET GiB KV budget; rows go to one file per card, decode_<card>.json (h100, h200:
