@@ -11,6 +11,9 @@ achieved sparsity, fraction of the causal tiles each Pallas kernel skips, the ra
     python benchmarks/bench_dcp.py --out $OUT/dcp.json
     python benchmarks/bench_dcp.py --quick --out /tmp/dcp.json      # CPU smoke run (interpret mode)
 
+``--interleave-heads`` adds the Pallas path with the heads of one block in consecutive programs
+(``KernelConfig.interleave_heads``): the heads share the layer's one mask, so its tiles can come from L2 instead
+of being read once per head (the mask is a float32 [B, Tq, Tk] array, as many bytes per tile as K and V at D = 64).
 ``--all-masked`` adds the Pallas path with every listed tile element-masked
 (``KernelConfig.dcp_unmasked_interior=False``), to measure what the unmasked interior loop buys;
 ``--no-xla`` leaves out the (slow) blockwise XLA path.
@@ -68,6 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one tiny shape (CPU, interpret mode)")
     ap.add_argument("--shapes", default=None, help="e.g. 8x1024x12x64,4x2048x16x128")
     ap.add_argument("--sparsities", default=None, help="comma-separated targets, default 0.5,0.9")
+    ap.add_argument("--interleave-heads", action="store_true",
+                    help="also time the Pallas path with the grid's heads innermost (the mask shared in L2)")
     ap.add_argument("--all-masked", action="store_true",
                     help="also time the Pallas path with every listed tile element-masked")
     ap.add_argument("--no-xla", action="store_true", help="leave out the blockwise XLA path")
@@ -117,6 +122,13 @@ def main(argv=None) -> int:
         impls = {} if args.no_xla else {"xla": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf,
                                                                                      implementation="xla")}
         impls["pallas"] = lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas")
+        if args.interleave_heads:
+            cfg_il = dataclasses.replace(fpallas.resolve_dcp_config(d, t, t), interleave_heads=True)
+
+            def interleaved(q, k, v, m, lf, _cfg=cfg_il):
+                return fpallas.dcp_attention(q, k, v, m, jnp.cumsum(lf, axis=1), None, scale=d ** -0.5,
+                                             floor=LOG_FLOOR, config=_cfg)
+            impls["pallas heads interleaved"] = interleaved
         if args.all_masked:
             cfg_all = dataclasses.replace(fpallas.resolve_dcp_config(d, t, t), dcp_unmasked_interior=False)
 
