@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import sys
@@ -63,6 +64,12 @@ def make_mask(b: int, t: int, target: float, seed: int = 0):
         lo, hi = (mid, hi) if s > target else (lo, mid)
     lm = build(0.5 * (lo + hi))
     return lm, float(sparsity(lm)[1])
+
+
+def _with_config(q, k, v, m, lf, *, d: int, config):
+    """``dcp_attention``'s Pallas path under an explicit ``KernelConfig``."""
+    return fpallas.dcp_attention(q, k, v, m, jnp.cumsum(lf, axis=1), None, scale=d ** -0.5, floor=LOG_FLOOR,
+                                 config=config)
 
 
 def main(argv=None) -> int:
@@ -122,20 +129,11 @@ def main(argv=None) -> int:
         impls = {} if args.no_xla else {"xla": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf,
                                                                                      implementation="xla")}
         impls["pallas"] = lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas")
-        if args.interleave_heads:
-            cfg_il = dataclasses.replace(fpallas.resolve_dcp_config(d, t, t), interleave_heads=True)
-
-            def interleaved(q, k, v, m, lf, _cfg=cfg_il):
-                return fpallas.dcp_attention(q, k, v, m, jnp.cumsum(lf, axis=1), None, scale=d ** -0.5,
-                                             floor=LOG_FLOOR, config=_cfg)
-            impls["pallas heads interleaved"] = interleaved
-        if args.all_masked:
-            cfg_all = dataclasses.replace(fpallas.resolve_dcp_config(d, t, t), dcp_unmasked_interior=False)
-
-            def all_masked(q, k, v, m, lf, _cfg=cfg_all):
-                return fpallas.dcp_attention(q, k, v, m, jnp.cumsum(lf, axis=1), None, scale=d ** -0.5,
-                                             floor=LOG_FLOOR, config=_cfg)
-            impls["pallas all masked"] = all_masked
+        variants = {"pallas heads interleaved": dict(interleave_heads=True)} if args.interleave_heads else {}
+        variants.update({"pallas all masked": dict(dcp_unmasked_interior=False)} if args.all_masked else {})
+        for name, change in variants.items():  # the Pallas path with one KernelConfig field changed
+            impls[name] = functools.partial(_with_config, d=d,
+                                            config=dataclasses.replace(fpallas.resolve_dcp_config(d, t, t), **change))
         impls["dense pallas (no mask)"] = dense
         for target in targets:
             lm, achieved = make_mask(b, t, target)

@@ -178,10 +178,10 @@ def test_bench_dcp_quick(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "dcp.json"
-    assert mod.main(["--quick", "--no-xla", "--sparsities", "0.9", "--out", str(out)]) == 0
+    assert mod.main(["--quick", "--no-xla", "--interleave-heads", "--sparsities", "0.9", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert 0.8 < row["sparsity"] < 1.0
-    assert set(row["ms"]) == {f"{n}|{m}" for n in ("pallas", "dense pallas (no mask)")
+    assert set(row["ms"]) == {f"{n}|{m}" for n in ("pallas", "pallas heads interleaved", "dense pallas (no mask)")
                               for m in ("fwd", "fwd_bwd")}
     assert all(ms is not None and ms > 0 for ms in row["ms"].values())
 
@@ -264,11 +264,12 @@ def _structured_mask(rng, b, tq, tk):
     return jnp.asarray(lm, jnp.float32)
 
 
-KERNEL_CASES = {  # dtype, window_size, dcp_unmasked_interior
-    "f32": (jnp.float32, None, True),
-    "f32_window": (jnp.float32, 40, True),
-    "f32_all_tiles_masked": (jnp.float32, None, False),
-    "bf16": (jnp.bfloat16, None, True),
+KERNEL_CASES = {  # dtype, window_size, dcp_unmasked_interior, interleave_heads (grid order)
+    "f32": (jnp.float32, None, True, None),
+    "f32_window": (jnp.float32, 40, True, None),
+    "f32_all_tiles_masked": (jnp.float32, None, False, None),
+    "f32_heads_interleaved": (jnp.float32, None, True, True),
+    "bf16": (jnp.bfloat16, None, True, None),
 }
 
 
@@ -284,7 +285,7 @@ def test_kernel_tile_lists_match_dense_with_gradients(case):
     bf16 before each matmul as on the GPU) 3e-2 on O(1) outputs and 1e-2·(1 + max|ref|) on gradients,
     against the oracle on the same bf16-rounded inputs (measured: 8e-3 on outputs, at most 1.2e-2 on
     gradients whose max|ref| is 10–20, i.e. 4–10× inside)."""
-    dtype, window, split = KERNEL_CASES[case]
+    dtype, window, split, interleave = KERNEL_CASES[case]
     b, tq, tk, h, hkv, d = 2, 45, 61, 4, 2, 16
     rng = np.random.default_rng(31)
     q = jnp.asarray(rng.normal(size=(b, tq, h, d)), dtype)
@@ -296,7 +297,8 @@ def test_kernel_tile_lists_match_dense_with_gradients(case):
     keep = _extra_visible(tq, tk, np.asarray(ss), seg, window) & (np.asarray(lm) > LOG_FLOOR)
     kept_rows = jnp.asarray(keep.any(axis=-1))
     assert not np.asarray(kept_rows).all()  # an all-dropped row (it outputs 0)
-    config = dataclasses.replace(fpallas.resolve_config(d, tq, tk), dcp_unmasked_interior=split)
+    config = dataclasses.replace(fpallas.resolve_config(d, tq, tk), dcp_unmasked_interior=split,
+                                 interleave_heads=interleave)
     visits = fpallas.kernel_visits(config, tq, tk, seq_start=ss, segment_ids=jnp.asarray(seg), log_mask=lm,
                                    floor=LOG_FLOOR, window_size=window)
     _, n_masked, count = (np.asarray(x) for x in visits.fwd.key_lists(jnp.asarray(seg), masked_first=split))
