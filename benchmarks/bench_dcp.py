@@ -91,7 +91,7 @@ def main(argv=None) -> int:
     log(json.dumps(info))
     rows = []
 
-    def write(final: bool) -> None:  # after every row, so a cut run keeps what was measured
+    def write(impls: dict, final: bool) -> None:  # after every row, so a cut run keeps what was measured
         lines = ["| B×T×H×D | sparsity | " + " | ".join(f"{n} {m}" for n in impls for m in ("fwd", "fwd+bwd")) + " |",
                  "|---" * (2 + 2 * len(impls)) + "|"]
         for r in rows:
@@ -163,8 +163,8 @@ def main(argv=None) -> int:
                                      for n in impls if n.startswith("pallas") for m in ("fwd", "fwd_bwd")}
             log(json.dumps(row))
             rows.append(row)
-            write(final=False)
-    write(final=True)
+            write(impls, final=False)
+    write(impls, final=True)
     return 0
 
 
