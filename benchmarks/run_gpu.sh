@@ -157,7 +157,7 @@ stage_scaling() {  # weak scaling (nvidia-h200-x4): each config on one GPU, then
   t python3 benchmarks/bench_scaling.py --configs $SCALING_CONFIGS --meshes $MESHES --acp "$SCALING_ACP" \
     --tokens-per-device 16384 --steps 5 --warmup 1 --merge --out "$rows"; }
 stage_profile() {  # where a training step's device time goes, per kernel category, variants side by side
-  each_tree t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 \
+  each_tree t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 --top 60 \
     --variants $PROFILE_VARIANTS --out "$OUT/profile{tag}.json"; }
 stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 35-60 s each; rows merge into one file):
   # gpt2 (B32, 896 + 128, every policy + HF static/dynamic cache) | fox:<prompt> (FoX (Pro) 125M, B8, prompt + 128)
