@@ -12,8 +12,8 @@ achieved sparsity, fraction of the causal tiles each Pallas kernel skips, the ra
     python benchmarks/bench_dcp.py --quick --out /tmp/dcp.json      # CPU smoke run (interpret mode)
 
 ``--interleave-heads`` adds the Pallas path with the heads of one block in consecutive programs
-(``KernelConfig.interleave_heads``): the heads share the layer's one mask, so its tiles can come from L2 instead
-of being read once per head (the mask is a float32 [B, Tq, Tk] array, as many bytes per tile as K and V at D = 64).
+(``KernelConfig.interleave_heads``): the heads share the layer's one mask (a float32 [B, Tq, Tk] array, as many
+bytes per tile as K and V at D = 64), which then comes from L2 for all but the first head of a block.
 ``--all-masked`` adds the Pallas path with every listed tile element-masked
 (``KernelConfig.dcp_unmasked_interior=False``), to measure what the unmasked interior loop buys;
 ``--no-xla`` leaves out the (slow) blockwise XLA path.
