@@ -73,11 +73,15 @@ def _with_config(q, k, v, m, lf, *, d: int, config):
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSON output path")
-    ap.add_argument("--quick", action="store_true", help="one tiny shape (CPU, interpret mode)")
-    ap.add_argument("--shapes", default=None, help="e.g. 8x1024x12x64,4x2048x16x128")
-    ap.add_argument("--sparsities", default=None, help="comma-separated targets, default 0.5,0.9")
+    ap.add_argument("--quick", action="store_true",
+                    help="one tiny shape (CPU, interpret mode); without it the shapes are GPU-sized (run on a GPU)")
+    ap.add_argument("--shapes", default=None,
+                    help="comma-separated BxTxHxD (batch, tokens, heads, head dim), e.g. 8x1024x12x64,4x2048x16x128; "
+                         "default " + ",".join("x".join(map(str, s)) for s in SHAPES))
+    ap.add_argument("--sparsities", default=None,
+                    help="comma-separated target fractions of the causal (query, key) pairs dropped, default 0.5,0.9")
     ap.add_argument("--interleave-heads", action="store_true",
                     help="also time the Pallas path with the grid's heads innermost (the mask shared in L2)")
     ap.add_argument("--all-masked", action="store_true",

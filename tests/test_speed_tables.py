@@ -22,7 +22,8 @@ def _attention(tmp_path, fox=9.0):
 
 def _dcp(tmp_path):
     rows = [{"shape": {"B": 1, "T": 16384, "H": 16, "D": 128}, "target_sparsity": s, "sparsity": s + 0.01,
-             "ms": {"pallas|fwd_bwd": ms, "dense pallas (no mask)|fwd_bwd": 11.0}}
+             "ms": {"pallas|fwd_bwd": ms, "dense pallas (no mask)|fwd_bwd": 11.0},
+             "ratio_vs_dense": {"pallas|fwd_bwd": ms / 11.0}}
             for s, ms in ((0.5, 12.0), (0.9, 4.5))]
     path = tmp_path / "dcp.json"
     path.write_text(json.dumps({"versions": {"device": DEVICE}, "rows": rows}))
@@ -50,13 +51,16 @@ def test_rows_carry_the_issue_keys_and_ratios(tmp_path, capsys):
     assert big["dcp_ms"] == {"0.5": 12.0, "0.9": 4.5} and big["dcp_sparsity"] == {"0.5": 0.51, "0.9": 0.91}
     assert big["fox_over_cudnn"] == 1.2 and big["acp_over_official_acp"] == 0.5
     assert big["dcp_over_fox"] == {"0.5": 12.0 / 9.0, "0.9": 0.5}
+    assert big["dcp_over_dense_pallas"] == {"0.5": 12.0 / 11.0, "0.9": 4.5 / 11.0}  # bench_dcp's own dense
     small = next(r for r in att if r["T"] == 2048)  # no Mosaic timing: the Triton kernels are "auto" there
     assert small["fox_impl"] == "pallas" and small["fox_ms"] == 1.8 and small["official_ms"] is None
     assert small["dcp_ms"] is None
     train = json.loads((out / "train_h100.json").read_text())
     assert len(train) == 1  # the error row is left out
     assert {"arch", "size", "seq_len", "acp", "mfu", "tokens_per_s", "step_ms", "compile_s"} <= set(train[0])
-    assert "| B1 T16384 H16 D128 | 7.500 | 9.000 | 1.20 |" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| B1 T16384 H16 D128 | 7.500 | 9.000 | 1.20 |" in printed
+    assert "NVIDIA H100 80GB HBM3; jax" in printed  # each table says where it was measured
 
 
 def test_merge_grows_the_tables_over_calls(tmp_path):
@@ -67,7 +71,7 @@ def test_merge_grows_the_tables_over_calls(tmp_path):
     speed_tables.main(["--train", str(_train(tmp_path, "c.json", 430.0)), "--out-dir", str(out), "--merge"])
     rows = json.loads((out / "train_h100.json").read_text())
     assert sorted(r["step_ms"] for r in rows) == [240.0, 430.0]  # the re-measured row replaced, the other kept
-    assert "| fox-pro | 760M | 16384 | on | trained | 240.0 |" in (out / "speed_h100.md").read_text()
+    assert "| fox-pro | 760M | 16384 | auto | trained | 240.0 |" in (out / "speed_h100.md").read_text()
 
 
 def test_rows_of_a_merged_file_keep_their_tree_call_and_date(tmp_path, capsys):

@@ -12,9 +12,12 @@ Attention rows (one per shape, from ``bench_attention.py`` and ``bench_dcp.py`` 
   official_ms, official_acp_ms   the official FoX Triton kernel, dense and ACP auto, in the same call
   dcp_ms                {"0.5": ms, "0.9": ms}: ``dcp_attention`` (the Pallas DCP kernels) at that fraction of the
                         causal pairs dropped (``bench_dcp.py``; the achieved sparsity in ``dcp_sparsity``)
-  ratios                fox / cuDNN, fox_acp / official_acp, dcp / fox (the issue's targets: ≤ 1.1, ≤ 0.5, ≤ 1)
-Train rows (``bench_train.py``): arch, size, seq_len, acp, mfu, tokens_per_s, step_ms, compile_s, and batch,
-params_from, acp_fraction_skipped, device, date. Times are milliseconds; a missing measurement is None, never 0.
+  ratios                fox / cuDNN, fox_acp / official_acp, dcp / fox (the issue's targets: ≤ 1.1, ≤ 0.5, ≤ 1);
+                        dcp_over_dense_pallas: dcp over dense Pallas (Triton) attention, the kernels the DCP path
+                        runs on, timed in bench_dcp.py's process (its ``ratio_vs_dense``)
+Train rows (``bench_train.py``): arch, size, seq_len, acp (``adaptive_threshold="auto"``: "auto" in the tables),
+mfu, tokens_per_s, step_ms, compile_s, and batch, params_from, acp_fraction_skipped, device, date. Times are
+milliseconds; a missing measurement is None, never 0.
 
     python benchmarks/plots/speed_tables.py --attention OUT/attention.json --dcp OUT/dcp.json \\
         --train OUT/train.json --out-dir benchmarks/results/speed [--merge]
@@ -77,6 +80,8 @@ def attention_rows(attention: dict, dcp: dict | None, date: str) -> list[dict]:
             "dcp_sparsity": {k: d["sparsity"] for k, d in sorted(dcp_rows.items())} or None,
             "fox_over_cudnn": _ratio(fox, cudnn), "acp_over_official_acp": _ratio(acp, official_acp),
             "dcp_over_fox": {k: _ratio(v, fox) for k, v in dcp_ms.items()} or None,
+            "dcp_over_dense_pallas": {k: d.get("ratio_vs_dense", {}).get("pallas|fwd_bwd")
+                                      for k, d in sorted(dcp_rows.items())} or None,
             "acp_fraction_skipped": r.get("acp_fraction_skipped"),
             "device": device, "jax": attention["versions"].get("jax"), "date": date,
         })
@@ -145,10 +150,20 @@ def _f(x, spec=".3f"):
     return "–" if x is None else format(x, spec)
 
 
+def _provenance(rows: list[dict]) -> str:
+    """"device, jax …, date …" of a table's rows (each distinct value once)."""
+    def values(key):
+        return ", ".join(sorted({str(r.get(key)) for r in rows if r.get(key)})) or "–"
+    return f"{values('device')}; jax {values('jax')}; {values('date')}"
+
+
 def markdown(att: list[dict], train: list[dict]) -> str:
     lines = []
     if att:
-        lines += ["| B T H D | cuDNN | fox_jax | / cuDNN | fox_jax + seg ids | fox_jax ACP | official | official ACP "
+        lines += [f"Attention fwd+bwd, ms (bf16, causal; {_provenance(att)}). fox_jax: `implementation=\"auto\"`; "
+                  "ACP: `adaptive_threshold=\"auto\"`; DCP: the Pallas DCP kernels at 50 / 90% of causal pairs dropped.",
+                  "",
+                  "| B T H D | cuDNN | fox_jax | / cuDNN | fox_jax + seg ids | fox_jax ACP | official | official ACP "
                   "| ACP / official ACP | DCP 50% | DCP 90% |", "|---" * 11 + "|"]
         for r in sorted(att, key=_shape_key):
             d = r.get("dcp_ms") or {}
@@ -159,12 +174,14 @@ def markdown(att: list[dict], train: list[dict]) -> str:
         lines.append("")
     if train:
         trees = any(r.get("tree") or r.get("call") for r in train)
-        lines += ["| arch | size | ctx | ACP | gates | step ms | tokens/s | MFU | compile s |"
+        lines += [f"Training step (`bench_train.py`, synthetic tokens; {_provenance(train)}); MFU of the dense-equivalent "
+                  "FLOPs; gates: fresh (init) or a trained run's (`--params-from`).", "",
+                  "| arch | size | ctx | ACP | gates | step ms | tokens/s | MFU | compile s |"
                   + (" tree | call |" if trees else ""), "|---" * (11 if trees else 9) + "|"]
         for r in sorted(train, key=lambda r: (r["arch"], r["size"], r["seq_len"], bool(r["acp"]), str(r.get("call")))):
             gates = "init" if r.get("params_from") in (None, "init") else "trained"
             extra = f" {r.get('tree') or '–'} | {r.get('call') or '–'} |" if trees else ""
-            lines.append(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} | {gates} "
+            lines.append(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'auto' if r['acp'] else 'off'} | {gates} "
                          f"| {_f(r['step_ms'], '.1f')} | {_f(r['tokens_per_s'], ',.0f')} "
                          f"| {_f(None if r['mfu'] is None else 100 * r['mfu'], '.1f')}% | {_f(r['compile_s'], '.1f')} |"
                          + extra)
@@ -172,10 +189,10 @@ def markdown(att: list[dict], train: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--attention", help="bench_attention.py JSON")
     ap.add_argument("--dcp", help="bench_dcp.py JSON of the same call (the dcp_ms columns)")
-    ap.add_argument("--train", nargs="*", default=[], help="bench_train.py JSON files")
+    ap.add_argument("--train", nargs="+", default=[], help="bench_train.py JSON files (one or more)")
     ap.add_argument("--out-dir", required=True,
                     help="folder of attention_<gpu>.json, train_<gpu>.json and speed_<gpu>.md (made if missing)")
     ap.add_argument("--merge", action="store_true", help="keep the rows of the output files this call did not measure")
