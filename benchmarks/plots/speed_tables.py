@@ -151,7 +151,7 @@ def _f(x, spec=".3f"):
 
 
 def _provenance(rows: list[dict]) -> str:
-    """"device, jax …, date …" of a table's rows (each distinct value once)."""
+    """The device, jax version and date of a table's rows ("device; jax v; date", each distinct value once)."""
     def values(key):
         return ", ".join(sorted({str(r.get(key)) for r in rows if r.get(key)})) or "–"
     return f"{values('device')}; jax {values('jax')}; {values('date')}"
