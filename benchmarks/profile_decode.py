@@ -61,13 +61,16 @@ def _hlo_text(model, params, tokens, policy, slots, new_tokens: int) -> str:
 
 
 def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: int, top: int,
-                   bandwidth_tb_s: float, weight_bytes: int, pool: int | None = None) -> dict:
+                   bandwidth_tb_s: float, weight_bytes: int, pool: int | None = None,
+                   slot_multiple: int | None = None) -> dict:
     policy = parse_policy(spec)
     # the same pool for both programs (the one N new tokens need, or --slots for a data-dependent policy), so
     # their prefills are the same work
     slots = min_slots(policy, tokens.shape[1] + new_tokens - 1)
     if pool is not None and not policy.fixed_budget:
         slots = min(pool, slots)
+    if slot_multiple:  # a larger ring never wraps: the same tokens, a pool the kernel's block_k divides
+        slots = -(-slots // slot_multiple) * slot_multiple
     # one program: n = 1 stops it after the first sample (generate's steps), n = N runs every decode step
     run = lambda n: generate(model, params, tokens, max_new_tokens=new_tokens, policy=policy, slots=slots, steps=n)
     t0 = time.perf_counter()
@@ -203,6 +206,9 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--slots", type=int, help="pool per row and head of the data-dependent policies (acp, dcp); "
                    "default the full context. Check the row's overflow: 0 means the pool held every live key")
+    p.add_argument("--slot-multiple", type=int,
+                   help="round every policy's pool up to a multiple of this (e.g. 128, for the kernel variant "
+                        "block_k=128 on a dense or window ring, whose default pool is a multiple of 64)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--param-dtype", default="float32", choices=("bfloat16", "float32"),
                    help="dtype the parameters are stored in (float32: as init_params / checkpoints give them)")
@@ -230,7 +236,7 @@ def main(argv=None):
         with kernel_variant(settings):
             for spec in [s for s in args.policies.split(",") if s]:
                 row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
-                                     args.bandwidth, weight_bytes, args.slots)
+                                     args.bandwidth, weight_bytes, args.slots, args.slot_multiple)
                 row.update(model=args.model, set=args.set, batch=args.batch, prompt=args.prompt,
                            new_tokens=args.new_tokens, bandwidth_tb_s=args.bandwidth)
                 if name is not None:

@@ -88,8 +88,10 @@ def test_profile_decode_quick_run(tmp_path):
     from bench_decode import bound_bandwidth
 
     out = tmp_path / "p.json"
-    profile_decode.main(["--quick", "--model", "fox-pro:tiny", "--policies", "acp", "--out", str(out)])
+    profile_decode.main(["--quick", "--model", "fox-pro:tiny", "--policies", "acp", "--slot-multiple", "128",
+                         "--out", str(out)])
     (row,) = json.loads(out.read_text())["rows"]
+    assert row["slots"] == 128 and row["overflow"] == 0  # the pool (21 by default here) rounded up to the multiple
     assert row["policy"] == "acp" and row["bandwidth_tb_s"] == bound_bandwidth(None)
     # device time per step is the difference of two traces (N steps minus 1): on a loaded CPU its sign is noise
     # (−0.45 ms once in the suite, the host's elementwise events of the 1-step run being slower), so only finite
