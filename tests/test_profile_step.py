@@ -132,6 +132,51 @@ def test_train_kernels_bytes_from_the_hlo_types():
     assert tk._fold(kernels[0]["op"]) == "transpose(jvp(LanguageModel))/layers_*/mlp/concatenate"
 
 
+SLICED_HLO = """HloModule m
+
+%fused_slice_mul (p0: f32[4,8,8], p1: s32[], p2: f32[8,8]) -> f32[8,8] {
+  %p0 = f32[4,8,8]{2,1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  %ds = f32[1,8,8]{2,1,0} dynamic-slice(%p0, %p1, %z, %z), dynamic_slice_sizes={1,8,8}
+  %b = f32[8,8]{1,0} bitcast(%ds)
+  %p2 = f32[8,8]{1,0} parameter(2)
+  ROOT %m = f32[8,8]{1,0} multiply(%b, %p2)
+}
+
+%fused_dus (p0: f32[4,8,8], p1: f32[8,8], p2: s32[]) -> f32[4,8,8] {
+  %p0 = f32[4,8,8]{2,1,0} parameter(0)
+  %p1 = f32[8,8]{1,0} parameter(1)
+  %u = f32[1,8,8]{2,1,0} bitcast(%p1)
+  %p2 = s32[] parameter(2)
+  %z = s32[] constant(0)
+  ROOT %dus = f32[4,8,8]{2,1,0} dynamic-update-slice(%p0, %u, %p2, %z, %z)
+}
+
+ENTRY %main (stack: f32[4,8,8], i: s32[], x: f32[8,8]) -> f32[4,8,8] {
+  %stack = f32[4,8,8]{2,1,0} parameter(0)
+  %i = s32[] parameter(1)
+  %x = f32[8,8]{1,0} parameter(2)
+  %loop_multiply_fusion = f32[8,8]{1,0} fusion(%stack, %i, %x), kind=kLoop, calls=%fused_slice_mul
+  ROOT %loop_dynamic_update_slice_fusion = f32[4,8,8]{2,1,0} fusion(%stack, %loop_multiply_fusion, %i), kind=kLoop, calls=%fused_dus
+}
+"""
+
+
+def test_train_kernels_bytes_of_a_layer_slice_and_an_in_place_update():
+    """A fusion that reads one layer of a scan's stacked [L, ...] array counts that layer (256 bytes of the
+    1024), and an in-place dynamic-update-slice counts the update it writes, not the whole buffer."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    env = dict(os.environ)
+    import train_kernels as tk
+    os.environ.clear()
+    os.environ.update(env)
+
+    sliced, update = tk.kernels_with_bytes(SLICED_HLO)
+    assert sliced["bytes"] == 256 + 4 + 256 + 256  # the slice, the index, x; the output
+    assert update["bytes"] == 256 + 4 + 256  # the update and the index read; the update written
+
+
 LOOP_HLO = """HloModule m
 
 %inner (p: f32[]) -> f32[] {

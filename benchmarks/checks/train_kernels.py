@@ -5,7 +5,8 @@ update; batch 1 × ``--seq`` tokens, bf16 compute) is compiled ahead of time for
 ``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel,
 or with ``--set attention_impl=mosaic`` the Mosaic kernels, lowered with their device check bypassed). Every
 kernel of the program (fusions, GEMMs, custom calls; loop bodies entered once) is listed with the bytes it
-reads and writes as its HLO shapes say, so the memory-bound part of a step — norms, casts, concatenations, the
+reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a stacked [L, ...]
+array and its in-place update of one count what they touch, not the whole array), so the memory-bound part of a step — norms, casts, concatenations, the
 loss, the optimizer — can be looked for on the CPU machine: a fusion's bytes at 4.8 TB/s are the least time it
 can take. The ranking is by bytes, a lower bound, not a measurement; ``profile_step.py`` on the device gives
 the times.
@@ -27,7 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_kernels import _computations, kernel_kind, kernel_lines, on_h200  # noqa: E402  (sets the no-device env)
+from decode_kernels import _computations, _opcode, kernel_kind, kernel_lines, on_h200  # noqa: E402  (sets the no-device env)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -49,9 +50,45 @@ def array_bytes(type_text: str) -> int:
     return total
 
 
+def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> int:
+    """Bytes a kernel moves: its operands and output as their HLO types say, except inside a fusion an operand
+    used only through dynamic-slice / slice (a layer's slice of the scan's stacked [L, ...] weights or residuals)
+    counts what the slices hold, and a root dynamic-update-slice (in place: the stacked buffer is aliased) counts
+    its update, read and written, instead of the whole buffer."""
+    callee = re.search(r"calls=%?([\w.\-]+)", line)
+    if _opcode(line) != "fusion" or not callee:
+        return sum(operands) + output
+    body = comps.get(callee.group(1), [])
+    shape = {}  # name -> its type text, inside the fused computation
+    params = {}
+    for ln in body:
+        lhs, rhs = ln.replace("ROOT ", "").split(" = ", 1)
+        shape[lhs.strip().lstrip("%")] = rhs.split(" ")[0]
+        m = re.match(r"\S+ parameter\((\d+)\)", rhs)
+        if m:
+            params[lhs.strip().lstrip("%")] = int(m.group(1))
+    args_of = lambda ln: [a.strip().lstrip("%") for a in  # noqa: E731
+                          re.search(r"\((.*?)\)(?:,|$)", ln.split(" = ", 1)[1].split(" ", 1)[1]).group(1).split(",")]
+    reads = list(operands)
+    for name, i in params.items():
+        users = [ln for ln in body if name in args_of(ln)] if i < len(reads) else []
+        if users and all(_opcode(u) in ("dynamic-slice", "slice") and args_of(u)[0] == name for u in users):
+            reads[i] = sum(array_bytes(u.split(" = ", 1)[1].split(" ")[0]) for u in users)
+    root = next((ln for ln in body if ln.startswith("ROOT ")), "")
+    roots = [ln for ln in body if ln.replace("ROOT ", "").split(" = ")[0].lstrip("%") in args_of(root)] \
+        if _opcode(root) == "tuple" else [root]
+    for r in roots:
+        if _opcode(r) == "dynamic-update-slice":
+            buffer, update = args_of(r)[:2]
+            if buffer in params and params[buffer] < len(reads):
+                reads[params[buffer]] = 0
+            output += array_bytes(shape.get(update, "")) - array_bytes(r.split(" = ", 1)[1].split(" ")[0])
+    return sum(reads) + output
+
+
 def kernels_with_bytes(hlo: str) -> list[dict]:
     """Every kernel of an optimized GPU module in schedule order (calls and while bodies entered once):
-    [{"kind", "op", "bytes"}], bytes = operands + outputs from the HLO types."""
+    [{"kind", "op", "bytes"}], bytes = operands + outputs from the HLO types (``_fusion_bytes``)."""
     comps = _computations(hlo)
     types = {}
     for lines in comps.values():
@@ -68,8 +105,8 @@ def kernels_with_bytes(hlo: str) -> list[dict]:
         operands = [a.strip().lstrip("%") for a in args.group(1).split(",")] if args else []
         name = re.search(r'op_name="([^"]+)"', line)
         out.append(dict(kind=kernel_kind(op, line), op=name.group(1) if name else "",
-                        bytes=array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), ""))
-                        + sum(array_bytes(types.get(a, "")) for a in operands)))
+                        bytes=_fusion_bytes(comps, line, [array_bytes(types.get(a, "")) for a in operands],
+                                            array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), "")))))
     return out
 
 
