@@ -219,6 +219,8 @@ def main(argv=None):
     p.add_argument("--out", default="profile_decode.json")
     p.add_argument("--quick", action="store_true", help="CPU smoke run: a tiny model and short prompts")
     args = p.parse_args(argv)
+    if args.slot_multiple is not None and args.slot_multiple < 1:
+        p.error(f"--slot-multiple: expected a positive int, got {args.slot_multiple}")
     if args.quick:
         args.set = args.set or ["n_layers=2", "d_model=64", "n_heads=2", "vocab_size=256"]
         args.batch, args.prompt, args.new_tokens, args.repeats = 2, 16, 6, 3

@@ -5,11 +5,11 @@ update; batch 1 × ``--seq`` tokens, bf16 compute) is compiled ahead of time for
 ``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel,
 or with ``--set attention_impl=mosaic`` the Mosaic kernels, lowered with their device check bypassed). Every
 kernel of the program (fusions, GEMMs, custom calls; loop bodies entered once) is listed with the bytes it
-reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a stacked [L, ...]
-array and its in-place update of one count what they touch, not the whole array), so the memory-bound part of a step — norms, casts, concatenations, the
-loss, the optimizer — can be looked for on the CPU machine: a fusion's bytes at 4.8 TB/s are the least time it
-can take. The ranking is by bytes, a lower bound, not a measurement; ``profile_step.py`` on the device gives
-the times.
+reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a stacked
+[L, ...] array and its in-place update of one count what they touch, not the whole array), so the memory-bound
+part of a step — norms, casts, concatenations, the loss, the optimizer — can be looked for on the CPU machine:
+a fusion's bytes at 4.8 TB/s are the least time it can take. The ranking is by bytes, a lower bound, not a
+measurement; ``profile_step.py`` on the device gives the times.
 
 Needs the CUDA-plugin environment of ``decode_kernels.py`` (``/tmp/cu``, with grain for the training stack):
 
@@ -53,8 +53,8 @@ def array_bytes(type_text: str) -> int:
 def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> int:
     """Bytes a kernel moves: its operands and output as their HLO types say, except inside a fusion an operand
     used only through dynamic-slice / slice (a layer's slice of the scan's stacked [L, ...] weights or residuals)
-    counts what the slices hold, and a root dynamic-update-slice (in place: the stacked buffer is aliased) counts
-    its update, read and written, instead of the whole buffer."""
+    counts what the slices hold, and a root dynamic-update-slice (in place: the stacked buffer is aliased) writes
+    its update (read through the fusion's other operands) instead of the whole buffer."""
     callee = re.search(r"calls=%?([\w.\-]+)", line)
     if _opcode(line) != "fusion" or not callee:
         return sum(operands) + output
