@@ -50,6 +50,13 @@ def array_bytes(type_text: str) -> int:
     return total
 
 
+def _operands(line: str) -> list[str]:
+    """The operand names of an HLO instruction line ("%a = f32[2] add(%b, %c), ..." -> ["b", "c"])."""
+    op = _opcode(line)
+    args = re.search(re.escape(op) + r"\((.*?)\)(?:,|$)", line.split(" = ", 1)[1]) if op else None
+    return [a.strip().lstrip("%") for a in args.group(1).split(",") if a.strip()] if args else []
+
+
 def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> int:
     """Bytes a kernel moves: its operands and output as their HLO types say, except inside a fusion an operand
     used only through dynamic-slice / slice (a layer's slice of the scan's stacked [L, ...] weights or residuals)
@@ -67,19 +74,17 @@ def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> i
         m = re.match(r"\S+ parameter\((\d+)\)", rhs)
         if m:
             params[lhs.strip().lstrip("%")] = int(m.group(1))
-    args_of = lambda ln: [a.strip().lstrip("%") for a in  # noqa: E731
-                          re.search(r"\((.*?)\)(?:,|$)", ln.split(" = ", 1)[1].split(" ", 1)[1]).group(1).split(",")]
     reads = list(operands)
     for name, i in params.items():
-        users = [ln for ln in body if name in args_of(ln)] if i < len(reads) else []
-        if users and all(_opcode(u) in ("dynamic-slice", "slice") and args_of(u)[0] == name for u in users):
+        users = [ln for ln in body if name in _operands(ln)] if i < len(reads) else []
+        if users and all(_opcode(u) in ("dynamic-slice", "slice") and _operands(u)[0] == name for u in users):
             reads[i] = sum(array_bytes(u.split(" = ", 1)[1].split(" ")[0]) for u in users)
     root = next((ln for ln in body if ln.startswith("ROOT ")), "")
-    roots = [ln for ln in body if ln.replace("ROOT ", "").split(" = ")[0].lstrip("%") in args_of(root)] \
+    roots = [ln for ln in body if ln.replace("ROOT ", "").split(" = ")[0].lstrip("%") in _operands(root)] \
         if _opcode(root) == "tuple" else [root]
     for r in roots:
         if _opcode(r) == "dynamic-update-slice":
-            buffer, update = args_of(r)[:2]
+            buffer, update = _operands(r)[:2]
             if buffer in params and params[buffer] < len(reads):
                 reads[params[buffer]] = 0
             output += array_bytes(shape.get(update, "")) - array_bytes(r.split(" = ", 1)[1].split(" ")[0])
@@ -100,9 +105,8 @@ def kernels_with_bytes(hlo: str) -> list[dict]:
     entry = next(line.split()[1].lstrip("%") for line in hlo.split("\n") if line.startswith("ENTRY"))
     out = []
     for op, line in kernel_lines(comps, entry, enter_while=True):
-        lhs, rhs = line.split(" = ", 1)
-        args = re.search(re.escape(op) + r"\((.*?)\)(?:,|$)", rhs)
-        operands = [a.strip().lstrip("%") for a in args.group(1).split(",")] if args else []
+        lhs = line.split(" = ", 1)[0]
+        operands = _operands(line)
         name = re.search(r'op_name="([^"]+)"', line)
         out.append(dict(kind=kernel_kind(op, line), op=name.group(1) if name else "",
                         bytes=_fusion_bytes(comps, line, [array_bytes(types.get(a, "")) for a in operands],
