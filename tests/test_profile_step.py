@@ -215,3 +215,24 @@ def test_scan_check_counts_the_calls_nested_in_a_loop_body():
     assert "%cond.1" not in bodies["body.1"]
     # each attention call named with its results and operand count (cuBLAS calls are not listed)
     assert check_scan_grad._kernel_calls(bodies["body.1"]) == ["k in inner: f32[] <- 1 operands [mosaic_gpu_v2] "]
+
+
+def test_offline_mosaic_check_parses_ptxas_and_ptx():
+    """benchmarks/checks/offline_mosaic_check.py reads the plugin's ``ptxas -v`` report and PTX: registers,
+    spills, stack, barriers, the setmaxnreg budgets and the wgmma count (a missing field is None, not 0)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    env = dict(os.environ)
+    import offline_mosaic_check as om  # its sibling decode_kernels sets the no-device variables: put them back
+    os.environ.clear()
+    os.environ.update(env)
+
+    report = ("ptxas info    : Function properties for entry_mosaic_gpu_kernel\n"
+              "    216 bytes stack frame, 268 bytes spill stores, 280 bytes spill loads\n"
+              "ptxas info    : Used 168 registers, used 16 barriers, 216 bytes cumulative stack size, 1 bytes smem\n")
+    assert om.parse_ptxas(report) == {"registers": 168, "spill_stores": 268, "spill_loads": 280, "stack": 216,
+                                      "barriers": 16}
+    assert om.parse_ptxas("ptxas info : Used 96 registers")["spill_stores"] is None
+    ptx = ("\tsetmaxnreg.inc.sync.aligned.u32 \t232;\n\tsetmaxnreg.dec.sync.aligned.u32 \t40;\n"
+           "\twgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {...};\n"
+           "\twgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {...};\n")
+    assert om.parse_ptx(ptx) == {"maxnreg_compute": 232, "maxnreg_memory": 40, "wgmma": 2}
