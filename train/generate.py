@@ -58,11 +58,12 @@ def parse_cache_flag(spec: str, flag: str = "--cache"):
 
 
 def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: str | None, check=None,
-                      step_flag: str = "--step"):
+                      step_flag: str = "--step", flag: str = "RUN_DIR_OR_HF_DIR"):
     """(run, tokenizer) of a run or Hugging Face directory for decoding under ``policy``: a DCP model keeps
     its interaction weights only for ``dcp`` (every other policy runs its dense part). ``check(run)``, if
     given, runs before the tokenizer is looked for (argument checks that need only the config).
-    ``step_flag`` names ``step`` in the errors.
+    ``step_flag`` names ``step`` in the errors, ``flag`` the argument that gave ``path`` (the command line's
+    positional, by default).
 
     Raises:
       ValueError: an unknown policy, ``dcp`` on a model without DCP, no tokenizer, a tokenizer with more
@@ -73,7 +74,7 @@ def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: st
     from fox_jax.train.tokenizers import load_tokenizer
 
     spec = parse_policy(policy)
-    run = open_run(path, step=step, step_flag=step_flag)
+    run = open_run(path, step=step, flag=flag, step_flag=step_flag)
     if "interaction_dim" in spec.needs:  # the policy reads DCP's interaction keys
         if not run.model.dcp:
             raise ValueError(f"--cache {spec.spec} needs a DCP model; {path} ({run.what}) has no DCP parameters")

@@ -129,7 +129,7 @@ class FoxJaxLM(TemplateLM):
         policy = parse_policy(cache)
         step = None if step is None else _positive_int(step, "step", minimum=0)
         opened, tok = load_for_decoding(str(run), step=step, policy=policy.spec, tokenizer=tokenizer,
-                                        step_flag="fox_jax model: step")
+                                        step_flag="fox_jax model: step", flag="fox_jax model: run")
         if dtype is not None:
             opened = dataclasses.replace(opened, model=opened.model.replace(dtype=dtype))
         if max_length is None:  # GPT-2's n_positions, else the training length
@@ -430,7 +430,8 @@ def main(argv: list[str] | None = None) -> None:
     if argv and not any(a.split("=")[0] == "--include_path" for a in argv):
         argv += ["--include_path", str(TASKS_DIR)]
     sys.argv = ["lm_eval", *argv]
-    cli_evaluate()
+    with foreign_bars():  # lm-eval's bars: only on a terminal, as ours
+        cli_evaluate()
 
 
 __all__ = ["DTYPES", "FoxJaxLM", "HARNESS_TASKS", "TASKS_DIR", "cmd_zeroshot_lm_eval", "harness_results", "main",

@@ -49,7 +49,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
