@@ -157,6 +157,11 @@ def logical_sharding(mesh: Mesh, names: tuple[str | None, ...] | None, shape: tu
     Raises:
       ValueError: ``names`` given with another length than ``shape``.
     """
+    return NamedSharding(mesh, _logical_spec(mesh, names, shape))
+
+
+def _logical_spec(mesh, names: tuple[str | None, ...] | None, shape: tuple[int, ...]) -> P:
+    """``logical_sharding``'s ``PartitionSpec`` (``mesh``: a ``Mesh`` or an ``AbstractMesh``)."""
     names = (None,) * len(shape) if names is None else tuple(names)
     if len(names) != len(shape):
         raise ValueError(f"logical axes {names} do not match an array of shape {tuple(shape)}")
@@ -166,7 +171,25 @@ def logical_sharding(mesh: Mesh, names: tuple[str | None, ...] | None, shape: tu
         axes = (axis,) if isinstance(axis, str) else (axis or ())
         size = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
         spec.append(axis if axes and size > 1 and dim % size == 0 else None)
-    return NamedSharding(mesh, P(*spec))
+    return P(*spec)
+
+
+def constrain(x: jax.Array, names: tuple[str | None, ...]) -> jax.Array:
+    """``x`` with its dimensions laid out by their logical ``names`` over the ambient mesh (the one set with
+    ``jax.set_mesh``, as ``under_mesh`` does for the jitted steps): a ``with_sharding_constraint`` mapped by
+    ``LOGICAL_AXIS_RULES`` (a dimension its mesh axes do not divide stays replicated). Model code names
+    logical axes only; this is where they meet the mesh. Without a mesh of several devices, or inside a
+    ``shard_map`` (manual axes), ``x`` is returned as it is.
+
+    Raises:
+      ValueError: ``names`` of another length than ``x.ndim``.
+    """
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh is None or mesh.empty or mesh.size <= 1:
+        return x
+    if any(t == jax.sharding.AxisType.Manual for t in mesh.axis_types):
+        return x
+    return jax.lax.with_sharding_constraint(x, _logical_spec(mesh, names, x.shape))
 
 
 def param_sharding(mesh: Mesh, path: tuple, shape: tuple[int, ...]) -> NamedSharding:

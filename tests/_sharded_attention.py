@@ -1,6 +1,7 @@
 """Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas ops (forgetting attention, DCP
 attention) under an ambient mesh run per shard (a shard_map in the trace) and match the unsharded XLA path, values
-and gradients, under the Shardy and the GSPMD partitioner."""
+and gradients, under the Shardy and the GSPMD partitioner; the SwiGLU MLP under a tensor mesh exchanges no
+activations."""
 
 import json
 import os
@@ -80,6 +81,30 @@ def model_case():
     return dict(inside=inside, outside=outside)
 
 
+def mlp_case():
+    """The compiled gradient of a FoX (Pro) loss under data=2,tensor=2 (parameters sharded by the training rules):
+    how many collectives exchange the MLP's activations (collective-permutes, all-gathers named .../mlp/... of an
+    array with the 24-token axis; the weights have none). Compiled only."""
+    import re
+
+    from fox_jax.sharding import state_shardings
+
+    cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=1, attention_impl="pallas", dtype="float32")
+    model = LanguageModel(cfg)
+    mesh = make_mesh("data=2,tensor=2")
+    tokens = jax.ShapeDtypeStruct((4, 24), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((4, 24), jnp.int32))["params"])
+    params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
+                                    state_shardings(mesh, params))
+    grad = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply({"params": p}, x).logits ** 2)))
+    with jax.set_mesh(mesh):
+        hlo = grad.lower(params, tokens).compile().as_text()
+    exchanges = [line for line in hlo.splitlines()
+                 if re.search(r"= \S*\[[\d,]*\b24\b[\d,]*\]\S* (collective-permute|all-gather)(-start)?\(", line)
+                 and "/mlp/" in line]
+    return dict(activation_exchanges=len(exchanges))
+
+
 if __name__ == "__main__":
     out = {f"{m}|{t}|{s}": op_case(m, t, s) for m, t, s in
            (("data=2,tensor=2", None, False), ("fsdp=4", "auto", True), ("data=4", "array", True),
@@ -87,6 +112,7 @@ if __name__ == "__main__":
     out["dcp|data=2,tensor=2|gated"] = dcp_case("data=2,tensor=2", True)
     out["dcp|data=4"] = dcp_case("data=4", False)
     out["model"] = model_case()
+    out["mlp"] = mlp_case()
     # the partitioner picked for multi-GPU meshes (fox_jax.sharding.select_partitioner): same results
     jax.config.update("jax_use_shardy_partitioner", False)
     out["gspmd|data=2,tensor=2"] = op_case("data=2,tensor=2", "auto", True)

@@ -46,7 +46,7 @@ class Block(nn.Module):
         attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha)
         x = x + attn.x
         h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x)
-        return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h))
+        return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h, cache is None))
 
 
 class LMHead(nn.Module):

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fox_jax.sharding import constrain
+
 Dtype = Any
 
 
@@ -59,29 +61,47 @@ class LayerNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """down(silu(gate) ⊙ up) with a fused ``gate_proj``: d → 2·hidden (no biases)."""
+    """down(silu(gate) ⊙ up) with a fused ``gate_proj``: d → 2·hidden (no biases).
+
+    ``gate_proj``'s kernel is stored [d, 2·hidden] (gate columns, then up columns; the official FoX layout) and
+    applied as [d, 2, hidden]: one matmul whose output keeps (gate, up) on an axis of its own, so under a
+    ``tensor`` mesh the hidden axis is split the same way for both halves and for ``down_proj``'s rows
+    (``fox_jax.sharding.constrain``): the product and its gradient stay on each device, as in Megatron's
+    column-then-row parallel MLP. Sharded by its stored [d, 2·hidden] layout, the gate and up halves would
+    sit on different devices and every layer would exchange activations; the constraint moves the kernel
+    instead (one all-to-all of the [d, 2·hidden] weights per layer). Without a mesh it is a reshape.
+    """
 
     hidden: int
     init_std: float = 0.02
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
-                                         kernel_init=normal_init(self.init_std), name=name)
-        return dense(x.shape[-1], "down_proj")(swiglu(dense(2 * self.hidden, "gate_proj")(x)))
+    def __call__(self, x: jax.Array, split_hidden: bool = True) -> jax.Array:
+        """x [..., d] → [..., d] in ``dtype``. ``split_hidden``: lay the kernel out by the hidden axis under a
+        mesh (training, scoring); False on a decode step, where moving the weights every step would cost
+        more than the few activations it saves."""
+        d = x.shape[-1]
+        kernel, _ = DenseParams(2 * self.hidden, init_std=self.init_std, name="gate_proj")(d)
+        pairs = kernel.astype(self.dtype).reshape(d, 2, self.hidden)
+        if split_hidden:
+            pairs = constrain(pairs, ("embed", None, "mlp"))
+        h = jax.lax.dot_general(x.astype(self.dtype), pairs, (((x.ndim - 1,), (0,)), ((), ())))
+        down = nn.Dense(d, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                        kernel_init=normal_init(self.init_std), name="down_proj")
+        return down(swiglu(h))
 
 
 @jax.custom_vjp
 def swiglu(h: jax.Array) -> jax.Array:
-    """silu(gate) ⊙ up of the fused projection h = [gate | up] [..., 2·hidden], in h's dtype: [..., hidden].
+    """silu(gate) ⊙ up of the fused projection h [..., 2, hidden] (axis −2: gate, up), in h's dtype:
+    [..., hidden].
 
-    The backward returns dh as one [..., 2·hidden] array computed in float32 (each half reads the other half
-    through a reversal of the (gate, up) pair axis), so no concatenation of d_gate and d_up is materialised
-    before the projection's weight gradient (autodiff of a split writes one: a copy of the [B·T, 2·hidden]
-    cotangent per layer in the training step)."""
-    gate, up = jnp.split(h, 2, axis=-1)
-    return nn.silu(gate) * up
+    The backward returns dh as one [..., 2, hidden] array computed in float32 (each half reads the other
+    half through a reversal of the (gate, up) axis), so no concatenation of d_gate and d_up is materialised
+    before the projection's weight gradient (autodiff of the two halves writes one: a copy of the
+    [B·T, 2·hidden] cotangent per layer in the training step)."""
+    return nn.silu(h[..., 0, :]) * h[..., 1, :]
 
 
 def _swiglu_fwd(h):
@@ -89,14 +109,14 @@ def _swiglu_fwd(h):
 
 
 def _swiglu_bwd(h, g):
-    pair = h.reshape(*h.shape[:-1], 2, -1).astype(jnp.float32)  # [..., (gate, up), hidden]
-    other = pair[..., ::-1, :]                                   # [..., (up, gate), hidden]
+    pair = h.astype(jnp.float32)  # [..., (gate, up), hidden]
+    other = pair[..., ::-1, :]    # [..., (up, gate), hidden]
     is_gate = jax.lax.broadcasted_iota(jnp.int32, pair.shape, pair.ndim - 2) == 0
     gate, up = jnp.where(is_gate, pair, other), jnp.where(is_gate, other, pair)
     sig = jax.nn.sigmoid(gate)
     g = g.astype(jnp.float32)[..., None, :]
     d = jnp.where(is_gate, g * up * sig * (1.0 + gate * (1.0 - sig)), g * gate * sig)
-    return (d.reshape(h.shape).astype(h.dtype),)
+    return (d.astype(h.dtype),)
 
 
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
