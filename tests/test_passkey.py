@@ -353,10 +353,8 @@ def test_cli_errors(train_run, text_file, tmp_path, capsys, monkeypatch):  # noq
     monkeypatch.setenv("FOX_JAX_SHARED_DATA", str(tmp_path))
     err = _error(["passkey", run, "--out", out], capsys)
     assert "gutenberg_val.txt not found (FOX_JAX_SHARED_DATA=" in err
-    assert "error: RUN_DIR_OR_HF_DIR " in _error(["passkey", str(tmp_path / "norun"), "--out", out, "--text",
-                                                  str(text_file)], capsys)  # the argument named, as in --help
-    assert "norun: no such directory" in _error(["passkey", str(tmp_path / "norun"), "--out", out, "--text",
-                                                 str(text_file)], capsys)
+    err = _error(["passkey", str(tmp_path / "norun"), "--out", out, "--text", str(text_file)], capsys)
+    assert "error: RUN_DIR_OR_HF_DIR " in err and "norun: no such directory" in err  # the argument as in --help
     assert "unknown cache policy 'lru'" in _error(base + ["--cache", "lru"], capsys)
     assert _error(base + ["--cache", "window:abc"], capsys).startswith(
         "fox-jax passkey: error: --cache 'window:abc': W must be an int")

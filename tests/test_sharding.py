@@ -147,9 +147,10 @@ def test_pallas_attention_runs_per_shard_under_a_mesh():
     """Under ``jax.set_mesh`` the Pallas ops (forgetting attention; DCP attention, ``dcp|`` cases) are wrapped in a
     shard_map (batch over data/fsdp, heads over tensor; with tensor=4 and Hkv=2 nothing divides, so it is left to
     XLA), and their values and gradients (DCP: the mask's too) equal the unsharded XLA path; a model traced under
-    the mesh contains the shard_map; the SwiGLU MLP under data=2,tensor=2 exchanges no activations. Tolerance: float32, different tiling and summation order only (observed
-    ~1e-5 on O(10) gradients); 1e-4 (the DCP cases relative to each output's scale, at least 1: their loss of
-    |L| ≈ 116 is summed over the shards in another order, 1.6e-4 absolute, 1.4e-6 relative)."""
+    the mesh contains the shard_map; the SwiGLU MLP under data=2,tensor=2 exchanges no activations. Tolerance:
+    float32, different tiling and summation order only (observed ~1e-5 on O(10) gradients); 1e-4 (the DCP cases
+    relative to each output's scale, at least 1: their loss of |L| ≈ 116 is summed over the shards in another
+    order, 1.6e-4 absolute, 1.4e-6 relative)."""
     env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
                JAX_PLATFORMS="cpu")  # conftest's flags (-O0) too
     env.pop("FOX_JAX_SHARD_KERNELS", None)

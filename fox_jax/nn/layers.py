@@ -68,8 +68,9 @@ class SwiGLU(nn.Module):
     ``tensor`` mesh the hidden axis is split the same way for both halves and for ``down_proj``'s rows
     (``fox_jax.sharding.constrain``): the product and its gradient stay on each device, as in Megatron's
     column-then-row parallel MLP. Sharded by its stored [d, 2·hidden] layout, the gate and up halves would
-    sit on different devices and every layer would exchange activations; the constraint moves the kernel
-    instead (one all-to-all of the [d, 2·hidden] weights per layer). Without a mesh it is a reshape.
+    sit on different devices and every layer would exchange [B, T, hidden] activations, forward and backward;
+    the constraint moves the kernel instead (all-to-alls of the [d, 2·hidden] weights: weight-sized, not
+    activation-sized). Without a mesh it is a reshape.
     """
 
     hidden: int
