@@ -1,7 +1,7 @@
 """Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas ops (forgetting attention, DCP
 attention) under an ambient mesh run per shard (a shard_map in the trace) and match the unsharded XLA path, values
 and gradients, under the Shardy and the GSPMD partitioner; the SwiGLU MLP under a tensor mesh exchanges no
-activations."""
+activations, and under fsdp no collective moves activations (the weights are gathered instead)."""
 
 import json
 import os
@@ -81,17 +81,17 @@ def model_case():
     return dict(inside=inside, outside=outside)
 
 
-def mlp_case():
-    """The compiled gradient of a FoX (Pro) loss under data=2,tensor=2 (parameters sharded by the training rules):
-    how many collectives exchange the MLP's activations (collective-permutes, all-gathers named .../mlp/... of an
-    array with the 24-token axis; the weights have none). Compiled only."""
+def activation_collectives(mesh_spec: str, kinds: tuple[str, ...], where: str = "") -> int:
+    """The collectives of ``kinds`` that move activations (arrays with the 24-token axis; the weights have none) in
+    the compiled gradient of a FoX (Pro) loss under ``mesh_spec`` (parameters sharded by the training rules,
+    scanned layers as in training), counted where the op name contains ``where``. Compiled only."""
     import re
 
     from fox_jax.sharding import state_shardings
 
     cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=1, attention_impl="pallas", dtype="float32")
     model = LanguageModel(cfg)
-    mesh = make_mesh("data=2,tensor=2")
+    mesh = make_mesh(mesh_spec)
     tokens = jax.ShapeDtypeStruct((4, 24), jnp.int32)
     params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((4, 24), jnp.int32))["params"])
     params = jax.tree_util.tree_map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), params,
@@ -99,10 +99,10 @@ def mlp_case():
     grad = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply({"params": p}, x).logits ** 2)))
     with jax.set_mesh(mesh):
         hlo = grad.lower(params, tokens).compile().as_text()
-    exchanges = [line for line in hlo.splitlines()
-                 if re.search(r"= \S*\[[\d,]*\b24\b[\d,]*\]\S* (collective-permute|all-gather)(-start)?\(", line)
-                 and "/mlp/" in line]
-    return dict(activation_exchanges=len(exchanges))
+    op = re.compile(r"= (.*?) (" + "|".join(kinds) + r")(-start)?\(")
+    alone = re.compile(r"replica_groups=\{(\{\d+\},?)+\}")  # one device per group: nothing moves
+    return sum(1 for line in hlo.splitlines() if (m := op.search(line)) and where in line and not alone.search(line)
+               and re.search(r"\[[\d,]*\b24\b[\d,]*\]", m.group(1)))
 
 
 if __name__ == "__main__":
@@ -112,7 +112,10 @@ if __name__ == "__main__":
     out["dcp|data=2,tensor=2|gated"] = dcp_case("data=2,tensor=2", True)
     out["dcp|data=4"] = dcp_case("data=4", False)
     out["model"] = model_case()
-    out["mlp"] = mlp_case()
+    # SwiGLU under tensor: no exchange of the MLP's activations; under fsdp: no activation collective at all
+    out["mlp"] = activation_collectives("data=2,tensor=2", ("collective-permute", "all-gather"), "/mlp/")
+    out["fsdp"] = activation_collectives("fsdp=4", ("collective-permute", "all-gather", "all-reduce",
+                                                    "reduce-scatter", "all-to-all"))
     # the partitioner picked for multi-GPU meshes (fox_jax.sharding.select_partitioner): same results
     jax.config.update("jax_use_shardy_partitioner", False)
     out["gspmd|data=2,tensor=2"] = op_case("data=2,tensor=2", "auto", True)
