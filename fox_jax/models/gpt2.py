@@ -55,7 +55,8 @@ import numpy as np
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
 from fox_jax.cache.slots import cache_columns, slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_applies, scan_blocks
+from fox_jax.models.family import (FamilyModules, ModelOutput, dcp_aux, embed_rows, remat_block, rows_only,
+                                   scan_applies, scan_blocks)
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.nn.layers import LayerNorm
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
@@ -273,6 +274,8 @@ class GPT2Block(nn.Module):
     def __call__(self, x, segment_ids=None, cache=None, alpha=None) -> LayerOutput:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
+        if cache is None:
+            x = rows_only(x)
         attn = GPT2Attention(cfg, name="attn")(_layer_norm(cfg, "ln_1")(x).astype(dtype), segment_ids, cache, alpha)
         x = x + attn.x.astype(x.dtype)
         x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2")(x).astype(dtype)).astype(x.dtype)
@@ -359,8 +362,13 @@ class GPT2(nn.Module):
                        embedding_init=init, name="wte")
         wpe = nn.Embed(cfg.n_positions, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                        embedding_init=init, name="wpe")
-        # The residual stream is kept in float32; sublayers compute in cfg.dtype.
-        x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
+        # The residual stream is kept in float32; sublayers compute in cfg.dtype. Without a cache it is laid out
+        # by rows under a mesh (family.rows_only).
+        if cache is None:
+            x = (embed_rows(wte, tokens, dtype).astype(jnp.float32)
+                 + embed_rows(wpe, positions, dtype, rows=None).astype(jnp.float32))
+        else:
+            x = wte(tokens).astype(jnp.float32) + wpe(positions).astype(jnp.float32)
 
         if scan_applies(cfg, self, cache):
             x, log_masks = scan_blocks(self, GPT2Block(cfg, parent=None), cfg.layer_names, x,
@@ -377,6 +385,8 @@ class GPT2(nn.Module):
         if last_logits:
             x = x[:, -1:]
         x = _layer_norm(cfg, "ln_f")(x)
+        if cache is None:
+            x = rows_only(x)
         logits = wte.attend(x.astype(dtype)).astype(jnp.float32)
         if cache is not None:
             return ModelOutput(logits, cache=tuple(o.cache for o in outs))

@@ -22,10 +22,10 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.config import ARCHS, SIZES, ModelConfig, preset, register_family
-from fox_jax.models.family import FamilyModules, ModelOutput, dcp_aux, remat_block, scan_applies, scan_blocks
+from fox_jax.models.family import (FamilyModules, ModelOutput, dcp_aux, embed_rows, remat_block, rows_only,
+                                   scan_applies, scan_blocks)
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
-from fox_jax.sharding import constrain
 from fox_jax.ops.cross_entropy import padded_head
 
 
@@ -43,8 +43,8 @@ class Block(nn.Module):
     def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None) -> LayerOutput:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        if cache is None:  # the residual stream split by rows only (see ``LanguageModel``)
-            x = constrain(x, ("batch", None, None))
+        if cache is None:
+            x = rows_only(x)
         h = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x)
         attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha)
         x = x + attn.x
@@ -143,17 +143,7 @@ class LanguageModel(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         embed = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=dtype, param_dtype=jnp.float32,
                          embedding_init=normal_init(cfg.init_std), name="embed")
-        if cache is None:
-            # Under a mesh (training, scoring), the residual stream [B, T, d] is split by rows only, at the
-            # embedding, every block's input and the final norm: XLA then gathers each weight over ``fsdp``
-            # where it is used (ZeRO-3) instead of splitting d of the activations and exchanging them around
-            # every matmul (a FoX (Pro) step on 8 simulated devices: 3.5 GB -> 82 MB of collectives under
-            # fsdp=8, tests/test_sharding.py). The table is gathered over ``fsdp`` for the lookup (a lookup
-            # into a table split by d is one XLA can only reshard through the whole batch).
-            x = jnp.take(constrain(embed.embedding, ("vocab", None)).astype(dtype), tokens, axis=0)
-            x = constrain(x, ("batch", None, None))
-        else:
-            x = embed(tokens)
+        x = embed(tokens) if cache is not None else embed_rows(embed, tokens, dtype)  # rows only: family.rows_only
         layer_alpha = alpha if cfg.dcp else None
         if scan_applies(cfg, self, cache):
             x, log_masks = scan_blocks(self, Block(cfg, parent=None), cfg.layer_names, x,
@@ -172,7 +162,7 @@ class LanguageModel(nn.Module):
             x = x[:, -1:]
         x = RMSNorm(cfg.norm_eps, dtype, name="final_norm")(x)
         if cache is None:
-            x = constrain(x, ("batch", None, None))
+            x = rows_only(x)
         if return_hidden:
             return ModelOutput(None, hidden=x)
         if cfg.tie_embeddings:
