@@ -30,8 +30,8 @@ from fox_jax.cache.policies import parse_policy
 from fox_jax.cache.slots import new_slot_cache
 
 from fox_jax.ops._common import ATTENTION_RESIDUALS
-from fox_jax.sharding import constrain
 from fox_jax.ops.context_pruning import sparsity, sparsity_loss, with_interaction_params
+from fox_jax.sharding import constrain
 
 
 @flax.struct.dataclass
