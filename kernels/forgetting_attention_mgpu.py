@@ -112,7 +112,7 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
         return fwd
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
-    dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 4 * st * bq * 4 + 2 * bk * 4
+    dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
     return max(fwd, dq, dkv)
 
 
@@ -217,7 +217,9 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                 sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
                 plgpu.barrier_arrive(k_free.at[slot])
                 shape = (bq, bk)
-                s = s * qk_scale + _row(lq, shape) - _col(lk, shape)
+                # the query's Λ_i is one constant per row: the softmax does not see it, so the loop leaves it out
+                # (one subtraction per score fewer) and the lse gets it at the end
+                s = s * qk_scale - _col(lk, shape)
                 if masked:
                     r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
                     c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + n * bk
@@ -272,7 +274,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             inv = 1.0 / jnp.where(seen, l_i, 1.0)
             q_smem[...] = (acc * _row(inv, acc.shape)).astype(dtype)
             lse_smem = lse_smem2.at[wg]
-            lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E, -jnp.inf)
+            lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E + lq, -jnp.inf)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, o_ref.at[bi, pl.ds(q_base, bq), head])
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_base, bq)])
@@ -435,7 +437,9 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
 # the tile (kept in shared memory), warpgroup 2 streams the other side's blocks through ``stages`` slots.
 # Every compute warpgroup waits on every block of the tile's range in order (the blocks outside its own
 # range are waited on and released at once), so a slot is never refilled before both have let it go.
-# P is recomputed from the forward's lse: P = exp2(s − lse·log2 e), dS = P ⊙ (dO·Vᵀ − δ), δ = rowsum(O ⊙ dO).
+# P is recomputed from the forward's lse: P = exp2(s·scale·log2 e + (Λ_i − lse_i)·log2 e − Λ_j·log2 e), the row term
+# Λ_i − lse_i one vector (``lq_lse2``, made once by ``mosaic_backward``): two operations per score before the
+# exponential; dS = P ⊙ (dO·Vᵀ − δ), δ = rowsum(O ⊙ dO).
 
 
 def _produce(n_lo, n_tile, stages: int, full, free, fetch):
@@ -517,15 +521,16 @@ def _params():
     return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
+def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
                              offset: int, scale: float, block_q: int, block_k: int, stages: int,
                              window_size: int | None = None):
     """dQ and the query-side decay gradient Σ_j dS_ij on padded arrays.
 
     Args:
-      as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype), lse2 [B, H, Tq] float32 (base-2 lse,
-      +inf on empty rows), delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)]
-      the key-block ranges at the tiling (2·block_q, block_k).
+      as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype); lq_lse2 [B, H, Tq] float32: the query rows'
+      Λ minus their lse, base 2 (Λ·log2 e − lse·log2 e; −inf on empty rows), in place of the forward's lam_q2;
+      delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)] the key-block ranges at
+      the tiling (2·block_q, block_k).
     Returns:
       dq [B, Tq, H, D] in q.dtype and dΛ_q [B, H, Tq] float32.
     """
@@ -539,7 +544,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
         if segments:
             sq_ref, sk_ref, dlo_ref, dhi_ref, dq_ref, dlq_ref, scoped = rest
         else:
@@ -561,8 +566,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, res_full.at[wg])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, res_full.at[wg])
             vec = (bi, head, pl.ds(q_base, bq))
-            lq = plgpu.load(lq_ref.at[vec], (), layout=row_layout, optimized=False)
-            lse = plgpu.load(lse_ref.at[vec], (), layout=row_layout, optimized=False)
+            lq = plgpu.load(lq_ref.at[vec], (), layout=row_layout, optimized=False)  # Λ − lse, base 2
             dl = plgpu.load(dl_ref.at[vec], (), layout=row_layout, optimized=False)
             sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
                                                          optimized=False)
@@ -590,7 +594,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
                     sk = None if sk_smem is None else _col(plgpu.load(sk_smem.at[slot], (), layout=col_layout), shape)
                     s = jnp.where(_visible(r, c, ss, window_size, None if sq is None else _row(sq, shape), sk),
                                   s, -jnp.inf)
-                p = jnp.exp2(s - _row(lse, shape))
+                p = jnp.exp2(s)
 
                 def dov(acc_ref):
                     plgpu.wgmma(acc_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
@@ -648,7 +652,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages))
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    args = [q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv_hi, seq_start]
+    args = [q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     return plgpu.kernel(
@@ -659,7 +663,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lam_q2, lam_k2, lse2, delta, kv_lo, kv
     )(*args)
 
 
-def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
+def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
                               window_size: int | None = None):
     """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays.
@@ -682,13 +686,13 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, lse_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
         if segments:
             sq_ref, sk_ref, dlo_ref, dhi_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
         else:
             sq_ref = sk_ref = dlo_ref = dhi_ref = None
             dk_ref, dv_ref, dlk_ref, scoped = rest
-        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, lse_smem, dl_smem, sq_smem, out_smem2), \
+        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2), \
             (res_full, full, free) = scoped
         bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
         wg = lax.axis_index("wg")
@@ -726,8 +730,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
                     return acc_ref[...]
 
                 st = pl.run_scoped(kq, plgpu.ACC(shape, jnp.float32))
-                lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)
-                lse = plgpu.load(lse_smem.at[slot], (), layout=col_layout)
+                lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)  # Λ − lse, base 2
                 dl = plgpu.load(dl_smem.at[slot], (), layout=col_layout)
                 st = st * qk_scale + _col(lq, shape) - _row(lk, shape)
                 if masked:
@@ -736,7 +739,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
                     sq = None if sq_smem is None else _col(plgpu.load(sq_smem.at[slot], (), layout=col_layout), shape)
                     st = jnp.where(_visible(r, c, ss, window_size, sq, None if sk is None else _row(sk, shape)),
                                    st, -jnp.inf)
-                pt = jnp.exp2(st - _col(lse, shape))
+                pt = jnp.exp2(st)
 
                 def dv_dp(refs):
                     dv_ref_, dpt_ref = refs
@@ -779,7 +782,6 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
                 plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(lq_ref.at[vec], lq_smem.at[slot], full.at[slot])
-                plgpu.copy_gmem_to_smem(lse_ref.at[vec], lse_smem.at[slot], full.at[slot])
                 plgpu.copy_gmem_to_smem(dl_ref.at[vec], dl_smem.at[slot], full.at[slot])
                 if sq_ref is not None:
                     plgpu.copy_gmem_to_smem(sq_ref.at[bi, pl.ds(m * bq, bq)], sq_smem.at[slot], full.at[slot])
@@ -794,16 +796,15 @@ def mosaic_flash_backward_dkv(q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_
             plgpu.SMEM((stages, bq, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
-            plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
         )
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
-                    plgpu.Barrier(num_arrivals=6 if segments else 5, num_barriers=stages),
+                    plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages))
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    args = [q, k, v, do, lam_q2, lam_k2, lse2, delta, q_lo, q_hi, seq_start]
+    args = [q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
@@ -845,6 +846,7 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
     delta = _pad_axis(delta, 2, tq_pad)
     lse2 = _pad_axis(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf), 2, tq_pad, value=jnp.inf)
+    lq_lse2 = lam_q2 - lse2  # the row term of P = exp2(s·scale·log2 e + Λ_i·log2 e − Λ_j·log2 e − lse_i·log2 e)
     seg_q = seg_k = None
     if segment_ids is not None:
         seg_q = _pad_axis(segment_ids[:, tk - tq:].astype(jnp.int32), 1, tq_pad, value=-1)
@@ -852,11 +854,10 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     ss = seq_start.astype(jnp.int32)
     common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size)
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
-    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lam_q2, lam_k2, lse2, delta, lo, hi, ss, seg_q, seg_k,
-                                          **common)
+    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k, **common)
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
-    dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lam_q2, lam_k2, lse2, delta, lo, hi, ss, seg_q,
-                                               seg_k, **common)
+    dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
+                                               **common)
     dq, dk, dv = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
     if h != hkv:  # GQA: sum the query heads of each key/value head in float32
         dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
