@@ -11,9 +11,10 @@ achieved sparsity, fraction of the causal tiles each Pallas kernel skips, the ra
     python benchmarks/bench_dcp.py --out $OUT/dcp.json
     python benchmarks/bench_dcp.py --quick --out /tmp/dcp.json      # CPU smoke run (interpret mode)
 
-``--interleave-heads`` adds the Pallas path with the heads of one block in consecutive programs
-(``KernelConfig.interleave_heads``): the heads share the layer's one mask (a float32 [B, Tq, Tk] array, as many
-bytes per tile as K and V at D = 64), which then comes from L2 for all but the first head of a block.
+``--grid-orders`` adds the Pallas path in both grid orders (``KernelConfig.interleave_heads``): the heads of one
+block in consecutive programs, which then share the layer's one mask (a float32 [B, Tq, Tk] array, as many bytes
+per tile as K and V at D = 64) in L2, or the blocks of one head consecutive. ``resolve_dcp_config`` picks the
+first when one batch row's mask exceeds ``DCP_INTERLEAVE_MASK_BYTES`` (the plain "pallas" row is that default).
 ``--all-masked`` adds the Pallas path with every listed tile element-masked
 (``KernelConfig.dcp_unmasked_interior=False``), to measure what the unmasked interior loop buys;
 ``--no-xla`` leaves out the (slow) blockwise XLA path.
@@ -82,8 +83,9 @@ def main(argv=None) -> int:
                          "default " + ",".join("x".join(map(str, s)) for s in SHAPES))
     ap.add_argument("--sparsities", default=None,
                     help="comma-separated target fractions of the causal (query, key) pairs dropped, default 0.5,0.9")
-    ap.add_argument("--interleave-heads", action="store_true",
-                    help="also time the Pallas path with the grid's heads innermost (the mask shared in L2)")
+    ap.add_argument("--grid-orders", action="store_true",
+                    help="also time the Pallas path with the heads of a block consecutive (the mask shared in L2) "
+                         "and with the blocks of a head consecutive")
     ap.add_argument("--all-masked", action="store_true",
                     help="also time the Pallas path with every listed tile element-masked")
     ap.add_argument("--no-xla", action="store_true", help="leave out the blockwise XLA path")
@@ -133,7 +135,8 @@ def main(argv=None) -> int:
         impls = {} if args.no_xla else {"xla": lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf,
                                                                                      implementation="xla")}
         impls["pallas"] = lambda q, k, v, m, lf: dcp_attention(q, k, v, m, lf, implementation="pallas")
-        variants = {"pallas heads interleaved": dict(interleave_heads=True)} if args.interleave_heads else {}
+        variants = ({"pallas heads interleaved": dict(interleave_heads=True),
+                     "pallas heads apart": dict(interleave_heads=False)} if args.grid_orders else {})
         variants.update({"pallas all masked": dict(dcp_unmasked_interior=False)} if args.all_masked else {})
         for name, change in variants.items():  # the Pallas path with one KernelConfig field changed
             impls[name] = functools.partial(_with_config, d=d,

@@ -178,12 +178,34 @@ def test_bench_dcp_quick(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "dcp.json"
-    assert mod.main(["--quick", "--no-xla", "--interleave-heads", "--sparsities", "0.9", "--out", str(out)]) == 0
+    assert mod.main(["--quick", "--no-xla", "--grid-orders", "--sparsities", "0.9", "--out", str(out)]) == 0
     (row,) = json.loads(out.read_text())["rows"]
     assert 0.8 < row["sparsity"] < 1.0
-    assert set(row["ms"]) == {f"{n}|{m}" for n in ("pallas", "pallas heads interleaved", "dense pallas (no mask)")
+    assert set(row["ms"]) == {f"{n}|{m}" for n in ("pallas", "pallas heads interleaved", "pallas heads apart",
+                                                                     "dense pallas (no mask)")
                               for m in ("fwd", "fwd_bwd")}
     assert all(ms is not None and ms > 0 for ms in row["ms"].values())
+
+
+def test_dcp_config_interleaves_heads_where_the_mask_leaves_l2():
+    """``resolve_dcp_config``'s default grid order: the heads of a block consecutive once one batch row's float32
+    mask (4·Tq·Tk bytes) exceeds ``DCP_INTERLEAVE_MASK_BYTES``, on a GPU and in interpret mode alike; the
+    D > 64 backward's two stages on a GPU only; a config given is kept as it is."""
+    import dataclasses
+
+    from fox_jax.ops import pallas as fpallas
+
+    limit = fpallas.DCP_INTERLEAVE_MASK_BYTES
+    for interpret in (False, True):
+        assert fpallas.resolve_dcp_config(64, 16384, 16384, interpret=interpret).interleave_heads is True
+        assert fpallas.resolve_dcp_config(64, 2048, 2048, interpret=interpret).interleave_heads is None
+        t = int((limit / 4) ** 0.5)
+        assert fpallas.resolve_dcp_config(64, t, t, interpret=interpret).interleave_heads is None
+        assert fpallas.resolve_dcp_config(64, t + 1, t + 1, interpret=interpret).interleave_heads is True
+    gpu = fpallas.resolve_dcp_config(128, 16384, 16384, interpret=False)
+    assert gpu.dq.num_stages <= 2 and gpu.dkv.num_stages <= 2
+    given = dataclasses.replace(fpallas.resolve_config(64, 16384, 16384, interpret=False), interleave_heads=False)
+    assert fpallas.resolve_dcp_config(64, 16384, 16384, given, interpret=False).interleave_heads is False
 
 
 def _mask_with_empty_rows(rng, b, t):

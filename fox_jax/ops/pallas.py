@@ -70,19 +70,32 @@ def resolve_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None 
     return resolve_tiles(config, tq, tk)
 
 
+# A DCP layer's mask is one float32 [Tq, Tk] array per batch row, read by every head. Past this size (an H100's or
+# H200's L2 is 50 MB) the heads of one block run in consecutive programs, so that they read each mask tile while it
+# is in L2, instead of each head streaming the whole mask (measured on an H100, fwd+bwd at 50% dropped: −13% at
+# B1 T16384 H24 D64, −5% at B1 T8192 H16 D128, no change at T ≤ 2048; benchmarks/NOTES.md, "DCP kernels").
+DCP_INTERLEAVE_MASK_BYTES = 48 * 2**20
+
+
 def resolve_dcp_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None = None,
                        interpret: bool | None = None) -> KernelConfig:
     """``resolve_config`` for the kernels with a DCP mask: by default the dense tiling, but at most two
-    pipeline stages in the D > 64 backward kernels. The mask tiles of their tile-list loops are
+    pipeline stages in the D > 64 backward kernels (the mask tiles of their tile-list loops are
     software-pipelined too, and with the dense default's 3–4 stages the D = 128 dK/dV kernel asks for
-    290 KB of shared memory (sm_90 has 227 KB; benchmarks/checks/offline_triton_check.py --dcp)."""
+    290 KB of shared memory: sm_90 has 227 KB; benchmarks/checks/offline_triton_check.py --dcp), and the
+    heads interleaved in the grid (``KernelConfig.interleave_heads``) when one batch row's mask, 4·Tq·Tk
+    bytes, exceeds ``DCP_INTERLEAVE_MASK_BYTES``. A ``config`` given is used as it is."""
     if interpret is None:
         interpret = _interpret_default()
     d_pad = fa_kernels.padded_head_dim(head_dim)
-    if config is None and not interpret and d_pad > 64:
-        base = default_config(d_pad)
-        config = dataclasses.replace(base, dq=dataclasses.replace(base.dq, num_stages=min(base.dq.num_stages, 2)),
-                                     dkv=dataclasses.replace(base.dkv, num_stages=min(base.dkv.num_stages, 2)))
+    if config is None:
+        base = default_config(d_pad, interpret=interpret)
+        if not interpret and d_pad > 64:
+            base = dataclasses.replace(base, dq=dataclasses.replace(base.dq, num_stages=min(base.dq.num_stages, 2)),
+                                       dkv=dataclasses.replace(base.dkv, num_stages=min(base.dkv.num_stages, 2)))
+        if 4 * tq * tk > DCP_INTERLEAVE_MASK_BYTES:
+            base = dataclasses.replace(base, interleave_heads=True)
+        config = base
     return resolve_config(head_dim, tq, tk, config, interpret)
 
 
