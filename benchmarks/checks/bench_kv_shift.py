@@ -1,0 +1,126 @@
+"""The KV-shift backward alone, in variants, at one layer's shape (issue 22: the largest non-GEMM kernel of the 760M
+FoX (Pro) step, 0.59 ms per layer on an H100 for ~0.35 GB of operands, ~0.1 ms at the card's bandwidth).
+
+The step's fusion takes both shifted tensors (k with a float32 cotangent from the QK-norm's backward, v with a
+bf16 one) and writes dk̃, dṽ (bf16) and dα_k, dα_v (float32 row sums over D) in one multi-output reduction
+kernel. Variants, each checked against ``current`` before it is timed:
+
+* ``current``: ``fox_jax.ops.head_ops.kv_shift`` as it is (its written-out backward).
+* ``autodiff``: the plain forward under autodiff (the tree before d145d47).
+* ``split``: the written-out backward with the row sums fed through ``lax.optimization_barrier``, so XLA cannot
+  put them into the elementwise kernel: one loop fusion for dk̃/dṽ (vectorised, no reduction mapping) and one
+  reduction fusion reading g and x̃ again.
+
+    PYTHONPATH=. python3 benchmarks/checks/bench_kv_shift.py [--shape 1x16384x24x64] [--out kv_shift.json]
+
+Prints ms per backward (both tensors) and the bytes' floor at the given bandwidth; ``--out`` writes JSON rows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_attention import time_jax  # noqa: E402
+
+from fox_jax.ops import head_ops  # noqa: E402
+
+
+def _plain(raw, alpha, state, boundary):
+    a = alpha[..., None]
+    prev = head_ops._previous(raw, state, boundary).astype(jnp.float32)
+    return (a * prev + (1.0 - a) * raw.astype(jnp.float32)).astype(raw.dtype)
+
+
+@jax.custom_vjp
+def _split(raw, alpha, state, boundary):
+    return _plain(raw, alpha, state, boundary)
+
+
+def _split_fwd(raw, alpha, state, boundary):
+    return _plain(raw, alpha, state, boundary), (raw, alpha, state, boundary)
+
+
+def _split_bwd(res, g):
+    raw, alpha, state, boundary = res
+    g = g.astype(jnp.float32)
+    a = alpha[..., None]
+    g_r, raw_r = jax.lax.optimization_barrier((g, raw))
+    diff = head_ops._previous(raw_r, state, boundary).astype(jnp.float32) - raw_r.astype(jnp.float32)
+    d_alpha = jnp.sum(g_r * diff, axis=-1)
+    g_prev = jnp.where(boundary[:, :, None, None], 0.0, a * g)
+    d_raw = (1.0 - a) * g + jnp.concatenate([g_prev[:, 1:], jnp.zeros_like(g_prev[:, :1])], axis=1)
+    return d_raw.astype(raw.dtype), d_alpha, g_prev[:, 0].astype(state.dtype), None
+
+
+_split.defvjp(_split_fwd, _split_bwd)
+
+
+def shift_fn(variant):
+    def shift(raw, alpha, boundary):
+        state = jnp.zeros_like(raw[:, 0])
+        if variant == "current":
+            return head_ops._shift_mix(raw, alpha, state, boundary)
+        if variant == "autodiff":
+            return _plain(raw, alpha, state, boundary)
+        return _split(raw, alpha, state, boundary)
+    return shift
+
+
+def backward(variant):
+    """(k̃, ṽ, α_k, α_v, boundary, g_k f32, g_v bf16) -> (dk̃, dṽ, dα_k, dα_v), as the step's fusion sees them."""
+    shift = shift_fn(variant)
+
+    def f(k, v, ak, av, boundary, gk, gv):
+        _, vjp_k = jax.vjp(lambda x, a: shift(x, a, boundary).astype(jnp.float32), k, ak)
+        _, vjp_v = jax.vjp(lambda x, a: shift(x, a, boundary), v, av)
+        return (*vjp_k(gk), *vjp_v(gv))
+    return jax.jit(f)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shape", default="1x16384x24x64", help="BxTxHxD")
+    ap.add_argument("--variants", nargs="+", default=["current", "autodiff", "split"])
+    ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the floor (H100 SXM: 3.35e12)")
+    ap.add_argument("--out")
+    args = ap.parse_args(argv)
+    b, t, h, d = (int(x) for x in args.shape.split("x"))
+    keys = jax.random.split(jax.random.PRNGKey(0), 6)
+    k = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
+    v = jax.random.normal(keys[1], (b, t, h, d), jnp.bfloat16)
+    ak = jax.nn.sigmoid(jax.random.normal(keys[2], (b, t, h)))
+    av = jax.nn.sigmoid(jax.random.normal(keys[3], (b, t, h)))
+    boundary = jnp.zeros((b, t), bool).at[:, t // 3].set(True)
+    gk = jax.random.normal(keys[4], (b, t, h, d), jnp.float32)
+    gv = jax.random.normal(keys[5], (b, t, h, d), jnp.bfloat16)
+    inputs = (k, v, ak, av, boundary, gk, gv)
+    n = b * t * h * d
+    floor_bytes = n * (2 + 2 + 4 + 2) + n * (2 + 2)  # read k̃, ṽ, g_k, g_v; write dk̃, dṽ (the α rows are small)
+    ref = backward("current")(*inputs)
+    rows = []
+    for variant in args.variants:
+        fn = backward(variant)
+        out = fn(*inputs)
+        err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - r.astype(jnp.float32)) / (1 + jnp.abs(r))))
+                  for a, r in zip(out, ref))
+        ms = time_jax(fn, inputs)
+        row = {"variant": variant, "shape": args.shape, "ms": ms, "floor_ms": 1e3 * floor_bytes / args.bandwidth,
+               "max_rel_err_vs_current": err, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+        rows.append(row)
+        print(f"{variant:10s} {ms:7.3f} ms   floor {row['floor_ms']:.3f} ms   max rel err vs current {err:.1e}",
+              flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
