@@ -240,8 +240,8 @@ def test_offline_mosaic_check_parses_ptxas_and_ptx():
 
 def test_kv_shift_bench_variants_agree(tmp_path):
     """benchmarks/checks/bench_kv_shift.py at a tiny shape on CPU: every variant's backward is compared with the
-    library's before it is timed; the written-out ones (``current``, ``split``) agree exactly, plain autodiff to
-    bf16 rounding (it rounds the shifted cotangent twice)."""
+    library's before it is timed; the written-out ones (``current``, ``split``) agree to float32 summation order
+    (the row sums' kernels differ), plain autodiff to bf16 rounding (it rounds the shifted cotangent twice)."""
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
     import bench_kv_shift as bk
 
@@ -249,6 +249,6 @@ def test_kv_shift_bench_variants_agree(tmp_path):
     assert bk.main(["--shape", "1x40x2x16", "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
     assert set(rows) == {"current", "autodiff", "split"}
-    assert rows["split"]["max_rel_err_vs_current"] == 0.0
+    assert rows["split"]["max_rel_err_vs_current"] < 1e-5
     assert 0.0 < rows["autodiff"]["max_rel_err_vs_current"] < 2e-2
     assert all(r["ms"] > 0 for r in rows.values())

@@ -7,9 +7,13 @@ kernel. Variants, each checked against ``current`` before it is timed:
 
 * ``current``: ``fox_jax.ops.head_ops.kv_shift`` as it is (its written-out backward).
 * ``autodiff``: the plain forward under autodiff (the tree before d145d47).
-* ``split``: the written-out backward with the row sums fed through ``lax.optimization_barrier``, so XLA cannot
-  put them into the elementwise kernel: one loop fusion for dk̃/dṽ (vectorised, no reduction mapping) and one
-  reduction fusion reading g and x̃ again.
+* ``split``: the written-out backward with x̃_{t−1} materialised and the row sums fed from behind a
+  ``lax.optimization_barrier`` (with the cotangent in its own dtype), so XLA cannot put them into the elementwise
+  kernel: one loop fusion writes dk̃, dṽ and the shifted x̃, then one plain reduction per tensor reads aligned
+  operands. Compiled for an H200 offline (``ptxas`` through JAX's CUDA plugin), ``current``'s one kernel keeps 384 B
+  of local memory per thread (each thread's 8 elements held in vectors indexed dynamically) and loads the shifted
+  operands 16 bits at a time; ``split``'s three kernels have no local memory and vector loads in the reductions
+  (barriers on the cotangent and x̃ alone, leaving the shift inside, were fused back into one kernel with 512 B).
 
     PYTHONPATH=. python3 benchmarks/checks/bench_kv_shift.py [--shape 1x16384x24x64] [--out kv_shift.json]
 
@@ -49,11 +53,10 @@ def _split_fwd(raw, alpha, state, boundary):
 
 def _split_bwd(res, g):
     raw, alpha, state, boundary = res
+    g_r, prev = jax.lax.optimization_barrier((g, head_ops._previous(raw, state, boundary)))
+    d_alpha = jnp.sum(g_r.astype(jnp.float32) * (prev.astype(jnp.float32) - raw.astype(jnp.float32)), axis=-1)
     g = g.astype(jnp.float32)
     a = alpha[..., None]
-    g_r, raw_r = jax.lax.optimization_barrier((g, raw))
-    diff = head_ops._previous(raw_r, state, boundary).astype(jnp.float32) - raw_r.astype(jnp.float32)
-    d_alpha = jnp.sum(g_r * diff, axis=-1)
     g_prev = jnp.where(boundary[:, :, None, None], 0.0, a * g)
     d_raw = (1.0 - a) * g + jnp.concatenate([g_prev[:, 1:], jnp.zeros_like(g_prev[:, :1])], axis=1)
     return d_raw.astype(raw.dtype), d_alpha, g_prev[:, 0].astype(state.dtype), None
