@@ -126,10 +126,36 @@ def test_train_kernels_bytes_from_the_hlo_types():
 
     assert tk.array_bytes("(f32[4,2]{1,0}, bf16[3]{0}, s32[])") == 32 + 6 + 4
     kernels = tk.kernels_with_bytes(HLO)
+    assert [k["name"] for k in kernels] == ["loop_concatenate_fusion", "input_reduce_fusion", "custom-call.3",
+                                            "custom-call.4", "multiply.5"]
     assert [k["kind"] for k in kernels] == ["kLoop", "kInput", "custom-call:__cublas$gemm",
                                             "custom-call:__gpu$xla.gpu.triton", "multiply"]
     assert [k["bytes"] for k in kernels] == [64 + 64 + 128, 128 + 32, 64 + 128, 64 + 128, 32 + 32 + 32]
     assert tk._fold(kernels[0]["op"]) == "transpose(jvp(LanguageModel))/layers_*/mlp/concatenate"
+
+
+def test_train_kernels_reads_local_memory_and_scalar_loads_from_ptx(tmp_path):
+    """``train_kernels.ptx_kernels`` (``--ptx``): per PTX entry, the local memory per thread and the global loads
+    split into scalar (8/16-bit counted apart) and vector ones, across the dump's files."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    env = dict(os.environ)
+    import train_kernels as tk
+    os.environ.clear()
+    os.environ.update(env)
+
+    (tmp_path / "m.1.ptx").write_text(
+        "//\n.visible .entry input_reduce_fusion_1(\n.param .u64 a\n)\n{\n.local .align 4 .b8 __local_depot0[256];\n"
+        "ld.global.nc.b16 %rs1, [%rd1];\nld.global.nc.b16 %rs2, [%rd2];\nld.global.nc.b32 %r1, [%rd3];\n"
+        "ld.global.nc.v4.b32 {%r2, %r3, %r4, %r5}, [%rd4];\nst.global.b32 [%rd5], %r1;\n}\n"
+        "\n.visible .entry loop_add_fusion(\n.param .u64 b\n)\n{\nld.global.nc.v4.b16 {%rs1}, [%rd1];\n"
+        "st.global.v2.b32 [%rd2], {%r1, %r2};\n}\n")
+    (tmp_path / "m.2.ptx").write_text("\n.visible .entry wrapped_convert(\n)\n{\nld.global.u8 %rs1, [%rd1];\n}\n")
+    got = tk.ptx_kernels(str(tmp_path))
+    assert got["input_reduce_fusion_1"] == dict(local_bytes=256, scalar_loads=3, narrow_scalar_loads=2,
+                                                vector_loads=1, scalar_stores=1, vector_stores=0)
+    assert got["loop_add_fusion"] == dict(local_bytes=0, scalar_loads=0, narrow_scalar_loads=0, vector_loads=1,
+                                          scalar_stores=0, vector_stores=1)
+    assert got["wrapped_convert"]["narrow_scalar_loads"] == 1
 
 
 SLICED_HLO = """HloModule m

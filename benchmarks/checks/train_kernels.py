@@ -14,7 +14,12 @@ measurement; ``profile_step.py`` on the device gives the times.
 Needs the CUDA-plugin environment of ``decode_kernels.py`` (``/tmp/cu``, with grain for the training stack):
 
     PYTHONPATH=. /tmp/cu/bin/python benchmarks/checks/train_kernels.py --size 760M --arch fox-pro --seq 16384 \\
-        [--set remat=dots scan_layers=true] [--top 40] [--json out.json]
+        [--set remat=dots scan_layers=true] [--top 40] [--json out.json] [--ptx]
+
+``--ptx`` also reads the PTX that XLA generated for each fusion (an XLA dump into a temporary folder) and lists
+the kernels that keep local memory per thread (spills, or arrays indexed at run time) or load 8/16-bit values one
+at a time: XLA's codegen is the limit there, not the bytes (the KV-shift backward of the 760M step: 256 B of local
+memory and 48 scalar loads, 0.59 ms per layer on an H100 for ~0.1 ms of bytes; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -93,7 +98,7 @@ def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> i
 
 def kernels_with_bytes(hlo: str) -> list[dict]:
     """Every kernel of an optimized GPU module in schedule order (calls and while bodies entered once):
-    [{"kind", "op", "bytes"}], bytes = operands + outputs from the HLO types (``_fusion_bytes``)."""
+    [{"kind", "name", "op", "bytes"}], bytes = operands + outputs from the HLO types (``_fusion_bytes``)."""
     comps = _computations(hlo)
     types = {}
     for lines in comps.values():
@@ -108,7 +113,8 @@ def kernels_with_bytes(hlo: str) -> list[dict]:
         lhs = line.split(" = ", 1)[0]
         operands = _operands(line)
         name = re.search(r'op_name="([^"]+)"', line)
-        out.append(dict(kind=kernel_kind(op, line), op=name.group(1) if name else "",
+        out.append(dict(kind=kernel_kind(op, line), name=lhs.replace("ROOT ", "").strip().lstrip("%"),
+                        op=name.group(1) if name else "",
                         bytes=_fusion_bytes(comps, line, [array_bytes(types.get(a, "")) for a in operands],
                                             array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), "")))))
     return out
@@ -145,6 +151,29 @@ def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
     return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - t0
 
 
+def ptx_kernels(dump_dir: str) -> dict[str, dict]:
+    """Per kernel (PTX entry name = the HLO fusion's name with "." as "_") of an XLA dump's ``*.ptx``: local memory
+    bytes per thread, and global loads and stores split into scalar and vector ones (``.v2`` / ``.v4``), with the
+    scalar loads of 8 or 16 bits counted apart."""
+    import glob
+
+    out = {}
+    for path in glob.glob(os.path.join(dump_dir, "*.ptx")):
+        with open(path) as f:
+            text = f.read()
+        for part in re.split(r"\n\.visible \.entry ", text)[1:]:
+            local = re.search(r"__local_depot\d+\[(\d+)\]", part)
+            loads = re.findall(r"ld\.global(?:\.nc)?(\.v\d)?\.[bfus](\d+)", part)
+            stores = re.findall(r"st\.global(\.v\d)?\.[bfus](\d+)", part)
+            out[part.split("(", 1)[0]] = dict(
+                local_bytes=int(local.group(1)) if local else 0,
+                scalar_loads=sum(1 for vec, _ in loads if not vec),
+                narrow_scalar_loads=sum(1 for vec, bits in loads if not vec and int(bits) <= 16),
+                vector_loads=sum(1 for vec, _ in loads if vec),
+                scalar_stores=sum(1 for vec, _ in stores if not vec), vector_stores=sum(1 for vec, _ in stores if vec))
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--size", default="760M")
@@ -153,7 +182,16 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (remat=dots)")
     p.add_argument("--top", type=int, default=30, help="places to list, by bytes (not GEMMs or attention)")
     p.add_argument("--json", help="write the totals and the ranked places here")
+    p.add_argument("--ptx", action="store_true", help="also list the kernels whose PTX keeps local memory or loads "
+                                                     "8/16-bit values one at a time")
     args = p.parse_args(argv)
+    dump = None
+    if args.ptx:  # before the first compile: XLA reads its flags once
+        import tempfile
+
+        dump = tempfile.mkdtemp(prefix="train_kernels_ptx_")
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                                   f" --xla_dump_to={dump} --xla_dump_hlo_module_re=.*lambda.*").strip()
     hlo, temp, secs = compile_step(args.size, args.arch, args.seq, list(args.set))
     kernels = kernels_with_bytes(hlo)
     ms = lambda b: b / HBM_BYTES_PER_S * 1e3  # noqa: E731
@@ -173,12 +211,27 @@ def main(argv=None) -> int:
     print("the memory-bound places by bytes (layers folded; ≥ ms at 4.8 TB/s, kernels):")
     for (kind, op), (n, b) in ranked[:args.top]:
         print(f"  {ms(b):6.2f} ms {n:5d}  {kind:<7} {op[:110]}")
+    flagged = []
+    if dump:
+        codegen = ptx_kernels(dump)
+        if not codegen:
+            print(f"no PTX in the XLA dump {dump} (was XLA initialised before --ptx set its flags?)")
+        for k in kernels:
+            c = codegen.get(k["name"].replace(".", "_"))
+            if c and (c["local_bytes"] or c["narrow_scalar_loads"] >= 16):
+                flagged.append(dict(name=k["name"], op=_fold(k["op"]), bytes=k["bytes"], **c))
+        print(f"kernels whose PTX keeps local memory or loads ≥ 16 narrow values one at a time ({len(codegen)} "
+              f"kernels read; local B per thread, narrow scalar / vector loads):")
+        for c in sorted(flagged, key=lambda c: (-c["local_bytes"], -c["bytes"]))[:args.top]:
+            print(f"  {c['local_bytes']:4d} B {c['narrow_scalar_loads']:4d} / {c['vector_loads']:3d}  "
+                  f"{ms(c['bytes']):6.2f} ms  {c['name'][:36]:<36} {c['op'][:80]}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(arch=args.arch, size=args.size, seq=args.seq, overrides=args.set, jax=jax.__version__,
                            kernels_per_step=len(kernels), temp_bytes=temp,
                            kinds={k: dict(kernels=n, bytes=b) for k, (n, b) in kinds.items()},
-                           places=[dict(kind=k, op=op, kernels=n, bytes=b) for (k, op), (n, b) in ranked]), f, indent=1)
+                           places=[dict(kind=k, op=op, kernels=n, bytes=b) for (k, op), (n, b) in ranked],
+                           codegen_flagged=flagged), f, indent=1)
     return 0
 
 
