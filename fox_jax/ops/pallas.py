@@ -73,7 +73,7 @@ def resolve_config(head_dim: int, tq: int, tk: int, config: KernelConfig | None 
 # A DCP layer's mask is one float32 [Tq, Tk] array per batch row, read by every head. Past this size (an H100's or
 # H200's L2 is 50 MB) the heads of one block run in consecutive programs, so that they read each mask tile while it
 # is in L2, instead of each head streaming the whole mask (measured on an H100, fwd+bwd at 50% dropped: −13% at
-# B1 T16384 H24 D64, −5% at B1 T8192 H16 D128, no change at T ≤ 2048; benchmarks/NOTES.md, "DCP kernels").
+# B1 T16384 H24 D64, −5% at B1 T8192 H16 D128, no change at T ≤ 2048; benchmarks/NOTES.md, "Done on 2026-12-06").
 DCP_INTERLEAVE_MASK_BYTES = 48 * 2**20
 
 
