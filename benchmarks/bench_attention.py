@@ -121,6 +121,18 @@ def make_inputs(b, t, h, d, seed=0, dtype=jnp.bfloat16):
     return cast(q), cast(k), cast(v), lf.astype(jnp.float32), cast(do)
 
 
+def parse_shapes(text: str, flag: str, error) -> list[tuple[int, int, int, int]]:
+    """``"BxTxHxD,..."`` as [(B, T, H, D), ...] of positive ints; anything else goes to ``error`` (an argparse
+    parser's ``error``: one line naming ``flag``)."""
+    shapes = []
+    for item in text.split(","):
+        dims = item.strip().split("x")
+        if len(dims) != 4 or not all(x.isdigit() and int(x) > 0 for x in dims):
+            error(f"{flag}: expected BxTxHxD (four positive integers, e.g. 1x16384x24x64), got {item.strip()!r}")
+        shapes.append(tuple(int(x) for x in dims))
+    return shapes
+
+
 def _block(x):
     jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
     return x
@@ -847,7 +859,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     impls = [x for x in args.impls.split(",") if x]
     if args.shapes:
-        shapes = [tuple(int(y) for y in s.split("x")) for s in args.shapes.split(",")]
+        shapes = parse_shapes(args.shapes, "--shapes", ap.error)
     else:
         shapes = QUICK_SHAPES if args.quick else ANCHOR_SHAPES
     info = versions()

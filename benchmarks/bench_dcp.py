@@ -45,7 +45,7 @@ from fox_jax.ops.context_pruning import (
 )
 from fox_jax.kernels.forgetting_attention import dmask_tile
 
-from bench_attention import fmt, fwd_flops, log, time_jax, versions  # a sibling script (benchmarks/ on sys.path)
+from bench_attention import fmt, fwd_flops, log, parse_shapes, time_jax, versions  # a sibling script (benchmarks/ on sys.path)
 
 SHAPES = [(8, 1024, 12, 64), (4, 2048, 16, 128), (1, 8192, 16, 128)]
 QUICK_SHAPES = [(1, 64, 2, 32)]
@@ -90,9 +90,15 @@ def main(argv=None) -> int:
                     help="also time the Pallas path with every listed tile element-masked")
     ap.add_argument("--no-xla", action="store_true", help="leave out the blockwise XLA path")
     args = ap.parse_args(argv)
-    shapes = ([tuple(int(y) for y in s.split("x")) for s in args.shapes.split(",")] if args.shapes
+    shapes = (parse_shapes(args.shapes, "--shapes", ap.error) if args.shapes
               else QUICK_SHAPES if args.quick else SHAPES)
-    targets = [float(x) for x in args.sparsities.split(",")] if args.sparsities else SPARSITIES
+    targets = SPARSITIES
+    if args.sparsities:
+        try:
+            targets = [float(x) for x in args.sparsities.split(",")]
+            assert all(0.0 < x < 1.0 for x in targets)
+        except (ValueError, AssertionError):
+            ap.error(f"--sparsities: expected fractions in (0, 1) separated by commas, got {args.sparsities!r}")
     info = versions()
     log(json.dumps(info))
     rows = []

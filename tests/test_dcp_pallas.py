@@ -187,6 +187,24 @@ def test_bench_dcp_quick(tmp_path):
     assert all(ms is not None and ms > 0 for ms in row["ms"].values())
 
 
+@pytest.mark.parametrize("argv", [["--shapes", "1x64x2"], ["--shapes", "1x64x2x16,8"], ["--sparsities", "1.5"],
+                                  ["--sparsities", "0.5,x"]])
+def test_bench_dcp_refuses_bad_shapes_and_sparsities(argv, capsys, tmp_path):
+    """bench_dcp.py: a malformed --shapes entry or a sparsity outside (0, 1) is a one-line error naming the flag
+    (it was a traceback, or a run labelled 100%)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_dcp.py"
+    spec = importlib.util.spec_from_file_location("bench_dcp", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--quick", "--no-xla", "--out", str(tmp_path / "x.json"), *argv])
+    assert e.value.code == 2
+    assert argv[0] in capsys.readouterr().err
+
+
 def test_dcp_config_interleaves_heads_where_the_mask_leaves_l2():
     """``resolve_dcp_config``'s default grid order: the heads of a block consecutive once one batch row's float32
     mask (4·Tq·Tk bytes) exceeds ``DCP_INTERLEAVE_MASK_BYTES``, on a GPU and in interpret mode alike; the

@@ -278,3 +278,17 @@ def test_kv_shift_bench_variants_agree(tmp_path):
     assert rows["split"]["max_rel_err_vs_current"] < 1e-5
     assert 0.0 < rows["autodiff"]["max_rel_err_vs_current"] < 2e-2
     assert all(r["ms"] > 0 for r in rows.values())
+
+
+@pytest.mark.parametrize("argv", [["--shape", "1x256x2"], ["--shape", "0x256x2x64"], ["--variants", "bogus"],
+                                  ["--bandwidth", "-1"]])
+def test_kv_shift_bench_refuses_bad_input(argv, capsys):
+    """bench_kv_shift.py: a shape that is not four positive ints, an unknown variant (it once timed the split form
+    under the typo's name) or a bandwidth ≤ 0 is a one-line argparse error naming the flag, before anything runs."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    import bench_kv_shift as bk
+
+    with pytest.raises(SystemExit) as e:
+        bk.main(argv)
+    assert e.value.code == 2
+    assert argv[0] in capsys.readouterr().err

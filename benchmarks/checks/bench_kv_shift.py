@@ -1,5 +1,6 @@
-"""The KV-shift backward alone, in variants, at one layer's shape (issue 22: the largest non-GEMM kernel of the 760M
-FoX (Pro) step, 0.59 ms per layer on an H100 for ~0.35 GB of operands, ~0.1 ms at the card's bandwidth).
+"""The KV-shift backward alone, in variants, at one layer's shape: the largest non-GEMM kernel of the 760M FoX (Pro)
+training step (0.59 ms per layer on an H100 for ~0.35 GB of operands, ~0.1 ms at the card's bandwidth;
+benchmarks/NOTES.md, issue 22 of the project's tracker).
 
 The step's fusion takes both shifted tensors (k with a float32 cotangent from the QK-norm's backward, v with a
 bf16 one) and writes dk̃, dṽ (bf16) and dα_k, dα_v (float32 row sums over D) in one multi-output reduction
@@ -17,7 +18,10 @@ kernel. Variants, each checked against ``current`` before it is timed:
 
     PYTHONPATH=. python3 benchmarks/checks/bench_kv_shift.py [--shape 1x16384x24x64] [--out kv_shift.json]
 
-Prints ms per backward (both tensors) and the bytes' floor at the given bandwidth; ``--out`` writes JSON rows.
+Inputs: k̃, ṽ bf16 [B, T, H, D], α float32 [B, T, H], one document boundary, cotangents g_k float32 and g_v bf16.
+Prints, per variant, ms per backward of both tensors (median wall time of jitted calls), the floor of its bytes at
+``--bandwidth``, and the largest relative difference from ``current`` (float32 summation order for ``split``;
+bf16 rounding, ~1e-2, for ``autodiff``, which rounds twice); ``--out`` writes the rows as a JSON list.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attention import time_jax  # noqa: E402
+from bench_attention import parse_shapes, time_jax  # noqa: E402
 
 from fox_jax.ops import head_ops  # noqa: E402
 
@@ -65,14 +69,14 @@ def _split_bwd(res, g):
 _split.defvjp(_split_fwd, _split_bwd)
 
 
+VARIANTS = {"current": head_ops._shift_mix, "autodiff": _plain, "split": _split}
+
+
 def shift_fn(variant):
+    fn = VARIANTS[variant]
+
     def shift(raw, alpha, boundary):
-        state = jnp.zeros_like(raw[:, 0])
-        if variant == "current":
-            return head_ops._shift_mix(raw, alpha, state, boundary)
-        if variant == "autodiff":
-            return _plain(raw, alpha, state, boundary)
-        return _split(raw, alpha, state, boundary)
+        return fn(raw, alpha, jnp.zeros_like(raw[:, 0]), boundary)
     return shift
 
 
@@ -89,12 +93,16 @@ def backward(variant):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shape", default="1x16384x24x64", help="BxTxHxD")
-    ap.add_argument("--variants", nargs="+", default=["current", "autodiff", "split"])
-    ap.add_argument("--bandwidth", type=float, default=3.35e12, help="bytes/s for the floor (H100 SXM: 3.35e12)")
-    ap.add_argument("--out")
+    ap.add_argument("--shape", default="1x16384x24x64", help="BxTxHxD (default: the 760M layer, 1x16384x24x64)")
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS),
+                    help="which to time (default: all)")
+    ap.add_argument("--bandwidth", type=float, default=3.35e12,
+                    help="bytes/s for the floor (default 3.35e12, an H100 SXM; an H200: 4.8e12)")
+    ap.add_argument("--out", help="write the rows here as a JSON list")
     args = ap.parse_args(argv)
-    b, t, h, d = (int(x) for x in args.shape.split("x"))
+    (b, t, h, d), = parse_shapes(args.shape, "--shape", ap.error)
+    if not args.bandwidth > 0:
+        ap.error(f"--bandwidth: expected bytes/s > 0, got {args.bandwidth}")
     keys = jax.random.split(jax.random.PRNGKey(0), 6)
     k = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
     v = jax.random.normal(keys[1], (b, t, h, d), jnp.bfloat16)
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
         row = {"variant": variant, "shape": args.shape, "ms": ms, "floor_ms": 1e3 * floor_bytes / args.bandwidth,
                "max_rel_err_vs_current": err, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
         rows.append(row)
-        print(f"{variant:10s} {ms:7.3f} ms   floor {row['floor_ms']:.3f} ms   max rel err vs current {err:.1e}",
+        print(f"{variant:10s} {ms:8.4f} ms   floor {row['floor_ms']:.4f} ms   max rel diff from current {err:.1e}",
               flush=True)
     if args.out:
         with open(args.out, "w") as f:
