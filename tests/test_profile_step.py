@@ -265,10 +265,9 @@ def test_offline_mosaic_check_parses_ptxas_and_ptx():
 
 
 def test_kv_shift_bench_variants_agree(tmp_path):
-    """benchmarks/checks/bench_kv_shift.py at a tiny shape on CPU: every variant's backward is compared with the
+    """benchmarks/bench_kv_shift.py at a tiny shape on CPU: every variant's backward is compared with the
     library's before it is timed; the written-out ones (``current``, ``split``) agree to float32 summation order
     (the row sums' kernels differ), plain autodiff to bf16 rounding (it rounds the shifted cotangent twice)."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
     import bench_kv_shift as bk
 
     out = tmp_path / "kv.json"
@@ -285,7 +284,6 @@ def test_kv_shift_bench_variants_agree(tmp_path):
 def test_kv_shift_bench_refuses_bad_input(argv, capsys):
     """bench_kv_shift.py: a shape that is not four positive ints, an unknown variant (it once timed the split form
     under the typo's name) or a bandwidth ≤ 0 is a one-line argparse error naming the flag, before anything runs."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
     import bench_kv_shift as bk
 
     with pytest.raises(SystemExit) as e:

@@ -16,7 +16,7 @@ kernel. Variants, each checked against ``current`` before it is timed:
   operands 16 bits at a time; ``split``'s three kernels have no local memory and vector loads in the reductions
   (barriers on the cotangent and x̃ alone, leaving the shift inside, were fused back into one kernel with 512 B).
 
-    PYTHONPATH=. python3 benchmarks/checks/bench_kv_shift.py [--shape 1x16384x24x64] [--out kv_shift.json]
+    PYTHONPATH=. python3 benchmarks/bench_kv_shift.py [--shape 1x16384x24x64] [--out kv_shift.json]
 
 Inputs: k̃, ṽ bf16 [B, T, H, D], α float32 [B, T, H], one document boundary, cotangents g_k float32 and g_v bf16.
 Prints, per variant, ms per backward of both tensors (median wall time of jitted calls), the floor of its bytes at
@@ -28,16 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attention import parse_shapes, time_jax  # noqa: E402
+from fox_jax.ops import head_ops
 
-from fox_jax.ops import head_ops  # noqa: E402
+from bench_attention import parse_shapes, time_jax  # a sibling script (benchmarks/ on sys.path)
 
 
 def _plain(raw, alpha, state, boundary):
