@@ -60,9 +60,9 @@ def copy_run(src: Path, dst: Path, last_step: int | None = None) -> Path:
 
 
 def test_grad_accum_step_equals_the_whole_batch_step():
-    """``grad_accum=2`` (two micro-batches of 2 rows, accumulated in a scan) and ``grad_accum=1`` (the direct
-    gradient, no accumulator) take the same step on one batch of 4 unpadded rows: the loss is a mean over
-    equally many tokens per micro-batch, so the means agree. float32 sums in another order: 1e-6 relative."""
+    """``grad_accum=2`` (two micro-batches of 2 rows, their gradients averaged) and ``grad_accum=1`` (one
+    micro-batch of 4) take the same step on one batch of 4 unpadded rows: the loss is a mean over equally many
+    tokens per micro-batch, so the means agree. float32 sums in another order: 1e-6 relative."""
     import jax
     import jax.numpy as jnp
     import numpy as np

@@ -19,7 +19,7 @@ Needs the CUDA-plugin environment of ``decode_kernels.py`` (``/tmp/cu``, with gr
 ``--ptx`` also reads the PTX that XLA generated for each fusion (an XLA dump into a temporary folder) and lists
 the kernels that keep local memory per thread (spills, or arrays indexed at run time) or load 8/16-bit values one
 at a time: XLA's codegen is the limit there, not the bytes (the KV-shift backward of the 760M step: 256 B of local
-memory and 48 scalar loads, 0.59 ms per layer on an H100 for ~0.1 ms of bytes; benchmarks/NOTES.md).
+memory and 33 scalar 16/8-bit loads, 0.59 ms per layer on an H100 for ~0.1 ms of bytes; benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
