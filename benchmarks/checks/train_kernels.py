@@ -110,13 +110,12 @@ def kernels_with_bytes(hlo: str) -> list[dict]:
     entry = next(line.split()[1].lstrip("%") for line in hlo.split("\n") if line.startswith("ENTRY"))
     out = []
     for op, line in kernel_lines(comps, entry, enter_while=True):
-        lhs = line.split(" = ", 1)[0]
+        lhs = line.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
         operands = _operands(line)
         name = re.search(r'op_name="([^"]+)"', line)
-        out.append(dict(kind=kernel_kind(op, line), name=lhs.replace("ROOT ", "").strip().lstrip("%"),
-                        op=name.group(1) if name else "",
+        out.append(dict(kind=kernel_kind(op, line), name=lhs, op=name.group(1) if name else "",
                         bytes=_fusion_bytes(comps, line, [array_bytes(types.get(a, "")) for a in operands],
-                                            array_bytes(types.get(lhs.replace("ROOT ", "").strip().lstrip("%"), "")))))
+                                            array_bytes(types.get(lhs, "")))))
     return out
 
 
