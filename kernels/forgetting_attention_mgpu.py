@@ -62,6 +62,10 @@ class MosaicConfig:
       bwd_block_q, bwd_block_k: the backward's block: the dQ kernel holds 2·bwd_block_q query rows and
         streams bwd_block_k keys; the dK/dV kernel holds 2·bwd_block_k keys and streams bwd_block_q rows.
       bwd_stages: shared-memory slots of the backward pipelines.
+      bwd_pingpong: the backward's two compute warpgroups half a step apart on a schedule barrier (the forward's
+        ping-pong; ``_turns``), S with dP and dV with dK issued as one wgmma group each. Measured on an H100
+        (2026-12-06): backward −4.5% at D128 (T2048, T8192), even at T16384 D128, +5.6% at D64, where one warp per
+        scheduler is left for the element-wise phase; so ``default_mosaic_config`` turns it on at D ≥ 128.
     """
 
     block_q: int = 64
@@ -71,6 +75,7 @@ class MosaicConfig:
     bwd_block_q: int = 64
     bwd_block_k: int = 64
     bwd_stages: int = 2
+    bwd_pingpong: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "bwd_block_q", "bwd_block_k"):
@@ -99,8 +104,9 @@ class MosaicConfig:
 
 def default_mosaic_config(head_dim: int) -> MosaicConfig:
     """The forward tiling for a head dim (64 or 128 after padding): 64-row warpgroups, 128-key blocks;
-    three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v))."""
-    return MosaicConfig(64, 128, 3 if head_dim <= 64 else 2)
+    three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v)); the
+    backward's ping-pong at D = 128 only (``MosaicConfig.bwd_pingpong``)."""
+    return MosaicConfig(64, 128, 3 if head_dim <= 64 else 2, bwd_pingpong=head_dim > 64)
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
@@ -169,9 +175,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         n_lo = lo_ref[bi, head, ti]
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
 
-        def take_turn():
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(schedule)
+        take_turn = _turns(schedule)
 
         def slot_of(n):
             return lax.rem(n - n_lo, jnp.int32(stages))
@@ -437,6 +441,13 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
 # the tile (kept in shared memory), warpgroup 2 streams the other side's blocks through ``stages`` slots.
 # Every compute warpgroup waits on every block of the tile's range in order (the blocks outside its own
 # range are waited on and released at once), so a slot is never refilled before both have let it go.
+# With ``pingpong`` (``MosaicConfig.bwd_pingpong``; the default at D = 128) a step is two wgmma groups around
+# the element-wise work: the score-side matmuls (S and dP) issued together, then P, dS and the Λ row sums, then
+# the gradient matmuls (dQ; or dV and dK) issued together, and the two compute warpgroups take turns on a
+# schedule barrier half a step apart (``_turns``), as in the forward, so that one's element-wise work runs while
+# the other's matmuls hold the tensor cores. Without it each warpgroup issues its matmuls as their inputs are
+# ready and both run their element-wise work at once (faster at D = 64, where the element-wise phase of one
+# warpgroup alone leaves each scheduler a single warp).
 # P is recomputed from the forward's lse: P = exp2(s·scale·log2 e + (Λ_i − lse_i)·log2 e − Λ_j·log2 e), the row term
 # Λ_i − lse_i one vector (``lq_lse2``, made once by ``mosaic_backward``): two operations per score before the
 # exponential; dS = P ⊙ (dO·Vᵀ − δ), δ = rowsum(O ⊙ dO).
@@ -457,10 +468,10 @@ def _produce(n_lo, n_tile, stages: int, full, free, fetch):
         fetch(n, slot)
 
 
-def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry):
+def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=None):
     """Compute warpgroup: ``step(n, slot, carry, masked)`` over consecutive ``phases`` [(start, stop, masked)]
     inside [n_lo, n_tile); the blocks of the range before the first and after the last phase are waited on
-    and released without work."""
+    and released without work, ``idle()`` once for each (the schedule barrier's turns a step would take)."""
     def slot_of(n):
         return lax.rem(n - n_lo, jnp.int32(stages))
 
@@ -468,6 +479,8 @@ def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry):
         slot = slot_of(n)
         plgpu.barrier_wait(full.at[slot])
         plgpu.barrier_arrive(free.at[slot])
+        if idle is not None:
+            idle()
         return c
 
     def work(masked):
@@ -483,6 +496,18 @@ def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry):
     for start, stop, masked in phases:
         carry = lax.fori_loop(start, stop, work(masked), carry)
     return lax.fori_loop(phases[-1][1], n_tile, release, carry)
+
+
+def _turns(schedule):
+    """``take_turn()`` on the compute warpgroups' schedule barrier (two arrivals): both warpgroups arrive, then
+    both go on. A step takes two turns — after issuing its score matmuls, and after its element-wise work, before
+    the next matmuls — and warpgroup 1 takes one turn before its first block (warpgroup 0 one after its last), so
+    the two run half a step apart: one's element-wise work overlaps the other's matmuls (ping-pong). A block a
+    warpgroup only releases takes the same two turns."""
+    def take_turn():
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+    return take_turn
 
 
 def clip_run(start, stop, run_lo, run_hi):
@@ -523,7 +548,7 @@ def _params():
 
 def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
                              offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                             window_size: int | None = None):
+                             window_size: int | None = None, pingpong: bool = False):
     """dQ and the query-side decay gradient Σ_j dS_ij on padded arrays.
 
     Args:
@@ -550,7 +575,8 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
         else:
             sq_ref = sk_ref = dlo_ref = dhi_ref = None
             dq_ref, dlq_ref, scoped = rest
-        (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free) = scoped
+        (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free, *schedule) = scoped
+        take_turn = _turns(*schedule) if pingpong else None
         bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
@@ -585,7 +611,20 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                     plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
                     return acc_ref[...]
 
-                s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                def dov(acc_ref):
+                    plgpu.wgmma(acc_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    return acc_ref[...]
+
+                def qk_dov(s_ref, dp_ref):  # S = Q·Kᵀ and dP = dO·Vᵀ, one wgmma group
+                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return s_ref[...], dp_ref[...]
+
+                if pingpong:
+                    s, dp = pl.run_scoped(qk_dov, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                else:
+                    s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
                 s = s * qk_scale + _row(lq, shape) - _col(lk, shape)
                 if masked:
@@ -595,25 +634,37 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                     s = jnp.where(_visible(r, c, ss, window_size, None if sq is None else _row(sq, shape), sk),
                                   s, -jnp.inf)
                 p = jnp.exp2(s)
+                if not pingpong:  # dP after P: each warpgroup at its own pace
+                    dp = pl.run_scoped(dov, plgpu.ACC(shape, jnp.float32))
+                    ds = p * (dp - _row(dl, shape))
 
-                def dov(acc_ref):
-                    plgpu.wgmma(acc_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
+                    def dsk(acc_ref):
+                        plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
 
-                dp = pl.run_scoped(dov, plgpu.ACC(shape, jnp.float32))
+                    dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
+                    return dq_acc, dlq + ds.sum(axis=1)
+
                 ds = p * (dp - _row(dl, shape))
+                ds16, dlq = lax.optimization_barrier((ds.astype(dtype), dlq + ds.sum(axis=1)))
+                plgpu.barrier_arrive(schedule[0])  # element-wise work done
+                plgpu.barrier_wait(schedule[0])    # tensor cores free
 
-                def dsk(acc_ref):
-                    plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
+                def dsk_pp(acc_ref):
+                    plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])
 
-                dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
-                return dq_acc, dlq + ds.sum(axis=1)
+                dq_acc = pl.run_state(dsk_pp)(plgpu.ACC.init(dq_acc))
+                return dq_acc, dlq
 
             dq0 = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
             dl0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
             phases = [(n_lo, n_hi, True)] if always_mask else [
                 (n_lo, u_lo, True), (u_lo, u_hi, False), (u_hi, n_hi, True)]
-            dq_acc, dlq = _consume(n_lo, n_tile, phases, stages, full, free, step, (dq0, dl0))
+            if pingpong:
+                pl.when(wg == 1)(take_turn)
+            dq_acc, dlq = _consume(n_lo, n_tile, phases, stages, full, free, step, (dq0, dl0),
+                                   idle=(lambda: (take_turn(), take_turn())) if pingpong else None)
+            if pingpong:
+                pl.when(wg == 0)(take_turn)
             q_smem[...] = (dq_acc * float(scale)).astype(dtype)
             out_smem = out_smem2.at[wg]
             out_smem[...] = dlq
@@ -649,7 +700,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
         )
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
                     plgpu.Barrier(num_arrivals=4 if segments else 3, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
     args = [q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start]
@@ -665,7 +716,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
 def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                              window_size: int | None = None):
+                              window_size: int | None = None, pingpong: bool = False):
     """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays.
 
     Args:
@@ -693,7 +744,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             sq_ref = sk_ref = dlo_ref = dhi_ref = None
             dk_ref, dv_ref, dlk_ref, scoped = rest
         (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2), \
-            (res_full, full, free) = scoped
+            (res_full, full, free, *schedule) = scoped
+        take_turn = _turns(*schedule) if pingpong else None
         bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
         wg = lax.axis_index("wg")
         kv_head = lax.div(head, jnp.int32(group))
@@ -729,7 +781,16 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
                     return acc_ref[...]
 
-                st = pl.run_scoped(kq, plgpu.ACC(shape, jnp.float32))
+                def kq_vdo(st_ref, dpt_ref):  # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, one wgmma group
+                    plgpu.wgmma(st_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
+                    plgpu.wgmma(dpt_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    take_turn()
+                    return st_ref[...], dpt_ref[...]
+
+                if pingpong:
+                    st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                else:
+                    st = pl.run_scoped(kq, plgpu.ACC(shape, jnp.float32))
                 lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)  # Λ − lse, base 2
                 dl = plgpu.load(dl_smem.at[slot], (), layout=col_layout)
                 st = st * qk_scale + _col(lq, shape) - _row(lk, shape)
@@ -740,27 +801,46 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     st = jnp.where(_visible(r, c, ss, window_size, sq, None if sk is None else _row(sk, shape)),
                                    st, -jnp.inf)
                 pt = jnp.exp2(st)
+                if not pingpong:  # dV with dPᵀ, then dK: each warpgroup at its own pace
+                    def dv_dp(refs):
+                        dv_ref_, dpt_ref = refs
+                        plgpu.wgmma(dv_ref_, pt.astype(dtype), do_smem.at[slot])
+                        plgpu.wgmma(dpt_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
 
-                def dv_dp(refs):
-                    dv_ref_, dpt_ref = refs
-                    plgpu.wgmma(dv_ref_, pt.astype(dtype), do_smem.at[slot])
-                    plgpu.wgmma(dpt_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+                    dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
+                    dst = pt * (dpt - _col(dl, shape))
 
-                zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-                dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
+                    def dsq(acc_ref):
+                        plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
+
+                    dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
+                    return dk_acc, dv_acc, dlk - dst.sum(axis=1)
+
                 dst = pt * (dpt - _col(dl, shape))
+                pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
+                                                             dlk - dst.sum(axis=1)))
+                plgpu.barrier_arrive(schedule[0])  # element-wise work done
+                plgpu.barrier_wait(schedule[0])    # tensor cores free
 
-                def dsq(acc_ref):
-                    plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
+                def dv_dk(refs):  # dV += Pᵀ·dO and dK += dSᵀ·Q, one wgmma group
+                    dv_ref_, dk_ref_ = refs
+                    plgpu.wgmma(dv_ref_, pt16, do_smem.at[slot])
+                    plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
 
-                dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
-                return dk_acc, dv_acc, dlk - dst.sum(axis=1)
+                dv_acc, dk_acc = pl.run_state(dv_dk)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc)))
+                return dk_acc, dv_acc, dlk
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
             dl0 = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), row_layout)
             phases = [(m_begin, m_tile, True)] if always_mask else [
                 (m_begin, u_lo, True), (u_lo, u_hi, False), (u_hi, m_tile, True)]
-            dk_acc, dv_acc, dlk = _consume(m_lo, m_tile, phases, stages, full, free, step, (acc0, acc0, dl0))
+            if pingpong:
+                pl.when(wg == 1)(take_turn)
+            dk_acc, dv_acc, dlk = _consume(m_lo, m_tile, phases, stages, full, free, step, (acc0, acc0, dl0),
+                                           idle=(lambda: (take_turn(), take_turn())) if pingpong else None)
+            if pingpong:
+                pl.when(wg == 0)(take_turn)
             k_smem[...] = (dk_acc * float(scale)).astype(dtype)
             v_smem[...] = dv_acc.astype(dtype)
             out_smem = out_smem2.at[wg]
@@ -801,7 +881,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
         )
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
                     plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=stages),
-                    plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+                    plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
     args = [q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start]
@@ -852,7 +932,8 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
         seg_q = _pad_axis(segment_ids[:, tk - tq:].astype(jnp.int32), 1, tq_pad, value=-1)
         seg_k = _pad_axis(segment_ids.astype(jnp.int32), 1, tk_pad, value=-2)
     ss = seq_start.astype(jnp.int32)
-    common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size)
+    common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size,
+                  pingpong=config.bwd_pingpong)
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
     dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k, **common)
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)

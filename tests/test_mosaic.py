@@ -80,6 +80,10 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  dict(config=MosaicConfig(128, 64, 4, bwd_block_q=128, bwd_stages=3)), id="d64-bq128-bk64"),
     pytest.param(2, 1000, 1000, 4, 2, 128, jnp.bfloat16, dict(acp=True, segments=True,
                  config=MosaicConfig(backward=False)), id="d128-triton-backward"),
+    pytest.param(2, 600, 600, 2, 2, 64, jnp.bfloat16, dict(segments=True, config=MosaicConfig(bwd_pingpong=True)),
+                 id="d64-pingpong-segments"),
+    pytest.param(1, 512, 512, 2, 2, 128, jnp.bfloat16, dict(window_size=200, config=MosaicConfig(64, 128, 2)),
+                 id="d128-no-pingpong-window"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
@@ -143,6 +147,8 @@ def test_config_checks_and_smem_budget():
     assert MosaicConfig().dq_tiling == (128, 64) and MosaicConfig().dkv_tiling == (64, 128)
     for d in (64, 128):
         assert mgpu.smem_bytes(default_mosaic_config(d), d) <= mgpu.SMEM_LIMIT
+    # the backward's ping-pong where it was measured faster (D128), not at D64 (slower there)
+    assert default_mosaic_config(128).bwd_pingpong and not default_mosaic_config(64).bwd_pingpong
     q = jnp.zeros((1, 256, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         mgpu.mosaic_forward(q, q, q, jnp.zeros((1, 256, 1)), jnp.zeros((1,), jnp.int32), None,
