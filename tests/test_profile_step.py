@@ -277,6 +277,10 @@ def test_kv_shift_bench_variants_agree(tmp_path):
     assert rows["split"]["max_rel_err_vs_current"] < 1e-5
     assert 0.0 < rows["autodiff"]["max_rel_err_vs_current"] < 2e-2
     assert all(r["ms"] > 0 for r in rows.values())
+    # against the float32 oracle every variant is within bf16 rounding, per output
+    for r in rows.values():
+        assert set(r["err_vs_oracle"]) == {"dk", "dalpha_k", "dv", "dalpha_v"}
+        assert 0.0 < r["max_rel_err_vs_oracle"] < 2e-2, r
 
 
 @pytest.mark.parametrize("argv", [["--shape", "1x256x2"], ["--shape", "0x256x2x64"], ["--variants", "bogus"],
