@@ -1,32 +1,31 @@
-"""The KV-shift backward alone, in variants, at one layer's shape: the largest non-GEMM kernel of the 760M FoX (Pro)
-training step (0.59 ms per layer on an H100 for ~0.35 GB of operands, ~0.1 ms at the card's bandwidth;
-benchmarks/NOTES.md, issue 22 of the project's tracker).
+"""The KV-shift backward alone, in variants, at one layer's shape: before 2026-12-06 the largest non-GEMM kernel of the
+760M FoX (Pro) training step (0.59 ms per layer on an H100 for ~0.35 GB of operands, ~0.1 ms at the card's
+bandwidth; benchmarks/NOTES.md, issue 22 of the project's tracker).
 
 The step's fusion takes both shifted tensors (k with a float32 cotangent from the QK-norm's backward, v with a
-bf16 one) and writes dk̃, dṽ (bf16) and dα_k, dα_v (float32 row sums over D) in one multi-output reduction
-kernel. Variants, each checked against ``current`` before it is timed:
+bf16 one) and writes dk̃, dṽ (bf16) and dα_k, dα_v (float32 row sums over D). Variants, each checked against
+``current`` and a float32 oracle before it is timed:
 
-* ``current``: ``fox_jax.ops.head_ops.kv_shift`` as it is (its written-out backward).
+* ``current``: ``fox_jax.ops.head_ops.kv_shift`` as it is: x̃ and x̃_{t−1} materialised behind
+  ``lax.optimization_barrier`` s in the backward, the row sums fed from behind them, and the forward's output behind
+  a barrier too, so XLA puts no shifted read into a multi-output reduction (in the whole step it otherwise moves
+  them into the recomputed k_norm's reduction: ``checks/train_kernels.py --ptx``).
+* ``fused``: the written-out backward of d145d47 to 2026-12-06 (one pass over the cotangent, no barriers). XLA
+  compiles it to one multi-output reduction that keeps 256–384 B of local memory per thread and loads the shifted
+  operands 16 bits at a time: on an H100 1.03 ms against ``current``'s 0.29 at the 760M shape
+  (``results/train/h100_kv_shift_1206.json``, where ``current`` was this form and ``split`` today's).
 * ``autodiff``: the plain forward under autodiff (the tree before d145d47).
-* ``split``: the form of ``benchmarks/pending/kv_shift_split.patch``: the written-out backward with x̃ and
-  x̃_{t−1} materialised behind ``lax.optimization_barrier`` s and the row sums fed from behind them, and the
-  forward's output behind a barrier too, so XLA cannot put the shifted reads into a multi-output reduction (in the
-  whole step it otherwise moves them into the recomputed k_norm's reduction: ``checks/train_kernels.py --ptx``).
-  Compiled for an H200 offline (``ptxas`` through JAX's CUDA plugin), ``current``'s one kernel keeps 384 B
-  of local memory per thread (each thread's 8 elements held in vectors indexed dynamically) and loads the shifted
-  operands 16 bits at a time; ``split``'s kernels have no local memory and vector loads in the reductions.
-  On an H100 (2026-12-06) the first split form took 0.29 ms against ``current``'s 1.03 ms at the 760M shape, and
-  the 760M step with this form 406.8 ms against 415.0 (``results/train/h100_*kv_split*``), but it differed from
-  ``current`` by 6.6e-2 there (below 1e-5 on the CPU): hence the oracle column.
 
     PYTHONPATH=. python3 benchmarks/bench_kv_shift.py [--shape 1x16384x24x64] [--out kv_shift.json]
 
 Inputs: k̃, ṽ bf16 [B, T, H, D], α float32 [B, T, H], one document boundary, cotangents g_k float32 and g_v bf16.
 Prints, per variant, ms per backward of both tensors (median wall time of jitted calls), the floor of its bytes at
-``--bandwidth``, the largest relative difference |a − b| / (1 + |b|) from ``current`` (float32 summation order for
-``split``; bf16 rounding, ~1e-2, for ``autodiff``, which rounds twice) and from a float32 oracle (plain autodiff
-of the shift on float32 copies of the inputs: every variant should be within bf16 rounding of it, ~1e-2; the
-rows also give it per output, ``err_vs_oracle``); ``--out`` writes the rows as a JSON list.
+``--bandwidth``, and the largest difference |a − b| / (1 + |b|) from ``current`` and from a float32 oracle (plain
+autodiff of the shift on float32 copies of the inputs; the rows also give it per output, ``err_vs_oracle``). The
+measure is harsh on dα, a sum over D with cancellation: ``current`` rounds g_k to bf16 (JAX's cotangent of a bf16
+output) before the row sum, which moves dα_k by up to ~7e-2 of it at the 760M shape (2⁻⁹ per term), while XLA on a
+GPU keeps ``fused``'s g_k in float32; on the CPU both round. bf16 rounding of the outputs is ~1e-2; ``autodiff``
+rounds twice. ``--out`` writes the rows as a JSON list.
 """
 
 from __future__ import annotations
@@ -50,30 +49,29 @@ def _plain(raw, alpha, state, boundary):
 
 
 @jax.custom_vjp
-def _split(raw, alpha, state, boundary):
-    return jax.lax.optimization_barrier(_plain(raw, alpha, state, boundary))
+def _fused(raw, alpha, state, boundary):
+    return _plain(raw, alpha, state, boundary)
 
 
-def _split_fwd(raw, alpha, state, boundary):
-    return _split(raw, alpha, state, boundary), (raw, alpha, state, boundary)
+def _fused_fwd(raw, alpha, state, boundary):
+    return _plain(raw, alpha, state, boundary), (raw, alpha, state, boundary)
 
 
-def _split_bwd(res, g):
+def _fused_bwd(res, g):
     raw, alpha, state, boundary = res
-    g_r, raw_r = jax.lax.optimization_barrier((g, raw))
-    prev = jax.lax.optimization_barrier(head_ops._previous(raw_r, state, boundary))
-    d_alpha = jnp.sum(g_r.astype(jnp.float32) * (prev.astype(jnp.float32) - raw_r.astype(jnp.float32)), axis=-1)
     g = g.astype(jnp.float32)
+    prev = head_ops._previous(raw, state, boundary).astype(jnp.float32)
+    d_alpha = jnp.sum(g * (prev - raw.astype(jnp.float32)), axis=-1)
     a = alpha[..., None]
     g_prev = jnp.where(boundary[:, :, None, None], 0.0, a * g)
     d_raw = (1.0 - a) * g + jnp.concatenate([g_prev[:, 1:], jnp.zeros_like(g_prev[:, :1])], axis=1)
     return d_raw.astype(raw.dtype), d_alpha, g_prev[:, 0].astype(state.dtype), None
 
 
-_split.defvjp(_split_fwd, _split_bwd)
+_fused.defvjp(_fused_fwd, _fused_bwd)
 
 
-VARIANTS = {"current": head_ops._shift_mix, "autodiff": _plain, "split": _split}
+VARIANTS = {"current": head_ops._shift_mix, "fused": _fused, "autodiff": _plain}
 OUTPUTS = ("dk", "dalpha_k", "dv", "dalpha_v")
 
 

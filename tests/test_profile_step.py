@@ -266,15 +266,15 @@ def test_offline_mosaic_check_parses_ptxas_and_ptx():
 
 def test_kv_shift_bench_variants_agree(tmp_path):
     """benchmarks/bench_kv_shift.py at a tiny shape on CPU: every variant's backward is compared with the
-    library's before it is timed; the written-out ones (``current``, ``split``) agree to float32 summation order
+    library's before it is timed; the written-out ones (``current``, ``fused``) agree to float32 summation order
     (the row sums' kernels differ), plain autodiff to bf16 rounding (it rounds the shifted cotangent twice)."""
     import bench_kv_shift as bk
 
     out = tmp_path / "kv.json"
     assert bk.main(["--shape", "1x40x2x16", "--out", str(out)]) == 0
     rows = {r["variant"]: r for r in json.loads(out.read_text())}
-    assert set(rows) == {"current", "autodiff", "split"}
-    assert rows["split"]["max_rel_err_vs_current"] < 1e-5
+    assert set(rows) == {"current", "autodiff", "fused"}
+    assert rows["fused"]["max_rel_err_vs_current"] < 1e-5
     assert 0.0 < rows["autodiff"]["max_rel_err_vs_current"] < 2e-2
     assert all(r["ms"] > 0 for r in rows.values())
     # against the float32 oracle every variant is within bf16 rounding, per output

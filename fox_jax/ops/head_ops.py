@@ -33,9 +33,10 @@ def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None
 
         x_t = α_t · x̃_{t−1} + (1 − α_t) · x̃_t,   x̃_{−1} = ``state`` (zeros by default)
 
-    computed in float32 and rounded to raw's dtype once. Its backward is written out (``_shift_mix``): one pass
-    over the cotangent gives dα_t = Σ_d g_t·(x̃_{t−1} − x̃_t) (one reduction, where autodiff takes two) and
-    dx̃ in float32, rounded once.
+    computed in float32 and rounded to raw's dtype once. Its backward is written out (``_shift_mix``):
+    dα_t = Σ_d g_t·(x̃_{t−1} − x̃_t) as one plain reduction over x̃ and x̃_{t−1} materialised (one reduction, where
+    autodiff takes two; g in the output's dtype, as JAX defines the cotangent of a bf16 output) and dx̃ in float32,
+    rounded once.
 
     Args:
       raw: [B, T, H, D] unshifted projections x̃.
@@ -63,7 +64,7 @@ def _previous(raw: jax.Array, state: jax.Array, boundary: jax.Array) -> jax.Arra
 def _shift_mix(raw, alpha, state, boundary):
     a = alpha[..., None]
     out = a * _previous(raw, state, boundary).astype(jnp.float32) + (1.0 - a) * raw.astype(jnp.float32)
-    return out.astype(raw.dtype)
+    return jax.lax.optimization_barrier(out.astype(raw.dtype))
 
 
 def _shift_mix_fwd(raw, alpha, state, boundary):
@@ -72,9 +73,18 @@ def _shift_mix_fwd(raw, alpha, state, boundary):
 
 def _shift_mix_bwd(res, g):
     raw, alpha, state, boundary = res
+    # x̃ and x̃_{t−1} materialised, and the row sums fed from behind barriers: XLA otherwise fuses the shifted reads
+    # into one multi-output reduction with the row sums and dx̃ (or, with x̃ alone behind a barrier, with the
+    # recomputed norm that produces x̃), whose code keeps local memory per thread and loads the shifted operands
+    # 16 bits at a time (benchmarks/bench_kv_shift.py; checks/train_kernels.py --ptx flags such kernels). g_rows is
+    # the cotangent as JAX defines it (raw's dtype); in the fused form XLA on a GPU kept a float32 cotangent's extra
+    # precision instead (dα then differs by its bf16 rounding, ~2⁻⁹ per term: benchmarks/NOTES.md, 2026-12-06)
+    g_rows, raw_rows = jax.lax.optimization_barrier((g, raw))
+    prev = jax.lax.optimization_barrier(_previous(raw_rows, state, boundary))
+    d_alpha = jnp.sum(g_rows.astype(jnp.float32) * (prev.astype(jnp.float32) - raw_rows.astype(jnp.float32)),
+                      axis=-1)
     g = g.astype(jnp.float32)
     a = alpha[..., None]
-    d_alpha = jnp.sum(g * (_previous(raw, state, boundary).astype(jnp.float32) - raw.astype(jnp.float32)), axis=-1)
     g_prev = jnp.where(boundary[:, :, None, None], 0.0, a * g)  # the cotangent of x̃_{t−1}, which is x̃ one row up
     d_raw = (1.0 - a) * g + jnp.concatenate([g_prev[:, 1:], jnp.zeros_like(g_prev[:, :1])], axis=1)
     return d_raw.astype(raw.dtype), d_alpha, g_prev[:, 0].astype(state.dtype), None
