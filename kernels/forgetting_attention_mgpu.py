@@ -133,6 +133,20 @@ def _col(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
+def _products(shape, pairs, take_turn=None):
+    """A·Bᵀ for each (A, B) of ``pairs`` (shared-memory refs), issued as one wgmma group into float32
+    accumulators of ``shape`` and read back in the WGMMA layout; ``take_turn()`` (the ping-pong's turn) runs
+    between issuing and waiting. Returns one value per pair."""
+    def issue(*accs):
+        for acc, (a, b) in zip(accs, pairs):
+            plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)))
+        if take_turn is not None:
+            take_turn()
+        return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+
+
 def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q, seg_k, *, offset: int,
                          scale: float, config: MosaicConfig, window_size: int | None = None):
     """The kernel on padded arrays.
@@ -211,12 +225,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                 acc, m_i, l_i = carry
                 slot = slot_of(n)
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    take_turn()
-                    return acc_ref[...]
-
-                s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+                s, = _products((bq, bk), [(q_smem, k_smem.at[slot])], take_turn)
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
                 sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -607,24 +616,11 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             def step(n, slot, carry, masked):
                 dq_acc, dlq = carry
 
-                def qk(acc_ref):
-                    plgpu.wgmma(acc_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
-
-                def dov(acc_ref):
-                    plgpu.wgmma(acc_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
-
-                def qk_dov(s_ref, dp_ref):  # S = Q·Kᵀ and dP = dO·Vᵀ, one wgmma group
-                    plgpu.wgmma(s_ref, q_smem, plgpu.transpose_ref(k_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dp_ref, do_smem, plgpu.transpose_ref(v_smem.at[slot], (1, 0)))
-                    take_turn()
-                    return s_ref[...], dp_ref[...]
-
+                qk, dov = (q_smem, k_smem.at[slot]), (do_smem, v_smem.at[slot])  # S = Q·Kᵀ, dP = dO·Vᵀ
                 if pingpong:
-                    s, dp = pl.run_scoped(qk_dov, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                    s, dp = _products(shape, [qk, dov], take_turn)
                 else:
-                    s = pl.run_scoped(qk, plgpu.ACC(shape, jnp.float32))
+                    s, = _products(shape, [qk])
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
                 s = s * qk_scale + _row(lq, shape) - _col(lk, shape)
                 if masked:
@@ -635,7 +631,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                                   s, -jnp.inf)
                 p = jnp.exp2(s)
                 if not pingpong:  # dP after P: each warpgroup at its own pace
-                    dp = pl.run_scoped(dov, plgpu.ACC(shape, jnp.float32))
+                    dp, = _products(shape, [dov])
                     ds = p * (dp - _row(dl, shape))
 
                     def dsk(acc_ref):
@@ -777,20 +773,11 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             def step(m, slot, carry, masked):
                 dk_acc, dv_acc, dlk = carry
 
-                def kq(acc_ref):
-                    plgpu.wgmma(acc_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                    return acc_ref[...]
-
-                def kq_vdo(st_ref, dpt_ref):  # Sᵀ = K·Qᵀ and dPᵀ = V·dOᵀ, one wgmma group
-                    plgpu.wgmma(st_ref, k_smem, plgpu.transpose_ref(q_smem.at[slot], (1, 0)))
-                    plgpu.wgmma(dpt_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
-                    take_turn()
-                    return st_ref[...], dpt_ref[...]
-
+                kq = (k_smem, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
                 if pingpong:
-                    st, dpt = pl.run_scoped(kq_vdo, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+                    st, dpt = _products(shape, [kq, (v_smem, do_smem.at[slot])], take_turn)
                 else:
-                    st = pl.run_scoped(kq, plgpu.ACC(shape, jnp.float32))
+                    st, = _products(shape, [kq])
                 lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)  # Λ − lse, base 2
                 dl = plgpu.load(dl_smem.at[slot], (), layout=col_layout)
                 st = st * qk_scale + _col(lq, shape) - _row(lk, shape)
