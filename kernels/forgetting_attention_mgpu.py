@@ -65,7 +65,8 @@ class MosaicConfig:
       bwd_pingpong: the backward's two compute warpgroups half a step apart on a schedule barrier (the forward's
         ping-pong; ``_turns``), S with dP and dV with dK issued as one wgmma group each. Measured on an H100
         (2026-12-06): backward −4.5% at D128 (T2048, T8192), even at T16384 D128, +5.6% at D64, where one warp per
-        scheduler is left for the element-wise phase; so ``default_mosaic_config`` turns it on at D ≥ 128.
+        scheduler is left for the element-wise phase; so ``default_mosaic_config`` turns it on for head dims
+        above 64 (128 after padding).
     """
 
     block_q: int = 64
@@ -564,7 +565,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
       as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype); lq_lse2 [B, H, Tq] float32: the query rows'
       Λ minus their lse, base 2 (Λ·log2 e − lse·log2 e; −inf on empty rows), in place of the forward's lam_q2;
       delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)] the key-block ranges at
-      the tiling (2·block_q, block_k).
+      the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``.
     Returns:
       dq [B, Tq, H, D] in q.dtype and dΛ_q [B, H, Tq] float32.
     """
