@@ -236,6 +236,19 @@ def test_kv_shift_gradients_match_autodiff_of_the_oracle(packed, dtype):
         np.testing.assert_allclose(f32(a), b, **tol, err_msg=name)
 
 
+def test_kv_shift_keeps_its_shifted_reads_behind_barriers():
+    """The forward's output and, in the backward, x̃ with the cotangent and x̃_{t−1} go through
+    ``lax.optimization_barrier`` (three barriers in the program of the value and the gradient): without them XLA compiles the shifted
+    reads into multi-output reductions that keep local memory on a GPU (the 760M step: 415.0 → 406.8 ms with them,
+    benchmarks/NOTES.md). A structural check; the GPU code itself is read by ``checks/train_kernels.py --ptx``."""
+    from fox_jax.ops.head_ops import kv_shift
+    raw = jnp.zeros((1, 8, 2, 4), jnp.bfloat16)
+    alpha = jnp.full((1, 8, 2), 0.5)
+    loss = lambda r, a: jnp.sum(kv_shift(r, a)[0].astype(jnp.float32))  # noqa: E731
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(raw, alpha).as_text()
+    assert text.count("stablehlo.optimization_barrier") == 3, text.count("stablehlo.optimization_barrier")
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_swiglu_gradient_matches_autodiff_of_the_split_form(dtype):
     """swiglu's backward (one [.., 2, hidden] array, computed in float32) against autodiff of
