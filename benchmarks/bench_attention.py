@@ -133,6 +133,30 @@ def parse_shapes(text: str, flag: str, error) -> list[tuple[int, int, int, int]]
     return shapes
 
 
+def parse_mosaic_configs(text: str, flag: str, error) -> list:
+    """``--mosaic-sweep``'s ``"BQxBKxST[xBBQxBBKxBST[p]],..."`` as ``MosaicConfig`` s: the forward's block_q,
+    block_k and stages, then the backward's (BBQ = 0: the Triton backward), ``p`` at the end for the backward's
+    ping-pong (``bwd_pingpong``; off otherwise, whatever ``default_mosaic_config`` would pick). Anything else, or a
+    tiling ``MosaicConfig`` refuses, goes to ``error`` (an argparse parser's: one line naming ``flag``)."""
+    from fox_jax.kernels import MosaicConfig
+    configs = []
+    for item in text.split(","):
+        spec = item.strip()
+        pingpong = spec.endswith("p")
+        dims = (spec[:-1] if pingpong else spec).split("x")
+        if len(dims) not in (3, 6) or not all(x.isdigit() for x in dims) or (pingpong and len(dims) != 6):
+            error(f"{flag}: expected BQxBKxST or BQxBKxSTxBBQxBBKxBST with an optional p (e.g. 64x128x3x64x64x2p), "
+                  f"got {spec!r}")
+        x = [int(y) for y in dims]
+        try:
+            configs.append(MosaicConfig(*x) if len(x) == 3 else MosaicConfig(
+                *x[:3], backward=x[3] > 0, bwd_block_q=x[3] or 64, bwd_block_k=x[4], bwd_stages=x[5],
+                bwd_pingpong=pingpong))
+        except ValueError as e:
+            error(f"{flag}: {spec!r}: {e}")
+    return configs
+
+
 def _block(x):
     jax.tree_util.tree_map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
     return x
@@ -851,9 +875,10 @@ def main(argv=None):
     ap.add_argument("--fox-triton", default=None, metavar="DIR",
                     help="directory of the official FoX Triton kernel's forgetting_attention.py (benchmark-only copy, "
                          "e.g. ../shared/anchors/fox_triton): enables fox-triton and fox-triton-acp")
-    ap.add_argument("--mosaic-sweep", default=None, metavar="BQxBKxST[xBBQxBBKxBST],...",
+    ap.add_argument("--mosaic-sweep", default=None, metavar="BQxBKxST[xBBQxBBKxBST[p]],...",
                     help="first time the Mosaic kernels at these tilings on --shapes: forward block_q x block_k x "
-                         "stages, then the backward's (BBQ = 0: the Triton backward), e.g. 64x128x2x64x64x2")
+                         "stages, then the backward's (BBQ = 0: the Triton backward), p: the backward's ping-pong, "
+                         "e.g. 64x128x3x64x64x2,64x128x3x64x64x2p")
     ap.add_argument("--skip-dense-bwd-above", type=int, default=8192,
                     help="skip xla-dense fwd+bwd above this T (its logits do not fit)")
     args = ap.parse_args(argv)
@@ -898,15 +923,7 @@ def main(argv=None):
             out["fox_triton_error"] = f"{type(e).__name__}: {e}"
             log(f"official FoX kernel not loadable: {out['fox_triton_error']}")
     if args.mosaic_sweep:
-        from fox_jax.kernels import MosaicConfig
-        def mosaic_config(spec):  # BQxBKxST[xBWD_BQxBWD_BKxBWD_ST], BWD_BQ = 0: the Triton backward
-            x = [int(y) for y in spec.split("x")]
-            if len(x) == 3:
-                return MosaicConfig(*x)
-            return MosaicConfig(*x[:3], backward=x[3] > 0, bwd_block_q=x[3] or 64, bwd_block_k=x[4],
-                                bwd_stages=x[5])
-        mcs = [mosaic_config(c) for c in args.mosaic_sweep.split(",")]
-        out["mosaic_sweep"] = mosaic_sweep(shapes, mcs)
+        out["mosaic_sweep"] = mosaic_sweep(shapes, parse_mosaic_configs(args.mosaic_sweep, "--mosaic-sweep", ap.error))
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

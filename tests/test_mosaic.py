@@ -339,3 +339,31 @@ def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
     assert fpallas.forward_tiling("mosaic", 64, 4096, 4096) == (128, 128)
     Dev.device_kind = "NVIDIA A100-SXM4-80GB"
     assert not fpallas.mosaic_auto_ok(bf(1, 512, 2, 64), bf(1, 512, 2, 64))
+
+
+@pytest.mark.parametrize("spec,ok", [
+    ("64x128x3", True), ("64x128x3x64x64x2", True), ("64x128x3x64x64x2p", True), ("64x128x2x0x64x2", True),
+    ("64x128x3p", False), ("64x128", False), ("64x128x3x64x64", False), ("64xAx3", False), ("96x128x2", False),
+    ("64x128x3x64x32x2p", False)])
+def test_bench_mosaic_sweep_specs(spec, ok):
+    """bench_attention.py --mosaic-sweep: tilings with an optional ``p`` (the backward's ping-pong) become
+    MosaicConfigs; a malformed spec, or one MosaicConfig refuses (block sizes not multiples of 64), is one error
+    naming the flag, before anything is timed."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    import bench_attention
+
+    def error(msg):
+        raise ValueError(msg)
+
+    if not ok:
+        with pytest.raises(ValueError, match="--mosaic-sweep"):
+            bench_attention.parse_mosaic_configs(spec, "--mosaic-sweep", error)
+        return
+    mc, = bench_attention.parse_mosaic_configs(spec, "--mosaic-sweep", error)
+    assert mc.bwd_pingpong == spec.endswith("p")
+    assert (mc.block_q, mc.block_k, mc.stages) == (64, 128, int(spec.split("x")[2].rstrip("p")))
+    if spec.startswith("64x128x2x0"):
+        assert not mc.backward
