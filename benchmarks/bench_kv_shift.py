@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import jax
@@ -112,6 +113,8 @@ def main(argv=None) -> int:
     (b, t, h, d), = parse_shapes(args.shape, "--shape", ap.error)
     if not args.bandwidth > 0:
         ap.error(f"--bandwidth: expected bytes/s > 0, got {args.bandwidth}")
+    if args.out and not os.path.isdir(os.path.dirname(os.path.abspath(args.out))):
+        ap.error(f"--out: the folder of {args.out!r} does not exist")
     keys = jax.random.split(jax.random.PRNGKey(0), 6)
     k = jax.random.normal(keys[0], (b, t, h, d), jnp.bfloat16)
     v = jax.random.normal(keys[1], (b, t, h, d), jnp.bfloat16)

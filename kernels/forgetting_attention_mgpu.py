@@ -52,7 +52,9 @@ _M_INIT = -1e30  # running-max start: finite, so exp2(m_old − m_new) is never 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
-    """Tiling of the Mosaic forward kernel (hashable: usable as a static argument).
+    """Tiling of the Mosaic kernels (hashable: usable as a static argument). ``default_mosaic_config(head_dim)``
+    gives the measured defaults per head dim; a config built by hand starts from the field defaults below (for
+    one field changed, ``dataclasses.replace(default_mosaic_config(d), ...)``).
 
     Attributes:
       block_q: forward query rows per compute warpgroup (a multiple of 64; a CTA's tile is 2·block_q rows).
@@ -64,9 +66,9 @@ class MosaicConfig:
       bwd_stages: shared-memory slots of the backward pipelines.
       bwd_pingpong: the backward's two compute warpgroups half a step apart on a schedule barrier (the forward's
         ping-pong; ``_turns``), S with dP and dV with dK issued as one wgmma group each. Measured on an H100
-        (2026-12-06): backward −4.5% at D128 (T2048, T8192), even at T16384 D128, +5.6% at D64, where one warp per
-        scheduler is left for the element-wise phase; so ``default_mosaic_config`` turns it on for head dims
-        above 64 (128 after padding).
+        (2026-12-06): backward −4.4% at D128 (T2048, T8192), even at T16384 D128, +5.6% at D64, where one warp per
+        scheduler is left for the element-wise phase; so ``default_mosaic_config`` turns it on for head dim 128
+        (off by default here).
     """
 
     block_q: int = 64
@@ -84,6 +86,9 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {getattr(self, name)}")
         if self.block_k < 64 or self.block_k % 64 or self.block_k > 256:
             raise ValueError(f"MosaicConfig.block_k must be a multiple of 64 in [64, 256], got {self.block_k}")
+        if not isinstance(self.backward, bool) or not isinstance(self.bwd_pingpong, bool):
+            raise ValueError(f"MosaicConfig.backward and bwd_pingpong must be bools, got {self.backward!r}, "
+                             f"{self.bwd_pingpong!r}")
         if self.stages < 2 or self.bwd_stages < 2:
             raise ValueError(f"MosaicConfig.stages and bwd_stages must be ≥ 2, got {self.stages}, {self.bwd_stages}")
 
@@ -106,8 +111,10 @@ class MosaicConfig:
 def default_mosaic_config(head_dim: int) -> MosaicConfig:
     """The forward tiling for a head dim (64 or 128 after padding): 64-row warpgroups, 128-key blocks;
     three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v)); the
-    backward's ping-pong at D = 128 only (``MosaicConfig.bwd_pingpong``)."""
-    return MosaicConfig(64, 128, 3 if head_dim <= 64 else 2, bwd_pingpong=head_dim > 64)
+    backward's ping-pong at D = 128 only (``MosaicConfig.bwd_pingpong``). Raises ValueError for other head dims."""
+    if head_dim not in (64, 128):
+        raise ValueError(f"default_mosaic_config: head_dim must be 64 or 128 (the padded head dim), got {head_dim!r}")
+    return MosaicConfig(64, 128, 3 if head_dim == 64 else 2, bwd_pingpong=head_dim == 128)
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
@@ -451,7 +458,7 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
 # the tile (kept in shared memory), warpgroup 2 streams the other side's blocks through ``stages`` slots.
 # Every compute warpgroup waits on every block of the tile's range in order (the blocks outside its own
 # range are waited on and released at once), so a slot is never refilled before both have let it go.
-# With ``pingpong`` (``MosaicConfig.bwd_pingpong``; the default at D = 128) a step is two wgmma groups around
+# With ``pingpong`` (``MosaicConfig.bwd_pingpong``, on in ``default_mosaic_config`` at D = 128) a step is two wgmma groups around
 # the element-wise work: the score-side matmuls (S and dP) issued together, then P, dS and the Λ row sums, then
 # the gradient matmuls (dQ; or dV and dK) issued together, and the two compute warpgroups take turns on a
 # schedule barrier half a step apart (``_turns``), as in the forward, so that one's element-wise work runs while

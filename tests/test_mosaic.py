@@ -149,6 +149,11 @@ def test_config_checks_and_smem_budget():
         assert mgpu.smem_bytes(default_mosaic_config(d), d) <= mgpu.SMEM_LIMIT
     # the backward's ping-pong where it was measured faster (D128), not at D64 (slower there)
     assert default_mosaic_config(128).bwd_pingpong and not default_mosaic_config(64).bwd_pingpong
+    with pytest.raises(ValueError, match="bwd_pingpong"):
+        MosaicConfig(bwd_pingpong="yes")
+    for d in (0, 96, 256):
+        with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
+            default_mosaic_config(d)
     q = jnp.zeros((1, 256, 1, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match="shared memory"):
         mgpu.mosaic_forward(q, q, q, jnp.zeros((1, 256, 1)), jnp.zeros((1,), jnp.int32), None,

@@ -526,3 +526,22 @@ def test_kernels_lower_to_triton_for_cuda(d, window_size):
     args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
     lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",))
     assert lowered.as_text().count("__gpu$xla.gpu.triton") == 3
+
+
+def test_bench_ideal_prunable_fraction_past_int32():
+    """bench_attention.ideal_prunable_fraction at the 760M layer's size (B1 H24 T16384: 3.2e9 causal pairs, more
+    than an int32 sum holds; it once printed −0.501): with Λ falling by 1 per token and δ = −5.5, row i keeps its
+    last 6 keys (Λ_i − Λ_j = j − i ≥ −5), so the pruned fraction is 1 − (6·T − 15) / (T(T+1)/2) exactly."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+    try:
+        import bench_attention as bench
+    finally:
+        sys.path.pop(0)
+    b, t, h = 1, 16384, 24
+    lam = -jnp.broadcast_to(jnp.arange(t, dtype=jnp.float32)[None, :, None], (b, t, h))
+    got = float(bench.ideal_prunable_fraction(lam, jnp.full((b, h), -5.5)))
+    want = 1 - (6 * t - 15) / (t * (t + 1) / 2)
+    assert abs(got - want) < 1e-6, (got, want)

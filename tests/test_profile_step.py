@@ -284,10 +284,11 @@ def test_kv_shift_bench_variants_agree(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--shape", "1x256x2"], ["--shape", "0x256x2x64"], ["--variants", "bogus"],
-                                  ["--bandwidth", "-1"]])
+                                  ["--bandwidth", "-1"], ["--out", "/nonexistent_folder/kv.json"]])
 def test_kv_shift_bench_refuses_bad_input(argv, capsys):
     """bench_kv_shift.py: a shape that is not four positive ints, an unknown variant (it once timed the split form
-    under the typo's name) or a bandwidth ≤ 0 is a one-line argparse error naming the flag, before anything runs."""
+    under the typo's name), a bandwidth ≤ 0 or an --out in a missing folder (it once failed after the timings) is a
+    one-line argparse error naming the flag, before anything runs."""
     import bench_kv_shift as bk
 
     with pytest.raises(SystemExit) as e:
