@@ -96,8 +96,9 @@ def main(argv=None) -> int:
     if args.sparsities:
         try:
             targets = [float(x) for x in args.sparsities.split(",")]
-            assert all(0.0 < x < 1.0 for x in targets)
-        except (ValueError, AssertionError):
+        except ValueError:
+            targets = []
+        if not targets or not all(0.0 < x < 1.0 for x in targets):
             ap.error(f"--sparsities: expected fractions in (0, 1) separated by commas, got {args.sparsities!r}")
     info = versions()
     log(json.dumps(info))
