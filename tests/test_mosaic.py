@@ -84,12 +84,18 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d64-pingpong-segments"),
     pytest.param(1, 512, 512, 2, 2, 128, jnp.bfloat16, dict(window_size=200, config=MosaicConfig(64, 128, 2)),
                  id="d128-no-pingpong-window"),
+    # ≥ STATIC_FRAME_MIN_KEYS keys: the forward with its fixed-frame loop (and documents, ACP around it)
+    pytest.param(1, 4096, 4096, 2, 2, 64, jnp.bfloat16, dict(acp=True, segments=True), id="d64-t4096-static-frame"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
     Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
     text = _lower_op(b, tq, tk, h, hkv, d, dtype, **opts)
     calls = text.count("stablehlo.custom_call @mosaic_gpu")
+    forward = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text).group(1)  # the first call: the forward
+    framed = (dtype == jnp.bfloat16 and tk >= mgpu.STATIC_FRAME_MIN_KEYS and opts.get("window_size") is None
+              and (opts.get("config") or MosaicConfig()).static_frame)
+    assert forward.count("%") == 8 + framed + 4 * bool(opts.get("segments")), forward  # + frames, + ids and runs
     triton = text.count("__gpu$xla.gpu.triton")
     if opts.get("config") is not None and not opts["config"].backward:
         assert (calls, triton) == (1, 2), (calls, triton)
@@ -151,6 +157,8 @@ def test_config_checks_and_smem_budget():
     assert default_mosaic_config(128).bwd_pingpong and not default_mosaic_config(64).bwd_pingpong
     with pytest.raises(ValueError, match="bwd_pingpong"):
         MosaicConfig(bwd_pingpong="yes")
+    with pytest.raises(ValueError, match="static_frame"):
+        MosaicConfig(static_frame=1)
     for d in (0, 96, 256):
         with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
             default_mosaic_config(d)
@@ -173,6 +181,47 @@ def test_op_refuses_what_the_kernel_does_not_cover():
                             jnp.zeros((1, 128, 1, 256), jnp.bfloat16), jnp.zeros((1, 128, 1)),
                             jnp.zeros((1,), jnp.int32), None, (jnp.zeros((1, 1, 1), jnp.int32),) * 2, scale=1.0,
                             config=MosaicConfig())
+
+
+@pytest.mark.parametrize("gates", ["forget", "tight", "growing", "growing-fast", "large-logits"])
+def test_static_frames_bound_every_unmasked_logit(gates):
+    """``static_frames``: F bounds the kernel-form logit s_ij = q_i·k_j·scale·log2 e − Λ_j·log2 e of every row of a
+    block and every key j ≤ the block's first row (the keys of the forward's unmasked blocks), for any gates;
+    +inf exactly where the distance to a row's diagonal logit could exceed STATIC_FRAME_RANGE. A frame below one
+    of those logits would overflow exp2 in the kernel, a missing fallback would underflow terms that count."""
+    b, tq, tk, h, hkv, d, bq = 2, 256, 320, 4, 2, 64, 64
+    q, k, _, lf, _ = _inputs(b, tq, tk, h, hkv, d, jnp.float32, seed=5)
+    if gates == "tight":  # no decay and q_200 = k_10, both of the largest norm: the bound is attained (up to + 1)
+        lf = jnp.zeros_like(lf)
+        top = 2.0 * q[:, 200, ::h // hkv]
+        q, k = q.at[:, 200, ::h // hkv].set(top), k.at[:, 10].set(top)
+    if gates == "growing":  # log f > 0 on a stretch: Λ rises there (not a forget gate, but the op takes it)
+        lf = lf.at[:, 120:130].set(1.0)
+    if gates == "growing-fast":
+        lf = lf.at[:, 250:270].set(2.0)
+    if gates == "large-logits":
+        q = 8.0 * q
+    lam2 = decay_cumsum(lf).transpose(0, 2, 1) * mgpu.LOG2E  # [B, H, Tk]
+    offset, scale = tk - tq, d ** -0.5
+    frames = mgpu.static_frames(q, k, lam2[:, :, offset:], lam2, scale=scale, offset=offset, block_q=bq)
+    assert frames.shape == (b, h, tq // bq)
+    kh = jnp.repeat(k, h // hkv, axis=2)
+    s = jnp.einsum("bihd,bjhd->bhij", q, kh) * scale * mgpu.LOG2E - lam2[:, :, None, :]  # [B, H, Tq, Tk]
+    row0 = offset + jnp.arange(tq) // bq * bq  # each row's block start
+    keys = jnp.arange(tk)[None, :] <= row0[:, None]
+    worst = jnp.max(jnp.where(keys, s, -jnp.inf).reshape(b, h, tq // bq, bq, tk), axis=(3, 4))
+    finite = np.isfinite(np.asarray(frames))
+    assert np.all(np.asarray(worst)[finite] <= np.asarray(frames)[finite])
+    diag = jnp.diagonal(s[:, :, :, offset:], axis1=2, axis2=3).reshape(b, h, tq // bq, bq).min(-1)
+    assert np.all(np.asarray(frames - diag)[finite] <= mgpu.STATIC_FRAME_RANGE)
+    if gates == "tight":
+        assert float(jnp.min(frames - worst)) <= 1.0 + 1e-3  # attained at q_200·k_10: no slack beyond the + 1
+    if gates in ("forget", "tight", "growing"):
+        assert finite.all()  # moderate logits, a moderate rise: every block gets a frame
+    elif gates == "large-logits":
+        assert not finite.any()  # 2U ≈ 1,300 > 90: the running max everywhere
+    else:
+        assert finite.any() and not finite.all()  # the blocks just past the rise fall back
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -243,6 +292,39 @@ def test_gpu_mosaic_matches_reference(b, tq, tk, h, hkv, d, dtype, seq_start, se
     o, _ = _check_against_reference("mosaic", q, k, v, lf, w, dtype, **kw)
     o_pallas = forgetting_attention(q, k, v, lf, implementation="pallas", **kw)
     _assert_close("o vs pallas", o, o_pallas, _TOL[dtype][0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q_scale", [1.0, 8.0], ids=["frame", "large-logits-running-max"])
+def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
+    """``MosaicConfig.static_frame`` (the forward's unmasked blocks in a fixed frame) against the running max only
+    and the float32 oracle: same outputs and gradients up to P's rounding; with 8× logits no block gets a frame
+    (the fallback path)."""
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    b, t, h, hkv, d = 1, 4500, 4, 2, 64  # ≥ STATIC_FRAME_MIN_KEYS keys, not a multiple of the blocks
+    assert t >= mgpu.STATIC_FRAME_MIN_KEYS
+    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=13)
+    q = (q.astype(jnp.float32) * q_scale).astype(jnp.bfloat16)
+    ss = jnp.asarray([300], jnp.int32)
+    base = fpallas.resolve_config(d, t, t)
+
+    def run(static):
+        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(d), static_frame=static))
+        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+            q_, k_, v_, decay_cumsum(lf_, ss), ss, None, None, scale=d ** -0.5, implementation="mosaic",
+            config=cfg), q, k, v, lf, w)
+
+    (o, grads), (o_rm, grads_rm) = run(True), run(False)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss),
+                                        f32(q), f32(k), f32(v), lf, w)
+    tol_o, tol_g = _TOL[jnp.bfloat16]
+    _assert_close("o vs running max", o, o_rm, tol_o)
+    _assert_close("o", o, o_ref, tol_o)
+    for name, g, g_rm, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_rm, grads_ref):
+        _assert_close(name + " vs running max", g, g_rm, tol_g)
+        _assert_close(name, g, gr, tol_g)
 
 
 @pytest.mark.gpu
