@@ -28,8 +28,8 @@ Then it only releases the blocks it does not need (the other warpgroup's causal 
 producer never waits forever.
 
 The softmax of the unmasked blocks runs in a fixed frame where one is provable (``static_frames``, bfloat16 with
-≥ ``STATIC_FRAME_MIN_KEYS`` keys, no window): their keys all precede the warpgroup's first row, so by
-Cauchy–Schwarz every logit there is below F = max‖q‖·max‖k‖·scale·log2 e + 1 − min Λ_j·log2 e, and p = exp2(s − F)
+≥ ``STATIC_FRAME_MIN_KEYS`` keys, no window): their keys are all at or before the warpgroup's first row, so by
+Cauchy–Schwarz every logit there (without the row term Λ_i) is below F = max‖q‖·max‖k‖·scale·log2 e + 1 − min Λ_j·log2 e, and p = exp2(s − F)
 needs one multiply-add and an exp2 per score — no running max, no rescaling of the accumulator (the masked blocks
 start their running max at F).
 
@@ -178,11 +178,12 @@ def static_frames(q, k, lam_q2, lam_k2, *, scale: float, offset: int, block_q: i
     Every key j ≤ row0 (the block's first row, absolute; the forward's unmasked blocks hold only such keys) has
     a logit, in the kernel's form and base 2, s_ij = q_i·k_j·scale·log2 e − Λ_j·log2 e (the row term Λ_i is left
     out), and by Cauchy–Schwarz s_ij ≤ U − min_{j' ≤ row0} Λ_j'·log2 e = F with U = max‖q‖·max‖k‖·scale·log2 e + 1
-    (per head; the + 1 covers the kernel's float32 sums). So exp2(s − F) ≤ 1/2 with F as the softmax's fixed
-    max: no overflow, no running max, for any gates (the prefix minimum is Λ itself when log f ≤ 0). A row's
-    diagonal logit is ≥ F − (2U + max_i(Λ_i − min Λ)·log2 e); when that distance is over ``STATIC_FRAME_RANGE``
-    (large logits or gates that grow) the terms could underflow before they are negligible, and the block gets
-    +inf: the kernel's running max instead.
+    (the norms' maxima over the sequence, per batch row and head; the + 1 is a margin over the kernel's float32
+    sums, so exp2(s − F) ≤ 1/2). So F serves as the softmax's fixed max: no overflow, no running max, for any
+    gates (the prefix minimum is Λ itself when log f ≤ 0). The diagonal key of a row is always visible and its
+    logit is ≥ F − (2U + max_i(Λ_i − min Λ)·log2 e), so the row's largest term is ≥ 2^−(that distance); float32
+    and bfloat16 reach 2^−126, so while the distance is ≤ ``STATIC_FRAME_RANGE`` (90) a term is lost only below
+    2^−36 of the row's largest. Past it (large logits, or gates that grow) the block gets +inf: the running max.
 
     Args:
       q: [B, Tq, H, D], k: [B, Tk, Hkv, D] (padded, any float dtype); lam_q2 [B, H, Tq], lam_k2 [B, H, Tk]: Λ·log2 e

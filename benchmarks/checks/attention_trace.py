@@ -27,12 +27,13 @@ from profile_step import device_events, find_trace, load_trace  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default="1x16384x16x128,1x16384x24x64")
-    ap.add_argument("--impls", default="mosaic,mosaic-acp")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--top", type=int, default=12)
-    ap.add_argument("--out", default=None)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1x16384x16x128,1x16384x24x64", help="BxTxHxD,... (default %(default)s)")
+    ap.add_argument("--impls", default="mosaic,mosaic-acp",
+                    help="bench_attention.py's JAX implementations, e.g. cudnn,mosaic,mosaic-acp (default %(default)s)")
+    ap.add_argument("--iters", type=int, default=5, help="traced fwd+bwd calls (default 5)")
+    ap.add_argument("--top", type=int, default=12, help="kernels printed per row (default 12; the JSON has all)")
+    ap.add_argument("--out", default=None, help="JSON rows here (default: printed only)")
     a = ap.parse_args(argv)
     rows = []
     for b, t, h, d in parse_shapes(a.shapes, "--shapes", ap.error):

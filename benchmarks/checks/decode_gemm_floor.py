@@ -106,18 +106,26 @@ def chain(form, x, ws, wts):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
-    ap.add_argument("--forms", default=None, help="comma-separated subset (default: all)")
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
+                    help="comma-separated names of SHAPES (default: all: %(default)s)")
+    ap.add_argument("--forms", default=None, help="comma-separated forms: xla_kn, xla_nk, floor, gemv_BNxBKwWsS "
+                    "(default: all; the gemv tilings are TILINGS)")
     ap.add_argument("--mbytes", type=float, default=256.0, help="weights per chain, MB (default 256: past L2)")
-    ap.add_argument("--iters", type=int, default=5)
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--quick", action="store_true", help="CPU: interpret mode, correctness only, two copies")
+    ap.add_argument("--iters", type=int, default=5, help="traced calls of each chain (default 5)")
+    ap.add_argument("--out", default=None, help="JSON rows here (default: printed only)")
+    ap.add_argument("--quick", action="store_true", help="CPU: interpret mode, each form checked against float32 on "
+                    "one small copy, nothing timed (floor is not a product: listed, not checked)")
     a = ap.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     dtype = jnp.bfloat16
     all_forms = forms(interpret)
     names = a.forms.split(",") if a.forms else list(all_forms)
+    known = {s[0] for s in SHAPES}
+    for flag, given, valid in (("--shapes", a.shapes.split(","), known), ("--forms", names, set(all_forms))):
+        bad = [x for x in given if x not in valid]
+        if bad:
+            ap.error(f"{flag}: unknown {', '.join(bad)} (expected names from {', '.join(sorted(valid))})")
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__)
     bw = peak_bandwidth()
     rows = []
@@ -137,6 +145,7 @@ def main(argv=None):
             if fname.startswith("gemv"):
                 bn, bk = (int(v) for v in fname[5:].split("w")[0].split("x"))
                 if n % bn or k % bk:
+                    print(f"# {shape} {fname}: skipped (N={n} or K={k} not a multiple of its tiling)", flush=True)
                     continue
             fn = jax.jit(lambda x, ws, wts, form=form: chain(form, x, ws, wts))
             try:  # a wrong kernel could be fast: each form must give the product (bf16 rounding: 2^-7)
@@ -146,7 +155,8 @@ def main(argv=None):
                     if not err < 2 ** -7:
                         raise AssertionError(f"{shape} {fname}: relative error {err:.3g} ≥ 2^-7 against float32")
                 if a.quick:
-                    print(f"{shape} {fname}: ok", flush=True)
+                    print(f"{shape} {fname}: {'ok' if fname != 'floor' else 'not a product (unchecked)'}",
+                          flush=True)
                     continue
                 jax.block_until_ready(fn(x, ws, wts))
             except AssertionError:

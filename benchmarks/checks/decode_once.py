@@ -22,14 +22,14 @@ from fox_jax.decoding import generate  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="gpt2", help="gpt2 or ARCH:SIZE (random init)")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    p.add_argument("--policy", default="dense")
-    p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--prompt", type=int, default=896)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--slots", type=int, default=None)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="gpt2", help="gpt2 or ARCH:SIZE (random init; default %(default)s)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (n_layers=4)")
+    p.add_argument("--policy", default="dense", help="cache policy, as generate's (default %(default)s)")
+    p.add_argument("--batch", type=int, default=32, help="rows (default %(default)s)")
+    p.add_argument("--prompt", type=int, default=896, help="prompt tokens per row (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens to sample per row (default %(default)s)")
+    p.add_argument("--slots", type=int, default=None, help="KV pool per row (default: the policy's need)")
     a = p.parse_args(argv)
     cfg = model_config(a.model, a.set).replace(dtype="bfloat16")
     params = cfg.init_params(jax.random.PRNGKey(0))
