@@ -186,9 +186,10 @@ def test_op_refuses_what_the_kernel_does_not_cover():
 @pytest.mark.parametrize("gates", ["forget", "tight", "growing", "growing-fast", "large-logits"])
 def test_static_frames_bound_every_unmasked_logit(gates):
     """``static_frames``: F bounds the kernel-form logit s_ij = q_i·k_j·scale·log2 e − Λ_j·log2 e of every row of a
-    block and every key j ≤ the block's first row (the keys of the forward's unmasked blocks), for any gates;
-    +inf exactly where the distance to a row's diagonal logit could exceed STATIC_FRAME_RANGE. A frame below one
-    of those logits would overflow exp2 in the kernel, a missing fallback would underflow terms that count."""
+    block and every key j ≤ the block's first row (the keys of the forward's unmasked blocks), for any gates, with
+    no slack beyond its + 1 where the bound is attained; finite frames stay within STATIC_FRAME_RANGE of every row's
+    diagonal logit, and +inf (the running max) comes where they could not. A frame below one of those logits would
+    overflow exp2 in the kernel, a missing fallback would underflow terms that count."""
     b, tq, tk, h, hkv, d, bq = 2, 256, 320, 4, 2, 64, 64
     q, k, _, lf, _ = _inputs(b, tq, tk, h, hkv, d, jnp.float32, seed=5)
     if gates == "tight":  # no decay and q_200 = k_10, both of the largest norm: the bound is attained (up to + 1)
