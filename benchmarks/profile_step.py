@@ -132,6 +132,20 @@ def trace_steps(compiled, state, data, steps: int, warmup: int, trace_dir: str):
     return state, walls
 
 
+def trace_calls(fn, iters: int) -> tuple[list["KernelEvent"], list[float]]:
+    """Call ``fn()`` (already compiled) ``iters`` times under ``jax.profiler.trace``, each call synchronised.
+    Returns (the trace's kernel events, ``device_events``; the wall seconds of each call)."""
+    walls = []
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(iters):
+                t = time.perf_counter()
+                jax.block_until_ready(fn())
+                walls.append(time.perf_counter() - t)
+        events, _ = device_events(load_trace(find_trace(tmp)))
+    return events, walls
+
+
 # The trace -----------------------------------------------------------------------------------------
 
 class TraceError(RuntimeError):

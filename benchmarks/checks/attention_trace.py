@@ -17,13 +17,12 @@ import collections
 import json
 import os
 import sys
-import tempfile
 
 import jax
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import jax_fns, make_inputs, parse_shapes  # noqa: E402
-from profile_step import device_events, find_trace, load_trace  # noqa: E402
+from profile_step import trace_calls  # noqa: E402
 
 
 def main(argv=None):
@@ -42,11 +41,7 @@ def main(argv=None):
             _, fwd_bwd = jax_fns(impl, d)
             args = (q, k, v, lf, do)
             jax.block_until_ready(fwd_bwd(*args))
-            with tempfile.TemporaryDirectory() as tmp:
-                with jax.profiler.trace(tmp):
-                    for _ in range(a.iters):
-                        jax.block_until_ready(fwd_bwd(*args))
-                events, _ = device_events(load_trace(find_trace(tmp)))
+            events, _ = trace_calls(lambda: fwd_bwd(*args), a.iters)
             us, n = collections.Counter(), collections.Counter()
             for e in events:
                 us[e.name] += e.dur_us

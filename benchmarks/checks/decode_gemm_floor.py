@@ -33,8 +33,6 @@ import functools
 import json
 import os
 import sys
-import tempfile
-import time
 
 import jax
 import jax.numpy as jnp
@@ -44,7 +42,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from profile_step import device_events, find_trace, load_trace  # noqa: E402
+from bench_decode import bound_bandwidth  # noqa: E402
+from profile_step import trace_calls  # noqa: E402
+
+# tl.dot needs every matmul dimension ≥ 16 (x's rows are padded to it by masked loads): as the decode attention kernel
+from fox_jax.kernels.decode_attention import MIN_BLOCK, _pow2_at_least  # noqa: E402
 
 # (name, M, K, N): the decode GEMMs of FoX (Pro) 125M at B8 and GPT-2 124M at B32
 SHAPES = [("fox_qkv", 8, 768, 3072), ("fox_mlp_in", 8, 768, 3584), ("fox_mlp_out", 8, 1792, 768),
@@ -53,16 +55,11 @@ SHAPES = [("fox_qkv", 8, 768, 3072), ("fox_mlp_in", 8, 768, 3584), ("fox_mlp_out
 TILINGS = [(16, 256, 4, 3), (32, 256, 4, 3), (16, 512, 4, 2), (32, 128, 4, 4), (64, 128, 4, 4), (16, 128, 2, 4)]
 
 
-def peak_bandwidth() -> float:
-    kind = jax.devices()[0].device_kind
-    return 4.8e12 if "H200" in kind else 3.35e12 if "H100" in kind else 1e12
-
-
 def gemv_nk(x, wt, *, bn: int, bk: int, warps: int, stages: int, interpret: bool):
     """y [M, N] = x [M, K] · W^T[N, K]ᵀ in x.dtype (float32 accumulation); N % bn == 0, K % bk == 0."""
     m, k = x.shape
     n = wt.shape[0]
-    mp = max(16, 1 << (m - 1).bit_length())
+    mp = _pow2_at_least(m, MIN_BLOCK)
 
     def kernel(x_ref, w_ref, o_ref):
         rows = lax.broadcasted_iota(jnp.int32, (mp, 1), 0) < m
@@ -127,7 +124,7 @@ def main(argv=None):
         if bad:
             ap.error(f"{flag}: unknown {', '.join(bad)} (expected names from {', '.join(sorted(valid))})")
     meta = dict(device=jax.devices()[0].device_kind, jax=jax.__version__)
-    bw = peak_bandwidth()
+    bw = bound_bandwidth(None) * 1e12  # the device's HBM peak (4.8 TB/s where unknown)
     rows = []
     rng = np.random.default_rng(0)
     for shape in a.shapes.split(","):
@@ -164,14 +161,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a tiling Triton rejects: recorded, skipped
                 print(f"# {shape} {fname}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
-            walls = []
-            with tempfile.TemporaryDirectory() as d:
-                with jax.profiler.trace(d):
-                    for _ in range(a.iters):
-                        t = time.perf_counter()
-                        jax.block_until_ready(fn(x, ws, wts))
-                        walls.append(time.perf_counter() - t)
-                events, _ = device_events(load_trace(find_trace(d)))
+            events, walls = trace_calls(lambda: fn(x, ws, wts), a.iters)
             by_name = collections.Counter()
             for e in events:
                 by_name[e.name] += e.dur_us
