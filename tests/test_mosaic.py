@@ -309,6 +309,10 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
     q = (q.astype(jnp.float32) * q_scale).astype(jnp.bfloat16)
     ss = jnp.asarray([300], jnp.int32)
     base = fpallas.resolve_config(d, t, t)
+    # the path each case is meant to take: frames where 2U (+ no rise: forget gates) fits STATIC_FRAME_RANGE
+    norm = lambda x: float(jnp.max(jnp.linalg.norm(x.astype(jnp.float32), axis=-1)))  # noqa: E731
+    u = norm(q) * norm(k) * d ** -0.5 * mgpu.LOG2E + 1.0
+    assert (2 * u <= mgpu.STATIC_FRAME_RANGE) == (q_scale == 1.0), u
 
     def run(static):
         cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(d), static_frame=static))
