@@ -45,10 +45,12 @@ class Block(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if cache is None:
             x = rows_only(x)
-        h = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x)
+        # with a cache the norms go to the matmuls that read them unapplied (RowNorm: one kernel per decode step)
+        lazy = cache is not None
+        h = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x, lazy)
         attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha)
         x = x + attn.x
-        h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x)
+        h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x, lazy)
         return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h, cache is None))
 
 
