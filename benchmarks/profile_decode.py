@@ -16,9 +16,7 @@ is ``name`` or ``name:key=value,...`` with keys of ``kernels.decode_attention.De
 num_stages, block_k, num_splits: replacing the default tiling), ``gates=xla`` (the gate logits computed by
 XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel),
 ``head=stored`` (the untied LM head multiplied as stored, [d, V] with unaligned rows, instead of the copy padded to
-128 columns that ``decode_variables`` makes once), ``norm=xla`` (the block norms as kernels of their own and XLA's
-GEMMs, instead of ``fox_jax.ops.norm_matmul``'s kernel), ``mm_block_n``, ``mm_block_k``, ``mm_warps``, ``mm_stages``,
-``mm_fold`` (that kernel's ``MatmulConfig``; ``mm_fold=1``: ``fold_rms``):
+128 columns that ``decode_variables`` makes once):
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \\
         --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 nofold:fold_floor=0 \\
@@ -45,12 +43,8 @@ from fox_jax.cache.policies import parse_policy
 from fox_jax.decoding import cache_bytes, generate, min_slots
 from fox_jax.decoding import generation as gen
 from fox_jax.kernels import decode_attention as dk
-from fox_jax.kernels import norm_matmul as nk
 
 decode_op = importlib.import_module("fox_jax.ops.decode_attention")  # the module (fox_jax.ops exports the function)
-norm_op = importlib.import_module("fox_jax.ops.norm_matmul")
-MATMUL_KEYS = {"mm_block_n": "block_n", "mm_block_k": "block_k", "mm_warps": "num_warps", "mm_stages": "num_stages",
-               "mm_fold": "fold_rms"}
 
 # sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
 from bench_decode import bound_bandwidth, model_config, weight_bytes_read
@@ -126,15 +120,14 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
-    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``,
-    ``norm``, ``MATMUL_KEYS``.
+    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``.
 
     Raises:
       ValueError: an unknown key or a bad value (an int for the DecodeConfig fields).
     """
     name, _, rest = spec.partition(":")
-    fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)} | set(MATMUL_KEYS)
-    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("xla", "kernel")}
+    fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
+    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -157,11 +150,9 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm") and k not in MATMUL_KEYS}
-    mm_tiling = {MATMUL_KEYS[k]: v for k, v in settings.items() if k in MATMUL_KEYS}
-    saved = dk.default_decode_config, decode_op._step_arrays, gen.head_table, norm_op.kernel_supported, \
-        nk.default_matmul_config
-    base_config, base_arrays, _, _, base_mm = saved
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head")}
+    saved = dk.default_decode_config, decode_op._step_arrays, gen.head_table
+    base_config, base_arrays, _ = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -179,22 +170,10 @@ def kernel_variant(settings: dict):
         decode_op._step_arrays = arrays
     if settings.get("head") == "stored":
         gen.head_table = lambda params: {}
-    if settings.get("norm") == "xla":
-        norm_op.kernel_supported = lambda *args: "the norm=xla variant"
-    if mm_tiling:
-        def mm_config(k, widths, activation=None):  # the variant's tiling where it divides the shapes
-            base = base_mm(k, widths, activation)
-            want = base and dataclasses.replace(base, **mm_tiling)
-            cols = (widths[0] // 2,) if activation == "swiglu" else widths
-            fits = want and k % want.block_k == 0 and all(n % want.block_n == 0 for n in cols)
-            return want if fits else base
-
-        nk.default_matmul_config = mm_config
     try:
         yield
     finally:
-        (dk.default_decode_config, decode_op._step_arrays, gen.head_table, norm_op.kernel_supported,
-         nk.default_matmul_config) = saved
+        dk.default_decode_config, decode_op._step_arrays, gen.head_table = saved
         jax.clear_caches()
 
 

@@ -58,11 +58,9 @@ from fox_jax.cache.visibility import LayerFacts
 from fox_jax.models.family import (FamilyModules, ModelOutput, dcp_aux, embed_rows, remat_block, rows_only,
                                    scan_applies, scan_blocks)
 from fox_jax.nn.attention import LayerOutput
-from fox_jax.nn.layers import DenseParams, LayerNorm
-from fox_jax.ops.norm_matmul import RowNorm, norm_matmul
+from fox_jax.nn.layers import LayerNorm
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
-from fox_jax.ops.head_ops import HeadOps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,8 +192,8 @@ def match_sparse_pattern(kind: str, target: float, seq_len: int, *, sinks: int =
     return (f"sinks:{sinks}+{best[1]}" if kind == "sinks" else f"{kind}:{best[1]}"), best[2]
 
 
-def _layer_norm(cfg: GPT2Config, name: str, dtype=jnp.float32) -> LayerNorm:
-    return LayerNorm(eps=cfg.norm_eps, dtype=dtype, name=name)
+def _layer_norm(cfg: GPT2Config, name: str) -> LayerNorm:
+    return LayerNorm(eps=cfg.norm_eps, name=name)
 
 
 def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = None, use_bias: bool = True,
@@ -222,10 +220,7 @@ class GPT2Attention(nn.Module):
         cfg = self.cfg
         b, t, d = x.shape
         h, dh = cfg.n_heads, cfg.dim_per_head
-        if isinstance(x, RowNorm):  # ln_1 unapplied (a decode step): applied inside c_attn's matmul
-            qkv, x = norm_matmul(x, [DenseParams(3 * d, True, cfg.init_std, name="c_attn")(d)], jnp.dtype(cfg.dtype))
-        else:
-            qkv = _dense(cfg, 3 * d, "c_attn")(x)
+        qkv = _dense(cfg, 3 * d, "c_attn")(x)
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
         log_mask = q_int = k_int = beta = None
@@ -235,9 +230,7 @@ class GPT2Attention(nn.Module):
             k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
         if cache is not None:  # decoding: the cache's policy decides what each query sees
-            # q, k, v as the rows of c_attn's output (HeadOps.rows): a decode kernel reads them in place
-            o, cache = slot_attention(cache, q, k, v, None, head_ops=HeadOps(rows=qkv.reshape(b, t, 3 * h, dh)),
-                                      facts=LayerFacts(q_int=q_int, k_int=k_int, beta=beta))
+            o, cache = slot_attention(cache, q, k, v, None, facts=LayerFacts(q_int=q_int, k_int=k_int, beta=beta))
         elif cfg.dcp:
             z = keep_logits(q_int, k_int, beta)                         # [B, T, T] float32
             log_mask = cumulative_keep_log_mask(z, alpha)               # once per layer, all heads
@@ -265,14 +258,9 @@ class GPT2MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        """x [..., d] in the compute dtype, or a ``RowNorm`` of the residual rows (ln_2 unapplied, a decode step:
-        ln_2, c_fc and the GELU then run as one ``norm_matmul``)."""
         cfg = self.cfg
-        if isinstance(x, RowNorm):
-            y = norm_matmul(x, [DenseParams(cfg.mlp_hidden, True, cfg.init_std, name="c_fc")(cfg.d_model)],
-                            jnp.dtype(cfg.dtype), activation="gelu_tanh")[0]
-        else:
-            y = jax.nn.gelu(_dense(cfg, cfg.mlp_hidden, "c_fc")(x), approximate=True)
+        y = _dense(cfg, cfg.mlp_hidden, "c_fc")(x)
+        y = jax.nn.gelu(y, approximate=True)
         return _dense(cfg, cfg.d_model, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layers))(y)
 
 
@@ -288,10 +276,9 @@ class GPT2Block(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if cache is None:
             x = rows_only(x)
-        lazy = cache is not None  # decoding: the norms run inside the matmuls that read them (RowNorm)
-        attn = GPT2Attention(cfg, name="attn")(_layer_norm(cfg, "ln_1", dtype)(x, lazy), segment_ids, cache, alpha)
+        attn = GPT2Attention(cfg, name="attn")(_layer_norm(cfg, "ln_1")(x).astype(dtype), segment_ids, cache, alpha)
         x = x + attn.x.astype(x.dtype)
-        x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2", dtype)(x, lazy)).astype(x.dtype)
+        x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2")(x).astype(dtype)).astype(x.dtype)
         return attn.replace(x=x)
 
 

@@ -45,12 +45,10 @@ class Block(nn.Module):
         dtype = jnp.dtype(cfg.dtype)
         if cache is None:
             x = rows_only(x)
-        # with a cache the norms go to the matmuls that read them unapplied (RowNorm: one kernel per decode step)
-        lazy = cache is not None
-        h = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x, lazy)
+        h = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x)
         attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha)
         x = x + attn.x
-        h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x, lazy)
+        h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x)
         return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h, cache is None))
 
 

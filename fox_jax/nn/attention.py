@@ -13,12 +13,11 @@ import jax.numpy as jnp
 
 from fox_jax.cache.slots import slot_attention
 from fox_jax.cache.visibility import LayerFacts
-from fox_jax.nn.layers import DenseParams, HeadNormScale, fused_dense, normal_init, split_columns
+from fox_jax.nn.layers import DenseParams, HeadNormScale, fused_dense, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
 from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.decode_attention import gate_table
-from fox_jax.ops.norm_matmul import RowNorm, norm_matmul
 from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
 
 
@@ -97,8 +96,7 @@ class ForgettingAttentionLayer(nn.Module):
         import the models).
 
     Call args:
-      x: [B, T, d] normed hidden states (compute dtype); with a cache also a ``RowNorm`` of the block's rows (the
-        norm unapplied: it runs inside the input projections' matmul, ``fox_jax.ops.norm_matmul``).
+      x: [B, T, d] normed hidden states (compute dtype).
       segment_ids: [B, T] int or None (packed documents).
       positions: [B, T] int positions inside each document (RoPE only), default arange.
       cache: optional ``fox_jax.cache.SlotKVCache`` (incremental decoding; then ``segment_ids``
@@ -153,11 +151,7 @@ class ForgettingAttentionLayer(nn.Module):
                 y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
             else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
                 ws = [DenseParams(n, bias, cfg.init_std, name=name)(x.shape[-1]) for _, n, name, bias in members]
-                if isinstance(x, RowNorm):  # the block's norm, unapplied: run inside this group's matmul
-                    whole, x = norm_matmul(x, ws, dt)
-                    outs, packed[members[0][0]] = split_columns(whole, [n for _, n, _, _ in members]), whole
-                else:
-                    outs, packed[members[0][0]] = fused_dense(x, ws, dt, packed=True)
+                outs, packed[members[0][0]] = fused_dense(x, ws, dt, packed=True)
                 y.update(zip([o for o, *_ in members], outs))
                 weights.update(zip([o for o, *_ in members], ws))
         q = y["q"].reshape(b, t, h, dh)

@@ -13,7 +13,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.ops.norm_matmul import RowNorm, norm_matmul
 from fox_jax.sharding import constrain
 
 Dtype = Any
@@ -24,19 +23,17 @@ def normal_init(std: float):
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x²) + eps) · w, computed in float32; ``scale`` [d] initialised to 1.
-
-    With ``lazy=True`` the call returns the norm unapplied, a ``fox_jax.ops.norm_matmul.RowNorm`` (its
-    ``value()`` is y), for a matmul that applies it in its prologue (a decode step: ``norm_matmul``)."""
+    """y = x / sqrt(mean(x²) + eps) · w, computed in float32; ``scale`` [d] initialised to 1."""
 
     eps: float = 1e-6
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, lazy: bool = False) -> jax.Array | RowNorm:
+    def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        norm = RowNorm(x, scale, None, "rms", self.eps, jnp.dtype(self.dtype))
-        return norm if lazy else norm.value()
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return (y * scale).astype(self.dtype)
 
 
 class LayerNorm(nn.Module):
@@ -45,20 +42,22 @@ class LayerNorm(nn.Module):
     The parameters are ``scale`` and ``bias`` [d] float32 (initialised to 1 and 0), as in ``flax.linen.LayerNorm``,
     so checkpoints and the GPT-2 weight map are the same. The variance is taken in two passes over the centred x
     (flax takes E[x²] − E[x]² in one multi-output reduction): the same value up to float32 rounding, and on GPU
-    XLA emits the whole norm as one fused kernel instead of a reduction followed by the normalisation. With
-    ``lazy=True`` the call returns the norm unapplied (``RowNorm``, as ``RMSNorm``'s).
+    XLA emits the whole norm as one fused kernel instead of a reduction followed by the normalisation (a decode
+    step of GPT-2 runs two per layer; benchmarks/checks/decode_kernels.py).
     """
 
     eps: float = 1e-5
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array, lazy: bool = False) -> jax.Array | RowNorm:
+    def __call__(self, x: jax.Array) -> jax.Array:
         d = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
-        norm = RowNorm(x, scale, bias, "layer", self.eps, jnp.dtype(self.dtype))
-        return norm if lazy else norm.value()
+        xf = x.astype(jnp.float32)
+        xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
+        y = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + self.eps)
+        return (y * scale + bias).astype(self.dtype)
 
 
 class SwiGLU(nn.Module):
@@ -79,21 +78,18 @@ class SwiGLU(nn.Module):
     dtype: Dtype = jnp.float32
 
     @nn.compact
-    def __call__(self, x: jax.Array | RowNorm, split_hidden: bool = True) -> jax.Array:
+    def __call__(self, x: jax.Array, split_hidden: bool = True) -> jax.Array:
         """x [..., d] → [..., d] in ``dtype``. ``split_hidden``: lay the kernel out by the hidden axis under a
         mesh (training, scoring); False on a decode step, where moving the weights every step would cost
-        more than the few activations it saves. x may be a ``RowNorm`` (the block's norm, unapplied: a decode
-        step): then the norm, ``gate_proj`` and silu(gate) ⊙ up run as one ``norm_matmul``."""
+        more than the few activations it saves."""
         d = x.shape[-1]
         kernel, _ = DenseParams(2 * self.hidden, init_std=self.init_std, name="gate_proj")(d)
-        down = nn.Dense(d, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
-                        kernel_init=normal_init(self.init_std), name="down_proj")
-        if isinstance(x, RowNorm):
-            return down(norm_matmul(x, [(kernel, None)], self.dtype, activation="swiglu")[0])
         pairs = kernel.astype(self.dtype).reshape(d, 2, self.hidden)
         if split_hidden:
             pairs = constrain(pairs, ("embed", None, "mlp"))
         h = jax.lax.dot_general(x.astype(self.dtype), pairs, (((x.ndim - 1,), (0,)), ((), ())))
+        down = nn.Dense(d, use_bias=False, dtype=self.dtype, param_dtype=jnp.float32,
+                        kernel_init=normal_init(self.init_std), name="down_proj")
         return down(swiglu(h))
 
 
@@ -179,13 +175,9 @@ def fused_dense(x: jax.Array, weights: list[tuple], dtype: Dtype, *, packed: boo
         y = jax.lax.dot_general(x.astype(dtype), kernel, (((x.ndim - 1,), (0,)), ((), ())))
         if bias is not None:
             y = y + bias
-    outs = split_columns(y, [k.shape[1] for k, _ in weights])
+    sizes = [k.shape[1] for k, _ in weights]
+    outs = jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
     return (outs, y) if packed else outs
-
-
-def split_columns(y: jax.Array, sizes: list[int]) -> list[jax.Array]:
-    """The outputs [..., n_i] of one matmul over concatenated kernels of ``sizes`` columns: y's last axis split."""
-    return jnp.split(y, list(np.cumsum(sizes)[:-1]), axis=-1) if len(sizes) > 1 else [y]
 
 
 class HeadNormScale(nn.Module):
