@@ -86,10 +86,17 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d128-no-pingpong-window"),
     # ≥ STATIC_FRAME_MIN_KEYS keys: the forward with its fixed-frame loop (and documents, ACP around it)
     pytest.param(1, 4096, 4096, 2, 2, 64, jnp.bfloat16, dict(acp=True, segments=True), id="d64-t4096-static-frame"),
+    # dQ inside the dK/dV kernel (TMA reduce-add stores): both step forms (ping-pong at D128), GQA, ACP, documents
+    pytest.param(2, 1000, 1000, 4, 2, 64, jnp.bfloat16, dict(acp=True, config=MosaicConfig(bwd_fused_dq=True)),
+                 id="d64-gqa-acp-fused-dq"),
+    pytest.param(1, 700, 1300, 2, 2, 128, jnp.bfloat16,
+                 dict(segments=True, config=MosaicConfig(bwd_pingpong=True, bwd_fused_dq=True)),
+                 id="d128-pingpong-segments-fused-dq"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
-    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
-    Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
+    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), two with dQ in
+    the dK/dV kernel (``MosaicConfig(bwd_fused_dq=True)``: its TMA reduce-add stores into the aliased float32
+    accumulators), or the Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
     text = _lower_op(b, tq, tk, h, hkv, d, dtype, **opts)
     calls = text.count("stablehlo.custom_call @mosaic_gpu")
     forward = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text).group(1)  # the first call: the forward
@@ -99,6 +106,10 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     triton = text.count("__gpu$xla.gpu.triton")
     if opts.get("config") is not None and not opts["config"].backward:
         assert (calls, triton) == (1, 2), (calls, triton)
+    elif opts.get("config") is not None and opts["config"].bwd_fused_dq:
+        assert (calls, triton) == (2, 0), (calls, triton)
+        # the reduce-add stores (both step forms are lowered: 2), into accumulators aliased in and out
+        assert text.count("cp.reduce.async.bulk") >= 2 and text.count("stablehlo.output_operand_alias<") == 2
     else:
         assert (calls, triton) == (3, 0), (calls, triton)
 
@@ -329,6 +340,42 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
     _assert_close("o", o, o_ref, tol_o)
     for name, g, g_rm, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_rm, grads_ref):
         _assert_close(name + " vs running max", g, g_rm, tol_g)
+        _assert_close(name, g, gr, tol_g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold", [
+    pytest.param(1, 2048, 4, 4, 64, None, None, None, id="T2048-D64"),
+    pytest.param(2, 1500, 4, 2, 128, (0, 333), (500, 1200), None, id="T1500-D128-gqa-seqstart-docs-pingpong"),
+    pytest.param(1, 4096, 4, 2, 64, None, None, "auto", id="T4096-D64-gqa-acp"),
+])
+def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold):
+    """``MosaicConfig.bwd_fused_dq`` (dQ and dΛ_q added by the dK/dV kernel with TMA reduce-add stores) against the
+    dQ kernel and the float32 oracle: the same gradients up to float32 summation order and the rounding of dQ
+    (dK, dV and dΛ come from the same kernel either way). With ACP the two forms visit their own kernels' tiles
+    (both within the bound): compared with the oracle and each other at the same tolerance."""
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d)
+    ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
+    seg = None if segments is None else _segments(b, t, segments)
+    delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
+    base = fpallas.resolve_config(d, t, t)
+
+    def run(fused):
+        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=fused))
+        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+            q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
+            config=cfg), q, k, v, lf, w)
+
+    (o, grads), (o_k, grads_k) = run(True), run(False)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg),
+                                    f32(q), f32(k), f32(v), lf, w)
+    tol_g = _TOL[jnp.bfloat16][1]
+    np.testing.assert_array_equal(np.asarray(f32(o)), np.asarray(f32(o_k)))  # the same forward
+    for name, g, g_k, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_k, grads_ref):
+        _assert_close(name + " vs the dQ kernel", g, g_k, tol_g)
         _assert_close(name, g, gr, tol_g)
 
 
