@@ -876,9 +876,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 return ds_smem
 
             def add_dq(m, dsum):
-                """dQ_m += scale·dS·K and dΛ_q += Σ_j dS: this warpgroup's keys' share of query block m, from dSᵀ in
-                shared memory (the product needs dS as its A operand: dSᵀ read transposed), added to the float32
-                accumulators in global memory by TMA reduce-add stores."""
+                """dQ_m += scale·dS·K and dΛ_q += Σ_j dS: this warpgroup's keys' share of query block m, from
+                dSᵀ in shared memory (the product needs dS as its A operand: dSᵀ read transposed), added to the
+                float32 accumulators in global memory by TMA reduce-add stores."""
                 ds_smem, dq_smem, dlq_smem = (x.at[wg] for x in fused_smem)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
 

@@ -306,6 +306,16 @@ def test_gpu_mosaic_matches_reference(b, tq, tk, h, hkv, d, dtype, seq_start, se
     _assert_close("o vs pallas", o, o_pallas, _TOL[dtype][0])
 
 
+def _mosaic_value_and_grads(q, k, v, lf, w, seq_start, segment_ids=None, delta=None, **changes):
+    """(o, (dq, dk, dv, dlog_fgate)) of the Mosaic kernels with ``changes`` to the head dim's ``MosaicConfig``."""
+    d, tq, tk = q.shape[-1], q.shape[1], k.shape[1]
+    cfg = dataclasses.replace(fpallas.resolve_config(d, tq, tk),
+                              mosaic=dataclasses.replace(default_mosaic_config(d), **changes))
+    return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+        q_, k_, v_, decay_cumsum(lf_, seq_start), seq_start, segment_ids, delta, scale=d ** -0.5,
+        implementation="mosaic", config=cfg), q, k, v, lf, w)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_scale", [1.0, 8.0], ids=["frame", "large-logits-running-max"])
 def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
@@ -319,19 +329,11 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
     q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=13)
     q = (q.astype(jnp.float32) * q_scale).astype(jnp.bfloat16)
     ss = jnp.asarray([300], jnp.int32)
-    base = fpallas.resolve_config(d, t, t)
     # the path each case is meant to take: frames where 2U (+ no rise: forget gates) fits STATIC_FRAME_RANGE
     norm = lambda x: float(jnp.max(jnp.linalg.norm(x.astype(jnp.float32), axis=-1)))  # noqa: E731
     u = norm(q) * norm(k) * d ** -0.5 * mgpu.LOG2E + 1.0
     assert (2 * u <= mgpu.STATIC_FRAME_RANGE) == (q_scale == 1.0), u
-
-    def run(static):
-        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(d), static_frame=static))
-        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
-            q_, k_, v_, decay_cumsum(lf_, ss), ss, None, None, scale=d ** -0.5, implementation="mosaic",
-            config=cfg), q, k, v, lf, w)
-
-    (o, grads), (o_rm, grads_rm) = run(True), run(False)
+    (o, grads), (o_rm, grads_rm) = (_mosaic_value_and_grads(q, k, v, lf, w, ss, static_frame=s) for s in (True, False))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss),
                                         f32(q), f32(k), f32(v), lf, w)
@@ -360,15 +362,8 @@ def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, s
     ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
     seg = None if segments is None else _segments(b, t, segments)
     delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
-    base = fpallas.resolve_config(d, t, t)
-
-    def run(fused):
-        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=fused))
-        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
-            q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
-            config=cfg), q, k, v, lf, w)
-
-    (o, grads), (o_k, grads_k) = run(True), run(False)
+    (o, grads), (o_k, grads_k) = (_mosaic_value_and_grads(q, k, v, lf, w, ss, seg, delta, bwd_fused_dq=f)
+                                  for f in (True, False))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     _, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg),
                                     f32(q), f32(k), f32(v), lf, w)
