@@ -73,8 +73,9 @@ mosaic-pad-chunked:attention_impl=mosaic,vocab_pad_multiple=128,loss_impl=chunke
 DECODE_POLICIES=${DECODE_POLICIES:-dense,dcp,window:256,sinks:4+252}
 FOX_DECODE_POLICIES=${FOX_DECODE_POLICIES:-dense,acp,window:256,sinks:4+252}
 DECODE_BUDGET=${DECODE_BUDGET:-4}      # GiB of allocated KV in the budget mode
-# tests: the GPU tests (pytest -m gpu)
+# tests: the GPU tests (pytest -m gpu; TEST_K: a -k selection)
 TEST_FILES=${TEST_FILES:-"tests/test_pallas.py tests/test_mosaic.py tests/test_dcp_pallas.py"}
+TEST_K=${TEST_K:-}
 # e2e: the training commands end to end (tokens/s from their metrics.jsonl)
 E2E_STEPS=${E2E_STEPS:-30}
 
@@ -120,8 +121,9 @@ stage_prepare() {  # CPU machine, repo root: .gpu/ for the device (SHARED: the s
     git archive "$PREV_REV" fox_jax kernels train benchmarks | tar -x -C "$GPU/prev"
   fi
   du -sh "$d"/* "$GPU"/fox_triton "$GPU"/prev .whl 2>/dev/null; true; }
-stage_tests() {  # the GPU tests: dense float32 oracles, outputs and gradients (Pallas/Triton, Mosaic, DCP kernels)
-  t python3 -m pytest -q -m gpu $TEST_FILES -p no:cacheprovider; }
+stage_tests() {  # the GPU tests: dense float32 oracles, outputs and gradients (Pallas/Triton, Mosaic, DCP kernels);
+  # TEST_K: a pytest -k selection (the whole of tests/test_mosaic.py takes more than 330 s on an H100)
+  t python3 -m pytest -q -m gpu $TEST_FILES ${TEST_K:+-k "$TEST_K"} -rf -p no:cacheprovider; }
 stage_attention() {  # forgetting attention side by side: cuDNN (jax, torch), ours (Triton, Mosaic), official FoX, fla
   local fox=; [ -d "$GPU/fox_triton" ] && fox="--fox-triton $GPU/fox_triton"
   each_tree t python3 benchmarks/bench_attention.py --impls "$IMPLS" --shapes "$SHAPES" $fox \
