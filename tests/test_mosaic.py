@@ -170,6 +170,17 @@ def test_config_checks_and_smem_budget():
         MosaicConfig(bwd_pingpong="yes")
     with pytest.raises(ValueError, match="static_frame"):
         MosaicConfig(static_frame=1)
+    # dQ in the dK/dV kernel: off until measured on a GPU; its buffers (dSᵀ bf16, a float32 dQ partial and its row
+    # sums per compute warpgroup) counted, and inside the budget at both head dims
+    with pytest.raises(ValueError, match="bwd_fused_dq"):
+        MosaicConfig(bwd_fused_dq=1)
+    for d in (64, 128):
+        base = default_mosaic_config(d)
+        fused = dataclasses.replace(base, bwd_fused_dq=True)
+        assert not base.bwd_fused_dq
+        extra = 2 * (64 * 64 * 2 + 64 * d * 4 + 64 * 4)
+        dkv = 2 * 2 * 64 * d * 2 + 2 * 2 * 64 * d * 2 + 3 * 2 * 64 * 4 + 2 * 64 * 4
+        assert mgpu.smem_bytes(fused, d) == max(mgpu.smem_bytes(base, d), dkv + extra) <= mgpu.SMEM_LIMIT
     for d in (0, 96, 256):
         with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
             default_mosaic_config(d)
