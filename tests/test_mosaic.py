@@ -108,7 +108,7 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
         assert (calls, triton) == (1, 2), (calls, triton)
     elif opts.get("config") is not None and opts["config"].bwd_fused_dq:
         assert (calls, triton) == (2, 0), (calls, triton)
-        # the reduce-add stores (both step forms are lowered: 2), into accumulators aliased in and out
+        # the reduce-add stores (dQ and its row sums), into accumulators aliased in and out
         assert text.count("cp.reduce.async.bulk") >= 2 and text.count("stablehlo.output_operand_alias<") == 2
     else:
         assert (calls, triton) == (3, 0), (calls, triton)
@@ -365,7 +365,8 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
 def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold):
     """``MosaicConfig.bwd_fused_dq`` (dQ and dΛ_q added by the dK/dV kernel with TMA reduce-add stores) against the
     dQ kernel and the float32 oracle: the same gradients up to float32 summation order and the rounding of dQ
-    (dK, dV and dΛ come from the same kernel either way). With ACP the two forms visit their own kernels' tiles
+    (dK, dV and the key side of dΛ come from the same kernel either way). With ACP the two forms visit their own
+    kernels' tiles
     (both within the bound): compared with the oracle and each other at the same tolerance."""
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
