@@ -11,8 +11,6 @@ Implementations (all bf16 q/k/v, float32 log forget gates):
   mosaic        fox_jax forgetting_attention(implementation="mosaic"): the Hopper Mosaic GPU forward,
                 the same Triton backward kernels
   mosaic-acp    same with adaptive_threshold="auto"
-  mosaic-fused-dq, mosaic-acp-fused-dq  mosaic / mosaic-acp with ``MosaicConfig.bwd_fused_dq``: dQ added by the
-                dK/dV kernel (TMA reduce-add stores), no dQ kernel
   pallas-seg, mosaic-seg  pallas / mosaic with segment ids of one document per row (all ones), as the train
                 step passes them: the cost of the segment mask where no tile needs it (checked equal to the
                 impl without ids)
@@ -204,14 +202,11 @@ def jax_fns(impl, d, config=None):
         impl, inter = VARIANTS[impl]
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384)
         config = dataclasses.replace(base, interleave_heads=inter)
-    mosaic_change = {"mosaic-triton-bwd": ("mosaic", dict(backward=False)),  # the Triton backward kernels
-                     "mosaic-fused-dq": ("mosaic", dict(bwd_fused_dq=True)),
-                     "mosaic-acp-fused-dq": ("mosaic-acp", dict(bwd_fused_dq=True))}.get(impl)
-    if mosaic_change is not None:  # the Mosaic kernels with one MosaicConfig change
+    if impl == "mosaic-triton-bwd":  # the Mosaic forward with the Triton backward kernels
         from fox_jax.kernels import default_mosaic_config
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384, None, False)
-        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), **mosaic_change[1])
-        impl, config = mosaic_change[0], dataclasses.replace(base, mosaic=mc)
+        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), backward=False)
+        impl, config = "mosaic", dataclasses.replace(base, mosaic=mc)
     if impl == "cudnn":
         def f(q, k, v, lf):
             del lf
@@ -228,7 +223,7 @@ def jax_fns(impl, d, config=None):
               # the segment mask on tiles that need none
               "pallas-seg": dict(implementation="pallas", one_document=True),
               "mosaic-seg": dict(implementation="mosaic", one_document=True)}[impl]
-        if (impl.startswith("pallas") or impl.startswith("mosaic")) and config is not None and "one_document" not in kw:
+        if (impl.startswith("pallas") or impl == "mosaic") and config is not None and "one_document" not in kw:
             def f(q, k, v, lf, _kw=kw):
                 lam = decay_cumsum(lf)
                 delta = None
@@ -736,8 +731,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
                 ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
                 r[mode] = ms
                 if impl in ("pallas", "pallas-default", "pallas-prev", "pallas-acp", "pallas-acp-trained", "xla-blockwise",
-                            "mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg", "mosaic-fused-dq",
-                            "mosaic-acp-fused-dq", *VARIANTS):
+                            "mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg", *VARIANTS):
                     outs[(impl, mode)] = exe(*args)
                 log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
             except Exception as e:  # noqa: BLE001
@@ -756,10 +750,9 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
                 a, bb = outs[("pallas", mode)], outs[("pallas-acp", mode)]
                 checks[f"pallas_acp_vs_dense_{mode}_max_abs"] = max(
                     _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
-            for other in ("mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg", "mosaic-fused-dq", "mosaic-acp-fused-dq"):
+            for other in ("mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg"):
                 base = {"mosaic": "pallas", "mosaic-acp": "pallas-acp", "pallas-seg": "pallas",
-                        "mosaic-seg": "mosaic", "mosaic-fused-dq": "mosaic",
-                        "mosaic-acp-fused-dq": "mosaic-acp"}[other]
+                        "mosaic-seg": "mosaic"}[other]
                 if (base, mode) in outs and (other, mode) in outs:
                     a, bb = outs[(base, mode)], outs[(other, mode)]
                     checks[f"{other}_vs_{base}_{mode}_max_abs"] = max(

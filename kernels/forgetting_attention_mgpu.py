@@ -75,11 +75,6 @@ class MosaicConfig:
         (2026-12-06): backward −4.4% at D128 (T2048, T8192), even at T16384 D128, +5.6% at D64, where one warp per
         scheduler is left for the element-wise phase; so ``default_mosaic_config`` turns it on for head dim 128
         (off by default here).
-      bwd_fused_dq: dQ and the query-side dΛ accumulated by the dK/dV kernel (experimental, off by default): per
-        (key block, query block) it adds dS·K and the row sums of dS into float32 buffers with TMA reduce-add stores,
-        and the dQ kernel (which recomputes S, P and dP) does not run; the order of the float32 additions then
-        varies from run to run (dQ is not bitwise reproducible). Over the dK/dV kernel's tiles (under ACP: its
-        ranges, not the dQ kernel's).
       static_frame: the forward's unmasked blocks in a fixed softmax frame where the logits are provably below it
         (``static_frames``): no running max, no rescaling, one multiply-add and an exp2 per score there; for
         bfloat16 inputs with ≥ ``STATIC_FRAME_MIN_KEYS`` keys and no window (elsewhere the running max alone).
@@ -95,7 +90,6 @@ class MosaicConfig:
     bwd_stages: int = 2
     bwd_pingpong: bool = False
     static_frame: bool = True
-    bwd_fused_dq: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "bwd_block_q", "bwd_block_k"):
@@ -103,7 +97,7 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {getattr(self, name)}")
         if self.block_k < 64 or self.block_k % 64 or self.block_k > 256:
             raise ValueError(f"MosaicConfig.block_k must be a multiple of 64 in [64, 256], got {self.block_k}")
-        for name in ("backward", "bwd_pingpong", "static_frame", "bwd_fused_dq"):
+        for name in ("backward", "bwd_pingpong", "static_frame"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.stages < 2 or self.bwd_stages < 2:
@@ -144,8 +138,6 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
     dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    if config.bwd_fused_dq:  # per compute warpgroup: dSᵀ (compute dtype), a float32 dQ partial and its row sums
-        dkv += 2 * (bk * bq * itemsize + bq * head_dim * 4 + bq * 4)
     return max(fwd, dq, dkv)
 
 
@@ -804,18 +796,16 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
 def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                              window_size: int | None = None, pingpong: bool = False, fused_dq: bool = False):
+                              window_size: int | None = None, pingpong: bool = False):
     """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays.
 
     Args:
       as ``mosaic_flash_backward_dq``; Tk a multiple of 2·block_k, Tq of block_q; q_lo, q_hi
       [B, H, Tk / (2·block_k)]: the query-block ranges (``TileVisits.col_ranges()`` at the tiling
-      (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq``.
+      (block_q, 2·block_k)).
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
-      dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] float32 (scale·Σ_j dS_ij k_j) and
-      dΛ_q [B, H, Tq] float32 (Σ_j dS_ij), summed over the key tiles by TMA reduce-add stores into zeroed buffers
-      (the kernel's ``jax.new_ref`` operands).
+      dΛ_k [B, H, Tk] float32.
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -828,13 +818,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
-        *rest, scoped = rest
-        rest, (dk_ref, dv_ref, dlk_ref) = rest[:-3], rest[-3:]
-        dqa_ref = dlqa_ref = None
-        if fused_dq:  # the zeroed float32 accumulators (``jax.new_ref`` operands), after the other inputs
-            rest, (dqa_ref, dlqa_ref) = rest[:-2], rest[-2:]
-        sq_ref, sk_ref, dlo_ref, dhi_ref = rest if segments else (None,) * 4
-        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, fused_smem), \
+        if segments:
+            sq_ref, sk_ref, dlo_ref, dhi_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
+        else:
+            sq_ref = sk_ref = dlo_ref = dhi_ref = None
+            dk_ref, dv_ref, dlk_ref, scoped = rest
+        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2), \
             (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
         bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
@@ -865,33 +854,6 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             plgpu.barrier_wait(res_full.at[wg])
             shape = (bk, bq)
 
-            def ds_operand(dst16):
-                """dSᵀ as the A operand of dK += dSᵀ·Q: its registers, or with ``fused_dq`` shared memory (written
-                here; dQ reads it transposed), so that it does not stay live in registers across the products."""
-                if not fused_dq:
-                    return dst16
-                ds_smem = fused_smem[0].at[wg]
-                ds_smem[...] = dst16
-                plgpu.commit_smem()
-                return ds_smem
-
-            def add_dq(m, dsum):
-                """dQ_m += scale·dS·K and dΛ_q += Σ_j dS: this warpgroup's keys' share of query block m, from
-                dSᵀ in shared memory (the product needs dS as its A operand: dSᵀ read transposed), added to the
-                float32 accumulators in global memory by TMA reduce-add stores."""
-                ds_smem, dq_smem, dlq_smem = (x.at[wg] for x in fused_smem)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
-
-                def dsk(acc_ref):
-                    plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem, (1, 0)), k_smem)
-                    return acc_ref[...]
-
-                dq_smem[...] = pl.run_scoped(dsk, plgpu.ACC((bq, d), jnp.float32)) * float(scale)
-                dlq_smem[...] = dsum
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(dq_smem, dqa_ref.at[bi, pl.ds(m * bq, bq), head], reduction_op="add")
-                plgpu.copy_smem_to_gmem(dlq_smem, dlqa_ref.at[bi, head, pl.ds(m * bq, bq)], reduction_op="add")
-
             def step(m, slot, carry, masked):
                 dk_acc, dv_acc, dlk = carry
 
@@ -920,32 +882,24 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
                     dst = pt * (dpt - _col(dl, shape))
 
-                    a_ds = ds_operand(dst.astype(dtype))
-
                     def dsq(acc_ref):
-                        plgpu.wgmma(acc_ref, a_ds, q_smem.at[slot])
+                        plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
 
                     dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
-                    if fused_dq:
-                        add_dq(m, dst.sum(axis=0))
                     return dk_acc, dv_acc, dlk - dst.sum(axis=1)
 
                 dst = pt * (dpt - _col(dl, shape))
-                pt16, dst16, dlk, dsum = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
-                                                                   dlk - dst.sum(axis=1),
-                                                                   dst.sum(axis=0) if fused_dq else None))
-                a_ds = ds_operand(dst16)
+                pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
+                                                             dlk - dst.sum(axis=1)))
                 plgpu.barrier_arrive(schedule[0])  # element-wise work done
                 plgpu.barrier_wait(schedule[0])    # tensor cores free
 
                 def dv_dk(refs):  # dV += Pᵀ·dO and dK += dSᵀ·Q, one wgmma group
                     dv_ref_, dk_ref_ = refs
                     plgpu.wgmma(dv_ref_, pt16, do_smem.at[slot])
-                    plgpu.wgmma(dk_ref_, a_ds, q_smem.at[slot])
+                    plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
 
                 dv_acc, dk_acc = pl.run_state(dv_dk)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc)))
-                if fused_dq:
-                    add_dq(m, dsum)
                 return dk_acc, dv_acc, dlk
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -995,8 +949,6 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
-            (plgpu.SMEM((2, bk, bq), dtype, transforms=_swizzled()), plgpu.SMEM((2, bq, d), jnp.float32),
-             plgpu.SMEM((2, bq), jnp.float32)) if fused_dq else None,
         )
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
                     plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=stages),
@@ -1007,17 +959,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
-    out_type = (out, out, jax.ShapeDtypeStruct((b, h, tk), jnp.float32))
-    mesh = dict(grid=(h, tk // (2 * bk), b), grid_names=("heads", "k_tiles", "batch"), num_threads=3,
-                thread_name="wg")
-    if not fused_dq:
-        return plgpu.kernel(entry, out_type=out_type, compiler_params=_params(), **mesh)(*args)
-    # zeroed accumulators the kernel adds into: Refs are passed aliased in and out (``pl.kernel``)
-    dq_acc = jax.new_ref(jnp.zeros((b, tq, h, d), jnp.float32))
-    dlq_acc = jax.new_ref(jnp.zeros((b, h, tq), jnp.float32))
-    dk, dv, dlk = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=_params())(
-        *args, dq_acc, dlq_acc)
-    return dk, dv, dlk, dq_acc[...], dlq_acc[...]
+    return plgpu.kernel(
+        entry,
+        out_type=(out, out, jax.ShapeDtypeStruct((b, h, tk), jnp.float32)),
+        grid=(h, tk // (2 * bk), b), grid_names=("heads", "k_tiles", "batch"),
+        num_threads=3, thread_name="wg", compiler_params=_params(),
+    )(*args)
 
 
 def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges, o, lse, do, *, scale: float,
@@ -1058,17 +1005,11 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     ss = seq_start.astype(jnp.int32)
     common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size,
                   pingpong=config.bwd_pingpong)
-    dkv_lo, dkv_hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
-    if config.bwd_fused_dq:  # dQ from the dK/dV kernel's dS (MosaicConfig.bwd_fused_dq): no dQ kernel
-        dk, dv, dlam_k, dq, dlam_q = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi,
-                                                               ss, seg_q, seg_k, fused_dq=True, **common)
-        dq = dq.astype(q.dtype)
-    else:
-        lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
-        dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
-                                              **common)
-        dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss, seg_q,
-                                                   seg_k, **common)
+    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
+    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k, **common)
+    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
+    dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
+                                               **common)
     dq, dk, dv = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
     if h != hkv:  # GQA: sum the query heads of each key/value head in float32
         dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)

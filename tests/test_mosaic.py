@@ -86,17 +86,10 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d128-no-pingpong-window"),
     # ≥ STATIC_FRAME_MIN_KEYS keys: the forward with its fixed-frame loop (and documents, ACP around it)
     pytest.param(1, 4096, 4096, 2, 2, 64, jnp.bfloat16, dict(acp=True, segments=True), id="d64-t4096-static-frame"),
-    # dQ inside the dK/dV kernel (TMA reduce-add stores): both step forms (ping-pong at D128), GQA, ACP, documents
-    pytest.param(2, 1000, 1000, 4, 2, 64, jnp.bfloat16, dict(acp=True, config=MosaicConfig(bwd_fused_dq=True)),
-                 id="d64-gqa-acp-fused-dq"),
-    pytest.param(1, 700, 1300, 2, 2, 128, jnp.bfloat16,
-                 dict(segments=True, config=MosaicConfig(bwd_pingpong=True, bwd_fused_dq=True)),
-                 id="d128-pingpong-segments-fused-dq"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
-    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), two with dQ in
-    the dK/dV kernel (``MosaicConfig(bwd_fused_dq=True)``: its TMA reduce-add stores into the aliased float32
-    accumulators), or the Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
+    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
+    Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
     text = _lower_op(b, tq, tk, h, hkv, d, dtype, **opts)
     calls = text.count("stablehlo.custom_call @mosaic_gpu")
     forward = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text).group(1)  # the first call: the forward
@@ -106,10 +99,6 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     triton = text.count("__gpu$xla.gpu.triton")
     if opts.get("config") is not None and not opts["config"].backward:
         assert (calls, triton) == (1, 2), (calls, triton)
-    elif opts.get("config") is not None and opts["config"].bwd_fused_dq:
-        assert (calls, triton) == (2, 0), (calls, triton)
-        # the reduce-add stores (dQ and its row sums), into accumulators aliased in and out
-        assert text.count("cp.reduce.async.bulk") >= 2 and text.count("stablehlo.output_operand_alias<") == 2
     else:
         assert (calls, triton) == (3, 0), (calls, triton)
 
@@ -170,17 +159,6 @@ def test_config_checks_and_smem_budget():
         MosaicConfig(bwd_pingpong="yes")
     with pytest.raises(ValueError, match="static_frame"):
         MosaicConfig(static_frame=1)
-    # dQ in the dK/dV kernel: off until measured on a GPU; its buffers (dSᵀ bf16, a float32 dQ partial and its row
-    # sums per compute warpgroup) counted, and inside the budget at both head dims
-    with pytest.raises(ValueError, match="bwd_fused_dq"):
-        MosaicConfig(bwd_fused_dq=1)
-    for d in (64, 128):
-        base = default_mosaic_config(d)
-        fused = dataclasses.replace(base, bwd_fused_dq=True)
-        assert not base.bwd_fused_dq
-        extra = 2 * (64 * 64 * 2 + 64 * d * 4 + 64 * 4)
-        dkv = 2 * 2 * 64 * d * 2 + 2 * 2 * 64 * d * 2 + 3 * 2 * 64 * 4 + 2 * 64 * 4
-        assert mgpu.smem_bytes(fused, d) == max(mgpu.smem_bytes(base, d), dkv + extra) <= mgpu.SMEM_LIMIT
     for d in (0, 96, 256):
         with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
             default_mosaic_config(d)
@@ -317,16 +295,6 @@ def test_gpu_mosaic_matches_reference(b, tq, tk, h, hkv, d, dtype, seq_start, se
     _assert_close("o vs pallas", o, o_pallas, _TOL[dtype][0])
 
 
-def _mosaic_value_and_grads(q, k, v, lf, w, seq_start, segment_ids=None, delta=None, **changes):
-    """(o, (dq, dk, dv, dlog_fgate)) of the Mosaic kernels with ``changes`` to the head dim's ``MosaicConfig``."""
-    d, tq, tk = q.shape[-1], q.shape[1], k.shape[1]
-    cfg = dataclasses.replace(fpallas.resolve_config(d, tq, tk),
-                              mosaic=dataclasses.replace(default_mosaic_config(d), **changes))
-    return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
-        q_, k_, v_, decay_cumsum(lf_, seq_start), seq_start, segment_ids, delta, scale=d ** -0.5,
-        implementation="mosaic", config=cfg), q, k, v, lf, w)
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("q_scale", [1.0, 8.0], ids=["frame", "large-logits-running-max"])
 def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
@@ -340,11 +308,19 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
     q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=13)
     q = (q.astype(jnp.float32) * q_scale).astype(jnp.bfloat16)
     ss = jnp.asarray([300], jnp.int32)
+    base = fpallas.resolve_config(d, t, t)
     # the path each case is meant to take: frames where 2U (+ no rise: forget gates) fits STATIC_FRAME_RANGE
     norm = lambda x: float(jnp.max(jnp.linalg.norm(x.astype(jnp.float32), axis=-1)))  # noqa: E731
     u = norm(q) * norm(k) * d ** -0.5 * mgpu.LOG2E + 1.0
     assert (2 * u <= mgpu.STATIC_FRAME_RANGE) == (q_scale == 1.0), u
-    (o, grads), (o_rm, grads_rm) = (_mosaic_value_and_grads(q, k, v, lf, w, ss, static_frame=s) for s in (True, False))
+
+    def run(static):
+        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(d), static_frame=static))
+        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+            q_, k_, v_, decay_cumsum(lf_, ss), ss, None, None, scale=d ** -0.5, implementation="mosaic",
+            config=cfg), q, k, v, lf, w)
+
+    (o, grads), (o_rm, grads_rm) = run(True), run(False)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     o_ref, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss),
                                         f32(q), f32(k), f32(v), lf, w)
@@ -353,36 +329,6 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
     _assert_close("o", o, o_ref, tol_o)
     for name, g, g_rm, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_rm, grads_ref):
         _assert_close(name + " vs running max", g, g_rm, tol_g)
-        _assert_close(name, g, gr, tol_g)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold", [
-    pytest.param(1, 2048, 4, 4, 64, None, None, None, id="T2048-D64"),
-    pytest.param(2, 1500, 4, 2, 128, (0, 333), (500, 1200), None, id="T1500-D128-gqa-seqstart-docs-pingpong"),
-    pytest.param(1, 4096, 4, 2, 64, None, None, "auto", id="T4096-D64-gqa-acp"),
-])
-def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold):
-    """``MosaicConfig.bwd_fused_dq`` (dQ and dΛ_q added by the dK/dV kernel with TMA reduce-add stores) against the
-    dQ kernel and the float32 oracle: the same gradients up to float32 summation order and the rounding of dQ
-    (dK, dV and the key side of dΛ come from the same kernel either way). With ACP the two forms visit their own
-    kernels' tiles
-    (both within the bound): compared with the oracle and each other at the same tolerance."""
-    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
-        pytest.skip("needs a Hopper GPU")
-    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d)
-    ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
-    seg = None if segments is None else _segments(b, t, segments)
-    delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
-    (o, grads), (o_k, grads_k) = (_mosaic_value_and_grads(q, k, v, lf, w, ss, seg, delta, bwd_fused_dq=f)
-                                  for f in (True, False))
-    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    _, grads_ref = _value_and_grads(lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg),
-                                    f32(q), f32(k), f32(v), lf, w)
-    tol_g = _TOL[jnp.bfloat16][1]
-    np.testing.assert_array_equal(np.asarray(f32(o)), np.asarray(f32(o_k)))  # the same forward
-    for name, g, g_k, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_k, grads_ref):
-        _assert_close(name + " vs the dQ kernel", g, g_k, tol_g)
         _assert_close(name, g, gr, tol_g)
 
 

@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     p.add_argument("--shape", default="1x16384x24x64", help="BxTxHxD (default: the 760M layer)")
     p.add_argument("--config", default="", metavar="KEY=VALUE,...",
                    help="MosaicConfig fields over the head dim's default, e.g. bwd_block_k=128,bwd_stages=3 "
-                   "(flags as 0 / 1: bwd_fused_dq=1)")
+                   "(flags as 0 / 1: bwd_pingpong=1)")
     p.add_argument("--keep", help="dump folder to keep (default: a temporary one)")
     args = p.parse_args(argv)
     try:
@@ -104,26 +104,23 @@ def main(argv=None) -> int:
         overrides[key] = int(value)
     dump = args.keep or tempfile.mkdtemp(prefix="mosaic_dump_")
     os.makedirs(dump, exist_ok=True)
-    for old in glob.glob(os.path.join(dump, "entry_*")) + glob.glob(os.path.join(dump, "new_body_*")):
+    for old in glob.glob(os.path.join(dump, "entry_*")):
         os.remove(old)
     try:
         secs = compile_kernels(shape, overrides, dump)
     except (TypeError, ValueError) as e:  # an unknown MosaicConfig field or a value it refuses
         p.error(f"--config {args.config!r}: {e}")
-    # plgpu.kernel names its kernels entry_<n>, pl.kernel (the fused-dQ dK/dV kernel) new_body_<n>
-    reports = sorted(glob.glob(os.path.join(dump, "entry_*.ptxas")) + glob.glob(os.path.join(dump, "new_body_*.ptxas")),
-                     key=lambda f: int(re.findall(r"\d+", f)[-1]))
-    names = ("forward", "dkv") if overrides.get("bwd_fused_dq") else KERNELS
+    reports = sorted(glob.glob(os.path.join(dump, "entry_*.ptxas")), key=lambda f: int(re.findall(r"\d+", f)[-1]))
     print(f"Mosaic kernels at B{shape[0]} T{shape[1]} H{shape[2]} D{shape[3]}"
           f"{' with ' + args.config if args.config else ''}: compiled in {secs:.1f} s, no device ({dump})")
-    for name, report in zip(names, reports):
+    for name, report in zip(KERNELS, reports):
         info = parse_ptxas(open(report).read())
         info.update(parse_ptx(open(report[:-len("ptxas")] + "ptx").read()))
         print(f"  {name:8s} {info['registers']} registers at launch, compute warpgroups {info['maxnreg_compute']}, "
               f"memory warpgroup {info['maxnreg_memory']}; spills {info['spill_stores']} B stored / "
               f"{info['spill_loads']} B loaded, stack {info['stack']} B; {info['wgmma']} wgmma")
-    if len(reports) != len(names):
-        print(f"  expected {len(names)} kernels, found {len(reports)} reports")
+    if len(reports) != len(KERNELS):
+        print(f"  expected {len(KERNELS)} kernels, found {len(reports)} reports")
         return 1
     return 0
 
