@@ -248,7 +248,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             (k_free, v_free), schedule = scoped
         bi = lax.axis_index("batch")
         head = lax.axis_index("heads")
-        ti = lax.axis_index("q_tiles")
+        ti = _longest_first("q_tiles", n_tiles)
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
@@ -591,6 +591,15 @@ def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=No
     return lax.fori_loop(phases[-1][1], n_tile, release, carry)
 
 
+def _longest_first(axis_name: str, n: int):
+    """The query tile a CTA runs, longest causal rows first. Pallas hands the grid's last axis to CUDA's x (the
+    fastest), so with ``grid=(heads, q_tiles, batch)`` a head's query tiles start in axis order; counted from the
+    end, each head's longest tiles start first and the grid ends on short ones instead of a tail of long ones
+    (load balance, as FlashAttention-3 and our Triton kernels order them; dK/dV's key tile 0 is already its
+    longest). Data-independent: only the order of the CTAs changes."""
+    return n - 1 - lax.axis_index(axis_name)
+
+
 def _turns(schedule):
     """``take_turn()`` on the compute warpgroups' schedule barrier (two arrivals): both warpgroups arrive, then
     both go on. A step takes two turns — after issuing its score matmuls, and after its element-wise work, before
@@ -661,6 +670,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
     always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    n_tiles = tq // (2 * bq)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
         if segments:
@@ -670,7 +680,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             dq_ref, dlq_ref, scoped = rest
         (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
-        bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("q_tiles")
+        bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), _longest_first("q_tiles", n_tiles)
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
@@ -789,7 +799,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
-        grid=(h, tq // (2 * bq), b), grid_names=("heads", "q_tiles", "batch"),
+        grid=(h, n_tiles, b), grid_names=("heads", "q_tiles", "batch"),
         num_threads=3, thread_name="wg", compiler_params=_params(),
     )(*args)
 
