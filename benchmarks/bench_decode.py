@@ -81,6 +81,7 @@ import fox_jax.models  # noqa: F401  (registers the model families with fox_jax.
 from fox_jax.cache.policies import RING_BLOCK, parse_policy
 from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset
 from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots
+from fox_jax.decoding.generation import STEPS_PER_CHECK
 
 GiB = 2 ** 30
 SLOT_MULTIPLE = RING_BLOCK
@@ -229,7 +230,8 @@ class Bench:
         self.need: dict[tuple, dict] = {}          # (policy, T) -> {"slots": spec, ...calibration}
 
     def generate(self, prompts, n: int, policy: str, slots, steps: int | None = None):
-        return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots, steps=steps)
+        return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots, steps=steps,
+                        steps_per_check=self.args.steps_per_check)
 
     def context(self, t: int) -> int:
         return t + self.args.new_tokens - 1        # tokens fed: the prompt and all but the last sample
@@ -285,6 +287,7 @@ class Bench:
         final = live[-1].mean()
         return dict(
             policy=parse_policy(policy).spec, provable=out.provable, prompt_len=t, new_tokens=n, batch=batch,
+            steps_per_check=self.args.steps_per_check,
             slots=mean_slots, capacity=float(np.mean([g.slots for c in out.caches for g in c.groups for _ in g.heads])),
             slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
             tokens_per_sec=batch * n / seconds if seconds else None, decode_tokens_per_sec=decode,
@@ -386,7 +389,8 @@ def issue_row(r: dict, model: str, weight_bytes: int, bandwidth_tb_s: float, dev
     live = r.get("kv_live_bytes_mean") or r.get("kv_live_bytes") or 0
     bound_s = (weight_bytes + live) / (bandwidth_tb_s * 1e12)
     return dict(model=model, mode=r["mode"], policy=r["policy"], provable=r.get("provable"), batch=b,
-                prompt=r["prompt_len"], new_tokens=n, tokens_per_s=r.get("tokens_per_sec"),
+                prompt=r["prompt_len"], new_tokens=n, steps_per_check=r.get("steps_per_check"),
+                tokens_per_s=r.get("tokens_per_sec"),
                 decode_tokens_per_s=r.get("decode_tokens_per_sec"),
                 ms_per_step=None if step_s is None else step_s * 1e3,
                 bound_tokens_per_s=b / bound_s, bound_ms_per_step=bound_s * 1e3,
@@ -513,7 +517,7 @@ def meta(args, model, info) -> dict:
                 config=model.cfg.to_dict(), policies=args.policies, prompt_lengths=args.prompt_lengths,
                 new_tokens=args.new_tokens, equal_batch=args.equal_batch, kv_budget_gib=args.kv_budget,
                 max_batch=args.max_batch, calib_batch=args.calib_batch, safety=args.safety, slots=args.slots, pool=args.pool,
-                slot_multiple=args.slot_multiple,
+                slot_multiple=args.slot_multiple, steps_per_check=args.steps_per_check,
                 repeats=args.repeats, prefill=args.prefill, prompt_text=args.prompt_text, beta=args.beta,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
@@ -561,6 +565,9 @@ def parse_args(argv=None):
                    help="time the prefill (generate with max_new_tokens=1) in every mode (default), only in "
                         "--kv-budget mode, or never")
     p.add_argument("--no-prefill", dest="prefill", action="store_const", const="none", help="= --prefill none")
+    p.add_argument("--steps-per-check", type=int, default=STEPS_PER_CHECK, metavar="K",
+                   help=f"decode steps between two checks for the loop's end (generate's steps_per_check; default "
+                        f"{STEPS_PER_CHECK}; 1: a check every step)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--out", default="bench_decode.json", help="the full result (meta + every measured field)")
     p.add_argument("--rows-out", help="also merge the rows, in the issue's keys, into this JSON list (e.g. "
@@ -585,6 +592,8 @@ def parse_args(argv=None):
         args.equal_batch = 8
     if args.bandwidth is not None and not args.bandwidth > 0:
         raise SystemExit(f"--bandwidth: expected TB/s > 0, got {args.bandwidth}")
+    if args.steps_per_check < 1:
+        raise SystemExit(f"--steps-per-check: expected an int ≥ 1, got {args.steps_per_check}")
     for spec in args.policies:
         parse_policy(spec)  # a bad spec fails here, before any compile
     if args.rows_out:

@@ -56,7 +56,8 @@ def _hlo_text(model, params, tokens, policy, slots, new_tokens: int) -> str:
     padded, caches, chunk = gen._fresh_caches(model, tokens, policy, slots, None, 512,
                                               tokens.shape[1] + new_tokens - 1)
     lowered = gen._generate.lower(model, params, padded, caches, jax.random.PRNGKey(0), chunk, new_tokens,
-                                  0.0, None, None, (), gen.cast_plan(model, params, caches), jnp.int32(new_tokens))
+                                  0.0, None, None, (), gen.cast_plan(model, params, caches), gen.STEPS_PER_CHECK,
+                                  jnp.int32(new_tokens))
     return lowered.compile().as_text()
 
 

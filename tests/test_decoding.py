@@ -1420,9 +1420,10 @@ def test_gpt2_local_pattern_decodes_as_window():
 
 @functools.lru_cache(maxsize=None)
 def greedy(arch, fgate_bias=None, n=7):
-    """Greedy generation of 7 tokens from the 6-token left-padded prompt (shared: one compile)."""
+    """Greedy generation of 7 tokens from the 6-token left-padded prompt (shared: one compile), in blocks of 3
+    decode steps (``steps_per_check``: the 6 steps after the first sample are two blocks)."""
     model, params = tiny_lm(arch, fgate_bias=fgate_bias)
-    return generate(model, params, padded_batch(6), max_new_tokens=n, seq_start=PADS)
+    return generate(model, params, padded_batch(6), max_new_tokens=n, seq_start=PADS, steps_per_check=3)
 
 
 @pytest.mark.parametrize("arch", ["fox-pro", "transformer-llama"])
@@ -1435,12 +1436,13 @@ def test_generate_greedy(arch):
     np.testing.assert_array_equal(out.live_counts[:, 0, :], 6 - PADS[None] + np.arange(n)[:, None])
     np.testing.assert_array_equal(out.lengths, [n] * 3)
     assert int(out.overflow.max()) == 0 and [int(c.length) for c in out.caches] == [6 + n - 1] * len(out.caches)
-    # steps = k: the same compiled program stops after k samples (the first k tokens, then −1)
-    part = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, steps=3)
-    np.testing.assert_array_equal(part.tokens[:, :3], out.tokens[:, :3])
-    assert np.all(np.asarray(part.tokens[:, 3:]) == -1)
-    assert [int(c.length) for c in part.caches] == [6 + 3 - 1] * len(part.caches)  # the loop's one counter, set back
-    np.testing.assert_array_equal(part.lengths, [3] * 3)
+    # steps = k: the same compiled program stops after k samples (the first k tokens, then −1); k = 5 is one
+    # block of 3 steps and one step alone
+    part = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, steps=5, steps_per_check=3)
+    np.testing.assert_array_equal(part.tokens[:, :5], out.tokens[:, :5])
+    assert np.all(np.asarray(part.tokens[:, 5:]) == -1)
+    assert [int(c.length) for c in part.caches] == [6 + 5 - 1] * len(part.caches)  # the loop's one counter, set back
+    np.testing.assert_array_equal(part.lengths, [5] * 3)
 
 
 @pytest.mark.slow
@@ -1513,6 +1515,12 @@ def test_generate_stop_tokens():
     assert int(out.caches[0].length) == 6 + last - 1
     np.testing.assert_array_equal(out.live_counts[last:], np.broadcast_to(out.live_counts[last - 1],
                                                                          out.live_counts[last:].shape))
+    # in blocks of 3 steps the end is checked at samples 4 and 7: the same tokens, and the caches were fed on,
+    # masked, to the end of the block in which the last row stopped
+    blocks = generate(model, params, prompt, max_new_tokens=n, seq_start=PADS, stop_tokens=stops, steps_per_check=3)
+    np.testing.assert_array_equal(blocks.tokens, tokens)
+    np.testing.assert_array_equal(blocks.lengths, lengths)
+    assert int(blocks.caches[0].length) == 6 + (4 if last <= 4 else 7) - 1
 
 
 @pytest.mark.slow
@@ -1533,6 +1541,9 @@ def test_generate_and_input_errors():
     for bad in (0, 5, 2.0):
         with pytest.raises(ValueError, match="steps must be"):
             generate(model, params, tokens, max_new_tokens=4, steps=bad)
+    for bad in (0, 2.0):
+        with pytest.raises(ValueError, match="steps_per_check must be"):
+            generate(model, params, tokens, max_new_tokens=4, steps_per_check=bad)
     with pytest.raises(ValueError, match="too small"):
         prefill(model, params, tokens, slots=5)
     with pytest.raises(ValueError, match="too small"):

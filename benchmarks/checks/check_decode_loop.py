@@ -74,7 +74,7 @@ def main(argv=None) -> int:
     policy, context = parse_policy(args.policy), args.prompt + args.new_tokens - 1
     padded, caches, chunk = gen._fresh_caches(model, tokens, policy, min_slots(policy, context), None, 512, context)
     hlo = gen._generate.lower(model, params, padded, caches, jax.random.PRNGKey(0), chunk, args.new_tokens, 0.0,
-                              None, None, (), gen.cast_plan(model, params, caches),
+                              None, None, (), gen.cast_plan(model, params, caches), gen.STEPS_PER_CHECK,
                               jnp.int32(args.new_tokens)).compile().as_text()
     found = loop_ops(hlo, cfg.d_model)
     print(f"{jax.devices()[0].device_kind}: {len(found)} weight-sized concatenate/convert in loop bodies "

@@ -185,7 +185,8 @@ def compile_generate(model_spec: str, policy: str, batch: int, prompt: int, new_
                                                   slots or min_slots(pol, context), None, 512, context)
     scalar, key = abstract(jax.ShapeDtypeStruct((), jnp.int32)), abstract(jax.ShapeDtypeStruct((2,), jnp.uint32))
     lowered = gen._generate.lower(model, params, abstract(padded), abstract(caches), key, chunk, new_tokens, 0.0,
-                                  None, None, (), gen.cast_plan(model, params, caches), scalar)
+                                  None, None, (), gen.cast_plan(model, params, caches), gen.STEPS_PER_CHECK,
+                                  scalar)
     return lowered.compile().as_text()
 
 

@@ -9,8 +9,9 @@ alone (a prefill chunk skips the head over the rest). This module never asks whi
 
 ``generate`` is one jitted program: the prompt is prefilled in chunks of ``prefill_chunk`` tokens
 (``lax.scan``; left-padded to a multiple of the chunk), then a ``lax.while_loop`` samples up to
-``max_new_tokens`` tokens per row and stops early once every row has produced a stop token. No host
-synchronisation happens inside; the KV memory is the pool of ``slots`` per row and layer, allocated once.
+``max_new_tokens`` tokens per row in blocks of ``steps_per_check`` steps and stops early, at the end of a
+block, once every row has produced a stop token. No host synchronisation happens inside a block; the KV
+memory is the pool of ``slots`` per row and layer, allocated once.
 
 Prompts are **left-padded**: ``seq_start[b]`` pads precede row b's first real token, which gets position 0.
 
@@ -41,6 +42,9 @@ from fox_jax.models.lm import head_table
 from fox_jax.nn.attention import gate_tables
 from fox_jax.ops._common import check_seq_start
 from fox_jax.sharding import place_for_decoding, under_mesh
+
+
+STEPS_PER_CHECK = 8  # decode steps between two checks for the loop's end (``generate``'s default)
 
 
 class Generation(NamedTuple):
@@ -381,9 +385,9 @@ def _scan_chunks(model, params, tokens, caches, chunk: int, targets=None):
     return caches, last, nll
 
 
-@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 12)))
+@functools.partial(jax.jit, static_argnums=(0,) + tuple(range(5, 13)))
 def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, temperature, top_k, top_p, stop_tokens,
-              plan, steps):
+              plan, steps_per_check, steps):
     b = tokens.shape[0]
     variables = decode_variables(params, plan)  # the converts and layouts every step would do, done once
     params = variables["params"]
@@ -394,10 +398,7 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
     out = jnp.full((b, max_new_tokens), -1, jnp.int32).at[:, 0].set(first)
     lives = jnp.zeros((max_new_tokens, len(caches), b), jnp.float32).at[0].set(live_counts(caches))
     done = jnp.isin(first, stops)
-
-    def cond(state):
-        i, _, _, done, _, _ = state
-        return (i < jnp.minimum(steps, max_new_tokens)) & ~jnp.all(done)
+    limit = jnp.minimum(steps, max_new_tokens)
 
     def body(state):
         i, caches, tok, done, out, lives = state
@@ -412,8 +413,14 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
         new = tuple(c.replace(length=old.length) for c, old in zip(step.cache, caches))
         return i + 1, new, jnp.where(done, tok, nxt), done | jnp.isin(nxt, stops), out, lives
 
+    # Blocks of K steps with a fixed trip count: a data-dependent loop condition is a device -> host copy and a
+    # wait before every iteration on GPU, so it is checked once per block; the < K steps left run one by one.
+    k = steps_per_check
     state = (jnp.ones((), jnp.int32), caches, first, done, out, lives)
-    i, caches, _, _, out, lives = lax.while_loop(cond, body, state)
+    if k > 1 and max_new_tokens > k:
+        state = lax.while_loop(lambda s: (s[0] + k <= limit) & ~jnp.all(s[3]),
+                               lambda s: lax.fori_loop(0, k, lambda _, s: body(s), s), state)
+    i, caches, _, _, out, lives = lax.while_loop(lambda s: (s[0] < limit) & ~jnp.all(s[3]), body, state)
     caches = tuple(c.replace(length=c.length + (i - 1)) for c in caches)
     lives = jnp.where(jnp.arange(max_new_tokens)[:, None, None] < i, lives, lives[i - 1])
     lengths = jnp.sum(out >= 0, axis=1, dtype=jnp.int32)
@@ -424,7 +431,8 @@ def _generate(model, params, tokens, caches, rng, chunk, max_new_tokens, tempera
 def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense", slots=None, seq_start=None,
              temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None, stop_tokens=(),
              rng: jax.Array | None = None, prefill_chunk: int = 512, mesh=None,
-             max_context: int | None = None, steps: int | None = None) -> Generation:
+             max_context: int | None = None, steps: int | None = None,
+             steps_per_check: int = STEPS_PER_CHECK) -> Generation:
     """Autoregressive generation under a cache policy, prefill and decode loop in one jitted program.
 
     Token i is sampled with key ``fold_in(rng, i)``, so the result does not depend on the prefill chunking.
@@ -453,6 +461,11 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
       steps: sample at most this many of the N tokens (1 ≤ steps ≤ N; default N), the rest of ``tokens`` −1. A
         runtime value: every ``steps`` runs the same compiled program, so e.g. the prefill alone (``steps=1``)
         is timed with the decode loop's program, not a second compile (``benchmarks/bench_decode.py``).
+      steps_per_check: K ≥ 1, decode steps per check for the end (every row stopped, or ``steps`` reached): the
+        loop runs blocks of K steps with a fixed trip count, then the < K steps left one by one. On GPU each
+        check is a device → host copy and a wait, so K > 1 lets the host queue the next steps' kernels while
+        the device runs; the tokens do not depend on K, but after every row stopped the caches may be fed up to
+        K − 1 more (masked) steps (``caches[i].length`` says how many).
 
     Returns:
       ``Generation(tokens, lengths, live_counts, overflow, caches)``.
@@ -471,6 +484,8 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
     context = t + max_new_tokens - 1          # tokens ever fed: the prompt and all but the last sample
     if max_context is not None and (not isinstance(max_context, int) or max_context < 1):
         raise ValueError(f"max_context must be None or a positive int, got {max_context!r}")
+    if not isinstance(steps_per_check, int) or steps_per_check < 1:
+        raise ValueError(f"steps_per_check must be a positive int, got {steps_per_check!r}")
     if steps is not None and (not isinstance(steps, int) or not 1 <= steps <= max_new_tokens):
         raise ValueError(f"steps must be None or an int in [1, max_new_tokens={max_new_tokens}], got {steps!r}")
     tokens, caches, chunk = _fresh_caches(model, tokens, policy, slots, seq_start, prefill_chunk, context,
@@ -481,7 +496,7 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
         params, tokens, caches = place_for_decoding(mesh, params, tokens, caches)
         run = under_mesh(mesh, _generate)
     return run(model, params, tokens, caches, rng, chunk, max_new_tokens, *sampling, stop_tokens, plan,
-               jnp.asarray(max_new_tokens if steps is None else steps, jnp.int32))
+               steps_per_check, jnp.asarray(max_new_tokens if steps is None else steps, jnp.int32))
 
 
 def _check_decoding(cfg, max_new_tokens, prefill_chunk, temperature, top_k, top_p, stop_tokens, rng):
