@@ -1,5 +1,6 @@
 """The model-family interface: both configs implement ``ModelFamily`` and both models return ``ModelOutput``."""
 
+import collections
 import dataclasses
 import json
 
@@ -221,6 +222,42 @@ def test_scanned_layers_equal_the_unrolled_loop(case):
         assert set(st_s["intermediates"]) == set(cfg.layer_names) == set(st_s["gates"])
     with pytest.raises(ValueError, match="scan_layers must be a bool"):
         cfg.replace(scan_layers="yes")
+
+
+def test_scan_stacks_the_matrices_in_the_compute_dtype(monkeypatch):
+    """A bf16 model's float32 matrices, which every block only multiplies in bf16, enter the scan already cast
+    (the stack and its gradient move half the bytes), while what a block uses in float32 (norm scales, the forget
+    gate) stays float32; and the loss, logits and float32 gradients equal, bit for bit, those of the scan that
+    stacks everything in float32 and casts inside the body (the hoisting switched off)."""
+    import fox_jax.models.family as family
+
+    cfg = lm_cfg(dtype="bfloat16", remat="dots")
+    params, tokens = init(cfg), jax.random.randint(jax.random.PRNGKey(1), (2, 13), 0, VOCAB)
+    model = cfg.build()
+
+    def loss(p):
+        logits = model.apply({"params": p}, tokens).logits
+        return jnp.mean(logits.astype(jnp.float32) ** 2), logits
+
+    fresh = lambda: lambda p: loss(p)  # noqa: E731  (a new function each time: no trace or compile cache hit)
+
+    def scanned():  # (dtype, ndim) of the scan's per-layer inputs: the stacked parameters
+        (scan,) = [e for e in jax.make_jaxpr(fresh())(params).jaxpr.eqns if e.primitive.name == "scan"]
+        xs = scan.invars[scan.params["num_consts"] + scan.params["num_carry"]:]
+        return collections.Counter((v.aval.dtype.name, v.aval.ndim) for v in xs)
+
+    layer = params[cfg.layer_names[0]]
+    matrices = sum(1 for a in jax.tree_util.tree_leaves(layer) if a.ndim == 2 and min(a.shape) >= cfg.d_model // 2)
+    hoisted_inputs = scanned()
+    assert hoisted_inputs[("bfloat16", 3)] == matrices == 7, hoisted_inputs  # q, k, v, o, output gate, gate/up, down
+    assert hoisted_inputs[("float32", 2)] > 0 and hoisted_inputs[("bfloat16", 2)] == 0, hoisted_inputs  # vectors
+    hoisted = jax.jit(jax.value_and_grad(fresh(), has_aux=True))(params)
+
+    monkeypatch.setattr(family, "_block_casts", lambda block, p, x, args: jax.tree_util.tree_map(lambda _: None, p))
+    assert scanned()[("bfloat16", 3)] == 0  # switched off: every parameter stacked in float32
+    inside = jax.jit(jax.value_and_grad(fresh(), has_aux=True))(params)
+    for x, y in zip(jax.tree_util.tree_leaves(hoisted), jax.tree_util.tree_leaves(inside), strict=True):
+        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("scan", [False, True])

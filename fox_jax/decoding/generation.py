@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
+from fox_jax.models.family import cast_targets
 from fox_jax.models.lm import head_table
 from fox_jax.nn.attention import gate_tables
 from fox_jax.ops._common import check_seq_start
@@ -184,20 +185,7 @@ def _cast_plan(model, treedef, leaves, c_def, c_leaves) -> tuple:
     tokens = jax.ShapeDtypeStruct((caches[0].seq_start.shape[0], 1), jnp.int32)
     jaxpr = jax.make_jaxpr(lambda p, c, tok: model.apply({"params": p}, tok, cache=c).logits)(
         jax.tree.unflatten(treedef, leaves), caches, tokens).jaxpr
-    invars = jaxpr.invars[:len(leaves)]
-    uses = {id(v): [] for v in invars}
-    for eqn in jaxpr.eqns:
-        for x in eqn.invars:
-            if id(x) in uses:
-                uses[id(x)].append(eqn)
-    returned = {id(v) for v in jaxpr.outvars}
-    plan = []
-    for v in invars:
-        eqns = uses[id(v)]
-        to = {jnp.dtype(e.params["new_dtype"]).name for e in eqns if e.primitive.name == "convert_element_type"}
-        only_casts = bool(eqns) and len(to) == 1 and all(e.primitive.name == "convert_element_type" for e in eqns)
-        plan.append(to.pop() if only_casts and id(v) not in returned else None)
-    return tuple(plan)
+    return cast_targets(jaxpr, len(leaves))
 
 
 def precast(params, plan: tuple):

@@ -279,6 +279,44 @@ def scan_applies(cfg, module: nn.Module, cache) -> bool:
     return not (stack and stack[-1])
 
 
+def cast_targets(jaxpr, n: int) -> tuple:
+    """For each of the first ``n`` inputs of ``jaxpr`` (a ``jax.core.Jaxpr``): the dtype name that every use of it
+    converts it to, or None (used otherwise, returned, or unused). Casting those inputs before the program
+    changes no value: its own convert becomes the identity (and under autodiff the cotangent is the same
+    array, cast back by the earlier convert's transpose)."""
+    invars = jaxpr.invars[:n]
+    uses = {id(v): [] for v in invars}
+    for eqn in jaxpr.eqns:
+        for x in eqn.invars:
+            if id(x) in uses:
+                uses[id(x)].append(eqn)
+    returned = {id(v) for v in jaxpr.outvars}
+    plan = []
+    for v in invars:
+        eqns = uses[id(v)]
+        to = {jnp.dtype(e.params["new_dtype"]).name for e in eqns if e.primitive.name == "convert_element_type"}
+        only_casts = bool(eqns) and len(to) == 1 and all(e.primitive.name == "convert_element_type" for e in eqns)
+        plan.append(to.pop() if only_casts and id(v) not in returned else None)
+    return tuple(plan)
+
+
+def _block_casts(block: nn.Module, p: Any, x: jax.Array, args: tuple) -> Any:
+    """``p``'s tree with, per leaf, the dtype the block only ever casts it to (or None), read from the jaxpr of
+    one block call (abstract: nothing runs)."""
+    leaves, treedef = jax.tree_util.tree_flatten(p)
+    arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
+
+    def call(leaves, h, *arr):
+        full = list(args)
+        for i, a in zip(arrays, arr):
+            full[i] = a
+        return block.apply({"params": jax.tree_util.tree_unflatten(treedef, leaves)}, h, *full).x
+
+    spec = lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))  # noqa: E731
+    jaxpr = jax.make_jaxpr(call)([spec(a) for a in leaves], spec(x), *(spec(args[i]) for i in arrays)).jaxpr
+    return jax.tree_util.tree_unflatten(treedef, list(cast_targets(jaxpr, len(leaves))))
+
+
 def scan_blocks(parent: nn.Module, block: nn.Module, names: tuple[str, ...], x: jax.Array, args: tuple,
                 remat: str) -> tuple[jax.Array, Any]:
     """Apply the blocks ``parent.variables["params"][name]`` for ``name`` in ``names`` in order, as one
@@ -287,8 +325,11 @@ def scan_blocks(parent: nn.Module, block: nn.Module, names: tuple[str, ...], x: 
 
     The parameters keep their per-layer layout (``layers_{i}`` / ``h_{i}``: checkpoints, sharding rules,
     DCP and the Hugging Face converters are unchanged); the stack is made inside the traced step and its
-    gradient is sliced back per layer. What the blocks sow into a mutable ``intermediates`` or ``gates``
-    collection lands under each layer's name, as the unrolled loop's would.
+    gradient is sliced back per layer. A parameter the block only ever casts (a float32 matrix that a bf16
+    block multiplies in bf16) is cast before it is stacked: the stack, the scan's slices and the stacked
+    gradient then move half the bytes, and no value changes (``cast_targets``). What the blocks sow into a
+    mutable ``intermediates`` or ``gates`` collection lands under each layer's name, as the unrolled loop's
+    would.
 
     Args:
       parent: the model module being applied (``scan_applies`` says when).
@@ -301,7 +342,10 @@ def scan_blocks(parent: nn.Module, block: nn.Module, names: tuple[str, ...], x: 
       (x after the last block, the blocks' ``log_mask`` stacked [L, ...] or None).
     """
     params = parent.variables["params"]
-    stacked = jax.tree_util.tree_map(lambda *p: jnp.stack(p), *(params[n] for n in names))
+    casts = _block_casts(block, params[names[0]], x, args)
+    cast = lambda a, to: a if to is None else a.astype(to)  # noqa: E731
+    stacked = jax.tree_util.tree_map(lambda to, *p: jnp.stack([cast(a, to) for a in p]), casts,
+                                     *(params[n] for n in names), is_leaf=lambda c: c is None)
     sown = [c for c in _SOWN if parent.is_mutable_collection(c)]
 
     def body(h, p):
