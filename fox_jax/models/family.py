@@ -302,8 +302,11 @@ def cast_targets(jaxpr, n: int) -> tuple:
 
 def _block_casts(block: nn.Module, p: Any, x: jax.Array, args: tuple) -> Any:
     """``p``'s tree with, per leaf, the dtype the block only ever casts it to (or None), read from the jaxpr of
-    one block call (abstract: nothing runs)."""
+    one block call (abstract: nothing runs; not traced when every leaf is already in the compute dtype
+    ``block.cfg.dtype``, as in a float32 model)."""
     leaves, treedef = jax.tree_util.tree_flatten(p)
+    if all(jnp.result_type(a) == jnp.dtype(block.cfg.dtype) for a in leaves):
+        return jax.tree_util.tree_unflatten(treedef, [None] * len(leaves))
     arrays = [i for i, a in enumerate(args) if isinstance(a, jax.Array)]
 
     def call(leaves, h, *arr):
