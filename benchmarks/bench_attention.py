@@ -70,6 +70,19 @@ IMPLS = ["cudnn", "xla-dense", "xla-blockwise", "pallas", "pallas-acp", "fla"]  
 TORCH_IMPLS = ("fla", "fox-triton", "fox-triton-acp", "torch-cudnn")  # timed with triton.testing.do_bench
 # grid-order variants (KernelConfig.interleave_heads), for tuning runs
 VARIANTS = {"pallas-heads": ("pallas", True), "pallas-acp-blocks": ("pallas-acp", False)}
+# forgetting_attention's arguments per implementation name (the rest of the names are built in jax_fns)
+OP_KWARGS = {"dense": dict(implementation="dense"), "xla-dense": dict(implementation="dense"),
+             "xla-blockwise": dict(implementation="xla"), "pallas": dict(implementation="pallas"),
+             "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto"),
+             "mosaic": dict(implementation="mosaic"),
+             "mosaic-acp": dict(implementation="mosaic", adaptive_threshold="auto"),
+             "pallas-acp-trained": dict(implementation="pallas", adaptive_threshold="auto"),
+             # segment ids of one document per row (all ones), as the train step passes them: the price of
+             # the segment mask on tiles that need none
+             "pallas-seg": dict(implementation="pallas", one_document=True),
+             "mosaic-seg": dict(implementation="mosaic", one_document=True)}
+ALL_IMPLS = (["cudnn", *OP_KWARGS, "pallas-default", "pallas-prev", "mosaic-triton-bwd", "mosaic-nopp",
+              "mosaic-acp-nopp", *VARIANTS, *TORCH_IMPLS])
 # "pallas-default": the library's default tiles even when --sweep picked others (side-by-side check);
 # "pallas-prev": the previous (round 2) D=128 defaults, to compare against the current ones in one run
 PREV_D128 = KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(64, 64, 4, 2),
@@ -220,16 +233,7 @@ def jax_fns(impl, d, config=None):
             return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True, implementation="cudnn")
         argnums = (0, 1, 2)
     else:
-        kw = {"dense": dict(implementation="dense"), "xla-dense": dict(implementation="dense"),
-              "xla-blockwise": dict(implementation="xla"), "pallas": dict(implementation="pallas"),
-              "pallas-acp": dict(implementation="pallas", adaptive_threshold="auto"),
-              "mosaic": dict(implementation="mosaic"),
-              "mosaic-acp": dict(implementation="mosaic", adaptive_threshold="auto"),
-              "pallas-acp-trained": dict(implementation="pallas", adaptive_threshold="auto"),
-              # segment ids of one document per row (all ones), as the train step passes them: the price of
-              # the segment mask on tiles that need none
-              "pallas-seg": dict(implementation="pallas", one_document=True),
-              "mosaic-seg": dict(implementation="mosaic", one_document=True)}[impl]
+        kw = OP_KWARGS[impl]
         if impl.startswith(("pallas", "mosaic")) and config is not None and "one_document" not in kw:
             def f(q, k, v, lf, _kw=kw):
                 lam = decay_cumsum(lf)
@@ -892,6 +896,9 @@ def main(argv=None):
                     help="skip xla-dense fwd+bwd above this T (its logits do not fit)")
     args = ap.parse_args(argv)
     impls = [x for x in args.impls.split(",") if x]
+    unknown = [x for x in impls if x not in ALL_IMPLS]
+    if unknown:
+        ap.error(f"--impls: unknown {', '.join(unknown)}; expected names from {', '.join(ALL_IMPLS)}")
     if args.shapes:
         shapes = parse_shapes(args.shapes, "--shapes", ap.error)
     else:
