@@ -194,7 +194,7 @@ def test_gamma_code_normalisation_has_the_codes_gradient():
 def test_zeroshot_on_the_finetuned_run(full_run, capsys):
     eval_dir = SHARED / "eval"
     if not eval_dir.is_dir():
-        pytest.skip("../shared/data/eval is absent (set FOX_JAX_SHARED_DATA)")
+        pytest.skip(f"{eval_dir} is absent (set FOX_JAX_SHARED_DATA)")
     for extra, name in (([], "zeroshot.json"), (["--dcp"], "zeroshot_dcp.json")):
         assert cli.main(["zeroshot", "--workdir", str(full_run), "--tasks", "piqa", "--limit", "2",
                          "--eval-dir", str(eval_dir), "--no-progress", *extra]) == 0
@@ -417,7 +417,7 @@ def test_from_run_cli_errors(fox_run, tmp_path, capsys):
 def test_zeroshot_on_a_from_run_model(lm_full_run):
     eval_dir = SHARED / "eval"
     if not eval_dir.is_dir():
-        pytest.skip("../shared/data/eval is absent (set FOX_JAX_SHARED_DATA)")
+        pytest.skip(f"{eval_dir} is absent (set FOX_JAX_SHARED_DATA)")
     for extra, name in (([], "zeroshot.json"), (["--dcp"], "zeroshot_dcp.json")):
         assert cli.main(["zeroshot", "--workdir", str(lm_full_run), "--tasks", "copa", "--limit", "2",
                          "--eval-dir", str(eval_dir), "--no-progress", "--batch-size", "4", *extra]) == 0

@@ -25,7 +25,7 @@ from fox_jax.train.tokenizers import ByteTokenizer, load_tokenizer  # noqa: E402
 SHARED = Path(os.environ.get("FOX_JAX_SHARED_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 EVAL_DIR = SHARED / "eval"
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
-needs_eval = pytest.mark.skipif(not EVAL_DIR.is_dir(), reason="../shared/data/eval is absent (set FOX_JAX_SHARED_DATA)")
+needs_eval = pytest.mark.skipif(not EVAL_DIR.is_dir(), reason=f"{EVAL_DIR} is absent (set FOX_JAX_SHARED_DATA)")
 MAX_LEN = 48
 # float32 sums of ≤ 49 log-probs of size ~5.5 (random init): the batched, right-padded and bucketed forward
 # differs from the unpadded one only by float32 rounding (~1e-6 relative per term).

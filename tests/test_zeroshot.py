@@ -18,7 +18,7 @@ EVAL_DIR = SHARED / "eval"
 GPT2_TOKENIZER = SHARED / "tokenizers" / "gpt2"
 TINY = dict(n_layer=2, n_embd=64, n_head=4, vocab_size=50257, n_positions=128)  # transformers' names
 
-needs_eval = pytest.mark.skipif(not EVAL_DIR.is_dir(), reason="../shared/data/eval is absent (set FOX_JAX_SHARED_DATA)")
+needs_eval = pytest.mark.skipif(not EVAL_DIR.is_dir(), reason=f"{EVAL_DIR} is absent (set FOX_JAX_SHARED_DATA)")
 needs_tokenizer = pytest.mark.skipif(not (GPT2_TOKENIZER / "vocab.json").is_file(),
                                      reason="GPT-2 tokenizer absent (set FOX_JAX_SHARED_DATA)")
 
