@@ -61,10 +61,11 @@ def trained_params(run_dir: str, model_cfg) -> dict:
 
 
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",
-              model_overrides=None, devices=None, params_from=None):
+              model_overrides=None, devices=None, params_from=None, xla_options=None):
     """One row: the train step of ``arch:size`` at ``seq_len`` timed on ``mesh_spec`` over all devices, or over
     ``devices`` (``fox_jax.sharding.make_mesh``), with ``batch_tokens`` tokens per step; from a fresh init, or
-    from the parameters of the run ``params_from`` (``trained_params``)."""
+    from the parameters of the run ``params_from`` (``trained_params``); ``xla_options``: XLA debug options for
+    this step's compile alone (``jax.jit(..., compiler_options=...)``)."""
     overrides = dict(dtype=dtype, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
     if remat is not None:  # None: the model's default (ModelConfig.remat)
         overrides["remat"] = remat
@@ -89,7 +90,8 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
           file=sys.stderr, flush=True)
     train_step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
     step = under_mesh(mesh, jax.jit(lambda s, b: train_step(s, b, {}), in_shardings=(shard, batch_sharding(mesh)),
-                                    out_shardings=(shard, None), donate_argnums=(0,)))
+                                    out_shardings=(shard, None), donate_argnums=(0,),
+                                    compiler_options=xla_options or None))
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.ones((batch, seq_len), np.int32),
@@ -141,6 +143,10 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--overrides", default="", metavar="KEY=VALUE,...",
                    help="ModelConfig overrides for every config, e.g. attention_impl=pallas,loss_impl=chunked")
+    p.add_argument("--xla-variants", nargs="+", default=["base"], metavar="NAME[:OPTION=VALUE,...]",
+                   help="each config once per variant, its step compiled with these XLA options (jit's "
+                        "compiler_options; same process, same init and data: the losses should match), e.g. "
+                        "base dus:xla_gpu_enable_dus_accumulator_zero_init_elimination=true")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
     p.add_argument("--params-from", default=None, metavar="RUN_DIR",
@@ -151,30 +157,41 @@ def main(argv=None):
             ["fox-pro:tiny:128", "transformer-pro:tiny:128"], 1024, 2, 1, "float32")
     acps = {"off": [False], "on": [True], "both": [False, True]}[args.acp]
     model_overrides = parse_variant(f"overrides:{args.overrides}")[1]
+    try:
+        variants = [parse_variant(v) for v in args.xla_variants]
+    except ValueError as e:
+        p.error(f"--xla-variants: {e}")
     rows = []
     for entry in args.configs:
         arch, size, seq = entry.split(":")
         for acp in acps:
             if acp and not arch.startswith("fox"):
                 continue
-            try:
-                row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
-                                args.remat, args.mesh, args.dtype, args.partitioner, model_overrides,
-                                params_from=args.params_from)
-                row["overrides"] = model_overrides
-            except Exception as e:  # OOM or unsupported: record and go on
-                row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp, error=f"{type(e).__name__}: {str(e)[:200]}")
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    print("\n| arch | size | ctx | ACP | batch | step ms | tokens/s | TFLOP/s/dev | MFU | pruned |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+            for variant, xla_options in variants:
+                try:
+                    row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
+                                    args.remat, args.mesh, args.dtype, args.partitioner, model_overrides,
+                                    params_from=args.params_from, xla_options=xla_options)
+                    row["overrides"] = model_overrides
+                except Exception as e:  # OOM or unsupported: record and go on
+                    row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp,
+                               error=f"{type(e).__name__}: {str(e)[:200]}")
+                if len(variants) > 1 or xla_options:
+                    row.update(xla_variant=variant, xla_options=xla_options)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    named = any("xla_variant" in r for r in rows)
+    print(f"\n| arch | size | ctx | ACP |{' XLA |' if named else ''} batch | step ms | tokens/s | TFLOP/s/dev | MFU | "
+          f"pruned |")
+    print("|---|---|---|---|" + ("---|" if named else "") + "---|---|---|---|---|---|")
     for r in rows:
+        xla = f" {r.get('xla_variant', '')} |" if named else ""
         if "error" in r:
-            print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {r['acp']} | – | {r['error'][:40]} | | | | |")
+            print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {r['acp']} |{xla} – | {r['error'][:40]} | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "–"
         pruned = f"{100 * r['acp_fraction_skipped']:.0f}%" if "acp_fraction_skipped" in r else ""
-        print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} | {r['batch']} | "
+        print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} |{xla} {r['batch']} | "
               f"{r['step_ms']:.1f} | {r['tokens_per_sec']:,.0f} | {r['tflops_per_device']:.1f} | {mfu} | {pruned} |")
     if args.out:
         meta = dict(device=jax.devices()[0].device_kind, n_devices=jax.device_count(), jax=jax.__version__,
