@@ -39,7 +39,7 @@ DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
   [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [gates]=240 [train]=540 [scaling]=560 [profile]=400
-  [decode]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560
+  [decode]=560 [decode-blocks]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560
   [tables]=30)
 
 # ------------------------------------------------------------------------------------------------- settings
@@ -180,6 +180,23 @@ stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 3
               --kv-budget "$DECODE_BUDGET" --out "$W/decode/decode_fox_${part#fox:}.json" --rows-out "$rows" || rc=$? ;;
       *) echo "unknown DECODE_PART '$part' (gpt2 | fox:<prompt length>)"; rc=2 ;;
     esac
+  done; return $rc; }
+stage_decode_blocks() {  # generate's decode blocks (steps_per_check K) against K = 1, equal batch, one process per
+  # (part, K): BLOCK_PARTS fox (FoX (Pro) 125M B8 8192 + 128, FOX_BLOCK_POLICIES) | gpt2 (B32 896 + 128, dense);
+  # BLOCK_KS (default "8 1"); rows in $OUT/decode_blocks_<part>_k<K>.json
+  local part k args rc=0
+  for part in ${BLOCK_PARTS:-fox gpt2}; do
+    case $part in
+      fox) args="--model fox-pro:125M --model-name fox-pro-125M --prompt-lengths 8192 --equal-batch 8
+                 --policies ${FOX_BLOCK_POLICIES:-dense,acp,window:256}" ;;
+      gpt2) args="--model gpt2 --model-name gpt2-124M --prompt-lengths 896 --equal-batch 32 --policies dense" ;;
+      *) echo "unknown BLOCK_PARTS entry '$part' (fox | gpt2)"; rc=2; continue ;;
+    esac
+    for k in ${BLOCK_KS:-8 1}; do
+      # shellcheck disable=SC2086
+      t python3 benchmarks/bench_decode.py $args --new-tokens 128 --steps-per-check "$k" \
+        --out "$W/decode-blocks/${part}_k$k.json" --rows-out "$OUT/decode_blocks_${part}_k$k.json" || rc=$?
+    done
   done; return $rc; }
 stage_decode_attention() {  # the decode attention op alone: xla / Pallas kernel / cuDNN, tiling sweep, GPU tests
   t python3 -m pytest tests/test_decode_attention.py -m "gpu or not gpu" -q -n 0 -p no:cacheprovider
