@@ -81,8 +81,11 @@ OP_KWARGS = {"dense": dict(implementation="dense"), "xla-dense": dict(implementa
              # the segment mask on tiles that need none
              "pallas-seg": dict(implementation="pallas", one_document=True),
              "mosaic-seg": dict(implementation="mosaic", one_document=True)}
-ALL_IMPLS = (["cudnn", *OP_KWARGS, "pallas-default", "pallas-prev", "mosaic-triton-bwd", "mosaic-nopp",
-              "mosaic-acp-nopp", *VARIANTS, *TORCH_IMPLS])
+# name → (the implementation it varies, MosaicConfig fields over the head dim's default)
+MOSAIC_VARIANTS = {"mosaic-triton-bwd": ("mosaic", dict(backward=False)),  # the Mosaic forward, Triton backward
+                   "mosaic-nopp": ("mosaic", dict(bwd_pingpong=False)),       # the backward's ping-pong off
+                   "mosaic-acp-nopp": ("mosaic-acp", dict(bwd_pingpong=False))}
+ALL_IMPLS = ["cudnn", *OP_KWARGS, "pallas-default", "pallas-prev", *MOSAIC_VARIANTS, *VARIANTS, *TORCH_IMPLS]
 # "pallas-default": the library's default tiles even when --sweep picked others (side-by-side check);
 # "pallas-prev": the previous (round 2) D=128 defaults, to compare against the current ones in one run
 PREV_D128 = KernelConfig(fwd=TileConfig(128, 64, 8, 3), dq=TileConfig(64, 64, 4, 2),
@@ -217,16 +220,12 @@ def jax_fns(impl, d, config=None):
         impl, inter = VARIANTS[impl]
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384)
         config = dataclasses.replace(base, interleave_heads=inter)
-    if impl == "mosaic-triton-bwd":  # the Mosaic forward with the Triton backward kernels
+    if impl in MOSAIC_VARIANTS:  # the head dim's default MosaicConfig with some fields changed
         from fox_jax.kernels import default_mosaic_config
+        impl, fields = MOSAIC_VARIANTS[impl]
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384, None, False)
-        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), backward=False)
-        impl, config = "mosaic", dataclasses.replace(base, mosaic=mc)
-    if impl in ("mosaic-nopp", "mosaic-acp-nopp"):  # the backward's ping-pong off (default on at D = 128)
-        from fox_jax.kernels import default_mosaic_config
-        base = config if config is not None else fpallas.resolve_config(d, 16384, 16384, None, False)
-        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), bwd_pingpong=False)
-        impl, config = impl.removesuffix("-nopp"), dataclasses.replace(base, mosaic=mc)
+        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), **fields)
+        config = dataclasses.replace(base, mosaic=mc)
     if impl == "cudnn":
         def f(q, k, v, lf):
             del lf
@@ -742,8 +741,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
                 ms = time_jax(exe, args, target_s=0.3 if slow else 0.5, min_reps=2 if slow else 5)
                 r[mode] = ms
                 if impl in ("pallas", "pallas-default", "pallas-prev", "pallas-acp", "pallas-acp-trained", "xla-blockwise",
-                            "mosaic", "mosaic-acp", "mosaic-nopp", "mosaic-acp-nopp", "pallas-seg", "mosaic-seg",
-                            *VARIANTS):
+                            "mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg", *MOSAIC_VARIANTS, *VARIANTS):
                     outs[(impl, mode)] = exe(*args)
                 log(f"   {impl:14s} {mode:8s} {ms:9.3f} ms")
             except Exception as e:  # noqa: BLE001
@@ -762,9 +760,9 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
                 a, bb = outs[("pallas", mode)], outs[("pallas-acp", mode)]
                 checks[f"pallas_acp_vs_dense_{mode}_max_abs"] = max(
                     _max_err(x, y) for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(bb)))
-            for other in ("mosaic", "mosaic-acp", "pallas-seg", "mosaic-seg", "mosaic-nopp", "mosaic-acp-nopp"):
-                base = {"mosaic": "pallas", "mosaic-acp": "pallas-acp", "pallas-seg": "pallas",
-                        "mosaic-seg": "mosaic", "mosaic-nopp": "mosaic", "mosaic-acp-nopp": "mosaic-acp"}[other]
+            bases = {"mosaic": "pallas", "mosaic-acp": "pallas-acp", "pallas-seg": "pallas", "mosaic-seg": "mosaic",
+                     **{name: base for name, (base, _) in MOSAIC_VARIANTS.items()}}
+            for other, base in bases.items():
                 if (base, mode) in outs and (other, mode) in outs:
                     a, bb = outs[(base, mode)], outs[(other, mode)]
                     checks[f"{other}_vs_{base}_{mode}_max_abs"] = max(
