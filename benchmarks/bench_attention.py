@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import dataclasses
+import itertools
 import json
 import math
 import os
@@ -345,22 +346,24 @@ def bench_torch(impl, arrays, d, fox_triton=None):
     return res
 
 
-def mosaic_sweep(shapes, configs):
-    """fwd and fwd+bwd ms of the Mosaic kernels per (shape, MosaicConfig), one row each: for picking tilings."""
+def mosaic_sweep(shapes, configs, acp_modes=(False,)):
+    """fwd and fwd+bwd ms of the Mosaic kernels per (shape, MosaicConfig, ACP off / "auto" for each of
+    ``acp_modes``), one row each: for picking tilings (TFLOP/s dense-equivalent under ACP)."""
     rows = []
     for (b, t, h, d) in shapes:
         q, k, v, lf, do = make_inputs(b, t, h, d)
-        for mc in configs:
+        for mc, acp in itertools.product(configs, acp_modes):
             base = fpallas.resolve_config(d, t, t, None, False)
             cfg = dataclasses.replace(base, mosaic=mc)
 
-            def f(q, k, v, lf, _cfg=cfg):
-                return fpallas.attention(q, k, v, decay_cumsum(lf), None, None, None, scale=d ** -0.5,
+            def f(q, k, v, lf, _cfg=cfg, _acp=acp):
+                delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5) if _acp else None
+                return fpallas.attention(q, k, v, decay_cumsum(lf), None, None, delta, scale=d ** -0.5,
                                          implementation="mosaic", config=_cfg)
 
             def fb(q, k, v, lf, do, _f=f):
                 return jax.vjp(_f, q, k, v, lf)[1](do)
-            row = dict(shape=dict(B=b, T=t, H=h, D=d), config=dataclasses.asdict(mc))
+            row = dict(shape=dict(B=b, T=t, H=h, D=d), config=dataclasses.asdict(mc), acp=acp)
             fl = fwd_flops(b, t, h, d)
             for mode, fn, args in (("fwd", f, (q, k, v, lf)), ("fwd_bwd", fb, (q, k, v, lf, do))):
                 try:
@@ -368,7 +371,7 @@ def mosaic_sweep(shapes, configs):
                     row[f"tflops_{mode}"] = (1.0 if mode == "fwd" else 3.5) * fl / row[mode] / 1e9
                 except Exception as e:  # noqa: BLE001
                     row[f"{mode}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
-            log(f"   mosaic sweep B{b} T{t} H{h} D{d} {mc}: fwd {row.get('fwd', row.get('fwd_error'))} "
+            log(f"   mosaic sweep B{b} T{t} H{h} D{d} {mc}{' acp' if acp else ''}: fwd {row.get('fwd', row.get('fwd_error'))} "
                 f"fwd+bwd {row.get('fwd_bwd', row.get('fwd_bwd_error'))}")
             rows.append(row)
     return rows
@@ -890,6 +893,9 @@ def main(argv=None):
                     help="first time the Mosaic kernels at these tilings on --shapes: forward block_q x block_k x "
                          "stages, then the backward's (BBQ = 0: the Triton backward), p: the backward's ping-pong, "
                          "e.g. 64x128x3x64x64x2,64x128x3x64x64x2p")
+    ap.add_argument("--sweep-acp", choices=["off", "on", "both"], default="off",
+                    help="--mosaic-sweep: time each tiling without ACP (off), with adaptive_threshold='auto' (on), "
+                         "or both")
     ap.add_argument("--skip-dense-bwd-above", type=int, default=8192,
                     help="skip xla-dense fwd+bwd above this T (its logits do not fit)")
     args = ap.parse_args(argv)
@@ -937,7 +943,8 @@ def main(argv=None):
             out["fox_triton_error"] = f"{type(e).__name__}: {e}"
             log(f"official FoX kernel not loadable: {out['fox_triton_error']}")
     if args.mosaic_sweep:
-        out["mosaic_sweep"] = mosaic_sweep(shapes, parse_mosaic_configs(args.mosaic_sweep, "--mosaic-sweep", ap.error))
+        out["mosaic_sweep"] = mosaic_sweep(shapes, parse_mosaic_configs(args.mosaic_sweep, "--mosaic-sweep", ap.error),
+                                           {"off": (False,), "on": (True,), "both": (False, True)}[args.sweep_acp])
         os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump(out, f, indent=1, default=str)

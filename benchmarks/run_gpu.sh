@@ -128,9 +128,9 @@ stage_attention() {  # forgetting attention side by side: cuDNN (jax, torch), ou
   local fox=; [ -d "$GPU/fox_triton" ] && fox="--fox-triton $GPU/fox_triton"
   each_tree t python3 benchmarks/bench_attention.py --impls "$IMPLS" --shapes "$SHAPES" $fox \
     --out "$OUT/attention{tag}.json"; }
-stage_sweep() {  # Mosaic tilings (BQxBKxSTAGES forward x BBQxBBKxBSTAGES backward)
+stage_sweep() {  # Mosaic tilings (BQxBKxSTAGES forward x BBQxBBKxBSTAGES backward; SWEEP_ACP off|on|both)
   t python3 benchmarks/bench_attention.py --mosaic-sweep "$SWEEP" --shapes "$SWEEP_SHAPES" --impls "" \
-    --out "$OUT/sweep.json"; }
+    --sweep-acp "${SWEEP_ACP:-off}" --out "$OUT/sweep.json"; }
 stage_dcp() {  # DCP attention: the Pallas kernels (live-tile lists) vs dense Pallas at 50% / 90% of pairs dropped
   each_tree t python3 benchmarks/bench_dcp.py $DCP_ARGS --shapes "$DCP_SHAPES" --sparsities 0.5,0.9 \
     --out "$OUT/dcp{tag}.json"; }
