@@ -31,7 +31,7 @@ from fox_jax.models import preset
 from fox_jax.sharding import batch_sharding, make_mesh, select_partitioner, state_shardings, under_mesh
 from fox_jax.train import config as config_lib
 from fox_jax.train.metrics import device_peak_flops
-from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
+from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step, train_step_compiler_options
 from fox_jax.sharding import kernel_sharding_enabled
 
 from profile_step import parse_variant  # a sibling script: the same KEY=VALUE parser as its --variants
@@ -65,7 +65,8 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     """One row: the train step of ``arch:size`` at ``seq_len`` timed on ``mesh_spec`` over all devices, or over
     ``devices`` (``fox_jax.sharding.make_mesh``), with ``batch_tokens`` tokens per step; from a fresh init, or
     from the parameters of the run ``params_from`` (``trained_params``); ``xla_options``: XLA debug options for
-    this step's compile alone (``jax.jit(..., compiler_options=...)``)."""
+    this step's compile alone (``jax.jit(..., compiler_options=...)``), over those ``train/loop.py`` compiles the
+    step with (``train_step_compiler_options``)."""
     overrides = dict(dtype=dtype, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
     if remat is not None:  # None: the model's default (ModelConfig.remat)
         overrides["remat"] = remat
@@ -91,7 +92,8 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     train_step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
     step = under_mesh(mesh, jax.jit(lambda s, b: train_step(s, b, {}), in_shardings=(shard, batch_sharding(mesh)),
                                     out_shardings=(shard, None), donate_argnums=(0,),
-                                    compiler_options=xla_options or None))
+                                    compiler_options={**train_step_compiler_options(), **(xla_options or {})}
+                                    or None))
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.ones((batch, seq_len), np.int32),
@@ -144,9 +146,9 @@ def main(argv=None):
     p.add_argument("--overrides", default="", metavar="KEY=VALUE,...",
                    help="ModelConfig overrides for every config, e.g. attention_impl=pallas,loss_impl=chunked")
     p.add_argument("--xla-variants", nargs="+", default=["base"], metavar="NAME[:OPTION=VALUE,...]",
-                   help="each config once per variant, its step compiled with these XLA options (jit's "
-                        "compiler_options; same process, same init and data: the losses should match), e.g. "
-                        "base dus:xla_gpu_enable_dus_accumulator_zero_init_elimination=true")
+                   help="each config once per variant, its step compiled with these XLA options over the "
+                        "training loop's (jit's compiler_options; same process, same init and data), e.g. "
+                        "base nodus:xla_gpu_enable_dus_accumulator_zero_init_elimination=false")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
     p.add_argument("--params-from", default=None, metavar="RUN_DIR",

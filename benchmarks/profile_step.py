@@ -88,7 +88,7 @@ def build_step(arch: str, size: str, seq_len: int, batch_tokens: int, dtype: str
     train step ``bench_train.py`` times, on one device."""
     from fox_jax.models import preset
     from fox_jax.train import config as config_lib
-    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
+    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step, train_step_compiler_options
 
     kw = dict(dtype=dtype) if remat is None else dict(dtype=dtype, remat=remat)  # None: the model's default
     if size == "tiny":
@@ -107,7 +107,8 @@ def build_step(arch: str, size: str, seq_len: int, batch_tokens: int, dtype: str
             "positions": np.broadcast_to(np.arange(seq_len, dtype=np.int32), (batch, seq_len)).copy()}
     data = jax.device_put(data)
     t0 = time.perf_counter()
-    compiled = jax.jit(lambda s, b: train_step(s, b, {}), donate_argnums=(0,)).lower(state, data).compile()
+    compiled = jax.jit(lambda s, b: train_step(s, b, {}), donate_argnums=(0,),
+                       compiler_options=train_step_compiler_options() or None).lower(state, data).compile()
     compile_s = time.perf_counter() - t0
     try:
         hlo_text = compiled.as_text()

@@ -84,6 +84,20 @@ def test_grad_accum_step_equals_the_whole_batch_step():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_train_step_gpu_compiler_options_are_known_to_xla():
+    """The XLA options the training loop compiles its step with on GPU (``loop.train_step_compiler_options``) are
+    options this jaxlib knows: compiling with them here fails on a misspelt or retired name (as an unknown one
+    does), so a jaxlib upgrade that drops one shows in the CPU suite, not on the device. The CPU step gets none."""
+    import jax
+    import jax.numpy as jnp
+
+    options = loop.train_step_compiler_options("gpu")
+    assert options and loop.train_step_compiler_options("cpu") == {}
+    assert float(jax.jit(lambda x: x.sum(), compiler_options=options)(jnp.ones(3))) == 3.0
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x.sum(), compiler_options={"xla_gpu_no_such_option_here": True})(jnp.ones(3))
+
+
 @pytest.mark.slow
 def test_train_eval_and_metrics(run8, tmp_path):
     workdir, result = run8

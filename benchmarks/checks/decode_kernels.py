@@ -98,7 +98,7 @@ def kernel_lines(comps: dict, comp: str, *, enter_while: bool = False):
     and with ``enter_while`` loop bodies too; parameters, tuples, bitcasts and the like skipped."""
     for line in comps.get(comp, []):
         op = _opcode(line)
-        if op is None or op in _SKIP:
+        if op is None or op in _SKIP or 'custom_call_target="AllocateBuffer"' in line:  # an allocation: no kernel
             continue
         if op == "call" or (enter_while and op == "while"):
             yield from kernel_lines(comps, re.search(r"(?:to_apply|body)=%?([\w.\-]+)", line).group(1),

@@ -136,7 +136,7 @@ def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
     from bench_decode import model_config
     from fox_jax.train import config as config_lib
-    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step
+    from fox_jax.train.loop import LMTask, init_state, make_optimizer, make_train_step, train_step_compiler_options
 
     model_cfg = model_config(f"{arch}:{size}", overrides).replace(dtype="bfloat16")
     cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=1)
@@ -146,7 +146,8 @@ def compile_step(size: str, arch: str, seq: int, overrides: list[str]):
     tokens = abstract(jax.ShapeDtypeStruct((1, seq), jnp.int32))
     batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens, "positions": tokens}
     t0 = time.perf_counter()
-    compiled = jax.jit(lambda s, b: step(s, b, {}), donate_argnums=(0,)).lower(state, batch).compile()
+    compiled = jax.jit(lambda s, b: step(s, b, {}), donate_argnums=(0,),  # the training loop's GPU options
+                       compiler_options=train_step_compiler_options("gpu")).lower(state, batch).compile()
     return compiled.as_text(), compiled.memory_analysis().temp_size_in_bytes, time.perf_counter() - t0
 
 
