@@ -90,10 +90,10 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     print(f"# {arch}:{size}:{seq_len} acp={acp}: state initialised in {time.perf_counter() - t_init:.1f} s",
           file=sys.stderr, flush=True)
     train_step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
+    compile_options = {**train_step_compiler_options(), **(xla_options or {})}
     step = under_mesh(mesh, jax.jit(lambda s, b: train_step(s, b, {}), in_shardings=(shard, batch_sharding(mesh)),
                                     out_shardings=(shard, None), donate_argnums=(0,),
-                                    compiler_options={**train_step_compiler_options(), **(xla_options or {})}
-                                    or None))
+                                    compiler_options=compile_options or None))
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.ones((batch, seq_len), np.int32),
@@ -123,7 +123,8 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
                scan_layers=model_cfg.scan_layers, mesh=mesh_spec or "",
                partitioner=partitioner, kernels_sharded=kernel_sharding_enabled() and mesh.size > 1, devices=n_dev, step_ms=dt * 1e3, tokens_per_sec=tok_s, tflops_per_device=flops / dt / 1e12 / n_dev,
                mfu=(flops / dt / (peak * n_dev)) if peak else None, compile_s=compile_s,
-               loss=float(m["loss"]), params=model_cfg.param_count(), params_from=params_from or "init")
+               loss=float(m["loss"]), params=model_cfg.param_count(), params_from=params_from or "init",
+               compile_options=compile_options)
     if acp:
         row["acp_fraction_skipped"] = float(m["acp_fraction_skipped"])
     return row
@@ -146,9 +147,10 @@ def main(argv=None):
     p.add_argument("--overrides", default="", metavar="KEY=VALUE,...",
                    help="ModelConfig overrides for every config, e.g. attention_impl=pallas,loss_impl=chunked")
     p.add_argument("--xla-variants", nargs="+", default=["base"], metavar="NAME[:OPTION=VALUE,...]",
-                   help="each config once per variant, its step compiled with these XLA options over the "
-                        "training loop's (jit's compiler_options; same process, same init and data), e.g. "
-                        "base nodus:xla_gpu_enable_dus_accumulator_zero_init_elimination=false")
+                   help="each config once per variant: its step compiled with the XLA options the training "
+                        "loop uses (train/loop.py train_step_compiler_options; on GPU the DUS zero-init "
+                        "elimination) plus the variant's OPTION=VALUE pairs (jit's compiler_options; a NAME alone "
+                        "adds none); same process, same init and data. Each row records its compile_options")
     p.add_argument("--out", default=None)
     p.add_argument("--quick", action="store_true", help="CPU smoke run with the tiny model")
     p.add_argument("--params-from", default=None, metavar="RUN_DIR",
