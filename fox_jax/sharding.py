@@ -374,42 +374,75 @@ def _dividing_axes(mesh, axes, dims) -> tuple[str, ...] | None:
     return axes
 
 
-def per_shard(fn, mesh, args: dict, out_axes: tuple, *, rules: dict | None = None):
-    """``fn(**arrays)`` run per shard: in a ``shard_map`` over ``mesh``, every array split along its
-    logical axes, nothing communicated.
+def _is_axes(x) -> bool:
+    """A tuple of logical axis names (str or None per dimension; () for a scalar): one leaf of an axes pytree."""
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
 
-    A logical axis is split over its mesh axes (``rules``) that ``mesh`` has with size > 1, if their
-    product divides every dimension carrying that name; otherwise that axis is replicated. When no
-    axis is split, ``fn`` is called directly (XLA replicates the call).
+
+def shard_plan(mesh, args: dict, *, rules: dict | None = None) -> dict[str, tuple[str, ...] | None]:
+    """The mesh axes ``per_shard`` splits each logical axis of ``args`` over (None: replicated).
+
+    A logical axis is split over its mesh axes (``rules``) that ``mesh`` has with size > 1, if their product
+    divides every dimension carrying that name; otherwise it is replicated.
 
     Args:
-      fn: called with the arrays (local shards) as keyword arguments; returns one array.
-      mesh: a ``Mesh`` or the ambient ``AbstractMesh`` (``kernel_mesh``).
-      args: {name: (array, logical axes)}, one logical name or None per dimension. The kernels'
-        batch and head dimensions are ``"batch"`` and ``"heads"``; k/v heads carry ``"heads"`` too, so
-        that H and Hkv are split together and grouped-query heads stay on one device.
-      out_axes: logical axes of fn's output.
-      rules: logical name → mesh axis name(s); default ``LOGICAL_AXIS_RULES``.
+      mesh, args, rules: as ``per_shard``.
     Returns:
-      fn's output, sharded along ``out_axes``.
+      {logical name: mesh axes or None} for every name that ``args`` carries.
     """
     rules = LOGICAL_AXIS_RULES if rules is None else rules
     dims: dict[str, list[int]] = {}
     for x, axes in args.values():
-        for size, name in zip(x.shape, axes):
-            if name is not None:
-                dims.setdefault(name, []).append(size)
-    split = {name: _dividing_axes(mesh, rules.get(name), sizes) for name, sizes in dims.items()}
+        leaves, tree = jax.tree_util.tree_flatten(x)
+        for leaf, names in zip(leaves, tree.flatten_up_to(axes)):
+            for size, name in zip(leaf.shape, names):
+                if name is not None:
+                    dims.setdefault(name, []).append(size)
+    return {name: _dividing_axes(mesh, rules.get(name), sizes) for name, sizes in dims.items()}
+
+
+def shard_count(mesh, axes: tuple[str, ...] | None) -> int:
+    """Shards along mesh ``axes`` (a ``shard_plan`` entry): the product of their sizes, 1 for None."""
+    return int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+
+
+def per_shard(fn, mesh, args: dict, out_axes, *, rules: dict | None = None):
+    """``fn(**arrays)`` run per shard: in a ``shard_map`` over ``mesh``, every array split along its
+    logical axes, nothing communicated.
+
+    A logical axis is split as ``shard_plan`` says (over its mesh axes ``rules`` where they divide every
+    dimension carrying it, else replicated). When no axis is split, ``fn`` is called directly (XLA
+    replicates the call).
+
+    Args:
+      fn: called with the arrays (local shards) as keyword arguments; returns an array or a pytree of them.
+      mesh: a ``Mesh`` or the ambient ``AbstractMesh`` (``kernel_mesh``).
+      args: {name: (array or pytree of arrays, logical axes)}: one logical name or None per dimension (a
+        tuple), or for a pytree the same pytree of such tuples. The kernels' batch and head dimensions are
+        ``"batch"`` and ``"heads"``; k/v heads carry ``"heads"`` too, so that H and Hkv are split together
+        and grouped-query heads stay on one device.
+      out_axes: logical axes of fn's output: a tuple for one array, or a pytree of tuples matching it (None
+        where the output has None).
+      rules: logical name → mesh axis name(s); default ``LOGICAL_AXIS_RULES``.
+    Returns:
+      fn's output, sharded along ``out_axes``.
+    """
+    split = shard_plan(mesh, args, rules=rules)
     if all(axes is None for axes in split.values()):
         return fn(**{name: x for name, (x, _) in args.items()})
 
-    def spec(axes):
-        return P(*(None if name is None else split.get(name) for name in axes))
+    def spec(names):
+        return P(*(None if n is None else split.get(n) for n in names))
+
+    def specs_like(x, axes):  # x's pytree with a PartitionSpec per array
+        tree = jax.tree_util.tree_structure(x)
+        return tree.unflatten([spec(names) for names in tree.flatten_up_to(axes)])
 
     names = tuple(args)
 
     def local(*arrays):
         return fn(**dict(zip(names, arrays)))
 
-    in_specs = tuple(spec(axes) for _, axes in args.values())
-    return shard_map(local, mesh, in_specs, spec(out_axes))(*(x for x, _ in args.values()))
+    in_specs = tuple(specs_like(x, axes) for x, axes in args.values())
+    out_specs = jax.tree_util.tree_map(spec, out_axes, is_leaf=_is_axes)
+    return shard_map(local, mesh, in_specs, out_specs)(*(x for x, _ in args.values()))

@@ -1,11 +1,14 @@
 """Subprocess of tests/test_sharding.py (4 simulated CPU devices): the Pallas ops (forgetting attention, DCP
 attention) under an ambient mesh run per shard (a shard_map in the trace) and match the unsharded XLA path, values
-and gradients, under the Shardy and the GSPMD partitioner; the SwiGLU MLP under a tensor mesh exchanges no
-activations, and under fsdp no collective moves activations (the weights are gathered instead)."""
+and gradients, under the Shardy and the GSPMD partitioner; the decode attention kernel (a ring's append step, the
+fused FoX (Pro) step, a slot pool's read) runs per shard and equals its unsharded call; the SwiGLU MLP under a tensor
+mesh exchanges no activations, and under fsdp no collective moves activations (the weights are gathered instead)."""
 
+import functools
 import json
 import os
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -69,6 +72,56 @@ def dcp_case(mesh_spec, gated):
     return dict(shard_map=traced, max_err=max(errs))
 
 
+def decode_case(mesh_spec, kind):
+    """The Pallas decode kernel (interpret mode) under ``mesh_spec``: ``append`` (a ring's step with Λ, ACP's decay
+    floor and per-head tables: rows over data, kv heads over tensor), ``step`` (FoX (Pro)'s fused step: the rows of
+    the layer's GEMM hold every head, so only rows split) or ``pool`` (``decode_attention`` with a per-head valid
+    mask) against the same call without a mesh; counts the compiled program's all-gathers (none: nothing is
+    gathered around the kernel)."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_decode_attention import _lambda_pairs, _step_case
+
+    from fox_jax.ops import decode_attention, decode_attention_append
+    from fox_jax.ops.decode_attention import DecodeStep
+
+    r = np.random.default_rng(2)
+    b, hkv, grp, d, cap = 4, 2, 2, 32, 64
+    k, v = (jnp.asarray(r.standard_normal((b, hkv, cap, d)), jnp.float32) for _ in range(2))
+    lam_q, lam_k = _lambda_pairs(r, grp, cap, b, hkv)
+    hi = jnp.asarray([[cap + 9], [40], [2 * cap + 3], [17]], jnp.int32)  # per row: wrapped, partial, short
+    if kind == "pool":
+        valid = jnp.asarray(r.random((b, hkv, cap)) > 0.3)
+        f = jax.jit(functools.partial(decode_attention, implementation="pallas"))
+        args, kw = (jnp.asarray(r.standard_normal((b, hkv, grp, d)), jnp.float32), k, v), dict(
+            lo=jnp.int32(0), hi=jnp.int32(cap), valid=valid, lam_q=lam_q, lam_k=lam_k)
+    else:
+        start = hi - 30 + jnp.asarray(r.integers(0, 8, (b, hkv)), jnp.int32)
+        kw = dict(lo=jnp.full((b, 1), -(2 ** 30), jnp.int32), hi=hi, lam_k=lam_k,
+                  ring_tables=(start, jnp.zeros((b, hkv), jnp.int32), jnp.zeros((b, hkv), jnp.int32)))
+        if kind == "step":
+            ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.float32, False, seed=3,
+                                                                                b=b, hkv=hkv)
+            kw["step"] = DecodeStep(ops, jnp.asarray([0, 3, 0, 5], jnp.int32), shift_state, log_fgate, lam_prev)
+        else:
+            q = jnp.asarray(r.standard_normal((b, hkv, grp, d)), jnp.float32)
+            k_new, v_new = (jnp.asarray(r.standard_normal((b, hkv, d)), jnp.float32) for _ in range(2))
+            lam_new = (lam_q[0] - 0.05, lam_q[1])
+            kw.update(lam_q=lam_new, lam_new=lam_new, decay_floor=jnp.full((b, hkv, grp), -2.0, jnp.float32))
+        f = jax.jit(functools.partial(decode_attention_append, implementation="pallas"))
+        args = (q, k, v, k_new, v_new)
+    ref = f(*args, **kw)
+    mesh = make_mesh(mesh_spec)
+    with jax.set_mesh(mesh):
+        traced = "shard_map" in str(f.trace(*args, **kw).jaxpr)
+        gathers = f.lower(*args, **kw).compile().as_text().count("all-gather")
+    got = under_mesh(mesh, f)(*args, **kw)
+    pairs = list(zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)))
+    return dict(shard_map=traced, gathers=gathers, leaves=len(pairs),
+                max_err=max(float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b_, jnp.float32))))
+                            for a, b_ in pairs),
+                o_spec=str((got if kind == "pool" else got.o).sharding.spec))
+
+
 def model_case():
     cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=1, attention_impl="pallas", dtype="float32")
     model = LanguageModel(cfg)
@@ -111,6 +164,9 @@ if __name__ == "__main__":
             ("tensor=4", None, False))}
     out["dcp|data=2,tensor=2|gated"] = dcp_case("data=2,tensor=2", True)
     out["dcp|data=4"] = dcp_case("data=4", False)
+    out["decode|data=2,tensor=2|append"] = decode_case("data=2,tensor=2", "append")
+    out["decode|data=4|step"] = decode_case("data=4", "step")
+    out["decode|data=2,tensor=2|pool"] = decode_case("data=2,tensor=2", "pool")
     out["model"] = model_case()
     # SwiGLU under tensor: no exchange of the MLP's activations; under fsdp: no activation collective at all
     out["mlp"] = activation_collectives("data=2,tensor=2", ("collective-permute", "all-gather"), "/mlp/")

@@ -60,6 +60,27 @@ def commands() -> dict:
     return out
 
 
+def pallas_case(model, params, prompt, seq_start) -> dict:
+    """acp's fused decode step through the Pallas decode kernel (interpret mode: "auto" made to pick it, as on a GPU)
+    with and without a data=8 mesh: the kernel runs per shard (no gather of the cache around it) and the tokens are
+    the same."""
+    import importlib
+
+    from fox_jax.kernels import decode_attention as dk
+
+    ops = importlib.import_module("fox_jax.ops.decode_attention")
+    resolve, flash, seen = ops.resolve_decode_implementation, dk.flash_decode, []
+    ops.resolve_decode_implementation = lambda impl, *a, **kw: "pallas" if impl == "auto" else resolve(impl, *a, **kw)
+    dk.flash_decode = lambda *a, **kw: seen.append(kw.get("step") is not None) or flash(*a, **kw)
+    try:
+        kw = dict(max_new_tokens=6, policy="acp", seq_start=seq_start, prefill_chunk=8)
+        ref = generate(model, params, prompt, **kw)
+        gen = generate(model, params, prompt, mesh=make_mesh("data=8"), **kw)
+    finally:
+        ops.resolve_decode_implementation, dk.flash_decode = resolve, flash
+    return {"equal": np.asarray(ref.tokens).tolist() == np.asarray(gen.tokens).tolist(), "fused_calls": sum(seen)}
+
+
 def main() -> None:
     assert jax.device_count() == 8, jax.devices()
     cfg = preset("tiny", "fox-pro", vocab_size=64, n_layers=2, d_model=64, n_heads=4, n_kv_heads=2)
@@ -85,6 +106,7 @@ def main() -> None:
                                    "overflow": int(np.max(np.asarray(overflow))),
                                    "k_spec": str(k.sharding.spec), "k_shards": len(k.addressable_shards),
                                    "k_shard_shape": list(k.addressable_shards[0].data.shape)}
+    out["pallas"] = pallas_case(model, params, prompt, seq_start)
     try:
         generate(model, params, prompt[:3], max_new_tokens=2, mesh=make_mesh("data=8"))
     except ValueError as e:

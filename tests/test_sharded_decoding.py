@@ -67,6 +67,13 @@ def test_sharded_generation_and_scoring_equal_unsharded(sharded, policy, mesh):
 
 
 @pytest.mark.slow
+def test_the_pallas_decode_step_runs_per_shard(sharded):
+    """acp's fused step through the Pallas decode kernel (as on a GPU; interpret mode here) under data=8 gives the
+    unsharded tokens; that the kernel then runs per shard, with nothing gathered, is test_sharding's decode cases."""
+    assert sharded["pallas"]["equal"] and sharded["pallas"]["fused_calls"] >= 2
+
+
+@pytest.mark.slow
 def test_a_batch_the_mesh_does_not_divide(sharded):
     assert sharded["indivisible"].startswith("mesh: the batch of 3 rows does not split over the mesh's data x fsdp "
                                              "= 8 devices")

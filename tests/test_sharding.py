@@ -146,8 +146,9 @@ def test_checkpoint_restores_onto_another_mesh(sharded_results):
 def test_pallas_attention_runs_per_shard_under_a_mesh():
     """Under ``jax.set_mesh`` the Pallas ops (forgetting attention; DCP attention, ``dcp|`` cases) are wrapped in a
     shard_map (batch over data/fsdp, heads over tensor; with tensor=4 and Hkv=2 nothing divides, so it is left to
-    XLA), and their values and gradients (DCP: the mask's too) equal the unsharded XLA path; a model traced under
-    the mesh contains the shard_map; the SwiGLU MLP under data=2,tensor=2 exchanges no activations and under
+    XLA), and their values and gradients (DCP: the mask's too) equal the unsharded XLA path; the decode kernel
+    (``decode|`` cases: a ring's append step, the fused FoX (Pro) step, a pool's read) equals its unsharded call
+    with nothing gathered around it (observed: bitwise); a model traced under the mesh contains the shard_map; the SwiGLU MLP under data=2,tensor=2 exchanges no activations and under
     fsdp=4 no collective moves activations. Tolerance:
     float32, different tiling and summation order only (observed ~1e-5 on O(10) gradients); 1e-4 (the DCP cases
     relative to each output's scale, at least 1: their loss of |L| ≈ 116 is summed over the shards in another
@@ -168,6 +169,12 @@ def test_pallas_attention_runs_per_shard_under_a_mesh():
     # is used and no collective moves activations (unconstrained, XLA split d of the activations and exchanged
     # them around every matmul: 3.5 GB of collectives per step against 82 MB on 8 devices at 1024 tokens)
     assert res.pop("fsdp") == 0
+    # the decode kernel per shard: nothing gathered around it, the outputs left sharded (rows over data and, where
+    # the call has no fused step, kv heads over tensor), every output (o, ring, Λ, first key, carries, tables) equal
+    for case, want in (("decode|data=2,tensor=2|append", ("P('data', 'tensor')", 9)),
+                       ("decode|data=4|step", ("P('data',)", 11)),
+                       ("decode|data=2,tensor=2|pool", ("P('data', 'tensor')", 1))):
+        assert res[case]["gathers"] == 0 and (res[case]["o_spec"], res[case]["leaves"]) == want, (case, res[case])
     for case, r in res.items():
         assert r["max_err"] < 1e-4, (case, r)
         assert r["shard_map"] == (not case.startswith(("tensor=4", "off|"))), case

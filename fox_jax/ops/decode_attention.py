@@ -23,6 +23,7 @@ import numpy as np
 from fox_jax.kernels import decode_attention as dk
 from fox_jax.ops._common import QKV_DTYPES, dot_precision
 from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
+from fox_jax.sharding import kernel_mesh, per_shard, shard_count, shard_plan
 
 DECODE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 
@@ -278,13 +279,17 @@ def decode_attention(
         return _xla(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
     if impl == "cudnn":
         return _cudnn(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
-    config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=valid is not None)
-    return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
+    shards = _Shards.of(q, heads=True)
+    config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=valid is not None,
+                                       programs=shards.programs)
+    return shards.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
 
 
-def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool, pinned_slots: int = 0) -> tuple:
+def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool, pinned_slots: int = 0,
+                   programs: int | None = None) -> tuple:
     """(the kernel's ``DecodeConfig``, interpret mode) for these shapes, after checking ``block_k`` / ``num_splits``;
-    the ring is the last C − ``pinned_slots`` slots.
+    the ring is the last C − ``pinned_slots`` slots; ``programs``: the (row, kv head) pairs one device runs (default
+    B·Hkv; fewer per shard, ``_Shards``), from which the default ``num_splits`` fills the GPU.
 
     Raises:
       ValueError: a block_k that is not a power of two ≥ 16 dividing C, num_splits < 1, head_dim > 256.
@@ -297,11 +302,72 @@ def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool, pinned_
     if q.shape[-1] > dk.MAX_HEAD_DIM:
         raise ValueError(f"implementation='pallas' needs head_dim ≤ {dk.MAX_HEAD_DIM}, got {q.shape[-1]}")
     interpret = jax.default_backend() != "gpu"
-    config = dk.default_decode_config(q.shape[0] * q.shape[1], cap, interpret=interpret, block_k=block_k,
+    programs = q.shape[0] * q.shape[1] if programs is None else programs
+    config = dk.default_decode_config(programs, cap, interpret=interpret, block_k=block_k,
                                       num_splits=None if num_splits is None else int(num_splits),
                                       head_dim=q.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize, group=q.shape[2],
                                       lam=lam, valid=valid)
     return config, interpret
+
+
+# the StepArrays fields with a leading batch dimension; the others (scales, gate weights and tables) are the layer's
+_STEP_ROW_FIELDS = ("rows", "seq_start", "gate_rows", "gate_x", "shift_state", "lam_prev")
+
+
+class _Shards(NamedTuple):
+    """How the Pallas decode kernel is split under an ambient mesh (``fox_jax.sharding.kernel_mesh``): a
+    ``pallas_call`` is opaque to the SPMD partitioner, which would gather the cache around it and run every row on
+    every device; per shard, rows go over the mesh's batch axes and, for a call without a ``step`` (whose rows
+    interleave every head of the layer), key/value heads over its head axes, where they divide B, resp. Hkv.
+
+    Attributes:
+      mesh: the mesh, or None (no mesh, or nothing divides: a direct call). heads: whether heads may split.
+      programs: the (row, kv head) pairs of one shard (the kernel's default ``num_splits`` fills the GPU with them).
+    """
+
+    mesh: object
+    heads: bool
+    programs: int
+
+    @classmethod
+    def of(cls, q: jax.Array, *, heads: bool) -> "_Shards":
+        b, hkv = q.shape[:2]
+        mesh = kernel_mesh()
+        if mesh is None:
+            return cls(None, heads, b * hkv)
+        plan = shard_plan(mesh, {"q": (q, ("batch", "heads" if heads else None, None, None))})
+        rows, kv_heads = (n // shard_count(mesh, plan.get(name)) for n, name in ((b, "batch"), (hkv, "heads")))
+        return cls(mesh if rows * kv_heads < b * hkv else None, heads, rows * kv_heads)
+
+    def flash_decode(self, q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, append=None, decay_floor=None,
+                     step=None, tables=None, pinned=None, **static):
+        """``dk.flash_decode`` (same arguments and results), per shard when ``mesh`` is set."""
+        if self.mesh is None:
+            return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, append=append, decay_floor=decay_floor,
+                                   step=step, tables=tables, pinned=pinned, **static)
+        b, hkv = q.shape[:2]
+        head = "heads" if self.heads else None
+
+        def axes(x):  # [B, Hkv or 1, ...] (q, the ring, Λ, lo / hi / tables / valid per row and head), or a scalar
+            if x.ndim == 0:
+                return ()
+            return ("batch",) + ((head if x.shape[1] == hkv else None),) * (x.ndim > 1) + (None,) * (x.ndim - 2)
+
+        arrays = dict(q=q, k=k, v=v, lo=lo, hi=hi, valid=valid, lam_q=lam_q, lam_k=lam_k, append=append,
+                      decay_floor=decay_floor, tables=tables)
+        args = {name: (x, jax.tree_util.tree_map(axes, x)) for name, x in arrays.items() if x is not None}
+        if step is not None:  # its per-row fields split with the rows; the layer's scales and gate weights whole
+            leaves, tree = jax.tree_util.tree_flatten_with_path(step)
+            args["step"] = (step, tree.unflatten([("batch" if path[0].name in _STEP_ROW_FIELDS else None,)
+                                                  + (None,) * (x.ndim - 1) for path, x in leaves]))
+        if pinned is not None:  # (S, P) are static
+            args["pin_start"] = (pinned[2], ("batch",))
+
+        def local(pin_start=None, **a):
+            return dk.flash_decode(**a, pinned=None if pinned is None else (pinned[0], pinned[1], pin_start), **static)
+
+        out = jax.eval_shape(local, **{name: x for name, (x, _) in args.items()})
+        return per_shard(local, self.mesh, args, jax.tree_util.tree_map(axes, out))
 
 
 def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int, offset: int = 0) -> jax.Array:
@@ -668,10 +734,11 @@ def decode_attention_append(
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0 \
             and kernel_ok and pin_ok:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
+        shards = _Shards.of(q, heads=step is None)  # a step's rows interleave every head of the layer
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False,
-                                           pinned_slots=pin)
+                                           pinned_slots=pin, programs=shards.programs)
         one_split = config.num_splits == 1
-        out = list(dk.flash_decode(
+        out = list(shards.flash_decode(
             q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k, scale=scale,
             config=config, interpret=interpret, append=(k_new, v_new, lam_new), decay_floor=decay_floor,
             step=None if step is None else _step_arrays(step, q, k_new, v_new, epilogue=one_split),
