@@ -225,13 +225,16 @@ def _spec_stats(slots) -> tuple[float, list]:
 
 
 class Bench:
-    def __init__(self, model, params, prompts: Prompts, args):
-        self.model, self.params, self.prompts, self.args = model, params, prompts, args
+    """One model's measurements. ``mesh``: the timed generates run sharded on it (``generate(mesh=...)``: rows over
+    data × fsdp); the calibration generate runs on one device (its pool is per row, whatever the batch)."""
+
+    def __init__(self, model, params, prompts: Prompts, args, mesh=None):
+        self.model, self.params, self.prompts, self.args, self.mesh = model, params, prompts, args, mesh
         self.need: dict[tuple, dict] = {}          # (policy, T) -> {"slots": spec, ...calibration}
 
-    def generate(self, prompts, n: int, policy: str, slots, steps: int | None = None):
+    def generate(self, prompts, n: int, policy: str, slots, steps: int | None = None, mesh=None):
         return generate(self.model, self.params, prompts, max_new_tokens=n, policy=policy, slots=slots, steps=steps,
-                        steps_per_check=self.args.steps_per_check)
+                        steps_per_check=self.args.steps_per_check, mesh=mesh)
 
     def context(self, t: int) -> int:
         return t + self.args.new_tokens - 1        # tokens fed: the prompt and all but the last sample
@@ -275,8 +278,8 @@ class Bench:
         n = a.new_tokens
         prompts = self.prompts.get(batch, t)
         want_prefill = a.prefill == "all" or (a.prefill == "budget" and mode == "kv-budget")
-        seconds, prefill, times, out = timed(lambda steps: self.generate(prompts, n, policy, slots, steps), a.repeats,
-                                             prefill=want_prefill and n > 1)
+        seconds, prefill, times, out = timed(lambda steps: self.generate(prompts, n, policy, slots, steps, self.mesh),
+                                             a.repeats, prefill=want_prefill and n > 1)
         mem = cache_bytes(out.caches)
         live = np.asarray(out.live_counts, np.float64)          # [N, L, B]
         overflow = np.asarray(out.overflow)
@@ -287,6 +290,7 @@ class Bench:
         final = live[-1].mean()
         return dict(
             policy=parse_policy(policy).spec, provable=out.provable, prompt_len=t, new_tokens=n, batch=batch,
+            devices=1 if self.mesh is None else self.mesh.size, mesh=a.mesh,
             steps_per_check=self.args.steps_per_check,
             slots=mean_slots, capacity=float(np.mean([g.slots for c in out.caches for g in c.groups for _ in g.heads])),
             slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
@@ -390,6 +394,7 @@ def issue_row(r: dict, model: str, weight_bytes: int, bandwidth_tb_s: float, dev
     bound_s = (weight_bytes + live) / (bandwidth_tb_s * 1e12)
     return dict(model=model, mode=r["mode"], policy=r["policy"], provable=r.get("provable"), batch=b,
                 prompt=r["prompt_len"], new_tokens=n, steps_per_check=r.get("steps_per_check"),
+                **({"mesh": r["mesh"], "devices": r["devices"]} if r.get("mesh") else {}),
                 tokens_per_s=r.get("tokens_per_sec"),
                 decode_tokens_per_s=r.get("decode_tokens_per_sec"),
                 ms_per_step=None if step_s is None else step_s * 1e3,
@@ -518,7 +523,7 @@ def meta(args, model, info) -> dict:
                 new_tokens=args.new_tokens, equal_batch=args.equal_batch, kv_budget_gib=args.kv_budget,
                 max_batch=args.max_batch, calib_batch=args.calib_batch, safety=args.safety, slots=args.slots, pool=args.pool,
                 slot_multiple=args.slot_multiple, steps_per_check=args.steps_per_check,
-                repeats=args.repeats, prefill=args.prefill, prompt_text=args.prompt_text, beta=args.beta,
+                repeats=args.repeats, prefill=args.prefill, prompt_text=args.prompt_text, beta=args.beta, mesh=args.mesh,
                 time=time.strftime("%Y-%m-%dT%H:%M:%S"))
 
 
@@ -569,6 +574,8 @@ def parse_args(argv=None):
                    help=f"decode steps between two checks for the loop's end (generate's steps_per_check; default "
                         f"{STEPS_PER_CHECK}; 1: a check every step)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+    p.add_argument("--mesh", help="decode sharded on this mesh over all devices (data=4, ...: rows over data x fsdp; "
+                   "--equal-batch is then the global batch, a multiple of data x fsdp); default one device")
     p.add_argument("--out", default="bench_decode.json", help="the full result (meta + every measured field)")
     p.add_argument("--rows-out", help="also merge the rows, in the issue's keys, into this JSON list (e.g. "
                    "benchmarks/results/decode/decode_h200.json)")
@@ -586,7 +593,7 @@ def parse_args(argv=None):
         args.prompt_lengths, args.new_tokens, args.dtype = [64], 8, "float32"
         args.repeats = min(args.repeats, 1)
         args.equal_batch = args.equal_batch or 2
-        args.kv_budget = args.kv_budget or 0.002
+        args.kv_budget = args.kv_budget or (None if args.mesh else 0.002)
         args.max_batch, args.calib_batch = min(args.max_batch, 8), 2
     if args.equal_batch is None and args.kv_budget is None:
         args.equal_batch = 8
@@ -594,6 +601,15 @@ def parse_args(argv=None):
         raise SystemExit(f"--bandwidth: expected TB/s > 0, got {args.bandwidth}")
     if args.steps_per_check < 1:
         raise SystemExit(f"--steps-per-check: expected an int ≥ 1, got {args.steps_per_check}")
+    if args.mesh:
+        from fox_jax.sharding import parse_mesh
+
+        sizes = parse_mesh(args.mesh)  # a bad spec fails here, before any compile
+        if args.kv_budget:
+            raise SystemExit("--mesh: only with --equal-batch (the KV budget mode is measured on one device)")
+        if args.equal_batch % (sizes["data"] * sizes["fsdp"]):
+            raise SystemExit(f"--equal-batch: {args.equal_batch} rows do not split over the --mesh's data x fsdp = "
+                             f"{sizes['data'] * sizes['fsdp']} devices")
     for spec in args.policies:
         parse_policy(spec)  # a bad spec fails here, before any compile
     if args.rows_out:
@@ -629,7 +645,12 @@ def main(argv=None) -> dict:
         batches = max(args.equal_batch or 0, args.max_batch if args.kv_budget else 0, args.calib_batch)
         prompts = Prompts.from_text(args.prompt_text, spec, cfg.vocab_size, batches * max(args.prompt_lengths))
         info.update(prompt_tokens=int(len(prompts.stream)))
-    bench = Bench(model, params, prompts, args)
+    mesh = None
+    if args.mesh:
+        from fox_jax.sharding import make_mesh
+
+        mesh = make_mesh(args.mesh)
+    bench = Bench(model, params, prompts, args, mesh)
     result = {"meta": meta(args, model, info), "rows": []}
     rows = result["rows"]
     name = args.model_name or (os.path.basename(os.path.normpath(args.run)) if args.run else args.model)

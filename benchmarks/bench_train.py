@@ -60,6 +60,40 @@ def trained_params(run_dir: str, model_cfg) -> dict:
                          f"size): {e}") from None
 
 
+GPT2_DCP = "gpt2-dcp"  # the arch name of GPT-2 with DCP's interaction weights, timed as `fox-jax finetune-dcp` trains it
+
+
+def experiment(arch: str, size: str, seq_len: int, acp: bool, batch: int, overrides: dict):
+    """(ExperimentConfig, task) of one row: the LM families of ``preset`` (FoX, Transformer; ``LMTask``), or
+    ``gpt2-dcp`` with size ``124M`` (or a GPT-2 name: gpt2-medium, ...): GPT-2 with fresh DCP interaction weights and
+    the DCP fine-tune's loss (``DCPTask``: the mask, the sparsity regulariser, α of step 0).
+
+    Raises:
+      ValueError: an unknown arch or size, ACP with gpt2-dcp (it has no forget gates), a context past GPT-2's 1024.
+    """
+    import dataclasses
+
+    if arch == GPT2_DCP:
+        from fox_jax.config import GPT2_SIZES, gpt2_preset
+        from fox_jax.train.finetune_dcp import DCPTask
+
+        name = "gpt2" if size == "124M" else size
+        if name not in GPT2_SIZES or acp:
+            raise ValueError(f"--configs: {GPT2_DCP} takes size 124M or one of {sorted(GPT2_SIZES)} and no ACP, "
+                             f"got {size!r}{' with ACP' if acp else ''}")
+        model_cfg = gpt2_preset(name, dcp=True, **overrides)
+        if seq_len > model_cfg.max_positions:
+            raise ValueError(f"--configs: {GPT2_DCP} reads at most {model_cfg.max_positions} tokens, got {seq_len}")
+        cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=batch, dcp=config_lib.DCPConfig(alpha_steps=1000))
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+        return cfg, DCPTask(cfg)
+    if size == "tiny":
+        overrides = dict(overrides, vocab_size=257)
+    model_cfg = preset(size, arch, adaptive_threshold="auto" if acp else None, **overrides)
+    cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=batch)
+    return cfg, LMTask(cfg)
+
+
 def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh_spec, dtype, partitioner="auto",
               model_overrides=None, devices=None, params_from=None, xla_options=None):
     """One row: the train step of ``arch:size`` at ``seq_len`` timed on ``mesh_spec`` over all devices, or over
@@ -67,17 +101,15 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     from the parameters of the run ``params_from`` (``trained_params``); ``xla_options``: XLA debug options for
     this step's compile alone (``jax.jit(..., compiler_options=...)``), over those ``train/loop.py`` compiles the
     step with (``train_step_compiler_options``)."""
-    overrides = dict(dtype=dtype, adaptive_threshold="auto" if acp else None, **(model_overrides or {}))
+    overrides = dict(dtype=dtype, **(model_overrides or {}))
     if remat is not None:  # None: the model's default (ModelConfig.remat)
         overrides["remat"] = remat
-    if size == "tiny":
-        overrides["vocab_size"] = 257
-    model_cfg = preset(size, arch, **overrides)
     mesh = make_mesh(mesh_spec, devices)
     partitioner = select_partitioner(mesh, partitioner)
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     batch = max(n_batch, batch_tokens // seq_len // n_batch * n_batch)
-    cfg = config_lib.ExperimentConfig(model=model_cfg, steps=1000, batch_size=batch)
+    cfg, task = experiment(arch, size, seq_len, acp, batch, overrides)
+    model_cfg, scalars = cfg.model, task.host_scalars(0)
     optimizer = make_optimizer(cfg)
     rng = jax.random.PRNGKey(0)
     params = None if params_from is None else trained_params(params_from, model_cfg)
@@ -89,11 +121,12 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
     # progress on stderr as it happens: a call cut by its deadline still shows how far it got
     print(f"# {arch}:{size}:{seq_len} acp={acp}: state initialised in {time.perf_counter() - t_init:.1f} s",
           file=sys.stderr, flush=True)
-    train_step = make_train_step(LMTask(cfg), model_cfg.build(), optimizer, 1)
+    train_step = make_train_step(task, model_cfg.build(), optimizer, 1)
     compile_options = {**train_step_compiler_options(), **(xla_options or {})}
-    step = under_mesh(mesh, jax.jit(lambda s, b: train_step(s, b, {}), in_shardings=(shard, batch_sharding(mesh)),
-                                    out_shardings=(shard, None), donate_argnums=(0,),
-                                    compiler_options=compile_options or None))
+    jitted = under_mesh(mesh, jax.jit(lambda s, b, sc: train_step(s, b, sc), in_shardings=(shard, batch_sharding(mesh), None),
+                                      out_shardings=(shard, None), donate_argnums=(0,),
+                                      compiler_options=compile_options or None))
+    step = lambda s, b: jitted(s, b, scalars)  # noqa: E731  (DCP's α and γ: traced, as the trainer passes them)
     tokens = np.random.default_rng(0).integers(0, model_cfg.vocab_size, (batch, seq_len + 1), dtype=np.int32)
     data = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
             "segment_ids": np.ones((batch, seq_len), np.int32),

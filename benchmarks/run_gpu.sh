@@ -62,7 +62,10 @@ GATES_CONFIG=${GATES_CONFIG:-fox-pro:760M:16384}; GATES_STEPS=${GATES_STEPS:-200
 # scaling (bench_scaling.py): weak scaling against one device in the same call; 4 GPUs (nvidia-h200-x4) by default,
 # MESHES="data=2 fsdp=2" on 2; SCALING_ACP off | on | both; rows merge into $OUT/scaling_h200.json (start from
 # SCALING_ROWS, carried along, to grow one file over calls)
-SCALING_CONFIGS=${SCALING_CONFIGS:-"fox-pro:760M:16384 fox-pro:125M:2048"}
+SCALING_CONFIGS=${SCALING_CONFIGS-"fox-pro:760M:16384 fox-pro:125M:2048 gpt2-dcp:124M:1024"}  # gpt2-dcp: the DCP fine-tune step
+# generation rows of the scaling stage (bench_scaling.py --generate; "" for none): 8 rows per device, dense and acp,
+# rows over all devices (data=N)
+SCALING_GENERATE=${SCALING_GENERATE-"fox-pro:125M:8192 gpt2:896"}
 MESHES=${MESHES:-"data=4 fsdp=4 data=2,fsdp=2 fsdp=2,tensor=2"}; SCALING_ACP=${SCALING_ACP:-both}
 # profile (profile_step.py): each variant = ModelConfig overrides
 PROFILE_CONFIGS=${PROFILE_CONFIGS:-fox-pro:760M:16384}
@@ -156,7 +159,9 @@ stage_scaling() {  # weak scaling (nvidia-h200-x4): each config on one GPU, then
   # GPUs, 16k tokens per GPU and step; efficiency against the one-GPU row of the same call
   local rows=$OUT/scaling_h200.json
   cp "${SCALING_ROWS:-benchmarks/results/scaling/scaling_h200.json}" "$rows" 2>/dev/null; chmod u+w "$rows" 2>/dev/null
+  # shellcheck disable=SC2086
   t python3 benchmarks/bench_scaling.py --configs $SCALING_CONFIGS --meshes $MESHES --acp "$SCALING_ACP" \
+    --generate $SCALING_GENERATE \
     --tokens-per-device 16384 --steps 5 --warmup 1 --merge --out "$rows"; }
 stage_profile() {  # where a training step's device time goes, per kernel category, variants side by side
   each_tree t python3 benchmarks/profile_step.py --configs $PROFILE_CONFIGS --batch-tokens 16384 --steps 3 --warmup 2 --top 60 \

@@ -66,3 +66,35 @@ def test_one_device_mesh_beside_all_devices():
     assert parse_mesh(None, 4) == {"data": 4, "fsdp": 1, "tensor": 1}
     with pytest.raises(ValueError, match=r"needs 2 devices, have 1"):
         make_mesh("data=2", jax.devices()[:1])
+
+
+def test_generation_rows_scale_the_rows_and_divide_by_the_baseline(monkeypatch):
+    """``--generate``: per (model, prompt, policy) the one-device row with the rows of one device, then each mesh with
+    N times as many; tokens_per_s is the decode rate, step_ms per decode step; a failing mesh is an error row; the
+    rows merge by task and policy beside training rows of the same model, and the table names the policy."""
+    monkeypatch.setattr(jax, "device_count", lambda: 4)
+    calls = []
+
+    def fake(model_spec, prompt, policy, batch, mesh, devices):
+        calls.append((model_spec, policy, batch, mesh, None if devices is None else len(devices)))
+        if mesh == "fsdp=4":
+            return dict(error="RESOURCE_EXHAUSTED: out of memory")
+        rate = {"data=1": 100.0, "data=4": 380.0}[mesh] * (2 if policy == "acp" else 1)
+        return dict(decode_tokens_per_sec=rate, tokens_per_sec=rate / 2, seconds=1.0, prefill_seconds=0.5, overflow=0)
+
+    rows = bs.generate_rows([bs.parse_generate("fox-pro:125M:8192")], ["data=4", "fsdp=4"], ["dense", "acp"], 8, 11, 1,
+                            log=lambda s: None, measure=fake)
+    assert calls[:3] == [("fox-pro:125M", "dense", 8, "data=1", 1), ("fox-pro:125M", "dense", 32, "data=4", None),
+                         ("fox-pro:125M", "dense", 32, "fsdp=4", None)]
+    base, dp, oom = rows[3:]  # acp
+    assert (base["task"], base["policy"], base["acp"], base["efficiency"]) == ("generate", "acp", True, 1.0)
+    assert dp["tokens_per_s"] == 760.0 and dp["efficiency"] == pytest.approx(0.95) and dp["step_ms"] == 50.0
+    assert oom["error"].startswith("RuntimeError: RESOURCE_EXHAUSTED") and oom["efficiency"] is None
+    train = dict(arch="fox-pro", size="125M", seq_len=8192, acp=True, mesh="data=4", tokens_per_s=1.0)  # no task key
+    merged = bs.merge_rows([train, dict(dp, tokens_per_s=1.0)], [dp])
+    assert len(merged) == 2 and merged[-1]["tokens_per_s"] == 760.0
+    assert "| fox-pro 125M generate | 8192 | acp | 4 | data=4 | 32 | 760 | – | 95.0% |" in bs.table(rows)
+    assert bs.parse_generate("gpt2:896") == ("gpt2", 896)
+    for bad in ("fox-pro:125M", "fox-pro:8192", "gpt2:x"):
+        with pytest.raises(ValueError, match=r"--generate: expected arch:size:prompt or gpt2:prompt"):
+            bs.parse_generate(bad)
