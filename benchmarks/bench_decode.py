@@ -604,9 +604,13 @@ def parse_args(argv=None):
     if args.mesh:
         from fox_jax.sharding import parse_mesh
 
-        sizes = parse_mesh(args.mesh)  # a bad spec fails here, before any compile
+        try:
+            sizes = parse_mesh(args.mesh)  # a bad spec fails here, before any compile
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
         if args.kv_budget:
-            raise SystemExit("--mesh: only with --equal-batch (the KV budget mode is measured on one device)")
+            raise SystemExit("--kv-budget: not with --mesh (the KV budget mode is measured on one device; use "
+                             "--equal-batch)")
         if args.equal_batch % (sizes["data"] * sizes["fsdp"]):
             raise SystemExit(f"--equal-batch: {args.equal_batch} rows do not split over the --mesh's data x fsdp = "
                              f"{sizes['data'] * sizes['fsdp']} devices")

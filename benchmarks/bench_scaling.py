@@ -177,6 +177,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(out)
 
 
+def _meshes(flag: str, specs) -> list[dict]:
+    """parse_mesh of each spec, its errors naming ``flag``."""
+    try:
+        return [parse_mesh(m) for m in specs]
+    except ValueError as e:
+        raise ValueError(str(e).replace("--mesh:", f"{flag}:", 1)) from None
+
+
+def checked(args) -> tuple[list, list, list, list]:
+    """(training configs, generation entries, generation meshes, policies) from the flags, checked.
+
+    Raises:
+      ValueError: one line naming the flag (a bad entry, a mesh these devices cannot form or that does not split
+        the generation rows, an unknown policy).
+    """
+    from fox_jax.cache.policies import parse_policy
+
+    configs = [parse_config(c) for c in args.configs]
+    generate = [parse_generate(g) for g in args.generate]
+    try:
+        policies = [parse_policy(p).spec for p in args.generate_policies.split(",") if p]
+    except ValueError as e:
+        raise ValueError(f"--generate-policies: {e}") from None
+    if configs:
+        _meshes("--meshes", args.meshes)
+    gen_meshes = args.generate_meshes or [f"data={jax.device_count()}"]
+    if generate:
+        for mesh, sizes in zip(gen_meshes, _meshes("--generate-meshes", gen_meshes)):
+            if sizes["data"] * sizes["fsdp"] == 1:
+                raise ValueError(f"--generate-meshes: {mesh!r} does not split the rows (generation shards them over "
+                                 "data x fsdp)")
+    if args.generate_rows_per_device < 1:
+        raise ValueError(f"--generate-rows-per-device: expected an int >= 1, got {args.generate_rows_per_device}")
+    return configs, generate, gen_meshes, policies
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS),
@@ -191,7 +227,8 @@ def main(argv=None) -> int:
     p.add_argument("--generate-repeats", type=int, default=3)
     p.add_argument("--meshes", nargs="+", default=list(DEFAULT_MESHES),
                    help="meshes over all devices (data=4, fsdp=2,tensor=2, ...)")
-    p.add_argument("--acp", choices=["off", "on", "both"], default="both")
+    p.add_argument("--acp", choices=["off", "on", "both"], default="both",
+                   help="ACP of the training rows (the generation rows' policies: --generate-policies)")
     p.add_argument("--tokens-per-device", type=int, default=16384, help="tokens per step and device")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
@@ -202,7 +239,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="scaling.json")
     p.add_argument("--merge", action="store_true", help="merge into --out's rows (by model, ACP and mesh)")
     p.add_argument("--table", metavar="FILE", help="print the markdown table of FILE's rows and exit")
-    p.add_argument("--quick", action="store_true", help="CPU smoke run: the tiny model, float32, 2 steps")
+    p.add_argument("--quick", action="store_true", help="CPU smoke run (its own configs: the tiny model, float32, "
+                   "2 steps; with several devices tiny generation rows too): checks the command, its timings mean "
+                   "nothing")
     args = p.parse_args(argv)
     if args.table:
         with open(args.table) as f:
@@ -217,21 +256,10 @@ def main(argv=None) -> int:
         if n > 1:  # and generation, rows over all devices
             args.generate, args.generate_new_tokens, args.generate_repeats = ["fox-pro:tiny:32"], 4, 1
             args.generate_rows_per_device = 2
-    configs = [parse_config(c) for c in args.configs]
-    for mesh in args.meshes:
-        parse_mesh(mesh)  # a bad --meshes entry fails here, before any compile
-    generate = [parse_generate(g) for g in args.generate]
-    gen_meshes = args.generate_meshes or [f"data={jax.device_count()}"]
-    for mesh in gen_meshes:
-        sizes = parse_mesh(mesh)
-        if sizes["data"] * sizes["fsdp"] == 1:
-            raise ValueError(f"--generate-meshes: {mesh!r} does not split the rows (generation shards them over "
-                             "data x fsdp)")
-    from fox_jax.cache.policies import parse_policy
-
-    policies = [parse_policy(p).spec for p in args.generate_policies.split(",") if p]
-    if args.generate_rows_per_device < 1:
-        raise ValueError(f"--generate-rows-per-device: expected an int >= 1, got {args.generate_rows_per_device}")
+    try:
+        configs, generate, gen_meshes, policies = checked(args)
+    except ValueError as e:  # one line naming the flag, before anything compiles
+        p.error(str(e))
     acps = {"off": [False], "on": [True], "both": [False, True]}[args.acp]
     rows = scaling_rows(configs, args.meshes, acps, args.tokens_per_device, args.steps, args.warmup,
                         dtype=args.dtype, remat=args.remat, overrides=overrides)
@@ -246,6 +274,8 @@ def main(argv=None) -> int:
     with open(args.out, "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     print("\n" + table(rows))
+    if args.quick:
+        print("(--quick: a CPU smoke run of the command; its timings, and so its efficiencies, are noise)")
     return 0
 
 

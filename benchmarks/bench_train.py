@@ -198,6 +198,16 @@ def main(argv=None):
         variants = [parse_variant(v) for v in args.xla_variants]
     except ValueError as e:
         p.error(f"--xla-variants: {e}")
+    for entry in args.configs:  # a malformed entry is refused here, in one line, before anything compiles
+        parts = entry.split(":")
+        if len(parts) != 3 or not parts[2].isdigit():
+            p.error(f"--configs: expected arch:size:seq_len (e.g. fox-pro:760M:16384), got {entry!r}")
+        try:
+            for acp in acps:
+                if not acp or parts[0].startswith("fox"):
+                    experiment(parts[0], parts[1], int(parts[2]), acp, 1, dict(dtype=args.dtype, **model_overrides))
+        except ValueError as e:
+            p.error(str(e) if str(e).startswith("--") else f"--configs {entry}: {e}")
     rows = []
     for entry in args.configs:
         arch, size, seq = entry.split(":")
@@ -224,7 +234,8 @@ def main(argv=None):
     for r in rows:
         xla = f" {r.get('xla_variant', '')} |" if named else ""
         if "error" in r:
-            print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {r['acp']} |{xla} – | {r['error'][:40]} | | | | |")
+            print(f"| {r['arch']} | {r['size']} | {r['seq_len']} | {'on' if r['acp'] else 'off'} |{xla} – | "
+                  f"{r['error'][:120]} | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "–"
         pruned = f"{100 * r['acp_fraction_skipped']:.0f}%" if "acp_fraction_skipped" in r else ""

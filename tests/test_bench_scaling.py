@@ -1,6 +1,7 @@
 """benchmarks/bench_scaling.py: the weak-scaling rows (one-device baseline, efficiency, errors, merging, the table)
 with a stand-in for the timed step, and the one-device mesh it builds (no compile: cheap)."""
 
+import argparse
 import json
 import os
 import sys
@@ -52,8 +53,19 @@ def test_merge_replaces_rows_by_key_and_bad_arguments(tmp_path):
     assert [r["tokens_per_s"] for r in bs.merge_rows(old, new)] == [2.0, 3.0]
     with pytest.raises(ValueError, match=r"--configs: expected arch:size:seq_len"):
         bs.parse_config("fox-pro:760M")
-    with pytest.raises(ValueError, match=r"--mesh: unknown axis 'model'"):
+    with pytest.raises(SystemExit):  # argparse's one line (stderr), naming the flag
         bs.main(["--meshes", "model=4", "--out", str(tmp_path / "x.json")])
+    args = lambda *a: argparse.Namespace(**{**dict(  # noqa: E731
+        configs=[], generate=[], meshes=["data=4"], generate_meshes=None, generate_policies="dense",
+        generate_rows_per_device=8), **dict(a)})
+    with pytest.raises(ValueError, match=r"^--meshes: unknown axis 'model'"):
+        bs.checked(args(("configs", ["fox-pro:125M:2048"]), ("meshes", ["model=4"])))
+    with pytest.raises(ValueError, match=r"^--generate: expected"):  # named before the (unused) training meshes
+        bs.checked(args(("generate", ["fox-pro:125M"]), ("meshes", ["data=64"])))
+    with pytest.raises(ValueError, match=r"^--generate-meshes: 'tensor=1' does not split the rows"):
+        bs.checked(args(("generate", ["gpt2:896"]), ("generate_meshes", ["tensor=1"])))
+    with pytest.raises(ValueError, match=r"^--generate-policies: "):
+        bs.checked(args(("generate", ["gpt2:896"]), ("generate_policies", "dense,nope")))
     path = tmp_path / "rows.json"
     path.write_text(json.dumps({"rows": [dict(old[0], devices=4, batch=8, mfu=None, efficiency=0.5)]}))
     assert bs.main(["--table", str(path)]) == 0
