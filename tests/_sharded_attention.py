@@ -74,9 +74,10 @@ def dcp_case(mesh_spec, gated):
 
 def decode_case(mesh_spec, kind):
     """The Pallas decode kernel (interpret mode) under ``mesh_spec``: ``append`` (a ring's step with Λ, ACP's decay
-    floor and per-head tables: rows over data, kv heads over tensor), ``step`` (FoX (Pro)'s fused step: the rows of
-    the layer's GEMM hold every head, so only rows split) or ``pool`` (``decode_attention`` with a per-head valid
-    mask) against the same call without a mesh; counts the compiled program's all-gathers (none: nothing is
+    floor and per-head tables: rows over data, kv heads over tensor), ``pinned`` (``sinks``' pinned slots in front of
+    the ring, per-row tables), ``step`` (FoX (Pro)'s fused step: the rows of the layer's GEMM hold every head, so
+    only rows split) or ``pool`` (``decode_attention`` with a per-head valid mask) against the same call without a
+    mesh; counts the compiled program's all-gathers (none: nothing is
     gathered around the kernel)."""
     sys.path.insert(0, str(Path(__file__).parent))
     from test_decode_attention import _lambda_pairs, _step_case
@@ -98,6 +99,13 @@ def decode_case(mesh_spec, kind):
         start = hi - 30 + jnp.asarray(r.integers(0, 8, (b, hkv)), jnp.int32)
         kw = dict(lo=jnp.full((b, 1), -(2 ** 30), jnp.int32), hi=hi, lam_k=lam_k,
                   ring_tables=(start, jnp.zeros((b, hkv), jnp.int32), jnp.zeros((b, hkv), jnp.int32)))
+        if kind == "pinned":  # sinks:5+W: 16 pinned slots in front of a 48-slot ring, per-row tables
+            from fox_jax.ops.decode_attention import PinnedSlots
+
+            seq = jnp.asarray([0, 3, 1, 2], jnp.int32)
+            kw.update(lo=hi - 40, ring_tables=tuple(x[:, :1] for x in kw["ring_tables"]),
+                      pinned=PinnedSlots(5, 16, seq))
+            kw["ring_tables"] = (seq[:, None] + 5, *kw["ring_tables"][1:])
         if kind == "step":
             ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.float32, False, seed=3,
                                                                                 b=b, hkv=hkv)
@@ -106,7 +114,9 @@ def decode_case(mesh_spec, kind):
             q = jnp.asarray(r.standard_normal((b, hkv, grp, d)), jnp.float32)
             k_new, v_new = (jnp.asarray(r.standard_normal((b, hkv, d)), jnp.float32) for _ in range(2))
             lam_new = (lam_q[0] - 0.05, lam_q[1])
-            kw.update(lam_q=lam_new, lam_new=lam_new, decay_floor=jnp.full((b, hkv, grp), -2.0, jnp.float32))
+            kw.update(lam_q=lam_new, lam_new=lam_new)
+            if kind == "append":
+                kw["decay_floor"] = jnp.full((b, hkv, grp), -2.0, jnp.float32)
         f = jax.jit(functools.partial(decode_attention_append, implementation="pallas"))
         args = (q, k, v, k_new, v_new)
     ref = f(*args, **kw)
@@ -167,6 +177,7 @@ if __name__ == "__main__":
     out["decode|data=2,tensor=2|append"] = decode_case("data=2,tensor=2", "append")
     out["decode|data=4|step"] = decode_case("data=4", "step")
     out["decode|data=2,tensor=2|pool"] = decode_case("data=2,tensor=2", "pool")
+    out["decode|data=4|pinned"] = decode_case("data=4", "pinned")
     out["model"] = model_case()
     # SwiGLU under tensor: no exchange of the MLP's activations; under fsdp: no activation collective at all
     out["mlp"] = activation_collectives("data=2,tensor=2", ("collective-permute", "all-gather"), "/mlp/")
