@@ -75,8 +75,9 @@ def dcp_case(mesh_spec, gated):
 def decode_case(mesh_spec, kind):
     """The Pallas decode kernel (interpret mode) under ``mesh_spec``: ``append`` (a ring's step with Λ, ACP's decay
     floor and per-head tables: rows over data, kv heads over tensor), ``pinned`` (``sinks``' pinned slots in front of
-    the ring, per-row tables), ``step`` (FoX (Pro)'s fused step: the rows of the layer's GEMM hold every head, so
-    only rows split) or ``pool`` (``decode_attention`` with a per-head valid mask) against the same call without a
+    the ring, per-row tables), ``step`` / ``step-logits`` (FoX (Pro)'s fused step, the gate
+    projections done in the kernel or their logits by XLA: the GEMM rows and gates laid out per shard, then rows and
+    heads split) or ``pool`` (``decode_attention`` with a per-head valid mask) against the same call without a
     mesh; counts the compiled program's all-gathers (none: nothing is
     gathered around the kernel)."""
     sys.path.insert(0, str(Path(__file__).parent))
@@ -106,9 +107,9 @@ def decode_case(mesh_spec, kind):
             kw.update(lo=hi - 40, ring_tables=tuple(x[:, :1] for x in kw["ring_tables"]),
                       pinned=PinnedSlots(5, 16, seq))
             kw["ring_tables"] = (seq[:, None] + 5, *kw["ring_tables"][1:])
-        if kind == "step":
-            ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.float32, False, seed=3,
-                                                                                b=b, hkv=hkv)
+        if kind.startswith("step"):  # step: the gate projections in the kernel; step-logits: their logits from XLA
+            ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(
+                grp, d, jnp.float32, False, seed=3, b=b, hkv=hkv, d_in=48 if kind == "step" else 40)
             kw["step"] = DecodeStep(ops, jnp.asarray([0, 3, 0, 5], jnp.int32), shift_state, log_fgate, lam_prev)
         else:
             q = jnp.asarray(r.standard_normal((b, hkv, grp, d)), jnp.float32)
@@ -176,6 +177,8 @@ if __name__ == "__main__":
     out["dcp|data=4"] = dcp_case("data=4", False)
     out["decode|data=2,tensor=2|append"] = decode_case("data=2,tensor=2", "append")
     out["decode|data=4|step"] = decode_case("data=4", "step")
+    out["decode|data=2,tensor=2|step"] = decode_case("data=2,tensor=2", "step")
+    out["decode|data=2,tensor=2|step-logits"] = decode_case("data=2,tensor=2", "step-logits")
     out["decode|data=2,tensor=2|pool"] = decode_case("data=2,tensor=2", "pool")
     out["decode|data=4|pinned"] = decode_case("data=4", "pinned")
     out["model"] = model_case()

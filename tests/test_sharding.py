@@ -171,10 +171,13 @@ def test_pallas_attention_runs_per_shard_under_a_mesh():
     # is used and no collective moves activations (unconstrained, XLA split d of the activations and exchanged
     # them around every matmul: 3.5 GB of collectives per step against 82 MB on 8 devices at 1024 tokens)
     assert res.pop("fsdp") == 0
-    # the decode kernel per shard: nothing gathered around it, the outputs left sharded (rows over data and, where
-    # the call has no fused step, kv heads over tensor), every output (o, ring, Λ, first key, carries, tables) equal
+    # the decode kernel per shard: nothing gathered around it, the outputs left sharded (rows over data, kv heads over
+    # tensor: a fused step's GEMM rows and gates laid out per shard), every output (o, ring, Λ, first key, carries,
+    # tables) equal
     for case, want in (("decode|data=2,tensor=2|append", ("P('data', 'tensor')", 9)),
                        ("decode|data=4|step", ("P('data',)", 11)),
+                       ("decode|data=2,tensor=2|step", ("P('data', 'tensor')", 11)),
+                       ("decode|data=2,tensor=2|step-logits", ("P('data', 'tensor')", 11)),
                        ("decode|data=2,tensor=2|pool", ("P('data', 'tensor')", 1)),
                        ("decode|data=4|pinned", ("P('data',)", 8))):
         assert res[case]["gathers"] == 0 and (res[case]["o_spec"], res[case]["leaves"]) == want, (case, res[case])
