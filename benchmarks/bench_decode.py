@@ -651,9 +651,10 @@ def main(argv=None) -> dict:
         info.update(prompt_tokens=int(len(prompts.stream)))
     mesh = None
     if args.mesh:
-        from fox_jax.sharding import make_mesh
+        from fox_jax.sharding import make_mesh, select_partitioner
 
         mesh = make_mesh(args.mesh)
+        select_partitioner(mesh)  # GSPMD on GPUs: the decode kernel per shard (as fox-jax generate --mesh)
     bench = Bench(model, params, prompts, args, mesh)
     result = {"meta": meta(args, model, info), "rows": []}
     rows = result["rows"]

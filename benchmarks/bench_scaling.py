@@ -108,7 +108,7 @@ def generate_rows(entries, meshes, policies, rows_per_device: int, new_tokens: i
     def measure_decode(model_spec, prompt, policy, batch, mesh, devices):
         import bench_decode as bd
 
-        from fox_jax.sharding import make_mesh
+        from fox_jax.sharding import kernel_sharding_enabled, make_mesh, select_partitioner
 
         if model_spec not in benches:
             args = bd.parse_args(["--model", model_spec, "--policies", ",".join(policies), "--new-tokens",
@@ -118,7 +118,9 @@ def generate_rows(entries, meshes, policies, rows_per_device: int, new_tokens: i
             benches[model_spec] = bd.Bench(model, params, bd.Prompts(model.cfg.vocab_size), args)
         bench = benches[model_spec]
         bench.args.equal_batch, bench.args.mesh, bench.mesh = batch, mesh, make_mesh(mesh, devices)
-        return bd.bench_equal(bench, policy, prompt)
+        partitioner = select_partitioner(bench.mesh)  # GSPMD on multi-GPU meshes: the decode kernel per shard
+        return dict(bd.bench_equal(bench, policy, prompt), partitioner=partitioner,
+                    kernels_sharded=kernel_sharding_enabled() and bench.mesh.size > 1)
 
     measure = measure or measure_decode
     for model_spec, prompt in entries:
@@ -137,7 +139,8 @@ def generate_rows(entries, meshes, policies, rows_per_device: int, new_tokens: i
                     row.update(tokens_per_s=r.get("decode_tokens_per_sec"),
                                generate_tokens_per_s=r.get("tokens_per_sec"), prefill_s=r.get("prefill_seconds"),
                                step_ms=None if not steps or new_tokens < 2 else 1e3 * steps / (new_tokens - 1),
-                               overflow=r.get("overflow"), kv_bytes_allocated=r.get("kv_allocated_bytes"))
+                               overflow=r.get("overflow"), kv_bytes_allocated=r.get("kv_allocated_bytes"),
+                               partitioner=r.get("partitioner"), kernels_sharded=r.get("kernels_sharded"))
                 except Exception as e:  # out of memory or unsupported: recorded, the command goes on
                     row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
                 if devices is not None:

@@ -443,7 +443,10 @@ def generate(model, params, prompt_tokens, *, max_new_tokens: int, policy="dense
       mesh: a ``jax.sharding.Mesh`` (``fox_jax.sharding.make_mesh``) to run sharded on, as training: params by
         the training rules, prompt rows over ``data`` × ``fsdp``, caches by their ``logical_axes()`` (rows over
         ``data`` × ``fsdp``, key/value heads over ``tensor``); B must be a multiple of data × fsdp. The tokens
-        equal the unsharded ones (docs/multi_gpu.md). None: wherever the inputs are (one device).
+        equal the unsharded ones (docs/multi_gpu.md). None: wherever the inputs are (one device). On GPUs the
+        decode kernel runs per shard only under the GSPMD partitioner with jax 0.11.2: call
+        ``fox_jax.sharding.select_partitioner(mesh)`` first, as ``fox-jax generate --mesh`` does (under Shardy XLA
+        gathers the cache around it: correct, not fast).
       max_context: N of ``acp``'s threshold δ = −(2U + log N) + log ε, the most keys a query may see (default
         T + max_new_tokens − 1; ``serve`` uses its longest request's for every request). Other policies ignore it.
       steps: sample at most this many of the N tokens (1 ≤ steps ≤ N; default N), the rest of ``tokens`` −1. A
