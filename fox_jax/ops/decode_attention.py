@@ -11,7 +11,6 @@ In the Pallas kernel ``decode_attention_append`` does both at once, the ring upd
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from typing import NamedTuple
 
@@ -24,7 +23,7 @@ import numpy as np
 from fox_jax.kernels import decode_attention as dk
 from fox_jax.ops._common import QKV_DTYPES, dot_precision
 from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
-from fox_jax.sharding import kernel_mesh, per_shard, shard_count, shard_plan
+from fox_jax.ops.decode_shards import DecodeShards
 
 DECODE_IMPLEMENTATIONS = ("auto", "xla", "pallas", "cudnn")
 
@@ -280,7 +279,7 @@ def decode_attention(
         return _xla(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
     if impl == "cudnn":
         return _cudnn(q, k, v, lo, hi, valid, lam_q, lam_k, scale)
-    shards = _Shards.of(q, heads=True)
+    shards = DecodeShards.of(q, heads=True)
     config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=valid is not None,
                                        programs=shards.programs)
     return shards.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, scale=scale, config=config, interpret=interpret)
@@ -290,7 +289,7 @@ def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool, pinned_
                    programs: int | None = None) -> tuple:
     """(the kernel's ``DecodeConfig``, interpret mode) for these shapes, after checking ``block_k`` / ``num_splits``;
     the ring is the last C − ``pinned_slots`` slots; ``programs``: the (row, kv head) pairs one device runs (default
-    B·Hkv; fewer per shard, ``_Shards``), from which the default ``num_splits`` fills the GPU.
+    B·Hkv; fewer per shard, ``DecodeShards``), from which the default ``num_splits`` fills the GPU.
 
     Raises:
       ValueError: a block_k that is not a power of two ≥ 16 dividing C, num_splits < 1, head_dim > 256.
@@ -309,111 +308,6 @@ def _pallas_config(q, k, block_k, num_splits, *, lam: bool, valid: bool, pinned_
                                       head_dim=q.shape[-1], itemsize=jnp.dtype(q.dtype).itemsize, group=q.shape[2],
                                       lam=lam, valid=valid)
     return config, interpret
-
-
-# the StepArrays fields with a leading batch dimension; the others (scales, gate weights and tables) are the layer's
-_STEP_ROW_FIELDS = ("rows", "seq_start", "gate_rows", "gate_x", "shift_state", "lam_prev")
-# the StepArrays fields per key/value head, and the axis of their heads (rows and gate_rows: once laid out per shard)
-_STEP_HEAD_AXIS = dict(rows=1, gate_rows=1, gate_table=0, shift_state=2, q_scale=0, k_scale=0, lam_prev=1, o_scale=0)
-
-
-def _shard_major(blocks: list[tuple[int, int]], hkv: int, shards: int) -> np.ndarray:
-    """Indices that reorder per-head blocks shard after shard: ``blocks`` (offset, width per kv head) of a layout
-    [block 0 of every kv head, block 1 of every kv head, ...]; the result holds for each of ``shards`` consecutive
-    groups of Hkv / shards heads its part of every block, in the blocks' order."""
-    n = hkv // shards
-    return np.concatenate([off + np.arange(r * n * w, (r + 1) * n * w) for r in range(shards) for off, w in blocks])
-
-
-def _step_for_shards(step: dk.StepArrays, hkv: int, grp: int, shards: int) -> tuple[dk.StepArrays, dk.StepArrays]:
-    """(``step`` laid out for ``shards`` key/value-head shards, its logical axes). The GEMM rows (q: G per kv head,
-    k, v, the output gate's G) and the gate logits (k and v shift, G forget gates) are reordered so that each shard's
-    heads are one contiguous block in the kernel's own layout, and the gate projections become their per-head table
-    (``gate_table``): then every per-head field splits along ``"heads"`` and every per-row field along ``"batch"``.
-    One shard (``shards`` 1): the fields as they are, heads whole."""
-    if shards > 1:
-        h = hkv * grp
-        rows = [(0, grp), (h, 1), (h + hkv, 1)] + ([(h + 2 * hkv, grp)] if step.o_gate else [])
-        step = dataclasses.replace(step, rows=step.rows[:, _shard_major(rows, hkv, shards)])
-        if step.gate_rows is not None:
-            shifts = [(0, 1), (hkv, 1)] if step.shift_state is not None else []
-            forget = [(2 * hkv if shifts else 0, grp)] if step.lam_prev is not None else []
-            step = dataclasses.replace(step, gate_rows=step.gate_rows[:, _shard_major(shifts + forget, hkv, shards)])
-        if step.gate_x is not None:
-            table = step.gate_table if step.gate_table is not None else dk.gate_table(step.gate_w, hkv)
-            step = dataclasses.replace(step, gate_table=table, gate_w=None)
-    leaves, tree = jax.tree_util.tree_flatten_with_path(step)
-
-    def axes(field: str, x) -> tuple:
-        names = [None] * x.ndim
-        if field in _STEP_ROW_FIELDS:
-            names[0] = "batch"
-        if shards > 1 and field in _STEP_HEAD_AXIS:
-            names[_STEP_HEAD_AXIS[field]] = "heads"
-        return tuple(names)
-
-    return step, tree.unflatten([axes(path[0].name, x) for path, x in leaves])
-
-
-class _Shards(NamedTuple):
-    """How the Pallas decode kernel is split under an ambient mesh (``fox_jax.sharding.kernel_mesh``): a
-    ``pallas_call`` is opaque to the SPMD partitioner, which would gather the cache around it and run every row on
-    every device; per shard, rows go over the mesh's batch axes and key/value heads over its head axes, where they
-    divide B, resp. Hkv (a fused step's GEMM rows and gate projections laid out per shard first,
-    ``_step_for_shards``; not for a cache's head group, whose rows are the layer's).
-
-    Attributes:
-      mesh: the mesh, or None (no mesh, or nothing divides: a direct call). kv_shards: shards of the key/value heads
-        (1: heads whole). programs: the (row, kv head) pairs of one shard (the kernel's default ``num_splits`` fills
-        the GPU with them).
-    """
-
-    mesh: object
-    kv_shards: int
-    programs: int
-
-    @classmethod
-    def of(cls, q: jax.Array, *, heads: bool) -> "_Shards":
-        b, hkv = q.shape[:2]
-        mesh = kernel_mesh()
-        if mesh is None:
-            return cls(None, 1, b * hkv)
-        plan = shard_plan(mesh, {"q": (q, ("batch", "heads" if heads else None, None, None))})
-        rows, kv_heads = (n // shard_count(mesh, plan.get(name)) for n, name in ((b, "batch"), (hkv, "heads")))
-        return cls(mesh if rows * kv_heads < b * hkv else None, hkv // kv_heads, rows * kv_heads)
-
-    def flash_decode(self, q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, append=None, decay_floor=None,
-                     step=None, tables=None, pinned=None, **static):
-        """``dk.flash_decode`` (same arguments and results), per shard when ``mesh`` is set."""
-        if self.mesh is None:
-            return dk.flash_decode(q, k, v, lo, hi, valid, lam_q, lam_k, append=append, decay_floor=decay_floor,
-                                   step=step, tables=tables, pinned=pinned, **static)
-        b, hkv, grp = q.shape[:3]
-        head = "heads" if self.kv_shards > 1 else None
-
-        def axes(x):  # [B, Hkv or 1, ...] (q, the ring, Λ, lo / hi / tables / valid per row and head), or a scalar
-            if x.ndim == 0:
-                return ()
-            return ("batch",) + ((head if x.shape[1] == hkv else None),) * (x.ndim > 1) + (None,) * (x.ndim - 2)
-
-        arrays = dict(q=q, k=k, v=v, lo=lo, hi=hi, valid=valid, lam_q=lam_q, lam_k=lam_k, append=append,
-                      decay_floor=decay_floor, tables=tables)
-        args = {name: (x, jax.tree_util.tree_map(axes, x)) for name, x in arrays.items() if x is not None}
-        if step is not None:
-            args["step"] = _step_for_shards(step, hkv, grp, self.kv_shards)
-        if pinned is not None:  # (S, P) are static
-            args["pin_start"] = (pinned[2], ("batch",))
-
-        def local(pin_start=None, **a):
-            return dk.flash_decode(**a, pinned=None if pinned is None else (pinned[0], pinned[1], pin_start), **static)
-
-        out = jax.eval_shape(local, **{name: x for name, (x, _) in args.items()})
-        out_axes = jax.tree_util.tree_map(axes, out)
-        if step is not None:  # (o, k, v, Λ, [first], carries, ...): the carried shift state has its heads on axis 2
-            at = 4 + (decay_floor is not None)
-            shift = None if out[at][0] is None else ("batch", None, head, None)
-            out_axes = out_axes[:at] + ((shift, out_axes[at][1]),) + out_axes[at + 1:]
-        return per_shard(local, self.mesh, args, out_axes)
 
 
 def write_entry(buf: jax.Array, x: jax.Array, hi: jax.Array, axis: int, offset: int = 0) -> jax.Array:
@@ -780,7 +674,7 @@ def decode_attention_append(
     if impl == "pallas" and d % dk.MIN_BLOCK == 0 and d <= dk.MAX_HEAD_DIM and k.shape[2] % dk.MIN_BLOCK == 0 \
             and kernel_ok and pin_ok:
         scale = d ** -0.5 if sm_scale is None else float(sm_scale)
-        shards = _Shards.of(q, heads=step is None or step.heads is None)  # a head group reads the layer's rows
+        shards = DecodeShards.of(q, heads=step is None or step.heads is None)  # a head group reads the layer's rows
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False,
                                            pinned_slots=pin, programs=shards.programs)
         one_split = config.num_splits == 1
