@@ -97,3 +97,22 @@ def test_profile_decode_quick_run(tmp_path):
     # (−0.45 ms once in the suite, the host's elementwise events of the 1-step run being slower), so only finite
     assert row["kernels_per_step"] > 0 and math.isfinite(row["device_ms_per_step"]) and row["compile_s"] > 0
     assert set(row["per_step_ms"]) >= {"attention", "gemm", "elementwise"}
+
+
+def test_mesh_flag_is_checked_before_anything_runs():
+    """``--mesh`` (sharded decoding): a mesh these devices cannot form, one that does not split --equal-batch, and a
+    KV budget beside it are refused in one line naming the flag (no model loaded); sharded rows keep their mesh."""
+    from bench_decode import parse_args
+
+    for argv, flag in ((["--mesh", "data=2"], "--mesh: .* needs 2 devices, have 1"),
+                       (["--mesh", "model=1"], "--mesh: unknown axis 'model'"),
+                       (["--mesh", "data=1", "--kv-budget", "1"], "--kv-budget: not with --mesh"),
+                       (["--mesh", "fsdp=1", "--equal-batch", "4"], None)):
+        if flag is None:
+            assert parse_args(argv).mesh == "fsdp=1"
+            continue
+        with pytest.raises(SystemExit, match=flag):
+            parse_args(argv)
+    row = issue_row(bench_row("dense", 8, 1.0, 0.5, 10, mesh="data=4", devices=4), "m", 100, 4.8, {})
+    assert (row["mesh"], row["devices"]) == ("data=4", 4)
+    assert "mesh" not in issue_row(bench_row("dense", 8, 1.0, 0.5, 10), "m", 100, 4.8, {})
