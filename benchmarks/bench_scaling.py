@@ -40,7 +40,7 @@ import sys
 
 import jax
 
-from bench_train import bench_one
+from bench_train import bench_one, parse_config
 from fox_jax.sharding import parse_mesh
 from profile_step import parse_variant
 
@@ -48,14 +48,6 @@ ROW_KEY = ("task", "arch", "size", "seq_len", "acp", "policy", "mesh")
 DEFAULT_GENERATE_POLICIES = ("dense", "acp")
 DEFAULT_CONFIGS = ("fox-pro:760M:16384", "fox-pro:125M:2048", "gpt2-dcp:124M:1024")  # gpt2-dcp: bench_train.experiment
 DEFAULT_MESHES = ("data=4", "fsdp=4", "data=2,fsdp=2", "fsdp=2,tensor=2")
-
-
-def parse_config(entry: str) -> tuple[str, str, int]:
-    """``"arch:size:seq_len"`` -> (arch, size, seq_len). Raises ValueError naming ``--configs``."""
-    parts = entry.split(":")
-    if len(parts) != 3 or not parts[2].isdigit():
-        raise ValueError(f"--configs: expected arch:size:seq_len (e.g. fox-pro:760M:16384), got {entry!r}")
-    return parts[0], parts[1], int(parts[2])
 
 
 def scaling_rows(configs, meshes, acps, tokens_per_device: int, steps: int, warmup: int, *, dtype: str = "bfloat16",

@@ -18,6 +18,7 @@ the same device call; a config whose parameter shapes differ gets an error row).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -45,8 +46,6 @@ def trained_params(run_dir: str, model_cfg) -> dict:
       FileNotFoundError / ValueError / CheckpointError: no run there, or one without a checkpoint
         (``open_run``); ValueError: parameters of other shapes than ``model_cfg``'s.
     """
-    import dataclasses
-
     from fox_jax.train.checkpoints import CheckpointError, CorruptCheckpointError
     from fox_jax.train.runs import open_run
 
@@ -60,6 +59,14 @@ def trained_params(run_dir: str, model_cfg) -> dict:
                          f"size): {e}") from None
 
 
+def parse_config(entry: str) -> tuple[str, str, int]:
+    """``"arch:size:seq_len"`` -> (arch, size, seq_len). Raises ValueError naming ``--configs``."""
+    parts = entry.split(":")
+    if len(parts) != 3 or not parts[2].isdigit():
+        raise ValueError(f"--configs: expected arch:size:seq_len (e.g. fox-pro:760M:16384), got {entry!r}")
+    return parts[0], parts[1], int(parts[2])
+
+
 GPT2_DCP = "gpt2-dcp"  # the arch name of GPT-2 with DCP's interaction weights, timed as `fox-jax finetune-dcp` trains it
 
 
@@ -71,8 +78,6 @@ def experiment(arch: str, size: str, seq_len: int, acp: bool, batch: int, overri
     Raises:
       ValueError: an unknown arch or size, ACP with gpt2-dcp (it has no forget gates), a context past GPT-2's 1024.
     """
-    import dataclasses
-
     if arch == GPT2_DCP:
         from fox_jax.config import GPT2_SIZES, gpt2_preset
         from fox_jax.train.finetune_dcp import DCPTask
@@ -123,7 +128,7 @@ def bench_one(arch, size, seq_len, acp, batch_tokens, steps, warmup, remat, mesh
           file=sys.stderr, flush=True)
     train_step = make_train_step(task, model_cfg.build(), optimizer, 1)
     compile_options = {**train_step_compiler_options(), **(xla_options or {})}
-    jitted = under_mesh(mesh, jax.jit(lambda s, b, sc: train_step(s, b, sc), in_shardings=(shard, batch_sharding(mesh), None),
+    jitted = under_mesh(mesh, jax.jit(train_step, in_shardings=(shard, batch_sharding(mesh), None),
                                       out_shardings=(shard, None), donate_argnums=(0,),
                                       compiler_options=compile_options or None))
     step = lambda s, b: jitted(s, b, scalars)  # noqa: E731  (DCP's α and γ: traced, as the trainer passes them)
@@ -198,30 +203,29 @@ def main(argv=None):
         variants = [parse_variant(v) for v in args.xla_variants]
     except ValueError as e:
         p.error(f"--xla-variants: {e}")
-    for entry in args.configs:  # a malformed entry is refused here, in one line, before anything compiles
-        parts = entry.split(":")
-        if len(parts) != 3 or not parts[2].isdigit():
-            p.error(f"--configs: expected arch:size:seq_len (e.g. fox-pro:760M:16384), got {entry!r}")
+    configs = []
+    for entry in args.configs:  # a malformed or unknown entry is refused here, in one line, before anything compiles
         try:
+            arch, size, seq = parse_config(entry)
             for acp in acps:
-                if not acp or parts[0].startswith("fox"):
-                    experiment(parts[0], parts[1], int(parts[2]), acp, 1, dict(dtype=args.dtype, **model_overrides))
+                if not acp or arch.startswith("fox"):
+                    experiment(arch, size, seq, acp, 1, dict(dtype=args.dtype, **model_overrides))
         except ValueError as e:
             p.error(str(e) if str(e).startswith("--") else f"--configs {entry}: {e}")
+        configs.append((arch, size, seq))
     rows = []
-    for entry in args.configs:
-        arch, size, seq = entry.split(":")
+    for arch, size, seq in configs:
         for acp in acps:
             if acp and not arch.startswith("fox"):
                 continue
             for variant, xla_options in variants:
                 try:
-                    row = bench_one(arch, size, int(seq), acp, args.batch_tokens, args.steps, args.warmup,
+                    row = bench_one(arch, size, seq, acp, args.batch_tokens, args.steps, args.warmup,
                                     args.remat, args.mesh, args.dtype, args.partitioner, model_overrides,
                                     params_from=args.params_from, xla_options=xla_options)
                     row["overrides"] = model_overrides
                 except Exception as e:  # OOM or unsupported: record and go on
-                    row = dict(arch=arch, size=size, seq_len=int(seq), acp=acp,
+                    row = dict(arch=arch, size=size, seq_len=seq, acp=acp,
                                error=f"{type(e).__name__}: {str(e)[:200]}")
                 if len(variants) > 1 or xla_options:
                     row.update(xla_variant=variant, xla_options=xla_options)
