@@ -37,10 +37,11 @@ pinned column, so that key enters the softmax once, from registers).
 
 The fused step (``step=``: the layer's per-head work on the raw projections) and the ring's tables (``tables=``) are
 updated in place too: each program reads its carries (raw k̃, ṽ, Λ) and table entries, then a barrier, then the
-writes (global memory is not ordered between a program's threads otherwise). Other splits of the same (row, head)
-read a carry split 0 may be writing, but their k and v only enter split 0's softmax and ring write, and Λ is
-written in place only with one split; a per-row table is written by one program (kv head 0, split 0), and the
-others of the row compute the same read start from the old or the new value.
+writes (global memory is not ordered between a program's threads otherwise), after the attention loop
+(``DecodeConfig.late_writes``), so that the barrier does not hold back the loop's first loads. Other splits of
+the same (row, head) read a carry split 0 may be writing, but their k and v only enter split 0's softmax and ring
+write, and Λ is written in place only with one split; a per-row table is written by one program (kv head 0,
+split 0), and the others of the row compute the same read start from the old or the new value.
 
 Head dims that are not powers of two but multiples of 16 (48, 80, 96, …) are handled as a sum of
 power-of-two column chunks (48 = 32 + 16), so nothing is copied; other head dims are zero-padded to a
@@ -75,6 +76,10 @@ class DecodeConfig:
     Triton launch knobs (num_stages = software-pipelined K/V block loads in flight); fold_floor: with ACP's
     decay floor and one split, the floor's pass over Λ_k is the attention loop itself (blocks newest first), not a
     pass of its own before it (the same keys, Λ_k loaded once; the softmax summed in the other order).
+    late_writes: the in-place writes of the carries and the ring's tables after the attention loop (one barrier
+    there) instead of before it, so that no barrier stands between the program's first loads and the loop's K/V
+    loads; early_epilogue: the fused step's output norm scales and output gate logits loaded with the prologue's
+    inputs instead of after the loop (one round trip to memory fewer on the program's path). Neither changes a value.
     """
 
     block_k: int = 64
@@ -82,6 +87,8 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fold_floor: bool = True
+    late_writes: bool = True
+    early_epilogue: bool = True
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
@@ -208,6 +215,8 @@ class _Geom:
     append: bool = False  # the step's own key comes in separately and is written to the ring here
     has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
     fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
+    late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
+    early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
     kv_heads: int = 1
@@ -368,21 +377,33 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     return qs, ks, vs, lam, writes
 
 
-def _step_epilogue(g: _Geom, r: dict, outs, row_ok):
-    """Fused step, one split: the output norm and gate on the normalised output chunks (float32 [Gp, size]);
-    returns them in the output dtype, rounded where the layer rounds (``head_epilogue``)."""
-    st, dt = g.step, r["o"].dtype
-    f32 = jnp.float32
-    outs = [x.astype(dt).astype(f32) for x in outs]  # the attention output in its dtype, as the layer sees it
+def _epilogue_operands(g: _Geom, r: dict, row_ok):
+    """Fused step, one split: what the epilogue reads, (output norm scale chunks or None, output gate logit chunks
+    or None), each [Gp, size]; loaded with the prologue's inputs (``early_epilogue``) or after the loop."""
+    st = g.step
+    scales = gates = None
     if st.o_norm:
-        d = sum(size for _, size in g.chunks)
         scales = [pltriton.load(r["o_scale"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
-        outs = [x.astype(f32) for x in _rms_chunks(outs, scales, st.o_eps, d, dt)]
     if st.o_gate:  # the gate logits: rows 2·Hkv + H + head·G of ``rows``
         n_call = st.kv_heads if st.group_heads is None else len(st.group_heads)
         first = st.q_heads + 2 * st.kv_heads + layer_head(lax.rem(pl.program_id(0), n_call), st.group_heads) * g.group
         gates = [pltriton.load(r["rows"].at[pl.ds(first, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
                  for off, size in g.chunks]
+    return scales, gates
+
+
+def _step_epilogue(g: _Geom, r: dict, outs, row_ok, operands=None):
+    """Fused step, one split: the output norm and gate on the normalised output chunks (float32 [Gp, size]), with
+    ``operands`` from ``_epilogue_operands`` (loaded here when None); returns them in the output dtype, rounded where
+    the layer rounds (``head_epilogue``)."""
+    st, dt = g.step, r["o"].dtype
+    f32 = jnp.float32
+    scales, gates = operands if operands is not None else _epilogue_operands(g, r, row_ok)
+    outs = [x.astype(dt).astype(f32) for x in outs]  # the attention output in its dtype, as the layer sees it
+    if st.o_norm:
+        d = sum(size for _, size in g.chunks)
+        outs = [x.astype(f32) for x in _rms_chunks(outs, scales, st.o_eps, d, dt)]
+    if st.o_gate:
         outs = [x * jax.nn.sigmoid(gt.astype(f32)).astype(dt).astype(f32) for x, gt in zip(outs, gates)]
     return [x.astype(dt) for x in outs]
 
@@ -423,9 +444,11 @@ def _decode_kernel(*refs, g: _Geom):
         at_pin = (pos_new >= 0) & (pos_new < g.sinks)  # its ring column is behind the ring's start (≥ seq_start + S)
         with_new = with_new | at_pin
         pin_slot = (jnp.clip(pos_new, 0, g.pin_slots - 1), at_pin)
-    lq = lam_new = None
+    lq = lam_new = epilogue = None
     writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
+        if g.early_epilogue and g.num_splits == 1:
+            epilogue = _epilogue_operands(g, r, row_ok)
         qs, k_new, v_new, lq, writes = _step_prologue(g, r, row_ok)
         lam_new = lq
     else:
@@ -440,11 +463,14 @@ def _decode_kernel(*refs, g: _Geom):
                     (lambda ref: pltriton.load(ref.at[:], mask=row_ok[:, 0], other=0.0))  # noqa: E731
                 lam_new = (load(r["ln_hi"]), load(r["ln_lo"]))
 
-    if g.tables or writes:  # every in-place buffer (carries, tables) read above by all threads, then written
+    # Every in-place buffer (carries, tables) is read above by all threads, then written after a barrier: here, or
+    # with ``late_writes`` at the end, so that the loop's first K/V loads need not wait for the barrier.
+    if (g.tables or writes) and not g.late_writes:
         if not g.interpret:
             pltriton.debug_barrier()
         for write in writes:
             write()
+        writes = []
 
     def decay_block(start, size=bk):  # [Gp or 1, size] float32 Λ_q − Λ_k of the block at physical slot ``start``
         if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
@@ -470,7 +496,11 @@ def _decode_kernel(*refs, g: _Geom):
         hi = jnp.maximum(hi, lo)
         wanted = first
     if g.tables and not fold:  # the ring's tables after this step (one writer per table entry; the others read the
-        _advance_tables(g, r, lo, wanted, hi_in, peak, overflow, n_held)  # same start)
+        advance = functools.partial(_advance_tables, g, r, lo, wanted, hi_in, peak, overflow, n_held)  # same start)
+        if g.late_writes:
+            writes.append(advance)
+        else:
+            advance()
 
     # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
     n_first = lax.div(lo, bk)
@@ -541,7 +571,11 @@ def _decode_kernel(*refs, g: _Geom):
         carry = carry[:3]
         pltriton.store(r["first"].at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32))
         if g.tables:
-            _advance_tables(g, r, jnp.maximum(first, oldest), first, hi_in, peak, overflow)
+            advance = functools.partial(_advance_tables, g, r, jnp.maximum(first, oldest), first, hi_in, peak, overflow)
+            if g.late_writes:
+                writes.append(advance)
+            else:
+                advance()
     elif g.has_valid:  # every block needs the slot mask
         carry = lax.fori_loop(start_n, end_n, masked_step, carry)
     else:  # blocks [full_lo, full_hi) lie inside [lo, hi): no element mask
@@ -559,7 +593,7 @@ def _decode_kernel(*refs, g: _Geom):
         inv = jnp.where(l_i == 0.0, 0.0, 1.0 / jnp.where(l_i == 0.0, 1.0, l_i))
         outs = [acc * inv[:, None] for acc in accs]
         if g.step is not None:
-            outs = _step_epilogue(g, r, outs, row_ok)
+            outs = _step_epilogue(g, r, outs, row_ok, epilogue)
         for x, (off, size) in zip(outs, g.chunks):
             pltriton.store(r["o"].at[:, pl.ds(off, size)], x.astype(r["o"].dtype), mask=row_ok)
     else:
@@ -567,6 +601,11 @@ def _decode_kernel(*refs, g: _Geom):
             pltriton.store(r["o"].at[:, pl.ds(off, size)], acc, mask=row_ok)
         pltriton.store(r["m"].at[:], m_i, mask=row_ok[:, 0])
         pltriton.store(r["l"].at[:], l_i, mask=row_ok[:, 0])
+    if writes:  # ``late_writes``: the carries and tables, once every thread has read them
+        if not g.interpret:
+            pltriton.debug_barrier()
+        for write in writes:
+            write()
 
 
 def _advance_tables(g: _Geom, r: dict, start, wanted, hi_in, peak, overflow, n_held=None):
@@ -945,6 +984,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  chunks=head_dim_chunks(d_run), scale=float(scale), has_lam=has_lam, has_valid=has_valid,
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
+                 late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

@@ -350,14 +350,18 @@ def test_append_decay_floor(grp, dtype, splits, fold, monkeypatch):
         decode_attention_append(q, k, v, k_new, v_new, lo=jnp.asarray(lo), hi=hi, decay_floor=floor)
 
 
-@pytest.mark.parametrize("splits", [1, 2])
-def test_append_advances_the_ring_tables(splits):
+@pytest.mark.parametrize("splits,late", [(1, True), (2, True), (1, False)])
+def test_append_advances_the_ring_tables(splits, late, monkeypatch):
     """``decode_attention_append(..., ring_tables=(start, peak, overflow))``: ``lo`` is the rule's first visible column
     and the op reads from max(lo, start, hi − C), or with a decay floor from the first key above it from the ring's
     start; the tables advance to start' = the read start, peak' = max(peak, hi − start'), overflow' = overflow +
     (start' − what the policy kept) — per row (nt = 1: a window's rule, a dense ring that overflows, a start ahead of
     the rule) and per key/value head (acp's floor, a full ring whose oldest key overflows); the Pallas kernel (in
-    place) and the XLA path equal this loop oracle exactly, and the output the dense read of the kept range."""
+    place; its writes after the attention loop, ``DecodeConfig.late_writes``, or before it) and the XLA path equal this
+    loop oracle exactly, and the output the dense read of the kept range."""
+    config = dk.default_decode_config
+    monkeypatch.setattr(dk, "default_decode_config",
+                        lambda *a, **kw: dataclasses.replace(config(*a, **kw), late_writes=late))
     cap, d, grp = 80, 32, 2
     rng = np.random.default_rng(7)
     q, k, v, _ = _inputs(cap, grp, d, jnp.float32, False, None, seed=7)
@@ -500,10 +504,11 @@ def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv:
     return ops, q, k_new, v_new, shift_state, log_fgate, lam_prev
 
 
-@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0,d_in", [(1, 32, jnp.float32, 1, False, 0, 48),
-                                                                 (4, 48, jnp.bfloat16, 1, True, 0, 40),
-                                                                 (2, 32, jnp.float32, 3, False, -2, 64)])
-def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d_in):
+@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0,d_in,late", [(1, 32, jnp.float32, 1, False, 0, 48, True),
+                                                                      (4, 48, jnp.bfloat16, 1, True, 0, 40, True),
+                                                                      (2, 32, jnp.float32, 3, False, -2, 64, True),
+                                                                      (1, 32, jnp.float32, 1, False, 0, 48, False)])
+def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d_in, late, monkeypatch):
     """``decode_attention_append(..., step=DecodeStep)``: the raw projections in (the decode GEMM's rows, read in
     place by the kernel, or packed by the op; the gate logits computed by the kernel from their projections, by XLA
     where d_in is not a multiple of 16, or packed by the op), the layer's per-head work done by the op — KV-shift from the carry
@@ -513,8 +518,13 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d
     ``head_epilogue`` in XLA, and writes the ring, the shift carry (the step's raw k, v) and Λ. Tolerances: the
     outputs twice ``_tol`` (after the attention the output norm and gate round to the dtype three times: in bf16
     2–3 ulps of 2⁻⁸ more); the carried raw k, v exactly; Λ to 1e-6 (log σ in the kernel vs XLA: an ulp of the gate);
-    the ring's k, v entries to an ulp of their dtype (the norm's rsqrt)."""
+    the ring's k, v entries to an ulp of their dtype (the norm's rsqrt). ``late``: the kernel's carries written after
+    its attention loop and the epilogue's operands loaded up front (the defaults), or neither."""
     from fox_jax.ops.decode_attention import DecodeStep
+
+    config = dk.default_decode_config
+    monkeypatch.setattr(dk, "default_decode_config", lambda *a, **kw: dataclasses.replace(
+        config(*a, **kw), late_writes=late, early_epilogue=late))
     from fox_jax.ops.head_ops import head_epilogue, head_prologue
 
     cap = 80
@@ -587,7 +597,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert lower(6, 96, dk.DecodeConfig(64, 4), True, hkv).count("__gpu$xla.gpu.triton") == 1
     assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
     assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
-    for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2))):  # ACP's decode step: append + floor
+    for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2)),  # ACP's decode step: append + floor
+                        (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False))):  # (the writes first)
         pair = lambda *shape: (sds(shape, jnp.float32),) * 2  # noqa: E731
         f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
         text = jax.jit(lambda q, k, v, lo, hi, lq, lk, kn, vn, fl: f(q, k, v, lo, hi, None, lq, lk, append=(kn, vn, lq),
