@@ -13,7 +13,8 @@ bytes a step must read (the weights once, the live KV once) at ``--bandwidth`` T
 ``--kernel-variants``: the same profile once per variant of the Pallas decode kernel, each a fresh compile (a
 few layers are enough: ``--set n_layers=4``), to choose its launch settings and to price what it fuses. A variant
 is ``name`` or ``name:key=value,...`` with keys of ``kernels.decode_attention.DecodeConfig`` (num_warps,
-num_stages, block_k, num_splits: replacing the default tiling), ``gates=xla`` (the gate logits computed by
+num_stages, block_k, num_splits: replacing the default tiling; fold_floor, late_writes, early_epilogue: 0 or 1),
+``gates=xla`` (the gate logits computed by
 XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel),
 ``head=stored`` (the untied LM head multiplied as stored, [d, V] with unaligned rows, instead of the copy padded to
 128 columns that ``decode_variables`` makes once):

@@ -521,11 +521,11 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d
     the ring's k, v entries to an ulp of their dtype (the norm's rsqrt). ``late``: the kernel's carries written after
     its attention loop and the epilogue's operands loaded up front (the defaults), or neither."""
     from fox_jax.ops.decode_attention import DecodeStep
+    from fox_jax.ops.head_ops import head_epilogue, head_prologue
 
     config = dk.default_decode_config
     monkeypatch.setattr(dk, "default_decode_config", lambda *a, **kw: dataclasses.replace(
         config(*a, **kw), late_writes=late, early_epilogue=late))
-    from fox_jax.ops.head_ops import head_epilogue, head_prologue
 
     cap = 80
     ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, dtype, shared, seed=grp + d,
