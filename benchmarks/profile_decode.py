@@ -17,11 +17,13 @@ num_stages, block_k, num_splits: replacing the default tiling; fold_floor, late_
 ``gates=xla`` (the gate logits computed by
 XLA and read by the kernel, as for a d_model that is not a multiple of 16, instead of inside the kernel),
 ``head=stored`` (the untied LM head multiplied as stored, [d, V] with unaligned rows, instead of the copy padded to
-128 columns that ``decode_variables`` makes once):
+128 columns that ``decode_variables`` makes once), ``norm=folded`` / ``norm=applied`` (each block's input RMSNorm
+folded into its attention's projections and applied by the decode kernel as a row scale, or a kernel of its own
+before the QKV GEMM: ``fox_jax.decoding.generation.FOLD_INPUT_NORMS``, off by default; ``gates=xla`` applies it):
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \\
         --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 nofold:fold_floor=0 \\
-        xla-gates:gates=xla stored-head:head=stored --out $OUT/profile_decode_variants.json
+        xla-gates:gates=xla stored-head:head=stored folded-norm:norm=folded --out $OUT/profile_decode_variants.json
 """
 
 from __future__ import annotations
@@ -123,14 +125,16 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
-    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``.
+    """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``,
+    ``norm``.
 
     Raises:
-      ValueError: an unknown key or a bad value (an int for the DecodeConfig fields).
+      ValueError: an unknown key or a bad value (an int for the DecodeConfig tilings, 0 or 1 for its switches).
     """
     name, _, rest = spec.partition(":")
     fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
-    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded")}
+    switches = {f.name for f in dataclasses.fields(dk.DecodeConfig) if f.type in (bool, "bool")}
+    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("folded", "applied")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -141,6 +145,10 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
             if value not in choices[key]:
                 raise ValueError(f"--kernel-variants {spec!r}: {key} takes {' or '.join(choices[key])}, got {value!r}")
             settings[key] = value
+        elif key in switches:
+            if value not in ("0", "1"):
+                raise ValueError(f"--kernel-variants {spec!r}: {key} takes 0 or 1, got {value!r}")
+            settings[key] = value == "1"
         else:
             try:
                 settings[key] = int(value)
@@ -153,9 +161,9 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head")}
-    saved = dk.default_decode_config, decode_op._step_arrays, gen.head_table
-    base_config, base_arrays, _ = saved
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm")}
+    saved = dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables, gen.FOLD_INPUT_NORMS
+    base_config, base_arrays, _, base_tables, _ = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -173,10 +181,15 @@ def kernel_variant(settings: dict):
         decode_op._step_arrays = arrays
     if settings.get("head") == "stored":
         gen.head_table = lambda params: {}
+    if "norm" in settings:
+        gen.FOLD_INPUT_NORMS = settings["norm"] == "folded"
+    if settings.get("gates") == "xla":  # (a folded norm needs the kernel to read x for the gate logits)
+        gen.gate_tables = lambda params, cast=None: base_tables(params)
     try:
         yield
     finally:
-        dk.default_decode_config, decode_op._step_arrays, gen.head_table = saved
+        (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables,
+         gen.FOLD_INPUT_NORMS) = saved
         jax.clear_caches()
 
 
@@ -228,7 +241,13 @@ def main(argv=None):
         p.error(f"--steps-per-check: expected an int ≥ 1, got {args.steps_per_check}")
     if args.slot_multiple is not None and args.slot_multiple < 1:
         p.error(f"--slot-multiple: expected a positive int, got {args.slot_multiple}")
+    try:
+        variants = [parse_kernel_variant(v) for v in args.kernel_variants] or [(None, {})]
+    except ValueError as e:
+        p.error(str(e))
     if args.quick:
+        print("--quick: a CPU smoke run of the tool; its times are noise, and off a GPU the decode step runs XLA's "
+              "path, so --kernel-variants change nothing")
         args.set = args.set or ["n_layers=2", "d_model=64", "n_heads=2", "vocab_size=256"]
         args.batch, args.prompt, args.new_tokens, args.repeats = 2, 16, 6, 3
     args.bandwidth = bound_bandwidth(args.bandwidth)
@@ -239,7 +258,6 @@ def main(argv=None):
     weight_bytes = weight_bytes_read(cfg, params, args.dtype)  # as bench_decode.py's bound: what a step reads
     model = cfg.build()
     tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.prompt), 0, cfg.vocab_size, jnp.int32)
-    variants = [parse_kernel_variant(v) for v in args.kernel_variants] or [(None, {})]
     rows = []
     for name, settings in variants:
         with kernel_variant(settings):

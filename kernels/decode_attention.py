@@ -198,6 +198,7 @@ class StepGeom:
     group_heads: tuple | None = None  # the layer's kv head of each of this call's kv heads (a cache's head group)
     qk_eps: float = 1e-5
     o_eps: float = 1e-6
+    x_norm_eps: float | None = None  # ``rows`` and the gate sums are of the un-normalised x: scaled by its RMS here
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,22 +268,32 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
 
 
-def _gate_logits(r: dict, specs: list) -> list:
+def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None) -> tuple[list, jax.Array | None]:
     """Fused step: the float32 gate logits a program needs, one [width] vector per spec (member, offset, col, width,
     mask, valid): columns col … col + width − 1 of the gate projection ``member`` (0, 1: the k and v shifts, then
     the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the program's
     rows of the gate table (``gate_table``: row ``member`` for a shift, rows ``member`` … member + G − 1 for the
     group's forget gates) in one pass over d_in in power-of-two chunks: each chunk of x and of the table loaded
     once, one reduction for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are
-    filled, the others are 0."""
+    filled, the others are 0. With ``x_norm_eps`` x is the un-normalised row and the table holds s ⊙ W (an RMSNorm's
+    scale folded in): the same pass sums x² too, and the logits are r · (x · table) + bias with r = rsqrt(mean(x²) +
+    eps) = the norm's row scale. Returns (the logits, r as a float32 scalar or None)."""
     if "gate_x" not in r:
         load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
-        return [load(r["gate_rows"].at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs]
-    sums = None
-    for off, size in head_dim_chunks(r["gate_x"].shape[0]):
+        rows = r["gate_rows"]
+        return [load(rows.at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs], None
+    sums = squares = row_scale = None
+    d_in = r["gate_x"].shape[0]
+    for off, size in head_dim_chunks(d_in):
         x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[None, :]
         part = jnp.sum(pltriton.load(r["gate_wt"].at[:, pl.ds(off, size)]) * x, axis=1)  # [P]
         sums = part if sums is None else sums + part
+        if x_norm_eps is not None:
+            sq = jnp.sum(x * x)
+            squares = sq if squares is None else squares + sq
+    if x_norm_eps is not None:
+        row_scale = lax.rsqrt(squares / d_in + x_norm_eps)
+        sums = sums * row_scale
     sums = sums + pltriton.load(r["gate_bt"].at[:])
     rows = lax.broadcasted_iota(jnp.int32, sums.shape, 0)
     outs = []
@@ -291,7 +302,7 @@ def _gate_logits(r: dict, specs: list) -> list:
         n = 1 if mask is None else valid  # the member's rows: member, member + 1, … (a group's forget gates)
         outs.append(sum(jnp.where(lanes == j, jnp.sum(jnp.where(rows == member + j, sums, 0.0)), 0.0)
                         for j in range(n)))
-    return outs
+    return outs, row_scale
 
 
 def gate_table(gate_w: tuple, kv_heads: int) -> tuple[jax.Array, jax.Array]:
@@ -319,8 +330,9 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     splits read Λ_prev while split 0 would overwrite it). Other splits' k and v read a carry split 0 may
     be writing, but they only enter split 0's softmax and ring write. The writes are returned, not done: the kernel
     does them after a barrier, once every thread of the program has read the carries (global memory is not ordered
-    between a program's threads). Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
-    (Λ hi, lo) [Gp] or None, the carries' writes: a list of thunks)."""
+    between a program's threads). With ``x_norm_eps`` the rows are of the un-normalised x and are scaled by its row
+    scale r (``_gate_logits``) first. Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
+    (Λ hi, lo) [Gp] or None, the carries' writes: a list of thunks, r or None)."""
     st, dt = g.step, r["rows"].dtype
     f32 = jnp.float32
     hkv = st.kv_heads
@@ -340,7 +352,9 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     if st.gates:
         specs.append((2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad, row_ok[:, 0],
                       g.group))
-    logits = _gate_logits(r, specs) if specs else []
+    logits, row_scale = _gate_logits(r, specs, st.x_norm_eps) if specs else ([], None)
+    if row_scale is not None:  # the rows are of the un-normalised x: scaled as the norm would have (in float32)
+        qs, ks, vs = ([(x.astype(f32) * row_scale).astype(dt) for x in xs] for xs in (qs, ks, vs))
     if st.shift:
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
         out = []
@@ -374,7 +388,7 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
         if names[0] in r:
             writes += [functools.partial(pltriton.store, r[n].at[:], x, mask=row_ok[:, 0] & writer)
                        for n, x in zip(names, lam)]
-    return qs, ks, vs, lam, writes
+    return qs, ks, vs, lam, writes, row_scale
 
 
 def _epilogue_operands(g: _Geom, r: dict, row_ok):
@@ -392,13 +406,16 @@ def _epilogue_operands(g: _Geom, r: dict, row_ok):
     return scales, gates
 
 
-def _step_epilogue(g: _Geom, r: dict, outs, row_ok, operands=None):
+def _step_epilogue(g: _Geom, r: dict, outs, row_ok, operands=None, row_scale=None):
     """Fused step, one split: the output norm and gate on the normalised output chunks (float32 [Gp, size]), with
-    ``operands`` from ``_epilogue_operands`` (loaded here when None); returns them in the output dtype, rounded where
-    the layer rounds (``head_epilogue``)."""
+    ``operands`` from ``_epilogue_operands`` (loaded here when None) and the gate logits scaled by ``row_scale`` (the
+    rows' r with ``x_norm_eps``); returns them in the output dtype, rounded where the layer rounds
+    (``head_epilogue``)."""
     st, dt = g.step, r["o"].dtype
     f32 = jnp.float32
     scales, gates = operands if operands is not None else _epilogue_operands(g, r, row_ok)
+    if gates is not None and row_scale is not None:
+        gates = [(x.astype(f32) * row_scale).astype(dt) for x in gates]
     outs = [x.astype(dt).astype(f32) for x in outs]  # the attention output in its dtype, as the layer sees it
     if st.o_norm:
         d = sum(size for _, size in g.chunks)
@@ -444,12 +461,12 @@ def _decode_kernel(*refs, g: _Geom):
         at_pin = (pos_new >= 0) & (pos_new < g.sinks)  # its ring column is behind the ring's start (≥ seq_start + S)
         with_new = with_new | at_pin
         pin_slot = (jnp.clip(pos_new, 0, g.pin_slots - 1), at_pin)
-    lq = lam_new = epilogue = None
+    lq = lam_new = epilogue = row_scale = None
     writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
         if g.early_epilogue and g.num_splits == 1:
             epilogue = _epilogue_operands(g, r, row_ok)
-        qs, k_new, v_new, lq, writes = _step_prologue(g, r, row_ok)
+        qs, k_new, v_new, lq, writes, row_scale = _step_prologue(g, r, row_ok)
         lam_new = lq
     else:
         qs = [pltriton.load(r["q"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
@@ -593,7 +610,7 @@ def _decode_kernel(*refs, g: _Geom):
         inv = jnp.where(l_i == 0.0, 0.0, 1.0 / jnp.where(l_i == 0.0, 1.0, l_i))
         outs = [acc * inv[:, None] for acc in accs]
         if g.step is not None:
-            outs = _step_epilogue(g, r, outs, row_ok, epilogue)
+            outs = _step_epilogue(g, r, outs, row_ok, epilogue, row_scale)
         for x, (off, size) in zip(outs, g.chunks):
             pltriton.store(r["o"].at[:, pl.ds(off, size)], x.astype(r["o"].dtype), mask=row_ok)
     else:
@@ -723,7 +740,8 @@ def _range_operand(x, b: int, hkv: int):
 
 
 @functools.partial(jax.tree_util.register_dataclass,
-                   meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads"],
+                   meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads",
+                                "x_norm_eps"],
                    data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "gate_table", "shift_state",
                                 "q_scale", "k_scale", "lam_prev", "o_scale"])
 @dataclasses.dataclass(frozen=True)
@@ -755,6 +773,11 @@ class StepArrays:
         while ``rows``, ``gate_rows``, the carries and the scales are the layer's ([B, 2, Hkv, D], [B, Hkv, G],
         [Hkv, ...] with the layer's Hkv). (o_gate, gate_logits, the eps and group_heads are static: a pytree's
         auxiliary data.) layer_kv_heads: the layer's Hkv, with group_heads.
+      x_norm_eps: None, or the eps of an RMSNorm folded into the projections (static; needs ``gate_x``): ``rows`` and
+        ``gate_x`` are then of the un-normalised x, with the norm's scale s in the weights (W' = s ⊙ W, the gate
+        table likewise), and the kernel multiplies the q, k, v and output gate rows and the gate sums (before the
+        bias) by r = rsqrt(mean(x²) + eps), which it sums from the x it loads anyway: RMSNorm(x)·W = r · (x · W')
+        per row, so the step needs no norm kernel before its GEMM.
     """
 
     rows: jax.Array
@@ -774,6 +797,7 @@ class StepArrays:
     o_eps: float = 1e-6
     group_heads: tuple | None = None
     layer_kv_heads: int | None = None
+    x_norm_eps: float | None = None
 
 
 def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: float,
@@ -861,6 +885,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         if table is not None and tuple(tuple(x.shape) for x in table) != want:
             raise ValueError(f"step.gate_table must be float32 ({list(want[0])}, {list(want[1])}) (gate_table of the "
                              f"step's {rows} gate rows per kv head), got {[list(x.shape) for x in table]}")
+    if step is not None and step.x_norm_eps is not None and step.gate_x is None:
+        raise ValueError("step.x_norm_eps needs step.gate_x (the kernel takes the row scale from the x it loads)")
     if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
         raise ValueError("step.group_heads needs step.layer_kv_heads (the layer's Hkv)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
@@ -946,7 +972,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                              o_norm=step.o_scale is not None, o_gate=bool(step.o_gate),
                              gate_logits=bool(step.gate_logits), q_heads=hkv_l * grp, kv_heads=hkv_l,
                              group_heads=None if gh is None else tuple(int(x) for x in gh),
-                             qk_eps=float(step.qk_eps), o_eps=float(step.o_eps))
+                             qk_eps=float(step.qk_eps), o_eps=float(step.o_eps),
+                             x_norm_eps=None if step.x_norm_eps is None else float(step.x_norm_eps))
 
     nt = 0
     if tables is not None:  # [B, nt] → [B·nt, 1]: one entry per program (per row: the programs of its kv heads)

@@ -99,6 +99,21 @@ def test_profile_decode_quick_run(tmp_path):
     assert set(row["per_step_ms"]) >= {"attention", "gemm", "elementwise"}
 
 
+def test_profile_decode_kernel_variants_are_checked(capsys):
+    """``profile_decode.py --kernel-variants``: tilings take ints, the kernel's switches 0 or 1, ``gates`` / ``head``
+    their words; anything else is refused in one line naming the flag, before a model is built."""
+    import profile_decode
+
+    assert profile_decode.parse_kernel_variant("v:num_warps=2,late_writes=0,early_epilogue=1,gates=xla") == (
+        "v", {"num_warps": 2, "late_writes": False, "early_epilogue": True, "gates": "xla"})
+    for spec, why in (("v:late_writes=2", "late_writes takes 0 or 1"), ("v:num_warps=two", "num_warps takes an int"),
+                      ("v:head=tied", "head takes stored or padded"), ("v:warps=2", "expected key=value with key in")):
+        with pytest.raises(SystemExit):
+            profile_decode.main(["--kernel-variants", spec])
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert ": error: --kernel-variants" in err and why in err, err
+
+
 def test_mesh_flag_is_checked_before_anything_runs():
     """``--mesh`` (sharded decoding): a mesh these devices cannot form, one that does not split --equal-batch, and a
     KV budget beside it are refused in one line naming the flag (no model loaded); sharded rows keep their mesh."""

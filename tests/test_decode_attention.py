@@ -575,6 +575,58 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d
                                 step=DecodeStep(ops, seq_start, None, log_fgate, lam_prev))
 
 
+@pytest.mark.parametrize("grp,dtype,splits", [(1, jnp.float32, 1), (2, jnp.bfloat16, 1), (1, jnp.float32, 3)])
+def test_append_step_with_the_norm_folded(grp, dtype, splits):
+    """``HeadOps.x_norm_eps``: the decode GEMM's rows and the gate projections' input are of the un-normalised x,
+    with the input RMSNorm's scale s folded into the weights (W' = s ⊙ W); the kernel (interpret) scales the q, k, v
+    and output gate rows and the gate sums by r = rsqrt(mean(x²) + eps), which it takes from the x it loads, and
+    equals the same step handed over normalised (rows = r · raw rows, x̂ = r·x·s with the weights W): the output
+    within twice ``_tol`` (in bf16 the raw rows are rounded once more: an ulp of 2⁻⁸ before the norms), the ring's
+    entries and the carried raw k, v to two ulps of the dtype, Λ to 1e-5 in float32 (the gate sums in another order:
+    r after the sum) and 5e-3 in bf16 (both steps' gate inputs, x and x̂, are rounded to bf16, 2⁻⁹ of each of a
+    logit's 48 products, and Λ adds that step's log f). Without ``gate_x`` (nothing to take r from) the op refuses
+    it in one line."""
+    from fox_jax.ops.decode_attention import DecodeStep
+
+    cap, d, d_in, eps = 80, 32, 48, 1e-5
+    ops, q, k_new, v_new, shift_state, _, lam_prev = _step_case(grp, d, dtype, False, seed=11 + grp, d_in=d_in)
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((_B, 1, d_in)) * 3.0, jnp.float32)  # the residual: not of unit RMS
+    s = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d_in), jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)                     # [B, 1, 1]
+    raw = (ops.rows.astype(jnp.float32) / r[..., None]).astype(dtype)                   # the GEMM's rows on x
+    rows = (raw.astype(jnp.float32) * r[..., None]).astype(dtype)                       # what the norm would give
+    h = _HKV * grp
+    normed = ops.replace(rows=rows, o_gate=rows[:, :, h + 2 * _HKV:2 * h + 2 * _HKV], gate_x=(x * r * s).astype(dtype))
+    logits = normed.gate_logits(3)
+    normed = normed.replace(k_shift=logits[..., :_HKV], v_shift=logits[..., _HKV:2 * _HKV])
+    log_fgate = jax.nn.log_sigmoid(logits[:, 0, 2 * _HKV:]).reshape(_B, _HKV, grp)
+    folded = normed.replace(rows=raw, gate_x=x.astype(dtype), x_norm_eps=eps,
+                            gate_weights=tuple((s[:, None] * w, bias) for w, bias in normed.gate_weights))
+    # the folded gate logits (XLA form) equal the normalised ones: in bf16 up to x̂'s rounding
+    np.testing.assert_allclose(np.asarray(folded.gate_logits(3)), np.asarray(logits),
+                               atol=1e-5 if dtype == jnp.float32 else 5e-2, rtol=0)
+    q, k_new, v_new = (rows[:, 0, :h].reshape(_B, _HKV, grp, d), rows[:, 0, h:h + _HKV],
+                       rows[:, 0, h + _HKV:h + 2 * _HKV])
+    _, k, v, kw = _inputs(cap, grp, d, dtype, True, None, seed=grp)
+    hi = jnp.int32(2 * cap + 21)
+    seq_start = jnp.asarray(int(hi) - 1 - np.array([0, 40]), jnp.int32)
+    lo = jnp.asarray(np.int32(hi) - np.array([[cap, 1, 17], [cap - 3, 40, 2]]), jnp.int32)
+    f = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=splits))
+    run = lambda o: f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=kw["lam_k"],  # noqa: E731
+                      step=DecodeStep(o, seq_start, shift_state, log_fgate, lam_prev))
+    want, got = run(normed), run(folded)
+    ulp = 1e-6 if dtype == jnp.float32 else 2 ** -7
+    assert _err(got.o, want.o) <= 2 * _tol(dtype), _err(got.o, want.o)
+    for a, b_ in ((got.k, want.k), (got.v, want.v), (got.carry[0], want.carry[0])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b_, np.float32), atol=4 * ulp, rtol=2 * ulp)
+    pair = lambda t: np.asarray(t[0], np.float64) + np.asarray(t[1], np.float64)  # noqa: E731
+    np.testing.assert_allclose(pair(got.carry[1]), pair(want.carry[1]), atol=1e-5 if dtype == jnp.float32 else 5e-3,
+                               rtol=0)
+    with pytest.raises(ValueError, match=r"step.ops.x_norm_eps needs step.ops.rows and gate_x"):
+        run(folded.replace(gate_x=None, gate_weights=None))
+
+
 def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
@@ -619,7 +671,8 @@ def test_kernel_lowers_to_triton_for_cuda():
                              o_gate=False)
         one = config.num_splits == 1  # (the flags stay static: the arrays alone are traced)
         text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
-            q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl, step=dataclasses.replace(st, o_gate=one),
+            q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl,
+            step=dataclasses.replace(st, o_gate=one, x_norm_eps=1e-5 if one else None),  # (the folded input norm)
             tables=tb)).trace(sds((b, hkv, grp, 64), jnp.bfloat16), sds((b, hkv, 256, 64), jnp.bfloat16),
                                sds((b, hkv, 256, 64), jnp.bfloat16), sds((b, hkv), jnp.int32), sds((), jnp.int32),
                                pair(b, hkv, grp, 256), sds((b, hkv, 64), jnp.bfloat16),

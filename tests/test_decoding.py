@@ -966,6 +966,45 @@ def test_gate_tables_feed_the_decode_kernel(arch, monkeypatch):
     np.testing.assert_array_equal(generate(model, params, tokens, max_new_tokens=3).tokens, greedy)
 
 
+@pytest.mark.parametrize("policy", ["window:6", "acp"])
+def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
+    """``decode_variables(..., fold_norms=True)`` folds each block's input RMSNorm scale s into its attention's
+    input projections (``gate_tables(params, cast)``: s ⊙ W of q, k, v, the output gate and the gate projections,
+    and their gate table) and a fused decode step multiplies the un-normalised residual by them, the kernel applying
+    the norm as a row scale (``HeadOps.x_norm_eps``): the step's logits and caches equal the step applied without
+    the folded entries (1e-5 in float32: r · (x · (s ⊙ W)) against (r·x·s) · W, summation order only), through the
+    XLA path and through the Pallas kernel (interpret), which gets the residual and the folded table; a prefill
+    chunk (T > 1) does not fold. A fold that forgot the row scale would be off by the residual's RMS."""
+    dec = sys.modules["fox_jax.ops.decode_attention"]
+    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)
+    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
+    tokens = padded_batch(10)
+    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy=policy)
+    assert "folded" not in generation.decode_variables(params, generation.cast_plan(model, params, caches))[
+        "decode"]["layers_0"]["attn"]  # (off by default: FOLD_INPUT_NORMS)
+    variables = generation.decode_variables(params, generation.cast_plan(model, params, caches), fold_norms=True)
+    folded = variables["decode"]["layers_0"]["attn"]["folded"]
+    scale = params["layers_0"]["attn_norm"]["scale"]
+    np.testing.assert_allclose(folded["q_proj"], scale[:, None] * params["layers_0"]["attn"]["q_proj"]["kernel"],
+                               rtol=1e-6)
+    attn = variables["decode"]["layers_0"]["attn"]
+    plain = {**variables, "decode": {"layers_0": {"attn": {k: v for k, v in attn.items() if k != "folded"}}}}
+    seen = []
+    flash = dec.dk.flash_decode
+    monkeypatch.setattr(dec.dk, "flash_decode", lambda *a, **kw: seen.append(kw["step"].x_norm_eps) or flash(*a, **kw))
+    step = jax.jit(lambda v: model.apply(v, tokens[:, 8:9], cache=caches))
+    for impl in ("xla", "pallas"):
+        monkeypatch.setattr(dec, "resolve_decode_implementation", lambda *a, impl=impl, **kw: impl)
+        jax.clear_caches()
+        seen.clear()
+        got, want = step(variables), step(plain)
+        assert seen == ([] if impl == "xla" else [cfg.norm_eps, None]), (impl, seen)
+        np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, err_msg=impl)
+        _assert_same_caches(got.cache, want.cache)
+    chunk = jax.jit(lambda v: model.apply(v, tokens[:, 8:], cache=caches).logits)  # T = 2: no fold, one program
+    np.testing.assert_array_equal(chunk(variables), chunk(plain))
+
+
 def test_decode_variables_pad_the_untied_head_once():
     """``decode_variables`` (what ``generate`` and ``serve`` apply the model with) holds the untied LM head cast as
     the plan says and zero-padded to 128 columns (VOCAB = 97: rows aligned), which ``LMHead`` multiplies by and

@@ -694,6 +694,14 @@ def _merge_heads(outs, groups, shape) -> jax.Array:
     return o
 
 
+def fuses_step(cache: SlotKVCache, t: int, rope: bool) -> bool:
+    """Whether ``slot_attention`` hands a call of T = ``t`` tokens with ``head_ops`` to the decode op's fused step (the
+    layer's per-head work inside the decode kernel): a decode step (T = 1) without RoPE, on ring groups, whose rule
+    needs no q / k values (``Rule.needs_qk``). A layer asks before it chooses what to hand over (static)."""
+    return (t == 1 and not rope and not rule_for(cache.policy).needs_qk(cache.state)
+            and all(isinstance(group, RingGroup) for group in cache.groups))
+
+
 def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array, log_fgate: jax.Array | None, *,
                    head_ops: HeadOps | None = None, facts: LayerFacts | None = None,
                    sm_scale: float | None = None) -> tuple[jax.Array, SlotKVCache]:
@@ -737,8 +745,7 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     pos = cols[None, :] - cache.seq_start[:, None]                                              # [B, T]
     real = pos >= 0
     rule = rule_for(policy)
-    fused = (head_ops is not None and t == 1 and head_ops.rope_base is None and not rule.needs_qk(cache.state)
-             and all(isinstance(grp_, RingGroup) for grp_ in cache.groups))
+    fused = head_ops is not None and fuses_step(cache, t, head_ops.rope_base is not None)
     kv_carry = cache.kv_shift
     if head_ops is not None and not fused:
         shift_state = None
@@ -805,4 +812,5 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
     return o, new_cache
 
 
-__all__ = ["PoolGroup", "RingGroup", "STORAGES", "SlotKVCache", "cache_columns", "new_slot_cache", "slot_attention"]
+__all__ = ["PoolGroup", "RingGroup", "STORAGES", "SlotKVCache", "cache_columns", "fuses_step", "new_slot_cache",
+           "slot_attention"]

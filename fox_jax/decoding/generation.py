@@ -194,13 +194,22 @@ def precast(params, plan: tuple):
     return jax.tree.unflatten(treedef, [x if dt is None else x.astype(dt) for x, dt in zip(leaves, plan)])
 
 
-def decode_variables(params, plan: tuple) -> dict:
+# Whether decode loops fold each block's input RMSNorm into its attention's input projections (``decode_variables``).
+# Off until timed on a GPU: offline it takes FoX (Pro) 125M's `acp` step from 118 to 113 kernels (the 12 norms go, XLA
+# materialises 7 residual adds it fused before), for one more copy of the q/k/v/output-gate weights (benchmarks/
+# NOTES.md, "The next device session", item 6; `profile_decode.py --kernel-variants base folded:norm=folded`).
+FOLD_INPUT_NORMS = False
+
+
+def decode_variables(params, plan: tuple, fold_norms: bool | None = None) -> dict:
     """What a decode loop applies the model with, made once before the loop: the parameters cast as ``plan`` says
     (``precast``) and the ``"decode"`` collection: the attention layers' gate projections in the decode kernel's
-    layout (``fox_jax.nn.attention.gate_tables``) and an untied LM head, cast, padded to aligned rows
+    layout, with ``fold_norms`` (default ``FOLD_INPUT_NORMS``) also their input projections with the block's input
+    norm folded in (``fox_jax.nn.attention.gate_tables``), and an untied LM head, cast, padded to aligned rows
     (``fox_jax.models.lm.head_table``)."""
     cast = precast(params, plan)
-    decode = {**gate_tables(params).get("decode", {}), **head_table(cast).get("decode", {})}
+    fold = FOLD_INPUT_NORMS if fold_norms is None else fold_norms
+    decode = {**gate_tables(params, cast if fold else None).get("decode", {}), **head_table(cast).get("decode", {})}
     return {"params": cast, **({"decode": decode} if decode else {})}
 
 

@@ -46,7 +46,9 @@ class Block(nn.Module):
         if cache is None:
             x = rows_only(x)
         h = RMSNorm(cfg.norm_eps, dtype, name="attn_norm")(x)
-        attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha)
+        # with a cache the layer also gets x itself: a decode step may fold this norm into its projections
+        attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha,
+                                                          residual=None if cache is None else x)
         x = x + attn.x
         h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x)
         return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h, cache is None))

@@ -11,7 +11,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from fox_jax.cache.slots import slot_attention
+from fox_jax.cache.slots import fuses_step, slot_attention
 from fox_jax.cache.visibility import LayerFacts
 from fox_jax.nn.layers import DenseParams, HeadNormScale, fused_dense, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
@@ -23,32 +23,57 @@ from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
 
 # The layer's float32 gate projections as its parameters name them, in the decode kernel's order.
 GATE_PROJECTIONS = ("k_shift_proj", "v_shift_proj", "fgate_proj")
+# The projections of the layer's input in the compute dtype (the decode GEMM's rows), in the kernel's row order.
+ROW_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "ogate_proj")
 
 
-def gate_tables(params) -> dict:
-    """The ``"decode"`` variables of the attention layers of a parameter tree: for each layer with gate projections
-    (KV-shift, forget gates), ``gate_table`` = those projections in the decode kernel's layout
-    (``fox_jax.ops.decode_attention.gate_table``: each key/value head's rows contiguous), at the layer's path.
+def _kv_heads(tree) -> int:
+    if "k_shift_proj" in tree:
+        return tree["k_shift_proj"]["kernel"].shape[1]
+    # H forget gates; H·D query and Hkv·D key columns
+    h, kv_columns, q_columns = (tree[n]["kernel"].shape[1] for n in ("fgate_proj", "k_proj", "q_proj"))
+    return h * kv_columns // q_columns
 
-    Made once before a decode loop and applied as ``{"params": params, **gate_tables(params)}``, so that no step
-    re-arranges the weights (two XLA kernels per layer and step otherwise); the layer uses the table when it is
-    there and the same numbers without it. Returns {} for a model without gate projections.
+
+def _table(tree, scale=None) -> tuple:
+    names = [n for n in GATE_PROJECTIONS if n in tree]
+    fold = (lambda k: k) if scale is None else (lambda k: scale.astype(jnp.float32)[:, None] * k.astype(jnp.float32))
+    return gate_table(tuple((fold(tree[n]["kernel"]), tree[n].get("bias")) for n in names), _kv_heads(tree))
+
+
+def gate_tables(params, cast=None) -> dict:
+    """The ``"decode"`` variables of the attention layers of a parameter tree, at each layer's path: for a layer with
+    gate projections (KV-shift, forget gates), ``gate_table`` = those projections in the decode kernel's layout
+    (``fox_jax.ops.decode_attention.gate_table``: each key/value head's rows contiguous); with ``cast`` (the same tree
+    cast as the decode loop applies it) and a block's input RMSNorm beside the layer (``attn_norm``), also ``folded``:
+    the norm's scale s folded into the layer's input projections, {name: s ⊙ kernel} for the row projections (in
+    the cast kernel's dtype) and the gate projections (float32), and ``gate_table`` of the folded gates, with which
+    a decode step multiplies the un-normalised residual x itself (``HeadOps.x_norm_eps``: the kernel applies the
+    norm as a row scale, so the step spends no norm kernel before its GEMM; one more copy of the row projections
+    in memory).
+
+    Made once before a decode loop and applied as ``{"params": params, **gate_tables(params, cast)}``, so that no step
+    re-arranges the weights (two XLA kernels per layer and step otherwise); the layer uses them when they are there
+    and the same numbers without them. Returns {} for a model without gate projections.
     """
-    def walk(tree):
+    def walk(tree, cast_tree):
         if not isinstance(tree, Mapping):
             return {}
-        out = {k: sub for k, v in tree.items() if (sub := walk(v))}
-        names = [n for n in GATE_PROJECTIONS if n in tree]
-        if names:
-            if "k_shift_proj" in tree:
-                hkv = tree["k_shift_proj"]["kernel"].shape[1]
-            else:  # H forget gates; H·D query and Hkv·D key columns
-                hkv = tree["fgate_proj"]["kernel"].shape[1] * tree["k_proj"]["kernel"].shape[1] \
-                    // tree["q_proj"]["kernel"].shape[1]
-            out["gate_table"] = gate_table(tuple((tree[n]["kernel"], tree[n].get("bias")) for n in names), hkv)
+        out = {k: sub for k, v in tree.items()
+               if (sub := walk(v, None if cast_tree is None else cast_tree.get(k)))}
+        if any(n in tree for n in GATE_PROJECTIONS):
+            out["gate_table"] = _table(tree)
+        layer = out.get("attn")
+        if cast_tree is not None and layer is not None and "scale" in tree.get("attn_norm", {}):
+            scale, attn = tree["attn_norm"]["scale"], tree["attn"]
+            folded = {n: (scale.astype(jnp.float32)[:, None] * attn[n]["kernel"].astype(jnp.float32)).astype(
+                cast_tree["attn"][n]["kernel"].dtype) for n in ROW_PROJECTIONS if n in attn}
+            folded.update({n: scale.astype(jnp.float32)[:, None] * attn[n]["kernel"].astype(jnp.float32)
+                           for n in GATE_PROJECTIONS if n in attn})
+            out["attn"] = {**layer, "folded": {**folded, "gate_table": _table(attn, scale)}}
         return out
 
-    tables = walk(params)
+    tables = walk(params, cast)
     return {"decode": tables} if tables else {}
 
 
@@ -109,6 +134,11 @@ class ForgettingAttentionLayer(nn.Module):
         policy decides from them (e.g. ``acp``'s threshold). DCP models decode with the step mask (α = ∞).
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
+      residual: with a cache, the block's residual stream before its input RMSNorm (x = RMSNorm(residual), eps
+        ``cfg.norm_eps``), or None. On a fused decode step (``fuses_step``) of a layer applied with the ``"decode"``
+        collection's ``folded`` projections (``gate_tables(params, cast)``) the step multiplies the residual by
+        s ⊙ W and the decode kernel applies the norm as a row scale (``HeadOps.x_norm_eps``): x itself is not read
+        (XLA drops the norm kernel).
     Returns:
       ``LayerOutput(x [B, T, d] in the compute dtype, cache: the updated cache when one was given,
       log_mask: with DCP log I [B, T, T] float32, 0 = kept, ``LOG_FLOOR`` ≈ −92.1 = dropped)``. With
@@ -122,7 +152,7 @@ class ForgettingAttentionLayer(nn.Module):
     cfg: Any
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None) -> LayerOutput:
+    def __call__(self, x, segment_ids=None, positions=None, cache=None, alpha=None, residual=None) -> LayerOutput:
         cfg = self.cfg
         if cfg.dcp and alpha is None and cache is None:
             raise ValueError("alpha is required when ModelConfig.dcp is True (use float('inf') for inference)")
@@ -143,6 +173,14 @@ class ForgettingAttentionLayer(nn.Module):
         f32 += [("q_int", cfg.interaction_dim, "q_int", False), ("k_int", cfg.interaction_dim, "k_int", False)] \
             if cfg.dcp else []
         groups = [(dtype, low), (jnp.dtype(jnp.float32), f32)] if dtype != jnp.float32 else [(dtype, low + f32)]
+        # A decode step may multiply the un-normalised residual by the folded projections (see ``residual``).
+        folded = self.get_variable("decode", "folded") if cache is not None and self.has_variable("decode", "folded") \
+            else None
+        fold = (folded is not None and residual is not None and not cfg.dcp and x.shape[-1] % 16 == 0
+                and any(name in GATE_PROJECTIONS for _, _, name, _ in f32) and fuses_step(cache, t, cfg.use_rope))
+        if fold:
+            xf = residual.astype(jnp.float32)
+            row_scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)  # [B, T, 1]
         y, packed, weights = {}, {}, {}
         for dt, members in groups:
             if not members:
@@ -151,7 +189,14 @@ class ForgettingAttentionLayer(nn.Module):
                 y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
             else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
                 ws = [DenseParams(n, bias, cfg.init_std, name=name)(x.shape[-1]) for _, n, name, bias in members]
-                outs, packed[members[0][0]] = fused_dense(x, ws, dt, packed=True)
+                if fold:  # r · (residual · (s ⊙ W)) + bias = RMSNorm(residual) · W + bias; the kernel's raw rows
+                    ws = [(folded[name], bias) for (_, _, name, _), (_, bias) in zip(members, ws)]
+                    raw, packed[members[0][0]] = fused_dense(residual, [(k, None) for k, _ in ws], dt, packed=True)
+                    # the XLA paths' values (unread on the kernel's path: XLA drops them)
+                    outs = [(row_scale * o.astype(jnp.float32) + (0.0 if b is None else b.astype(jnp.float32))
+                             ).astype(dt) for o, (_, b) in zip(raw, ws)]
+                else:
+                    outs, packed[members[0][0]] = fused_dense(x, ws, dt, packed=True)
                 y.update(zip([o for o, *_ in members], outs))
                 weights.update(zip([o for o, *_ in members], ws))
         q = y["q"].reshape(b, t, h, dh)
@@ -182,8 +227,11 @@ class ForgettingAttentionLayer(nn.Module):
             rows = packed["q"] if len(packed) > 1 else packed["q"][..., :sum(n for _, n, _, _ in low)]
             gates = [weights[o] for o, _, name, _ in f32 if name in GATE_PROJECTIONS]  # the kernel's order
             table = self.get_variable("decode", "gate_table") if self.has_variable("decode", "gate_table") else None
-            ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_x=x if gates else None,
-                              gate_weights=tuple(gates) if gates else None, gate_table=table if gates else None)
+            if fold:
+                table = folded["gate_table"]
+            ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_x=(residual if fold else x) if gates else None,
+                              gate_weights=tuple(gates) if gates else None, gate_table=table if gates else None,
+                              x_norm_eps=cfg.norm_eps if fold else None)
         log_fgate = None
         if cfg.use_fgate:
             log_fgate = jax.nn.log_sigmoid(y["fgate"])  # [B, T, H] float32

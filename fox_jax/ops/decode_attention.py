@@ -475,6 +475,10 @@ def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
             raise ValueError(f"step.ops.gate_weights must be (kernel [{x.shape[2]}, n], bias [n] or None) for each "
                              f"n = {widths} (the step's k shift, v shift, forget gates), got "
                              f"{[(list(k.shape), None if c is None else list(c.shape)) for k, c in ws]}")
+    if ops.x_norm_eps is not None and (ops.rows is None or ops.gate_weights is None
+                                       or ops.gate_x.shape[-1] % dk.MIN_BLOCK):
+        raise ValueError(f"step.ops.x_norm_eps needs step.ops.rows and gate_x / gate_weights with d_in a multiple of "
+                         f"{dk.MIN_BLOCK} (the kernel scales the rows by r from the x it loads)")
     if ops.shifts:
         if ops.v_shift is None or tuple(ops.k_shift.shape) != (b, 1, hkv) or tuple(ops.v_shift.shape) != (b, 1, hkv):
             raise ValueError(f"step.ops.k_shift and v_shift must be float32 [{b}, 1, {hkv}] (one token)")
@@ -555,7 +559,7 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
         q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
         lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
         gate_logits=gate_logits, qk_eps=ops.qk_eps, o_eps=ops.o_eps, group_heads=step.heads,
-        layer_kv_heads=step.kv_heads)
+        layer_kv_heads=step.kv_heads, x_norm_eps=ops.x_norm_eps)
 
 
 def decode_attention_append(

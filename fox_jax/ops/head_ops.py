@@ -138,6 +138,12 @@ class HeadOps:
         (``fox_jax.ops.decode_attention.gate_table``), made once before a decode loop (``gate_tables``); the kernel
         otherwise re-arranges ``gate_weights`` on every call.
       qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
+      x_norm_eps: None, or the eps of the layer's input RMSNorm, folded (static): ``rows`` and ``gate_x`` are then
+        of the un-normalised x, the norm's scale s is in the weights behind them (W' = s ⊙ W, for ``gate_weights``
+        and ``gate_table`` too), and their reader multiplies each row by r = rsqrt(mean(x²) + eps) (RMSNorm(x)·W =
+        r · (x · W'), Zhang & Sennrich 2019's norm as a row scale): the decode kernel sums r from the x it loads
+        for the gate logits, so a decode step spends no norm kernel before its GEMM. The separate q, k, v, o_gate,
+        k_shift and v_shift stay normalised (the XLA forms); ``gate_logits`` applies r.
     """
 
     k_shift: jax.Array | None = None
@@ -153,6 +159,7 @@ class HeadOps:
     qk_eps: float = flax.struct.field(pytree_node=False, default=1e-5)
     o_eps: float = flax.struct.field(pytree_node=False, default=1e-6)
     rope_base: float | None = flax.struct.field(pytree_node=False, default=None)
+    x_norm_eps: float | None = flax.struct.field(pytree_node=False, default=None)
 
     @property
     def shifts(self) -> bool:
@@ -161,11 +168,15 @@ class HeadOps:
 
     def gate_logits(self, members: int) -> jax.Array:
         """The first ``members`` projections of ``gate_weights`` in XLA: [B, T, Σ n] float32, x·kernel + bias
-        (float32, full precision; the kernel's columns equal these to float32 summation order)."""
+        (float32, full precision; the kernel's columns equal these to float32 summation order); with ``x_norm_eps``
+        r · (x·kernel) + bias."""
+        x = self.gate_x.astype(jnp.float32)
+        row_scale = 1.0 if self.x_norm_eps is None else \
+            jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.x_norm_eps)
         outs = []
         for kernel, bias in self.gate_weights[:members]:
-            y = jnp.einsum("btd,dn->btn", self.gate_x.astype(jnp.float32), kernel.astype(jnp.float32),
-                           precision=jax.lax.Precision.HIGHEST)
+            y = row_scale * jnp.einsum("btd,dn->btn", x, kernel.astype(jnp.float32),
+                                       precision=jax.lax.Precision.HIGHEST)
             outs.append(y if bias is None else y + bias.astype(jnp.float32))
         return jnp.concatenate(outs, axis=-1)
 
