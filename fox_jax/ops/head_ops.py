@@ -140,9 +140,9 @@ class HeadOps:
       qk_eps, o_eps: the norms' eps (static). rope_base: RoPE's base, or None for no RoPE (static).
       x_norm_eps: None, or the eps of the layer's input RMSNorm, folded (static): ``rows`` and ``gate_x`` are then
         of the un-normalised x, the norm's scale s is in the weights behind them (W' = s ⊙ W, for ``gate_weights``
-        and ``gate_table`` too), and their reader multiplies each row by r = rsqrt(mean(x²) + eps) (RMSNorm(x)·W =
-        r · (x · W'), Zhang & Sennrich 2019's norm as a row scale): the decode kernel sums r from the x it loads
-        for the gate logits, so a decode step spends no norm kernel before its GEMM. The separate q, k, v, o_gate,
+        and ``gate_table`` too), and their reader multiplies each row by r = rsqrt(mean(x²) + eps): RMSNorm (Zhang &
+        Sennrich 2019) is a row scale times s, so RMSNorm(x)·W = r · (x · W'). The decode kernel sums r from the x
+        it loads for the gate logits, so a decode step spends no norm kernel before its GEMM. The separate q, k, v, o_gate,
         k_shift and v_shift stay normalised (the XLA forms); ``gate_logits`` applies r.
     """
 
