@@ -344,6 +344,9 @@ def test_cli_errors(train_run, text_file, tmp_path, capsys, monkeypatch):  # noq
     assert "--n must be positive" in _error(base + ["--n", "0"], capsys)
     assert "--lengths: a context length is given twice" in _error(base + ["--lengths", "144,144"], capsys)
     assert "--text" in _error(["passkey", run, "--out", out, "--text", str(tmp_path / "nope.txt")], capsys)
+    # a bad length is named before a missing text file is looked for
+    assert "--lengths: context lengths must be positive ints, got -1" in _error(
+        ["passkey", run, "--out", out, "--text", str(tmp_path / "nope.txt"), "--lengths", "128,-1"], capsys)
     monkeypatch.delenv("FOX_JAX_SHARED_DATA", raising=False)  # then the checkout's ../shared/data
     if config_lib.CHECKOUT_SHARED_DATA.joinpath(*pk.DEFAULT_TEXT).is_file():
         assert pk.default_text_path() == config_lib.CHECKOUT_SHARED_DATA.joinpath(*pk.DEFAULT_TEXT)

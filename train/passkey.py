@@ -550,7 +550,7 @@ def cmd_passkey(args) -> int:
     table and one JSON summary line."""
     from fox_jax.train.generate import load_for_decoding, parse_cache_flag
 
-    lengths = _parse_list(args.lengths, int, "--lengths")
+    lengths = _check_lengths(_parse_list(args.lengths, int, "--lengths"), None, "--lengths")  # (the limit: below)
     depths = _check_depths(_parse_list(args.depths, float, "--depths"), "--depths")
     for flag, value in (("--n", args.n), ("--batch-size", args.batch_size), ("--kv-slots", args.kv_slots)):
         if value is not None and value < 1:
