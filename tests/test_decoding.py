@@ -416,13 +416,16 @@ class ACPWindowRule(ACPRule):
 
 def test_a_new_policy_is_a_class_and_a_rule():
     """The example of docs/inference.md ("Adding a cache policy"): registered with ``register_policy`` and
-    ``register_rule`` (two files in the library; here, this module), it parses and runs through
-    ``check_slot_cache`` (ring wrap, per-head starts, overflow, outputs against the reference)."""
+    ``register_rule`` (two files in the library; here, this module), it parses (and an unknown policy's error lists
+    its form) and runs through ``check_slot_cache`` (ring wrap, per-head starts, overflow, outputs against the
+    reference)."""
     try:
         register_policy(ACPWindow)
         register_rule(ACPWindow)(ACPWindowRule)
         policy = parse_policy("acpwin:4")
         assert policy == ACPWindow(window=4) and rule_for(policy).__class__ is ACPWindowRule
+        with pytest.raises(ValueError, match=re.escape(ACPWindow.form)):  # the errors list it among the forms
+            parse_policy("lru")
         check_slot_cache(policy, 2, True, (5, 1, 1, 5, 1, 1), np.array([0, 3]), (5, 3), 12)
     finally:
         POLICIES.pop("acpwin", None)

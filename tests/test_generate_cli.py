@@ -166,7 +166,8 @@ def test_generate_prompt_file_serves_under_a_kv_budget(train_run, capsys, tmp_pa
     """5 prompts under a --kv-budget of 2.5 rows: continuous batching over 2 rows, each continuation printed
     under its prompt in file order, a progress bar over the requests on stderr, the JSON line's serving numbers
     (the tokens equal generating each prompt alone: test_batching; the same text as one batch: the slow test
-    below)."""
+    below). Under a budget of 40 rows the 5 prompts run as one batch of 5 rows of the same pool (it had filled the
+    budget: 8× the memory)."""
     texts, ids, row, argv, budget = _serve_under_budget(train_run, tmp_path)
     assert cli.main(argv + budget) == 0
     out = capsys.readouterr()
@@ -181,6 +182,10 @@ def test_generate_prompt_file_serves_under_a_kv_budget(train_run, capsys, tmp_pa
     assert s["prompt_tokens"] == [len(x) for x in ids] and s["kv_bytes_allocated"] == 2 * row
     assert s["requests_per_s"] > 0 and s["tokens_per_s"] > 0 and s["decode_tokens_per_s"] > 0
     assert 0 < s["kv_bytes_live_mean"] < s["kv_bytes_allocated"] and s["overflow"] == [0] * 5 and s["provable"]
+    # a budget that holds every prompt: one batch whose rows get the pool serve gives a row, not the whole budget
+    assert cli.main(argv + ["--kv-budget", repr(40 * row / 2 ** 30), "--no-progress"]) == 0
+    s = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert s["mode"] == "batch" and s["kv_bytes_allocated"] == 5 * row, (s["mode"], s["kv_bytes_allocated"], row)
 
 
 @pytest.mark.slow

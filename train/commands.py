@@ -429,10 +429,9 @@ def _add_generate(sub) -> None:
     g.add_argument("--seed", type=int, default=0, help="sampling seed (default %(default)s)")
     g.add_argument("--kv-slots", type=int, metavar="N", help="KV slots per row and layer, rounded up to a multiple of 64 (sinks: plus its sink slots) (default: what the policy "
                    "can need for prompt + new tokens)")
-    g.add_argument("--kv-budget", type=float, metavar="GIB", help="GiB of KV for the whole batch: one batch with the "
-                   "largest pool that fits when every prompt fits at once, else continuous batching with as many rows "
-                   "as fit (each row's pool: --kv-slots, else the policy's need; acp/dcp: calibrated on the first 4 "
-                   "prompts)")
+    g.add_argument("--kv-budget", type=float, metavar="GIB", help="GiB of KV for the whole batch: one batch when "
+                   "every prompt fits at once, else continuous batching with as many rows as fit (each row's pool: "
+                   "--kv-slots, else the policy's need; acp/dcp: calibrated on the first 4 prompts)")
     g.add_argument("--no-stop", action="store_true", help="do not stop at <|endoftext|>")
     g.add_argument("--prefill-chunk", type=int, default=512, help="prompt tokens per prefill chunk (default %(default)s)")
     g.add_argument("--step", type=int, help="checkpoint step of a run (default: latest)")

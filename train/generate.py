@@ -6,7 +6,8 @@ encoded after an ``<|endoftext|>`` token (every training document starts with on
 
 * One batch (no ``--kv-budget``, or every prompt fits it at once): the prompts are left-padded into one batch and
   decoded by ``fox_jax.decoding.generate`` (one jitted prefill + decode loop) under ``--cache POLICY`` with a pool
-  of ``--kv-slots`` slots per row and layer, or the largest pool that fits ``--kv-budget`` GiB.
+  of ``--kv-slots`` slots per row and layer, else the policy's need (under ``--kv-budget``: the pool continuous
+  batching would give each row, ``acp`` / ``dcp`` calibrated on the first 4 prompts).
 * Continuous batching (``--kv-budget`` GiB and more prompts than it holds at once): ``fox_jax.decoding.serve``
   decodes as many rows as the budget holds with the pool each row needs (``--kv-slots``, else the policy's need;
   ``acp`` / ``dcp``: calibrated on the first 4 prompts) and admits the next prompt whenever a row finishes. Every
@@ -92,16 +93,6 @@ def load_for_decoding(path: str, *, step: int | None, policy: str, tokenizer: st
     return run, tok
 
 
-def slots_for_budget(cfg, batch: int, budget_bytes: float) -> int:
-    """The most slots per row and layer whose pool (k, v, forget gates, interaction keys) fits ``budget_bytes``:
-    a multiple of ``RING_BLOCK`` (the caches round capacities up to it), 0 when not even one block fits."""
-    from fox_jax.cache.policies import RING_BLOCK
-
-    caches = cfg.init_cache(1, 1, policy="dcp" if cfg.dcp else "dense")
-    per_slot = sum(c.allocated_bytes() / c.capacity for c in caches)  # one slot of one row, every layer
-    return int(budget_bytes // (per_slot * batch)) // RING_BLOCK * RING_BLOCK
-
-
 def check_sampling_flags(temperature: float, top_k: int | None, top_p: float | None) -> None:
     """The sampling flags of ``fox-jax generate``, checked before anything is read.
 
@@ -173,7 +164,7 @@ def cmd_generate(args) -> int:
     """The ``fox-jax generate`` handler."""
     import jax
 
-    from fox_jax.decoding import cache_bytes, generate, min_slots, plan_serving
+    from fox_jax.decoding import cache_bytes, generate, plan_serving
     from fox_jax.sharding import data_parallel_size, make_mesh, select_partitioner
 
     prompts, names = read_prompts(args.prompt, args.prompt_file)
@@ -223,12 +214,8 @@ def cmd_generate(args) -> int:
     slots = args.kv_slots
     check_kv_slots(slots, policy, width + args.max_new_tokens - 1,
                    f"the longest prompt ({width} tokens) + --max-new-tokens {args.max_new_tokens} − 1")
-    if args.kv_budget is not None and slots is None:
-        slots = slots_for_budget(cfg, len(ids), args.kv_budget * 2 ** 30)
-        need = min_slots(policy, width + args.max_new_tokens - 1)
-        if slots < 1 or (policy.fixed_budget and slots < need):
-            raise ValueError(f"--kv-budget {args.kv_budget} GiB is too small for one sequence: {slots} slots per row "
-                             f"and layer, cache policy {policy.spec} needs {need}")
+    if args.kv_budget is not None and slots is None:  # every prompt fits: the pool serve would give a row (the
+        slots = plan.slots  # policy's need, or acp / dcp's calibrated pool), not the whole budget
     kwargs = dict(max_new_tokens=args.max_new_tokens, policy=policy, slots=slots, seq_start=seq_start,
                   temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, stop_tokens=stops,
                   rng=jax.random.PRNGKey(args.seed), prefill_chunk=args.prefill_chunk, mesh=mesh)
@@ -314,5 +301,4 @@ def _serve(args, model, params, tok, cfg, policy, prompts, ids, stops, plan) -> 
     return 0
 
 
-__all__ = ["check_kv_slots", "check_sampling_flags", "cmd_generate", "load_for_decoding", "parse_cache_flag", "read_prompts",
-           "slots_for_budget"]
+__all__ = ["check_kv_slots", "check_sampling_flags", "cmd_generate", "load_for_decoding", "parse_cache_flag", "read_prompts"]

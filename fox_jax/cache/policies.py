@@ -85,7 +85,7 @@ class CachePolicy:
     def parse(cls, arg: str, spec: str) -> CachePolicy:
         """The policy of ``spec`` = ``name`` or ``name:arg``. Raises ValueError (one line) for bad ``arg``."""
         if arg:
-            raise ValueError(f"cache policy {spec!r} takes no argument (policies: {POLICY_FORMS})")
+            raise ValueError(f"cache policy {spec!r} takes no argument (policies: {policy_forms()})")
         return cls()
 
     @property
@@ -173,7 +173,7 @@ def _int(text: str, what: str, spec: str, minimum: int = 1) -> int:
         value = minimum - 1
     if value < minimum:
         raise ValueError(f"cache policy {spec!r}: {what} must be an int ≥ {minimum}, got {text!r} "
-                         f"(policies: {POLICY_FORMS})")
+                         f"(policies: {policy_forms()})")
     return value
 
 
@@ -317,7 +317,12 @@ class Sinks(CachePolicy):
         return self.pin_slots + round_up(slots - self.sinks, block)
 
 
-POLICY_FORMS = ", ".join(cls.form for cls in POLICIES.values())
+def policy_forms() -> str:
+    """The accepted policy forms, every registered policy included (the error messages name them)."""
+    return ", ".join(cls.form for cls in POLICIES.values())
+
+
+POLICY_FORMS = policy_forms()  # the built-in forms, at import (``policy_forms()`` also lists those registered later)
 
 
 def parse_policy(spec) -> CachePolicy:
@@ -330,14 +335,14 @@ def parse_policy(spec) -> CachePolicy:
     if isinstance(spec, CachePolicy):
         return spec
     if not isinstance(spec, str):
-        raise ValueError(f"cache policy must be a string ({POLICY_FORMS}), got {type(spec).__name__}")
+        raise ValueError(f"cache policy must be a string ({policy_forms()}), got {type(spec).__name__}")
     text = spec.strip().lower()
     name, _, arg = text.partition(":")
     cls = POLICIES.get(name)
     if cls is None:
-        raise ValueError(f"unknown cache policy {spec!r}; expected one of: {POLICY_FORMS}")
+        raise ValueError(f"unknown cache policy {spec!r}; expected one of: {policy_forms()}")
     return cls.parse(arg, spec)
 
 
 __all__ = ["ACP", "CachePolicy", "DCP", "DEFAULT_LOG_EPSILON", "Dense", "HeuristicEvictionWarning", "POLICIES",
-           "POLICY_FORMS", "RING_BLOCK", "Sinks", "Window", "parse_policy", "register_policy", "round_up"]
+           "POLICY_FORMS", "RING_BLOCK", "Sinks", "Window", "parse_policy", "policy_forms", "register_policy", "round_up"]

@@ -198,6 +198,8 @@ def precast(params, plan: tuple):
 # Off until timed on a GPU: offline it takes FoX (Pro) 125M's `acp` step from 118 to 113 kernels (the 12 norms go, XLA
 # materialises 7 residual adds it fused before), for one more copy of the q/k/v/output-gate weights (benchmarks/
 # NOTES.md, "The next device session", item 6; `profile_decode.py --kernel-variants base folded:norm=folded`).
+# Read when ``decode_variables`` runs, i.e. when ``generate`` / ``serve`` trace their program: after changing it, call
+# ``jax.clear_caches()`` (a compiled program keeps what it traced).
 FOLD_INPUT_NORMS = False
 
 
