@@ -247,7 +247,7 @@ def main(argv=None):
         p.error(str(e))
     if args.quick:
         print("--quick: a CPU smoke run of the tool; its times are noise, and off a GPU the decode step runs XLA's "
-              "path, so --kernel-variants change nothing")
+              "path, so the kernel's tilings and switches in --kernel-variants change nothing")
         args.set = args.set or ["n_layers=2", "d_model=64", "n_heads=2", "vocab_size=256"]
         args.batch, args.prompt, args.new_tokens, args.repeats = 2, 16, 6, 3
     args.bandwidth = bound_bandwidth(args.bandwidth)
