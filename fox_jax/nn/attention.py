@@ -3,6 +3,7 @@ optional Dynamic Context Pruning (docs/design/dcp.md §1)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,9 +36,14 @@ def _kv_heads(tree) -> int:
     return h * kv_columns // q_columns
 
 
+def _folded(scale, kernel):
+    """s ⊙ W in float32: an input norm's scale [d_in] folded into a projection's kernel [d_in, n]."""
+    return scale.astype(jnp.float32)[:, None] * kernel.astype(jnp.float32)
+
+
 def _table(tree, scale=None) -> tuple:
     names = [n for n in GATE_PROJECTIONS if n in tree]
-    fold = (lambda k: k) if scale is None else (lambda k: scale.astype(jnp.float32)[:, None] * k.astype(jnp.float32))
+    fold = (lambda k: k) if scale is None else functools.partial(_folded, scale)
     return gate_table(tuple((fold(tree[n]["kernel"]), tree[n].get("bias")) for n in names), _kv_heads(tree))
 
 
@@ -66,10 +72,9 @@ def gate_tables(params, cast=None) -> dict:
         layer = out.get("attn")
         if cast_tree is not None and layer is not None and "scale" in tree.get("attn_norm", {}):
             scale, attn = tree["attn_norm"]["scale"], tree["attn"]
-            folded = {n: (scale.astype(jnp.float32)[:, None] * attn[n]["kernel"].astype(jnp.float32)).astype(
-                cast_tree["attn"][n]["kernel"].dtype) for n in ROW_PROJECTIONS if n in attn}
-            folded.update({n: scale.astype(jnp.float32)[:, None] * attn[n]["kernel"].astype(jnp.float32)
-                           for n in GATE_PROJECTIONS if n in attn})
+            folded = {n: _folded(scale, attn[n]["kernel"]).astype(cast_tree["attn"][n]["kernel"].dtype)
+                      for n in ROW_PROJECTIONS if n in attn}
+            folded.update({n: _folded(scale, attn[n]["kernel"]) for n in GATE_PROJECTIONS if n in attn})
             out["attn"] = {**layer, "folded": {**folded, "gate_table": _table(attn, scale)}}
         return out
 
