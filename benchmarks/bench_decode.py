@@ -72,13 +72,14 @@ import os
 import platform
 import statistics
 import time
+import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import fox_jax.models  # noqa: F401  (registers the model families with fox_jax.config)
-from fox_jax.cache.policies import RING_BLOCK, parse_policy
+from fox_jax.cache.policies import RING_BLOCK, HeuristicEvictionWarning, parse_policy
 from fox_jax.config import ARCHS, SIZES, gpt2_preset, preset
 from fox_jax.decoding import cache_bytes, calibrate_slots, generate, init_cache, min_slots
 from fox_jax.decoding.generation import STEPS_PER_CHECK
@@ -639,6 +640,8 @@ def main(argv=None) -> dict:
         print(markdown_rows(argv[1]))
         return {}
     args = parse_args(argv)
+    # the heuristic-acp warning once per run (the rows' "provable" says it for each), not once per call site
+    warnings.simplefilter("once", HeuristicEvictionWarning)
     model, params, info = load_model(args)
     cfg = model.cfg
     prompts = Prompts(cfg.vocab_size)

@@ -31,8 +31,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import json
+import os
 import platform
 import shutil
 import statistics
@@ -41,6 +43,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from fox_jax.cache.policies import parse_policy
 from fox_jax.decoding import cache_bytes, generate, min_slots
@@ -121,7 +124,10 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
                 kernels=diff(sn["kernels"], s1["kernels"], "kernel"), ops=diff(sn["ops"], s1["ops"], "jax_op"),
                 kv_bytes_allocated=kv["allocated"], kv_bytes_live=live, weight_bytes=weight_bytes,
                 bound_ms=bound_ms, slots=slots, overflow=int(jax.numpy.asarray(out.overflow).max()),
-                live_tokens=float(jax.numpy.asarray(out.live_counts)[-1].mean()), trace_source=source, walls_s={str(k): v for k, v in walls.items()})
+                live_tokens=float(jax.numpy.asarray(out.live_counts)[-1].mean()), trace_source=source,
+                walls_s={str(k): v for k, v in walls.items()},
+                # the generated tokens' digest: two variants (or XLA_FLAGS) that change no value give the same one
+                tokens_sha256=hashlib.sha256(np.asarray(out.tokens).tobytes()).hexdigest()[:16])
 
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
@@ -199,7 +205,7 @@ def print_report(row: dict) -> None:
           f"compiled in {row['compile_s']:.0f} s, "
           f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
           f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "
-          f"allocated {row['kv_bytes_allocated'] / 2**20:.0f} MiB)")
+          f"allocated {row['kv_bytes_allocated'] / 2**20:.0f} MiB); tokens {row['tokens_sha256']}")
     print("  " + "  ".join(f"{c} {row['per_step_ms'][c]:.3f}" for c in CATEGORIES))
     print(f"  {'ms/step':>8} {'calls':>6}  {'category':<11} JAX op")
     for r in row["ops"]:
@@ -274,14 +280,14 @@ def main(argv=None):
                 rows.append(row)
                 meta = dict(device=str(jax.devices()[0].device_kind), jax=jax.__version__,
                             python=platform.python_version(), dtype=args.dtype, param_dtype=args.param_dtype,
-                            date=time.strftime("%Y-%m-%d %H:%M:%S"))
+                            xla_flags=os.environ.get("XLA_FLAGS", ""), date=time.strftime("%Y-%m-%d %H:%M:%S"))
                 with open(args.out, "w") as f:
                     json.dump(dict(meta=meta, rows=rows), f, indent=1)
     if len(variants) > 1:
-        print(f"\n{'variant':<14} {'policy':<12} {'ms/step':>8} {'device':>8} {'attention':>9} {'kernels':>7}")
+        print(f"\n{'variant':<14} {'policy':<12} {'ms/step':>8} {'device':>8} {'attention':>9} {'kernels':>7} tokens")
         for r in rows:
             print(f"{r['variant']:<14} {r['policy']:<12} {r['step_ms']:8.3f} {r['device_ms_per_step']:8.3f} "
-                  f"{r['per_step_ms']['attention']:9.4f} {r['kernels_per_step']:7.0f}")
+                  f"{r['per_step_ms']['attention']:9.4f} {r['kernels_per_step']:7.0f} {r['tokens_sha256']}")
     print(f"\nwrote {args.out}")
     return rows
 
