@@ -239,6 +239,7 @@ class MlpConfig:
     block_n: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    transposed: bool = False  # gate/up weights as [2, hidden, d] (each hidden unit's d weights contiguous)
 
 
 def _mlp_kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int, hidden: int, eps: float,
@@ -259,8 +260,10 @@ def _mlp_kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: 
     def gate_up(i, accs):
         k0 = pl.multiple_of(i * bk, bk)
         xc = (x_chunk(i) * rstd[:, None] * s_ref[pl.ds(k0, bk)][None, :]).astype(wgu_ref.dtype)
-        wg = wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)]
-        wu = wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]
+        if cfg.transposed:  # [2, hidden, d]: rows of d contiguous weights
+            wg, wu = wgu_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T, wgu_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T
+        else:  # [d, 2·hidden] as stored: bh columns of each of bk rows
+            wg, wu = wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)], wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]
         return (accs[0] + jnp.dot(xc, wg, preferred_element_type=f32),
                 accs[1] + jnp.dot(xc, wu, preferred_element_type=f32))
 
@@ -285,7 +288,8 @@ def fused_mlp(x, norm_scale, w_gate_up, w_down, *, eps: float, config: MlpConfig
 
     Args:
       x: [M, d], M ≤ 64; norm_scale: [d] float32; w_gate_up: [d, 2·hidden] (gate columns, then up: the stored
-        ``gate_proj`` layout); w_down: [hidden, d]; hidden % block_h == 0, d % block_k == d % block_n == 0.
+        ``gate_proj`` layout), or with ``config.transposed`` [2, hidden, d]; w_down: [hidden, d];
+        hidden % block_h == 0, d % block_k == d % block_n == 0.
     Returns:
       [hidden / block_h, M, d] float32 partials of the MLP's output: their sum over axis 0 is the MLP (the
       consumer adds it to the residual, as XLA's split-K GEMMs' partials are summed by the next fusion).
@@ -345,20 +349,23 @@ def mlp_rows(model: str, layers: int, iters: int, reps: int, interpret: bool, dt
                    w_gu=jnp.asarray(rng.normal(size=(d, 2 * hidden)) / np.sqrt(d), dtype),
                    w_down=jnp.asarray(rng.normal(size=(hidden, d)) / np.sqrt(hidden), dtype)) for _ in range(layers)]
     x = jnp.asarray(rng.normal(size=(m, d)), dtype)
-    wbytes = sum(v.size * v.dtype.itemsize for k, v in params[0].items() if k != "g")
+    wbytes = sum(v.size * v.dtype.itemsize for k, v in params[0].items() if k in ("w_gu", "w_down"))
     base = dict(model=model, op="mlp_stack", m=m, k=d, n=hidden, weight_bytes=wbytes,
                 bound_us=wbytes / HBM_BYTES_PER_S * 1e6, **meta)
+    for p in params:  # the transposed copy a decode loop would make once (as decode_variables' tables)
+        p["w_gu_t"] = jnp.swapaxes(p["w_gu"].reshape(d, 2, hidden), 0, 2).swapaxes(0, 1)  # [2, hidden, d]
     rows = [dict(base, impl="xla", config=None, us=time_mlp_stack(lambda x, p: xla_mlp(x, p), x, params, layers,
                                                                   iters, reps))]
     print(json.dumps(rows[-1]), flush=True)
     want = np.asarray(xla_mlp(x, params[0]), np.float32)
-    sweep = [MlpConfig()] if interpret else [
-        MlpConfig(block_h=bh, block_k=bk, block_n=bn, num_warps=w, num_stages=st)
-        for bh in (16, 32, 64) for bk in (128, 256) for bn in (128, 256) for w in (4, 8) for st in (3,)
+    sweep = [MlpConfig(), MlpConfig(transposed=True)] if interpret else [
+        MlpConfig(block_h=bh, block_k=bk, block_n=bn, num_warps=w, num_stages=3, transposed=t)
+        for t in (False, True) for bh in (16, 32, 64) for bk in (128, 256) for bn in (256,) for w in (4, 8)
         if not (bh == 64 and bk == 256)]
     for cfg in sweep:
-        fn = lambda x, p, cfg=cfg: fused_mlp(x, p["g"], p["w_gu"], p["w_down"], eps=1e-6, config=cfg,  # noqa: E731
-                                             interpret=interpret)
+        fn = lambda x, p, cfg=cfg: fused_mlp(  # noqa: E731
+            x, p["g"], p["w_gu_t" if cfg.transposed else "w_gu"], p["w_down"], eps=1e-6, config=cfg,
+            interpret=interpret)
         try:
             got = np.asarray(jnp.sum(fn(x, params[0]), axis=0), np.float32)
         except Exception as e:  # a tiling Triton rejects (shared memory, registers): recorded, skipped
