@@ -42,7 +42,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
 # tl.dot needs every matmul dimension ≥ 16 (x's rows are padded to it by masked loads): as the decode attention kernel
+from fox_jax.kernels import decode_mlp as km
 from fox_jax.kernels.decode_attention import MIN_BLOCK, _pow2_at_least
+from fox_jax.ops.decode_mlp import decode_swiglu, swiglu_table
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -228,100 +230,9 @@ def fused_matmul(x, w, *, norm: str = "none", norm_scale=None, norm_bias=None, e
     )(*args)
 
 
-@dataclasses.dataclass(frozen=True)
-class MlpConfig:
-    """The fused MLP's tiling (static). block_h: hidden columns per program (the grid is hidden / block_h
-    programs, each writing one float32 partial of the output); block_k: d_model chunk of the gate/up loop;
-    block_n: output columns per down-projection chunk."""
-
-    block_h: int = 32
-    block_k: int = 128
-    block_n: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-    transposed: bool = False  # gate/up weights as [2, hidden, d] (each hidden unit's d weights contiguous)
-
-
-def _mlp_kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int, hidden: int, eps: float,
-                cfg: MlpConfig):
-    bk, bh, bn = cfg.block_k, cfg.block_h, cfg.block_n
-    f32 = jnp.float32
-    row_ok = lax.broadcasted_iota(jnp.int32, (m_pad, 1), 0) < m
-    h0 = pl.multiple_of(pl.program_id(0) * bh, bh)
-
-    def x_chunk(i):
-        k0 = pl.multiple_of(i * bk, bk)
-        return pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=row_ok, other=0.0).astype(f32)
-
-    s2 = lax.fori_loop(0, d // bk, lambda i, acc: acc + jnp.sum(jnp.square(x_chunk(i)), axis=1),
-                       jnp.zeros((m_pad,), f32))
-    rstd = lax.rsqrt(s2 / d + eps)
-
-    def gate_up(i, accs):
-        k0 = pl.multiple_of(i * bk, bk)
-        xc = (x_chunk(i) * rstd[:, None] * s_ref[pl.ds(k0, bk)][None, :]).astype(wgu_ref.dtype)
-        if cfg.transposed:  # [2, hidden, d]: rows of d contiguous weights
-            wg, wu = wgu_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T, wgu_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T
-        else:  # [d, 2·hidden] as stored: bh columns of each of bk rows
-            wg, wu = wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)], wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]
-        return (accs[0] + jnp.dot(xc, wg, preferred_element_type=f32),
-                accs[1] + jnp.dot(xc, wu, preferred_element_type=f32))
-
-    zero = jnp.zeros((m_pad, bh), f32)
-    g, u = lax.fori_loop(0, d // bk, gate_up, (zero, zero))
-    dt = wgu_ref.dtype
-    g, u = g.astype(dt).astype(f32), u.astype(dt).astype(f32)  # the GEMM's output in its dtype, as the model's
-    h = (g * jax.nn.sigmoid(g) * u).astype(dt)                 # [Mp, bh]: silu(gate) ⊙ up
-
-    def down(i, carry):
-        n0 = pl.multiple_of(i * bn, bn)
-        part = jnp.dot(h, wd_ref[pl.ds(h0, bh), pl.ds(n0, bn)], preferred_element_type=f32)
-        pltriton.store(o_ref.at[:, pl.ds(n0, bn)], part, mask=row_ok)
-        return carry
-
-    lax.fori_loop(0, d // bn, down, 0)
-
-
-def fused_mlp(x, norm_scale, w_gate_up, w_down, *, eps: float, config: MlpConfig, interpret: bool) -> jax.Array:
-    """RMSNorm → gate/up → silu(gate) ⊙ up → down of a decode step's rows in one launch, split over the hidden
-    axis (shapes unchecked; an experiment: the models do not use it).
-
-    Args:
-      x: [M, d], M ≤ 64; norm_scale: [d] float32; w_gate_up: [d, 2·hidden] (gate columns, then up: the stored
-        ``gate_proj`` layout), or with ``config.transposed`` [2, hidden, d]; w_down: [hidden, d];
-        hidden % block_h == 0, d % block_k == d % block_n == 0.
-    Returns:
-      [hidden / block_h, M, d] float32 partials of the MLP's output: their sum over axis 0 is the MLP (the
-      consumer adds it to the residual, as XLA's split-K GEMMs' partials are summed by the next fusion).
-    """
-    m, d = x.shape
-    hidden = w_down.shape[0]
-    m_pad = _pow2_at_least(m, MIN_BLOCK)
-    p = hidden // config.block_h
-    kernel = functools.partial(_mlp_kernel, m=m, m_pad=m_pad, d=d, hidden=hidden, eps=float(eps), cfg=config)
-    return pl.pallas_call(
-        kernel,
-        grid=(p,),
-        in_specs=[pl.BlockSpec((m_pad, d), lambda j: (0, 0)), pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
-        out_specs=pl.BlockSpec((None, m_pad, d), lambda j: (j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((p, m, d), jnp.float32),
-        compiler_params=None if interpret else pltriton.CompilerParams(num_warps=config.num_warps,
-                                                                      num_stages=config.num_stages),
-        interpret=interpret,
-        name="fox_decode_mlp",
-    )(x, norm_scale.astype(jnp.float32), w_gate_up, w_down)
-
-
 def xla_mlp(x, p, eps: float = 1e-6):
-    """The SwiGLU block as the models write it: RMSNorm, one [d, 2·hidden] GEMM, silu ⊙ up, down; out [M, d]."""
-    h = x.astype(jnp.float32)
-    h = (h * jax.lax.rsqrt(jnp.mean(h * h, -1, keepdims=True) + eps) * p["g"]).astype(p["w_gu"].dtype)
-    gu = (h @ p["w_gu"]).reshape(h.shape[0], 2, -1)
-    return swiglu_ref(gu) @ p["w_down"]
-
-
-def swiglu_ref(gu):
-    return (jax.nn.silu(gu[:, 0].astype(jnp.float32)) * gu[:, 1].astype(jnp.float32)).astype(gu.dtype)
+    """The SwiGLU block as the models write it (``fox_jax.ops.decode_mlp``'s XLA path): out [M, d]."""
+    return decode_swiglu(x[None], p["g"], p["w_gu"], p["w_down"], eps=eps, implementation="xla")[0]
 
 
 def time_mlp_stack(mlp_of, x, params, layers: int, iters: int, reps: int) -> float:
@@ -352,20 +263,19 @@ def mlp_rows(model: str, layers: int, iters: int, reps: int, interpret: bool, dt
     wbytes = sum(v.size * v.dtype.itemsize for k, v in params[0].items() if k in ("w_gu", "w_down"))
     base = dict(model=model, op="mlp_stack", m=m, k=d, n=hidden, weight_bytes=wbytes,
                 bound_us=wbytes / HBM_BYTES_PER_S * 1e6, **meta)
-    for p in params:  # the transposed copy a decode loop would make once (as decode_variables' tables)
-        p["w_gu_t"] = jnp.swapaxes(p["w_gu"].reshape(d, 2, hidden), 0, 2).swapaxes(0, 1)  # [2, hidden, d]
+    for p in params:  # the transposed copy a decode loop makes once (``fox_jax.models.lm.mlp_tables``)
+        p["w_gu_t"] = swiglu_table(p["w_gu"])  # [2, hidden, d]
     rows = [dict(base, impl="xla", config=None, us=time_mlp_stack(lambda x, p: xla_mlp(x, p), x, params, layers,
                                                                   iters, reps))]
     print(json.dumps(rows[-1]), flush=True)
     want = np.asarray(xla_mlp(x, params[0]), np.float32)
-    sweep = [MlpConfig(), MlpConfig(transposed=True)] if interpret else [
-        MlpConfig(block_h=bh, block_k=bk, block_n=bn, num_warps=w, num_stages=3, transposed=t)
-        for t in (False, True) for bh in (16, 32, 64) for bk in (128, 256) for bn in (256,) for w in (4, 8)
+    sweep = [(km.MlpConfig(), t) for t in (False, True)] if interpret else [
+        (km.MlpConfig(block_h=bh, block_k=bk, block_n=256, num_warps=w, num_stages=3), t)
+        for t in (False, True) for bh in (16, 32, 64) for bk in (128, 256) for w in (4, 8)
         if not (bh == 64 and bk == 256)]
-    for cfg in sweep:
-        fn = lambda x, p, cfg=cfg: fused_mlp(  # noqa: E731
-            x, p["g"], p["w_gu_t" if cfg.transposed else "w_gu"], p["w_down"], eps=1e-6, config=cfg,
-            interpret=interpret)
+    for cfg, transposed in sweep:
+        fn = lambda x, p, cfg=cfg, t=transposed: km.swiglu_partials(  # noqa: E731
+            x, p["g"], p["w_gu_t" if t else "w_gu"], p["w_down"], eps=1e-6, config=cfg, interpret=interpret)
         try:
             got = np.asarray(jnp.sum(fn(x, params[0]), axis=0), np.float32)
         except Exception as e:  # a tiling Triton rejects (shared memory, registers): recorded, skipped
@@ -377,7 +287,7 @@ def mlp_rows(model: str, layers: int, iters: int, reps: int, interpret: bool, dt
             np.max(np.abs(want)))
         if not err <= tol:
             raise AssertionError(f"{model} fused mlp {cfg}: max |pallas - xla| = {err:.3g} > {tol:.3g}")
-        rows.append(dict(base, impl="pallas-mlp", config=cfg.__dict__, max_err=err,
+        rows.append(dict(base, impl="pallas-mlp", config=dict(cfg.__dict__, transposed=transposed), max_err=err,
                          us=time_mlp_stack(fn, x, params, layers, iters, reps)))
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -494,8 +404,9 @@ def main(argv=None):
     ap.add_argument("--out", default=None)
     ap.add_argument("--quick", action="store_true", help="CPU smoke run (interpret mode, tiny loops)")
     ap.add_argument("--mlp", choices=("off", "also", "only"), default="also",
-                    help="the fused-MLP stack (RMSNorm → gate/up → silu ⊙ up → down as one kernel, split over the "
-                         "hidden axis) against XLA's: after the GEMV rows (also), alone (only) or not at all")
+                    help="the fused-MLP stack (fox_jax.kernels.decode_mlp: RMSNorm → gate/up → silu ⊙ up → down as "
+                         "one kernel, split over the hidden axis; a tiling sweep over both gate/up layouts) against "
+                         "XLA's: after the GEMV rows (also), alone (only) or not at all")
     args = ap.parse_args(argv)
     interpret = jax.default_backend() != "gpu"
     if args.quick:

@@ -19,7 +19,10 @@ XLA and read by the kernel, as for a d_model that is not a multiple of 16, inste
 ``head=stored`` (the untied LM head multiplied as stored, [d, V] with unaligned rows, instead of the copy padded to
 128 columns that ``decode_variables`` makes once), ``norm=folded`` / ``norm=applied`` (each block's input RMSNorm
 folded into its attention's projections and applied by the decode kernel as a row scale, or a kernel of its own
-before the QKV GEMM: ``fox_jax.decoding.generation.FOLD_INPUT_NORMS``, off by default; ``gates=xla`` applies it):
+before the QKV GEMM: ``fox_jax.decoding.generation.FOLD_INPUT_NORMS``, off by default; ``gates=xla`` applies it),
+``mlp=fused`` / ``mlp=xla`` (each block's MLP norm and SwiGLU as one Pallas kernel, ``fox_jax.ops.decode_mlp``, or
+XLA's four: ``generation.FUSE_DECODE_MLP``, off by default) with the fused kernel's tiling as ``mlp_block_h=16``,
+``mlp_block_k``, ``mlp_block_n``, ``mlp_num_warps``, ``mlp_num_stages``:
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \\
         --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 nofold:fold_floor=0 \\
@@ -49,6 +52,7 @@ from fox_jax.cache.policies import parse_policy
 from fox_jax.decoding import cache_bytes, generate, min_slots
 from fox_jax.decoding import generation as gen
 from fox_jax.kernels import decode_attention as dk
+from fox_jax.kernels import decode_mlp as km
 
 decode_op = importlib.import_module("fox_jax.ops.decode_attention")  # the module (fox_jax.ops exports the function)
 
@@ -138,9 +142,11 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
       ValueError: an unknown key or a bad value (an int for the DecodeConfig tilings, 0 or 1 for its switches).
     """
     name, _, rest = spec.partition(":")
-    fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
+    fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)} | {
+        "mlp_" + f.name for f in dataclasses.fields(km.MlpConfig)}
     switches = {f.name for f in dataclasses.fields(dk.DecodeConfig) if f.type in (bool, "bool")}
-    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("folded", "applied")}
+    choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("folded", "applied"),
+               "mlp": ("fused", "xla")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -167,12 +173,18 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm")}
-    saved = dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables, gen.FOLD_INPUT_NORMS
-    base_config, base_arrays, _, base_tables, _ = saved
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp") and
+              not k.startswith("mlp_")}
+    mlp_tiling = {k[len("mlp_"):]: v for k, v in settings.items() if k.startswith("mlp_")}
+    saved = (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables, gen.FOLD_INPUT_NORMS,
+             gen.FUSE_DECODE_MLP, km.default_mlp_config)
+    base_config, base_arrays, _, base_tables, _, _, base_mlp_config = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
+
+    def mlp_config(*args, **kwargs):
+        return dataclasses.replace(base_mlp_config(*args, **kwargs), **mlp_tiling)
 
     def arrays(step, *args, **kwargs):
         out = base_arrays(step, *args, **kwargs)
@@ -189,13 +201,16 @@ def kernel_variant(settings: dict):
         gen.head_table = lambda params: {}
     if "norm" in settings:
         gen.FOLD_INPUT_NORMS = settings["norm"] == "folded"
+    if "mlp" in settings:
+        gen.FUSE_DECODE_MLP = settings["mlp"] == "fused"
+    km.default_mlp_config = mlp_config
     if settings.get("gates") == "xla":  # (a folded norm needs the kernel to read x for the gate logits)
         gen.gate_tables = lambda params, cast=None: base_tables(params)
     try:
         yield
     finally:
         (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables,
-         gen.FOLD_INPUT_NORMS) = saved
+         gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP, km.default_mlp_config) = saved
         jax.clear_caches()
 
 

@@ -39,7 +39,7 @@ from jax import lax
 
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.models.family import cast_targets
-from fox_jax.models.lm import head_table
+from fox_jax.models.lm import head_table, mlp_tables
 from fox_jax.nn.attention import gate_tables
 from fox_jax.ops._common import check_seq_start
 from fox_jax.sharding import place_for_decoding, under_mesh
@@ -202,16 +202,35 @@ def precast(params, plan: tuple):
 # ``jax.clear_caches()`` (a compiled program keeps what it traced).
 FOLD_INPUT_NORMS = False
 
+# Whether decode loops run each block's MLP norm and SwiGLU as one op (``decode_variables``: ``mlp_tables``; one Pallas
+# kernel per block on GPU instead of XLA's four). Off until timed on a GPU (benchmarks/NOTES.md; the kernel alone:
+# ``bench_decode_matmul.py --mlp only``; in the step: ``profile_decode.py --kernel-variants base fused:mlp=fused``).
+# Read when ``decode_variables`` runs, as ``FOLD_INPUT_NORMS``.
+FUSE_DECODE_MLP = False
 
-def decode_variables(params, plan: tuple, fold_norms: bool | None = None) -> dict:
+
+def _merged(a: dict, b: dict) -> dict:
+    """Two nested dicts merged key by key (``b`` wins where both hold a leaf)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merged(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def decode_variables(params, plan: tuple, fold_norms: bool | None = None, fuse_mlp: bool | None = None) -> dict:
     """What a decode loop applies the model with, made once before the loop: the parameters cast as ``plan`` says
     (``precast``) and the ``"decode"`` collection: the attention layers' gate projections in the decode kernel's
     layout, with ``fold_norms`` (default ``FOLD_INPUT_NORMS``) also their input projections with the block's input
-    norm folded in (``fox_jax.nn.attention.gate_tables``), and an untied LM head, cast, padded to aligned rows
-    (``fox_jax.models.lm.head_table``)."""
+    norm folded in (``fox_jax.nn.attention.gate_tables``), with ``fuse_mlp`` (default ``FUSE_DECODE_MLP``) the
+    blocks' gate/up weights in the fused MLP's layout (``fox_jax.models.lm.mlp_tables``), and an untied LM head,
+    cast, padded to aligned rows (``fox_jax.models.lm.head_table``)."""
     cast = precast(params, plan)
     fold = FOLD_INPUT_NORMS if fold_norms is None else fold_norms
-    decode = {**gate_tables(params, cast if fold else None).get("decode", {}), **head_table(cast).get("decode", {})}
+    fuse = FUSE_DECODE_MLP if fuse_mlp is None else fuse_mlp
+    decode = gate_tables(params, cast if fold else None).get("decode", {})
+    if fuse:
+        decode = _merged(decode, mlp_tables(cast).get("decode", {}))
+    decode = _merged(decode, head_table(cast).get("decode", {}))
     return {"params": cast, **({"decode": decode} if decode else {})}
 
 

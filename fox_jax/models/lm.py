@@ -15,6 +15,7 @@ see ``ForgettingAttentionLayer``), and the model fills ``ModelOutput.aux`` as ``
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
@@ -27,6 +28,7 @@ from fox_jax.models.family import (FamilyModules, ModelOutput, dcp_aux, embed_ro
 from fox_jax.nn.attention import ForgettingAttentionLayer, LayerOutput
 from fox_jax.nn.layers import RMSNorm, SwiGLU, normal_init
 from fox_jax.ops.cross_entropy import padded_head
+from fox_jax.ops.decode_mlp import decode_swiglu, swiglu_table
 
 
 class Block(nn.Module):
@@ -50,6 +52,12 @@ class Block(nn.Module):
         attn = ForgettingAttentionLayer(cfg, name="attn")(h, segment_ids, positions, cache, alpha,
                                                           residual=None if cache is None else x)
         x = x + attn.x
+        if cache is not None and x.shape[1] == 1 and self.has_variable("decode", "mlp_step"):
+            # a decode step with the block's MLP in the decode layout (``mlp_tables``): norm and MLP as one op
+            p = self.variables["params"]
+            y = decode_swiglu(x, p["mlp_norm"]["scale"], self.get_variable("decode", "mlp_step")["gate_up"],
+                              p["mlp"]["down_proj"]["kernel"].astype(dtype), eps=cfg.norm_eps)
+            return attn.replace(x=x + y)
         h = RMSNorm(cfg.norm_eps, dtype, name="mlp_norm")(x)
         return attn.replace(x=x + SwiGLU(cfg.mlp_hidden, cfg.init_std, dtype, name="mlp")(h, cache is None))
 
@@ -80,6 +88,26 @@ class LMHead(nn.Module):
             w = padded_head(kernel, self.dtype, self.pad_multiple)
         y = jax.lax.dot_general(x.astype(self.dtype), w, (((x.ndim - 1,), (0,)), ((), ())))
         return y[..., :self.vocab_size] if w.shape[1] > self.vocab_size else y
+
+
+def mlp_tables(params) -> dict:
+    """The ``"decode"`` variables of the blocks' MLPs: for each block with an RMSNorm ``mlp_norm`` and a ``SwiGLU``
+    ``mlp``, ``{"mlp_step": {"gate_up": swiglu_table(gate_proj kernel)}}`` at the block's path ([2, hidden, d] in the
+    kernel's own dtype: pass the parameters cast as the decode loop applies them). With it a decode step (T = 1)
+    runs the block's norm and MLP as one op (``fox_jax.ops.decode_mlp.decode_swiglu``: one Pallas kernel on GPU
+    instead of XLA's four), the same numbers up to float32 summation order; one more copy of the gate/up weights in
+    memory. Returns {} for a model without such blocks."""
+    def walk(tree):
+        if not isinstance(tree, Mapping):
+            return {}
+        out = {k: sub for k, v in tree.items() if (sub := walk(v))}
+        mlp, norm = tree.get("mlp"), tree.get("mlp_norm")
+        if isinstance(mlp, Mapping) and isinstance(norm, Mapping) and "scale" in norm and "gate_proj" in mlp:
+            out["mlp_step"] = {"gate_up": swiglu_table(mlp["gate_proj"]["kernel"])}
+        return out
+
+    tables = walk(params)
+    return {"decode": tables} if tables else {}
 
 
 def head_table(params, pad_multiple: int = 128) -> dict:
