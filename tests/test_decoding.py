@@ -1008,6 +1008,48 @@ def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
     np.testing.assert_array_equal(chunk(variables), chunk(plain))
 
 
+
+@pytest.mark.parametrize("policy", ["window:6", "acp"])
+def test_decode_variables_fuse_the_mlp(policy, monkeypatch):
+    """``decode_variables(..., fuse_mlp=True)`` adds each block's gate/up weights in the fused MLP's layout
+    (``mlp_tables``: [2, hidden, d] of the cast kernel) and a decode step (T = 1) then runs the block's MLP norm and
+    SwiGLU as one op (``decode_swiglu``): its logits and caches equal the step without the entry, bit for bit through
+    the op's XLA path (the model's arithmetic) and to 1e-5 through the Pallas kernel (interpret; float32 summation
+    order), which the step does call; a prefill chunk (T > 1) does not use it, and the default adds nothing
+    (``FUSE_DECODE_MLP``). Together with the folded input norm the same holds. A kernel that dropped the norm's
+    scale would be off by ~30% (test_decode_mlp)."""
+    dm = sys.modules["fox_jax.ops.decode_mlp"]
+    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
+    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
+    tokens = padded_batch(10)
+    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy=policy)
+    plan = generation.cast_plan(model, params, caches)
+    assert "mlp_step" not in generation.decode_variables(params, plan)["decode"]["layers_1"]
+    fused = generation.decode_variables(params, plan, fuse_mlp=True)
+    gate_up = fused["decode"]["layers_1"]["mlp_step"]["gate_up"]
+    kernel = params["layers_1"]["mlp"]["gate_proj"]["kernel"]
+    np.testing.assert_array_equal(gate_up[1, 5], kernel[:, cfg.mlp_hidden + 5])  # up unit 5's d weights
+    plain = generation.decode_variables(params, plan)
+    calls = []
+    kernel_fn = dm.km.swiglu_partials
+    monkeypatch.setattr(dm.km, "swiglu_partials", lambda *a, **kw: calls.append(1) or kernel_fn(*a, **kw))
+    step = jax.jit(lambda v: model.apply(v, tokens[:, 8:9], cache=caches))
+    for impl, atol in (("xla", 0.0), ("pallas", 1e-5)):
+        monkeypatch.setattr(dm, "resolve_decode_mlp_implementation", lambda *a, impl=impl, **kw: impl)
+        jax.clear_caches()
+        calls.clear()
+        got, want = step(fused), step(plain)
+        assert len(calls) == (0 if impl == "xla" else cfg.n_layers), (impl, calls)
+        np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=0, err_msg=impl)
+        _assert_same_caches(got.cache, want.cache)
+    both = generation.decode_variables(params, plan, fold_norms=True, fuse_mlp=True)
+    assert {"mlp_step", "attn"} <= set(both["decode"]["layers_0"]) and "folded" in both["decode"]["layers_0"]["attn"]
+    np.testing.assert_allclose(step(both).logits, step(plain).logits, atol=2e-5, rtol=0)
+    chunk = jax.jit(lambda v: model.apply(v, tokens[:, 8:], cache=caches).logits)  # T = 2: the model's own MLP
+    calls.clear()
+    np.testing.assert_array_equal(chunk(fused), chunk(plain))
+    assert not calls
+
 def test_decode_variables_pad_the_untied_head_once():
     """``decode_variables`` (what ``generate`` and ``serve`` apply the model with) holds the untied LM head cast as
     the plan says and zero-padded to 128 columns (VOCAB = 97: rows aligned), which ``LMHead`` multiplies by and
