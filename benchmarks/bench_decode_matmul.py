@@ -21,8 +21,15 @@ Two measurements, each inside one jitted ``fori_loop`` (no dispatch in the timin
     python3 benchmarks/bench_decode_matmul.py --out results/decode/decode_matmul_h200.json   # GPU
     python3 benchmarks/bench_decode_matmul.py --quick                                          # CPU smoke
 
+``--mlp also|only|off``: the SwiGLU half of a layer as one kernel instead (``fox_jax.kernels.decode_mlp``: RMSNorm →
+gate/up → silu ⊙ up → down, split over the hidden axis into float32 partials that the residual add sums; what
+``generation.FUSE_DECODE_MLP`` puts in the models), as a stack of L MLP halves against XLA's (norm, gate/up GEMM,
+silu ⊙ up, down GEMM, residual add), over a tiling sweep and both gate/up layouts, each checked against XLA first:
+
+    python3 benchmarks/bench_decode_matmul.py --models fox-pro-125M --mlp only --out $OUT/mlp.json
+
 Rows: ``{"model", "op", "m", "k", "n", "impl", "config", "us", "weight_bytes", "bound_us", ...}``; bound_us is
-the weight bytes at 4.8 TB/s (H200).
+the weight bytes at 4.8 TB/s (H200); the MLP stack's rows have op ``mlp_stack`` and impl ``xla`` / ``pallas-mlp``.
 """
 
 from __future__ import annotations
