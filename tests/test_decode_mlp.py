@@ -102,7 +102,7 @@ def test_bad_input_is_refused_in_one_line():
         decode_swiglu(jnp.zeros((5, 13, _D)), s, w_gu, w_down, eps=_EPS, implementation="pallas")
     with pytest.raises(ValueError, match="MlpConfig.block_h must be a power of two"):
         km.MlpConfig(block_h=24)
-    assert km.default_mlp_config(768, 1792) == km.MlpConfig(block_h=32, block_k=128, block_n=256)
+    assert km.default_mlp_config(768, 1792) == km.MlpConfig(block_h=32, block_k=256, block_n=256)
     assert km.default_mlp_config(40, 96) is None  # d not a multiple of 16: the op's "auto" runs XLA
 
 

@@ -195,17 +195,17 @@ def precast(params, plan: tuple):
 
 
 # Whether decode loops fold each block's input RMSNorm into its attention's input projections (``decode_variables``).
-# Off until timed on a GPU: offline it takes FoX (Pro) 125M's `acp` step from 118 to 113 kernels (the 12 norms go, XLA
-# materialises 7 residual adds it fused before), for one more copy of the q/k/v/output-gate weights (benchmarks/
-# NOTES.md, "The next device session", item 6; `profile_decode.py --kernel-variants base folded:norm=folded`).
-# Read when ``decode_variables`` runs, i.e. when ``generate`` / ``serve`` trace their program: after changing it, call
-# ``jax.clear_caches()`` (a compiled program keeps what it traced).
+# Off by default: it takes FoX (Pro) 125M's `acp` step from 119 to 114 kernels and 0.410 to 0.401 ms of device time
+# (dense 0.669 → 0.663; one H100, 2026-12-06, `profile_decode.py --kernel-variants base folded:norm=folded`), i.e.
+# 1–2%, for one more copy of the q/k/v/output-gate weights (+57 MB at 125M, ~450 MB at 760M) — on for a user who
+# has the memory. Read when ``decode_variables`` runs, i.e. when ``generate`` / ``serve`` trace their program: after
+# changing it, call ``jax.clear_caches()`` (a compiled program keeps what it traced).
 FOLD_INPUT_NORMS = False
 
 # Whether decode loops run each block's MLP norm and SwiGLU as one op (``decode_variables``: ``mlp_tables``; one Pallas
-# kernel per block on GPU instead of XLA's four). Off until timed on a GPU (benchmarks/NOTES.md; the kernel alone:
-# ``bench_decode_matmul.py --mlp only``; in the step: ``profile_decode.py --kernel-variants base fused:mlp=fused``).
-# Read when ``decode_variables`` runs, as ``FOLD_INPUT_NORMS``.
+# kernel per block on GPU instead of XLA's four). Off by default: the `acp` step above goes from 119 to 96 kernels but
+# only 0.410 to 0.407 ms, the kernel taking 9.5 µs per layer, as long as the four it replaces (it reads its 8.3 MB
+# at 0.9 TB/s; benchmarks/NOTES.md, "Fewer decode kernels", 2026-12-06), for one more copy of the gate/up weights.
 FUSE_DECODE_MLP = False
 
 
