@@ -270,7 +270,7 @@ def mlp_rows(model: str, layers: int, iters: int, reps: int, interpret: bool, dt
     wbytes = sum(v.size * v.dtype.itemsize for k, v in params[0].items() if k in ("w_gu", "w_down"))
     base = dict(model=model, op="mlp_stack", m=m, k=d, n=hidden, weight_bytes=wbytes,
                 bound_us=wbytes / HBM_BYTES_PER_S * 1e6, **meta)
-    for p in params:  # the transposed copy a decode loop makes once (``fox_jax.models.lm.mlp_tables``)
+    for p in params:  # the transposed copy (``fox_jax.models.lm.mlp_tables(..., transposed=True)``)
         p["w_gu_t"] = swiglu_table(p["w_gu"])  # [2, hidden, d]
     rows = [dict(base, impl="xla", config=None, us=time_mlp_stack(lambda x, p: xla_mlp(x, p), x, params, layers,
                                                                   iters, reps))]

@@ -1011,8 +1011,8 @@ def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
 
 @pytest.mark.parametrize("policy", ["window:6", "acp"])
 def test_decode_variables_fuse_the_mlp(policy, monkeypatch):
-    """``decode_variables(..., fuse_mlp=True)`` adds each block's gate/up weights in the fused MLP's layout
-    (``mlp_tables``: [2, hidden, d] of the cast kernel) and a decode step (T = 1) then runs the block's MLP norm and
+    """``decode_variables(..., fuse_mlp=True)`` adds each block's gate/up weights for the fused MLP (``mlp_tables``:
+    the cast kernel itself, or transposed [2, hidden, d]) and a decode step (T = 1) then runs the block's MLP norm and
     SwiGLU as one op (``decode_swiglu``): its logits and caches equal the step without the entry, bit for bit through
     the op's XLA path (the model's arithmetic) and to 1e-5 through the Pallas kernel (interpret; float32 summation
     order; 3e-3 on GPU, where XLA's own float32 matmuls run in TF32), which the step does call; a prefill chunk (T > 1) does not use it, and the default adds nothing
@@ -1026,21 +1026,27 @@ def test_decode_variables_fuse_the_mlp(policy, monkeypatch):
     plan = generation.cast_plan(model, params, caches)
     assert "mlp_step" not in generation.decode_variables(params, plan)["decode"]["layers_1"]
     fused = generation.decode_variables(params, plan, fuse_mlp=True)
-    gate_up = fused["decode"]["layers_1"]["mlp_step"]["gate_up"]
+    assert fused["decode"]["layers_1"]["mlp_step"]["gate_up"] is fused["params"]["layers_1"]["mlp"]["gate_proj"][
+        "kernel"]  # no copy
+    transposed = generation.mlp_tables(fused["params"], transposed=True)["decode"]["layers_1"]["mlp_step"]["gate_up"]
     kernel = params["layers_1"]["mlp"]["gate_proj"]["kernel"]
-    np.testing.assert_array_equal(gate_up[1, 5], kernel[:, cfg.mlp_hidden + 5])  # up unit 5's d weights
+    np.testing.assert_array_equal(transposed[1, 5], kernel[:, cfg.mlp_hidden + 5])  # up unit 5's d weights
     plain = generation.decode_variables(params, plan)
     calls = []
     kernel_fn = dm.km.swiglu_partials
     monkeypatch.setattr(dm.km, "swiglu_partials", lambda *a, **kw: calls.append(1) or kernel_fn(*a, **kw))
     step = jax.jit(lambda v: model.apply(v, tokens[:, 8:9], cache=caches))
     # (on GPU XLA's float32 matmuls run in TF32, the kernel's in IEEE float32: ~1e-3 apart there)
+    with_transposed = {**fused, "decode": generation._merged(fused["decode"], {"layers_0": {"mlp_step": {
+        "gate_up": generation.mlp_tables(fused["params"], transposed=True)["decode"]["layers_0"]["mlp_step"][
+            "gate_up"]}}})}
     for impl, atol in (("xla", 0.0), ("pallas", 1e-5 if jax.default_backend() != "gpu" else 3e-3)):
         monkeypatch.setattr(dm, "resolve_decode_mlp_implementation", lambda *a, impl=impl, **kw: impl)
         jax.clear_caches()
         calls.clear()
         got, want = step(fused), step(plain)
-        assert len(calls) == (0 if impl == "xla" else cfg.n_layers), (impl, calls)
+        np.testing.assert_allclose(step(with_transposed).logits, got.logits, atol=1e-6, rtol=0)  # layer 0 transposed
+        assert len(calls) == (0 if impl == "xla" else 2 * cfg.n_layers), (impl, calls)
         np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=0, err_msg=impl)
         if impl == "xla" or jax.default_backend() != "gpu":  # (on GPU the TF32 difference reaches the next layer's Λ)
             _assert_same_caches(got.cache, want.cache)

@@ -203,9 +203,9 @@ def precast(params, plan: tuple):
 FOLD_INPUT_NORMS = False
 
 # Whether decode loops run each block's MLP norm and SwiGLU as one op (``decode_variables``: ``mlp_tables``; one Pallas
-# kernel per block on GPU instead of XLA's four). Off by default: the `acp` step above goes from 119 to 96 kernels but
-# only 0.410 to 0.407 ms, the kernel taking 9.5 µs per layer, as long as the four it replaces (it reads its 8.3 MB
-# at 0.9 TB/s; benchmarks/NOTES.md, "Fewer decode kernels", 2026-12-06), for one more copy of the gate/up weights.
+# kernel per block on GPU instead of XLA's four; no weight copy). Off by default: the `acp` step above goes from 119 to
+# 96 kernels but only from 0.410 to 0.407 ms, the kernel taking 9.5 µs per layer, as long as the four it replaces (it
+# reads its 8.3 MB at 0.9 TB/s; benchmarks/NOTES.md, "The next device session", item 6 (c)).
 FUSE_DECODE_MLP = False
 
 

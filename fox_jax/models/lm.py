@@ -90,20 +90,22 @@ class LMHead(nn.Module):
         return y[..., :self.vocab_size] if w.shape[1] > self.vocab_size else y
 
 
-def mlp_tables(params) -> dict:
+def mlp_tables(params, transposed: bool = False) -> dict:
     """The ``"decode"`` variables of the blocks' MLPs: for each block with an RMSNorm ``mlp_norm`` and a ``SwiGLU``
-    ``mlp``, ``{"mlp_step": {"gate_up": swiglu_table(gate_proj kernel)}}`` at the block's path ([2, hidden, d] in the
-    kernel's own dtype: pass the parameters cast as the decode loop applies them). With it a decode step (T = 1)
-    runs the block's norm and MLP as one op (``fox_jax.ops.decode_mlp.decode_swiglu``: one Pallas kernel on GPU
-    instead of XLA's four), the same numbers up to float32 summation order; one more copy of the gate/up weights in
-    memory. Returns {} for a model without such blocks."""
+    ``mlp``, ``{"mlp_step": {"gate_up": W}}`` at the block's path, W the ``gate_proj`` kernel of ``params`` (pass the
+    parameters cast as the decode loop applies them): the same array, [d, 2·hidden] (no copy), or with ``transposed``
+    a copy [2, hidden, d] (``swiglu_table``; on an H100 the kernel read both layouts equally fast). With it a decode
+    step (T = 1) runs the block's norm and MLP as one op (``fox_jax.ops.decode_mlp.decode_swiglu``: one Pallas kernel
+    on GPU instead of XLA's four), the same numbers up to float32 summation order. Returns {} for a model without
+    such blocks."""
     def walk(tree):
         if not isinstance(tree, Mapping):
             return {}
         out = {k: sub for k, v in tree.items() if (sub := walk(v))}
         mlp, norm = tree.get("mlp"), tree.get("mlp_norm")
         if isinstance(mlp, Mapping) and isinstance(norm, Mapping) and "scale" in norm and "gate_proj" in mlp:
-            out["mlp_step"] = {"gate_up": swiglu_table(mlp["gate_proj"]["kernel"])}
+            kernel = mlp["gate_proj"]["kernel"]
+            out["mlp_step"] = {"gate_up": swiglu_table(kernel) if transposed else kernel}
         return out
 
     tables = walk(params)
