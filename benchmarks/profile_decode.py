@@ -222,6 +222,9 @@ def print_report(row: dict) -> None:
           f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
           f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "
           f"allocated {row['kv_bytes_allocated'] / 2**20:.0f} MiB); tokens {row['tokens_sha256']}")
+    if row["step_ms"] < 0:
+        print("  (a negative wall time: the difference of two medians, noise at this size; more --new-tokens or "
+              "--repeats, or read the device time)")
     print("  " + "  ".join(f"{c} {row['per_step_ms'][c]:.3f}" for c in CATEGORIES))
     print(f"  {'ms/step':>8} {'calls':>6}  {'category':<11} JAX op")
     for r in row["ops"]:
@@ -280,6 +283,16 @@ def main(argv=None):
     weight_bytes = weight_bytes_read(cfg, params, args.dtype)  # as bench_decode.py's bound: what a step reads
     model = cfg.build()
     tokens = jax.random.randint(jax.random.PRNGKey(1), (args.batch, args.prompt), 0, cfg.vocab_size, jnp.int32)
+    def holds(tree, key) -> bool:  # ``key`` anywhere in a nested dict
+        return isinstance(tree, dict) and (key in tree or any(holds(v, key) for v in tree.values()))
+
+    applies = {"mlp": lambda: bool(gen.mlp_tables(params)),
+               "norm": lambda: holds(gen.gate_tables(params, params), "folded")}
+    for name, settings in variants:
+        idle = [f"{k}={settings[k]}" for k in ("mlp", "norm") if k in settings and not applies[k]()]
+        if idle:
+            print(f"note: variant {name}: {', '.join(idle)} does not apply to {args.model} (no RMSNorm + SwiGLU block, "
+                  f"or no gate projections to fold into): it measures the base program")
     rows = []
     for name, settings in variants:
         with kernel_variant(settings):

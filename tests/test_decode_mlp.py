@@ -82,7 +82,7 @@ def test_kernel_matches_the_oracle(dtype, transposed):
 
 def test_xla_path_is_the_models_block():
     """The op's XLA path is ``RMSNorm`` then ``SwiGLU`` (their parameters as the model stores them), bit for bit in
-    both layouts: what a decode step with ``mlp_tables`` computes off GPU is what it computed before."""
+    both layouts when each runs alone (inside a larger jitted program XLA may keep excess bf16 precision elsewhere)."""
     x, s, w_gu, w_down = _case(jnp.bfloat16, seed=1)
     params = {"norm": {"scale": s}, "mlp": {"gate_proj": {"kernel": w_gu.astype(jnp.float32)},
                                             "down_proj": {"kernel": w_down.astype(jnp.float32)}}}
@@ -106,10 +106,37 @@ def test_bad_input_is_refused_in_one_line():
                       config=km.MlpConfig(block_h=64, block_k=32, block_n=32))
     with pytest.raises(ValueError, match=r"needs 1 ≤ M ≤ 64 rows \(got 65\)"):
         decode_swiglu(jnp.zeros((5, 13, _D)), s, w_gu, w_down, eps=_EPS, implementation="pallas")
+    with pytest.raises(ValueError, match=r"decode_swiglu: x must be \[B, T, d\], got shape \[3, 64\]"):
+        decode_swiglu(x[0], s, w_gu, w_down, eps=_EPS)
+    with pytest.raises(ValueError, match="decode_swiglu: x must be a float array, got int32"):
+        decode_swiglu(x.astype(jnp.int32), s, w_gu, w_down, eps=_EPS)
+    with pytest.raises(ValueError, match="decode_swiglu: eps must be ≥ 0, got -1"):
+        decode_swiglu(x, s, w_gu, w_down, eps=-1)
+    with pytest.raises(TypeError, match="config must be a fox_jax.kernels.decode_mlp.MlpConfig, got dict"):
+        decode_swiglu(x, s, w_gu, w_down, eps=_EPS, config={})
+    with pytest.raises(ValueError, match=r"needs d and hidden multiples of 16 \(got d = 40, hidden = 96\)"):
+        decode_swiglu(x[..., :40], s[:40], w_gu[:40], w_down[:, :40], eps=_EPS, implementation="pallas")
+    with pytest.raises(ValueError, match="needs eps a Python float"):  # a traced eps: the kernel's eps is a constant
+        jax.jit(lambda e: decode_swiglu(x, s, w_gu, w_down, eps=e, implementation="pallas", config=_CONFIG))(1e-6)
+    traced = jax.jit(lambda e: decode_swiglu(x, s, w_gu, w_down, eps=e, config=_CONFIG))(_EPS)  # "auto": XLA
+    np.testing.assert_allclose(traced, decode_swiglu(x, s, w_gu, w_down, eps=_EPS, implementation="xla"), atol=1e-6)
     with pytest.raises(ValueError, match="MlpConfig.block_h must be a power of two"):
         km.MlpConfig(block_h=24)
     assert km.default_mlp_config(768, 1792) == km.MlpConfig(block_h=32, block_k=256, block_n=256)
     assert km.default_mlp_config(40, 96) is None  # d not a multiple of 16: the op's "auto" runs XLA
+
+
+def test_gradient_through_the_kernel_is_the_xla_forms():
+    """Under ``jax.grad`` the kernel's path differentiates as the XLA form does (a custom VJP: the same function), so a
+    model that calls it on GPU still trains: the gradients of all four inputs equal the XLA path's (float32)."""
+    x, s, w_gu, w_down = _case(jnp.float32, seed=3)
+    probe = jnp.asarray(np.random.default_rng(4).standard_normal((1, _M, _D)), jnp.float32)
+    loss = lambda impl: lambda *a: jnp.sum(probe * decode_swiglu(*a, eps=_EPS, implementation=impl,  # noqa: E731
+                                                                  config=_CONFIG))
+    got = jax.grad(loss("pallas"), argnums=(0, 1, 2, 3))(x, s, w_gu, w_down)
+    want = jax.grad(loss("xla"), argnums=(0, 1, 2, 3))(x, s, w_gu, w_down)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6 * float(jnp.max(jnp.abs(w))))
 
 
 def test_kernel_lowers_to_triton_for_cuda():
