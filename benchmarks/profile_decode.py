@@ -222,9 +222,9 @@ def print_report(row: dict) -> None:
           f"{row['kernels_per_step']:.0f} kernels/step, bound {row['bound_ms']:.3f} ms "
           f"(weights {row['weight_bytes'] / 2**20:.0f} MiB + live KV {row['kv_bytes_live'] / 2**20:.0f} MiB; "
           f"allocated {row['kv_bytes_allocated'] / 2**20:.0f} MiB); tokens {row['tokens_sha256']}")
-    if row["step_ms"] < 0:
-        print("  (a negative wall time: the difference of two medians, noise at this size; more --new-tokens or "
-              "--repeats, or read the device time)")
+    if row["step_ms"] < 0 or row["device_ms_per_step"] < 0:
+        print("  (a negative time: a difference of two runs — wall: of two medians; device: of two traces — noise at "
+              "this size; use more --new-tokens and --repeats)")
     print("  " + "  ".join(f"{c} {row['per_step_ms'][c]:.3f}" for c in CATEGORIES))
     print(f"  {'ms/step':>8} {'calls':>6}  {'category':<11} JAX op")
     for r in row["ops"]:
