@@ -98,6 +98,7 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
             transposed: bool, cfg: MlpConfig):
     bk, bh, bn = cfg.block_k, cfg.block_h, cfg.block_n
     f32, dt = jnp.float32, wd_ref.dtype
+    prec = lax.Precision.HIGHEST if dt == jnp.float32 else None  # float32: IEEE dots (Triton's default is TF32)
     row_ok = lax.broadcasted_iota(jnp.int32, (m_pad, 1), 0) < m
     h0 = pl.multiple_of(pl.program_id(0) * bh, bh)
 
@@ -121,7 +122,6 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
         else:  # [d, 2·hidden]
             wg = wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)]
             wu = wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]
-        prec = lax.Precision.HIGHEST if dt == jnp.float32 else None  # float32: IEEE dots (Triton's default is TF32)
         return (accs[0] + jnp.dot(xn, wg, precision=prec, preferred_element_type=f32),
                 accs[1] + jnp.dot(xn, wu, precision=prec, preferred_element_type=f32),
                 accs[2] + jnp.sum(xc * xc, axis=1) if cfg.one_pass else accs[2])
@@ -137,7 +137,6 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
 
     def down(i, carry):
         n0 = pl.multiple_of(i * bn, bn)
-        prec = lax.Precision.HIGHEST if dt == jnp.float32 else None
         part = jnp.dot(hid, wd_ref[pl.ds(h0, bh), pl.ds(n0, bn)], precision=prec, preferred_element_type=f32)
         pltriton.store(o_ref.at[:, pl.ds(n0, bn)], part, mask=row_ok)
         return carry

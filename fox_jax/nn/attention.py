@@ -16,7 +16,7 @@ from fox_jax.cache.slots import fuses_step, slot_attention
 from fox_jax.cache.visibility import LayerFacts
 from fox_jax.nn.layers import DenseParams, HeadNormScale, fused_dense, normal_init
 from fox_jax.ops import acp, forgetting_attention, resolve_implementation
-from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue
+from fox_jax.ops.head_ops import HeadOps, head_epilogue, head_prologue, rms_scale
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.decode_attention import gate_table
 from fox_jax.ops.pallas import forward_tiling, mosaic_auto_ok
@@ -184,8 +184,7 @@ class ForgettingAttentionLayer(nn.Module):
         fold = (folded is not None and residual is not None and not cfg.dcp and x.shape[-1] % 16 == 0
                 and any(name in GATE_PROJECTIONS for _, _, name, _ in f32) and fuses_step(cache, t, cfg.use_rope))
         if fold:
-            xf = residual.astype(jnp.float32)
-            row_scale = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + cfg.norm_eps)  # [B, T, 1]
+            row_scale = rms_scale(residual, cfg.norm_eps)  # [B, T, 1]
         y, packed, weights = {}, {}, {}
         for dt, members in groups:
             if not members:

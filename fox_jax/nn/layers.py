@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fox_jax.ops.head_ops import rms_norm
 from fox_jax.sharding import constrain
 
 Dtype = Any
@@ -31,9 +32,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return (y * scale).astype(self.dtype)
+        return rms_norm(x, scale, self.eps, self.dtype)
 
 
 class LayerNorm(nn.Module):

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.kernels import decode_mlp as km
+from fox_jax.ops.head_ops import rms_norm
 from fox_jax.sharding import kernel_mesh
 
 DECODE_MLP_IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -26,8 +27,7 @@ DECODE_MLP_IMPLEMENTATIONS = ("auto", "xla", "pallas")
 def _xla(x, norm_scale, w_gate_up, w_down, eps: float) -> jax.Array:
     """The model's arithmetic (``RMSNorm``, ``SwiGLU``): x [N, d] → [N, d] in the weights' dtype."""
     dt = w_down.dtype
-    xf = x.astype(jnp.float32)
-    xn = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps) * norm_scale).astype(dt)
+    xn = rms_norm(x, norm_scale, eps, dt)
     if w_gate_up.ndim == 3:  # [2, hidden, d]
         gate, up = (jax.lax.dot_general(xn, w_gate_up[i], (((1,), (1,)), ((), ()))) for i in (0, 1))
     else:  # [d, 2·hidden]

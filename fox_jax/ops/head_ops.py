@@ -18,13 +18,17 @@ import jax
 import jax.numpy as jnp
 
 
+def rms_scale(x: jax.Array, eps: float) -> jax.Array:
+    """r = rsqrt(mean(x²) + eps) over the last axis: [..., 1] float32 (RMSNorm's row scale, Zhang & Sennrich 2019)."""
+    xf = x.astype(jnp.float32)
+    return jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+
+
 def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Array:
     """y = x / sqrt(mean(x²) + eps) · scale over the last axis, in float32, returned in ``dtype``.
 
     x: [..., D] any float dtype; scale: broadcastable to x (e.g. [H, D] per head or [D] shared), float32."""
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * scale).astype(dtype)
+    return (x.astype(jnp.float32) * rms_scale(x, eps) * scale).astype(dtype)
 
 
 def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None,
@@ -171,8 +175,7 @@ class HeadOps:
         (float32, full precision; the kernel's columns equal these to float32 summation order); with ``x_norm_eps``
         r · (x·kernel) + bias."""
         x = self.gate_x.astype(jnp.float32)
-        row_scale = 1.0 if self.x_norm_eps is None else \
-            jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.x_norm_eps)
+        row_scale = 1.0 if self.x_norm_eps is None else rms_scale(x, self.x_norm_eps)
         outs = []
         for kernel, bias in self.gate_weights[:members]:
             y = row_scale * jnp.einsum("btd,dn->btn", x, kernel.astype(jnp.float32),
