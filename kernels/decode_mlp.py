@@ -59,6 +59,10 @@ class MlpConfig:
     # the norm's statistics summed in the gate/up loop and r applied to the sums (x·s rounded instead of r·x·s; one
     # dependent round of loads fewer): an experiment for the next device session, off
     one_pass: bool = False
+    # straight-line code instead of the three loops, every load (x, the scale, all gate/up and down chunks) issued
+    # before the first multiply: one memory round trip per program instead of a chain of them, for the registers of
+    # a program's whole weight slice (block_h · 3 · d values); num_stages does not apply. An experiment, off
+    unroll: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_k", "block_n"):
@@ -102,43 +106,69 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
     row_ok = lax.broadcasted_iota(jnp.int32, (m_pad, 1), 0) < m
     h0 = pl.multiple_of(pl.program_id(0) * bh, bh)
 
-    def x_chunk(i):  # [Mp, bk] float32 (rows ≥ M read as 0)
-        k0 = pl.multiple_of(i * bk, bk)
+    def x_chunk(k0):  # [Mp, bk] float32 of columns k0 … k0 + bk (rows ≥ M read as 0)
         return pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=row_ok, other=0.0).astype(f32)
 
+    def weights(k0):  # the gate and up chunks [bk, bh] of d rows k0 … k0 + bk
+        if transposed:  # [2, hidden, d]
+            return (wgu_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T, wgu_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T)
+        return wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)], wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]  # [d, 2·hidden]
+
+    def swiglu(g, u, sq):  # the gate/up sums [Mp, bh] → the hidden activations in the weights' dtype
+        if cfg.one_pass:
+            r = lax.rsqrt(sq / d + eps)
+            g, u = g * r[:, None], u * r[:, None]
+        g, u = g.astype(dt).astype(f32), u.astype(dt).astype(f32)
+        act = (g * jax.nn.sigmoid(g)).astype(dt).astype(f32)
+        return (act * u).astype(dt)  # [Mp, bh]
+
+    def dot(a, b):
+        return jnp.dot(a, b, precision=prec, preferred_element_type=f32)
+
+    def store(n0, part):
+        pltriton.store(o_ref.at[:, pl.ds(n0, bn)], part, mask=row_ok)
+
+    zero = jnp.zeros((m_pad, bh), f32)
+    if cfg.unroll:  # every load first, then the arithmetic in the loops' order (the same sums, the same roundings)
+        ks, ns = range(0, d, bk), range(0, d, bn)
+        xs = [x_chunk(k0) for k0 in ks]
+        ss = [s_ref[pl.ds(k0, bk)] for k0 in ks]
+        ws = [weights(k0) for k0 in ks]
+        wds = [wd_ref[pl.ds(h0, bh), pl.ds(n0, bn)] for n0 in ns]
+        sq = sum((jnp.sum(xc * xc, axis=1) for xc in xs), jnp.zeros((m_pad,), f32))
+        row_scale = 1.0 if cfg.one_pass else lax.rsqrt(sq / d + eps)[:, None]
+        g, u = zero, zero
+        for xc, sc, (wg, wu) in zip(xs, ss, ws):
+            xn = (xc * row_scale * sc[None, :]).astype(dt)
+            g, u = g + dot(xn, wg), u + dot(xn, wu)
+        hid = swiglu(g, u, sq)
+        for n0, wd in zip(ns, wds):
+            store(n0, dot(hid, wd))
+        return
+
     if not cfg.one_pass:  # r first, as the model's norm: the rows are normalised before the matmul
-        sq = lax.fori_loop(0, d // bk, lambda i, acc: acc + jnp.sum(x_chunk(i) * x_chunk(i), axis=1),
-                           jnp.zeros((m_pad,), f32))
+        def squares(i, acc):
+            xc = x_chunk(pl.multiple_of(i * bk, bk))
+            return acc + jnp.sum(xc * xc, axis=1)
+
+        sq = lax.fori_loop(0, d // bk, squares, jnp.zeros((m_pad,), f32))
         r = lax.rsqrt(sq / d + eps)
 
     def gate_up(i, accs):
         k0 = pl.multiple_of(i * bk, bk)
-        xc = x_chunk(i)
+        xc = x_chunk(k0)
         row_scale = 1.0 if cfg.one_pass else r[:, None]
         xn = (xc * row_scale * s_ref[pl.ds(k0, bk)][None, :]).astype(dt)
-        if transposed:  # [2, hidden, d]
-            wg = wgu_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T
-            wu = wgu_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T
-        else:  # [d, 2·hidden]
-            wg = wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)]
-            wu = wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]
-        return (accs[0] + jnp.dot(xn, wg, precision=prec, preferred_element_type=f32),
-                accs[1] + jnp.dot(xn, wu, precision=prec, preferred_element_type=f32),
+        wg, wu = weights(k0)
+        return (accs[0] + dot(xn, wg), accs[1] + dot(xn, wu),
                 accs[2] + jnp.sum(xc * xc, axis=1) if cfg.one_pass else accs[2])
 
-    zero = jnp.zeros((m_pad, bh), f32)
     g, u, sq = lax.fori_loop(0, d // bk, gate_up, (zero, zero, jnp.zeros((m_pad,), f32)))
-    if cfg.one_pass:
-        r = lax.rsqrt(sq / d + eps)
-        g, u = g * r[:, None], u * r[:, None]
-    g, u = g.astype(dt).astype(f32), u.astype(dt).astype(f32)
-    act = (g * jax.nn.sigmoid(g)).astype(dt).astype(f32)
-    hid = (act * u).astype(dt)  # [Mp, bh]
+    hid = swiglu(g, u, sq)
 
     def down(i, carry):
         n0 = pl.multiple_of(i * bn, bn)
-        part = jnp.dot(hid, wd_ref[pl.ds(h0, bh), pl.ds(n0, bn)], precision=prec, preferred_element_type=f32)
-        pltriton.store(o_ref.at[:, pl.ds(n0, bn)], part, mask=row_ok)
+        store(n0, dot(hid, wd_ref[pl.ds(h0, bh), pl.ds(n0, bn)]))
         return carry
 
     lax.fori_loop(0, d // bn, down, 0)

@@ -68,6 +68,13 @@ def test_kernel_matches_the_oracle(dtype, transposed):
     one = decode_swiglu(x, s, w, w_down, eps=_EPS, implementation="pallas",
                         config=dataclasses.replace(_CONFIG, one_pass=True))
     assert _err(one, want) <= (1e-5 if dtype == jnp.float32 else 3 * 2 ** -8), _err(one, want)
+    # unroll (every load first, the loops' arithmetic in their order): the looped kernel's value, bit for bit
+    for one_pass in (False, True):
+        cfg = dataclasses.replace(_CONFIG, one_pass=one_pass)
+        np.testing.assert_array_equal(
+            decode_swiglu(x, s, w, w_down, eps=_EPS, implementation="pallas", config=cfg),
+            decode_swiglu(x, s, w, w_down, eps=_EPS, implementation="pallas",
+                          config=dataclasses.replace(cfg, unroll=True)))
     # the kernel's partials: one per 32-unit slice, each the slice's share of the output
     partials = km.swiglu_partials(x[0], s, w, w_down, eps=_EPS, config=_CONFIG, interpret=True)
     assert partials.shape == (_HIDDEN // 32, _M, _D) and partials.dtype == jnp.float32
@@ -141,12 +148,13 @@ def test_gradient_through_the_kernel_is_the_xla_forms():
 
 def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — in both layouts and
-    with ``one_pass`` at FoX (Pro) 125M's shape (M = 8, d = 768, hidden = 1792), so a change that breaks the lowering
+    with ``one_pass`` and ``unroll`` at FoX (Pro) 125M's shape (M = 8, d = 768, hidden = 1792), so a change that breaks the lowering
     fails here."""
     sds = jax.ShapeDtypeStruct
     base = km.default_mlp_config(768, 1792)
     for cfg, w_gu in ((base, sds((768, 3584), jnp.bfloat16)), (base, sds((2, 1792, 768), jnp.bfloat16)),
-                      (dataclasses.replace(base, one_pass=True), sds((768, 3584), jnp.bfloat16))):
+                      (dataclasses.replace(base, one_pass=True), sds((768, 3584), jnp.bfloat16)),
+                      (dataclasses.replace(base, block_h=16, unroll=True), sds((768, 3584), jnp.bfloat16))):
         f = jax.jit(lambda x, s, a, b: km.swiglu_partials(x, s, a, b, eps=1e-6, config=cfg, interpret=False))
         text = f.trace(sds((8, 768), jnp.bfloat16), sds((768,), jnp.float32), w_gu,
                        sds((1792, 768), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
