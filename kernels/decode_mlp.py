@@ -98,29 +98,50 @@ def fits(config: MlpConfig, m: int, d: int, hidden: int) -> str | None:
     return None
 
 
-def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int, hidden: int, eps: float,
-            transposed: bool, cfg: MlpConfig):
+BLOCKS = ("swiglu", "gelu")  # the MLP blocks the kernel runs (``_kernel``'s ``block``)
+
+
+def _kernel(*refs, names: tuple, m: int, m_pad: int, d: int, hidden: int, eps: float, transposed: bool,
+            block: str, cfg: MlpConfig):
+    """One program: hidden units h0 … h0 + block_h of the block, its float32 partial [Mp, d] of the output.
+
+    ``block`` "swiglu": RMSNorm (scale s), gate/up without biases, silu(gate) ⊙ up (FoX, LLaMA); "gelu": LayerNorm
+    (scale s, bias ``norm_bias``), the up projection with its bias ``b_in``, GELU with the tanh approximation (GPT-2's
+    ``c_fc``, "gelu_new"). The down projection's bias, if any, is the caller's (added once, not per partial)."""
+    r = dict(zip(names, refs))
+    x_ref, s_ref, w_ref, wd_ref, o_ref = r["x"], r["norm_scale"], r["w_in"], r["w_down"], r["out"]
     bk, bh, bn = cfg.block_k, cfg.block_h, cfg.block_n
     f32, dt = jnp.float32, wd_ref.dtype
     prec = lax.Precision.HIGHEST if dt == jnp.float32 else None  # float32: IEEE dots (Triton's default is TF32)
     row_ok = lax.broadcasted_iota(jnp.int32, (m_pad, 1), 0) < m
     h0 = pl.multiple_of(pl.program_id(0) * bh, bh)
+    gated = block == "swiglu"
 
     def x_chunk(k0):  # [Mp, bk] float32 of columns k0 … k0 + bk (rows ≥ M read as 0)
         return pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=row_ok, other=0.0).astype(f32)
 
-    def weights(k0):  # the gate and up chunks [bk, bh] of d rows k0 … k0 + bk
+    def weights(k0):  # the input projection's chunks [bk, bh] of d rows k0 … k0 + bk: (gate, up) or (up,)
+        if not gated:  # [d, hidden]
+            return (w_ref[pl.ds(k0, bk), pl.ds(h0, bh)],)
         if transposed:  # [2, hidden, d]
-            return (wgu_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T, wgu_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T)
-        return wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)], wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]  # [d, 2·hidden]
+            return (w_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T, w_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T)
+        return w_ref[pl.ds(k0, bk), pl.ds(h0, bh)], w_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]  # [d, 2·hidden]
 
-    def swiglu(g, u, sq):  # the gate/up sums [Mp, bh] → the hidden activations in the weights' dtype
+    def normed(xc, k0, mean, row_scale):  # the norm's output chunk in the weights' dtype, as the model rounds it
+        y = (xc - mean) * row_scale * r["norm_scale"][pl.ds(k0, bk)][None, :]
+        return (y if gated else y + r["norm_bias"][pl.ds(k0, bk)][None, :]).astype(dt)
+
+    def activation(accs, sq):  # the input projection's sums [Mp, bh] each → the hidden activations [Mp, bh] in dt
+        rounded = lambda v: v.astype(dt).astype(f32)  # noqa: E731  (the GEMM's output dtype, as the model's)
+        if not gated:
+            u = rounded(rounded(accs[0]) + rounded(r["b_in"][pl.ds(h0, bh)][None, :]))  # Dense: x·W, + b in dt
+            return jax.nn.gelu(u, approximate=True).astype(dt)
+        g, u = accs
         if cfg.one_pass:
-            r = lax.rsqrt(sq / d + eps)
-            g, u = g * r[:, None], u * r[:, None]
-        g, u = g.astype(dt).astype(f32), u.astype(dt).astype(f32)
-        act = (g * jax.nn.sigmoid(g)).astype(dt).astype(f32)
-        return (act * u).astype(dt)  # [Mp, bh]
+            row_scale = lax.rsqrt(sq / d + eps)[:, None]
+            g, u = g * row_scale, u * row_scale
+        g, u = rounded(g), rounded(u)
+        return (rounded(g * jax.nn.sigmoid(g)) * u).astype(dt)
 
     def dot(a, b):
         return jnp.dot(a, b, precision=prec, preferred_element_type=f32)
@@ -128,43 +149,52 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
     def store(n0, part):
         pltriton.store(o_ref.at[:, pl.ds(n0, bn)], part, mask=row_ok)
 
+    def stats(sx, sq):  # (mean, r) from the rows' sum and sum of (centred, for LayerNorm) squares
+        return (sx / d)[:, None] if not gated else 0.0, lax.rsqrt(sq / d + eps)[:, None]
+
+    zeros_m = jnp.zeros((m_pad,), f32)
     zero = jnp.zeros((m_pad, bh), f32)
+    n_acc = 2 if gated else 1
     if cfg.unroll:  # every load first, then the arithmetic in the loops' order (the same sums, the same roundings)
         ks, ns = range(0, d, bk), range(0, d, bn)
         xs = [x_chunk(k0) for k0 in ks]
-        ss = [s_ref[pl.ds(k0, bk)] for k0 in ks]
         ws = [weights(k0) for k0 in ks]
         wds = [wd_ref[pl.ds(h0, bh), pl.ds(n0, bn)] for n0 in ns]
-        sq = sum((jnp.sum(xc * xc, axis=1) for xc in xs), jnp.zeros((m_pad,), f32))
-        row_scale = 1.0 if cfg.one_pass else lax.rsqrt(sq / d + eps)[:, None]
-        g, u = zero, zero
-        for xc, sc, (wg, wu) in zip(xs, ss, ws):
-            xn = (xc * row_scale * sc[None, :]).astype(dt)
-            g, u = g + dot(xn, wg), u + dot(xn, wu)
-        hid = swiglu(g, u, sq)
+        mean = 0.0
+        if not gated:
+            mean, _ = stats(sum((jnp.sum(xc, axis=1) for xc in xs), zeros_m), zeros_m)
+        sq = sum((jnp.sum((xc - mean) * (xc - mean), axis=1) for xc in xs), zeros_m)
+        _, row_scale = stats(zeros_m, sq)
+        if cfg.one_pass:
+            row_scale = 1.0
+        accs = (zero,) * n_acc
+        for k0, xc, wc in zip(ks, xs, ws):
+            xn = normed(xc, k0, mean, row_scale)
+            accs = tuple(a + dot(xn, w) for a, w in zip(accs, wc))
+        hid = activation(accs, sq)
         for n0, wd in zip(ns, wds):
             store(n0, dot(hid, wd))
         return
 
-    if not cfg.one_pass:  # r first, as the model's norm: the rows are normalised before the matmul
-        def squares(i, acc):
-            xc = x_chunk(pl.multiple_of(i * bk, bk))
-            return acc + jnp.sum(xc * xc, axis=1)
+    def chunk_sum(fn):  # Σ over d of fn(x chunk) [Mp]
+        return lax.fori_loop(0, d // bk, lambda i, acc: acc + fn(x_chunk(pl.multiple_of(i * bk, bk))), zeros_m)
 
-        sq = lax.fori_loop(0, d // bk, squares, jnp.zeros((m_pad,), f32))
-        r = lax.rsqrt(sq / d + eps)
+    mean, row_scale = 0.0, 1.0
+    if not gated:
+        mean, _ = stats(chunk_sum(lambda xc: jnp.sum(xc, axis=1)), zeros_m)
+    if not cfg.one_pass:  # the norm's statistics first, as the model's norm: rows normalised before the matmul
+        _, row_scale = stats(zeros_m, chunk_sum(lambda xc: jnp.sum((xc - mean) * (xc - mean), axis=1)))
 
-    def gate_up(i, accs):
+    def project(i, carry):
+        accs, sq = carry
         k0 = pl.multiple_of(i * bk, bk)
         xc = x_chunk(k0)
-        row_scale = 1.0 if cfg.one_pass else r[:, None]
-        xn = (xc * row_scale * s_ref[pl.ds(k0, bk)][None, :]).astype(dt)
-        wg, wu = weights(k0)
-        return (accs[0] + dot(xn, wg), accs[1] + dot(xn, wu),
-                accs[2] + jnp.sum(xc * xc, axis=1) if cfg.one_pass else accs[2])
+        xn = normed(xc, k0, mean, row_scale)
+        accs = tuple(a + dot(xn, w) for a, w in zip(accs, weights(k0)))
+        return accs, sq + jnp.sum(xc * xc, axis=1) if cfg.one_pass else sq
 
-    g, u, sq = lax.fori_loop(0, d // bk, gate_up, (zero, zero, jnp.zeros((m_pad,), f32)))
-    hid = swiglu(g, u, sq)
+    accs, sq = lax.fori_loop(0, d // bk, project, ((zero,) * n_acc, zeros_m))
+    hid = activation(accs, sq)
 
     def down(i, carry):
         n0 = pl.multiple_of(i * bn, bn)
@@ -174,39 +204,64 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
     lax.fori_loop(0, d // bn, down, 0)
 
 
-def swiglu_partials(x, norm_scale, w_gate_up, w_down, *, eps: float, config: MlpConfig,
-                    interpret: bool) -> jax.Array:
+def mlp_partials(x, norm_scale, w_in, w_down, *, eps: float, config: MlpConfig, interpret: bool,
+                 block: str = "swiglu", norm_bias=None, b_in=None) -> jax.Array:
     """The kernel (shapes unchecked: ``fox_jax.ops.decode_mlp`` checks them).
 
     Args:
       x: [M, d] the block's residual rows (any float dtype; the norm runs in float32), M ≤ ``MAX_ROWS``.
-      norm_scale: [d] the RMSNorm's scale (float32).
-      w_gate_up: [d, 2·hidden] (gate columns, then up) or [2, hidden, d]; w_down: [hidden, d]; the same dtype,
-        which the matmuls run in (float32: IEEE-exact dots).
-      eps: the RMSNorm's eps. config: tiling that ``fits`` these shapes. interpret: interpret mode (CPU).
+      norm_scale: [d] the norm's scale (float32); norm_bias: [d] the LayerNorm's bias ("gelu"; float32).
+      w_in: "swiglu": [d, 2·hidden] (gate columns, then up) or [2, hidden, d]; "gelu": [d, hidden] (``c_fc``).
+      b_in: [hidden] the up projection's bias ("gelu"; float32). w_down: [hidden, d], w_in's dtype, which the
+        matmuls run in (float32: IEEE-exact dots).
+      eps: the norm's eps. config: tiling that ``fits`` these shapes. interpret: interpret mode (CPU).
+      block: "swiglu" (RMSNorm, silu(gate) ⊙ up) or "gelu" (LayerNorm, GELU tanh).
     Returns:
-      [hidden / block_h, M, d] float32 partials; their sum over axis 0 is
-      down(silu(x̂·W_gate) ⊙ (x̂·W_up)) with x̂ = RMSNorm(x)·s.
+      [hidden / block_h, M, d] float32 partials; their sum over axis 0 is down(silu(x̂·W_gate) ⊙ (x̂·W_up)) with
+      x̂ = RMSNorm(x)·s ("swiglu"), or down(gelu(x̂·W_in + b_in)) with x̂ = LayerNorm(x)·s + b ("gelu"), without
+      the down projection's bias.
+    Raises:
+      ValueError: an unknown block, or its inputs missing or extra; ``one_pass`` with "gelu".
     """
+    if block not in BLOCKS:
+        raise ValueError(f"mlp_partials: block must be one of {BLOCKS}, got {block!r}")
+    gelu = block == "gelu"
+    if (norm_bias is None or b_in is None) == gelu or (norm_bias is None) != (b_in is None):
+        raise ValueError("mlp_partials: norm_bias and b_in are given with block='gelu' and only then")
+    if gelu and config.one_pass:
+        raise ValueError("mlp_partials: MlpConfig.one_pass is for the RMSNorm ('swiglu'), not LayerNorm")
     m, d = x.shape
     hidden = w_down.shape[0]
     m_pad = _pow2_at_least(m, MIN_BLOCK)
     p = hidden // config.block_h
-    kernel = functools.partial(_kernel, m=m, m_pad=m_pad, d=d, hidden=hidden, eps=float(eps),
-                               transposed=w_gate_up.ndim == 3, cfg=config)
+    named = [("x", x), ("norm_scale", norm_scale.astype(jnp.float32))]
+    if gelu:
+        named.append(("norm_bias", norm_bias.astype(jnp.float32)))
+    named += [("w_in", w_in), ("w_down", w_down)]
+    if gelu:
+        named.append(("b_in", b_in.astype(jnp.float32)))
+    names = tuple(n for n, _ in named) + ("out",)
+    kernel = functools.partial(_kernel, names=names, m=m, m_pad=m_pad, d=d, hidden=hidden, eps=float(eps),
+                               transposed=w_in.ndim == 3, block=block, cfg=config)
     return pl.pallas_call(
         kernel,
         grid=(p,),
-        # x and each partial as a block of Mp ≥ M rows (rows ≥ M masked: no padding copy); the weights whole (each
+        # x and each partial as a block of Mp ≥ M rows (rows ≥ M masked: no padding copy); the rest whole (each
         # program offsets its own hidden slice)
-        in_specs=[pl.BlockSpec((m_pad, d), lambda j: (0, 0)), pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
+        in_specs=[pl.BlockSpec((m_pad, d), lambda j: (0, 0))] + [pl.no_block_spec] * (len(named) - 1),
         out_specs=pl.BlockSpec((None, m_pad, d), lambda j: (j, 0, 0)),
         out_shape=jax.ShapeDtypeStruct((p, m, d), jnp.float32),
         compiler_params=None if interpret else pltriton.CompilerParams(num_warps=config.num_warps,
                                                                       num_stages=config.num_stages),
         interpret=interpret,
-        name="fox_decode_swiglu",
-    )(x, norm_scale.astype(jnp.float32), w_gate_up, w_down)
+        name=f"fox_decode_{block}",
+    )(*(a for _, a in named))
 
 
-__all__ = ["MAX_ROWS", "MlpConfig", "default_mlp_config", "fits", "swiglu_partials"]
+def swiglu_partials(x, norm_scale, w_gate_up, w_down, *, eps: float, config: MlpConfig,
+                    interpret: bool) -> jax.Array:
+    """``mlp_partials`` of the SwiGLU block (RMSNorm, no biases)."""
+    return mlp_partials(x, norm_scale, w_gate_up, w_down, eps=eps, config=config, interpret=interpret)
+
+
+__all__ = ["BLOCKS", "MAX_ROWS", "MlpConfig", "default_mlp_config", "fits", "mlp_partials", "swiglu_partials"]
