@@ -1,32 +1,36 @@
-"""A decode step's SwiGLU block as one Pallas kernel: RMSNorm → gate/up → silu(gate) ⊙ up → down.
+"""A decode step's MLP block as one Pallas kernel: norm → input projection → activation → down projection.
 
+Two blocks (``BLOCKS``): "swiglu", RMSNorm → gate/up → silu(gate) ⊙ up → down (FoX, LLaMA), and "gelu", LayerNorm
+→ c_fc + bias → GELU (tanh approximation) → c_proj (GPT-2; the down projection's bias is added by the caller).
 One ``pl.pallas_call`` written against the Triton lowering on GPU and run with ``interpret=True`` elsewhere.
 Imports nothing from ``fox_jax`` but the decode attention kernel's block constants: arrays in, arrays out. The
-public op is ``fox_jax.ops.decode_mlp`` (checks, dispatch, the XLA path).
+public ops are in ``fox_jax.ops.decode_mlp`` (checks, dispatch, the XLA paths).
 
 Why: a decode step multiplies M ≤ 64 rows by each weight matrix, and at that size every XLA kernel costs a
 floor of ~2–3 µs whatever it reads (benchmarks/NOTES.md, "Decode GEMMs against their floor"). XLA runs this block
-as four of them (the norm, the gate/up GEMM, silu ⊙ up, the down GEMM with its split-K partials) and the residual
-add as a fifth. Here it is one launch, split over the hidden axis: program j of P = hidden / block_h
+as four of them (the norm, the input GEMM, the activation, the down GEMM with its split-K partials) and the
+residual add as a fifth. Here it is one launch, split over the hidden axis: program j of P = hidden / block_h
 
-1. sums the squares of its M rows of x (a few KB, read by every program: no cross-program reduction) for
-   r = rsqrt(mean(x²) + eps),
-2. multiplies x̂ = r · x · s (rounded to the weights' dtype, as the model's norm output) by its block_h gate and
-   up columns, streamed over d in chunks of block_k (float32 accumulation),
-3. takes silu(gate) ⊙ up of its block_h hidden units, each factor rounded to the weights' dtype where the model's
-   GEMM output is and the product rounded once more (the model's ``swiglu`` in that dtype),
+1. takes its M rows' statistics (a few KB of x, read by every program: no cross-program reduction): r =
+   rsqrt(mean(x²) + eps), or for LayerNorm the mean and r of the centred rows,
+2. multiplies the normed rows (rounded to the weights' dtype, as the model's norm output) by its block_h columns of
+   the input projection (gate and up for SwiGLU), streamed over d in chunks of block_k (float32 accumulation),
+3. applies the activation to its block_h hidden units, rounding to the weights' dtype where the model's GEMM
+   output and bias add are,
 4. multiplies that [M, block_h] by its block_h rows of the down projection, block_n output columns at a time,
    and writes a float32 partial [M, d].
 
-The caller sums the P partials; XLA fuses that sum into the residual add that follows (as it sums its own
-split-K GEMMs' partials), so the block's weights are read once, by P programs side by side, and what else reaches
-HBM is P · M · d float32 partials. The sum over hidden runs in another order than a GEMM's: the same value up to
-float32 rounding before the output's rounding to its dtype.
+With ``MlpConfig.unroll`` the three loops are straight-line code whose loads (x, every weight chunk of the program)
+are all issued before the first multiply: one memory round trip per program instead of a chain of them.
 
-Layouts of the gate/up weights: [d, 2·hidden] as ``SwiGLU.gate_proj`` stores them (gate columns, then up; each
+The caller sums the P partials; XLA fuses that sum with what follows, so the block's weights are read once, by P
+programs side by side, and what else reaches memory is P · M · d float32 partials. The sum over hidden runs in
+another order than a GEMM's: the same value up to float32 rounding before the output's rounding to its dtype.
+
+Layouts of SwiGLU's gate/up weights: [d, 2·hidden] as ``SwiGLU.gate_proj`` stores them (gate columns, then up; each
 program reads block_h columns of every row: strided), or [2, hidden, d] (``transposed``: each hidden unit's d
-weights contiguous; a copy made once before a decode loop). The down projection is [hidden, d] as stored (each
-program's rows contiguous).
+weights contiguous; a copy made once before a decode loop). GELU's c_fc is [d, hidden] as stored. The down
+projection is [hidden, d] as stored (each program's rows contiguous).
 """
 
 from __future__ import annotations
@@ -109,7 +113,7 @@ def _kernel(*refs, names: tuple, m: int, m_pad: int, d: int, hidden: int, eps: f
     (scale s, bias ``norm_bias``), the up projection with its bias ``b_in``, GELU with the tanh approximation (GPT-2's
     ``c_fc``, "gelu_new"). The down projection's bias, if any, is the caller's (added once, not per partial)."""
     r = dict(zip(names, refs))
-    x_ref, s_ref, w_ref, wd_ref, o_ref = r["x"], r["norm_scale"], r["w_in"], r["w_down"], r["out"]
+    x_ref, w_ref, wd_ref, o_ref = r["x"], r["w_in"], r["w_down"], r["out"]
     bk, bh, bn = cfg.block_k, cfg.block_h, cfg.block_n
     f32, dt = jnp.float32, wd_ref.dtype
     prec = lax.Precision.HIGHEST if dt == jnp.float32 else None  # float32: IEEE dots (Triton's default is TF32)
