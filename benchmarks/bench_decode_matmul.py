@@ -51,7 +51,7 @@ from jax.experimental.pallas import triton as pltriton
 # tl.dot needs every matmul dimension ≥ 16 (x's rows are padded to it by masked loads): as the decode attention kernel
 from fox_jax.kernels import decode_mlp as km
 from fox_jax.kernels.decode_attention import MIN_BLOCK, _pow2_at_least
-from fox_jax.ops.decode_mlp import decode_gelu_mlp, decode_swiglu, swiglu_table
+from fox_jax.ops.decode_mlp import decode_swiglu, swiglu_table
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -237,24 +237,9 @@ def fused_matmul(x, w, *, norm: str = "none", norm_scale=None, norm_bias=None, e
     )(*args)
 
 
-def xla_mlp(x, p):
-    """The MLP block as the models write it (``fox_jax.ops.decode_mlp``'s XLA paths): out [M, d]. SwiGLU (RMSNorm,
-    eps 1e-6) where ``p`` has "w_gu", else GPT-2's (LayerNorm, eps 1e-5, GELU, biases)."""
-    if "w_gu" in p:
-        return decode_swiglu(x[None], p["g"], p["w_gu"], p["w_down"], eps=1e-6, implementation="xla")[0]
-    return decode_gelu_mlp(x[None], p["g"], p["g_b"], p["w_in"], p["b_in"], p["w_down"], p["b_down"], eps=1e-5,
-                           implementation="xla")[0]
-
-
-def pallas_mlp(x, p, cfg, transposed: bool, interpret: bool):
-    """The fused kernel's partials [P, M, d] of the same block (``xla_mlp``), the down projection's bias added to
-    the first (the op adds it once after the sum)."""
-    if "w_gu" in p:
-        return km.mlp_partials(x, p["g"], p["w_gu_t" if transposed else "w_gu"], p["w_down"], eps=1e-6, config=cfg,
-                               interpret=interpret)
-    parts = km.mlp_partials(x, p["g"], p["w_in"], p["w_down"], eps=1e-5, config=cfg, interpret=interpret,
-                            block="gelu", norm_bias=p["g_b"], b_in=p["b_in"])
-    return parts.at[0].add(p["b_down"])
+def xla_mlp(x, p, eps: float = 1e-6):
+    """The SwiGLU block as the models write it (``fox_jax.ops.decode_mlp``'s XLA path): out [M, d]."""
+    return decode_swiglu(x[None], p["g"], p["w_gu"], p["w_down"], eps=eps, implementation="xla")[0]
 
 
 def time_mlp_stack(mlp_of, x, params, layers: int, iters: int, reps: int) -> float:
@@ -272,46 +257,33 @@ def time_mlp_stack(mlp_of, x, params, layers: int, iters: int, reps: int) -> flo
 
 
 def mlp_rows(model: str, layers: int, iters: int, reps: int, interpret: bool, dtype, meta: dict) -> list:
-    """The fused MLP against XLA's kernels (norm, input GEMM, activation, down GEMM) and the residual add,
+    """The fused MLP against XLA's four kernels (norm, gate/up GEMM, silu ⊙ up, down GEMM) and the residual add,
     as a stack of ``layers`` MLP halves; every tiling checked against XLA's output first."""
     m, d, _, hidden, gated = MODELS[model]
+    if not gated:
+        return []
     rng = np.random.default_rng(1)
-
-    def normal(shape, std):
-        return rng.normal(size=shape) * std
-
-    params = []
-    for _ in range(layers):
-        p = {"g": jnp.asarray(1 + normal((d,), 0.1), jnp.float32),
-             "w_down": jnp.asarray(normal((hidden, d), hidden ** -0.5), dtype)}
-        if gated:
-            p["w_gu"] = jnp.asarray(normal((d, 2 * hidden), d ** -0.5), dtype)
-            p["w_gu_t"] = swiglu_table(p["w_gu"])  # [2, hidden, d] (``mlp_tables(..., transposed=True)``)
-        else:  # GPT-2: the LayerNorm's bias, c_fc's and c_proj's
-            p.update(g_b=jnp.asarray(normal((d,), 0.1), jnp.float32),
-                     w_in=jnp.asarray(normal((d, hidden), d ** -0.5), dtype),
-                     b_in=jnp.asarray(normal((hidden,), 0.1), jnp.float32),
-                     b_down=jnp.asarray(normal((d,), 0.1), jnp.float32))
-        params.append(p)
+    params = [dict(g=jnp.asarray(1 + 0.1 * rng.normal(size=(d,)), jnp.float32),
+                   w_gu=jnp.asarray(rng.normal(size=(d, 2 * hidden)) / np.sqrt(d), dtype),
+                   w_down=jnp.asarray(rng.normal(size=(hidden, d)) / np.sqrt(hidden), dtype)) for _ in range(layers)]
     x = jnp.asarray(rng.normal(size=(m, d)), dtype)
-    wbytes = sum(v.size * v.dtype.itemsize for k, v in params[0].items() if k in ("w_gu", "w_in", "w_down"))
-    base = dict(model=model, op="mlp_stack", block="swiglu" if gated else "gelu", m=m, k=d, n=hidden,
-                weight_bytes=wbytes, bound_us=wbytes / HBM_BYTES_PER_S * 1e6, **meta)
-    rows = [dict(base, impl="xla", config=None, us=time_mlp_stack(xla_mlp, x, params, layers, iters, reps))]
+    wbytes = sum(v.size * v.dtype.itemsize for k, v in params[0].items() if k in ("w_gu", "w_down"))
+    base = dict(model=model, op="mlp_stack", m=m, k=d, n=hidden, weight_bytes=wbytes,
+                bound_us=wbytes / HBM_BYTES_PER_S * 1e6, **meta)
+    for p in params:  # the transposed copy (``fox_jax.models.lm.mlp_tables(..., transposed=True)``)
+        p["w_gu_t"] = swiglu_table(p["w_gu"])  # [2, hidden, d]
+    rows = [dict(base, impl="xla", config=None, us=time_mlp_stack(lambda x, p: xla_mlp(x, p), x, params, layers,
+                                                                  iters, reps))]
     print(json.dumps(rows[-1]), flush=True)
     want = np.asarray(xla_mlp(x, params[0]), np.float32)
     # (2026-12-06, H100: 20 tilings over both layouts, block_n 256, 3 stages — the best block_h 32, block_k 256, 4 warps,
-    # the layouts alike; this sweep is the next round around it, and the straight-line form, ``unroll``)
-    sweep = [(km.MlpConfig(), t) for t in (False, True)] + [
-        (km.MlpConfig(one_pass=True), False), (km.MlpConfig(unroll=True), False)] if interpret else [
+    # the layouts alike; this sweep is the next round around it)
+    sweep = [(km.MlpConfig(), t) for t in (False, True)] + [(km.MlpConfig(one_pass=True), False)] if interpret else [
         (km.MlpConfig(block_h=bh, block_k=256, block_n=bn, num_warps=4, num_stages=st, one_pass=one), False)
-        for one in (False, True) for bh in (16, 32) for bn in (128, 256) for st in (1, 2, 3)] + [
-        (km.MlpConfig(block_h=bh, block_k=256, block_n=256, num_warps=w, one_pass=one, unroll=True), False)
-        for one in (False, True) for bh in (16, 32) for w in (4, 8)]
+        for one in (False, True) for bh in (16, 32) for bn in (128, 256) for st in (1, 2, 3)]
     for cfg, transposed in sweep:
-        if (transposed and not gated) or (cfg.one_pass and not gated):  # GPT-2: one layout, a LayerNorm
-            continue
-        fn = functools.partial(pallas_mlp, cfg=cfg, transposed=transposed, interpret=interpret)
+        fn = lambda x, p, cfg=cfg, t=transposed: km.swiglu_partials(  # noqa: E731
+            x, p["g"], p["w_gu_t" if t else "w_gu"], p["w_down"], eps=1e-6, config=cfg, interpret=interpret)
         try:
             got = np.asarray(jnp.sum(fn(x, params[0]), axis=0), np.float32)
         except Exception as e:  # a tiling Triton rejects (shared memory, registers): recorded, skipped

@@ -60,7 +60,6 @@ from fox_jax.models.family import (FamilyModules, ModelOutput, dcp_aux, embed_ro
 from fox_jax.nn.attention import LayerOutput
 from fox_jax.nn.layers import LayerNorm
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
-from fox_jax.ops.decode_mlp import decode_gelu_mlp
 from fox_jax.ops.forgetting_attention import forgetting_attention
 
 
@@ -279,14 +278,6 @@ class GPT2Block(nn.Module):
             x = rows_only(x)
         attn = GPT2Attention(cfg, name="attn")(_layer_norm(cfg, "ln_1")(x).astype(dtype), segment_ids, cache, alpha)
         x = x + attn.x.astype(x.dtype)
-        if cache is not None and x.shape[1] == 1 and self.has_variable("decode", "mlp_step"):
-            # a decode step with the block's MLP in the decode collection (``fox_jax.models.lm.mlp_tables``): ln_2 and
-            # the MLP as one op (one Pallas kernel on GPU)
-            p, w_in = self.variables["params"], self.get_variable("decode", "mlp_step")["w_in"]
-            y = decode_gelu_mlp(x, p["ln_2"]["scale"], p["ln_2"]["bias"], w_in, p["mlp"]["c_fc"]["bias"],
-                                p["mlp"]["c_proj"]["kernel"].astype(w_in.dtype), p["mlp"]["c_proj"]["bias"],
-                                eps=cfg.norm_eps)
-            return attn.replace(x=x + y.astype(x.dtype))
         x = x + GPT2MLP(cfg, name="mlp")(_layer_norm(cfg, "ln_2")(x).astype(dtype)).astype(x.dtype)
         return attn.replace(x=x)
 

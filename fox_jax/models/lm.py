@@ -91,27 +91,21 @@ class LMHead(nn.Module):
 
 
 def mlp_tables(params, transposed: bool = False) -> dict:
-    """The ``"decode"`` variables of the blocks' MLPs, with which a decode step (T = 1) runs each block's MLP norm and
-    MLP as one op (``fox_jax.ops.decode_mlp``: one Pallas kernel on GPU instead of XLA's four), the same numbers up to
-    float32 summation order. Pass the parameters cast as the decode loop applies them.
-
-    * a ``Block`` (RMSNorm ``mlp_norm``, ``SwiGLU`` ``mlp``): ``{"mlp_step": {"gate_up": W}}`` at the block's path, W
-      the ``gate_proj`` kernel, [d, 2·hidden] (the same array: no copy), or with ``transposed`` a copy [2, hidden, d]
-      (``swiglu_table``; on an H100 the kernel read both layouts equally fast); ``decode_swiglu``;
-    * a ``GPT2Block`` (LayerNorm ``ln_2``, ``GPT2MLP`` ``mlp``): ``{"mlp_step": {"w_in": W}}``, W the ``c_fc`` kernel
-      [d, hidden] (the same array; ``transposed`` does not apply); ``decode_gelu_mlp``.
-
-    Returns {} for a model without such blocks."""
+    """The ``"decode"`` variables of the blocks' MLPs: for each block with an RMSNorm ``mlp_norm`` and a ``SwiGLU``
+    ``mlp``, ``{"mlp_step": {"gate_up": W}}`` at the block's path, W the ``gate_proj`` kernel of ``params`` (pass the
+    parameters cast as the decode loop applies them): the same array, [d, 2·hidden] (no copy), or with ``transposed``
+    a copy [2, hidden, d] (``swiglu_table``; on an H100 the kernel read both layouts equally fast). With it a decode
+    step (T = 1) runs the block's norm and MLP as one op (``fox_jax.ops.decode_mlp.decode_swiglu``: one Pallas kernel
+    on GPU instead of XLA's four), the same numbers up to float32 summation order. Returns {} for a model without
+    such blocks."""
     def walk(tree):
         if not isinstance(tree, Mapping):
             return {}
         out = {k: sub for k, v in tree.items() if (sub := walk(v))}
-        mlp, norm, ln_2 = tree.get("mlp"), tree.get("mlp_norm"), tree.get("ln_2")
+        mlp, norm = tree.get("mlp"), tree.get("mlp_norm")
         if isinstance(mlp, Mapping) and isinstance(norm, Mapping) and "scale" in norm and "gate_proj" in mlp:
             kernel = mlp["gate_proj"]["kernel"]
             out["mlp_step"] = {"gate_up": swiglu_table(kernel) if transposed else kernel}
-        elif isinstance(mlp, Mapping) and isinstance(ln_2, Mapping) and "c_fc" in mlp:
-            out["mlp_step"] = {"w_in": mlp["c_fc"]["kernel"]}
         return out
 
     tables = walk(params)

@@ -1,15 +1,13 @@
-"""A decode step's MLP block, its norm included, as one op: XLA's kernels or one Pallas kernel.
+"""A decode step's SwiGLU block, RMSNorm included, as one op: XLA's four kernels or one Pallas kernel.
 
-    decode_swiglu:    y = down(silu(x̂ · W_gate) ⊙ (x̂ · W_up)),     x̂ = RMSNorm(x) · s = x · rsqrt(mean(x²) + eps) · s
-    decode_gelu_mlp:  y = down(gelu(x̂ · W_in + b_in)) + b_down,      x̂ = LayerNorm(x) · s + b
+    y = down(silu(x̂ · W_gate) ⊙ (x̂ · W_up)),   x̂ = RMSNorm(x) · s = x · rsqrt(mean(x²) + eps) · s
 
-(the pre-norm blocks of ``fox_jax.models.lm.Block`` — Shazeer 2020's SwiGLU after Zhang & Sennrich 2019's RMSNorm — and
-of GPT-2, ``fox_jax.models.gpt2.GPT2Block``: Ba et al. 2016's LayerNorm, GELU with the tanh approximation), for the
-few rows of a decode step. ``implementation="pallas"`` runs ``fox_jax.kernels.decode_mlp`` (one launch, split over
-the hidden axis; the partials' sum is left to XLA, which fuses it with what follows); ``"xla"`` computes the block as
-the model writes it; ``"auto"`` picks the kernel on GPU where its tiling fits and no mesh of several devices is
-ambient (a ``pallas_call`` is opaque to the SPMD partitioner), else XLA. Made for inference; under ``jax.grad`` the
-kernel's gradient is the XLA form's (a custom VJP).
+(the pre-norm block of ``fox_jax.models.lm.Block``: Shazeer 2020's SwiGLU after Zhang & Sennrich 2019's RMSNorm),
+for the few rows of a decode step. ``implementation="pallas"`` runs ``fox_jax.kernels.decode_mlp`` (one launch,
+split over the hidden axis; the partials' sum is left to XLA, which fuses it into the residual add that follows);
+``"xla"`` computes it as the model writes it; ``"auto"`` picks the kernel on GPU where its tiling fits and no
+mesh of several devices is ambient (a ``pallas_call`` is opaque to the SPMD partitioner), else XLA. Made for
+inference; under ``jax.grad`` the kernel's gradient is the XLA form's (a custom VJP).
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from fox_jax.kernels import decode_mlp as km
-from fox_jax.ops.head_ops import layer_norm, rms_norm
+from fox_jax.ops.head_ops import rms_norm
 from fox_jax.sharding import kernel_mesh
 
 DECODE_MLP_IMPLEMENTATIONS = ("auto", "xla", "pallas")
@@ -39,31 +37,22 @@ def _xla(x, norm_scale, w_gate_up, w_down, eps: float) -> jax.Array:
     return (jax.nn.silu(gate) * up) @ w_down
 
 
-def _xla_gelu(x, norm_scale, norm_bias, w_in, b_in, w_down, eps: float) -> jax.Array:
-    """The model's arithmetic (``LayerNorm``, GPT-2's ``c_fc`` → GELU → ``c_proj`` without its bias): x [N, d] → [N, d]
-    in the weights' dtype (nn.Dense adds its bias in that dtype)."""
-    dt = w_down.dtype
-    u = layer_norm(x, norm_scale, norm_bias, eps, dt) @ w_in + b_in.astype(dt)
-    return jax.nn.gelu(u, approximate=True) @ w_down
-
-
 def resolve_decode_mlp_implementation(implementation: str, rows: int, d: int, hidden: int,
-                                      config: km.MlpConfig | None, static_eps: bool = True,
-                                      op: str = "decode_swiglu") -> str:
-    """``implementation`` with ``"auto"`` resolved (see the module docstring; a traced eps runs XLA); ``op`` names
-    the caller in errors.
+                                      config: km.MlpConfig | None, static_eps: bool = True) -> str:
+    """``implementation`` with ``"auto"`` resolved (see the module docstring; a traced eps runs XLA).
 
     Raises:
       ValueError: an unknown implementation; ``"pallas"`` for shapes the tiling does not fit or a traced eps.
     """
     if implementation not in DECODE_MLP_IMPLEMENTATIONS:
-        raise ValueError(f"{op}: implementation must be one of {DECODE_MLP_IMPLEMENTATIONS}, got {implementation!r}")
+        raise ValueError(f"decode_swiglu: implementation must be one of {DECODE_MLP_IMPLEMENTATIONS}, got "
+                         f"{implementation!r}")
     why = f"d and hidden multiples of 16 (got d = {d}, hidden = {hidden})" if config is None else km.fits(
         config, rows, d, hidden)
     if why is None and not static_eps:
         why = "eps a Python float (the kernel's constant), got a traced value"
     if implementation == "pallas" and why is not None:
-        raise ValueError(f"{op}: implementation='pallas' needs {why}")
+        raise ValueError(f"decode_swiglu: implementation='pallas' needs {why}")
     if implementation == "auto":
         mesh = kernel_mesh()
         on_gpu = jax.default_backend() == "gpu" and (mesh is None or mesh.size == 1)
@@ -71,49 +60,24 @@ def resolve_decode_mlp_implementation(implementation: str, rows: int, d: int, hi
     return implementation
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _pallas(block: str, eps: float, config: km.MlpConfig, rows, norm_scale, w_in, w_down, norm_bias=None, b_in=None):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _pallas(rows, norm_scale, w_gate_up, w_down, eps: float, config: km.MlpConfig) -> jax.Array:
     """The kernel's partials summed: [N, d] float32. Differentiable through the XLA form's VJP (the same function)."""
-    partials = km.mlp_partials(rows, norm_scale, w_in, w_down, eps=eps, config=config, block=block,
-                               norm_bias=norm_bias, b_in=b_in, interpret=jax.default_backend() != "gpu")
+    partials = km.swiglu_partials(rows, norm_scale, w_gate_up, w_down, eps=eps, config=config,
+                                  interpret=jax.default_backend() != "gpu")
     return jnp.sum(partials, axis=0)
 
 
-def _pallas_fwd(block, eps, config, *args):
-    return _pallas(block, eps, config, *args), args
+def _pallas_fwd(rows, norm_scale, w_gate_up, w_down, eps, config):
+    return _pallas(rows, norm_scale, w_gate_up, w_down, eps, config), (rows, norm_scale, w_gate_up, w_down)
 
 
-def _pallas_bwd(block, eps, config, res, dy):
-    if block == "swiglu":
-        rows, norm_scale, w_in, w_down, _, _ = res
-        _, vjp = jax.vjp(lambda *a: _xla(*a, eps).astype(jnp.float32), rows, norm_scale, w_in, w_down)
-        return (*vjp(dy), None, None)
-    rows, norm_scale, w_in, w_down, norm_bias, b_in = res
-    _, vjp = jax.vjp(lambda x, s, w, wd, nb, b: _xla_gelu(x, s, nb, w, b, wd, eps).astype(jnp.float32), *res)
+def _pallas_bwd(eps, config, res, dy):
+    _, vjp = jax.vjp(lambda *a: _xla(*a, eps).astype(jnp.float32), *res)
     return vjp(dy)
 
 
 _pallas.defvjp(_pallas_fwd, _pallas_bwd)
-
-
-def _checked_rows(op: str, x, w_down, named: tuple, eps, config):
-    """The checks both ops share: (rows [B·T, d], B, T, d, hidden, config, static_eps)."""
-    if jnp.ndim(x) != 3:
-        raise ValueError(f"{op}: x must be [B, T, d], got shape {list(jnp.shape(x))}")
-    b, t, d = x.shape
-    if jnp.ndim(w_down) != 2:
-        raise ValueError(f"{op}: w_down must be [hidden, d], got shape {list(jnp.shape(w_down))}")
-    for name, a in (("x", x), *named, ("w_down", w_down)):
-        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
-            raise ValueError(f"{op}: {name} must be a float array, got {jnp.result_type(a)}")
-    static_eps = isinstance(eps, (int, float))
-    if static_eps and not eps >= 0:
-        raise ValueError(f"{op}: eps must be ≥ 0, got {eps}")
-    if config is not None and not isinstance(config, km.MlpConfig):
-        raise TypeError(f"{op}: config must be a fox_jax.kernels.decode_mlp.MlpConfig, got {type(config).__name__}")
-    hidden = w_down.shape[0]
-    config = config if config is not None else km.default_mlp_config(d, hidden)
-    return x.reshape(b * t, d), b, t, d, hidden, config, static_eps
 
 
 def decode_swiglu(x: jax.Array, norm_scale: jax.Array, w_gate_up: jax.Array, w_down: jax.Array, *, eps: float,
@@ -139,71 +103,36 @@ def decode_swiglu(x: jax.Array, norm_scale: jax.Array, w_gate_up: jax.Array, w_d
       ValueError: shapes, ranks or dtypes that do not match, eps < 0, an unknown implementation, "pallas" where its
         tiling does not fit or eps is traced. TypeError: a config that is not an ``MlpConfig``.
     """
-    rows, b, t, d, hidden, config, static_eps = _checked_rows("decode_swiglu", x, w_down,
-                                                              (("norm_scale", norm_scale),), eps, config)
-    if jnp.shape(norm_scale) != (d,) or w_down.shape != (hidden, d) or tuple(w_gate_up.shape) not in {
-            (d, 2 * hidden), (2, hidden, d)}:
+    if jnp.ndim(x) != 3:
+        raise ValueError(f"decode_swiglu: x must be [B, T, d], got shape {list(jnp.shape(x))}")
+    b, t, d = x.shape
+    if jnp.ndim(w_down) != 2:
+        raise ValueError(f"decode_swiglu: w_down must be [hidden, d], got shape {list(jnp.shape(w_down))}")
+    hidden = w_down.shape[0]
+    want_gu = {(d, 2 * hidden), (2, hidden, d)}
+    if jnp.shape(norm_scale) != (d,) or w_down.shape != (hidden, d) or tuple(w_gate_up.shape) not in want_gu:
         raise ValueError(f"decode_swiglu: x [B, T, d], norm_scale [d], w_gate_up [d, 2·hidden] or [2, hidden, d] and "
                          f"w_down [hidden, d]; got x {list(x.shape)}, norm_scale {list(jnp.shape(norm_scale))}, "
                          f"w_gate_up {list(w_gate_up.shape)}, w_down {list(w_down.shape)}")
+    for name, a in (("x", x), ("norm_scale", norm_scale), ("w_down", w_down)):
+        if not jnp.issubdtype(jnp.result_type(a), jnp.floating):
+            raise ValueError(f"decode_swiglu: {name} must be a float array, got {jnp.result_type(a)}")
     if w_gate_up.dtype != w_down.dtype:
         raise ValueError(f"decode_swiglu: w_gate_up and w_down must share a dtype, got {w_gate_up.dtype} and "
                          f"{w_down.dtype}")
+    static_eps = isinstance(eps, (int, float))
+    if static_eps and not eps >= 0:
+        raise ValueError(f"decode_swiglu: eps must be ≥ 0, got {eps}")
+    if config is not None and not isinstance(config, km.MlpConfig):
+        raise TypeError(f"decode_swiglu: config must be a fox_jax.kernels.decode_mlp.MlpConfig, got "
+                        f"{type(config).__name__}")
+    config = config if config is not None else km.default_mlp_config(d, hidden)
     impl = resolve_decode_mlp_implementation(implementation, b * t, d, hidden, config, static_eps)
+    rows = x.reshape(b * t, d)
     norm_scale = norm_scale.astype(jnp.float32)
     if impl == "xla":
         return _xla(rows, norm_scale, w_gate_up, w_down, eps).reshape(b, t, d)
-    return _pallas("swiglu", float(eps), config, rows, norm_scale, w_gate_up, w_down).reshape(b, t, d).astype(
-        w_down.dtype)
-
-
-def decode_gelu_mlp(x: jax.Array, norm_scale: jax.Array, norm_bias: jax.Array, w_in: jax.Array, b_in: jax.Array,
-                    w_down: jax.Array, b_down: jax.Array, *, eps: float, implementation: str = "auto",
-                    config: km.MlpConfig | None = None) -> jax.Array:
-    """GPT-2's pre-norm MLP block of a decode step (module docstring), without the residual add.
-
-    Args:
-      x: [B, T, d] the block's residual stream (a float dtype), B·T ≤ 64 rows for the kernel.
-      norm_scale, norm_bias: [d] the LayerNorm's scale and bias (``ln_2``; float, applied in float32).
-      w_in: [d, hidden] (``c_fc``'s kernel as stored); b_in: [hidden] its bias (float).
-      w_down: [hidden, d] (``c_proj``'s kernel), w_in's float dtype: the dtype the matmuls run in and of the result;
-        b_down: [d] its bias (float).
-      eps: the LayerNorm's eps ≥ 0; a Python float for the kernel (a traced eps runs XLA under "auto").
-      implementation: "auto", "xla" or "pallas" (interpret mode off GPU).
-      config: the kernel's tiling, a ``fox_jax.kernels.decode_mlp.MlpConfig`` without ``one_pass`` (default
-        ``default_mlp_config(d, hidden)``).
-    Returns:
-      [B, T, d] in w_down's dtype: the block's output before the residual add. "xla" is the model's arithmetic
-      (``LayerNorm`` then ``GPT2MLP``); "pallas" takes GELU in float32 of the rounded pre-activation and sums the
-      kernel's float32 partials, rounding once before the bias (XLA may keep the same excess precision inside its
-      fusions). Differentiable: the kernel's gradient is the XLA form's.
-    Raises:
-      ValueError: shapes, ranks or dtypes that do not match, eps < 0, an unknown implementation, "pallas" where its
-        tiling does not fit, eps is traced or the config has ``one_pass``. TypeError: a config that is not an
-        ``MlpConfig``.
-    """
-    op = "decode_gelu_mlp"
-    named = (("norm_scale", norm_scale), ("norm_bias", norm_bias), ("w_in", w_in), ("b_in", b_in), ("b_down", b_down))
-    rows, b, t, d, hidden, config, static_eps = _checked_rows(op, x, w_down, named, eps, config)
-    shapes = {"norm_scale": (d,), "norm_bias": (d,), "w_in": (d, hidden), "b_in": (hidden,), "b_down": (d,)}
-    got = {name: tuple(jnp.shape(a)) for name, a in named}
-    if got != shapes or w_down.shape != (hidden, d):
-        raise ValueError(f"{op}: x [B, T, d], norm_scale and norm_bias [d], w_in [d, hidden], b_in [hidden], w_down "
-                         f"[hidden, d], b_down [d]; got x {list(x.shape)}, "
-                         + ", ".join(f"{k} {list(v)}" for k, v in got.items()) + f", w_down {list(w_down.shape)}")
-    if w_in.dtype != w_down.dtype:
-        raise ValueError(f"{op}: w_in and w_down must share a dtype, got {w_in.dtype} and {w_down.dtype}")
-    if config is not None and config.one_pass:
-        raise ValueError(f"{op}: config.one_pass is for the RMSNorm of decode_swiglu, not a LayerNorm")
-    impl = resolve_decode_mlp_implementation(implementation, b * t, d, hidden, config, static_eps, op=op)
-    dt = w_down.dtype
-    f32 = jnp.float32
-    norm_scale, norm_bias, b_in = norm_scale.astype(f32), norm_bias.astype(f32), b_in.astype(f32)
-    if impl == "xla":
-        y = _xla_gelu(rows, norm_scale, norm_bias, w_in, b_in, w_down, eps)
-    else:
-        y = _pallas("gelu", float(eps), config, rows, norm_scale, w_in, w_down, norm_bias, b_in).astype(dt)
-    return (y + b_down.astype(dt)).reshape(b, t, d)
+    return _pallas(rows, norm_scale, w_gate_up, w_down, float(eps), config).reshape(b, t, d).astype(w_down.dtype)
 
 
 def swiglu_table(w_gate_up: jax.Array) -> jax.Array:
@@ -213,4 +142,4 @@ def swiglu_table(w_gate_up: jax.Array) -> jax.Array:
     return jnp.transpose(w_gate_up.reshape(d, 2, n // 2), (1, 2, 0))
 
 
-__all__ = ["DECODE_MLP_IMPLEMENTATIONS", "decode_gelu_mlp", "decode_swiglu", "resolve_decode_mlp_implementation", "swiglu_table"]
+__all__ = ["DECODE_MLP_IMPLEMENTATIONS", "decode_swiglu", "resolve_decode_mlp_implementation", "swiglu_table"]

@@ -31,16 +31,6 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Arra
     return (x.astype(jnp.float32) * rms_scale(x, eps) * scale).astype(dtype)
 
 
-def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype: Any) -> jax.Array:
-    """y = (x − mean(x)) / sqrt(mean((x − mean(x))²) + eps) · scale + bias over the last axis (Ba et al. 2016), in
-    float32 with the variance taken over the centred x, returned in ``dtype``.
-
-    x: [..., D] any float dtype; scale, bias: [D] float32."""
-    xf = x.astype(jnp.float32)
-    xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
-    return (xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps) * scale + bias).astype(dtype)
-
-
 def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None,
              segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Data-dependent token shift (FoX Pro "KV-shift", paper Eq. 14):
@@ -240,4 +230,4 @@ def head_epilogue(ops: HeadOps, o: jax.Array) -> jax.Array:
     return o
 
 
-__all__ = ["HeadOps", "apply_rope", "head_epilogue", "head_prologue", "kv_shift", "layer_norm", "rms_norm"]
+__all__ = ["HeadOps", "apply_rope", "head_epilogue", "head_prologue", "kv_shift", "rms_norm"]
