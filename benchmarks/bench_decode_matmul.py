@@ -276,11 +276,12 @@ def mlp_rows(model: str, layers: int, iters: int, reps: int, interpret: bool, dt
                                                                   iters, reps))]
     print(json.dumps(rows[-1]), flush=True)
     want = np.asarray(xla_mlp(x, params[0]), np.float32)
-    # (2026-12-06, H100: 20 tilings over both layouts, block_n 256, 3 stages — the best block_h 32, block_k 256, 4 warps,
-    # the layouts alike; this sweep is the next round around it)
-    sweep = [(km.MlpConfig(), t) for t in (False, True)] + [(km.MlpConfig(one_pass=True), False)] if interpret else [
-        (km.MlpConfig(block_h=bh, block_k=256, block_n=bn, num_warps=4, num_stages=st, one_pass=one), False)
-        for one in (False, True) for bh in (16, 32) for bn in (128, 256) for st in (1, 2, 3)]
+    # (2026-12-06, H100, two sweeps: the best is block_h 32, block_k 256, block_n 256, 4 warps, 3 stages, either layout;
+    # block_h 16, block_n 128, fewer stages, 8 warps, the norm's statistics inside the gate/up loop and a straight-line
+    # form with every load first were 0.4–3 µs slower: benchmarks/NOTES.md)
+    sweep = [(km.MlpConfig(), t) for t in (False, True)] if interpret else [
+        (km.MlpConfig(block_h=bh, block_k=256, block_n=bn, num_warps=4, num_stages=st), t)
+        for bh in (16, 32) for bn in (128, 256) for st in (2, 3) for t in (False, True)]
     for cfg, transposed in sweep:
         fn = lambda x, p, cfg=cfg, t=transposed: km.swiglu_partials(  # noqa: E731
             x, p["g"], p["w_gu_t" if t else "w_gu"], p["w_down"], eps=1e-6, config=cfg, interpret=interpret)

@@ -22,7 +22,7 @@ folded into its attention's projections and applied by the decode kernel as a ro
 before the QKV GEMM: ``fox_jax.decoding.generation.FOLD_INPUT_NORMS``, off by default; ``gates=xla`` applies it),
 ``mlp=fused`` / ``mlp=xla`` (each block's MLP norm and SwiGLU as one Pallas kernel, ``fox_jax.ops.decode_mlp``, or
 XLA's four: ``generation.FUSE_DECODE_MLP``, off by default) with the fused kernel's tiling as ``mlp_block_h=16``,
-``mlp_block_k``, ``mlp_block_n``, ``mlp_num_warps``, ``mlp_num_stages``, ``mlp_one_pass=1``:
+``mlp_block_k``, ``mlp_block_n``, ``mlp_num_warps``, ``mlp_num_stages``:
 
     python benchmarks/profile_decode.py --model fox-pro:125M --set n_layers=4 --batch 8 --prompt 2048 \\
         --new-tokens 64 --slots 128 --policies acp --kernel-variants base w2:num_warps=2 nofold:fold_floor=0 \\

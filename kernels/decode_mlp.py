@@ -56,9 +56,6 @@ class MlpConfig:
     block_n: int = 256
     num_warps: int = 4
     num_stages: int = 3
-    # the norm's statistics summed in the gate/up loop and r applied to the sums (x·s rounded instead of r·x·s; one
-    # dependent round of loads fewer): an experiment for the next device session, off
-    one_pass: bool = False
 
     def __post_init__(self):
         for name in ("block_h", "block_k", "block_n"):
@@ -106,16 +103,16 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
         k0 = pl.multiple_of(i * bk, bk)
         return pltriton.load(x_ref.at[:, pl.ds(k0, bk)], mask=row_ok, other=0.0).astype(f32)
 
-    if not cfg.one_pass:  # r first, as the model's norm: the rows are normalised before the matmul
-        sq = lax.fori_loop(0, d // bk, lambda i, acc: acc + jnp.sum(x_chunk(i) * x_chunk(i), axis=1),
-                           jnp.zeros((m_pad,), f32))
-        r = lax.rsqrt(sq / d + eps)
+    # r first, as the model's norm: the rows are normalised before the matmul (summing x² inside the gate/up loop
+    # and scaling the sums by r instead was slower on an H100, 14.8 against 11.4 µs per layer: benchmarks/NOTES.md)
+    sq = lax.fori_loop(0, d // bk, lambda i, acc: acc + jnp.sum(x_chunk(i) * x_chunk(i), axis=1),
+                       jnp.zeros((m_pad,), f32))
+    r = lax.rsqrt(sq / d + eps)
 
     def gate_up(i, accs):
         k0 = pl.multiple_of(i * bk, bk)
         xc = x_chunk(i)
-        row_scale = 1.0 if cfg.one_pass else r[:, None]
-        xn = (xc * row_scale * s_ref[pl.ds(k0, bk)][None, :]).astype(dt)
+        xn = (xc * r[:, None] * s_ref[pl.ds(k0, bk)][None, :]).astype(dt)
         if transposed:  # [2, hidden, d]
             wg = wgu_ref[0, pl.ds(h0, bh), pl.ds(k0, bk)].T
             wu = wgu_ref[1, pl.ds(h0, bh), pl.ds(k0, bk)].T
@@ -123,14 +120,10 @@ def _kernel(x_ref, s_ref, wgu_ref, wd_ref, o_ref, *, m: int, m_pad: int, d: int,
             wg = wgu_ref[pl.ds(k0, bk), pl.ds(h0, bh)]
             wu = wgu_ref[pl.ds(k0, bk), pl.ds(hidden + h0, bh)]
         return (accs[0] + jnp.dot(xn, wg, precision=prec, preferred_element_type=f32),
-                accs[1] + jnp.dot(xn, wu, precision=prec, preferred_element_type=f32),
-                accs[2] + jnp.sum(xc * xc, axis=1) if cfg.one_pass else accs[2])
+                accs[1] + jnp.dot(xn, wu, precision=prec, preferred_element_type=f32))
 
     zero = jnp.zeros((m_pad, bh), f32)
-    g, u, sq = lax.fori_loop(0, d // bk, gate_up, (zero, zero, jnp.zeros((m_pad,), f32)))
-    if cfg.one_pass:
-        r = lax.rsqrt(sq / d + eps)
-        g, u = g * r[:, None], u * r[:, None]
+    g, u = lax.fori_loop(0, d // bk, gate_up, (zero, zero))
     g, u = g.astype(dt).astype(f32), u.astype(dt).astype(f32)
     act = (g * jax.nn.sigmoid(g)).astype(dt).astype(f32)
     hid = (act * u).astype(dt)  # [Mp, bh]
