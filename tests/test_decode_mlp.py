@@ -15,7 +15,6 @@ Tolerances (max abs error relative to the oracle's max |y|):
 
 from __future__ import annotations
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
