@@ -34,7 +34,7 @@ from fox_jax.decoding import (decode_step, extend, generate, init_cache, live_co
 from fox_jax.decoding import generation
 from fox_jax.models import LanguageModel, preset
 from fox_jax.models.gpt2 import GPT2, GPT2Config
-from fox_jax.nn.attention import gate_tables
+from fox_jax.nn.attention import fold_input_norms, gate_tables
 from fox_jax.ops import acp as acp_ops
 from fox_jax.ops import forgetting_attention
 from fox_jax.ops.decode_attention import decode_attention
@@ -972,25 +972,36 @@ def test_gate_tables_feed_the_decode_kernel(arch, monkeypatch):
 @pytest.mark.parametrize("policy", ["window:6", "acp"])
 def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
     """``decode_variables(..., fold_norms=True)`` folds each block's input RMSNorm scale s into its attention's
-    input projections (``gate_tables(params, cast)``: s ⊙ W of q, k, v, the output gate and the gate projections,
-    and their gate table) and a fused decode step multiplies the un-normalised residual by them, the kernel applying
-    the norm as a row scale (``HeadOps.x_norm_eps``): the step's logits and caches equal the step applied without
-    the folded entries (1e-5 in float32: r · (x · (s ⊙ W)) against (r·x·s) · W, summation order only), through the
-    XLA path and through the Pallas kernel (interpret), which gets the residual and the folded table; a prefill
-    chunk (T > 1) does not fold. A fold that forgot the row scale would be off by the residual's RMS."""
+    input projections in place (``fold_input_norms``: s ⊙ W of q, k, v, the output gate and the gate projections, the
+    norm's scale then ones; no copy of a weight) and marks the layer (``gate_tables(..., folded_norms=True)``), and a
+    fused decode step multiplies the un-normalised residual by them, the kernel applying the norm as a row scale
+    (``HeadOps.x_norm_eps``): the step's logits and caches equal the step applied without the mark (1e-5 in float32:
+    r · (x · (s ⊙ W)) against (r·x·1) · (s ⊙ W), summation order only) and
+    the unfolded model's step (1e-5), through the XLA path and through the Pallas kernel (interpret), which gets the
+    residual; a prefill chunk (T > 1) runs the model's own path on the folded weights (1e-5 of the unfolded). A
+    fold that forgot the row scale would be off by the residual's RMS, one that forgot s by ~30% (s = 1 + N(0, ·))."""
     dec = sys.modules["fox_jax.ops.decode_attention"]
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)
     model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
     tokens = padded_batch(10)
     _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy=policy)
-    assert "folded" not in generation.decode_variables(params, generation.cast_plan(model, params, caches))[
-        "decode"]["layers_0"]["attn"]  # (off by default: FOLD_INPUT_NORMS)
-    variables = generation.decode_variables(params, generation.cast_plan(model, params, caches), fold_norms=True)
-    folded = variables["decode"]["layers_0"]["attn"]["folded"]
-    scale = params["layers_0"]["attn_norm"]["scale"]
-    np.testing.assert_allclose(folded["q_proj"], scale[:, None] * params["layers_0"]["attn"]["q_proj"]["kernel"],
-                               rtol=1e-6)
+    plan = generation.cast_plan(model, params, caches)
+    unfolded = generation.decode_variables(params, plan, fold_norms=False)
+    assert "folded" not in unfolded["decode"]["layers_0"]["attn"]
+    variables = generation.decode_variables(params, plan, fold_norms=True)
     attn = variables["decode"]["layers_0"]["attn"]
+    assert attn["folded"]["gate_table"] is attn["gate_table"]  # a mark: nothing copied
+    scale = params["layers_0"]["attn_norm"]["scale"]
+    assert float(jnp.max(jnp.abs(scale - 1.0))) > 0.05  # a scale to fold (random_params)
+    for name in ("q_proj", "fgate_proj", "k_shift_proj"):
+        np.testing.assert_allclose(variables["params"]["layers_0"]["attn"][name]["kernel"],
+                                   scale[:, None] * params["layers_0"]["attn"][name]["kernel"], rtol=1e-6)
+    np.testing.assert_array_equal(variables["params"]["layers_0"]["attn_norm"]["scale"], np.ones_like(scale))
+    np.testing.assert_array_equal(variables["params"]["layers_0"]["attn"]["o_proj"]["kernel"],
+                                  params["layers_0"]["attn"]["o_proj"]["kernel"])
+    extra = {"layers_0": {**params["layers_0"], "attn": {**params["layers_0"]["attn"], "x_proj": {"kernel": scale}}}}
+    with pytest.raises(ValueError, match=r"fold_input_norms: /layers_0/attn has projections \['x_proj'\]"):
+        fold_input_norms(extra)  # a projection it does not know is not left unfolded silently
     plain = {**variables, "decode": {"layers_0": {"attn": {k: v for k, v in attn.items() if k != "folded"}}}}
     seen = []
     flash = dec.dk.flash_decode
@@ -1003,9 +1014,11 @@ def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
         got, want = step(variables), step(plain)
         assert seen == ([] if impl == "xla" else [cfg.norm_eps, None]), (impl, seen)
         np.testing.assert_allclose(got.logits, want.logits, atol=1e-5, err_msg=impl)
+        np.testing.assert_allclose(got.logits, step(unfolded).logits, atol=1e-5, err_msg=impl)
         _assert_same_caches(got.cache, want.cache)
-    chunk = jax.jit(lambda v: model.apply(v, tokens[:, 8:], cache=caches).logits)  # T = 2: no fold, one program
+    chunk = jax.jit(lambda v: model.apply(v, tokens[:, 8:], cache=caches).logits)  # T = 2: no fused fold
     np.testing.assert_array_equal(chunk(variables), chunk(plain))
+    np.testing.assert_allclose(chunk(variables), chunk(unfolded), atol=1e-5)
 
 
 

@@ -40,7 +40,7 @@ from jax import lax
 from fox_jax.cache.policies import RING_BLOCK, CachePolicy, parse_policy
 from fox_jax.models.family import cast_targets
 from fox_jax.models.lm import head_table, mlp_tables
-from fox_jax.nn.attention import gate_tables
+from fox_jax.nn.attention import fold_input_norms, gate_tables
 from fox_jax.ops._common import check_seq_start
 from fox_jax.sharding import place_for_decoding, under_mesh
 
@@ -194,13 +194,15 @@ def precast(params, plan: tuple):
     return jax.tree.unflatten(treedef, [x if dt is None else x.astype(dt) for x, dt in zip(leaves, plan)])
 
 
-# Whether decode loops fold each block's input RMSNorm into its attention's input projections (``decode_variables``).
-# Off by default: it takes FoX (Pro) 125M's `acp` step from 119 to 114 kernels and 0.410 to 0.401 ms of device time
-# (dense 0.669 → 0.663; one H100, 2026-12-06, `profile_decode.py --kernel-variants base folded:norm=folded`), i.e.
-# 1–2%, for one more copy of the q/k/v/output-gate weights (+57 MB at 125M, ~450 MB at 760M) — on for a user who
-# has the memory. Read when ``decode_variables`` runs, i.e. when ``generate`` / ``serve`` trace their program: after
-# changing it, call ``jax.clear_caches()`` (a compiled program keeps what it traced).
-FOLD_INPUT_NORMS = False
+# Whether decode loops fold each block's input RMSNorm into its attention's input projections (``decode_variables``:
+# ``fox_jax.nn.attention.fold_input_norms``, s ⊙ W in place of W and the norm's scale ones, so no weight is copied).
+# On by default: it takes FoX (Pro) 125M's `acp` step from 119 to 114 kernels and 0.410 to 0.401 ms of device time
+# (dense 0.669 → 0.663; one H100, 2026-12-06, `profile_decode.py --kernel-variants base folded:norm=folded`, measured
+# with the fold's weights in a copy of their own, the same step). The values move by rounding only (the normed rows
+# and the weights rounded after the scale instead of before; 1e-5 of the logits in float32). Read when
+# ``decode_variables`` runs, i.e. when ``generate`` / ``serve`` trace their program: after changing it, call
+# ``jax.clear_caches()`` (a compiled program keeps what it traced).
+FOLD_INPUT_NORMS = True
 
 # Whether decode loops run each block's MLP norm and SwiGLU as one op (``decode_variables``: ``mlp_tables``; one Pallas
 # kernel per block on GPU instead of XLA's four; no weight copy). Off by default: the `acp` step above goes from 119 to
@@ -220,14 +222,15 @@ def _merged(a: dict, b: dict) -> dict:
 def decode_variables(params, plan: tuple, fold_norms: bool | None = None, fuse_mlp: bool | None = None) -> dict:
     """What a decode loop applies the model with, made once before the loop: the parameters cast as ``plan`` says
     (``precast``) and the ``"decode"`` collection: the attention layers' gate projections in the decode kernel's
-    layout, with ``fold_norms`` (default ``FOLD_INPUT_NORMS``) also their input projections with the block's input
-    norm folded in (``fox_jax.nn.attention.gate_tables``), with ``fuse_mlp`` (default ``FUSE_DECODE_MLP``) the
+    layout, with ``fold_norms`` (default ``FOLD_INPUT_NORMS``) the blocks' input norms folded into their attention's
+    input projections in the parameters themselves (``fox_jax.nn.attention.fold_input_norms``) and the layers marked
+    for the fused step (``gate_tables(..., folded_norms=True)``), with ``fuse_mlp`` (default ``FUSE_DECODE_MLP``) the
     blocks' gate/up weights in the fused MLP's layout (``fox_jax.models.lm.mlp_tables``), and an untied LM head,
     cast, padded to aligned rows (``fox_jax.models.lm.head_table``)."""
-    cast = precast(params, plan)
     fold = FOLD_INPUT_NORMS if fold_norms is None else fold_norms
     fuse = FUSE_DECODE_MLP if fuse_mlp is None else fuse_mlp
-    decode = gate_tables(params, cast if fold else None).get("decode", {})
+    cast = precast(fold_input_norms(params) if fold else params, plan)
+    decode = gate_tables(cast, folded_norms=fold).get("decode", {})
     if fuse:
         decode = _merged(decode, mlp_tables(cast).get("decode", {}))
     decode = _merged(decode, head_table(cast).get("decode", {}))

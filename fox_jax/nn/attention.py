@@ -3,7 +3,6 @@ optional Dynamic Context Pruning (docs/design/dcp.md §1)."""
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -41,44 +40,77 @@ def _folded(scale, kernel):
     return scale.astype(jnp.float32)[:, None] * kernel.astype(jnp.float32)
 
 
-def _table(tree, scale=None) -> tuple:
+def _table(tree) -> tuple:
     names = [n for n in GATE_PROJECTIONS if n in tree]
-    fold = (lambda k: k) if scale is None else functools.partial(_folded, scale)
-    return gate_table(tuple((fold(tree[n]["kernel"]), tree[n].get("bias")) for n in names), _kv_heads(tree))
+    return gate_table(tuple((tree[n]["kernel"], tree[n].get("bias")) for n in names), _kv_heads(tree))
 
 
-def gate_tables(params, cast=None) -> dict:
+# The layer's projections of its (normed) input: what an input norm's scale folds into (``fold_input_norms``).
+INPUT_PROJECTIONS = ROW_PROJECTIONS + GATE_PROJECTIONS + ("q_int", "k_int")
+
+
+def fold_input_norms(params):
+    """``params`` with each block's input RMSNorm scale s folded into its attention layer's input projections, in
+    float32: every kernel W of ``INPUT_PROJECTIONS`` becomes s ⊙ W (s scales W's input rows) and ``attn_norm``'s scale
+    becomes ones — in the layers a fused decode step can take folded, those with gate projections (FoX; the others
+    are returned unchanged). The same function up to rounding: RMSNorm(x)·W = (x · r) · (s ⊙ W), r = rsqrt(mean(x²) + eps), so
+    a prefill or a training-path call with the result gives the original's values to float32 rounding (bf16: the
+    normed rows and the weights are rounded after the scale instead of before), and a fused decode step can
+    multiply the un-normalised residual by the layer's own kernels (``gate_tables(..., folded_norms=True)``) with
+    no copy of them.
+
+    Raises:
+      ValueError: an attention layer beside an ``attn_norm`` with a projection whose kernel is not known to read the
+        layer's input or output (``INPUT_PROJECTIONS``, ``o_proj``): it could not be left unfolded without changing
+        the model's values.
+    """
+    def walk(tree, path):
+        if not isinstance(tree, Mapping):
+            return tree
+        out = {k: walk(v, f"{path}/{k}") for k, v in tree.items()}
+        norm, attn = tree.get("attn_norm"), tree.get("attn")
+        if isinstance(norm, Mapping) and "scale" in norm and isinstance(attn, Mapping) and any(
+                n in attn for n in GATE_PROJECTIONS):
+            unknown = [n for n, v in attn.items() if isinstance(v, Mapping) and "kernel" in v
+                       and n not in INPUT_PROJECTIONS and n != "o_proj"]
+            if unknown:
+                raise ValueError(f"fold_input_norms: {path}/attn has projections {unknown} that are neither input "
+                                 f"projections {INPUT_PROJECTIONS} nor o_proj")
+            scale = norm["scale"]
+            out["attn"] = {n: ({**v, "kernel": _folded(scale, v["kernel"])} if n in INPUT_PROJECTIONS else v)
+                           for n, v in out["attn"].items()}
+            out["attn_norm"] = {**out["attn_norm"], "scale": jnp.ones_like(scale)}
+        return out
+
+    return walk(params, "")
+
+
+def gate_tables(params, folded_norms: bool = False) -> dict:
     """The ``"decode"`` variables of the attention layers of a parameter tree, at each layer's path: for a layer with
     gate projections (KV-shift, forget gates), ``gate_table`` = those projections in the decode kernel's layout
-    (``fox_jax.ops.decode_attention.gate_table``: each key/value head's rows contiguous); with ``cast`` (the same tree
-    cast as the decode loop applies it) and a block's input RMSNorm beside the layer (``attn_norm``), also ``folded``:
-    the norm's scale s folded into the layer's input projections, {name: s ⊙ kernel} for the row projections (in
-    the cast kernel's dtype) and the gate projections (float32), and ``gate_table`` of the folded gates, with which
-    a decode step multiplies the un-normalised residual x itself (``HeadOps.x_norm_eps``: the kernel applies the
-    norm as a row scale, so the step spends no norm kernel before its GEMM; one more copy of the row projections
-    in memory).
+    (``fox_jax.ops.decode_attention.gate_table``: each key/value head's rows contiguous); with ``folded_norms`` — the
+    blocks' input norms folded into ``params`` by ``fold_input_norms`` — and a block's input RMSNorm beside the
+    layer (``attn_norm``), also ``folded`` = {"gate_table": the same table}: the mark with which a decode step
+    multiplies the un-normalised residual x by the layer's own (folded) kernels (``HeadOps.x_norm_eps``: the kernel
+    applies the norm as a row scale r, so the step spends no norm kernel before its GEMM; no weight is copied). Pass
+    the tree as the decode loop applies it (cast).
 
-    Made once before a decode loop and applied as ``{"params": params, **gate_tables(params, cast)}``, so that no step
+    Made once before a decode loop and applied as ``{"params": params, **gate_tables(params)}``, so that no step
     re-arranges the weights (two XLA kernels per layer and step otherwise); the layer uses them when they are there
     and the same numbers without them. Returns {} for a model without gate projections.
     """
-    def walk(tree, cast_tree):
+    def walk(tree):
         if not isinstance(tree, Mapping):
             return {}
-        out = {k: sub for k, v in tree.items()
-               if (sub := walk(v, None if cast_tree is None else cast_tree.get(k)))}
+        out = {k: sub for k, v in tree.items() if (sub := walk(v))}
         if any(n in tree for n in GATE_PROJECTIONS):
             out["gate_table"] = _table(tree)
         layer = out.get("attn")
-        if cast_tree is not None and layer is not None and "scale" in tree.get("attn_norm", {}):
-            scale, attn = tree["attn_norm"]["scale"], tree["attn"]
-            folded = {n: _folded(scale, attn[n]["kernel"]).astype(cast_tree["attn"][n]["kernel"].dtype)
-                      for n in ROW_PROJECTIONS if n in attn}
-            folded.update({n: _folded(scale, attn[n]["kernel"]) for n in GATE_PROJECTIONS if n in attn})
-            out["attn"] = {**layer, "folded": {**folded, "gate_table": _table(attn, scale)}}
+        if folded_norms and layer is not None and "scale" in tree.get("attn_norm", {}):
+            out["attn"] = {**layer, "folded": {"gate_table": layer["gate_table"]}}
         return out
 
-    tables = walk(params, cast)
+    tables = walk(params)
     return {"decode": tables} if tables else {}
 
 
@@ -141,8 +173,8 @@ class ForgettingAttentionLayer(nn.Module):
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
       residual: with a cache, the block's residual stream before its input RMSNorm (x = RMSNorm(residual), eps
         ``cfg.norm_eps``), or None. On a fused decode step (``fuses_step``) of a layer applied with the ``"decode"``
-        collection's ``folded`` projections (``gate_tables(params, cast)``) the step multiplies the residual by
-        s ⊙ W and the decode kernel applies the norm as a row scale (``HeadOps.x_norm_eps``): x itself is not read
+        collection's ``folded`` projections (``fold_input_norms``, ``gate_tables(params, folded_norms=True)``) the
+        step multiplies the residual by the folded s ⊙ W and the decode kernel applies the norm as a row scale (``HeadOps.x_norm_eps``): x itself is not read
         (XLA drops the norm kernel).
     Returns:
       ``LayerOutput(x [B, T, d] in the compute dtype, cache: the updated cache when one was given,
@@ -193,8 +225,8 @@ class ForgettingAttentionLayer(nn.Module):
                 y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
             else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
                 ws = [DenseParams(n, bias, cfg.init_std, name=name)(x.shape[-1]) for _, n, name, bias in members]
-                if fold:  # r · (residual · (s ⊙ W)) + bias = RMSNorm(residual) · W + bias; the kernel's raw rows
-                    ws = [(folded[name], bias) for (_, _, name, _), (_, bias) in zip(members, ws)]
+                if fold:  # r · (residual · (s ⊙ W)) + bias = RMSNorm(residual) · W + bias, W here already s ⊙ W
+                    # (``fold_input_norms``); the kernel's raw rows
                     raw, packed[members[0][0]] = fused_dense(residual, [(k, None) for k, _ in ws], dt, packed=True)
                     # the XLA paths' values (unread on the kernel's path: XLA drops them)
                     outs = [(row_scale * o.astype(jnp.float32) + (0.0 if b is None else b.astype(jnp.float32))
