@@ -19,7 +19,7 @@ XLA and read by the kernel, as for a d_model that is not a multiple of 16, inste
 ``head=stored`` (the untied LM head multiplied as stored, [d, V] with unaligned rows, instead of the copy padded to
 128 columns that ``decode_variables`` makes once), ``norm=folded`` / ``norm=applied`` (each block's input RMSNorm
 folded into its attention's projections and applied by the decode kernel as a row scale, or a kernel of its own
-before the QKV GEMM: ``fox_jax.decoding.generation.FOLD_INPUT_NORMS``, off by default; ``gates=xla`` applies it),
+before the QKV GEMM: ``fox_jax.decoding.generation.FOLD_INPUT_NORMS``, on by default; ``gates=xla`` applies it),
 ``mlp=fused`` / ``mlp=xla`` (each block's MLP norm and SwiGLU as one Pallas kernel, ``fox_jax.ops.decode_mlp``, or
 XLA's four: ``generation.FUSE_DECODE_MLP``, off by default) with the fused kernel's tiling as ``mlp_block_h=16``,
 ``mlp_block_k``, ``mlp_block_n``, ``mlp_num_warps``, ``mlp_num_stages``:
@@ -206,7 +206,7 @@ def kernel_variant(settings: dict):
         gen.FUSE_DECODE_MLP = settings["mlp"] == "fused"
     km.default_mlp_config = mlp_config
     if settings.get("gates") == "xla":  # (a folded norm needs the kernel to read x for the gate logits)
-        gen.gate_tables = lambda params, cast=None: base_tables(params)
+        gen.gate_tables = lambda params, folded_norms=False: base_tables(params)
     try:
         yield
     finally:
@@ -287,7 +287,7 @@ def main(argv=None):
         return isinstance(tree, dict) and (key in tree or any(holds(v, key) for v in tree.values()))
 
     applies = {"mlp": lambda: bool(gen.mlp_tables(params)),
-               "norm": lambda: holds(gen.gate_tables(params, params), "folded")}
+               "norm": lambda: holds(gen.gate_tables(params, folded_norms=True), "folded")}
     for name, settings in variants:
         idle = [f"{k}={settings[k]}" for k in ("mlp", "norm") if k in settings and not applies[k]()]
         if idle:

@@ -217,8 +217,9 @@ def main(argv=None) -> int:
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="model config overrides (kv_heads=4)")
     p.add_argument("--layer", help="list the kernels of this layer (layers_0, h_0, ...) one per line")
     p.add_argument("--json", help="write the counts and the kernel list here")
-    p.add_argument("--fold-norms", action="store_true",
-                   help="fold each block's input norm into its projections (generation.FOLD_INPUT_NORMS)")
+    p.add_argument("--no-fold-norms", action="store_true",
+                   help="leave each block's input norm out of its projections (generation.FOLD_INPUT_NORMS = False; "
+                        "on by default)")
     p.add_argument("--fuse-mlp", action="store_true",
                    help="each block's MLP norm and SwiGLU as one op (generation.FUSE_DECODE_MLP)")
     p.add_argument("--score", action="store_true",
@@ -227,7 +228,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     from fox_jax.decoding import generation as gen
 
-    gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP = args.fold_norms, args.fuse_mlp
+    gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP = not args.no_fold_norms, args.fuse_mlp
     t0 = time.perf_counter()
     if args.score:
         hlo = compile_score(args.model, args.policy, args.batch, args.prompt, args.slots, tuple(args.set))
