@@ -53,11 +53,11 @@ def fold_input_norms(params):
     """``params`` with each block's input RMSNorm scale s folded into its attention layer's input projections, in
     float32: every kernel W of ``INPUT_PROJECTIONS`` becomes s ⊙ W (s scales W's input rows) and ``attn_norm``'s scale
     becomes ones — in the layers a fused decode step can take folded, those with gate projections (FoX; the others
-    are returned unchanged). The same function up to rounding: RMSNorm(x)·W = (x · r) · (s ⊙ W), r = rsqrt(mean(x²) + eps), so
-    a prefill or a training-path call with the result gives the original's values to float32 rounding (bf16: the
-    normed rows and the weights are rounded after the scale instead of before), and a fused decode step can
-    multiply the un-normalised residual by the layer's own kernels (``gate_tables(..., folded_norms=True)``) with
-    no copy of them.
+    are returned unchanged). The same function up to rounding: RMSNorm(x)·W = (x · r) · (s ⊙ W) with r =
+    rsqrt(mean(x²) + eps), so a prefill or a training-path call with the result gives the original's values to float32
+    rounding (bf16: the normed rows and the weights are rounded after the scale instead of before), and a fused
+    decode step can multiply the un-normalised residual by the layer's own kernels (``gate_tables(...,
+    folded_norms=True)``) with no copy of them.
 
     Raises:
       ValueError: an attention layer beside an ``attn_norm`` with a projection whose kernel is not known to read the
