@@ -172,10 +172,10 @@ class ForgettingAttentionLayer(nn.Module):
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
       residual: with a cache, the block's residual stream before its input RMSNorm (x = RMSNorm(residual), eps
-        ``cfg.norm_eps``), or None. On a fused decode step (``fuses_step``) of a layer applied with the ``"decode"``
-        collection's ``folded`` projections (``fold_input_norms``, ``gate_tables(params, folded_norms=True)``) the
-        step multiplies the residual by the folded s ⊙ W and the decode kernel applies the norm as a row scale (``HeadOps.x_norm_eps``): x itself is not read
-        (XLA drops the norm kernel).
+        ``cfg.norm_eps``), or None. On a fused decode step (``fuses_step``) of a layer whose parameters hold the
+        folded s ⊙ W (``fold_input_norms``) and whose ``"decode"`` collection has the ``folded`` mark
+        (``gate_tables(params, folded_norms=True)``), the step multiplies the residual by them and the decode kernel
+        applies the norm as a row scale (``HeadOps.x_norm_eps``): x itself is not read (XLA drops the norm kernel).
     Returns:
       ``LayerOutput(x [B, T, d] in the compute dtype, cache: the updated cache when one was given,
       log_mask: with DCP log I [B, T, T] float32, 0 = kept, ``LOG_FLOOR`` ≈ −92.1 = dropped)``. With
