@@ -976,10 +976,10 @@ def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
     norm's scale then ones; no copy of a weight) and marks the layer (``gate_tables(..., folded_norms=True)``), and a
     fused decode step multiplies the un-normalised residual by them, the kernel applying the norm as a row scale
     (``HeadOps.x_norm_eps``): the step's logits and caches equal the step applied without the mark (1e-5 in float32:
-    r · (x · (s ⊙ W)) against (r·x·1) · (s ⊙ W), summation order only) and
-    the unfolded model's step (1e-5), through the XLA path and through the Pallas kernel (interpret), which gets the
-    residual; a prefill chunk (T > 1) runs the model's own path on the folded weights (1e-5 of the unfolded). A
-    fold that forgot the row scale would be off by the residual's RMS, one that forgot s by ~30% (s = 1 + N(0, ·))."""
+    r · (x · (s ⊙ W)) against (r·x·1) · (s ⊙ W), summation order only) and the unfolded model's step (1e-5), through
+    the XLA path and through the Pallas kernel (interpret), which gets the residual; a prefill chunk (T > 1) runs the
+    model's own path on the folded weights (1e-5 of the unfolded). A fold that forgot the row scale would be off by
+    the residual's RMS, one that forgot s by the scale's spread (over 5% here, asserted)."""
     dec = sys.modules["fox_jax.ops.decode_attention"]
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)
     model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
