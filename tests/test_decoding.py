@@ -969,6 +969,16 @@ def test_gate_tables_feed_the_decode_kernel(arch, monkeypatch):
     np.testing.assert_array_equal(generate(model, params, tokens, max_new_tokens=3).tokens, greedy)
 
 
+def _prefilled_fox_pro(n_layers: int, policy: str):
+    """A tiny FoX (Pro) (d 64, GQA 4/2, random parameters) after an 8-token prefill of ``padded_batch(10)`` under
+    ``policy``: (cfg, model, params, tokens, caches, the decode loop's cast plan)."""
+    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=n_layers, n_heads=4, n_kv_heads=2)
+    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
+    tokens = padded_batch(10)
+    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy=policy)
+    return cfg, model, params, tokens, caches, generation.cast_plan(model, params, caches)
+
+
 @pytest.mark.parametrize("policy", ["window:6", "acp"])
 def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
     """``decode_variables(..., fold_norms=True)`` folds each block's input RMSNorm scale s into its attention's
@@ -981,11 +991,7 @@ def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
     model's own path on the folded weights (1e-5 of the unfolded). A fold that forgot the row scale would be off by
     the residual's RMS, one that forgot s by the scale's spread (over 5% here, asserted)."""
     dec = sys.modules["fox_jax.ops.decode_attention"]
-    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4, n_kv_heads=2)
-    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
-    tokens = padded_batch(10)
-    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy=policy)
-    plan = generation.cast_plan(model, params, caches)
+    cfg, model, params, tokens, caches, plan = _prefilled_fox_pro(1, policy)
     unfolded = generation.decode_variables(params, plan, fold_norms=False)
     assert "folded" not in unfolded["decode"]["layers_0"]["attn"]
     variables = generation.decode_variables(params, plan, fold_norms=True)
@@ -1028,15 +1034,11 @@ def test_decode_variables_fuse_the_mlp(policy, monkeypatch):
     the cast kernel itself, or transposed [2, hidden, d]) and a decode step (T = 1) then runs the block's MLP norm and
     SwiGLU as one op (``decode_swiglu``): its logits and caches equal the step without the entry, bit for bit through
     the op's XLA path (the model's arithmetic) and to 1e-5 through the Pallas kernel (interpret; float32 summation
-    order; 3e-3 on GPU, where XLA's own float32 matmuls run in TF32), which the step does call; a prefill chunk (T > 1) does not use it, and the default adds nothing
-    (``FUSE_DECODE_MLP``). Together with the folded input norm the same holds. A kernel that dropped the norm's
+    order; 3e-3 on GPU, where XLA's own float32 matmuls run in TF32), which the step does call; a prefill chunk
+    (T > 1) does not use it, and the default adds nothing (``FUSE_DECODE_MLP``). Together with the folded input norm the same holds. A kernel that dropped the norm's
     scale would be off by ~30% (test_decode_mlp)."""
     dm = sys.modules["fox_jax.ops.decode_mlp"]
-    cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2)
-    model, params = LanguageModel(cfg), random_params(lambda: cfg.init_params(jax.random.PRNGKey(0)))
-    tokens = padded_batch(10)
-    _, caches = prefill(model, params, tokens[:, :8], seq_start=PADS, slots=16, policy=policy)
-    plan = generation.cast_plan(model, params, caches)
+    cfg, model, params, tokens, caches, plan = _prefilled_fox_pro(2, policy)
     assert "mlp_step" not in generation.decode_variables(params, plan)["decode"]["layers_1"]
     fused = generation.decode_variables(params, plan, fuse_mlp=True)
     assert fused["decode"]["layers_1"]["mlp_step"]["gate_up"] is fused["params"]["layers_1"]["mlp"]["gate_proj"][
