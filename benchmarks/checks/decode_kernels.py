@@ -62,7 +62,8 @@ try:  # jax ≥ 0.11 asks the device for the Triton target when lowering a Palla
 except (ImportError, AttributeError):  # jax 0.10 takes the compute capability from the lowering platform
     pass
 
-_SKIP = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id", "replica-id"}
+_SKIP = {"parameter", "get-tuple-element", "tuple", "constant", "bitcast", "after-all", "partition-id", "replica-id",
+         "fusion-done"}  # (an async fusion is one kernel: its ``fusion-start``)
 
 
 def _computations(hlo: str) -> dict[str, list[str]]:
@@ -95,16 +96,25 @@ def _opcode(line: str) -> str | None:
 
 def kernel_lines(comps: dict, comp: str, *, enter_while: bool = False):
     """(opcode, line) of every kernel of computation ``comp`` in schedule order: calls (command buffers) entered,
-    and with ``enter_while`` loop bodies too; parameters, tuples, bitcasts and the like skipped."""
+    and with ``enter_while`` loop bodies too (once each); parameters, tuples, bitcasts and the like skipped."""
+    for op, line, _ in counted_kernel_lines(comps, comp, enter_while=enter_while):
+        yield op, line
+
+
+def counted_kernel_lines(comps: dict, comp: str, *, enter_while: bool = False, launches: int = 1):
+    """As ``kernel_lines``, with the times each kernel runs per call of ``comp``: (opcode, line, launches); a
+    loop body's kernels run its known trip count times (XLA's ``known_trip_count``; 1 when it has none)."""
     for line in comps.get(comp, []):
         op = _opcode(line)
         if op is None or op in _SKIP or 'custom_call_target="AllocateBuffer"' in line:  # an allocation: no kernel
             continue
         if op == "call" or (enter_while and op == "while"):
-            yield from kernel_lines(comps, re.search(r"(?:to_apply|body)=%?([\w.\-]+)", line).group(1),
-                                    enter_while=enter_while)
+            trips = re.search(r'known_trip_count":\{"n":"(\d+)"', line) if op == "while" else None
+            yield from counted_kernel_lines(comps, re.search(r"(?:to_apply|body)=%?([\w.\-]+)", line).group(1),
+                                            enter_while=enter_while,
+                                            launches=launches * (int(trips.group(1)) if trips else 1))
             continue
-        yield op, line
+        yield op, line, launches
 
 
 def kernel_kind(op: str, line: str) -> str:

@@ -4,8 +4,8 @@ The train step that ``bench_train.py`` / ``profile_step.py`` time (forward, back
 update; batch 1 × ``--seq`` tokens, bf16 compute) is compiled ahead of time for the H200 described in
 ``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel,
 or with ``--set attention_impl=mosaic`` the Mosaic kernels, lowered with their device check bypassed). Every
-kernel of the program (fusions, GEMMs, custom calls; loop bodies entered once) is listed with the bytes it
-reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a stacked
+kernel of the program (fusions, GEMMs, custom calls; a loop body's kernels once per trip: per step) is listed
+with the bytes it reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a stacked
 [L, ...] array and its in-place update of one count what they touch, not the whole array), so the memory-bound
 part of a step — norms, casts, concatenations, the loss, the optimizer — can be looked for on the CPU machine:
 a fusion's bytes at 4.8 TB/s are the least time it can take. The ranking is by bytes, a lower bound, not a
@@ -33,7 +33,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_kernels import _computations, _opcode, kernel_kind, kernel_lines, on_h200  # noqa: E402  (sets the no-device env)
+from decode_kernels import _computations, _opcode, counted_kernel_lines, kernel_kind, on_h200  # noqa: E402  (sets the no-device env)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -59,7 +59,8 @@ def _operands(line: str) -> list[str]:
     """The operand names of an HLO instruction line ("%a = f32[2] add(%b, %c), ..." -> ["b", "c"])."""
     op = _opcode(line)
     args = re.search(re.escape(op) + r"\((.*?)\)(?:,|$)", line.split(" = ", 1)[1]) if op else None
-    return [a.strip().lstrip("%") for a in args.group(1).split(",") if a.strip()] if args else []
+    names = [re.sub(r"/\*.*?\*/", "", a).strip().lstrip("%") for a in args.group(1).split(",")] if args else []
+    return [a for a in names if a]  # (a long operand list numbers every fifth: "/*index=5*/%a")
 
 
 def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> int:
@@ -68,9 +69,11 @@ def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> i
     counts what the slices hold, and a root dynamic-update-slice (in place: the stacked buffer is aliased) writes
     its update (read through the fusion's other operands) instead of the whole buffer."""
     callee = re.search(r"calls=%?([\w.\-]+)", line)
-    if _opcode(line) != "fusion" or not callee:
+    if _opcode(line) not in ("fusion", "fusion-start") or not callee:
         return sum(operands) + output
     body = comps.get(callee.group(1), [])
+    if _opcode(line) == "fusion-start":  # an async fusion: its start's tuple holds the operands too; count the root
+        output = array_bytes(next((ln for ln in body if ln.startswith("ROOT ")), " = ").split(" = ", 1)[1].split(" ")[0])
     shape = {}  # name -> its type text, inside the fused computation
     params = {}
     for ln in body:
@@ -98,7 +101,8 @@ def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> i
 
 def kernels_with_bytes(hlo: str) -> list[dict]:
     """Every kernel of an optimized GPU module in schedule order (calls and while bodies entered once):
-    [{"kind", "name", "op", "bytes"}], bytes = operands + outputs from the HLO types (``_fusion_bytes``)."""
+    [{"kind", "name", "op", "launches", "bytes"}], bytes = operands + outputs from the HLO types
+    (``_fusion_bytes``) per launch, launches = the runs per step (a loop body's: its trip count)."""
     comps = _computations(hlo)
     types = {}
     for lines in comps.values():
@@ -109,11 +113,11 @@ def kernels_with_bytes(hlo: str) -> list[dict]:
                 types[lhs.replace("ROOT ", "").strip().lstrip("%")] = m.group(1) if m else ""
     entry = next(line.split()[1].lstrip("%") for line in hlo.split("\n") if line.startswith("ENTRY"))
     out = []
-    for op, line in kernel_lines(comps, entry, enter_while=True):
+    for op, line, launches in counted_kernel_lines(comps, entry, enter_while=True):
         lhs = line.split(" = ", 1)[0].replace("ROOT ", "").strip().lstrip("%")
         operands = _operands(line)
         name = re.search(r'op_name="([^"]+)"', line)
-        out.append(dict(kind=kernel_kind(op, line), name=lhs, op=name.group(1) if name else "",
+        out.append(dict(kind=kernel_kind(op, line), name=lhs, op=name.group(1) if name else "", launches=launches,
                         bytes=_fusion_bytes(comps, line, [array_bytes(types.get(a, "")) for a in operands],
                                             array_bytes(types.get(lhs, "")))))
     return out
@@ -198,12 +202,13 @@ def main(argv=None) -> int:
     kinds = collections.defaultdict(lambda: [0, 0])
     places = collections.defaultdict(lambda: [0, 0])
     for k in kernels:
-        kinds[k["kind"]][0] += 1
-        kinds[k["kind"]][1] += k["bytes"]
+        kinds[k["kind"]][0] += k["launches"]
+        kinds[k["kind"]][1] += k["bytes"] * k["launches"]
         if k["kind"] != "gemm" and not k["kind"].startswith("custom-call"):
-            places[(k["kind"], _fold(k["op"]))][0] += 1
-            places[(k["kind"], _fold(k["op"]))][1] += k["bytes"]
-    print(f"{args.arch} {args.size} at {args.seq} tokens ({' '.join(args.set) or 'defaults'}): {len(kernels)} kernels "
+            places[(k["kind"], _fold(k["op"]))][0] += k["launches"]
+            places[(k["kind"], _fold(k["op"]))][1] += k["bytes"] * k["launches"]
+    per_step = sum(k["launches"] for k in kernels)
+    print(f"{args.arch} {args.size} at {args.seq} tokens ({' '.join(args.set) or 'defaults'}): {per_step} kernels "
           f"per step, temp memory {temp / 2**30:.1f} GiB (compiled in {secs:.0f} s, no device, no autotuning)")
     for kind, (n, b) in sorted(kinds.items(), key=lambda x: -x[1][1]):
         print(f"  {kind:<34} {n:5d} kernels {b / 1e9:8.2f} GB ≥ {ms(b):6.1f} ms at 4.8 TB/s")
@@ -228,7 +233,7 @@ def main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(arch=args.arch, size=args.size, seq=args.seq, overrides=args.set, jax=jax.__version__,
-                           kernels_per_step=len(kernels), temp_bytes=temp,
+                           kernels_per_step=per_step, kernels_in_program=len(kernels), temp_bytes=temp,
                            kinds={k: dict(kernels=n, bytes=b) for k, (n, b) in kinds.items()},
                            places=[dict(kind=k, op=op, kernels=n, bytes=b) for (k, op), (n, b) in ranked],
                            codegen_flagged=flagged), f, indent=1)
