@@ -203,6 +203,59 @@ def test_train_kernels_bytes_of_a_layer_slice_and_an_in_place_update():
     assert update["bytes"] == 256 + 4 + 256  # the update and the index read; the update written
 
 
+COUNTED_HLO = """HloModule m
+
+%fused_ds (p0: f32[4,8], p1: s32[]) -> f32[1,8] {
+  %p0 = f32[4,8]{1,0} parameter(0)
+  %p1 = s32[] parameter(1)
+  %z = s32[] constant(0)
+  ROOT %ds = f32[1,8]{1,0} dynamic-slice(%p0, %p1, %z), dynamic_slice_sizes={1,8}
+}
+
+%body.2 (t: (s32[], f32[4,8], f32[8], f32[8], f32[8], f32[8], f32[8])) -> (s32[], f32[4,8], f32[8], f32[8], f32[8], f32[8], f32[8]) {
+  %t = (s32[], f32[4,8]{1,0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}) parameter(0)
+  %i = s32[] get-tuple-element(%t), index=0
+  %s = f32[4,8]{1,0} get-tuple-element(%t), index=1
+  %a = f32[8]{0} get-tuple-element(%t), index=2
+  %b = f32[8]{0} get-tuple-element(%t), index=3
+  %c = f32[8]{0} get-tuple-element(%t), index=4
+  %d = f32[8]{0} get-tuple-element(%t), index=5
+  %e = f32[8]{0} get-tuple-element(%t), index=6
+  %start = ((f32[4,8]{1,0}, s32[]), f32[1,8]{1,0}, u32[]) fusion-start(%s, %i), kind=kLoop, calls=%fused_ds
+  %done = f32[1,8]{1,0} fusion-done(%start)
+  %sum = f32[8]{0} custom-call(%a, %b, %c, %d, %e, /*index=5*/%a), custom_call_target="six"
+  ROOT %r = (s32[], f32[4,8]{1,0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}) tuple(%i, %s, %sum, %b, %c, %d, %e)
+}
+
+%cond.2 (t: (s32[], f32[4,8], f32[8], f32[8], f32[8], f32[8], f32[8])) -> pred[] {
+  %t = (s32[], f32[4,8]{1,0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}) parameter(0)
+  ROOT %p = pred[] constant(true)
+}
+
+ENTRY %main (t: (s32[], f32[4,8], f32[8], f32[8], f32[8], f32[8], f32[8])) -> (s32[], f32[4,8], f32[8], f32[8], f32[8], f32[8], f32[8]) {
+  %t = (s32[], f32[4,8]{1,0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}) parameter(0)
+  ROOT %w = (s32[], f32[4,8]{1,0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, f32[8]{0}, /*index=6*/f32[8]{0}) while(%t), condition=%cond.2, body=%body.2, backend_config={"known_trip_count":{"n":"3"}}
+}
+"""
+
+
+def test_train_kernels_counts_per_step():
+    """A loop body's kernels run its known trip count times per step; an operand after the fifth (HLO writes
+    ``/*index=5*/%a``) is counted; an async fusion is one kernel (its ``fusion-start``) that moves its slice,
+    not the whole buffer its start's tuple names."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    env = dict(os.environ)
+    import train_kernels as tk
+    os.environ.clear()
+    os.environ.update(env)
+
+    kernels = tk.kernels_with_bytes(COUNTED_HLO)
+    assert [(k["name"], k["launches"]) for k in kernels] == [("start", 3), ("sum", 3)]
+    start, six = kernels
+    assert start["bytes"] == 32 + 4 + 32  # the slice read (one row of the [4, 8] stack), the index; the row written
+    assert six["bytes"] == 6 * 32 + 32  # six operands of f32[8], the sixth behind its index comment; the output
+
+
 LOOP_HLO = """HloModule m
 
 %inner (p: f32[]) -> f32[] {
