@@ -5,8 +5,8 @@ update; batch 1 × ``--seq`` tokens, bf16 compute) is compiled ahead of time for
 ``decode_kernels.H200_TARGET`` (nothing runs, GEMMs are not autotuned, attention is the Pallas (Triton) kernel,
 or with ``--set attention_impl=mosaic`` the Mosaic kernels, lowered with their device check bypassed). Every
 kernel of the program (fusions, GEMMs, custom calls; a loop body's kernels once per trip: per step) is listed
-with the bytes it reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a stacked
-[L, ...] array and its in-place update of one count what they touch, not the whole array), so the memory-bound
+with the bytes it reads and writes as its HLO shapes say (inside the scanned layers, a fusion's layer slice of a
+stacked [L, ...] array and its in-place update of one count what they touch, not the whole array), so the memory-bound
 part of a step — norms, casts, concatenations, the loss, the optimizer — can be looked for on the CPU machine:
 a fusion's bytes at 4.8 TB/s are the least time it can take. The ranking is by bytes, a lower bound, not a
 measurement; ``profile_step.py`` on the device gives the times.
@@ -33,7 +33,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_kernels import _computations, _opcode, counted_kernel_lines, kernel_kind, on_h200  # noqa: E402  (sets the no-device env)
+from decode_kernels import (  # noqa: E402  (sets the no-device env)
+    _computations, _opcode, counted_kernel_lines, kernel_kind, on_h200)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -73,7 +74,8 @@ def _fusion_bytes(comps: dict, line: str, operands: list[int], output: int) -> i
         return sum(operands) + output
     body = comps.get(callee.group(1), [])
     if _opcode(line) == "fusion-start":  # an async fusion: its start's tuple holds the operands too; count the root
-        output = array_bytes(next((ln for ln in body if ln.startswith("ROOT ")), " = ").split(" = ", 1)[1].split(" ")[0])
+        root = next((ln for ln in body if ln.startswith("ROOT ")), " = ")
+        output = array_bytes(root.split(" = ", 1)[1].split(" ")[0])
     shape = {}  # name -> its type text, inside the fused computation
     params = {}
     for ln in body:
