@@ -225,8 +225,8 @@ class ForgettingAttentionLayer(nn.Module):
                 y.update({o: dense(n, name, bias, dt)(x) for o, n, name, bias in members})
             else:  # decoding: a step of B rows is launch-bound, so one matmul per group (same parameters)
                 ws = [DenseParams(n, bias, cfg.init_std, name=name)(x.shape[-1]) for _, n, name, bias in members]
-                if fold:  # r · (residual · (s ⊙ W)) + bias = RMSNorm(residual) · W + bias, W here already s ⊙ W
-                    # (``fold_input_norms``); the kernel's raw rows
+                if fold:  # r · (residual · (s ⊙ W)) + bias = RMSNorm(residual) · W + bias, with W here already
+                    # s ⊙ W (``fold_input_norms``): the kernel's raw rows
                     raw, packed[members[0][0]] = fused_dense(residual, [(k, None) for k, _ in ws], dt, packed=True)
                     # the XLA paths' values (unread on the kernel's path: XLA drops them)
                     outs = [(row_scale * o.astype(jnp.float32) + (0.0 if b is None else b.astype(jnp.float32))
@@ -263,8 +263,6 @@ class ForgettingAttentionLayer(nn.Module):
             rows = packed["q"] if len(packed) > 1 else packed["q"][..., :sum(n for _, n, _, _ in low)]
             gates = [weights[o] for o, _, name, _ in f32 if name in GATE_PROJECTIONS]  # the kernel's order
             table = self.get_variable("decode", "gate_table") if self.has_variable("decode", "gate_table") else None
-            if fold:
-                table = folded["gate_table"]
             ops = ops.replace(rows=rows.reshape(b, t, -1, dh), gate_x=(residual if fold else x) if gates else None,
                               gate_weights=tuple(gates) if gates else None, gate_table=table if gates else None,
                               x_norm_eps=cfg.norm_eps if fold else None)
