@@ -147,7 +147,7 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
     switches = {f.name for f in dataclasses.fields(dk.DecodeConfig) if f.type in (bool, "bool")} | {
         "mlp_" + f.name for f in dataclasses.fields(km.MlpConfig) if f.type in (bool, "bool")}
     choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("folded", "applied"),
-               "mlp": ("fused", "xla")}
+               "mlp": ("fused", "xla"), "proj": ("kernel", "xla")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -174,12 +174,12 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp") and
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp", "proj") and
               not k.startswith("mlp_")}
     mlp_tiling = {k[len("mlp_"):]: v for k, v in settings.items() if k.startswith("mlp_")}
     saved = (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables, gen.FOLD_INPUT_NORMS,
-             gen.FUSE_DECODE_MLP, km.default_mlp_config)
-    base_config, base_arrays, _, base_tables, _, _, base_mlp_config = saved
+             gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ)
+    base_config, base_arrays, _, base_tables, _, _, base_mlp_config, _ = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -204,14 +204,16 @@ def kernel_variant(settings: dict):
         gen.FOLD_INPUT_NORMS = settings["norm"] == "folded"
     if "mlp" in settings:
         gen.FUSE_DECODE_MLP = settings["mlp"] == "fused"
+    if "proj" in settings:
+        gen.FUSE_OUTPUT_PROJ = settings["proj"] == "kernel"
     km.default_mlp_config = mlp_config
     if settings.get("gates") == "xla":  # (a folded norm needs the kernel to read x for the gate logits)
-        gen.gate_tables = lambda params, folded_norms=False: base_tables(params)
+        gen.gate_tables = lambda params, folded_norms=False, project_out=False: base_tables(params)
     try:
         yield
     finally:
         (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables,
-         gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP, km.default_mlp_config) = saved
+         gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ) = saved
         jax.clear_caches()
 
 

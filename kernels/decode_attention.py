@@ -43,6 +43,10 @@ the same (row, head) read a carry split 0 may be writing, but their k and v only
 write, and Λ is written in place only with one split; a per-row table is written by one program (kv head 0,
 split 0), and the others of the row compute the same read start from the old or the new value.
 
+With the output projection (``StepArrays.o_proj``, one split) each program also multiplies its normalised, gated
+output by its query heads' rows of W_o and writes that float32 share [N] of o·W_o instead of o; the caller's sum over
+the kv heads replaces the layer's output GEMM (a decode step's GEMM of M = B rows costs a launch, not its bytes).
+
 Head dims that are not powers of two but multiples of 16 (48, 80, 96, …) are handled as a sum of
 power-of-two column chunks (48 = 32 + 16), so nothing is copied; other head dims are zero-padded to a
 multiple of 16 by ``flash_decode`` (a copy of K and V: the caches should use D % 16 == 0).
@@ -192,6 +196,7 @@ class StepGeom:
     gates: bool = False  # Λ of the step = Λ_prev + log f (pairs), the query's and the entry's Λ
     o_norm: bool = False  # RMSNorm of the output over D times a scale (one split only: else after the combine)
     o_gate: bool = False  # output times σ(gate logits) (one split only)
+    o_proj: int = 0  # N > 0: the output projected by the layer's W_o rows, a float32 partial [N] per program (one split)
     gate_logits: bool = True  # the forget gates come as logits (log σ taken here), else as log f
     q_heads: int = 1  # H and Hkv of the layer: the rows of ``rows`` are q (H), k (Hkv), v (Hkv), o gate (H)
     kv_heads: int = 1
@@ -425,6 +430,27 @@ def _step_epilogue(g: _Geom, r: dict, outs, row_ok, operands=None, row_scale=Non
     return [x.astype(dt) for x in outs]
 
 
+PROJ_CHUNK = 256  # output columns of W_o per matmul in ``_project_out`` ([D, 256] of bf16: 64 registers a thread)
+
+
+def _project_out(g: _Geom, r: dict, outs):
+    """Fused step with ``o_proj``: the program's share of the output projection, Σ_g o_g · W_o[g] for its G query
+    heads, written as float32 [N] to ``o``. ``outs``: the output chunks [Gp, size] in the compute dtype (rows ≥ G
+    unused); each query head's row is picked out by a mask (rows of W_o differ per head) and multiplied on the tensor
+    cores with float32 accumulation, N in chunks of ≤ ``PROJ_CHUNK`` columns (power-of-two chunks of N)."""
+    rows = lax.broadcasted_iota(jnp.int32, (g.group_pad, 1), 0)
+    n_chunks = [(off + j, min(PROJ_CHUNK, size)) for off, size in head_dim_chunks(g.step.o_proj)
+                for j in range(0, size, PROJ_CHUNK)]
+    for n0, nc in n_chunks:
+        acc = None
+        for head in range(g.group):
+            for x, (off, size) in zip(outs, g.chunks):
+                w = pltriton.load(r["o_proj"].at[jnp.int32(head), pl.ds(off, size), pl.ds(n0, nc)])
+                part = _dot(jnp.where(rows == head, x, 0).astype(w.dtype), w, 1, 0, g.exact_dot)
+                acc = part if acc is None else acc + part
+        pltriton.store(r["o"].at[pl.ds(n0, nc)], jnp.sum(acc, axis=0))
+
+
 def _decode_kernel(*refs, g: _Geom):
     r = dict(zip(g.names, refs))
     bk, gp = g.block_k, g.group_pad
@@ -611,8 +637,11 @@ def _decode_kernel(*refs, g: _Geom):
         outs = [acc * inv[:, None] for acc in accs]
         if g.step is not None:
             outs = _step_epilogue(g, r, outs, row_ok, epilogue, row_scale)
-        for x, (off, size) in zip(outs, g.chunks):
-            pltriton.store(r["o"].at[:, pl.ds(off, size)], x.astype(r["o"].dtype), mask=row_ok)
+        if g.step is not None and g.step.o_proj:
+            _project_out(g, r, outs)
+        else:
+            for x, (off, size) in zip(outs, g.chunks):
+                pltriton.store(r["o"].at[:, pl.ds(off, size)], x.astype(r["o"].dtype), mask=row_ok)
     else:
         for acc, (off, size) in zip(accs, g.chunks):
             pltriton.store(r["o"].at[:, pl.ds(off, size)], acc, mask=row_ok)
@@ -743,7 +772,7 @@ def _range_operand(x, b: int, hkv: int):
                    meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads",
                                 "x_norm_eps"],
                    data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "gate_table", "shift_state",
-                                "q_scale", "k_scale", "lam_prev", "o_scale"])
+                                "q_scale", "k_scale", "lam_prev", "o_scale", "o_proj"])
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
     """``flash_decode(..., step=)``: a decode step's raw inputs; a None field: that part is absent (``StepGeom``). The
@@ -768,6 +797,12 @@ class StepArrays:
       q_scale: [Hkv, G, D] float32; k_scale: [Hkv, D] float32 (QK-norm).
       lam_prev: (hi, lo) [B, Hkv, G] float32, Λ of the previous token (returned updated).
       o_scale: [Hkv, G, D] float32 (one split only). o_gate: the rows hold the output gate logits (one split only).
+      o_proj: None, or [Hkv, G, D, N] in q's dtype (one split only; N a multiple of 16): the layer's output projection
+        W_o [H·D, N] by query head (rows h·D … h·D + D − 1 of query head h = kv head · G + g). The kernel then writes,
+        in place of o, each program's share of o·W_o, Σ_g o_g · W_o[g] [N] in float32 (the dot of o in q's dtype, as
+        the layer's GEMM takes it, accumulated in float32): the caller sums the partials over the kv heads (XLA fuses
+        that sum into what follows, as it sums a split-K GEMM's partials), so the step spends no GEMM launch on the
+        projection.
       gate_logits, qk_eps, o_eps: as ``StepGeom``. group_heads: None, or the layer's kv head of each of this
         call's kv heads (a cache's head group; a tuple of ints): q, k, v, the ring and the tables are the group's,
         while ``rows``, ``gate_rows``, the carries and the scales are the layer's ([B, 2, Hkv, D], [B, Hkv, G],
@@ -791,6 +826,7 @@ class StepArrays:
     k_scale: jax.Array | None = None
     lam_prev: tuple | None = None
     o_scale: jax.Array | None = None
+    o_proj: jax.Array | None = None
     o_gate: bool = False
     gate_logits: bool = True
     qk_eps: float = 1e-5
@@ -840,7 +876,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         softmax from registers and is written to its pinned slot too, and with ``tables`` peak' = max(peak,
         max(hi − start', 0) + min(S, max(hi − seq_start, 0))). Needs no ``valid`` or ``decay_floor``.
     Returns:
-      [B, Hkv, G, D] in q.dtype (0 for a query with no visible key); with ``append`` (o, k, v, lam_k) with the
+      [B, Hkv, G, D] in q.dtype (0 for a query with no visible key), or with ``step.o_proj`` [B, Hkv, N] float32
+      (each kv head's share of o·W_o); with ``append`` (o, k, v, lam_k) with the
       entry written (lam_k None without Λ); with ``decay_floor`` the tuple (or o) followed by ``first`` [B, Hkv]
       int32; with ``step`` followed by (shift_state [B, 2, Hkv, D] or None, Λ (hi, lo) [B, Hkv, G] or None); with
       ``tables`` followed by the advanced (start, peak, overflow).
@@ -865,9 +902,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         raise ValueError("decay_floor needs lam_q / lam_k, append and no valid mask (a ring's decode step)")
     if step is not None and (append is None or (step.lam_prev is not None) != (lam_k is not None)
                              or (step.lam_prev is not None and (lam_q is not None or append[2] is not None))
-                             or (ns > 1 and (step.o_scale is not None or step.o_gate))):
+                             or (ns > 1 and (step.o_scale is not None or step.o_gate or step.o_proj is not None))):
         raise ValueError("step needs append, lam_prev exactly with lam_k (then no lam_q / lam_new), and one split "
-                         "for the output norm and gate")
+                         "for the output norm, gate and projection")
     if tables is not None and append is None:
         raise ValueError("tables need append (a ring's decode step)")
     if step is not None and step.gate_x is not None:
@@ -885,6 +922,11 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         if table is not None and tuple(tuple(x.shape) for x in table) != want:
             raise ValueError(f"step.gate_table must be float32 ({list(want[0])}, {list(want[1])}) (gate_table of the "
                              f"step's {rows} gate rows per kv head), got {[list(x.shape) for x in table]}")
+    if step is not None and step.o_proj is not None:
+        want = (step.layer_kv_heads if step.group_heads is not None else hkv, grp, d)
+        if tuple(step.o_proj.shape[:3]) != want or step.o_proj.ndim != 4 or step.o_proj.shape[3] % MIN_BLOCK:
+            raise ValueError(f"step.o_proj must be [{', '.join(map(str, want))}, N] with N a multiple of {MIN_BLOCK} "
+                             f"(W_o by query head), got {list(step.o_proj.shape)}")
     if step is not None and step.x_norm_eps is not None and step.gate_x is None:
         raise ValueError("step.x_norm_eps needs step.gate_x (the kernel takes the row scale from the x it loads)")
     if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
@@ -967,9 +1009,14 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         if step.o_scale is not None:
             ins.append(("o_scale", step.o_scale.reshape(hkv_l, grp, d_run).astype(f32),
                         pl.BlockSpec((None, gp, d_run), head_of)))
+        n_proj = 0
+        if step.o_proj is not None:  # the program's query heads' rows of W_o, [Gp, D, N] (rows ≥ G not read)
+            n_proj = step.o_proj.shape[-1]
+            ins.append(("o_proj", step.o_proj.astype(q.dtype),
+                        pl.BlockSpec((None, gp, d_run, n_proj), lambda i, s: (lh(i), 0, 0, 0))))
         geom_step = StepGeom(shift=step.shift_state is not None, q_norm=step.q_scale is not None,
                              k_norm=step.k_scale is not None, gates=step.lam_prev is not None,
-                             o_norm=step.o_scale is not None, o_gate=bool(step.o_gate),
+                             o_norm=step.o_scale is not None, o_gate=bool(step.o_gate), o_proj=n_proj,
                              gate_logits=bool(step.gate_logits), q_heads=hkv_l * grp, kv_heads=hkv_l,
                              group_heads=None if gh is None else tuple(int(x) for x in gh),
                              qk_eps=float(step.qk_eps), o_eps=float(step.o_eps),
@@ -982,7 +1029,10 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         ins += [(n, jnp.asarray(x, jnp.int32).reshape(b * nt, 1), pl.BlockSpec((None, 1), row_of))
                 for n, x in zip(("start", "peak", "overflow"), tables)]
     outs: list = []  # (name, ShapeDtypeStruct, BlockSpec, the input it aliases or None)
-    if ns == 1:
+    if geom_step is not None and geom_step.o_proj:  # (one split) each program's float32 share of o·W_o
+        outs.append(("o", jax.ShapeDtypeStruct((bh, geom_step.o_proj), f32),
+                     pl.BlockSpec((None, geom_step.o_proj), lambda i, s: (i, 0)), None))
+    elif ns == 1:
         outs.append(("o", jax.ShapeDtypeStruct((bh, grp, d_run), q.dtype),
                      pl.BlockSpec((None, gp, d_run), lambda i, s: (i, 0, 0)), None))
     else:
@@ -1028,8 +1078,11 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         name="fox_decode_attention",
     )(*[x for _, x, _ in ins])
     res = dict(zip([n for n, *_ in outs], res))
-    o = res["o"] if ns == 1 else combine_splits(res["o"], res["m"], res["l"], q.dtype)
-    o = o.reshape(b, hkv, grp, d_run)[..., :d]
+    if geom_step is not None and geom_step.o_proj:
+        o = res["o"].reshape(b, hkv, geom_step.o_proj)
+    else:
+        o = res["o"] if ns == 1 else combine_splits(res["o"], res["m"], res["l"], q.dtype)
+        o = o.reshape(b, hkv, grp, d_run)[..., :d]
     first = None if decay_floor is None else res["first"].reshape(b, hkv)
     if append is None:
         return o if first is None else (o, first)

@@ -63,25 +63,35 @@ def commands() -> dict:
 def pallas_case(model, params, prompt, seq_start) -> dict:
     """The fused decode step through the Pallas decode kernel (interpret mode: "auto" made to pick it, as on a GPU)
     with and without a mesh — acp (per-head rings in head groups: rows split) under data=8, window:16 (one ring of
-    every head: rows and heads split) under data=4,tensor=2 — gives the same tokens."""
+    every head: rows and heads split) under data=4,tensor=2, the latter also with W_o in the kernel
+    (``FUSE_OUTPUT_PROJ``: each shard's heads' shares, summed over the tensor axis) — gives the same tokens."""
     import importlib
+
+    from fox_jax.decoding import generation
 
     from fox_jax.kernels import decode_attention as dk
 
     ops = importlib.import_module("fox_jax.ops.decode_attention")
     resolve, flash, seen = ops.resolve_decode_implementation, dk.flash_decode, []
     ops.resolve_decode_implementation = lambda impl, *a, **kw: "pallas" if impl == "auto" else resolve(impl, *a, **kw)
-    dk.flash_decode = lambda *a, **kw: seen.append(kw.get("step") is not None) or flash(*a, **kw)
+    dk.flash_decode = lambda *a, **kw: seen.append(kw.get("step")) or flash(*a, **kw)
     equal = {}
     try:
-        for policy, mesh in (("acp", "data=8"), ("window:16", "data=4,tensor=2")):
+        for policy, mesh, proj in (("acp", "data=8", False), ("window:16", "data=4,tensor=2", False),
+                                   ("window:16", "data=4,tensor=2", True)):
             kw = dict(max_new_tokens=6, policy=policy, seq_start=seq_start, prefill_chunk=8)
             ref = generate(model, params, prompt, **kw)
+            generation.FUSE_OUTPUT_PROJ = proj
+            jax.clear_caches()
             gen = generate(model, params, prompt, mesh=make_mesh(mesh), **kw)
-            equal[f"{policy}|{mesh}"] = np.asarray(ref.tokens).tolist() == np.asarray(gen.tokens).tolist()
+            generation.FUSE_OUTPUT_PROJ = False
+            equal[f"{policy}|{mesh}" + ("|proj" if proj else "")] = \
+                np.asarray(ref.tokens).tolist() == np.asarray(gen.tokens).tolist()
     finally:
         ops.resolve_decode_implementation, dk.flash_decode = resolve, flash
-    return {"equal": equal, "fused_calls": sum(seen)}
+        generation.FUSE_OUTPUT_PROJ = False
+    return {"equal": equal, "fused_calls": sum(s is not None for s in seen),
+            "projecting_calls": sum(s is not None and s.o_proj is not None for s in seen)}
 
 
 def main() -> None:

@@ -627,6 +627,52 @@ def test_append_step_with_the_norm_folded(grp, dtype, splits):
         run(folded.replace(gate_x=None, gate_weights=None))
 
 
+@pytest.mark.parametrize("grp,dtype,splits,n_out,group", [(1, jnp.float32, 1, 48, None), (2, jnp.bfloat16, 1, 32, None),
+                                                         (2, jnp.float32, 3, 48, None), (1, jnp.float32, 1, 40, None),
+                                                         (1, jnp.float32, 1, 48, (2, 0))])
+def test_append_step_projects_the_output(grp, dtype, splits, n_out, group):
+    """``HeadOps.o_proj`` (W_o [H, D, N] by query head): the fused step returns o·W_o as float32 shares [B, S, N]
+    whose sum equals the unprojected step's output (after the output norm and gate) times W_o in float32 — the
+    kernel (interpret) projecting each program's heads with one split (S = Hkv), XLA after the combine with 3 splits
+    and where N is not a multiple of 16 (S = 1), and a head group (2 of the 3 kv heads: the layer's W_o rows of the
+    group's heads). Tolerance: float32 2e-6 of the output scale (summation order); bf16 2⁻⁸ · 4 (the projection
+    reads the output rounded to bf16 once, as the layer's GEMM, then sums D·G products in float32)."""
+    from fox_jax.ops.decode_attention import DecodeStep
+
+    cap, d = 80, 32
+    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, dtype, False, seed=5 + grp, d_in=48)
+    _, k, v, kw = _inputs(cap, grp, d, dtype, True, None, seed=grp)
+    lam_k = kw["lam_k"]
+    h = _HKV * grp
+    w = jnp.asarray(np.random.default_rng(9).standard_normal((h, d, n_out)) / np.sqrt(h * d), dtype)
+    hi = jnp.int32(2 * cap + 21)
+    seq_start = jnp.asarray(int(hi) - 1 - np.array([3, 40]), jnp.int32)
+    lo = jnp.asarray(np.int32(hi) - np.array([[cap, 1, 17], [cap - 3, 40, 2]]), jnp.int32)
+    if group is not None:  # the call's q, ring and Λ are the group's, the rows, scales and W_o the layer's
+        idx = jnp.asarray(group)
+        q, k_new, v_new, k, v, lo = (jnp.take(x, idx, axis=1) for x in (q, k_new, v_new, k, v, lo))
+        lam_k = tuple(jnp.take(x, idx, axis=1) for x in lam_k)
+    heads = dict(heads=group, kv_heads=None if group is None else _HKV)
+    f = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=splits))
+    plain = f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k,
+              step=DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev, **heads))
+    got = f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k,
+            step=DecodeStep(ops.replace(o_proj=w), seq_start, shift_state, log_fgate, lam_prev, **heads))
+    n = q.shape[1]
+    rows = w.reshape(_HKV, grp, d, n_out)[jnp.asarray(group if group is not None else range(_HKV))]
+    want = jnp.einsum("bngd,ngdm->bm", plain.o.astype(jnp.float32), rows.astype(jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+    shares = 1 if splits > 1 or n_out % 16 else n
+    assert got.o.dtype == jnp.float32 and got.o.shape == (_B, shares, n_out), (got.o.dtype, got.o.shape)
+    tol = 2e-6 if dtype == jnp.float32 else 4 * 2 ** -8
+    assert _err(jnp.sum(got.o, axis=1), want) <= tol, _err(jnp.sum(got.o, axis=1), want)
+    for a, b_ in ((got.k, plain.k), (got.v, plain.v), (got.carry[0], plain.carry[0])):  # the rest is the same step
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b_, np.float32))
+    with pytest.raises(ValueError, match=r"step.ops.o_proj must be \[" + str(h) + ", " + str(d) + r", N\]"):
+        f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=lam_k,
+          step=DecodeStep(ops.replace(o_proj=w[:, :-1]), seq_start, shift_state, log_fgate, lam_prev, **heads))
+
+
 def test_kernel_lowers_to_triton_for_cuda():
     """The GPU path (interpret=False) lowers for CUDA on this CPU machine — Pallas → Triton IR — with Λ
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one

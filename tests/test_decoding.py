@@ -1029,6 +1029,43 @@ def test_decode_variables_fold_the_input_norm(policy, monkeypatch):
 
 
 @pytest.mark.parametrize("policy", ["window:6", "acp"])
+def test_decode_variables_project_the_output(policy, monkeypatch):
+    """``decode_variables(..., project_out=True)`` marks each FoX attention layer with its own ``o_proj`` kernel (no
+    copy) and a fused decode step then hands W_o to the decode op (``HeadOps.o_proj``): the Pallas kernel
+    (interpret) projects each program's heads and the step sums the float32 shares, the op's XLA path projects with
+    one GEMM. The step's logits and caches equal the step without the mark (1e-5: float32 summation order; 3e-3 on
+    GPU, where XLA's float32 GEMM runs in TF32 and the kernel's dot in IEEE float32), with the folded input norm too;
+    a prefill chunk (T = 2) does not use it (bit for bit). A kernel that left out a head's share or a head's rows of
+    W_o would move the logits by that head's part of the output (checked in test_decode_attention)."""
+    dec = sys.modules["fox_jax.ops.decode_attention"]
+    cfg, model, params, tokens, caches, plan = _prefilled_fox_pro(2, policy)
+    assert "project_out" not in generation.decode_variables(params, plan)["decode"]["layers_0"]["attn"]
+    marked = generation.decode_variables(params, plan, project_out=True)
+    assert marked["decode"]["layers_1"]["attn"]["project_out"] is marked["params"]["layers_1"]["attn"]["o_proj"][
+        "kernel"]  # a mark: nothing copied
+    plain = generation.decode_variables(params, plan)
+    seen = []
+    flash = dec.dk.flash_decode
+    monkeypatch.setattr(dec.dk, "flash_decode",
+                        lambda *a, **kw: seen.append(kw["step"].o_proj is not None) or flash(*a, **kw))
+    step = jax.jit(lambda v: model.apply(v, tokens[:, 8:9], cache=caches))
+    atol = 1e-5 if jax.default_backend() != "gpu" else 3e-3
+    for impl in ("xla", "pallas"):
+        monkeypatch.setattr(dec, "resolve_decode_implementation", lambda *a, impl=impl, **kw: impl)
+        jax.clear_caches()
+        seen.clear()
+        got, want = step(marked), step(plain)
+        assert seen == ([] if impl == "xla" else [True] * cfg.n_layers + [False] * cfg.n_layers), (impl, seen)
+        np.testing.assert_allclose(got.logits, want.logits, atol=atol, rtol=0, err_msg=impl)
+        if jax.default_backend() != "gpu":
+            _assert_same_caches(got.cache, want.cache)
+    unfolded = generation.decode_variables(params, plan, fold_norms=False, project_out=True)
+    np.testing.assert_allclose(step(unfolded).logits, step(plain).logits, atol=atol, rtol=0)
+    chunk = jax.jit(lambda v: model.apply(v, tokens[:, 8:], cache=caches).logits)  # T = 2: the layer's own GEMM
+    np.testing.assert_array_equal(chunk(marked), chunk(plain))
+
+
+@pytest.mark.parametrize("policy", ["window:6", "acp"])
 def test_decode_variables_fuse_the_mlp(policy, monkeypatch):
     """``decode_variables(..., fuse_mlp=True)`` adds each block's gate/up weights for the fused MLP (``mlp_tables``:
     the cast kernel itself, or transposed [2, hidden, d]) and a decode step (T = 1) then runs the block's MLP norm and

@@ -726,7 +726,8 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
       sm_scale: logit scale, default 1/√D.
 
     Returns:
-      (o [B, T, H, D] in q's dtype, after ``head_ops``'s epilogue; the updated cache).
+      (o [B, T, H, D] in q's dtype, after ``head_ops``'s epilogue — with ``head_ops.o_proj`` the projected [B, T, N],
+      on a fused step from the kernel's per-head float32 shares summed here; the updated cache).
 
     Raises:
       ValueError: gates that do not match the cache; a KV-shift in ``head_ops`` for a cache without its carry;
@@ -786,6 +787,8 @@ def slot_attention(cache: SlotKVCache, q: jax.Array, k: jax.Array, v: jax.Array,
             lam_hi=None if lam_now is None else lam_now[0].reshape(b, h),
             lam_lo=None if lam_now is None else lam_now[1].reshape(b, h),
             kv_shift=None if shift is None else shift.astype(cache.kv_shift.dtype), fresh=False)
+        if head_ops.o_proj is not None:  # each group's [B, 1, S, N] shares of o·W_o, summed
+            return sum(jnp.sum(og, axis=2) for _, og in outs).astype(q.dtype), new_cache
         return _merge_heads(outs, cache.groups, (b, 1, hkv, g, d)).reshape(b, 1, h, d).astype(q.dtype), new_cache
     if use_flash:
         o = forgetting_attention(q, k.astype(q.dtype), v.astype(q.dtype), log_fgate, seq_start=cache.seq_start,

@@ -210,6 +210,12 @@ FOLD_INPUT_NORMS = True
 # reads its 8.3 MB at 0.9 TB/s; benchmarks/NOTES.md, "The next device session", item 6 (c)).
 FUSE_DECODE_MLP = False
 
+# Whether decode loops hand each FoX attention layer's output projection to its fused decode kernel (``decode_variables``:
+# ``gate_tables(..., project_out=True)``; ``HeadOps.o_proj``): each program multiplies its heads' output by their rows
+# of W_o and the step sums the float32 shares, so a layer's step spends no GEMM launch on it (one split only: dense
+# rings long enough to split project after the combine, one GEMM as before). Values move by float32 summation order only.
+FUSE_OUTPUT_PROJ = False
+
 
 def _merged(a: dict, b: dict) -> dict:
     """Two nested dicts merged key by key (``b`` wins where both hold a leaf)."""
@@ -219,18 +225,21 @@ def _merged(a: dict, b: dict) -> dict:
     return out
 
 
-def decode_variables(params, plan: tuple, fold_norms: bool | None = None, fuse_mlp: bool | None = None) -> dict:
+def decode_variables(params, plan: tuple, fold_norms: bool | None = None, fuse_mlp: bool | None = None,
+                     project_out: bool | None = None) -> dict:
     """What a decode loop applies the model with, made once before the loop: the parameters cast as ``plan`` says
     (``precast``) and the ``"decode"`` collection: the attention layers' gate projections in the decode kernel's
     layout, with ``fold_norms`` (default ``FOLD_INPUT_NORMS``) the blocks' input norms folded into their attention's
     input projections in the parameters themselves (``fox_jax.nn.attention.fold_input_norms``) and the layers marked
     for the fused step (``gate_tables(..., folded_norms=True)``), with ``fuse_mlp`` (default ``FUSE_DECODE_MLP``) the
-    blocks' gate/up weights in the fused MLP's layout (``fox_jax.models.lm.mlp_tables``), and an untied LM head,
+    blocks' gate/up weights in the fused MLP's layout (``fox_jax.models.lm.mlp_tables``), with ``project_out`` (default
+    ``FUSE_OUTPUT_PROJ``) the attention layers marked to project their output in the decode kernel, and an untied LM head,
     cast, padded to aligned rows (``fox_jax.models.lm.head_table``)."""
     fold = FOLD_INPUT_NORMS if fold_norms is None else fold_norms
     fuse = FUSE_DECODE_MLP if fuse_mlp is None else fuse_mlp
+    proj = FUSE_OUTPUT_PROJ if project_out is None else project_out
     cast = precast(fold_input_norms(params) if fold else params, plan)
-    decode = gate_tables(cast, folded_norms=fold).get("decode", {})
+    decode = gate_tables(cast, folded_norms=fold, project_out=proj).get("decode", {})
     if fuse:
         decode = _merged(decode, mlp_tables(cast).get("decode", {}))
     decode = _merged(decode, head_table(cast).get("decode", {}))

@@ -85,15 +85,17 @@ def fold_input_norms(params):
     return walk(params, "")
 
 
-def gate_tables(params, folded_norms: bool = False) -> dict:
+def gate_tables(params, folded_norms: bool = False, project_out: bool = False) -> dict:
     """The ``"decode"`` variables of the attention layers of a parameter tree, at each layer's path: for a layer with
     gate projections (KV-shift, forget gates), ``gate_table`` = those projections in the decode kernel's layout
     (``fox_jax.ops.decode_attention.gate_table``: each key/value head's rows contiguous); with ``folded_norms`` — the
     blocks' input norms folded into ``params`` by ``fold_input_norms`` — and a block's input RMSNorm beside the
     layer (``attn_norm``), also ``folded`` = {"gate_table": the same table}: the mark with which a decode step
     multiplies the un-normalised residual x by the layer's own (folded) kernels (``HeadOps.x_norm_eps``: the kernel
-    applies the norm as a row scale r, so the step spends no norm kernel before its GEMM; no weight is copied). Pass
-    the tree as the decode loop applies it (cast).
+    applies the norm as a row scale r, so the step spends no norm kernel before its GEMM; no weight is copied); with
+    ``project_out`` also ``project_out`` = the layer's ``o_proj`` kernel (the same array: a mark, no copy), with which
+    a fused decode step hands W_o to the decode kernel (``HeadOps.o_proj``: each program projects its heads' output,
+    so the step spends no GEMM launch on the output projection). Pass the tree as the decode loop applies it (cast).
 
     Made once before a decode loop and applied as ``{"params": params, **gate_tables(params)}``, so that no step
     re-arranges the weights (two XLA kernels per layer and step otherwise); the layer uses them when they are there
@@ -107,7 +109,9 @@ def gate_tables(params, folded_norms: bool = False) -> dict:
             out["gate_table"] = _table(tree)
         layer = out.get("attn")
         if folded_norms and layer is not None and "scale" in tree.get("attn_norm", {}):
-            out["attn"] = {**layer, "folded": {"gate_table": layer["gate_table"]}}
+            out["attn"] = layer = {**layer, "folded": {"gate_table": layer["gate_table"]}}
+        if project_out and layer is not None and "kernel" in tree["attn"].get("o_proj", {}):
+            out["attn"] = {**layer, "project_out": tree["attn"]["o_proj"]["kernel"]}
         return out
 
     tables = walk(params)
@@ -171,6 +175,9 @@ class ForgettingAttentionLayer(nn.Module):
         policy decides from them (e.g. ``acp``'s threshold). DCP models decode with the step mask (α = ∞).
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
+      The output projection: on a fused decode step of a layer whose ``"decode"`` collection has the ``project_out``
+        mark (``gate_tables(params, project_out=True)``) W_o goes to the decode kernel with the other per-head work
+        (``HeadOps.o_proj``): each of its programs projects its heads' output and the cache's attention sums them.
       residual: with a cache, the block's residual stream before its input RMSNorm (x = RMSNorm(residual), eps
         ``cfg.norm_eps``), or None. On a fused decode step (``fuses_step``) of a layer whose parameters hold the
         folded s ⊙ W (``fold_input_norms``) and whose ``"decode"`` collection has the ``folded`` mark
@@ -258,6 +265,11 @@ class ForgettingAttentionLayer(nn.Module):
             ops = ops.replace(o_scale=HeadNormScale(False, name="o_norm")(h, dh))
         if cfg.output_gate:
             ops = ops.replace(o_gate=y["ogate"].reshape(b, t, h, dh))
+        project = (cache is not None and self.has_variable("decode", "project_out")
+                   and fuses_step(cache, t, cfg.use_rope))
+        if project:  # W_o by query head, for the decode kernel (the same parameters as ``dense(.., "o_proj")``)
+            w_o, _ = DenseParams(cfg.d_model, False, cfg.init_std, name="o_proj")(h * dh)
+            ops = ops.replace(o_proj=w_o.astype(dtype).reshape(h, dh, cfg.d_model))
         if packed:  # decoding: the GEMM's whole output, for the decode kernel to read in place, and the gates'
             # float32 projections as data (the kernel computes the logits it reads: no kernel of their own)
             rows = packed["q"] if len(packed) > 1 else packed["q"][..., :sum(n for _, n, _, _ in low)]
@@ -277,6 +289,8 @@ class ForgettingAttentionLayer(nn.Module):
         if cache is not None:  # decoding: the cache's policy decides what each query sees, from model facts
             o, cache = slot_attention(cache, q, k, v, log_fgate, head_ops=ops,
                                       facts=LayerFacts(logit_bound, q_int, k_int, beta))
+            if project:  # o is o·W_o already
+                return LayerOutput(o, cache, log_mask)
             return LayerOutput(dense(cfg.d_model, "o_proj")(o.reshape(b, t, h * dh)), cache, log_mask)
         q, k, v, _ = head_prologue(ops, q, k, v, positions=positions, segment_ids=segment_ids)
         if cfg.dcp:

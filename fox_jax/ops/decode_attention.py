@@ -355,7 +355,9 @@ class AppendResult(NamedTuple):
     """What ``decode_attention_append`` returns; a part that was not asked for is None.
 
     Attributes:
-      o: [B, Hkv, G, D] in q's dtype. k, v: [B, Hkv, C, D], the ring buffers with the step's entry. lam_k: (hi, lo)
+      o: [B, Hkv, G, D] in q's dtype; with ``step.ops.o_proj`` [B, S, N] float32 shares of the output projection
+        whose sum over S is o·W_o: S = Hkv from the Pallas kernel (one share per program), 1 from XLA
+        (``project_heads``). k, v: [B, Hkv, C, D], the ring buffers with the step's entry. lam_k: (hi, lo)
         [B, Hkv, G, C] with the entry's Λ, or None. first: [B, Hkv] int32, the first key above ``decay_floor``.
       carry: with ``step``, (the new KV-shift state [B, 2, Hkv, D] or None, Λ of the step (hi, lo) [B, Hkv, G] or
         None). tables: with ``ring_tables``, the advanced (start, peak, overflow).
@@ -381,6 +383,7 @@ class DecodeStep:
 
     Attributes:
       ops: the ``HeadOps`` of the step's token (T = 1: k_shift / v_shift [B, 1, Hkv], o_gate [B, 1, H, D]); no RoPE.
+        With ``ops.o_proj`` the op's output is the projection, in shares (``AppendResult.o``).
       seq_start: [B] int32, each row's first column: the token's position is hi − 1 − seq_start (< 0: a pad, whose
         gate is not added; ≤ 0: the shift sees zeros).
       shift_state: [B, 2, Hkv, D] (q's dtype) the raw k̃, ṽ of the previous token (with ``ops.shifts``), or None.
@@ -410,9 +413,11 @@ class DecodeStep:
         o_gate = None if ops.o_gate is None else \
             pick(ops.o_gate.reshape(*ops.o_gate.shape[:2], hkv, grp, -1), 2).reshape(*ops.o_gate.shape[:2], -1,
                                                                                  ops.o_gate.shape[-1])
+        o_proj = None if ops.o_proj is None else \
+            ops.o_proj.reshape(hkv, grp, *ops.o_proj.shape[1:])[idx].reshape(-1, *ops.o_proj.shape[1:])
         ops = ops.replace(k_shift=pick(ops.k_shift, 2), v_shift=pick(ops.v_shift, 2), q_scale=per_q(ops.q_scale),
                           k_scale=ops.k_scale if ops.k_scale is None or ops.k_scale.ndim == 1 else pick(ops.k_scale, 0),
-                          o_scale=per_q(ops.o_scale), o_gate=o_gate, rows=None, gate_x=None,
+                          o_scale=per_q(ops.o_scale), o_gate=o_gate, o_proj=o_proj, rows=None, gate_x=None,
                           gate_weights=None)
         lam = None if self.lam_prev is None else tuple(pick(x, 1) for x in self.lam_prev)
         return ops, pick(self.shift_state, 2), pick(self.log_fgate, 1), lam
@@ -491,6 +496,8 @@ def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
             raise ValueError(f"step.ops.{name} must be [{', '.join(map(str, shapes[0]))}] or [{d}], got {list(x.shape)}")
     if ops.o_gate is not None and tuple(ops.o_gate.shape) != (b, 1, h, d):
         raise ValueError(f"step.ops.o_gate must be [{b}, 1, {h}, {d}] (one token), got {list(ops.o_gate.shape)}")
+    if ops.o_proj is not None and (ops.o_proj.ndim != 3 or tuple(ops.o_proj.shape[:2]) != (h, d)):
+        raise ValueError(f"step.ops.o_proj must be [{h}, {d}, N] (W_o by query head), got {list(ops.o_proj.shape)}")
     if (step.log_fgate is None) != (lam_k is None) or (step.lam_prev is None) != (step.log_fgate is None):
         raise ValueError("step.log_fgate and step.lam_prev go with lam_k (the step's Λ is computed from them)")
     if step.log_fgate is not None:
@@ -519,14 +526,30 @@ def _step_prologue(step: DecodeStep, q, k_new, v_new, hi):
     return q4.reshape(q.shape), k4[:, 0], v4[:, 0], lam, step.scatter(shift, lam)
 
 
-def _step_epilogue(step: DecodeStep, o):
-    """The output norm and gate in XLA on o [B, n, G, D] (the op's heads)."""
+def _step_epilogue(step: DecodeStep, o, norm_gate: bool = True):
+    """The epilogue in XLA on o [B, n, G, D] (the op's heads): the output norm and gate (with ``norm_gate``), then
+    with ``step.ops.o_proj`` the op's heads' projection, [B, 1, N] float32 (``project_heads``)."""
     b, n, grp, d = o.shape
-    return head_epilogue(step.group_view(grp)[0], o.reshape(b, 1, n * grp, d)).reshape(o.shape)
+    ops = step.group_view(grp)[0]
+    if norm_gate:
+        o = head_epilogue(ops.replace(o_proj=None), o.reshape(b, 1, n * grp, d)).reshape(o.shape)
+    return o if ops.o_proj is None else project_heads(o, ops.o_proj)
+
+
+def project_heads(o: jax.Array, o_proj: jax.Array) -> jax.Array:
+    """The output projection of the op's heads as one GEMM: [B, 1, N] float32 = Σ_{h, g} o[:, h, g] · W[h·G + g] with
+    o [B, n, G, D] (compute dtype) and o_proj [n·G, D, N] (W_o by query head), float32 accumulation of products in
+    o's dtype, as the layer's ``nn.Dense`` (float32: full-precision products, as the kernel's). (The fused kernel writes
+    the same sum in n shares, one per program.)"""
+    b, n, grp, d = o.shape
+    w = o_proj.reshape(n * grp * d, -1).astype(o.dtype)
+    return jnp.dot(o.reshape(b, n * grp * d), w, precision=dot_precision(o.dtype),
+                   preferred_element_type=jnp.float32)[:, None]
 
 
 def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepArrays:
-    """The kernel's ``StepArrays`` from ``step`` (the output norm and gate only with ``epilogue``): ``ops.rows`` as
+    """The kernel's ``StepArrays`` from ``step`` (the output norm, gate and projection only with ``epilogue``; the
+    projection also needs N a multiple of 16, else it follows in XLA): ``ops.rows`` as
     it is, else packed here from the separate arrays (a copy); the gates as their projections (``ops.gate_x``,
     ``ops.gate_weights``: the kernel computes the logits; their XLA form when d_in is not a multiple of 16), else
     packed from the separate arrays (the forget gates as log f)."""
@@ -558,6 +581,7 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
         shift_state=step.shift_state if ops.shifts else None,
         q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
         lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
+        o_proj=ops.o_proj.reshape(hkv, grp, d, -1) if epilogue and kernel_projects(ops) else None,
         gate_logits=gate_logits, qk_eps=ops.qk_eps, o_eps=ops.o_eps, group_heads=step.heads,
         layer_kv_heads=step.kv_heads, x_norm_eps=ops.x_norm_eps)
 
@@ -628,7 +652,8 @@ def decode_attention_append(
         max(peak, max(hi − start', 0) + min(S, max(hi − seq_start, 0))). Not with ``decay_floor``.
 
     Returns:
-      ``AppendResult``: o [B, Hkv, G, D] in q's dtype; k, v [B, Hkv, C, D] and lam_k (or None) with the entry
+      ``AppendResult``: o [B, Hkv, G, D] in q's dtype (with ``step.ops.o_proj``: [B, S, N] float32 shares of o·W_o,
+      S = Hkv when the Pallas kernel projects, with one split, else 1); k, v [B, Hkv, C, D] and lam_k (or None) with the entry
       written; ``first`` [B, Hkv] int32 with ``decay_floor``; ``carry`` with ``step`` (shift_state [B, 2, Hkv, D]
       holding the step's raw k, v, or None; Λ (hi, lo) [B, Hkv, G] of the step, or None); ``tables`` with
       ``ring_tables`` (the advanced start, peak, overflow). Absent parts are None.
@@ -682,6 +707,7 @@ def decode_attention_append(
         config, interpret = _pallas_config(q, k, block_k, num_splits, lam=lam_k is not None, valid=False,
                                            pinned_slots=pin, programs=shards.programs)
         one_split = config.num_splits == 1
+        projected = one_split and step is not None and kernel_projects(step.ops)
         out = list(shards.flash_decode(
             q, k, v, jnp.asarray(lo, jnp.int32), jnp.asarray(hi, jnp.int32), None, lam_q, lam_k, scale=scale,
             config=config, interpret=interpret, append=(k_new, v_new, lam_new), decay_floor=decay_floor,
@@ -692,10 +718,12 @@ def decode_attention_append(
         first = out.pop(4) if decay_floor is not None else None
         carry = out.pop(4) if step is not None else None
         tables = out.pop(4) if ring_tables is not None else None
-        if step is not None and not one_split:  # the output norm and gate after the splits' combine
+        if step is not None and not one_split:  # the output norm, gate and projection after the splits' combine
             o = _step_epilogue(step, o)
             if carry[1] is not None and step.heads is not None:  # the kernel's Λ of a head group: the layer's
                 carry = (carry[0], step.scatter(None, carry[1])[1])
+        elif step is not None and step.ops.o_proj is not None and not projected:  # N not a multiple of 16
+            o = _step_epilogue(step, o, norm_gate=False)
         return AppendResult(o, k, v, lam_k, first, carry, tables)
     carry = None
     if step is not None:
@@ -768,6 +796,11 @@ def _pinned_write_and_mask(pinned: PinnedSlots, k, v, lam_k, k_new, v_new, lam_n
     ring = (slot >= p) & (col >= jnp.maximum(lo, 0)[..., None]) & (col < hi[..., None])
     held = slot < jnp.clip(hi - seq, 0, pinned.sinks)[..., None]
     return k, v, lam_k, ring | held
+
+
+def kernel_projects(ops: HeadOps) -> bool:
+    """Whether the Pallas kernel (one split) can take ``ops.o_proj``: N a multiple of 16 (its matmul tiles)."""
+    return ops.o_proj is not None and ops.o_proj.shape[-1] % dk.MIN_BLOCK == 0
 
 
 gate_table = dk.gate_table  # the decode kernel's layout of a layer's gate projections (``HeadOps.gate_table``)

@@ -21,7 +21,8 @@ from fox_jax.sharding import kernel_mesh, per_shard, shard_count, shard_plan
 # the StepArrays fields with a leading batch dimension; the others (scales, gate weights and tables) are the layer's
 _STEP_ROW_FIELDS = ("rows", "seq_start", "gate_rows", "gate_x", "shift_state", "lam_prev")
 # the StepArrays fields per key/value head, and the axis of their heads (rows and gate_rows: once laid out per shard)
-_STEP_HEAD_AXIS = dict(rows=1, gate_rows=1, gate_table=0, shift_state=2, q_scale=0, k_scale=0, lam_prev=1, o_scale=0)
+_STEP_HEAD_AXIS = dict(rows=1, gate_rows=1, gate_table=0, shift_state=2, q_scale=0, k_scale=0, lam_prev=1, o_scale=0,
+                       o_proj=0)
 
 
 def _shard_major(blocks: list[tuple[int, int]], hkv: int, shards: int) -> np.ndarray:

@@ -17,6 +17,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from fox_jax.ops._common import dot_precision
+
 
 def rms_scale(x: jax.Array, eps: float) -> jax.Array:
     """r = rsqrt(mean(x²) + eps) over the last axis: [..., 1] float32 (RMSNorm's row scale, Zhang & Sennrich 2019)."""
@@ -129,6 +131,10 @@ class HeadOps:
       q_scale: [H, D] or [D] float32; k_scale: [Hkv, D] or [D] float32 (QK-norm scales), or None.
       o_scale: [H, D] or [D] float32 (output norm), or None. o_gate: [B, T, H, D] logits in the compute dtype, or
         None.
+      o_proj: [H, D, N] in the compute dtype, or None: the layer's output projection W_o [H·D, N] by query head,
+        applied last — the epilogue then returns o·W_o [B, T, N] (float32 accumulation, in o's dtype, as the layer's
+        ``nn.Dense``) — so that a fused decode step can do it inside its kernel (each program its heads' share,
+        summed by the caller: no GEMM launch of its own).
       rows: [B, T, R, D] in the compute dtype, or None: the same raw projections as one array, q (H rows), k (Hkv),
         v (Hkv), then the o_gate logits (H) (further rows ignored): the decode GEMM's output, which a kernel reads in
         place (the separate q, k, v, o_gate are slices of it: each passed on its own would be a copy).
@@ -156,6 +162,7 @@ class HeadOps:
     k_scale: jax.Array | None = None
     o_scale: jax.Array | None = None
     o_gate: jax.Array | None = None
+    o_proj: jax.Array | None = None
     rows: jax.Array | None = None
     gate_x: jax.Array | None = None
     gate_weights: tuple | None = None
@@ -220,13 +227,17 @@ def head_prologue(ops: HeadOps, q: jax.Array, k: jax.Array, v: jax.Array, *, pos
 
 def head_epilogue(ops: HeadOps, o: jax.Array) -> jax.Array:
     """``ops``'s epilogue in XLA: o [B, T, H, D] (compute dtype) → the output norm and gate applied, same shape and
-    dtype."""
+    dtype; with ``ops.o_proj`` then projected, [B, T, N] in o's dtype."""
     if ops.o_scale is not None:
         with jax.named_scope("o_norm"):
             o = rms_norm(o, ops.o_scale, ops.o_eps, o.dtype)
     if ops.o_gate is not None:
         with jax.named_scope("o_gate"):
             o = o * jax.nn.sigmoid(ops.o_gate.astype(o.dtype))
+    if ops.o_proj is not None:
+        with jax.named_scope("o_proj"):
+            o = jnp.einsum("bthd,hdn->btn", o, ops.o_proj.astype(o.dtype), precision=dot_precision(o.dtype),
+                           preferred_element_type=jnp.float32).astype(o.dtype)
     return o
 
 
