@@ -678,7 +678,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
     row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
     with and without the fused per-head work (``StepArrays``: gate logits computed in the kernel, or read from
-    ``gate_rows`` with a head group) and the ring's tables, and a ring behind pinned sink slots, so a change that
+    ``gate_rows`` with a head group; with one split the output projection too) and the ring's tables, and a ring behind pinned sink slots, so a change that
     breaks the Triton lowering fails here, not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
@@ -714,7 +714,8 @@ def test_kernel_lowers_to_triton_for_cuda():
                              shift_state=sds((b, 2, hkv, 64), jnp.bfloat16), q_scale=sds((hkv, grp, 64), jnp.float32),
                              k_scale=sds((hkv, 64), jnp.float32), lam_prev=pair(b, hkv, grp),
                              o_scale=sds((hkv, grp, 64), jnp.float32) if config.num_splits == 1 else None,
-                             o_gate=False)
+                             o_proj=sds((hkv, grp, 64, 768), jnp.bfloat16) if config.num_splits == 1 else None,
+                             o_gate=False)  # (W_o of N = 768 = 3 chunks of 256: FoX 125M's)
         one = config.num_splits == 1  # (the flags stay static: the arrays alone are traced)
         text = jax.jit(lambda q, k, v, lo, hi, lk, kn, vn, fl, st, tb: f(
             q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl,

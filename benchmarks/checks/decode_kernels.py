@@ -232,6 +232,8 @@ def main(argv=None) -> int:
                         "on by default)")
     p.add_argument("--fuse-mlp", action="store_true",
                    help="each block's MLP norm and SwiGLU as one op (generation.FUSE_DECODE_MLP)")
+    p.add_argument("--project-out", action="store_true",
+                   help="each FoX layer's output projection inside its decode kernel (generation.FUSE_OUTPUT_PROJ)")
     p.add_argument("--score", action="store_true",
                    help="compile eval --cache's program over --prompt tokens instead (no decode loop) and print its "
                         "compile time and its Triton fusions' tiles (XLA's generic Triton emitter)")
@@ -239,6 +241,7 @@ def main(argv=None) -> int:
     from fox_jax.decoding import generation as gen
 
     gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP = not args.no_fold_norms, args.fuse_mlp
+    gen.FUSE_OUTPUT_PROJ = args.project_out
     t0 = time.perf_counter()
     if args.score:
         hlo = compile_score(args.model, args.policy, args.batch, args.prompt, args.slots, tuple(args.set))

@@ -214,6 +214,9 @@ FUSE_DECODE_MLP = False
 # ``gate_tables(..., project_out=True)``; ``HeadOps.o_proj``): each program multiplies its heads' output by their rows
 # of W_o and the step sums the float32 shares, so a layer's step spends no GEMM launch on it (one split only: dense
 # rings long enough to split project after the combine, one GEMM as before). Values move by float32 summation order only.
+# Off by default: it takes FoX (Pro) 125M's `acp` step at 8k from 114 to 102 kernels but from 0.409 to 0.421 ms of device
+# time (window:256 0.445 → 0.453; one H100, 2026-12-07, ``profile_decode.py --kernel-variants base proj:proj=kernel``):
+# each program's 96 KB of W_o after its attention loop costs ~4 µs a layer, the GEMM it replaces ~2.5.
 FUSE_OUTPUT_PROJ = False
 
 
