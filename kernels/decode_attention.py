@@ -84,6 +84,10 @@ class DecodeConfig:
     there) instead of before it, so that no barrier stands between the program's first loads and the loop's K/V
     loads; early_epilogue: the fused step's output norm scales and output gate logits loaded with the prologue's
     inputs instead of after the loop (one round trip to memory fewer on the program's path). Neither changes a value.
+    one_loop: the live blocks in one loop, each with the element mask, instead of three (the masked first and last
+    blocks around an unmasked middle): the software pipeline's loads then run ahead across the whole range instead of
+    refilling at each of the two boundaries (on a short ring, 4 blocks of ``window:256``, most of the loop's time may be
+    those fills). The same values: a block inside the range loses nothing to the mask.
     """
 
     block_k: int = 64
@@ -93,6 +97,7 @@ class DecodeConfig:
     fold_floor: bool = True
     late_writes: bool = True
     early_epilogue: bool = True
+    one_loop: bool = False
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
@@ -222,6 +227,7 @@ class _Geom:
     has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
     fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
     late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
+    one_loop: bool = False  # every live block in one masked loop (``DecodeConfig.one_loop``)
     early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
@@ -619,7 +625,7 @@ def _decode_kernel(*refs, g: _Geom):
                 writes.append(advance)
             else:
                 advance()
-    elif g.has_valid:  # every block needs the slot mask
+    elif g.has_valid or g.one_loop:  # every block with the mask (needed with the slot mask; one pipeline otherwise)
         carry = lax.fori_loop(start_n, end_n, masked_step, carry)
     else:  # blocks [full_lo, full_hi) lie inside [lo, hi): no element mask
         full_a = jnp.clip(lax.div(lo + (bk - 1), bk), start_n, end_n)
@@ -1062,6 +1068,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
+                 one_loop=bool(config.one_loop),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

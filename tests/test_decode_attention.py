@@ -117,6 +117,37 @@ def test_matches_reference(cap, grp, d, dtype, lam, valid_nt, splits):
         np.testing.assert_array_equal(np.asarray(o[0, 0], np.float32), 0.0)  # exactly 0, never NaN
 
 
+@pytest.mark.parametrize("splits,append", [(1, False), (3, False), (1, True)])
+def test_one_loop_gives_the_same_values(splits, append):
+    """``DecodeConfig.one_loop`` (every live block in one masked loop, one software pipeline) gives the output of
+    the three loops (masked first and last blocks around an unmasked middle), since a block inside the range loses
+    nothing to the mask: the same arithmetic, equal to 2 float32 ulps (1e-6 of outputs of order 1; the compiler may
+    contract the two loop bodies' multiply-adds differently: observed 1 ulp); the ring's writes exactly. Ranges of 0
+    to C keys starting and ending inside blocks (``_ranges``), with Λ, one and three splits, and the append step (the
+    entry joining from registers, the ring written). A loop that skipped or repeated a block would be off by its
+    share of the softmax."""
+    cap, grp, d = 80, 2, 32
+    q, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=4)
+    outs = []
+    for one_loop in (False, True):
+        f = functools.partial(dk.flash_decode, scale=d ** -0.5, interpret=jax.default_backend() != "gpu",
+                              config=dk.DecodeConfig(16, splits, one_loop=one_loop))  # (the Triton kernel on a GPU)
+        if append:  # the step's key is hi − 1 of each row and head: a range of up to C keys before it
+            hi = kw["hi"]
+            lo = jnp.maximum(kw["lo"], hi - cap + 1)
+            outs.append(jax.jit(f)(q, k, v, lo, hi, None, kw["lam_q"], kw["lam_k"],
+                                   append=(k[:, :, 0], v[:, :, 1], kw["lam_q"])))
+        else:
+            outs.append(jax.jit(f)(q, k, v, kw["lo"], kw["hi"], None, kw["lam_q"], kw["lam_k"]))
+    o0, o1 = (x[0] if append else x for x in outs)
+    np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), atol=1e-6, rtol=1e-6)
+    for a, b_ in zip(jax.tree_util.tree_leaves(outs[0][1:] if append else ()),
+                     jax.tree_util.tree_leaves(outs[1][1:] if append else ())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+    if not append:
+        assert _err(outs[1], decode_attention_reference(q, k, v, **kw)) <= _tol(jnp.float32)
+
+
 def test_narrow_range_forms():
     """lo / hi as [B, 1] (one range per row, as a ring's shared start) or scalars (as a decode step's length + 1) give
     what their broadcast [B, Hkv] gives, in every implementation (the kernel reads them without a broadcast copy);
@@ -695,6 +726,7 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert lower(6, 96, dk.DecodeConfig(64, 4), True, hkv).count("__gpu$xla.gpu.triton") == 1
     assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
     assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
+    assert lower(1, 64, dk.DecodeConfig(64, 2, one_loop=True), True, None).count("__gpu$xla.gpu.triton") == 1
     for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2)),  # ACP's decode step: append + floor
                         (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False))):  # (the writes first)
         pair = lambda *shape: (sds(shape, jnp.float32),) * 2  # noqa: E731

@@ -146,7 +146,9 @@ class ForgettingAttentionLayer(nn.Module):
     QK-norm weights (per head, spec §5.2) rather than from the activations. This per-head work is a
     ``fox_jax.ops.head_ops.HeadOps`` (data): applied here without a cache (``head_prologue`` /
     ``head_epilogue``); with a cache the raw projections and the ops go to the cache's attention, which does
-    them inside the decode kernel on a decode step (``fox_jax.cache.slots.slot_attention``).
+    them inside the decode kernel on a decode step (``fox_jax.cache.slots.slot_attention``) — there also the output
+    projection when the layer's ``"decode"`` collection has the ``project_out`` mark (``gate_tables(params,
+    project_out=True)``; ``HeadOps.o_proj``: each program projects its heads' output, the cache's attention sums them).
 
     DCP (``cfg.dcp``, docs/design/dcp.md §1.1–1.4): from the same normed input x, in float32, bias-free
     ``q_int``/``k_int`` (d → r, N(0, init_std)) and a scalar ``beta`` (init ``cfg.dcp_beta_init``) give
@@ -175,9 +177,6 @@ class ForgettingAttentionLayer(nn.Module):
         policy decides from them (e.g. ``acp``'s threshold). DCP models decode with the step mask (α = ∞).
       alpha: DCP only (required then, ignored otherwise): α of the α-sigmoid keep probability,
         a Python float ≥ 1, ``float('inf')`` for the inference step mask, or a traced float32 scalar.
-      The output projection: on a fused decode step of a layer whose ``"decode"`` collection has the ``project_out``
-        mark (``gate_tables(params, project_out=True)``) W_o goes to the decode kernel with the other per-head work
-        (``HeadOps.o_proj``): each of its programs projects its heads' output and the cache's attention sums them.
       residual: with a cache, the block's residual stream before its input RMSNorm (x = RMSNorm(residual), eps
         ``cfg.norm_eps``), or None. On a fused decode step (``fuses_step``) of a layer whose parameters hold the
         folded s ⊙ W (``fold_input_norms``) and whose ``"decode"`` collection has the ``folded`` mark

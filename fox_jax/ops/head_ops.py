@@ -132,8 +132,8 @@ class HeadOps:
       o_scale: [H, D] or [D] float32 (output norm), or None. o_gate: [B, T, H, D] logits in the compute dtype, or
         None.
       o_proj: [H, D, N] in the compute dtype, or None: the layer's output projection W_o [H·D, N] by query head,
-        applied last — the epilogue then returns o·W_o [B, T, N] (float32 accumulation, in o's dtype, as the layer's
-        ``nn.Dense``) — so that a fused decode step can do it inside its kernel (each program its heads' share,
+        applied last — the epilogue then returns o·W_o [B, T, N] (float32 accumulation, in o's dtype; float32
+        products at full precision) — so that a fused decode step can do it inside its kernel (each program its heads' share,
         summed by the caller: no GEMM launch of its own).
       rows: [B, T, R, D] in the compute dtype, or None: the same raw projections as one array, q (H rows), k (Hkv),
         v (Hkv), then the o_gate logits (H) (further rows ignored): the decode GEMM's output, which a kernel reads in
