@@ -807,8 +807,7 @@ class StepArrays:
         W_o [H·D, N] by query head (rows h·D … h·D + D − 1 of query head h = kv head · G + g). The kernel then writes,
         in place of o, each program's share of o·W_o, Σ_g o_g · W_o[g] [N] in float32 (the dot of o in q's dtype, as
         the layer's GEMM takes it, accumulated in float32): the caller sums the partials over the kv heads (XLA fuses
-        that sum into what follows, as it sums a split-K GEMM's partials), so the step spends no GEMM launch on the
-        projection.
+        that sum into the residual add or the next norm), so the step spends no GEMM launch on the projection.
       gate_logits, qk_eps, o_eps: as ``StepGeom``. group_heads: None, or the layer's kv head of each of this
         call's kv heads (a cache's head group; a tuple of ints): q, k, v, the ring and the tables are the group's,
         while ``rows``, ``gate_rows``, the carries and the scales are the layer's ([B, 2, Hkv, D], [B, Hkv, G],
