@@ -217,10 +217,9 @@ class ForgettingAttentionLayer(nn.Module):
             if cfg.dcp else []
         groups = [(dtype, low), (jnp.dtype(jnp.float32), f32)] if dtype != jnp.float32 else [(dtype, low + f32)]
         # A decode step may multiply the un-normalised residual by the folded projections (see ``residual``).
-        folded = self.get_variable("decode", "folded") if cache is not None and self.has_variable("decode", "folded") \
-            else None
-        fold = (folded is not None and residual is not None and not cfg.dcp and x.shape[-1] % 16 == 0
-                and any(name in GATE_PROJECTIONS for _, _, name, _ in f32) and fuses_step(cache, t, cfg.use_rope))
+        fused = cache is not None and fuses_step(cache, t, cfg.use_rope)  # a decode step the kernel does it all for
+        fold = (fused and self.has_variable("decode", "folded") and residual is not None and not cfg.dcp
+                and x.shape[-1] % 16 == 0 and any(name in GATE_PROJECTIONS for _, _, name, _ in f32))
         if fold:
             row_scale = rms_scale(residual, cfg.norm_eps)  # [B, T, 1]
         y, packed, weights = {}, {}, {}
@@ -264,8 +263,7 @@ class ForgettingAttentionLayer(nn.Module):
             ops = ops.replace(o_scale=HeadNormScale(False, name="o_norm")(h, dh))
         if cfg.output_gate:
             ops = ops.replace(o_gate=y["ogate"].reshape(b, t, h, dh))
-        project = (cache is not None and self.has_variable("decode", "project_out")
-                   and fuses_step(cache, t, cfg.use_rope))
+        project = fused and self.has_variable("decode", "project_out")
         if project:  # W_o by query head, for the decode kernel (the same parameters as ``dense(.., "o_proj")``)
             w_o, _ = DenseParams(cfg.d_model, False, cfg.init_std, name="o_proj")(h * dh)
             ops = ops.replace(o_proj=w_o.astype(dtype).reshape(h, dh, cfg.d_model))
