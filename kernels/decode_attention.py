@@ -88,6 +88,12 @@ class DecodeConfig:
     blocks around an unmasked middle): the software pipeline's loads then run ahead across the whole range instead of
     refilling at each of the two boundaries (on a short ring, 4 blocks of ``window:256``, most of the loop's time may be
     those fills). The same values: a block inside the range loses nothing to the mask.
+    preload: the program's first block of keys (K, V, Λ_k, the slot mask) loaded at the kernel's start, before the
+    fused step's prologue (gate logits, norms, shifts) and the query's loads, and attended to before the loop: its
+    memory round trip then runs under the prologue's arithmetic instead of after it (the loop's own first loads wait
+    for the prologue's last cross-warp reduction). The same values (the first block is attended with the element
+    mask, which keeps every key of a block inside the range); not with ACP's separate floor pass (``fold_floor``
+    off), whose range is known only after that pass.
     """
 
     block_k: int = 64
@@ -98,6 +104,7 @@ class DecodeConfig:
     late_writes: bool = True
     early_epilogue: bool = True
     one_loop: bool = False
+    preload: bool = False
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
@@ -228,6 +235,7 @@ class _Geom:
     fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
     late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
     one_loop: bool = False  # every live block in one masked loop (``DecodeConfig.one_loop``)
+    preload: bool = False  # the program's first block loaded before the prologue (``DecodeConfig.preload``)
     early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
@@ -493,6 +501,34 @@ def _decode_kernel(*refs, g: _Geom):
         at_pin = (pos_new >= 0) & (pos_new < g.sinks)  # its ring column is behind the ring's start (≥ seq_start + S)
         with_new = with_new | at_pin
         pin_slot = (jnp.clip(pos_new, 0, g.pin_slots - 1), at_pin)
+    def physical(n):  # the first slot of the ring's logical block n (the blocks start after the pinned slots)
+        return pl.multiple_of(g.pin_slots + lax.rem(n, g.n_blocks) * bk, min(bk, g.pin_slots or bk))
+
+    def share(lo, hi):  # this program's share of the logical blocks [n_first, n_end): equal shares of the live blocks
+        n_first = lax.div(lo, bk)
+        n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), n_first)
+        per = lax.div(n_end - n_first + (g.num_splits - 1), g.num_splits)
+        start_n = jnp.minimum(n_first + pl.program_id(1) * per, n_end)
+        return n_first, n_end, start_n, jnp.minimum(start_n + per, n_end)
+
+    def load_lam(start, size):  # the block's Λ_k pair, [1, size] (G = 1) or [Gp, size] float32
+        if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
+            return tuple(r[n][pl.ds(start, size)][None, :] for n in ("lk_hi", "lk_lo"))
+        return tuple(pltriton.load(r[n].at[:, pl.ds(start, size)], mask=row_ok, other=0.0) for n in ("lk_hi", "lk_lo"))
+
+    def load_block(start):  # (K chunks, V chunks, Λ_k pair or None, slot mask or None) of the block at ``start``
+        return ([k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in g.chunks],
+                [v_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in g.chunks],
+                load_lam(start, bk) if g.has_lam else None,
+                r["valid"][pl.ds(start, bk)][None, :] if g.has_valid else None)
+
+    preloaded = blocks = None
+    if g.preload:  # the first block this program attends to, loaded before anything waits on the prologue
+        blocks = share(lo, hi)
+        n_first, n_end, start_n, _ = blocks
+        # newest first with the folded floor; an empty range loads a block it then masks whole (rem keeps it in the ring)
+        first_n = jnp.maximum(n_end - 1, 0) if g.fold_floor else start_n
+        preloaded = (first_n, load_block(physical(first_n)))
     lq = lam_new = epilogue = row_scale = None
     writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
@@ -521,17 +557,9 @@ def _decode_kernel(*refs, g: _Geom):
             write()
         writes = []
 
-    def decay_block(start, size=bk):  # [Gp or 1, size] float32 Λ_q − Λ_k of the block at physical slot ``start``
-        if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
-            lk_hi = r["lk_hi"][pl.ds(start, size)][None, :]
-            lk_lo = r["lk_lo"][pl.ds(start, size)][None, :]
-        else:
-            lk_hi = pltriton.load(r["lk_hi"].at[:, pl.ds(start, size)], mask=row_ok, other=0.0)
-            lk_lo = pltriton.load(r["lk_lo"].at[:, pl.ds(start, size)], mask=row_ok, other=0.0)
+    def decay_block(start, size=bk, lk=None):  # [Gp or 1, size] float32 Λ_q − Λ_k of the block at slot ``start``
+        lk_hi, lk_lo = load_lam(start, size) if lk is None else lk
         return (lq[0][:, None] - lk_hi) + (lq[1][:, None] - lk_lo)
-
-    def physical(n):  # the first slot of the ring's logical block n (the blocks start after the pinned slots)
-        return pl.multiple_of(g.pin_slots + lax.rem(n, g.n_blocks) * bk, min(bk, g.pin_slots or bk))
 
     # ACP's floor with one split (``fold``): the floor's pass over Λ_k is the attention loop itself, blocks newest
     # first (the first hidden key met is the last one; every older key is masked), so Λ_k is loaded once per block.
@@ -551,21 +579,16 @@ def _decode_kernel(*refs, g: _Geom):
         else:
             advance()
 
-    # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
-    n_first = lax.div(lo, bk)
-    n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), n_first)
-    per = lax.div(n_end - n_first + (g.num_splits - 1), g.num_splits)
-    start_n = jnp.minimum(n_first + pl.program_id(1) * per, n_end)
-    end_n = jnp.minimum(start_n + per, n_end)
+    n_first, n_end, start_n, end_n = blocks if blocks is not None else share(lo, hi)
 
-    def scores(start, n_keys=bk):  # [Gp, n_keys] float32 scale · q·k of the block at physical slot ``start``
+    def scores(start, n_keys=bk, ks=None):  # [Gp, n_keys] float32 scale · q·k of the block at physical slot ``start``
         s = None
-        for q, (off, size) in zip(qs, g.chunks):
-            part = _dot(q, k_ref[pl.ds(start, n_keys), pl.ds(off, size)], 1, 1, g.exact_dot)
+        for j, (q, (off, size)) in enumerate(zip(qs, g.chunks)):
+            part = _dot(q, k_ref[pl.ds(start, n_keys), pl.ds(off, size)] if ks is None else ks[j], 1, 1, g.exact_dot)
             s = part if s is None else s + part
         return s * g.scale
 
-    def accumulate(carry, s, start, masked: bool):  # the online softmax over one block's scores s [Gp, keys]
+    def accumulate(carry, s, start, masked: bool, vs=None):  # the online softmax over one block's scores s [Gp, keys]
         accs, m_i, l_i = carry
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
         m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
@@ -574,23 +597,24 @@ def _decode_kernel(*refs, g: _Geom):
         p = jnp.exp2(s * LOG2E - m_base[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         new_accs = []
-        for acc, (off, size) in zip(accs, g.chunks):
-            v = v_ref[pl.ds(start, s.shape[1]), pl.ds(off, size)]
+        for j, (acc, (off, size)) in enumerate(zip(accs, g.chunks)):
+            v = v_ref[pl.ds(start, s.shape[1]), pl.ds(off, size)] if vs is None else vs[j]
             new_accs.append(acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 1, 0, g.exact_dot))
         return tuple(new_accs), m_new, l_new
 
-    def step(n, carry, masked: bool):
+    def step(n, carry, masked: bool, tiles=None):  # ``tiles``: the block's loads (``load_block``), or None: load here
         start = physical(n)  # physical slot of logical key n·bk
-        s = scores(start)
+        ks, vs, lk, valid = (None,) * 4 if tiles is None else tiles
+        s = scores(start, ks=ks)
         if g.has_lam:
-            s = s + decay_block(start)
+            s = s + decay_block(start, lk=lk)
         if masked:
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             keep = (kpos >= lo) & (kpos < hi)
             if g.has_valid:
-                keep = keep & r["valid"][pl.ds(start, bk)][None, :]
+                keep = keep & (r["valid"][pl.ds(start, bk)][None, :] if valid is None else valid)
             s = jnp.where(keep, s, _NEG_INF)
-        return accumulate(carry, s, start, masked)
+        return accumulate(carry, s, start, masked, vs)
 
     carry = (tuple(jnp.zeros((gp, size), jnp.float32) for _, size in g.chunks),
              jnp.full((gp,), _NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
@@ -605,17 +629,21 @@ def _decode_kernel(*refs, g: _Geom):
         floor = pltriton.load(r["floor"].at[:], mask=row_ok[:, 0], other=0.0)
         oldest = hi + 1 - cap  # the oldest key is tested (for ``first``, the ring's overflow), never read
 
-        def step_above_floor(i, carry):  # block n_end − 1 − i: newest first
-            n = n_end - 1 - i
+        def above_floor(n, carry, tiles=None):  # block n: the floor's test and its keys above the cut
             start = physical(n)
-            decay = decay_block(start)
+            ks, vs, lk, _ = (None,) * 4 if tiles is None else tiles
+            decay = decay_block(start, lk=lk)
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             inside = (kpos >= lo) & (kpos < hi)
             cut = jnp.maximum(carry[3], _last_hidden(decay, floor, kpos, inside, row_ok))
-            s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start) + decay, _NEG_INF)
-            return accumulate(carry[:3], s, start, True) + (cut,)
+            s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start, ks=ks) + decay, _NEG_INF)
+            return accumulate(carry[:3], s, start, True, vs) + (cut,)
 
-        carry = lax.fori_loop(0, n_end - n_first, step_above_floor, carry + (jnp.int32(-1),))
+        carry += (jnp.int32(-1),)
+        done = 0
+        if preloaded is not None:  # the newest block (or, for an empty range, a block outside it: masked whole)
+            carry, done = above_floor(preloaded[0], carry, preloaded[1]), 1
+        carry = lax.fori_loop(done, n_end - n_first, lambda i, c: above_floor(n_end - 1 - i, c), carry)
         first = jnp.maximum(lo, carry[3] + 1)
         carry = carry[:3]
         pltriton.store(r["first"].at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32))
@@ -625,14 +653,19 @@ def _decode_kernel(*refs, g: _Geom):
                 writes.append(advance)
             else:
                 advance()
-    elif g.has_valid or g.one_loop:  # every block with the mask (needed with the slot mask; one pipeline otherwise)
-        carry = lax.fori_loop(start_n, end_n, masked_step, carry)
-    else:  # blocks [full_lo, full_hi) lie inside [lo, hi): no element mask
-        full_a = jnp.clip(lax.div(lo + (bk - 1), bk), start_n, end_n)
-        full_b = jnp.clip(lax.div(hi, bk), full_a, end_n)
-        carry = lax.fori_loop(start_n, full_a, masked_step, carry)
-        carry = lax.fori_loop(full_a, full_b, functools.partial(step, masked=False), carry)
-        carry = lax.fori_loop(full_b, end_n, masked_step, carry)
+    else:
+        first_n = start_n
+        if preloaded is not None:  # block start_n, masked (an empty share: a block past its range, masked whole)
+            carry = step(start_n, carry, True, preloaded[1])
+            first_n = jnp.minimum(start_n + 1, end_n)
+        if g.has_valid or g.one_loop:  # every block with the mask (needed with the slot mask; one pipeline otherwise)
+            carry = lax.fori_loop(first_n, end_n, masked_step, carry)
+        else:  # blocks [full_a, full_b) lie inside [lo, hi): no element mask
+            full_a = jnp.clip(lax.div(lo + (bk - 1), bk), first_n, end_n)
+            full_b = jnp.clip(lax.div(hi, bk), full_a, end_n)
+            carry = lax.fori_loop(first_n, full_a, masked_step, carry)
+            carry = lax.fori_loop(full_a, full_b, functools.partial(step, masked=False), carry)
+            carry = lax.fori_loop(full_b, end_n, masked_step, carry)
     accs, m_i, l_i = carry
     if g.append:
         accs, m_i, l_i = _append_new_key(g, r, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i,
@@ -1068,6 +1101,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
                  one_loop=bool(config.one_loop),
+                 preload=bool(config.preload) and not (decay_floor is not None and not (
+                     bool(config.fold_floor) and ns == 1)),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

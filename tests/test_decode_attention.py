@@ -285,6 +285,34 @@ def test_head_dim_chunks_and_config():
     assert PIN_BLOCK == dk.MIN_BLOCK and RING_BLOCK % dk.MIN_BLOCK == 0
 
 
+@pytest.mark.parametrize("splits,append,one_loop", [(1, False, False), (3, False, True), (1, True, False)])
+def test_preload_gives_the_same_values(splits, append, one_loop):
+    """``DecodeConfig.preload`` (each program's first block loaded at the kernel's start and attended before the loop)
+    gives the values of the plain loops: the first block goes through the element mask, which keeps every key of a
+    block inside the range, so the arithmetic is the same (2 float32 ulps: the compiler may contract the peeled and
+    the looped bodies differently); the ring's writes exactly. Ranges of 0 to C keys starting and ending inside
+    blocks (``_ranges``: an empty one, so the preloaded block lies outside its range, and with three splits shares
+    that are empty), with Λ, three loops and one (``one_loop``), and the append step. A first block attended twice or
+    skipped would be off by its share of the softmax."""
+    cap, grp, d = 80, 2, 32
+    q, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=5)
+    outs = []
+    for preload in (False, True):
+        f = functools.partial(dk.flash_decode, scale=d ** -0.5, interpret=jax.default_backend() != "gpu",
+                              config=dk.DecodeConfig(16, splits, one_loop=one_loop, preload=preload))
+        if append:  # the step's key is hi − 1 of each row and head: a range of up to C keys before it
+            hi = kw["hi"]
+            lo = jnp.maximum(kw["lo"], hi - cap + 1)
+            outs.append(jax.jit(f)(q, k, v, lo, hi, None, kw["lam_q"], kw["lam_k"],
+                                   append=(k[:, :, 0], v[:, :, 1], kw["lam_q"])))
+        else:
+            outs.append((jax.jit(f)(q, k, v, kw["lo"], kw["hi"], None, kw["lam_q"], kw["lam_k"]),))
+    base, pre = outs
+    np.testing.assert_allclose(np.asarray(pre[0]), np.asarray(base[0]), rtol=0, atol=2e-6)
+    for a, b_ in zip(jax.tree.leaves(pre[1:]), jax.tree.leaves(base[1:])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
+
+
 def _floor_case(rng, cap, grp, lo, hi):
     """Λ pairs at |Λ| ≈ 600 whose decay falls with the key's age at a rate per query head (logical key j of the
     ring [lo, hi) lives in slot j mod C), and the floors that hide the oldest part of each range for every head
@@ -323,10 +351,10 @@ def _first_oracle(lam_q, lam_k, floor, lo, hi):
     return first
 
 
-@pytest.mark.parametrize("grp,dtype,splits,fold", [(1, jnp.float32, 1, True), (1, jnp.float32, 1, False),
-                                                   (4, jnp.bfloat16, 1, True), (4, jnp.bfloat16, 3, True),
-                                                   (2, jnp.float32, 2, True)])
-def test_append_decay_floor(grp, dtype, splits, fold, monkeypatch):
+@pytest.mark.parametrize("grp,dtype,splits,fold,preload", [
+    (1, jnp.float32, 1, True, False), (1, jnp.float32, 1, False, False), (4, jnp.bfloat16, 1, True, False),
+    (4, jnp.bfloat16, 3, True, False), (2, jnp.float32, 2, True, False), (4, jnp.float32, 1, True, True)])
+def test_append_decay_floor(grp, dtype, splits, fold, preload, monkeypatch):
     """``decode_attention_append(..., decay_floor=δ)`` (ACP's eviction in the decode op): the first visible key
     equals the loop oracle (the last key below δ for every query head of the group, plus one — a hidden key in
     the middle takes the older keys with it), exactly, in the Pallas kernel (interpret) and the XLA path, for
@@ -335,10 +363,12 @@ def test_append_decay_floor(grp, dtype, splits, fold, monkeypatch):
     [max(first, hi − C), hi) after the write, the ring is written exactly; δ = −inf hides nothing (and a full ring
     then drops its oldest key). With one split the kernel folds the floor's pass into the attention loop (blocks
     newest first; ``DecodeConfig.fold_floor``), and also runs it as a pass of its own (``fold``: False); several
-    splits always make the pass. Bad floors name the argument."""
+    splits always make the pass. With ``preload`` the folded loop's newest block is loaded before the prologue and
+    attended before the loop (``DecodeConfig.preload``): the same first key and output. Bad floors name the
+    argument."""
     config = dk.default_decode_config
     monkeypatch.setattr(dk, "default_decode_config",
-                        lambda *a, **kw: dataclasses.replace(config(*a, **kw), fold_floor=fold))
+                        lambda *a, **kw: dataclasses.replace(config(*a, **kw), fold_floor=fold, preload=preload))
     cap, d = 80, 32
     rng = np.random.default_rng(grp)
     q, k, v, _ = _inputs(cap, grp, d, dtype, False, None, seed=grp)
@@ -709,8 +739,9 @@ def test_kernel_lowers_to_triton_for_cuda():
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
     row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
     with and without the fused per-head work (``StepArrays``: gate logits computed in the kernel, or read from
-    ``gate_rows`` with a head group; with one split the output projection too) and the ring's tables, and a ring behind pinned sink slots, so a change that
-    breaks the Triton lowering fails here, not first on the GPU."""
+    ``gate_rows`` with a head group; with one split the output projection too) and the ring's tables, and a ring behind pinned sink slots, with
+    the first block preloaded (``DecodeConfig.preload``), so a change that breaks the Triton lowering fails here,
+    not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
 
@@ -727,8 +758,10 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
     assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
     assert lower(1, 64, dk.DecodeConfig(64, 2, one_loop=True), True, None).count("__gpu$xla.gpu.triton") == 1
+    assert lower(6, 96, dk.DecodeConfig(64, 4, preload=True), True, hkv).count("__gpu$xla.gpu.triton") == 1
     for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2)),  # ACP's decode step: append + floor
-                        (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False))):  # (the writes first)
+                        (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False)),  # (the writes first)
+                        (3, dk.DecodeConfig(64, 1, preload=True))):  # (the newest block loaded before the prologue)
         pair = lambda *shape: (sds(shape, jnp.float32),) * 2  # noqa: E731
         f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
         text = jax.jit(lambda q, k, v, lo, hi, lq, lk, kn, vn, fl: f(q, k, v, lo, hi, None, lq, lk, append=(kn, vn, lq),
