@@ -88,12 +88,12 @@ class DecodeConfig:
     blocks around an unmasked middle): the software pipeline's loads then run ahead across the whole range instead of
     refilling at each of the two boundaries (on a short ring, 4 blocks of ``window:256``, most of the loop's time may be
     those fills). The same values: a block inside the range loses nothing to the mask.
-    preload: the program's first block of keys (K, V, Λ_k, the slot mask) loaded at the kernel's start, before the
-    fused step's prologue (gate logits, norms, shifts) and the query's loads, and attended to before the loop: its
-    memory round trip then runs under the prologue's arithmetic instead of after it (the loop's own first loads wait
-    for the prologue's last cross-warp reduction). The same values (the first block is attended with the element
-    mask, which keeps every key of a block inside the range); not with ACP's separate floor pass (``fold_floor``
-    off), whose range is known only after that pass.
+    preload: the program's first ``preload`` blocks of keys (K, V, Λ_k, the slot mask) loaded at the kernel's start,
+    before the fused step's prologue (gate logits, norms, shifts) and the query's loads, and attended to before the
+    loop: their memory round trip then runs under the prologue's arithmetic instead of after it (the loop's own first
+    loads wait for the prologue's last cross-warp reduction). 0: off. The same values (those blocks are attended
+    with the element mask, which keeps every key of a block inside the program's range); not with ACP's separate
+    floor pass (``fold_floor`` off), whose range is known only after that pass.
     """
 
     block_k: int = 64
@@ -104,13 +104,15 @@ class DecodeConfig:
     late_writes: bool = True
     early_epilogue: bool = True
     one_loop: bool = False
-    preload: bool = False
+    preload: int = 0
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k must be a power of two ≥ {MIN_BLOCK}, got {self.block_k}")
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be ≥ 1, got {self.num_splits}")
+        if not 0 <= self.preload <= 4:
+            raise ValueError(f"preload must be a count of blocks in [0, 4], got {self.preload}")
 
 
 # GPU defaults from one H200 sweep (benchmarks/bench_decode_attention.py --sweep, 2026-12-02, jax 0.11.2,
@@ -235,7 +237,7 @@ class _Geom:
     fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
     late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
     one_loop: bool = False  # every live block in one masked loop (``DecodeConfig.one_loop``)
-    preload: bool = False  # the program's first block loaded before the prologue (``DecodeConfig.preload``)
+    preload: int = 0  # the program's first blocks loaded before the prologue (``DecodeConfig.preload``)
     early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
@@ -522,13 +524,13 @@ def _decode_kernel(*refs, g: _Geom):
                 load_lam(start, bk) if g.has_lam else None,
                 r["valid"][pl.ds(start, bk)][None, :] if g.has_valid else None)
 
-    preloaded = blocks = None
-    if g.preload:  # the first block this program attends to, loaded before anything waits on the prologue
+    preloaded, blocks = [], None
+    if g.preload:  # the first blocks this program attends to, loaded before anything waits on the prologue
         blocks = share(lo, hi)
         n_first, n_end, start_n, _ = blocks
-        # newest first with the folded floor; an empty range loads a block it then masks whole (rem keeps it in the ring)
-        first_n = jnp.maximum(n_end - 1, 0) if g.fold_floor else start_n
-        preloaded = (first_n, load_block(physical(first_n)))
+        for j in range(g.preload):  # newest first with the folded floor; a block outside the program's blocks (an
+            n = n_end - 1 - j if g.fold_floor else start_n + j  # empty or short range) is loaded, then masked whole
+            preloaded.append((n, load_block(physical(jnp.maximum(n, 0)))))
     lq = lam_new = epilogue = row_scale = None
     writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
@@ -611,6 +613,8 @@ def _decode_kernel(*refs, g: _Geom):
         if masked:
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             keep = (kpos >= lo) & (kpos < hi)
+            if tiles is not None:  # a preloaded block past this program's share is another split's (or none's)
+                keep = keep & (n < end_n)
             if g.has_valid:
                 keep = keep & (r["valid"][pl.ds(start, bk)][None, :] if valid is None else valid)
             s = jnp.where(keep, s, _NEG_INF)
@@ -640,10 +644,9 @@ def _decode_kernel(*refs, g: _Geom):
             return accumulate(carry[:3], s, start, True, vs) + (cut,)
 
         carry += (jnp.int32(-1),)
-        done = 0
-        if preloaded is not None:  # the newest block (or, for an empty range, a block outside it: masked whole)
-            carry, done = above_floor(preloaded[0], carry, preloaded[1]), 1
-        carry = lax.fori_loop(done, n_end - n_first, lambda i, c: above_floor(n_end - 1 - i, c), carry)
+        for n, tiles in preloaded:  # the newest blocks (below n_first: keys before lo, masked whole)
+            carry = above_floor(n, carry, tiles)
+        carry = lax.fori_loop(len(preloaded), n_end - n_first, lambda i, c: above_floor(n_end - 1 - i, c), carry)
         first = jnp.maximum(lo, carry[3] + 1)
         carry = carry[:3]
         pltriton.store(r["first"].at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32))
@@ -654,10 +657,9 @@ def _decode_kernel(*refs, g: _Geom):
             else:
                 advance()
     else:
-        first_n = start_n
-        if preloaded is not None:  # block start_n, masked (an empty share: a block past its range, masked whole)
-            carry = step(start_n, carry, True, preloaded[1])
-            first_n = jnp.minimum(start_n + 1, end_n)
+        for n, tiles in preloaded:  # blocks start_n, start_n + 1, …, masked (past end_n: masked whole)
+            carry = step(n, carry, True, tiles)
+        first_n = jnp.minimum(start_n + len(preloaded), end_n)
         if g.has_valid or g.one_loop:  # every block with the mask (needed with the slot mask; one pipeline otherwise)
             carry = lax.fori_loop(first_n, end_n, masked_step, carry)
         else:  # blocks [full_a, full_b) lie inside [lo, hi): no element mask
@@ -1101,8 +1103,8 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
                  one_loop=bool(config.one_loop),
-                 preload=bool(config.preload) and not (decay_floor is not None and not (
-                     bool(config.fold_floor) and ns == 1)),
+                 preload=0 if decay_floor is not None and not (bool(config.fold_floor) and ns == 1) else
+                 int(config.preload),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

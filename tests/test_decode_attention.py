@@ -285,21 +285,23 @@ def test_head_dim_chunks_and_config():
     assert PIN_BLOCK == dk.MIN_BLOCK and RING_BLOCK % dk.MIN_BLOCK == 0
 
 
-@pytest.mark.parametrize("splits,append,one_loop", [(1, False, False), (3, False, True), (1, True, False)])
-def test_preload_gives_the_same_values(splits, append, one_loop):
-    """``DecodeConfig.preload`` (each program's first block loaded at the kernel's start and attended before the loop)
-    gives the values of the plain loops: the first block goes through the element mask, which keeps every key of a
-    block inside the range, so the arithmetic is the same (2 float32 ulps: the compiler may contract the peeled and
-    the looped bodies differently); the ring's writes exactly. Ranges of 0 to C keys starting and ending inside
-    blocks (``_ranges``: an empty one, so the preloaded block lies outside its range, and with three splits shares
-    that are empty), with Λ, three loops and one (``one_loop``), and the append step. A first block attended twice or
-    skipped would be off by its share of the softmax."""
+@pytest.mark.parametrize("splits,append,one_loop,preload", [(1, False, False, 1), (3, False, True, 2),
+                                                           (2, False, False, 3), (1, True, False, 2)])
+def test_preload_gives_the_same_values(splits, append, one_loop, preload):
+    """``DecodeConfig.preload`` (each program's first blocks loaded at the kernel's start and attended before the
+    loop) gives the values of the plain loops: those blocks go through the element mask, which keeps every key of a
+    block inside the program's range, so the arithmetic is the same (2 float32 ulps: the compiler may contract the
+    peeled and the looped bodies differently); the ring's writes exactly. Ranges of 0 to C keys starting and ending
+    inside blocks (``_ranges``: an empty one and short ones, so preloaded blocks lie outside the range, and with
+    splits, shares shorter than the preload, whose next blocks are another split's), with Λ, three loops and one
+    (``one_loop``), and the append step. A block attended twice or skipped would be off by its share of the
+    softmax."""
     cap, grp, d = 80, 2, 32
     q, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=5)
     outs = []
-    for preload in (False, True):
+    for count in (0, preload):
         f = functools.partial(dk.flash_decode, scale=d ** -0.5, interpret=jax.default_backend() != "gpu",
-                              config=dk.DecodeConfig(16, splits, one_loop=one_loop, preload=preload))
+                              config=dk.DecodeConfig(16, splits, one_loop=one_loop, preload=count))
         if append:  # the step's key is hi − 1 of each row and head: a range of up to C keys before it
             hi = kw["hi"]
             lo = jnp.maximum(kw["lo"], hi - cap + 1)
@@ -352,8 +354,8 @@ def _first_oracle(lam_q, lam_k, floor, lo, hi):
 
 
 @pytest.mark.parametrize("grp,dtype,splits,fold,preload", [
-    (1, jnp.float32, 1, True, False), (1, jnp.float32, 1, False, False), (4, jnp.bfloat16, 1, True, False),
-    (4, jnp.bfloat16, 3, True, False), (2, jnp.float32, 2, True, False), (4, jnp.float32, 1, True, True)])
+    (1, jnp.float32, 1, True, 0), (1, jnp.float32, 1, False, 0), (4, jnp.bfloat16, 1, True, 0),
+    (4, jnp.bfloat16, 3, True, 0), (2, jnp.float32, 2, True, 0), (4, jnp.float32, 1, True, 2)])
 def test_append_decay_floor(grp, dtype, splits, fold, preload, monkeypatch):
     """``decode_attention_append(..., decay_floor=δ)`` (ACP's eviction in the decode op): the first visible key
     equals the loop oracle (the last key below δ for every query head of the group, plus one — a hidden key in
@@ -363,8 +365,9 @@ def test_append_decay_floor(grp, dtype, splits, fold, preload, monkeypatch):
     [max(first, hi − C), hi) after the write, the ring is written exactly; δ = −inf hides nothing (and a full ring
     then drops its oldest key). With one split the kernel folds the floor's pass into the attention loop (blocks
     newest first; ``DecodeConfig.fold_floor``), and also runs it as a pass of its own (``fold``: False); several
-    splits always make the pass. With ``preload`` the folded loop's newest block is loaded before the prologue and
-    attended before the loop (``DecodeConfig.preload``): the same first key and output. Bad floors name the
+    splits always make the pass. With ``preload`` the folded loop's two newest blocks are loaded before the prologue
+    and attended before the loop (``DecodeConfig.preload``; with a range of one block, the second is one before it):
+    the same first key and output. Bad floors name the
     argument."""
     config = dk.default_decode_config
     monkeypatch.setattr(dk, "default_decode_config",
@@ -758,10 +761,10 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
     assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
     assert lower(1, 64, dk.DecodeConfig(64, 2, one_loop=True), True, None).count("__gpu$xla.gpu.triton") == 1
-    assert lower(6, 96, dk.DecodeConfig(64, 4, preload=True), True, hkv).count("__gpu$xla.gpu.triton") == 1
+    assert lower(6, 96, dk.DecodeConfig(64, 4, preload=2), True, hkv).count("__gpu$xla.gpu.triton") == 1
     for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2)),  # ACP's decode step: append + floor
                         (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False)),  # (the writes first)
-                        (3, dk.DecodeConfig(64, 1, preload=True))):  # (the newest block loaded before the prologue)
+                        (3, dk.DecodeConfig(64, 1, preload=2))):  # (the newest block loaded before the prologue)
         pair = lambda *shape: (sds(shape, jnp.float32),) * 2  # noqa: E731
         f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
         text = jax.jit(lambda q, k, v, lo, hi, lq, lk, kn, vn, fl: f(q, k, v, lo, hi, None, lq, lk, append=(kn, vn, lq),
