@@ -1056,3 +1056,34 @@ def test_bench_quick(tmp_path, monkeypatch):
     assert all(fox.cap % c.block_k == 0 for c in cands) and {c.block_k for c in cands} == {32, 64, 128}
     acp = next(s for s in bench.SHAPES if s.name.startswith("acp"))
     assert max(c.num_splits for c in bench.sweep_candidates(acp, 1) if c.block_k == 64) == 4  # 256 live keys
+
+
+def test_decode_sass_tool_parses_and_condenses():
+    """``benchmarks/checks/decode_sass.py``'s pure parts: opcodes read from an ``nvdisasm`` listing (predicates
+    dropped, addresses required), condensed into the timeline, and variants parsed as DecodeConfig fields with
+    one-line errors naming the flag."""
+    import importlib.util
+    import pathlib
+    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "checks" / "decode_sass.py"
+    spec = importlib.util.spec_from_file_location("decode_sass", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    listing = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+        /*0010*/                   LDG.E.128 R24, desc[UR12][R2.64] ;
+        /*0020*/              @!P4 LDG.E.64 R82, desc[UR12][R82.64] ;
+        /*0030*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0040*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR12][R6.64] ;
+        /*0050*/                   IMAD R2, R3, R4, RZ ;
+        /*0060*/                   IMAD R2, R3, R4, RZ ;
+        .L_x_3:
+        /*0070*/                   EXIT ;"""
+    ops = mod.sass_ops(listing)
+    assert ops == ["LDC", "LDG.E.128", "LDG.E.64", "BAR.SYNC.DEFER_BLOCKING", "LDGSTS.E.BYPASS.128", "IMAD", "IMAD",
+                   "EXIT"]
+    assert mod.timeline(ops) == "[1] LDGx2 BAR LDGSTS [2] EXIT"
+    assert mod.parse_variant("w2:num_warps=2,one_loop=1") == ("w2", {"num_warps": 2, "one_loop": True})
+    with pytest.raises(ValueError, match="--variants 'x:warps=2': expected key=value with key in"):
+        mod.parse_variant("x:warps=2")
+    with pytest.raises(ValueError, match="num_warps takes an int"):
+        mod.parse_variant("x:num_warps=four")
