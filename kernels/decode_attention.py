@@ -94,6 +94,10 @@ class DecodeConfig:
     loads wait for the prologue's last cross-warp reduction). 0: off. The same values (those blocks are attended
     with the element mask, which keeps every key of a block inside the program's range); not with ACP's separate
     floor pass (``fold_floor`` off), whose range is known only after that pass.
+    one_reduction: the fused step's gate pass (the shift and forget-gate logits and, with the folded input norm, the
+    row's x²) in a single cross-warp reduction instead of one per column chunk and per sum (16 reductions of the
+    prologue → 10 for FoX (Pro); ``benchmarks/checks/decode_sass.py`` counts the barriers): the same sums in another
+    order (float32 rounding).
     """
 
     block_k: int = 64
@@ -105,6 +109,7 @@ class DecodeConfig:
     early_epilogue: bool = True
     one_loop: bool = False
     preload: int = 0
+    one_reduction: bool = False
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
@@ -238,6 +243,7 @@ class _Geom:
     late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
     one_loop: bool = False  # every live block in one masked loop (``DecodeConfig.one_loop``)
     preload: int = 0  # the program's first blocks loaded before the prologue (``DecodeConfig.preload``)
+    one_reduction: bool = False  # the gate pass in one cross-warp reduction (``DecodeConfig.one_reduction``)
     early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
@@ -289,7 +295,17 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
 
 
-def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None) -> tuple[list, jax.Array | None]:
+def _gate_chunk(d_in: int) -> int | None:
+    """The column chunk of ``_gate_logits``' single-reduction pass: the largest power of two ≤ 256 dividing d_in (≥ 16),
+    or None."""
+    size = 256
+    while size >= MIN_BLOCK and d_in % size:
+        size //= 2
+    return size if size >= MIN_BLOCK else None
+
+
+def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None,
+                 one_reduction: bool = False) -> tuple[list, jax.Array | None]:
     """Fused step: the float32 gate logits a program needs, one [width] vector per spec (member, offset, col, width,
     mask, valid): columns col … col + width − 1 of the gate projection ``member`` (0, 1: the k and v shifts, then
     the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the program's
@@ -298,13 +314,57 @@ def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None) -> tuple
     once, one reduction for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are
     filled, the others are 0. With ``x_norm_eps`` x is the un-normalised row and the table holds s ⊙ W (an RMSNorm's
     scale folded in): the same pass sums x² too, and the logits are r · (x · table) + bias with r = rsqrt(mean(x²) +
-    eps) = the norm's row scale. Returns (the logits, r as a float32 scalar or None)."""
+    eps) = the norm's row scale. With ``one_reduction`` (``DecodeConfig.one_reduction``) the products of every chunk are
+    summed elementwise first (equal chunks, ``_gate_chunk``) and x² takes the table's padding row when it has one, so
+    a single cross-warp reduction gives every gate and the row's x² (the same sums in another order). Returns (the
+    logits, r as a float32 scalar or None)."""
     if "gate_x" not in r:
         load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
         rows = r["gate_rows"]
         return [load(rows.at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs], None
     sums = squares = row_scale = None
-    d_in = r["gate_x"].shape[0]
+    d_in, n_rows = r["gate_x"].shape[0], r["gate_wt"].shape[0]
+    used = max(member + (1 if mask is None else valid) for member, _, _, _, mask, valid in specs)
+    width = _gate_chunk(d_in) if one_reduction else None
+    if width is not None:  # every chunk's products summed elementwise, x² in a spare row: one reduction at the end
+        spare = x_norm_eps is not None and used < n_rows  # the table's last row is padding (zeros, bias 0)
+        rows2 = lax.broadcasted_iota(jnp.int32, (n_rows, width), 0)
+        prods = xsq = None
+        for off in range(0, d_in, width):
+            x = pltriton.load(r["gate_x"].at[pl.ds(off, width)]).astype(jnp.float32)[None, :]
+            part = pltriton.load(r["gate_wt"].at[:, pl.ds(off, width)]) * x  # [P, width]
+            if spare:
+                part = jnp.where(rows2 == n_rows - 1, x * x, part)
+            elif x_norm_eps is not None:
+                xsq = x * x if xsq is None else xsq + x * x
+            prods = part if prods is None else prods + part
+        sums = jnp.sum(prods, axis=1)  # [P]
+        # every value the program needs moved to a lane of one vector in a single reduction over the rows (the rows
+        # lie across warps, the lanes then in every warp): lane j ← row ``wanted[j]``'s sum (the specs' rows, then
+        # x²), lane n + j ← its bias
+        wanted = [member + j for member, _, _, _, mask, valid in specs for j in range(1 if mask is None else valid)]
+        wanted += [n_rows - 1] if spare else []
+        n = _pow2_at_least(len(wanted), 1)
+        rows_l = lax.broadcasted_iota(jnp.int32, (n_rows, 2 * n), 0)
+        lanes_l = lax.broadcasted_iota(jnp.int32, (n_rows, 2 * n), 1)
+        pick = functools.reduce(jnp.logical_or, [(lax.rem(lanes_l, n) == j) & (rows_l == m)
+                                                 for j, m in enumerate(wanted)])
+        both = jnp.where(lanes_l < n, sums[:, None], pltriton.load(r["gate_bt"].at[:])[:, None])
+        got = jnp.sum(jnp.where(pick, both, 0.0), axis=0)  # [2n]
+        lane = lax.broadcasted_iota(jnp.int32, (2 * n,), 0)
+        value = lambda j: jnp.sum(jnp.where(lane == j, got, 0.0))  # noqa: E731  (within a warp)
+        if x_norm_eps is not None:
+            row_scale = lax.rsqrt((value(len(wanted) - 1) if spare else jnp.sum(xsq)) / d_in + x_norm_eps)
+        outs, j = [], 0
+        for member, _, _, w, mask, valid in specs:
+            lanes_w = lax.broadcasted_iota(jnp.int32, (w,), 0)
+            vec = 0.0
+            for i in range(1 if mask is None else valid):
+                logit = value(j) if row_scale is None else value(j) * row_scale
+                vec = jnp.where(lanes_w == i, logit + value(n + j), vec)
+                j += 1
+            outs.append(vec)
+        return outs, row_scale
     for off, size in head_dim_chunks(d_in):
         x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[None, :]
         part = jnp.sum(pltriton.load(r["gate_wt"].at[:, pl.ds(off, size)]) * x, axis=1)  # [P]
@@ -373,14 +433,15 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     if st.gates:
         specs.append((2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad, row_ok[:, 0],
                       g.group))
-    logits, row_scale = _gate_logits(r, specs, st.x_norm_eps) if specs else ([], None)
+    logits, row_scale = _gate_logits(r, specs, st.x_norm_eps, g.one_reduction) if specs else ([], None)
     if row_scale is not None:  # the rows are of the un-normalised x: scaled as the norm would have (in float32)
         qs, ks, vs = ([(x.astype(f32) * row_scale).astype(dt) for x in xs] for xs in (qs, ks, vs))
     if st.shift:
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
         out = []
         for raw, which in ((ks, 0), (vs, 1)):
-            a = jax.nn.sigmoid(jnp.sum(logits[which]))
+            # the shift's logit: a [1] vector, broadcast (no reduction) with ``one_reduction``
+            a = jax.nn.sigmoid(logits[which] if g.one_reduction else jnp.sum(logits[which]))
             shifted = []
             for x, (off, size) in zip(raw, g.chunks):
                 prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
@@ -1104,7 +1165,7 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
                  one_loop=bool(config.one_loop),
                  preload=0 if decay_floor is not None and not (bool(config.fold_floor) and ns == 1) else
-                 int(config.preload),
+                 int(config.preload), one_reduction=bool(config.one_reduction),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

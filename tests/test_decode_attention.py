@@ -691,6 +691,44 @@ def test_append_step_with_the_norm_folded(grp, dtype, splits):
         run(folded.replace(gate_x=None, gate_weights=None))
 
 
+@pytest.mark.parametrize("grp,d_in,folded", [(1, 48, True), (2, 48, True), (1, 64, False)])
+def test_one_reduction_gives_the_same_step(grp, d_in, folded, monkeypatch):
+    """``DecodeConfig.one_reduction`` (the kernel's gate pass summed over equal column chunks first, x² in the gate
+    table's padding row or, with none spare, summed beside: one cross-warp reduction) gives the fused step of the
+    per-chunk pass (interpret, float32): the output, the ring's entries and Λ to 1e-6 (the same products summed in
+    another order), the raw carries exactly without the fold (with it they are the raw rows times r). Cases: the folded input norm with a spare table row (G = 1: k and v
+    shifts and one gate in a table of 4 rows), without one (G = 2: 4 rows of 4), and the plain norm (d_in 64: one
+    chunk). A gate or x² summed twice or dropped would move Λ by the gate's log σ."""
+    from fox_jax.ops.decode_attention import DecodeStep
+
+    config = dk.default_decode_config
+    cap, d, eps = 80, 32, 1e-5
+    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.float32, False, seed=7 + grp,
+                                                                        d_in=d_in)
+    if folded:  # the rows of an un-normalised x, the norm's scale in the gate weights (as the model's fold)
+        rng = np.random.default_rng(5)
+        x = jnp.asarray(rng.standard_normal((_B, 1, d_in)) * 3.0, jnp.float32)
+        s = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d_in), jnp.float32)
+        ops = ops.replace(gate_x=x, x_norm_eps=eps, gate_weights=tuple((s[:, None] * w, b) for w, b in ops.gate_weights))
+    _, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=grp)
+    hi = jnp.int32(2 * cap + 21)
+    seq_start = jnp.asarray(int(hi) - 1 - np.array([0, 40]), jnp.int32)
+    lo = jnp.asarray(np.int32(hi) - np.array([[cap, 1, 17], [cap - 3, 40, 2]]), jnp.int32)
+    outs = []
+    for one in (False, True):
+        monkeypatch.setattr(dk, "default_decode_config", lambda *a, **kw_: dataclasses.replace(
+            config(*a, **kw_), one_reduction=one))
+        f = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=1))
+        outs.append(f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=kw["lam_k"],
+                      step=DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev)))
+    base, one = outs
+    for a, b_ in ((one.o, base.o), (one.k, base.k), (one.v, base.v), (one.lam_k[0], base.lam_k[0]),
+                  (one.carry[1][0], base.carry[1][0]), (one.carry[0], base.carry[0])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-6, rtol=1e-6)
+    if not folded:  # the raw k, v carried as read (folded: scaled by r first, which moves by an ulp)
+        np.testing.assert_array_equal(np.asarray(one.carry[0]), np.asarray(base.carry[0]))
+
+
 @pytest.mark.parametrize("grp,dtype,splits,n_out,group", [(1, jnp.float32, 1, 48, None), (2, jnp.bfloat16, 1, 32, None),
                                                          (2, jnp.float32, 3, 48, None), (1, jnp.float32, 1, 40, None),
                                                          (1, jnp.float32, 1, 48, (2, 0))])
