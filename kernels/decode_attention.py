@@ -84,20 +84,6 @@ class DecodeConfig:
     there) instead of before it, so that no barrier stands between the program's first loads and the loop's K/V
     loads; early_epilogue: the fused step's output norm scales and output gate logits loaded with the prologue's
     inputs instead of after the loop (one round trip to memory fewer on the program's path). Neither changes a value.
-    one_loop: the live blocks in one loop, each with the element mask, instead of three (the masked first and last
-    blocks around an unmasked middle): the software pipeline's loads then run ahead across the whole range instead of
-    refilling at each of the two boundaries (on a short ring, 4 blocks of ``window:256``, most of the loop's time may be
-    those fills). The same values: a block inside the range loses nothing to the mask.
-    preload: the program's first ``preload`` blocks of keys (K, V, Λ_k, the slot mask) loaded at the kernel's start,
-    before the fused step's prologue (gate logits, norms, shifts) and the query's loads, and attended to before the
-    loop: their memory round trip then runs under the prologue's arithmetic instead of after it (the loop's own first
-    loads wait for the prologue's last cross-warp reduction). 0: off. The same values (those blocks are attended
-    with the element mask, which keeps every key of a block inside the program's range); not with ACP's separate
-    floor pass (``fold_floor`` off), whose range is known only after that pass.
-    one_reduction: the fused step's gate pass (the shift and forget-gate logits and, with the folded input norm, the
-    row's x²) in a single cross-warp reduction instead of one per column chunk and per sum (16 reductions of the
-    prologue → 10 for FoX (Pro); ``benchmarks/checks/decode_sass.py`` counts the barriers): the same sums in another
-    order (float32 rounding).
     """
 
     block_k: int = 64
@@ -107,17 +93,12 @@ class DecodeConfig:
     fold_floor: bool = True
     late_writes: bool = True
     early_epilogue: bool = True
-    one_loop: bool = False
-    preload: int = 0
-    one_reduction: bool = False
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
             raise ValueError(f"block_k must be a power of two ≥ {MIN_BLOCK}, got {self.block_k}")
         if self.num_splits < 1:
             raise ValueError(f"num_splits must be ≥ 1, got {self.num_splits}")
-        if not 0 <= self.preload <= 4:
-            raise ValueError(f"preload must be a count of blocks in [0, 4], got {self.preload}")
 
 
 # GPU defaults from one H200 sweep (benchmarks/bench_decode_attention.py --sweep, 2026-12-02, jax 0.11.2,
@@ -241,9 +222,6 @@ class _Geom:
     has_floor: bool = False  # a decay floor per query head hides the ring's oldest keys (ACP); first visible out
     fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
     late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
-    one_loop: bool = False  # every live block in one masked loop (``DecodeConfig.one_loop``)
-    preload: int = 0  # the program's first blocks loaded before the prologue (``DecodeConfig.preload``)
-    one_reduction: bool = False  # the gate pass in one cross-warp reduction (``DecodeConfig.one_reduction``)
     early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
@@ -295,94 +273,72 @@ def _rms_chunks(xs, scales, eps: float, d: int, dtype):
     return [(x * inv * w).astype(dtype) for x, w in zip(xs, scales)]
 
 
-def _gate_chunk(d_in: int) -> int | None:
-    """The column chunk of ``_gate_logits``' single-reduction pass: the largest power of two ≤ 256 dividing d_in (≥ 16),
-    or None."""
+def _gate_chunk(d_in: int) -> int:
+    """The column chunk of ``_gate_logits``' pass: the largest power of two ≤ 256 dividing d_in (a multiple of 16)."""
     size = 256
-    while size >= MIN_BLOCK and d_in % size:
+    while d_in % size:
         size //= 2
-    return size if size >= MIN_BLOCK else None
+    return size
 
 
-def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None,
-                 one_reduction: bool = False) -> tuple[list, jax.Array | None]:
+def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None) -> tuple[list, jax.Array | None]:
     """Fused step: the float32 gate logits a program needs, one [width] vector per spec (member, offset, col, width,
     mask, valid): columns col … col + width − 1 of the gate projection ``member`` (0, 1: the k and v shifts, then
-    the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x and the program's
-    rows of the gate table (``gate_table``: row ``member`` for a shift, rows ``member`` … member + G − 1 for the
-    group's forget gates) in one pass over d_in in power-of-two chunks: each chunk of x and of the table loaded
-    once, one reduction for every gate. ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes are
-    filled, the others are 0. With ``x_norm_eps`` x is the un-normalised row and the table holds s ⊙ W (an RMSNorm's
-    scale folded in): the same pass sums x² too, and the logits are r · (x · table) + bias with r = rsqrt(mean(x²) +
-    eps) = the norm's row scale. With ``one_reduction`` (``DecodeConfig.one_reduction``) the products of every chunk are
-    summed elementwise first (equal chunks, ``_gate_chunk``) and x² takes the table's padding row when it has one, so
-    a single cross-warp reduction gives every gate and the row's x² (the same sums in another order). Returns (the
-    logits, r as a float32 scalar or None)."""
+    the forget gates), read from ``gate_rows`` (at offset + col), or computed from the row's x (d_in a multiple of 16)
+    and the program's rows of the gate table (``gate_table``: row ``member`` for a shift, rows ``member`` … member +
+    G − 1 for the group's forget gates). ``mask`` [width] or None: with a mask only the first ``valid`` (static) lanes
+    are filled, the others are 0. With ``x_norm_eps`` x is the un-normalised row and the table holds s ⊙ W (an
+    RMSNorm's scale folded in): the same pass sums x² too, and the logits are r · (x · table) + bias with r =
+    rsqrt(mean(x²) + eps) = the norm's row scale. Returns (the logits, r as a float32 scalar or None).
+
+    One pass over d_in in equal chunks (``_gate_chunk``), each chunk of x and of the table loaded once and their
+    products summed elementwise; then two reductions in all: over the columns, and over the table's rows gathering
+    every value the program needs into the lanes of one vector (its gates' sums and biases, and x² — in the table's
+    padding row when it has one, else summed beside), which each warp then reads from its own registers. Each
+    cross-warp reduction is a round trip through shared memory behind a barrier: a reduction per chunk and a
+    gather per gate made the fused step's prologue 31 barriers long for FoX (Pro) 125M, this 14
+    (``benchmarks/checks/decode_sass.py``)."""
     if "gate_x" not in r:
         load = lambda ref, m: pltriton.load(ref, mask=m, other=0.0) if m is not None else pltriton.load(ref)  # noqa: E731
         rows = r["gate_rows"]
         return [load(rows.at[pl.ds(offset + col, width)], mask) for _, offset, col, width, mask, _ in specs], None
-    sums = squares = row_scale = None
     d_in, n_rows = r["gate_x"].shape[0], r["gate_wt"].shape[0]
-    used = max(member + (1 if mask is None else valid) for member, _, _, _, mask, valid in specs)
-    width = _gate_chunk(d_in) if one_reduction else None
-    if width is not None:  # every chunk's products summed elementwise, x² in a spare row: one reduction at the end
-        spare = x_norm_eps is not None and used < n_rows  # the table's last row is padding (zeros, bias 0)
-        rows2 = lax.broadcasted_iota(jnp.int32, (n_rows, width), 0)
-        prods = xsq = None
-        for off in range(0, d_in, width):
-            x = pltriton.load(r["gate_x"].at[pl.ds(off, width)]).astype(jnp.float32)[None, :]
-            part = pltriton.load(r["gate_wt"].at[:, pl.ds(off, width)]) * x  # [P, width]
-            if spare:
-                part = jnp.where(rows2 == n_rows - 1, x * x, part)
-            elif x_norm_eps is not None:
-                xsq = x * x if xsq is None else xsq + x * x
-            prods = part if prods is None else prods + part
-        sums = jnp.sum(prods, axis=1)  # [P]
-        # every value the program needs moved to a lane of one vector in a single reduction over the rows (the rows
-        # lie across warps, the lanes then in every warp): lane j ← row ``wanted[j]``'s sum (the specs' rows, then
-        # x²), lane n + j ← its bias
-        wanted = [member + j for member, _, _, _, mask, valid in specs for j in range(1 if mask is None else valid)]
-        wanted += [n_rows - 1] if spare else []
-        n = _pow2_at_least(len(wanted), 1)
-        rows_l = lax.broadcasted_iota(jnp.int32, (n_rows, 2 * n), 0)
-        lanes_l = lax.broadcasted_iota(jnp.int32, (n_rows, 2 * n), 1)
-        pick = functools.reduce(jnp.logical_or, [(lax.rem(lanes_l, n) == j) & (rows_l == m)
-                                                 for j, m in enumerate(wanted)])
-        both = jnp.where(lanes_l < n, sums[:, None], pltriton.load(r["gate_bt"].at[:])[:, None])
-        got = jnp.sum(jnp.where(pick, both, 0.0), axis=0)  # [2n]
-        lane = lax.broadcasted_iota(jnp.int32, (2 * n,), 0)
-        value = lambda j: jnp.sum(jnp.where(lane == j, got, 0.0))  # noqa: E731  (within a warp)
-        if x_norm_eps is not None:
-            row_scale = lax.rsqrt((value(len(wanted) - 1) if spare else jnp.sum(xsq)) / d_in + x_norm_eps)
-        outs, j = [], 0
-        for member, _, _, w, mask, valid in specs:
-            lanes_w = lax.broadcasted_iota(jnp.int32, (w,), 0)
-            vec = 0.0
-            for i in range(1 if mask is None else valid):
-                logit = value(j) if row_scale is None else value(j) * row_scale
-                vec = jnp.where(lanes_w == i, logit + value(n + j), vec)
-                j += 1
-            outs.append(vec)
-        return outs, row_scale
-    for off, size in head_dim_chunks(d_in):
-        x = pltriton.load(r["gate_x"].at[pl.ds(off, size)]).astype(jnp.float32)[None, :]
-        part = jnp.sum(pltriton.load(r["gate_wt"].at[:, pl.ds(off, size)]) * x, axis=1)  # [P]
-        sums = part if sums is None else sums + part
-        if x_norm_eps is not None:
-            sq = jnp.sum(x * x)
-            squares = sq if squares is None else squares + sq
+    wanted = [member + j for member, _, _, _, mask, valid in specs for j in range(1 if mask is None else valid)]
+    spare = x_norm_eps is not None and max(wanted) + 1 < n_rows  # the table's last row is padding (zeros, bias 0)
+    width = _gate_chunk(d_in)
+    rows = lax.broadcasted_iota(jnp.int32, (n_rows, width), 0)
+    prods = xsq = None
+    for off in range(0, d_in, width):
+        x = pltriton.load(r["gate_x"].at[pl.ds(off, width)]).astype(jnp.float32)[None, :]
+        part = pltriton.load(r["gate_wt"].at[:, pl.ds(off, width)]) * x  # [P, width]
+        if spare:
+            part = jnp.where(rows == n_rows - 1, x * x, part)
+        elif x_norm_eps is not None:
+            xsq = x * x if xsq is None else xsq + x * x
+        prods = part if prods is None else prods + part
+    sums = jnp.sum(prods, axis=1)  # [P]
+    # lane j ← the sum of row wanted[j] (the specs' rows, then x²'s), lane n + j ← its bias
+    wanted += [n_rows - 1] if spare else []
+    n = _pow2_at_least(len(wanted), 1)
+    rows = lax.broadcasted_iota(jnp.int32, (n_rows, 2 * n), 0)
+    lanes = lax.broadcasted_iota(jnp.int32, (n_rows, 2 * n), 1)
+    pick = functools.reduce(jnp.logical_or, [(lax.rem(lanes, n) == j) & (rows == m) for j, m in enumerate(wanted)])
+    both = jnp.where(lanes < n, sums[:, None], pltriton.load(r["gate_bt"].at[:])[:, None])
+    got = jnp.sum(jnp.where(pick, both, 0.0), axis=0)  # [2n], in every warp
+    lane = lax.broadcasted_iota(jnp.int32, (2 * n,), 0)
+    value = lambda j: jnp.sum(jnp.where(lane == j, got, 0.0))  # noqa: E731  (within a warp)
+    row_scale = None
     if x_norm_eps is not None:
-        row_scale = lax.rsqrt(squares / d_in + x_norm_eps)
-        sums = sums * row_scale
-    sums = sums + pltriton.load(r["gate_bt"].at[:])
-    rows = lax.broadcasted_iota(jnp.int32, sums.shape, 0)
-    outs = []
-    for member, _, _, width, mask, valid in specs:
-        lanes = lax.broadcasted_iota(jnp.int32, (width,), 0)
-        n = 1 if mask is None else valid  # the member's rows: member, member + 1, … (a group's forget gates)
-        outs.append(sum(jnp.where(lanes == j, jnp.sum(jnp.where(rows == member + j, sums, 0.0)), 0.0)
-                        for j in range(n)))
+        row_scale = lax.rsqrt((value(len(wanted) - 1) if spare else jnp.sum(xsq)) / d_in + x_norm_eps)
+    outs, j = [], 0
+    for member, _, _, w, mask, valid in specs:
+        lanes_w = lax.broadcasted_iota(jnp.int32, (w,), 0)
+        vec = jnp.zeros((w,), jnp.float32)
+        for i in range(1 if mask is None else valid):  # the member's rows: member, member + 1, … (a group's gates)
+            logit = value(j) if row_scale is None else value(j) * row_scale
+            vec = jnp.where(lanes_w == i, logit + value(n + j), vec)
+            j += 1
+        outs.append(vec)
     return outs, row_scale
 
 
@@ -433,15 +389,14 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     if st.gates:
         specs.append((2 if st.shift else 0, 2 * hkv if st.shift else 0, head * g.group, g.group_pad, row_ok[:, 0],
                       g.group))
-    logits, row_scale = _gate_logits(r, specs, st.x_norm_eps, g.one_reduction) if specs else ([], None)
+    logits, row_scale = _gate_logits(r, specs, st.x_norm_eps) if specs else ([], None)
     if row_scale is not None:  # the rows are of the un-normalised x: scaled as the norm would have (in float32)
         qs, ks, vs = ([(x.astype(f32) * row_scale).astype(dt) for x in xs] for xs in (qs, ks, vs))
     if st.shift:
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
         out = []
         for raw, which in ((ks, 0), (vs, 1)):
-            # the shift's logit: a [1] vector, broadcast (no reduction) with ``one_reduction``
-            a = jax.nn.sigmoid(logits[which] if g.one_reduction else jnp.sum(logits[which]))
+            a = jax.nn.sigmoid(logits[which])  # [1]: broadcast, no reduction
             shifted = []
             for x, (off, size) in zip(raw, g.chunks):
                 prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
@@ -564,34 +519,6 @@ def _decode_kernel(*refs, g: _Geom):
         at_pin = (pos_new >= 0) & (pos_new < g.sinks)  # its ring column is behind the ring's start (≥ seq_start + S)
         with_new = with_new | at_pin
         pin_slot = (jnp.clip(pos_new, 0, g.pin_slots - 1), at_pin)
-    def physical(n):  # the first slot of the ring's logical block n (the blocks start after the pinned slots)
-        return pl.multiple_of(g.pin_slots + lax.rem(n, g.n_blocks) * bk, min(bk, g.pin_slots or bk))
-
-    def share(lo, hi):  # this program's share of the logical blocks [n_first, n_end): equal shares of the live blocks
-        n_first = lax.div(lo, bk)
-        n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), n_first)
-        per = lax.div(n_end - n_first + (g.num_splits - 1), g.num_splits)
-        start_n = jnp.minimum(n_first + pl.program_id(1) * per, n_end)
-        return n_first, n_end, start_n, jnp.minimum(start_n + per, n_end)
-
-    def load_lam(start, size):  # the block's Λ_k pair, [1, size] (G = 1) or [Gp, size] float32
-        if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
-            return tuple(r[n][pl.ds(start, size)][None, :] for n in ("lk_hi", "lk_lo"))
-        return tuple(pltriton.load(r[n].at[:, pl.ds(start, size)], mask=row_ok, other=0.0) for n in ("lk_hi", "lk_lo"))
-
-    def load_block(start):  # (K chunks, V chunks, Λ_k pair or None, slot mask or None) of the block at ``start``
-        return ([k_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in g.chunks],
-                [v_ref[pl.ds(start, bk), pl.ds(off, size)] for off, size in g.chunks],
-                load_lam(start, bk) if g.has_lam else None,
-                r["valid"][pl.ds(start, bk)][None, :] if g.has_valid else None)
-
-    preloaded, blocks = [], None
-    if g.preload:  # the first blocks this program attends to, loaded before anything waits on the prologue
-        blocks = share(lo, hi)
-        n_first, n_end, start_n, _ = blocks
-        for j in range(g.preload):  # newest first with the folded floor; a block outside the program's blocks (an
-            n = n_end - 1 - j if g.fold_floor else start_n + j  # empty or short range) is loaded, then masked whole
-            preloaded.append((n, load_block(physical(jnp.maximum(n, 0)))))
     lq = lam_new = epilogue = row_scale = None
     writes = []
     if g.step is not None:  # the raw projections: the layer's per-head work here
@@ -620,9 +547,17 @@ def _decode_kernel(*refs, g: _Geom):
             write()
         writes = []
 
-    def decay_block(start, size=bk, lk=None):  # [Gp or 1, size] float32 Λ_q − Λ_k of the block at slot ``start``
-        lk_hi, lk_lo = load_lam(start, size) if lk is None else lk
+    def decay_block(start, size=bk):  # [Gp or 1, size] float32 Λ_q − Λ_k of the block at physical slot ``start``
+        if g.group == 1:  # one row of Λ_k per block, broadcast over the (padding) rows
+            lk_hi = r["lk_hi"][pl.ds(start, size)][None, :]
+            lk_lo = r["lk_lo"][pl.ds(start, size)][None, :]
+        else:
+            lk_hi = pltriton.load(r["lk_hi"].at[:, pl.ds(start, size)], mask=row_ok, other=0.0)
+            lk_lo = pltriton.load(r["lk_lo"].at[:, pl.ds(start, size)], mask=row_ok, other=0.0)
         return (lq[0][:, None] - lk_hi) + (lq[1][:, None] - lk_lo)
+
+    def physical(n):  # the first slot of the ring's logical block n (the blocks start after the pinned slots)
+        return pl.multiple_of(g.pin_slots + lax.rem(n, g.n_blocks) * bk, min(bk, g.pin_slots or bk))
 
     # ACP's floor with one split (``fold``): the floor's pass over Λ_k is the attention loop itself, blocks newest
     # first (the first hidden key met is the last one; every older key is masked), so Λ_k is loaded once per block.
@@ -642,44 +577,43 @@ def _decode_kernel(*refs, g: _Geom):
         else:
             advance()
 
-    n_first, n_end, start_n, end_n = blocks if blocks is not None else share(lo, hi)
+    # This program's share of the logical blocks [n_first, n_end): equal shares of the live blocks.
+    n_first = lax.div(lo, bk)
+    n_end = jnp.where(hi > lo, lax.div(hi + (bk - 1), bk), n_first)
+    per = lax.div(n_end - n_first + (g.num_splits - 1), g.num_splits)
+    start_n = jnp.minimum(n_first + pl.program_id(1) * per, n_end)
+    end_n = jnp.minimum(start_n + per, n_end)
 
-    def scores(start, n_keys=bk, ks=None):  # [Gp, n_keys] float32 scale · q·k of the block at physical slot ``start``
+    def scores(start, n_keys=bk):  # [Gp, n_keys] float32 scale · q·k of the block at physical slot ``start``
         s = None
-        for j, (q, (off, size)) in enumerate(zip(qs, g.chunks)):
-            part = _dot(q, k_ref[pl.ds(start, n_keys), pl.ds(off, size)] if ks is None else ks[j], 1, 1, g.exact_dot)
+        for q, (off, size) in zip(qs, g.chunks):
+            part = _dot(q, k_ref[pl.ds(start, n_keys), pl.ds(off, size)], 1, 1, g.exact_dot)
             s = part if s is None else s + part
         return s * g.scale
 
-    def accumulate(carry, s, start, masked: bool, vs=None):  # the online softmax over one block's scores s [Gp, keys]
+    def accumulate(carry, s, start):  # the online softmax over one block's scores s [Gp, keys] (−inf: masked)
         accs, m_i, l_i = carry
         m_new = jnp.maximum(m_i, jnp.max(s, axis=1))
-        m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) if masked else m_new
-        m_base = m_base * LOG2E
+        m_base = jnp.where(m_new == _NEG_INF, 0.0, m_new) * LOG2E
         alpha = jnp.exp2(m_i * LOG2E - m_base)
         p = jnp.exp2(s * LOG2E - m_base[:, None])
         l_new = l_i * alpha + jnp.sum(p, axis=1)
         new_accs = []
-        for j, (acc, (off, size)) in enumerate(zip(accs, g.chunks)):
-            v = v_ref[pl.ds(start, s.shape[1]), pl.ds(off, size)] if vs is None else vs[j]
+        for acc, (off, size) in zip(accs, g.chunks):
+            v = v_ref[pl.ds(start, s.shape[1]), pl.ds(off, size)]
             new_accs.append(acc * alpha[:, None] + _dot(p.astype(v.dtype), v, 1, 0, g.exact_dot))
         return tuple(new_accs), m_new, l_new
 
-    def step(n, carry, masked: bool, tiles=None):  # ``tiles``: the block's loads (``load_block``), or None: load here
+    def step(n, carry):  # block n, its keys outside [lo, hi) (and invalid slots) masked
         start = physical(n)  # physical slot of logical key n·bk
-        ks, vs, lk, valid = (None,) * 4 if tiles is None else tiles
-        s = scores(start, ks=ks)
+        s = scores(start)
         if g.has_lam:
-            s = s + decay_block(start, lk=lk)
-        if masked:
-            kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
-            keep = (kpos >= lo) & (kpos < hi)
-            if tiles is not None:  # a preloaded block past this program's share is another split's (or none's)
-                keep = keep & (n < end_n)
-            if g.has_valid:
-                keep = keep & (r["valid"][pl.ds(start, bk)][None, :] if valid is None else valid)
-            s = jnp.where(keep, s, _NEG_INF)
-        return accumulate(carry, s, start, masked, vs)
+            s = s + decay_block(start)
+        kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
+        keep = (kpos >= lo) & (kpos < hi)
+        if g.has_valid:
+            keep = keep & r["valid"][pl.ds(start, bk)][None, :]
+        return accumulate(carry, jnp.where(keep, s, _NEG_INF), start)
 
     carry = (tuple(jnp.zeros((gp, size), jnp.float32) for _, size in g.chunks),
              jnp.full((gp,), _NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
@@ -688,26 +622,22 @@ def _decode_kernel(*refs, g: _Geom):
         if g.has_lam:
             s = s + decay_block(0, g.pin_slots)
         kpos = lax.broadcasted_iota(jnp.int32, (1, g.pin_slots), 1)
-        carry = accumulate(carry, jnp.where((kpos < n_pinned) & (pl.program_id(1) == 0), s, _NEG_INF), 0, True)
-    masked_step = functools.partial(step, masked=True)
+        carry = accumulate(carry, jnp.where((kpos < n_pinned) & (pl.program_id(1) == 0), s, _NEG_INF), 0)
     if fold:
         floor = pltriton.load(r["floor"].at[:], mask=row_ok[:, 0], other=0.0)
         oldest = hi + 1 - cap  # the oldest key is tested (for ``first``, the ring's overflow), never read
 
-        def above_floor(n, carry, tiles=None):  # block n: the floor's test and its keys above the cut
+        def step_above_floor(i, carry):  # block n_end − 1 − i: newest first
+            n = n_end - 1 - i
             start = physical(n)
-            ks, vs, lk, _ = (None,) * 4 if tiles is None else tiles
-            decay = decay_block(start, lk=lk)
+            decay = decay_block(start)
             kpos = n * bk + lax.broadcasted_iota(jnp.int32, (1, bk), 1)
             inside = (kpos >= lo) & (kpos < hi)
             cut = jnp.maximum(carry[3], _last_hidden(decay, floor, kpos, inside, row_ok))
-            s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start, ks=ks) + decay, _NEG_INF)
-            return accumulate(carry[:3], s, start, True, vs) + (cut,)
+            s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start) + decay, _NEG_INF)
+            return accumulate(carry[:3], s, start) + (cut,)
 
-        carry += (jnp.int32(-1),)
-        for n, tiles in preloaded:  # the newest blocks (below n_first: keys before lo, masked whole)
-            carry = above_floor(n, carry, tiles)
-        carry = lax.fori_loop(len(preloaded), n_end - n_first, lambda i, c: above_floor(n_end - 1 - i, c), carry)
+        carry = lax.fori_loop(0, n_end - n_first, step_above_floor, carry + (jnp.int32(-1),))
         first = jnp.maximum(lo, carry[3] + 1)
         carry = carry[:3]
         pltriton.store(r["first"].at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32))
@@ -717,18 +647,10 @@ def _decode_kernel(*refs, g: _Geom):
                 writes.append(advance)
             else:
                 advance()
-    else:
-        for n, tiles in preloaded:  # blocks start_n, start_n + 1, …, masked (past end_n: masked whole)
-            carry = step(n, carry, True, tiles)
-        first_n = jnp.minimum(start_n + len(preloaded), end_n)
-        if g.has_valid or g.one_loop:  # every block with the mask (needed with the slot mask; one pipeline otherwise)
-            carry = lax.fori_loop(first_n, end_n, masked_step, carry)
-        else:  # blocks [full_a, full_b) lie inside [lo, hi): no element mask
-            full_a = jnp.clip(lax.div(lo + (bk - 1), bk), first_n, end_n)
-            full_b = jnp.clip(lax.div(hi, bk), full_a, end_n)
-            carry = lax.fori_loop(first_n, full_a, masked_step, carry)
-            carry = lax.fori_loop(full_a, full_b, functools.partial(step, masked=False), carry)
-            carry = lax.fori_loop(full_b, end_n, masked_step, carry)
+    else:  # every block of the share in one loop with the element mask (one software pipeline across the range: three
+        # loops — the masked first and last blocks around an unmasked middle — refilled it at both boundaries, which
+        # cost a window:256 step 7 µs on an H100, 2026-12-07; the mask keeps every key of a block inside the range)
+        carry = lax.fori_loop(start_n, end_n, step, carry)
     accs, m_i, l_i = carry
     if g.append:
         accs, m_i, l_i = _append_new_key(g, r, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i,
@@ -1163,9 +1085,6 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
-                 one_loop=bool(config.one_loop),
-                 preload=0 if decay_floor is not None and not (bool(config.fold_floor) and ns == 1) else
-                 int(config.preload), one_reduction=bool(config.one_reduction),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

@@ -117,37 +117,6 @@ def test_matches_reference(cap, grp, d, dtype, lam, valid_nt, splits):
         np.testing.assert_array_equal(np.asarray(o[0, 0], np.float32), 0.0)  # exactly 0, never NaN
 
 
-@pytest.mark.parametrize("splits,append", [(1, False), (3, False), (1, True)])
-def test_one_loop_gives_the_same_values(splits, append):
-    """``DecodeConfig.one_loop`` (every live block in one masked loop, one software pipeline) gives the output of
-    the three loops (masked first and last blocks around an unmasked middle), since a block inside the range loses
-    nothing to the mask: the same arithmetic, equal to 2 float32 ulps (1e-6 of outputs of order 1; the compiler may
-    contract the two loop bodies' multiply-adds differently: observed 1 ulp); the ring's writes exactly. Ranges of 0
-    to C keys starting and ending inside blocks (``_ranges``), with Λ, one and three splits, and the append step (the
-    entry joining from registers, the ring written). A loop that skipped or repeated a block would be off by its
-    share of the softmax."""
-    cap, grp, d = 80, 2, 32
-    q, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=4)
-    outs = []
-    for one_loop in (False, True):
-        f = functools.partial(dk.flash_decode, scale=d ** -0.5, interpret=jax.default_backend() != "gpu",
-                              config=dk.DecodeConfig(16, splits, one_loop=one_loop))  # (the Triton kernel on a GPU)
-        if append:  # the step's key is hi − 1 of each row and head: a range of up to C keys before it
-            hi = kw["hi"]
-            lo = jnp.maximum(kw["lo"], hi - cap + 1)
-            outs.append(jax.jit(f)(q, k, v, lo, hi, None, kw["lam_q"], kw["lam_k"],
-                                   append=(k[:, :, 0], v[:, :, 1], kw["lam_q"])))
-        else:
-            outs.append(jax.jit(f)(q, k, v, kw["lo"], kw["hi"], None, kw["lam_q"], kw["lam_k"]))
-    o0, o1 = (x[0] if append else x for x in outs)
-    np.testing.assert_allclose(np.asarray(o1), np.asarray(o0), atol=1e-6, rtol=1e-6)
-    for a, b_ in zip(jax.tree_util.tree_leaves(outs[0][1:] if append else ()),
-                     jax.tree_util.tree_leaves(outs[1][1:] if append else ())):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
-    if not append:
-        assert _err(outs[1], decode_attention_reference(q, k, v, **kw)) <= _tol(jnp.float32)
-
-
 def test_narrow_range_forms():
     """lo / hi as [B, 1] (one range per row, as a ring's shared start) or scalars (as a decode step's length + 1) give
     what their broadcast [B, Hkv] gives, in every implementation (the kernel reads them without a broadcast copy);
@@ -285,36 +254,6 @@ def test_head_dim_chunks_and_config():
     assert PIN_BLOCK == dk.MIN_BLOCK and RING_BLOCK % dk.MIN_BLOCK == 0
 
 
-@pytest.mark.parametrize("splits,append,one_loop,preload", [(1, False, False, 1), (3, False, True, 2),
-                                                           (2, False, False, 3), (1, True, False, 2)])
-def test_preload_gives_the_same_values(splits, append, one_loop, preload):
-    """``DecodeConfig.preload`` (each program's first blocks loaded at the kernel's start and attended before the
-    loop) gives the values of the plain loops: those blocks go through the element mask, which keeps every key of a
-    block inside the program's range, so the arithmetic is the same (2 float32 ulps: the compiler may contract the
-    peeled and the looped bodies differently); the ring's writes exactly. Ranges of 0 to C keys starting and ending
-    inside blocks (``_ranges``: an empty one and short ones, so preloaded blocks lie outside the range, and with
-    splits, shares shorter than the preload, whose next blocks are another split's), with Λ, three loops and one
-    (``one_loop``), and the append step. A block attended twice or skipped would be off by its share of the
-    softmax."""
-    cap, grp, d = 80, 2, 32
-    q, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=5)
-    outs = []
-    for count in (0, preload):
-        f = functools.partial(dk.flash_decode, scale=d ** -0.5, interpret=jax.default_backend() != "gpu",
-                              config=dk.DecodeConfig(16, splits, one_loop=one_loop, preload=count))
-        if append:  # the step's key is hi − 1 of each row and head: a range of up to C keys before it
-            hi = kw["hi"]
-            lo = jnp.maximum(kw["lo"], hi - cap + 1)
-            outs.append(jax.jit(f)(q, k, v, lo, hi, None, kw["lam_q"], kw["lam_k"],
-                                   append=(k[:, :, 0], v[:, :, 1], kw["lam_q"])))
-        else:
-            outs.append((jax.jit(f)(q, k, v, kw["lo"], kw["hi"], None, kw["lam_q"], kw["lam_k"]),))
-    base, pre = outs
-    np.testing.assert_allclose(np.asarray(pre[0]), np.asarray(base[0]), rtol=0, atol=2e-6)
-    for a, b_ in zip(jax.tree.leaves(pre[1:]), jax.tree.leaves(base[1:])):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b_))
-
-
 def _floor_case(rng, cap, grp, lo, hi):
     """Λ pairs at |Λ| ≈ 600 whose decay falls with the key's age at a rate per query head (logical key j of the
     ring [lo, hi) lives in slot j mod C), and the floors that hide the oldest part of each range for every head
@@ -353,10 +292,10 @@ def _first_oracle(lam_q, lam_k, floor, lo, hi):
     return first
 
 
-@pytest.mark.parametrize("grp,dtype,splits,fold,preload", [
-    (1, jnp.float32, 1, True, 0), (1, jnp.float32, 1, False, 0), (4, jnp.bfloat16, 1, True, 0),
-    (4, jnp.bfloat16, 3, True, 0), (2, jnp.float32, 2, True, 0), (4, jnp.float32, 1, True, 2)])
-def test_append_decay_floor(grp, dtype, splits, fold, preload, monkeypatch):
+@pytest.mark.parametrize("grp,dtype,splits,fold", [(1, jnp.float32, 1, True), (1, jnp.float32, 1, False),
+                                                   (4, jnp.bfloat16, 1, True), (4, jnp.bfloat16, 3, True),
+                                                   (2, jnp.float32, 2, True)])
+def test_append_decay_floor(grp, dtype, splits, fold, monkeypatch):
     """``decode_attention_append(..., decay_floor=δ)`` (ACP's eviction in the decode op): the first visible key
     equals the loop oracle (the last key below δ for every query head of the group, plus one — a hidden key in
     the middle takes the older keys with it), exactly, in the Pallas kernel (interpret) and the XLA path, for
@@ -365,13 +304,10 @@ def test_append_decay_floor(grp, dtype, splits, fold, preload, monkeypatch):
     [max(first, hi − C), hi) after the write, the ring is written exactly; δ = −inf hides nothing (and a full ring
     then drops its oldest key). With one split the kernel folds the floor's pass into the attention loop (blocks
     newest first; ``DecodeConfig.fold_floor``), and also runs it as a pass of its own (``fold``: False); several
-    splits always make the pass. With ``preload`` the folded loop's two newest blocks are loaded before the prologue
-    and attended before the loop (``DecodeConfig.preload``; with a range of one block, the second is one before it):
-    the same first key and output. Bad floors name the
-    argument."""
+    splits always make the pass. Bad floors name the argument."""
     config = dk.default_decode_config
     monkeypatch.setattr(dk, "default_decode_config",
-                        lambda *a, **kw: dataclasses.replace(config(*a, **kw), fold_floor=fold, preload=preload))
+                        lambda *a, **kw: dataclasses.replace(config(*a, **kw), fold_floor=fold))
     cap, d = 80, 32
     rng = np.random.default_rng(grp)
     q, k, v, _ = _inputs(cap, grp, d, dtype, False, None, seed=grp)
@@ -691,44 +627,6 @@ def test_append_step_with_the_norm_folded(grp, dtype, splits):
         run(folded.replace(gate_x=None, gate_weights=None))
 
 
-@pytest.mark.parametrize("grp,d_in,folded", [(1, 48, True), (2, 48, True), (1, 64, False)])
-def test_one_reduction_gives_the_same_step(grp, d_in, folded, monkeypatch):
-    """``DecodeConfig.one_reduction`` (the kernel's gate pass summed over equal column chunks first, x² in the gate
-    table's padding row or, with none spare, summed beside: one cross-warp reduction) gives the fused step of the
-    per-chunk pass (interpret, float32): the output, the ring's entries and Λ to 1e-6 (the same products summed in
-    another order), the raw carries exactly without the fold (with it they are the raw rows times r). Cases: the folded input norm with a spare table row (G = 1: k and v
-    shifts and one gate in a table of 4 rows), without one (G = 2: 4 rows of 4), and the plain norm (d_in 64: one
-    chunk). A gate or x² summed twice or dropped would move Λ by the gate's log σ."""
-    from fox_jax.ops.decode_attention import DecodeStep
-
-    config = dk.default_decode_config
-    cap, d, eps = 80, 32, 1e-5
-    ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, jnp.float32, False, seed=7 + grp,
-                                                                        d_in=d_in)
-    if folded:  # the rows of an un-normalised x, the norm's scale in the gate weights (as the model's fold)
-        rng = np.random.default_rng(5)
-        x = jnp.asarray(rng.standard_normal((_B, 1, d_in)) * 3.0, jnp.float32)
-        s = jnp.asarray(1.0 + 0.3 * rng.standard_normal(d_in), jnp.float32)
-        ops = ops.replace(gate_x=x, x_norm_eps=eps, gate_weights=tuple((s[:, None] * w, b) for w, b in ops.gate_weights))
-    _, k, v, kw = _inputs(cap, grp, d, jnp.float32, True, None, seed=grp)
-    hi = jnp.int32(2 * cap + 21)
-    seq_start = jnp.asarray(int(hi) - 1 - np.array([0, 40]), jnp.int32)
-    lo = jnp.asarray(np.int32(hi) - np.array([[cap, 1, 17], [cap - 3, 40, 2]]), jnp.int32)
-    outs = []
-    for one in (False, True):
-        monkeypatch.setattr(dk, "default_decode_config", lambda *a, **kw_: dataclasses.replace(
-            config(*a, **kw_), one_reduction=one))
-        f = jax.jit(functools.partial(decode_attention_append, implementation="pallas", num_splits=1))
-        outs.append(f(q, k, v, k_new, v_new, lo=lo, hi=hi, lam_k=kw["lam_k"],
-                      step=DecodeStep(ops, seq_start, shift_state, log_fgate, lam_prev)))
-    base, one = outs
-    for a, b_ in ((one.o, base.o), (one.k, base.k), (one.v, base.v), (one.lam_k[0], base.lam_k[0]),
-                  (one.carry[1][0], base.carry[1][0]), (one.carry[0], base.carry[0])):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b_), atol=1e-6, rtol=1e-6)
-    if not folded:  # the raw k, v carried as read (folded: scaled by r first, which moves by an ulp)
-        np.testing.assert_array_equal(np.asarray(one.carry[0]), np.asarray(base.carry[0]))
-
-
 @pytest.mark.parametrize("grp,dtype,splits,n_out,group", [(1, jnp.float32, 1, 48, None), (2, jnp.bfloat16, 1, 32, None),
                                                          (2, jnp.float32, 3, 48, None), (1, jnp.float32, 1, 40, None),
                                                          (1, jnp.float32, 1, 48, (2, 0))])
@@ -780,9 +678,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     pairs and a per-head slot mask (G = 6, D = 96 as two column chunks, 4 splits), with Λ at G = 1 (one
     row per block, one split), and without Λ with a shared slot mask, ACP's decode step (append and decay floor)
     with and without the fused per-head work (``StepArrays``: gate logits computed in the kernel, or read from
-    ``gate_rows`` with a head group; with one split the output projection too) and the ring's tables, and a ring behind pinned sink slots, with
-    the first block preloaded (``DecodeConfig.preload``), so a change that breaks the Triton lowering fails here,
-    not first on the GPU."""
+    ``gate_rows`` with a head group; with one split the output projection too) and the ring's tables, and a ring behind pinned sink slots, so a change that
+    breaks the Triton lowering fails here, not first on the GPU."""
     sds = jax.ShapeDtypeStruct
     b, hkv, cap = 2, 2, 1024
 
@@ -798,11 +695,8 @@ def test_kernel_lowers_to_triton_for_cuda():
     assert lower(6, 96, dk.DecodeConfig(64, 4), True, hkv).count("__gpu$xla.gpu.triton") == 1
     assert lower(1, 64, dk.DecodeConfig(128, 1), True, None).count("__gpu$xla.gpu.triton") == 1
     assert lower(2, 128, dk.DecodeConfig(32, 2), False, 1).count("__gpu$xla.gpu.triton") == 1
-    assert lower(1, 64, dk.DecodeConfig(64, 2, one_loop=True), True, None).count("__gpu$xla.gpu.triton") == 1
-    assert lower(6, 96, dk.DecodeConfig(64, 4, preload=2), True, hkv).count("__gpu$xla.gpu.triton") == 1
     for grp, config in ((1, dk.DecodeConfig(64, 1)), (3, dk.DecodeConfig(64, 2)),  # ACP's decode step: append + floor
-                        (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False)),  # (the writes first)
-                        (3, dk.DecodeConfig(64, 1, preload=2))):  # (the newest block loaded before the prologue)
+                        (1, dk.DecodeConfig(64, 1, late_writes=False, early_epilogue=False))):  # (the writes first)
         pair = lambda *shape: (sds(shape, jnp.float32),) * 2  # noqa: E731
         f = functools.partial(dk.flash_decode, scale=0.125, config=config, interpret=False)
         text = jax.jit(lambda q, k, v, lo, hi, lq, lk, kn, vn, fl: f(q, k, v, lo, hi, None, lq, lk, append=(kn, vn, lq),
@@ -1120,7 +1014,7 @@ def test_decode_sass_tool_parses_and_condenses():
     assert ops == ["LDC", "LDG.E.128", "LDG.E.64", "BAR.SYNC.DEFER_BLOCKING", "LDGSTS.E.BYPASS.128", "IMAD", "IMAD",
                    "EXIT"]
     assert mod.timeline(ops) == "[1] LDGx2 BAR LDGSTS [2] EXIT"
-    assert mod.parse_variant("w2:num_warps=2,one_loop=1") == ("w2", {"num_warps": 2, "one_loop": True})
+    assert mod.parse_variant("w2:num_warps=2,fold_floor=0") == ("w2", {"num_warps": 2, "fold_floor": False})
     with pytest.raises(ValueError, match="--variants 'x:warps=2': expected key=value with key in"):
         mod.parse_variant("x:warps=2")
     with pytest.raises(ValueError, match="num_warps takes an int"):
