@@ -990,14 +990,15 @@ def test_bench_quick(tmp_path, monkeypatch):
     assert max(c.num_splits for c in bench.sweep_candidates(acp, 1) if c.block_k == 64) == 4  # 256 live keys
 
 
-def test_decode_sass_tool_parses_and_condenses():
+def test_decode_sass_tool_parses_and_condenses(monkeypatch):
     """``benchmarks/checks/decode_sass.py``'s pure parts: opcodes read from an ``nvdisasm`` listing (predicates
     dropped, addresses required), condensed into the timeline, and variants parsed as DecodeConfig fields with
     one-line errors naming the flag."""
     import importlib.util
     import pathlib
-    path = pathlib.Path(__file__).parents[1] / "benchmarks" / "checks" / "decode_sass.py"
-    spec = importlib.util.spec_from_file_location("decode_sass", path)
+    checks = pathlib.Path(__file__).parents[1] / "benchmarks" / "checks"
+    monkeypatch.syspath_prepend(str(checks))  # its sibling module, as when run as a script
+    spec = importlib.util.spec_from_file_location("decode_sass", checks / "decode_sass.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     listing = """

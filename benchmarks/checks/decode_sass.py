@@ -10,8 +10,8 @@ gate pass in one reduction took the FoX (Pro) step's prologue from 31 barriers t
 8.5 µs a layer (H100): at ~15 ns a barrier costs little; the chain's memory round trips are the rest.
 
 Lowers ``flash_decode`` for CUDA on this CPU machine in one of three forms (the call the models make), captures the
-Triton IR (``jax._src.pallas.triton.lowering.lower_jaxpr_to_triton_module``, a private JAX function), compiles it
-with Triton for sm_90 and disassembles it with the bundled ``ptxas`` / ``nvdisasm``. Needs ``pip install
+Triton IR and compiles it with Triton for sm_90 (``_triton_sm90.py``, shared with ``offline_triton_check.py``), and
+disassembles it with the bundled ``nvdisasm``. Needs ``pip install
 triton==3.6.0`` (the CPU wheel works; nothing runs on a device).
 
     python benchmarks/checks/decode_sass.py                                  # FoX (Pro) 125M acp step, B8, C 128
@@ -37,10 +37,9 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-import jax._src.pallas.triton.lowering as triton_lowering
-import jax._src.pallas.triton.pallas_call_registration as triton_registration
-
 from fox_jax.kernels import decode_attention as dk
+
+from _triton_sm90 import captured_triton_ir, compile_sm90  # a sibling module (benchmarks/checks/ on sys.path)
 
 FORMS = ("acp", "window", "plain")
 _KEY_OPS = ("LDG", "LDGSTS", "BAR", "SHFL", "MUFU", "HMMA", "STG", "BRA", "LDS", "STS", "DEPBAR", "EXIT")
@@ -50,22 +49,13 @@ def capture_ttir(config: dk.DecodeConfig, form: str, b: int, hkv: int, grp: int,
     """Triton IR (text) of the decode kernel of one call in ``form``: ``acp`` (the fused step of FoX (Pro): raw
     projection rows, KV-shift, QK-norm, Λ, the folded input norm, output norm and gate, the ring's tables, ACP's
     decay floor), ``window`` (the same without the floor), ``plain`` (GPT-2's: q, the new k and v, no Λ)."""
-    captured = []
-    original = triton_lowering.lower_jaxpr_to_triton_module
-
-    def hook(*args, **kwargs):
-        result = original(*args, **kwargs)
-        captured.append(result.module.operation.get_asm(enable_debug_info=False))
-        return result
-
     sds = jax.ShapeDtypeStruct
     bf16, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
     pair = lambda *shape: (sds(shape, f32),) * 2  # noqa: E731
     f = functools.partial(dk.flash_decode, scale=d ** -0.5, config=config, interpret=False)
     q, k, v = sds((b, hkv, grp, d), bf16), sds((b, hkv, cap, d), bf16), sds((b, hkv, cap, d), bf16)
     kn, vn = sds((b, hkv, d), bf16), sds((b, hkv, d), bf16)
-    triton_registration.lowering.lower_jaxpr_to_triton_module = hook
-    try:
+    with captured_triton_ir() as captured:
         if form == "plain":
             jax.jit(lambda q, k, v, lo, hi, kn, vn: f(q, k, v, lo, hi, append=(kn, vn, None))).trace(
                 q, k, v, sds((b, hkv), i32), sds((), i32), kn, vn).lower(lowering_platforms=("cuda",))
@@ -81,8 +71,6 @@ def capture_ttir(config: dk.DecodeConfig, form: str, b: int, hkv: int, grp: int,
                 q, k, v, lo, hi, None, None, lk, append=(kn, vn, None), decay_floor=fl, step=st, tables=tb)).trace(
                 q, k, v, sds((b, hkv), i32), sds((), i32), pair(b, hkv, grp, cap), kn, vn, floor, step,
                 (sds((b, hkv), i32),) * 3).lower(lowering_platforms=("cuda",))
-    finally:
-        triton_registration.lowering.lower_jaxpr_to_triton_module = original
     if len(captured) != 1:
         raise RuntimeError(f"expected one Triton kernel, captured {len(captured)}")
     return captured[0]
@@ -113,23 +101,10 @@ def timeline(ops: list[str]) -> str:
 
 def analyse(ir: str, config: dk.DecodeConfig, tmp: str) -> dict:
     """Compile ``ir`` for sm_90 and count what the program passes."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    binp = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = os.path.join(tmp, "k.ttir")
-    with open(path, "w") as fh:
-        fh.write(ir)
-    kernel = triton.compile(path, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=config.num_warps, num_stages=config.num_stages))
-    with open(os.path.join(tmp, "k.ptx"), "w") as fh:
-        fh.write(kernel.asm["ptx"])
-    cubin = os.path.join(tmp, "k.cubin")
-    out = subprocess.run([os.path.join(binp, "ptxas"), "-v", "--gpu-name=sm_90a", os.path.join(tmp, "k.ptx"),
-                          "-o", cubin], capture_output=True, text=True, check=True)
-    regs = re.search(r"Used (\d+) registers", out.stderr)
-    spills = re.search(r"(\d+) bytes spill stores", out.stderr)
-    sass = subprocess.run([os.path.join(binp, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
+    kernel, report, cubin, tools = compile_sm90(ir, config.num_warps, config.num_stages, tmp)
+    regs = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    sass = subprocess.run([os.path.join(tools, "nvdisasm"), "-c", cubin], capture_output=True, text=True,
                           check=True).stdout
     ops = sass_ops(sass)
     first_copy = next((i for i, op in enumerate(ops) if op.startswith("LDGSTS")), len(ops))
