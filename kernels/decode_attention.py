@@ -306,13 +306,13 @@ def _gate_logits(r: dict, specs: list, x_norm_eps: float | None = None) -> tuple
     wanted = [member + j for member, _, _, _, mask, valid in specs for j in range(1 if mask is None else valid)]
     spare = x_norm_eps is not None and max(wanted) + 1 < n_rows  # the table's last row is padding (zeros, bias 0)
     width = _gate_chunk(d_in)
-    rows = lax.broadcasted_iota(jnp.int32, (n_rows, width), 0)
+    last_row = lax.broadcasted_iota(jnp.int32, (n_rows, width), 0) == n_rows - 1
     prods = xsq = None
     for off in range(0, d_in, width):
         x = pltriton.load(r["gate_x"].at[pl.ds(off, width)]).astype(jnp.float32)[None, :]
         part = pltriton.load(r["gate_wt"].at[:, pl.ds(off, width)]) * x  # [P, width]
         if spare:
-            part = jnp.where(rows == n_rows - 1, x * x, part)
+            part = jnp.where(last_row, x * x, part)
         elif x_norm_eps is not None:
             xsq = x * x if xsq is None else xsq + x * x
         prods = part if prods is None else prods + part
