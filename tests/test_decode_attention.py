@@ -1020,3 +1020,7 @@ def test_decode_sass_tool_parses_and_condenses(monkeypatch):
         mod.parse_variant("x:warps=2")
     with pytest.raises(ValueError, match="num_warps takes an int"):
         mod.parse_variant("x:num_warps=four")
+    with pytest.raises(ValueError, match="fold_floor takes 0 or 1, got '2'"):
+        mod.parse_variant("x:fold_floor=2")
+    with pytest.raises(SystemExit):  # argparse's one-line error, before anything compiles
+        mod.main(["--variants", "x:block_k=48"])

@@ -127,8 +127,13 @@ def parse_variant(spec: str) -> tuple[str, dict]:
         if not eq or key not in fields:
             raise ValueError(f"--variants {spec!r}: expected key=value with key in {', '.join(sorted(fields))}, "
                              f"got {item!r}")
+        if fields[key].type in (bool, "bool"):
+            if value not in ("0", "1"):
+                raise ValueError(f"--variants {spec!r}: {key} takes 0 or 1, got {value!r}")
+            settings[key] = value == "1"
+            continue
         try:
-            settings[key] = bool(int(value)) if fields[key].type in (bool, "bool") else int(value)
+            settings[key] = int(value)
         except ValueError:
             raise ValueError(f"--variants {spec!r}: {key} takes an int, got {value!r}") from None
     return name, settings
@@ -151,13 +156,18 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     base = dk.default_decode_config(args.batch * args.kv_heads, args.capacity, head_dim=args.head_dim,
                                     group=args.group, lam=args.form != "plain")
+    variants = []
+    for spec in args.variants:  # every variant checked before the first compile
+        try:
+            name, settings = parse_variant(spec)
+            variants.append((name, dataclasses.replace(base, **settings)))
+        except ValueError as e:
+            ap.error(str(e))
     rows = []
     print(f"{'variant':<12} {'regs':>4} {'spill':>5} {'smem KB':>7} {'instr':>6} {'BAR':>4} {'BAR<loop':>8} "
           f"{'instr<loop':>10} {'SHFL':>5} {'LDG':>4} {'LDGSTS':>6}")
     with tempfile.TemporaryDirectory() as tmp:
-        for spec in args.variants:
-            name, settings = parse_variant(spec)
-            config = dataclasses.replace(base, **settings)
+        for name, config in variants:
             ir = capture_ttir(config, args.form, args.batch, args.kv_heads, args.group, args.head_dim, args.d_model,
                               args.capacity)
             row = dict(variant=name, form=args.form, config=dataclasses.asdict(config), **analyse(ir, config, tmp))
