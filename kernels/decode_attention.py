@@ -369,14 +369,13 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     does them after a barrier, once every thread of the program has read the carries (global memory is not ordered
     between a program's threads). With ``x_norm_eps`` the rows are of the un-normalised x and are scaled by its row
     scale r (``_gate_logits``) first. Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
-    (Λ hi, lo) [Gp] or None, the carries' writes: a list of thunks, r or None)."""
+    (Λ hi, lo) [Gp] or None, the raw k and v chunks that the shift's carry takes (a pair of lists) or None, r or
+    None); ``_carry_writes`` makes the carries' writes of them."""
     st, dt = g.step, r["rows"].dtype
     f32 = jnp.float32
     hkv = st.kv_heads
     n_call = st.kv_heads if st.group_heads is None else len(st.group_heads)
     head = layer_head(lax.rem(pl.program_id(0), n_call), st.group_heads)  # this program's kv head in the layer
-    writer = pl.program_id(1) == 0
-    writes = []
     qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
           for off, size in g.chunks]
     ks = [pltriton.load(r["rows"].at[st.q_heads + head, pl.ds(off, size)]) for off, size in g.chunks]
@@ -392,18 +391,17 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     logits, row_scale = _gate_logits(r, specs, st.x_norm_eps) if specs else ([], None)
     if row_scale is not None:  # the rows are of the un-normalised x: scaled as the norm would have (in float32)
         qs, ks, vs = ([(x.astype(f32) * row_scale).astype(dt) for x in xs] for xs in (qs, ks, vs))
+    raw = None
     if st.shift:
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
-        out = []
-        for raw, which in ((ks, 0), (vs, 1)):
+        raw, out = (ks, vs), []
+        for xs, which in ((ks, 0), (vs, 1)):
             a = jax.nn.sigmoid(logits[which])  # [1]: broadcast, no reduction
             shifted = []
-            for x, (off, size) in zip(raw, g.chunks):
+            for x, (off, size) in zip(xs, g.chunks):
                 prev = pltriton.load(r["shift_state"].at[jnp.int32(which), pl.ds(off, size)]).astype(f32)
                 prev = jnp.where(keep, prev, 0.0)
                 shifted.append((a * prev + (1.0 - a) * x.astype(f32)).astype(dt))
-                writes.append(functools.partial(pltriton.store, r["shift_out"].at[jnp.int32(which), pl.ds(off, size)],
-                                                x, mask=jnp.full((size,), writer)))
             out.append(shifted)
         ks, vs = out
     if st.k_norm:
@@ -421,11 +419,22 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
         lf = jnp.where((pos >= 0) & row_ok[:, 0], lf, 0.0)  # a pad adds no gate
         prev = tuple(pltriton.load(r[n].at[:], mask=row_ok[:, 0], other=0.0) for n in ("lp_hi", "lp_lo"))
         lam = pair_add(prev, (lf, jnp.zeros_like(lf)))
-        names = ("lp_hi_out", "lp_lo_out") if g.num_splits == 1 else ("lp_hi_new", "lp_lo_new")  # in place, or not
-        if names[0] in r:
-            writes += [functools.partial(pltriton.store, r[n].at[:], x, mask=row_ok[:, 0] & writer)
-                       for n, x in zip(names, lam)]
-    return qs, ks, vs, lam, writes, row_scale
+    return qs, ks, vs, lam, raw, row_scale
+
+
+def _carry_writes(g: _Geom, r: dict, raw, lam, row_ok) -> list:
+    """Fused step: the carries' writes as thunks, split 0's only: the raw k̃, ṽ chunks (``raw``) into the shift's
+    carry, Λ (``lam``) in place with one split, else to a new array (the other splits read Λ_prev)."""
+    writer = pl.program_id(1) == 0
+    writes = []
+    for xs, which in zip(raw or (), (0, 1)):
+        writes += [functools.partial(pltriton.store, r["shift_out"].at[jnp.int32(which), pl.ds(off, size)], x,
+                                     mask=jnp.full((size,), writer)) for x, (off, size) in zip(xs, g.chunks)]
+    names = ("lp_hi_out", "lp_lo_out") if g.num_splits == 1 else ("lp_hi_new", "lp_lo_new")  # in place, or not
+    if lam is not None and names[0] in r:
+        writes += [functools.partial(pltriton.store, r[n].at[:], x, mask=row_ok[:, 0] & writer)
+                   for n, x in zip(names, lam)]
+    return writes
 
 
 def _epilogue_operands(g: _Geom, r: dict, row_ok):
@@ -524,8 +533,8 @@ def _decode_kernel(*refs, g: _Geom):
     if g.step is not None:  # the raw projections: the layer's per-head work here
         if g.early_epilogue and g.num_splits == 1:
             epilogue = _epilogue_operands(g, r, row_ok)
-        qs, k_new, v_new, lq, writes, row_scale = _step_prologue(g, r, row_ok)
-        lam_new = lq
+        qs, k_new, v_new, lq, raw, row_scale = _step_prologue(g, r, row_ok)
+        writes, lam_new = _carry_writes(g, r, raw, lq, row_ok), lq
     else:
         qs = [pltriton.load(r["q"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
         if g.has_lam:
