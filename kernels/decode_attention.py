@@ -372,9 +372,9 @@ def _step_prologue(g: _Geom, r: dict, row_ok, head):
     decode GEMM's output, read in place), the shift and gate logits ``_gate_logits``. Every split computes
     it; split 0 writes the carries (raw k̃, ṽ in place; Λ in place with one split, else to a new array: the other
     splits read Λ_prev while split 0 would overwrite it). Other splits' k and v read a carry split 0 may
-    be writing, but they only enter split 0's softmax and ring write. The writes are returned, not done: the kernel
-    does them after a barrier, once every thread of the program has read the carries (global memory is not ordered
-    between a program's threads). With ``x_norm_eps`` the rows are of the un-normalised x and are scaled by its row
+    be writing, but they only enter split 0's softmax and ring write. The carries' new values are returned, not
+    written: the kernel writes them (``_carry_writes``) after a barrier, once every thread of the program has read
+    the carries (global memory is not ordered between a program's threads). With ``x_norm_eps`` the rows are of the un-normalised x and are scaled by its row
     scale r (``_gate_logits``) first. Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
     (Λ hi, lo) [Gp] or None, the raw k and v chunks that the shift's carry takes (a pair of lists) or None, r or
     None); ``_carry_writes`` makes the carries' writes of them. ``head``: the program's kv head in the layer
