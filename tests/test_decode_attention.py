@@ -995,7 +995,7 @@ def test_bench_quick(tmp_path, monkeypatch):
 def test_decode_sass_tool_parses_and_condenses(monkeypatch):
     """``benchmarks/checks/decode_sass.py``'s pure parts: opcodes read from an ``nvdisasm`` listing (predicates
     dropped, addresses required), condensed into the timeline, and variants parsed as DecodeConfig fields with
-    one-line errors naming the flag."""
+    one-line errors naming the flag (``profile_decode.py``'s parser, the kernel's keys only)."""
     import importlib.util
     import pathlib
     checks = pathlib.Path(__file__).parents[1] / "benchmarks" / "checks"
@@ -1018,11 +1018,13 @@ def test_decode_sass_tool_parses_and_condenses(monkeypatch):
                    "EXIT"]
     assert mod.timeline(ops) == "[1] LDGx2 BAR LDGSTS [2] EXIT"
     assert mod.parse_variant("w2:num_warps=2,fold_floor=0") == ("w2", {"num_warps": 2, "fold_floor": False})
-    with pytest.raises(ValueError, match="--variants 'x:warps=2': expected key=value with key in"):
+    with pytest.raises(ValueError, match="--kernel-variants 'x:warps=2': expected key=value with key in"):
         mod.parse_variant("x:warps=2")
     with pytest.raises(ValueError, match="num_warps takes an int"):
         mod.parse_variant("x:num_warps=four")
     with pytest.raises(ValueError, match="fold_floor takes 0 or 1, got '2'"):
         mod.parse_variant("x:fold_floor=2")
+    with pytest.raises(ValueError, match="norm not a key of the decode kernel's DecodeConfig"):
+        mod.parse_variant("x:norm=applied")  # profile_decode's step switch: not the kernel's code
     with pytest.raises(SystemExit):  # argparse's one-line error, before anything compiles
-        mod.main(["--variants", "x:block_k=48"])
+        mod.main(["--kernel-variants", "x:block_k=48"])

@@ -15,7 +15,7 @@ disassembles it with the bundled ``nvdisasm``. Needs ``pip install
 triton==3.6.0`` (the CPU wheel works; nothing runs on a device).
 
     python benchmarks/checks/decode_sass.py                                  # FoX (Pro) 125M acp step, B8, C 128
-    python benchmarks/checks/decode_sass.py --form window --capacity 256 --variants base w2:num_warps=2
+    python benchmarks/checks/decode_sass.py --form window --capacity 256 --kernel-variants base w2:num_warps=2
     python benchmarks/checks/decode_sass.py --form plain --batch 32 --capacity 1024 --timeline
 
 ``--timeline`` prints the SASS condensed to its loads, stores, barriers, shuffles, tensor-core and special-function
@@ -40,6 +40,9 @@ import jax.numpy as jnp
 from fox_jax.kernels import decode_attention as dk
 
 from _triton_sm90 import captured_triton_ir, compile_sm90  # a sibling module (benchmarks/checks/ on sys.path)
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from profile_decode import parse_kernel_variant  # noqa: E402  (benchmarks/: the variants' one parser)
 
 FORMS = ("acp", "window", "plain")
 _KEY_OPS = ("LDG", "LDGSTS", "BAR", "SHFL", "MUFU", "HMMA", "STG", "BRA", "LDS", "STS", "DEPBAR", "EXIT")
@@ -118,24 +121,18 @@ def analyse(ir: str, config: dk.DecodeConfig, tmp: str) -> dict:
 
 
 def parse_variant(spec: str) -> tuple[str, dict]:
-    """``name`` or ``name:key=value,...`` with keys of ``DecodeConfig`` (ints; 0/1 for its switches)."""
-    name, _, rest = spec.partition(":")
-    fields = {f.name: f for f in dataclasses.fields(dk.DecodeConfig)}
-    settings = {}
-    for item in [x for x in rest.split(",") if x]:
-        key, eq, value = item.partition("=")
-        if not eq or key not in fields:
-            raise ValueError(f"--variants {spec!r}: expected key=value with key in {', '.join(sorted(fields))}, "
-                             f"got {item!r}")
-        if fields[key].type in (bool, "bool"):
-            if value not in ("0", "1"):
-                raise ValueError(f"--variants {spec!r}: {key} takes 0 or 1, got {value!r}")
-            settings[key] = value == "1"
-            continue
-        try:
-            settings[key] = int(value)
-        except ValueError:
-            raise ValueError(f"--variants {spec!r}: {key} takes an int, got {value!r}") from None
+    """``name`` or ``name:key=value,...`` as ``profile_decode.py --kernel-variants`` reads it, keys of ``DecodeConfig``
+    only (the others change the step around the kernel, not its code).
+
+    Raises:
+      ValueError: an unknown key, a bad value, or a key that is not the kernel's.
+    """
+    name, settings = parse_kernel_variant(spec)
+    fields = {f.name for f in dataclasses.fields(dk.DecodeConfig)}
+    other = sorted(set(settings) - fields)
+    if other:
+        raise ValueError(f"--kernel-variants {spec!r}: {', '.join(other)} not a key of the decode kernel's "
+                         f"DecodeConfig ({', '.join(sorted(fields))})")
     return name, settings
 
 
@@ -149,7 +146,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--d-model", type=int, default=768, help="the gate projections' input (the fused step)")
     ap.add_argument("--capacity", type=int, default=128, help="ring slots per (row, key/value head)")
-    ap.add_argument("--variants", nargs="*", default=["base"], metavar="NAME[:KEY=VALUE,...]",
+    ap.add_argument("--kernel-variants", nargs="*", default=["base"], metavar="NAME[:KEY=VALUE,...]",
                     help="DecodeConfig changes from the GPU default of this shape, one row each")
     ap.add_argument("--timeline", action="store_true", help="print each variant's condensed SASS")
     ap.add_argument("--json", help="write the rows here")
@@ -157,7 +154,7 @@ def main(argv=None) -> int:
     base = dk.default_decode_config(args.batch * args.kv_heads, args.capacity, head_dim=args.head_dim,
                                     group=args.group, lam=args.form != "plain")
     variants = []
-    for spec in args.variants:  # every variant checked before the first compile
+    for spec in args.kernel_variants:  # every variant checked before the first compile
         try:
             name, settings = parse_variant(spec)
             variants.append((name, dataclasses.replace(base, **settings)))
