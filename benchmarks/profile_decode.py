@@ -234,7 +234,8 @@ def print_report(row: dict) -> None:
     print(f"  {'ms/step':>8} {'calls':>6}  {'category':<11} kernel (its HLO op where the name differs)")
     for r in row["kernels"][:10]:
         hlo = r["hlo_op"] if r["hlo_op"] != r["kernel"] else ""
-        print(f"  {r['ms']:8.4f} {r['calls']:6.1f}  {r['category']:<11} {r['kernel'][:60]} {hlo[:40]}")
+        tiling = f"  [{r['shape']} {r['tiling']}]" if r.get("tiling") else ""  # XLA's GEMM tiles (autotuned)
+        print(f"  {r['ms']:8.4f} {r['calls']:6.1f}  {r['category']:<11} {r['kernel'][:60]} {hlo[:40]}{tiling}")
 
 
 def main(argv=None):

@@ -266,6 +266,7 @@ class HloInfo:
     fused_ops: tuple[str, ...] = ()
     root: str = ""
     target: str = ""
+    tiling: str = ""  # a Triton GEMM fusion's tiles as XLA chose them (autotuned on the device), ``gemm_tiling``
 
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
@@ -283,6 +284,7 @@ def parse_hlo(text: str) -> dict[str, HloInfo]:
     section = None
     comps: dict[str, list[str]] = {}
     roots: dict[str, str] = {}
+    dot_k: dict[str, str] = {}
     infos: dict[str, HloInfo] = {}
     current = None
     for line in text.splitlines():
@@ -328,9 +330,13 @@ def parse_hlo(text: str) -> dict[str, HloInfo]:
         mm = re.search(r"stack_frame_id=(\d+)", rest)
         if mm:
             info.source = mm.group(1)
+        info.tiling = gemm_tiling(rest)
         infos[name] = info
         if current is not None:
             comps[current].append(opcode)
+            mm = re.search(r'backend_config=\{"sizes":\[([^\]]*)\]', rest) if opcode == "dot" else None
+            if mm:  # a nested GEMM fusion's dot: its contracting tile (block_k)
+                dot_k[current] = mm.group(1).replace('"', "")
             if line.lstrip().startswith("ROOT"):
                 roots[current] = opcode
     for info in infos.values():
@@ -338,9 +344,35 @@ def parse_hlo(text: str) -> dict[str, HloInfo]:
             comp = info.root[len("calls:"):]
             info.fused_ops = tuple(sorted(set(comps.get(comp, ()))))
             info.root = roots.get(comp, "")
+            if info.tiling and comp in dot_k and " k" not in info.tiling:
+                info.tiling += f" k{dot_k[comp]}"
         if info.source:
             info.source = _source_line(int(info.source), frames, locs, files)
     return infos
+
+
+def gemm_tiling(attrs: str) -> str:
+    """A Triton GEMM fusion's tiling from its HLO attributes (the text after the opcode), ``""`` for anything else.
+
+    XLA's autotuner picks it on the device (offline compiles get the defaults). Two spellings, both read:
+    ``triton_gemm_config`` (block_m/n/k, split_k, stages, warps) and the nested-fusion form of jax ≥ 0.10,
+    ``block_level_fusion_config`` (output tile sizes; the contracting tile is on the nested dot, added by
+    ``parse_hlo`` as ``k…``). E.g. ``"tile 8x16 w2 s1 k128"``; a split over K shows as a leading output
+    dimension of the float32 partials (``shape``)."""
+    m = re.search(r'"triton_gemm_config":\{([^}]*)\}', attrs)
+    if m:
+        c = dict(re.findall(r'"(\w+)":"?(\w+)"?', m.group(1)))
+        return (f"tile {c.get('block_m', '?')}x{c.get('block_n', '?')} k{c.get('block_k', '?')} "
+                f"split{c.get('split_k', '1')} w{c.get('num_warps', '?')} s{c.get('num_stages', '?')}")
+    m = re.search(r'"block_level_fusion_config":\{(.*?)\},"kind":"(__triton[\w]*gemm[\w]*)"', attrs)
+    if not m:
+        return ""
+    body = m.group(1)
+    tiles = re.search(r'"output_tiles":\[\{"sizes":\[([^\]]*)\]', body)
+    warps = re.search(r'"num_warps":"?(\d+)', body)
+    stages = re.search(r'"num_stages":"?(\d+)', body)
+    size = "x".join(tiles.group(1).replace('"', "").split(",")) if tiles else "?"
+    return f"tile {size} w{warps.group(1) if warps else '?'} s{stages.group(1) if stages else '?'}"
 
 
 def _source_line(frame: int, frames, locs, files) -> str:
@@ -469,7 +501,8 @@ def summarize(events: list[KernelEvent], n_steps: int, infos: dict[str, HloInfo]
             kernel=ev.name, hlo_op=op, category=cat, ms=0.0, calls=0,
             opcode=info.opcode if info else "", shape=info.shape if info else "",
             fused_ops=",".join(info.fused_ops) if info else "",
-            op_name=info.op_name if info else "", source=info.source if info else ""))
+            op_name=info.op_name if info else "", source=info.source if info else "",
+            tiling=info.tiling if info else ""))
         row["ms"] += ms
         row["calls"] += 1 / n_steps
         jax_op = _fold_layers(info.op_name) if info and info.op_name else f"({op})"
@@ -551,7 +584,8 @@ def print_report(rows: list[dict]) -> None:
         print("|---|---|---|---|---|---|---|---|")
         for k in r["kernels"]:
             print(f"| {k['ms']:.3f} | {k['calls']:.0f} | {k['category']} | {k['kernel'][:48]} | {k['hlo_op'][:40]} | "
-                  f"{k['shape'][:40]} | {_fold_layers(k['op_name'])[-70:]} | {k['source']} |")
+                  f"{k['shape'][:40]}{' ' + k['tiling'] if k.get('tiling') else ''} | {_fold_layers(k['op_name'])[-70:]} | "
+                  f"{k['source']} |")
         print("\nTop JAX ops (layers folded):")
         print("| ms/step | kernels/step | category | JAX op | source |")
         print("|---|---|---|---|---|")

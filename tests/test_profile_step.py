@@ -84,6 +84,33 @@ def test_the_decode_kernel_is_attention():
     assert ps.categorize("gemm_fusion_dot_173", "", None) == "gemm"
 
 
+GEMM_HLO = """HloModule jit__generate
+
+%gemm_fusion_dot.7_computation (parameter_0: bf16[8,768], parameter_1: bf16[768,3072]) -> bf16[8,3072] {
+  %parameter_0 = bf16[8,768]{1,0} parameter(0)
+  %parameter_1 = bf16[768,3072]{1,0} parameter(1)
+  %dot.1 = bf16[3072,8]{0,1} dot(%parameter_1, %parameter_0), lhs_contracting_dims={0}, rhs_contracting_dims={1}, backend_config={"sizes":["128"]}
+  ROOT %bitcast.2 = bf16[8,3072]{1,0} bitcast(%dot.1)
+}
+
+ENTRY %main (a: bf16[8,768], w: bf16[768,3072]) -> bf16[8,3072] {
+  %a = bf16[8,768]{1,0} parameter(0)
+  %w = bf16[768,3072]{1,0} parameter(1)
+  %gemm_fusion_dot.7 = bf16[8,3072]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, metadata={op_name="jit(_generate)/while/body/LanguageModel/layers_0/attn/dot_general"}, backend_config={"fusion_backend_config":{"block_level_fusion_config":{"num_ctas":1,"num_stages":4,"num_warps":"2","output_tiles":[{"sizes":["16","32"]}]},"kind":"__triton_nested_gemm_fusion"}}
+  %gemm_fusion_dot.8 = f32[4,8,768]{2,1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"16","block_n":"64","block_k":"256","split_k":"4","num_stages":"3","num_warps":"4","num_ctas":"1"}}}
+  ROOT %loop_fusion = bf16[8,3072]{1,0} fusion(%gemm_fusion_dot.7), kind=kLoop, calls=%gemm_fusion_dot.7_computation, backend_config={"fusion_backend_config":{"kind":"__triton"}}
+}
+"""
+
+
+def test_gemm_tilings_are_read_from_the_compiled_hlo():
+    # both spellings of XLA's Triton GEMM configs; the nested form's contracting tile comes from its dot
+    infos = ps.parse_hlo(GEMM_HLO)
+    assert infos["gemm_fusion_dot.7"].tiling == "tile 16x32 w2 s4 k128"
+    assert infos["gemm_fusion_dot.8"].tiling == "tile 16x64 k256 split4 w4 s3"
+    assert infos["loop_fusion"].tiling == ""
+
+
 def test_missing_trace_is_a_clear_error(tmp_path):
     (tmp_path / "x.xplane.pb").write_bytes(b"")
     with pytest.raises(ps.TraceError, match="trace.json.gz"):
