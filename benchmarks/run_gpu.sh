@@ -218,7 +218,8 @@ stage_decode_flags() {  # the decode step under XLA flag sets (one process each:
   local sets=${FLAG_SETS:-"base|
 pdl|--xla_gpu_enable_pdl=true
 nocb|--xla_gpu_enable_command_buffer=
-at0|--xla_gpu_autotune_level=0"} name flags model args all
+at0|--xla_gpu_autotune_level=0
+exh|--xla_gpu_exhaustive_tiling_search=true"} name flags model args all
   mkdir -p "$OUT/decode_flags"
   while IFS='|' read -r name flags; do
     [ -n "$name" ] || continue
@@ -230,6 +231,9 @@ at0|--xla_gpu_autotune_level=0"} name flags model args all
         *) echo "unknown FLAG_MODELS entry '$model' (fox | gpt2 | quick)"; continue ;;
       esac
       all="${XLA_FLAGS:-}${XLA_FLAGS:+${flags:+ }}$flags"
+      # a set that changes GEMM autotuning (its level, the tiling search) must not read the call's shared per-fusion
+      # autotune cache, whose entries are keyed by the fusion and the device, not by these flags
+      case $flags in *autotun*|*tiling*) all=$(sed -E 's/--xla_gpu_per_fusion_autotune_cache_dir=[^ ]*//' <<< "$all") ;; esac
       echo "== $name $model: XLA_FLAGS=$all"
       # shellcheck disable=SC2086
       env ${all:+XLA_FLAGS="$all"} timeout -k 5 "${T_FLAG_RUN:-150}" python3 benchmarks/profile_decode.py $args \
