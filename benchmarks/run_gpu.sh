@@ -213,13 +213,14 @@ stage_profile_decode() {  # where a decode step's device time goes (N and 1 new 
     --policies ${PROFILE_DECODE_POLICIES:-dense,window:256} --out "$OUT/profile_decode.json"; }
 stage_decode_flags() {  # the decode step under XLA flag sets (one process each: XLA reads its flags once), same
   # programs side by side: FLAG_SETS "name|flags" lines x FLAG_MODELS (fox: FoX (Pro) 125M B8, 2048 + 64, acp in a
-  # 256-slot pool; gpt2: B32, 896 + 64, dense; quick: CPU smoke); each run under T_FLAG_RUN s (150); writes
+  # 256-slot pool; gpt2: B32, 896 + 64, dense; quick: CPU smoke); each run under T_FLAG_RUN s (150; T_FLAG_RUN_EXH,
+  # 420, for the exhaustive tiling search); writes
   # $OUT/decode_flags/<name>_<model>.json (profile_decode.py's rows: ms/step, kernels/step, compile s)
   local sets=${FLAG_SETS:-"base|
 pdl|--xla_gpu_enable_pdl=true
 nocb|--xla_gpu_enable_command_buffer=
 at0|--xla_gpu_autotune_level=0
-exh|--xla_gpu_exhaustive_tiling_search=true"} name flags model args all
+exh|--xla_gpu_exhaustive_tiling_search=true"} name flags model args all limit
   mkdir -p "$OUT/decode_flags"
   while IFS='|' read -r name flags; do
     [ -n "$name" ] || continue
@@ -234,9 +235,11 @@ exh|--xla_gpu_exhaustive_tiling_search=true"} name flags model args all
       # a set that changes GEMM autotuning (its level, the tiling search) must not read the call's shared per-fusion
       # autotune cache, whose entries are keyed by the fusion and the device, not by these flags
       case $flags in *autotun*|*tiling*) all=$(sed -E 's/--xla_gpu_per_fusion_autotune_cache_dir=[^ ]*//' <<< "$all") ;; esac
+      # the exhaustive search compiles the FoX program in > 150 s on an H100 (2026-12-07; the default: 24 s)
+      case $flags in *exhaustive*) limit=${T_FLAG_RUN_EXH:-420} ;; *) limit=${T_FLAG_RUN:-150} ;; esac
       echo "== $name $model: XLA_FLAGS=$all"
       # shellcheck disable=SC2086
-      env ${all:+XLA_FLAGS="$all"} timeout -k 5 "${T_FLAG_RUN:-150}" python3 benchmarks/profile_decode.py $args \
+      env ${all:+XLA_FLAGS="$all"} timeout -k 5 "$limit" python3 benchmarks/profile_decode.py $args \
         --new-tokens 64 --repeats 3 --top 40 --out "$OUT/decode_flags/${name}_$model.json" | grep "^== "
     done
   done <<< "$sets"; }
