@@ -61,9 +61,10 @@ from bench_decode import bound_bandwidth, model_config, weight_bytes_read
 from profile_step import CATEGORIES, device_events, find_trace, load_trace, parse_hlo, summarize
 
 
-def _hlo_text(model, params, tokens, policy, slots, new_tokens: int, steps_per_check: int) -> str:
+def _hlo_text(model, params, tokens, policy, slots, new_tokens: int, steps_per_check: int,
+              prefill_chunk: int = 512) -> str:
     """The optimized HLO of the generate program (the same preamble as ``generate``)."""
-    padded, caches, chunk = gen._fresh_caches(model, tokens, policy, slots, None, 512,
+    padded, caches, chunk = gen._fresh_caches(model, tokens, policy, slots, None, prefill_chunk,
                                               tokens.shape[1] + new_tokens - 1)
     lowered = gen._generate.lower(model, params, padded, caches, jax.random.PRNGKey(0), chunk, new_tokens,
                                   0.0, None, None, (), gen.cast_plan(model, params, caches), steps_per_check,
@@ -73,7 +74,8 @@ def _hlo_text(model, params, tokens, policy, slots, new_tokens: int, steps_per_c
 
 def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: int, top: int,
                    bandwidth_tb_s: float, weight_bytes: int, pool: int | None = None,
-                   slot_multiple: int | None = None, steps_per_check: int = gen.STEPS_PER_CHECK) -> dict:
+                   slot_multiple: int | None = None, steps_per_check: int = gen.STEPS_PER_CHECK,
+                   prefill_chunk: int = 512) -> dict:
     policy = parse_policy(spec)
     # the same pool for both programs (the one N new tokens need, or --slots for a data-dependent policy), so
     # their prefills are the same work
@@ -84,7 +86,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
         slots = -(-slots // slot_multiple) * slot_multiple
     # one program: n = 1 stops it after the first sample (generate's steps), n = N runs every decode step
     run = lambda n: generate(model, params, tokens, max_new_tokens=new_tokens, policy=policy, slots=slots, steps=n,
-                              steps_per_check=steps_per_check)
+                              steps_per_check=steps_per_check, prefill_chunk=prefill_chunk)
     t0 = time.perf_counter()
     jax.block_until_ready(run(new_tokens).tokens)  # compile (and one run)
     compile_s = time.perf_counter() - t0
@@ -98,7 +100,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
     step_ms = (statistics.median(walls[new_tokens]) - statistics.median(walls[1])) / (new_tokens - 1) * 1e3
     out = run(new_tokens)
     kv = cache_bytes(out.caches)
-    infos = parse_hlo(_hlo_text(model, params, tokens, policy, slots, new_tokens, steps_per_check))
+    infos = parse_hlo(_hlo_text(model, params, tokens, policy, slots, new_tokens, steps_per_check, prefill_chunk))
     summaries = {}
     for n in (1, new_tokens):
         trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
@@ -255,6 +257,9 @@ def main(argv=None):
                         "block_k=128 on a dense or window ring, whose default pool is a multiple of 64)")
     p.add_argument("--steps-per-check", type=int, default=gen.STEPS_PER_CHECK, metavar="K",
                    help=f"generate's steps_per_check (default {gen.STEPS_PER_CHECK}; 1: the end checked every step)")
+    p.add_argument("--prefill-chunk", type=int, default=512, metavar="C",
+                   help="generate's prefill_chunk (default 512): the prefill's GEMMs have B·C rows; a small C shortens "
+                        "an exhaustive GEMM autotuning of the whole program and leaves the decode step as it is")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
     p.add_argument("--param-dtype", default="float32", choices=("bfloat16", "float32"),
                    help="dtype the parameters are stored in (float32: as init_params / checkpoints give them)")
@@ -267,6 +272,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.steps_per_check < 1:
         p.error(f"--steps-per-check: expected an int ≥ 1, got {args.steps_per_check}")
+    if args.prefill_chunk < 1:
+        p.error(f"--prefill-chunk: expected an int ≥ 1, got {args.prefill_chunk}")
     if args.slot_multiple is not None and args.slot_multiple < 1:
         p.error(f"--slot-multiple: expected a positive int, got {args.slot_multiple}")
     try:
@@ -302,10 +309,10 @@ def main(argv=None):
             for spec in [s for s in args.policies.split(",") if s]:
                 row = profile_policy(model, params, tokens, spec, args.new_tokens, args.repeats, args.top,
                                      args.bandwidth, weight_bytes, args.slots, args.slot_multiple,
-                                     args.steps_per_check)
+                                     args.steps_per_check, args.prefill_chunk)
                 row.update(model=args.model, set=args.set, batch=args.batch, prompt=args.prompt,
                            new_tokens=args.new_tokens, bandwidth_tb_s=args.bandwidth,
-                           steps_per_check=args.steps_per_check)
+                           steps_per_check=args.steps_per_check, prefill_chunk=args.prefill_chunk)
                 if name is not None:
                     row.update(variant=name, kernel_settings=settings)
                 print_report(row)

@@ -214,7 +214,8 @@ stage_profile_decode() {  # where a decode step's device time goes (N and 1 new 
 stage_decode_flags() {  # the decode step under XLA flag sets (one process each: XLA reads its flags once), same
   # programs side by side: FLAG_SETS "name|flags" lines x FLAG_MODELS (fox: FoX (Pro) 125M B8, 2048 + 64, acp in a
   # 256-slot pool; gpt2: B32, 896 + 64, dense; quick: CPU smoke); each run under T_FLAG_RUN s (150; T_FLAG_RUN_EXH,
-  # 420, for the exhaustive tiling search); writes
+  # 420, for the exhaustive tiling search); FLAG_ARGS: more profile_decode.py arguments for every run (e.g.
+  # "--prefill-chunk 16": the prefill's GEMMs small, so an exhaustive search tunes mostly the decode step's); writes
   # $OUT/decode_flags/<name>_<model>.json (profile_decode.py's rows: ms/step, kernels/step, compile s)
   local sets=${FLAG_SETS:-"base|
 pdl|--xla_gpu_enable_pdl=true
@@ -240,7 +241,7 @@ exh|--xla_gpu_exhaustive_tiling_search=true"} name flags model args all limit
       echo "== $name $model: XLA_FLAGS=$all"
       # shellcheck disable=SC2086
       env ${all:+XLA_FLAGS="$all"} timeout -k 5 "$limit" python3 benchmarks/profile_decode.py $args \
-        --new-tokens 64 --repeats 3 --top 40 --out "$OUT/decode_flags/${name}_$model.json" | grep "^== "
+        --new-tokens 64 --repeats 3 --top 40 ${FLAG_ARGS:-} --out "$OUT/decode_flags/${name}_$model.json" | grep "^== "
     done
   done <<< "$sets"; }
 stage_determinism() {  # the Pallas kernels twice on identical inputs, bit for bit (race detector)
