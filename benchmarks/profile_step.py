@@ -330,7 +330,8 @@ def parse_hlo(text: str) -> dict[str, HloInfo]:
         mm = re.search(r"stack_frame_id=(\d+)", rest)
         if mm:
             info.source = mm.group(1)
-        info.tiling = gemm_tiling(rest)
+        if opcode == "fusion":  # XLA's GEMMs are fusions (custom calls and other ops carry no Triton tiling)
+            info.tiling = gemm_tiling(rest)
         infos[name] = info
         if current is not None:
             comps[current].append(opcode)
