@@ -84,11 +84,6 @@ class DecodeConfig:
     there) instead of before it, so that no barrier stands between the program's first loads and the loop's K/V
     loads; early_epilogue: the fused step's output norm scales and output gate logits loaded with the prologue's
     inputs instead of after the loop (one round trip to memory fewer on the program's path). Neither changes a value.
-    prologue_in_loop: the fused step's prologue (gate logits, shifts, norms, Λ) run in the attention loop's first
-    iteration, its results carried, so that the loop's software pipeline issues its first K/V copies before it
-    instead of after it (Triton places them right before the loop); an empty share runs it after the loop. The same
-    values. Only with ``late_writes``, one decay-floor pass folded into the loop (or none) and no pinned slots; off
-    by default until timed (benchmarks/NOTES.md, item 9).
     """
 
     block_k: int = 64
@@ -98,7 +93,6 @@ class DecodeConfig:
     fold_floor: bool = True
     late_writes: bool = True
     early_epilogue: bool = True
-    prologue_in_loop: bool = False
 
     def __post_init__(self):
         if self.block_k < MIN_BLOCK or self.block_k & (self.block_k - 1):
@@ -229,7 +223,6 @@ class _Geom:
     fold_floor: bool = False  # the floor's pass is the attention loop (one split; ``DecodeConfig.fold_floor``)
     late_writes: bool = False  # carries and tables written after the attention loop (``DecodeConfig.late_writes``)
     early_epilogue: bool = False  # the output norm / gate operands loaded up front (``DecodeConfig.early_epilogue``)
-    prologue_in_loop: bool = False  # the fused step's prologue in the loop's first iteration (``DecodeConfig``)
     step: StepGeom | None = None  # append mode: the raw projections in, the layer's per-head work done here
     tables: int = 0  # append mode: the ring's start / peak / overflow advanced here, per row (1) or per kv head (2)
     kv_heads: int = 1
@@ -366,7 +359,7 @@ def gate_table(gate_w: tuple, kv_heads: int) -> tuple[jax.Array, jax.Array]:
     return jnp.pad(w, ((0, 0), (0, pad), (0, 0))), jnp.pad(b, ((0, 0), (0, pad)))
 
 
-def _step_prologue(g: _Geom, r: dict, row_ok, head):
+def _step_prologue(g: _Geom, r: dict, row_ok):
     """Fused step: the raw q, k, v of the step made ready for attention, as the layer's ``HeadOps`` does it
     (fox_jax/ops/head_ops.py): KV-shift, QK-norm, and Λ = Λ_prev + log f. The projections are rows of ``rows`` (the
     decode GEMM's output, read in place), the shift and gate logits ``_gate_logits``. Every split computes
@@ -377,11 +370,10 @@ def _step_prologue(g: _Geom, r: dict, row_ok, head):
     the carries (global memory is not ordered between a program's threads). With ``x_norm_eps`` the rows are of the un-normalised x and are scaled by its row
     scale r (``_gate_logits``) first. Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
     (Λ hi, lo) [Gp] or None, the raw k and v chunks that the shift's carry takes (a pair of lists) or None, r or
-    None); ``_carry_writes`` makes the carries' writes of them. ``head``: the program's kv head in the layer
-    (``_layer_head_of_program``; read outside, since interpret mode has no program id inside a ``lax.cond``)."""
+    None); ``_carry_writes`` makes the carries' writes of them."""
     st, dt = g.step, r["rows"].dtype
     f32 = jnp.float32
-    hkv = st.kv_heads
+    hkv, head = st.kv_heads, _layer_head_of_program(g)  # this program's kv head in the layer
     qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
           for off, size in g.chunks]
     ks = [pltriton.load(r["rows"].at[st.q_heads + head, pl.ds(off, size)]) for off, size in g.chunks]
@@ -545,9 +537,8 @@ def _decode_kernel(*refs, g: _Geom):
     if g.step is not None:  # the raw projections: the layer's per-head work here
         if g.early_epilogue and g.num_splits == 1:
             epilogue = _epilogue_operands(g, r, row_ok)
-        if not g.prologue_in_loop:
-            qs, k_new, v_new, lq, raw, row_scale = _step_prologue(g, r, row_ok, _layer_head_of_program(g))
-            writes, lam_new = _carry_writes(g, r, raw, lq, row_ok), lq
+        qs, k_new, v_new, lq, raw, row_scale = _step_prologue(g, r, row_ok)
+        writes, lam_new = _carry_writes(g, r, raw, lq, row_ok), lq
     else:
         qs = [pltriton.load(r["q"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
         if g.has_lam:
@@ -637,37 +628,6 @@ def _decode_kernel(*refs, g: _Geom):
             keep = keep & r["valid"][pl.ds(start, bk)][None, :]
         return accumulate(carry, jnp.where(keep, s, _NEG_INF), start)
 
-    head = _layer_head_of_program(g) if g.prologue_in_loop else None
-
-    def prologue():  # ``prologue_in_loop``: the fused step's prologue as a flat tuple (the loop carries it)
-        q_, kn_, vn_, lam_, raw_, rs_ = _step_prologue(g, r, row_ok, head)
-        return (tuple(q_), tuple(kn_), tuple(vn_), tuple(lam_ or ()), tuple(tuple(x) for x in raw_ or ()),
-                () if rs_ is None else (rs_,))
-
-    def prologue_zeros():  # what ``prologue`` returns, as zeros (the carry before the first iteration)
-        st, dt = g.step, r["rows"].dtype
-        vec = lambda: tuple(jnp.zeros((size,), dt) for _, size in g.chunks)  # noqa: E731
-        scaled = st.x_norm_eps is not None and "gate_x" in r and (st.shift or st.gates)
-        return (tuple(jnp.zeros((gp, size), dt) for _, size in g.chunks), vec(), vec(),
-                (jnp.zeros((gp,), jnp.float32),) * 2 if st.gates else (), (vec(), vec()) if st.shift else (),
-                (jnp.float32(0.0),) if scaled else ())
-
-    def with_prologue(body, first_i):  # body(i, carry) with the prologue run when i == first_i and carried after
-        def run(i, c):
-            nonlocal qs, lq  # what ``scores`` and ``decay_block`` read, in this iteration
-            pro = lax.cond(i == first_i, prologue, lambda: c[-1])
-            qs, lq = list(pro[0]), pro[3] or None
-            return tuple(body(i, c[:-1])) + (pro,)
-        return run
-
-    def take_prologue(c, n_iter):  # the loop's carry without the prologue's results, which it sets (an empty share:
-        nonlocal qs, k_new, v_new, lq, lam_new, row_scale, writes  # the prologue runs now)
-        pro = lax.cond(n_iter > 0, lambda: c[-1], prologue)
-        qs, k_new, v_new, lq = list(pro[0]), list(pro[1]), list(pro[2]), pro[3] or None
-        row_scale, lam_new = (pro[5][0] if pro[5] else None), lq
-        writes = _carry_writes(g, r, [list(x) for x in pro[4]] or None, lq, row_ok) + writes
-        return c[:-1]
-
     carry = (tuple(jnp.zeros((gp, size), jnp.float32) for _, size in g.chunks),
              jnp.full((gp,), _NEG_INF, jnp.float32), jnp.zeros((gp,), jnp.float32))
     if g.pin_slots:  # split 0 reads the pinned slots, one block of pin_slots keys
@@ -690,12 +650,7 @@ def _decode_kernel(*refs, g: _Geom):
             s = jnp.where(inside & (kpos > cut) & (kpos >= oldest), scores(start) + decay, _NEG_INF)
             return accumulate(carry[:3], s, start) + (cut,)
 
-        if g.prologue_in_loop:
-            carry = lax.fori_loop(0, n_end - n_first, with_prologue(step_above_floor, 0),
-                                  carry + (jnp.int32(-1), prologue_zeros()))
-            carry = take_prologue(carry, n_end - n_first)
-        else:
-            carry = lax.fori_loop(0, n_end - n_first, step_above_floor, carry + (jnp.int32(-1),))
+        carry = lax.fori_loop(0, n_end - n_first, step_above_floor, carry + (jnp.int32(-1),))
         first = jnp.maximum(lo, carry[3] + 1)
         carry = carry[:3]
         pltriton.store(r["first"].at[pl.ds(0, 1)], jnp.full((1,), first, jnp.int32))
@@ -708,11 +663,7 @@ def _decode_kernel(*refs, g: _Geom):
     else:  # every block of the share in one loop with the element mask (one software pipeline across the range: three
         # loops — the masked first and last blocks around an unmasked middle — refilled it at both boundaries, which
         # cost a window:256 step 7 µs on an H100, 2026-12-07; the mask keeps every key of a block inside the range)
-        if g.prologue_in_loop:
-            carry = lax.fori_loop(start_n, end_n, with_prologue(step, start_n), carry + (prologue_zeros(),))
-            carry = take_prologue(carry, end_n - start_n)
-        else:
-            carry = lax.fori_loop(start_n, end_n, step, carry)
+        carry = lax.fori_loop(start_n, end_n, step, carry)
     accs, m_i, l_i = carry
     if g.append:
         accs, m_i, l_i = _append_new_key(g, r, qs, k_new, v_new, lam_new, slot, with_new, accs, m_i, l_i,
@@ -1147,8 +1098,6 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                  exact_dot=q.dtype == jnp.float32, append=append is not None, has_floor=decay_floor is not None,
                  fold_floor=bool(config.fold_floor) and decay_floor is not None and ns == 1,
                  late_writes=bool(config.late_writes), early_epilogue=bool(config.early_epilogue),
-                 prologue_in_loop=bool(config.prologue_in_loop) and geom_step is not None and bool(config.late_writes)
-                 and not pin and (decay_floor is None or (bool(config.fold_floor) and ns == 1)),
                  step=geom_step, tables=0 if tables is None else (2 if nt == hkv and hkv > 1 else 1), kv_heads=hkv,
                  sinks=sinks, pin_slots=pin, interpret=interpret,
                  names=tuple(in_names + [n for n, *_ in outs]))

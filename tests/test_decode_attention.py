@@ -504,11 +504,11 @@ def _step_case(grp, d, dtype, shared_k_scale: bool, seed: int, b: int = _B, hkv:
     return ops, q, k_new, v_new, shift_state, log_fgate, lam_prev
 
 
-@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0,d_in,late,lazy", [
-    (1, 32, jnp.float32, 1, False, 0, 48, True, False), (4, 48, jnp.bfloat16, 1, True, 0, 40, True, False),
-    (2, 32, jnp.float32, 3, False, -2, 64, True, False), (1, 32, jnp.float32, 1, False, 0, 48, False, False),
-    (1, 32, jnp.float32, 1, False, 0, 48, True, True), (2, 32, jnp.float32, 3, False, -2, 64, True, True)])
-def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d_in, late, lazy, monkeypatch):
+@pytest.mark.parametrize("grp,d,dtype,splits,shared,pos0,d_in,late", [(1, 32, jnp.float32, 1, False, 0, 48, True),
+                                                                      (4, 48, jnp.bfloat16, 1, True, 0, 40, True),
+                                                                      (2, 32, jnp.float32, 3, False, -2, 64, True),
+                                                                      (1, 32, jnp.float32, 1, False, 0, 48, False)])
+def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d_in, late, monkeypatch):
     """``decode_attention_append(..., step=DecodeStep)``: the raw projections in (the decode GEMM's rows, read in
     place by the kernel, or packed by the op; the gate logits computed by the kernel from their projections, by XLA
     where d_in is not a multiple of 16, or packed by the op), the layer's per-head work done by the op — KV-shift from the carry
@@ -519,15 +519,13 @@ def test_append_step_does_the_layers_work(grp, d, dtype, splits, shared, pos0, d
     outputs twice ``_tol`` (after the attention the output norm and gate round to the dtype three times: in bf16
     2–3 ulps of 2⁻⁸ more); the carried raw k, v exactly; Λ to 1e-6 (log σ in the kernel vs XLA: an ulp of the gate);
     the ring's k, v entries to an ulp of their dtype (the norm's rsqrt). ``late``: the kernel's carries written after
-    its attention loop and the epilogue's operands loaded up front (the defaults), or neither. ``lazy``: the prologue
-    in the loop's first iteration (``DecodeConfig.prologue_in_loop``), and after the loop for the ranges of no key but
-    the new one (row 0, head 1: no iteration), with one and three splits."""
+    its attention loop and the epilogue's operands loaded up front (the defaults), or neither."""
     from fox_jax.ops.decode_attention import DecodeStep
     from fox_jax.ops.head_ops import head_epilogue, head_prologue
 
     config = dk.default_decode_config
     monkeypatch.setattr(dk, "default_decode_config", lambda *a, **kw: dataclasses.replace(
-        config(*a, **kw), late_writes=late, early_epilogue=late, prologue_in_loop=lazy))
+        config(*a, **kw), late_writes=late, early_epilogue=late))
 
     cap = 80
     ops, q, k_new, v_new, shift_state, log_fgate, lam_prev = _step_case(grp, d, dtype, shared, seed=grp + d,

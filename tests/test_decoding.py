@@ -850,12 +850,12 @@ def test_incremental_decoding_equals_full_forward(family):
     assert int(jnp.max(jnp.stack([c.overflow for c in caches]))) == 0
 
 
-@pytest.mark.parametrize("policy,t,p,slots,splits,lazy", [
-    ("dense", 12, 6, None, 1, False), ("acp", 12, 6, None, 1, False), ("acp:-1000", 72, 62, None, 1, False),
-    ("window:20", 40, 30, None, 1, False), ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 1, False),
-    ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 2, False), ("sinks:3+20", 12, 6, None, 1, False),
-    ("sinks:4+60", 80, 70, None, 2, False), ("acp:-1000", 72, 62, None, 1, True), ("window:20", 40, 30, None, 2, True)])
-def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, lazy, monkeypatch):
+@pytest.mark.parametrize("policy,t,p,slots,splits", [("dense", 12, 6, None, 1), ("acp", 12, 6, None, 1),
+                                                     ("acp:-1000", 72, 62, None, 1), ("window:20", 40, 30, None, 1),
+                                                     ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 1),
+                                                     ("acp:-1000", 72, 62, ((64, 128, 64, 128),), 2),
+                                                     ("sinks:3+20", 12, 6, None, 1), ("sinks:4+60", 80, 70, None, 2)])
+def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch):
     """The decode steps through the Pallas kernel in append mode (interpret mode here; on a GPU the engine's
     default: the step's entry written into the ring by the kernel while it reads; acp's decay floor applied there;
     the raw projections in, with the KV-shift, QK-norm, Λ accumulation, output norm and gate done in the kernel)
@@ -871,14 +871,12 @@ def test_pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, laz
     path itself, fused (the op does the layer's work) and unfused (the layer's work before the op), agrees to 1e-6.
     Tolerance: float32, summation order only (the split softmax; the gate logits, computed by the kernel from their
     projections), 1e-5 in the logits; the caches as ``_assert_same_caches``. (On the H200 the dense comparison with
-    the full forward failed at 1e-4 under TF32 GEMMs, max 1.1e-3; hence full precision here.) ``lazy``: the kernel's
-    prologue in its loop's first iteration (``DecodeConfig.prologue_in_loop``; the same values), with the folded
-    floor over a full ring, and with 2 splits (shares that are empty run it after the loop)."""
+    the full forward failed at 1e-4 under TF32 GEMMs, max 1.1e-3; hence full precision here.)"""
     with jax.default_matmul_precision("highest"):  # on a GPU too: float32 GEMMs in full precision, not TF32
-        _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, lazy, monkeypatch)
+        _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch)
 
 
-def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, lazy, monkeypatch):
+def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeypatch):
     """``test_pallas_decode_steps_equal_the_xla_path``'s body (under its matmul precision)."""
     dec = sys.modules["fox_jax.ops.decode_attention"]  # the module (fox_jax.ops exports its function by that name)
     cfg = preset("tiny", "fox-pro", vocab_size=VOCAB, d_model=64, n_layers=1, n_heads=4,  # D = 16:
@@ -905,10 +903,10 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, lazy, m
     np.testing.assert_allclose(unfused, ref, atol=1e-6)
     _assert_same_caches(unfused_caches, ref_caches)  # (on the H200 the two XLA programs' Λ pairs differ by ulps)
     monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
-    if splits > 1 or lazy:  # (interpret mode picks one split)
+    if splits > 1:  # (interpret mode picks one split)
         config = dec.dk.default_decode_config
-        monkeypatch.setattr(dec.dk, "default_decode_config", lambda *a, **kw: dataclasses.replace(
-            config(*a, **{**kw, "num_splits": kw.get("num_splits") or splits}), prologue_in_loop=lazy))
+        monkeypatch.setattr(dec.dk, "default_decode_config",
+                            lambda *a, **kw: config(*a, **{**kw, "num_splits": kw.get("num_splits") or splits}))
     traced = []
     flash = dec.dk.flash_decode
     monkeypatch.setattr(dec.dk, "flash_decode",
