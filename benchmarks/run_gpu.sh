@@ -233,14 +233,19 @@ exh|--xla_gpu_exhaustive_tiling_search=true"} name flags model args all limit
         *) echo "unknown FLAG_MODELS entry '$model' (fox | gpt2 | quick)"; continue ;;
       esac
       all="${XLA_FLAGS:-}${XLA_FLAGS:+${flags:+ }}$flags"
-      # a set that changes GEMM autotuning (its level, the tiling search) must not read the call's shared per-fusion
-      # autotune cache, whose entries are keyed by the fusion and the device, not by these flags
-      case $flags in *autotun*|*tiling*) all=$(sed -E 's/--xla_gpu_per_fusion_autotune_cache_dir=[^ ]*//' <<< "$all") ;; esac
+      # a set that changes GEMM autotuning (its level, the tiling search, the candidate list) must not read a shared
+      # per-fusion autotune cache, whose entries are keyed by the fusion and the device, not by these flags: neither
+      # the call's (AUTOTUNE_DIR) nor the one JAX itself points XLA at inside the persistent compilation cache
+      # (jax_persistent_cache_enable_xla_caches; until 2026-12-07 it served every set the first set's tiles)
+      local env_extra=
+      case $flags in *autotun*|*tiling*)
+        all=$(sed -E 's/--xla_gpu_per_fusion_autotune_cache_dir=[^ ]*//' <<< "$all")
+        env_extra="JAX_PERSISTENT_CACHE_ENABLE_XLA_CACHES=none" ;; esac
       # the exhaustive search compiles the FoX program in > 150 s on an H100 (2026-12-07; the default: 24 s)
       case $flags in *exhaustive*) limit=${T_FLAG_RUN_EXH:-420} ;; *) limit=${T_FLAG_RUN:-150} ;; esac
       echo "== $name $model: XLA_FLAGS=$all"
       # shellcheck disable=SC2086
-      env ${all:+XLA_FLAGS="$all"} timeout -k 5 "$limit" python3 benchmarks/profile_decode.py $args \
+      env ${all:+XLA_FLAGS="$all"} $env_extra timeout -k 5 "$limit" python3 benchmarks/profile_decode.py $args \
         --new-tokens 64 --repeats 3 --top 40 ${FLAG_ARGS:-} --out "$OUT/decode_flags/${name}_$model.json" | grep "^== "
     done
   done <<< "$sets"; }
