@@ -365,10 +365,15 @@ def gemm_tiling(attrs: str) -> str:
         c = dict(re.findall(r'"(\w+)":"?(\w+)"?', m.group(1)))
         return (f"tile {c.get('block_m', '?')}x{c.get('block_n', '?')} k{c.get('block_k', '?')} "
                 f"split{c.get('split_k', '1')} w{c.get('num_warps', '?')} s{c.get('num_stages', '?')}")
-    m = re.search(r'"block_level_fusion_config":\{(.*?)\},"kind":"(__triton[\w]*gemm[\w]*)"', attrs)
-    if not m:
+    start = attrs.find('"block_level_fusion_config":{')
+    if start < 0 or not re.search(r'"kind":"__triton\w*gemm\w*"', attrs):  # (the kind comes before or after it)
         return ""
-    body = m.group(1)
+    depth, i = 0, attrs.index("{", start)
+    for i in range(i, len(attrs)):  # the config object, to its closing brace (its output tiles nest braces)
+        depth += {"{": 1, "}": -1}.get(attrs[i], 0)
+        if depth == 0:
+            break
+    body = attrs[start:i + 1]
     tiles = re.search(r'"output_tiles":\[\{"sizes":\[([^\]]*)\]', body)
     warps = re.search(r'"num_warps":"?(\d+)', body)
     stages = re.search(r'"num_stages":"?(\d+)', body)

@@ -98,15 +98,18 @@ ENTRY %main (a: bf16[8,768], w: bf16[768,3072]) -> bf16[8,3072] {
   %w = bf16[768,3072]{1,0} parameter(1)
   %gemm_fusion_dot.7 = bf16[8,3072]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, metadata={op_name="jit(_generate)/while/body/LanguageModel/layers_0/attn/dot_general"}, backend_config={"fusion_backend_config":{"block_level_fusion_config":{"num_ctas":1,"num_stages":4,"num_warps":"2","output_tiles":[{"sizes":["16","32"]}]},"kind":"__triton_nested_gemm_fusion"}}
   %gemm_fusion_dot.8 = f32[4,8,768]{2,1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, backend_config={"fusion_backend_config":{"kind":"__triton_gemm","triton_gemm_config":{"block_m":"16","block_n":"64","block_k":"256","split_k":"4","num_stages":"3","num_warps":"4","num_ctas":"1"}}}
+  %gemm_fusion_dot.9 = bf16[8,3072]{1,0} fusion(%a, %w), kind=kCustom, calls=%gemm_fusion_dot.7_computation, backend_config={"operation_queue_id":"0","fusion_backend_config":{"kind":"__triton_nested_gemm_fusion","block_level_fusion_config":{"num_warps":"2","output_tiles":[{"sizes":["8","16"]}],"num_ctas":1,"num_stages":1,"is_tma_allowed":false}},"force_earliest_schedule":false}
   ROOT %loop_fusion = bf16[8,3072]{1,0} fusion(%gemm_fusion_dot.7), kind=kLoop, calls=%gemm_fusion_dot.7_computation, backend_config={"fusion_backend_config":{"kind":"__triton"}}
 }
 """
 
 
 def test_gemm_tilings_are_read_from_the_compiled_hlo():
-    # both spellings of XLA's Triton GEMM configs; the nested form's contracting tile comes from its dot
+    # both spellings of XLA's Triton GEMM configs (the nested one with its kind after or, as jaxlib 0.11.2 prints it
+    # offline, before the config); the nested form's contracting tile comes from its dot
     infos = ps.parse_hlo(GEMM_HLO)
     assert infos["gemm_fusion_dot.7"].tiling == "tile 16x32 w2 s4 k128"
+    assert infos["gemm_fusion_dot.9"].tiling == "tile 8x16 w2 s1 k128"
     assert infos["gemm_fusion_dot.8"].tiling == "tile 16x64 k256 split4 w4 s3"
     assert infos["loop_fusion"].tiling == ""
 

@@ -10,12 +10,16 @@ tiling (XLA's in-process autotune results are keyed by the fusion, not by the op
 """
 import argparse
 import json
-import re
+import os
+import sys
 import tempfile
 import time
 
 import jax
 import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from profile_step import parse_hlo  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--shape", default="8x768x3072", help="MxKxN: x [M, K] @ W [K, N]")
@@ -45,7 +49,7 @@ def chain(x, ws):
 t0 = time.perf_counter()
 fn = jax.jit(chain).lower(x, ws).compile(compiler_options=opts)
 compile_s = time.perf_counter() - t0
-tiles = sorted(set(re.findall(r'"output_tiles":\[\{"sizes":\[([^\]]*)\]\}\],"num_ctas":1,"num_stages":(\d+)', fn.as_text())))
+tiles = sorted({i.tiling for i in parse_hlo(fn.as_text()).values() if i.tiling})  # what XLA compiled (profile_step)
 for _ in range(5):
     fn(x, ws).block_until_ready()
 best = float("inf")
