@@ -21,16 +21,32 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from profile_step import parse_hlo  # noqa: E402
 
+HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # by the device kind's name: the bound's rate
+
+
+def ints(sep: str, count: int, what: str):
+    def parse(text: str):
+        try:
+            vals = tuple(int(v) for v in text.split(sep))
+        except ValueError:
+            vals = ()
+        if len(vals) != count or min(vals) < 1:
+            raise argparse.ArgumentTypeError(f"expected {what} ({count} positive integers joined by '{sep}'), got {text!r}")
+        return vals
+    return parse
+
+
 p = argparse.ArgumentParser()
-p.add_argument("--shape", default="8x768x3072", help="MxKxN: x [M, K] @ W [K, N]")
-p.add_argument("--config", default="", help="block_m,block_n,block_k,num_stages,num_warps (block_m: W's columns)")
+p.add_argument("--shape", default=(8, 768, 3072), type=ints("x", 3, "MxKxN"), help="MxKxN: x [M, K] @ W [K, N]")
+p.add_argument("--config", default=None, type=ints(",", 5, "block_m,block_n,block_k,num_stages,num_warps"),
+               help="block_m,block_n,block_k,num_stages,num_warps (block_m tiles W's columns, block_n x's rows)")
 p.add_argument("--layers", type=int, default=24)
 p.add_argument("--iters", type=int, default=200)
 a = p.parse_args()
-m, k, n = map(int, a.shape.split("x"))
+m, k, n = a.shape
 opts = {}
 if a.config:
-    bm, bn, bk, st, w = map(int, a.config.split(","))
+    bm, bn, bk, st, w = a.config
     f = tempfile.NamedTemporaryFile("w", suffix=".txtpb", delete=False)
     f.write(f"config {{ block_m: {bm} block_n: {bn} block_k: {bk} num_stages: {st} num_warps: {w} num_ctas: 1 }}\n")
     f.close()
@@ -49,6 +65,8 @@ def chain(x, ws):
 t0 = time.perf_counter()
 fn = jax.jit(chain).lower(x, ws).compile(compiler_options=opts)
 compile_s = time.perf_counter() - t0
+if opts:
+    os.unlink(opts["xla_gpu_gemm_autotuner_override_file"])
 tiles = sorted({i.tiling for i in parse_hlo(fn.as_text()).values() if i.tiling})  # what XLA compiled (profile_step)
 for _ in range(5):
     fn(x, ws).block_until_ready()
@@ -59,5 +77,8 @@ for _ in range(5):
         out = fn(x, ws)
     out.block_until_ready()
     best = min(best, (time.perf_counter() - t0) / a.iters / a.layers * 1e6)
-print(json.dumps({"shape": a.shape, "config": a.config or "xla", "us_per_gemm": round(best, 3), "compile_s": round(compile_s, 1),
-                  "tiles": tiles, "bound_us": round(2 * k * n / 3.35e12 * 1e6, 3), "device": jax.devices()[0].device_kind}))
+kind = jax.devices()[0].device_kind
+rate = next((r for name, r in HBM_BYTES_PER_S.items() if name in kind), None)  # W's bytes at the HBM's rate
+print(json.dumps({"shape": "x".join(map(str, a.shape)), "config": ",".join(map(str, a.config or ())) or "xla",
+                  "us_per_gemm": round(best, 3), "compile_s": round(compile_s, 1), "tiles": tiles,
+                  "bound_us": rate and round(2 * k * n / rate * 1e6, 3), "device": kind}))
