@@ -62,7 +62,7 @@ from profile_step import CATEGORIES, device_events, find_trace, load_trace, pars
 
 
 def _hlo_text(model, params, tokens, policy, slots, new_tokens: int, steps_per_check: int,
-              prefill_chunk: int = 512) -> str:
+              prefill_chunk: int) -> str:
     """The optimized HLO of the generate program (the same preamble as ``generate``)."""
     padded, caches, chunk = gen._fresh_caches(model, tokens, policy, slots, None, prefill_chunk,
                                               tokens.shape[1] + new_tokens - 1)

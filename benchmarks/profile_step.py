@@ -355,30 +355,30 @@ def parse_hlo(text: str) -> dict[str, HloInfo]:
 def gemm_tiling(attrs: str) -> str:
     """A Triton GEMM fusion's tiling from its HLO attributes (the text after the opcode), ``""`` for anything else.
 
-    XLA's autotuner picks it on the device (offline compiles get the defaults). Two spellings, both read:
-    ``triton_gemm_config`` (block_m/n/k, split_k, stages, warps) and the nested-fusion form of jax ≥ 0.10,
-    ``block_level_fusion_config`` (output tile sizes; the contracting tile is on the nested dot, added by
-    ``parse_hlo`` as ``k…``). E.g. ``"tile 8x16 w2 s1 k128"``; a split over K shows as a leading output
-    dimension of the float32 partials (``shape``)."""
-    m = re.search(r'"triton_gemm_config":\{([^}]*)\}', attrs)
-    if m:
-        c = dict(re.findall(r'"(\w+)":"?(\w+)"?', m.group(1)))
+    XLA's autotuner picks it on the device (offline compiles get the defaults). Read from the fusion's
+    ``backend_config`` JSON, in either of its two forms: ``triton_gemm_config`` (block_m/n/k, split_k, stages,
+    warps) and the nested-fusion form of jax ≥ 0.10, ``block_level_fusion_config`` (output tile sizes; the
+    contracting tile is on the nested dot, added by ``parse_hlo`` as ``k…``). E.g. ``"tile 8x16 w2 s1 k128"``; a
+    split over K shows as a leading output dimension of the float32 partials (``shape``)."""
+    at = attrs.find("backend_config={")
+    if at < 0:
+        return ""
+    try:  # the JSON object that follows (other attributes may come after it)
+        cfg = json.JSONDecoder().raw_decode(attrs, at + len("backend_config="))[0]["fusion_backend_config"]
+    except (ValueError, KeyError, TypeError):
+        return ""
+    if "gemm" not in str(cfg.get("kind", "")):
+        return ""
+    c = cfg.get("triton_gemm_config")
+    if c:
         return (f"tile {c.get('block_m', '?')}x{c.get('block_n', '?')} k{c.get('block_k', '?')} "
                 f"split{c.get('split_k', '1')} w{c.get('num_warps', '?')} s{c.get('num_stages', '?')}")
-    start = attrs.find('"block_level_fusion_config":{')
-    if start < 0 or not re.search(r'"kind":"__triton\w*gemm\w*"', attrs):  # (the kind comes before or after it)
+    c = cfg.get("block_level_fusion_config")
+    if not c:
         return ""
-    depth, i = 0, attrs.index("{", start)
-    for i in range(i, len(attrs)):  # the config object, to its closing brace (its output tiles nest braces)
-        depth += {"{": 1, "}": -1}.get(attrs[i], 0)
-        if depth == 0:
-            break
-    body = attrs[start:i + 1]
-    tiles = re.search(r'"output_tiles":\[\{"sizes":\[([^\]]*)\]', body)
-    warps = re.search(r'"num_warps":"?(\d+)', body)
-    stages = re.search(r'"num_stages":"?(\d+)', body)
-    size = "x".join(tiles.group(1).replace('"', "").split(",")) if tiles else "?"
-    return f"tile {size} w{warps.group(1) if warps else '?'} s{stages.group(1) if stages else '?'}"
+    tiles = c.get("output_tiles") or [{}]
+    size = "x".join(str(v) for v in tiles[0].get("sizes", ["?"]))
+    return f"tile {size} w{c.get('num_warps', '?')} s{c.get('num_stages', '?')}"
 
 
 def _source_line(frame: int, frames, locs, files) -> str:
