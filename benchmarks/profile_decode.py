@@ -55,6 +55,7 @@ from fox_jax.kernels import decode_attention as dk
 from fox_jax.kernels import decode_mlp as km
 
 decode_op = importlib.import_module("fox_jax.ops.decode_attention")  # the module (fox_jax.ops exports the function)
+gpt2_model = importlib.import_module("fox_jax.models.gpt2")
 
 # sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
 from bench_decode import bound_bandwidth, model_config, weight_bytes_read
@@ -138,7 +139,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
     """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``,
-    ``norm``.
+    ``norm``, ``mlp``, ``proj``, ``qkv`` (GPT-2's ``DECODE_QKV``).
 
     Raises:
       ValueError: an unknown key or a bad value (an int for the DecodeConfig tilings, 0 or 1 for its switches).
@@ -149,7 +150,7 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
     switches = {f.name for f in dataclasses.fields(dk.DecodeConfig) if f.type in (bool, "bool")} | {
         "mlp_" + f.name for f in dataclasses.fields(km.MlpConfig) if f.type in (bool, "bool")}
     choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("folded", "applied"),
-               "mlp": ("fused", "xla"), "proj": ("kernel", "xla")}
+               "mlp": ("fused", "xla"), "proj": ("kernel", "xla"), "qkv": ("plain", "rows", "parts")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -176,12 +177,12 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp", "proj") and
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp", "proj", "qkv") and
               not k.startswith("mlp_")}
     mlp_tiling = {k[len("mlp_"):]: v for k, v in settings.items() if k.startswith("mlp_")}
     saved = (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables, gen.FOLD_INPUT_NORMS,
-             gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ)
-    base_config, base_arrays, _, base_tables, _, _, base_mlp_config, _ = saved
+             gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ, gpt2_model.DECODE_QKV)
+    base_config, base_arrays, _, base_tables, _, _, base_mlp_config, _, _ = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -208,6 +209,8 @@ def kernel_variant(settings: dict):
         gen.FUSE_DECODE_MLP = settings["mlp"] == "fused"
     if "proj" in settings:
         gen.FUSE_OUTPUT_PROJ = settings["proj"] == "kernel"
+    if "qkv" in settings:
+        gpt2_model.DECODE_QKV = settings["qkv"]
     km.default_mlp_config = mlp_config
     if settings.get("gates") == "xla":  # (a folded norm needs the kernel to read x for the gate logits)
         gen.gate_tables = lambda params, folded_norms=False, project_out=False: base_tables(params)
@@ -215,7 +218,8 @@ def kernel_variant(settings: dict):
         yield
     finally:
         (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables,
-         gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ) = saved
+         gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ,
+         gpt2_model.DECODE_QKV) = saved
         jax.clear_caches()
 
 

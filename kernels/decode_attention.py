@@ -204,6 +204,9 @@ class StepGeom:
     qk_eps: float = 1e-5
     o_eps: float = 1e-6
     x_norm_eps: float | None = None  # ``rows`` and the gate sums are of the un-normalised x: scaled by its RMS here
+    row_parts: int = 0  # S > 0: ``rows`` holds S float32 partial sums per row, summed here (then ``row_dtype``)
+    row_dtype: str = ""  # with ``row_parts``: the compute dtype the summed rows are rounded to (q's)
+    row_bias: bool = False  # a bias per row of ``rows`` added here, after the sum (and the row scale)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -371,13 +374,12 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     scale r (``_gate_logits``) first. Returns (q chunks [Gp, size], k_new, v_new chunks [size] in the rows' dtype,
     (Λ hi, lo) [Gp] or None, the raw k and v chunks that the shift's carry takes (a pair of lists) or None, r or
     None); ``_carry_writes`` makes the carries' writes of them."""
-    st, dt = g.step, r["rows"].dtype
+    st, dt = g.step, _rows_dtype(g, r)
     f32 = jnp.float32
     hkv, head = st.kv_heads, _layer_head_of_program(g)  # this program's kv head in the layer
-    qs = [pltriton.load(r["rows"].at[pl.ds(head * g.group, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
-          for off, size in g.chunks]
-    ks = [pltriton.load(r["rows"].at[st.q_heads + head, pl.ds(off, size)]) for off, size in g.chunks]
-    vs = [pltriton.load(r["rows"].at[st.q_heads + hkv + head, pl.ds(off, size)]) for off, size in g.chunks]
+    qs = _load_rows(g, r, pl.ds(head * g.group, g.group_pad), row_ok)
+    ks = _load_rows(g, r, st.q_heads + head)
+    vs = _load_rows(g, r, st.q_heads + hkv + head)
     pos = r["hi"][()] - 1 - r["seq_start"][()]  # the step's position (< 0: a pad)
     d = sum(size for _, size in g.chunks)
     # every gate logit of the program in one pass, before anything waits on them: the k and v shifts' of its kv
@@ -389,6 +391,10 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
     logits, row_scale = _gate_logits(r, specs, st.x_norm_eps) if specs else ([], None)
     if row_scale is not None:  # the rows are of the un-normalised x: scaled as the norm would have (in float32)
         qs, ks, vs = ([(x.astype(f32) * row_scale).astype(dt) for x in xs] for xs in (qs, ks, vs))
+    if st.row_bias:
+        qs = _add_row_bias(g, r, qs, pl.ds(head * g.group, g.group_pad), row_ok)
+        ks = _add_row_bias(g, r, ks, st.q_heads + head)
+        vs = _add_row_bias(g, r, vs, st.q_heads + hkv + head)
     raw = None
     if st.shift:
         keep = pos > 0  # the first token of a row (and a pad) sees zeros
@@ -418,6 +424,37 @@ def _step_prologue(g: _Geom, r: dict, row_ok):
         prev = tuple(pltriton.load(r[n].at[:], mask=row_ok[:, 0], other=0.0) for n in ("lp_hi", "lp_lo"))
         lam = pair_add(prev, (lf, jnp.zeros_like(lf)))
     return qs, ks, vs, lam, raw, row_scale
+
+
+def _rows_dtype(g: _Geom, r: dict):
+    """Fused step: the compute dtype of the step's rows (``rows``' own, or with partial sums ``row_dtype``)."""
+    return jnp.dtype(g.step.row_dtype) if g.step.row_parts else r["rows"].dtype
+
+
+def _load_rows(g: _Geom, r: dict, row, row_ok=None) -> list:
+    """Fused step: row(s) ``row`` of ``rows`` (an index, or a ``pl.ds`` of Gp rows masked by ``row_ok``) as head-dim
+    chunks in the compute dtype; with ``row_parts`` the S float32 partial sums added in float32 (in order) and rounded
+    once, as the layer's GEMM rounds its float32 accumulation."""
+    st = g.step
+    masked = dict(mask=row_ok, other=0.0) if row_ok is not None else {}
+    if not st.row_parts:
+        return [pltriton.load(r["rows"].at[row, pl.ds(off, size)], **masked) for off, size in g.chunks]
+    out = []
+    for off, size in g.chunks:
+        acc = pltriton.load(r["rows"].at[jnp.int32(0), row, pl.ds(off, size)], **masked)
+        for part in range(1, st.row_parts):
+            acc = acc + pltriton.load(r["rows"].at[jnp.int32(part), row, pl.ds(off, size)], **masked)
+        out.append(acc.astype(st.row_dtype))
+    return out
+
+
+def _add_row_bias(g: _Geom, r: dict, xs: list, row, row_ok=None) -> list:
+    """Fused step: chunks ``xs`` of row(s) ``row`` plus their bias (``row_bias``, in the compute dtype), added in
+    float32 and rounded to the compute dtype: ``nn.Dense``'s y + b with y and b in that dtype."""
+    masked = dict(mask=row_ok, other=0.0) if row_ok is not None else {}
+    dt = xs[0].dtype
+    return [(x.astype(jnp.float32) + pltriton.load(r["row_bias"].at[row, pl.ds(off, size)], **masked).astype(
+        jnp.float32)).astype(dt) for x, (off, size) in zip(xs, g.chunks)]
 
 
 def _carry_writes(g: _Geom, r: dict, raw, lam, row_ok) -> list:
@@ -451,8 +488,9 @@ def _epilogue_operands(g: _Geom, r: dict, row_ok):
         scales = [pltriton.load(r["o_scale"].at[:, pl.ds(off, size)], mask=row_ok, other=0.0) for off, size in g.chunks]
     if st.o_gate:  # the gate logits: rows 2·Hkv + H + head·G of ``rows``
         first = st.q_heads + 2 * st.kv_heads + _layer_head_of_program(g) * g.group
-        gates = [pltriton.load(r["rows"].at[pl.ds(first, g.group_pad), pl.ds(off, size)], mask=row_ok, other=0.0)
-                 for off, size in g.chunks]
+        gates = _load_rows(g, r, pl.ds(first, g.group_pad), row_ok)
+        if st.row_bias:  # (never with a row scale: ``flash_decode`` refuses the pair)
+            gates = _add_row_bias(g, r, gates, pl.ds(first, g.group_pad), row_ok)
     return scales, gates
 
 
@@ -809,7 +847,7 @@ def _range_operand(x, b: int, hkv: int):
                    meta_fields=["o_gate", "gate_logits", "qk_eps", "o_eps", "group_heads", "layer_kv_heads",
                                 "x_norm_eps"],
                    data_fields=["rows", "seq_start", "gate_rows", "gate_x", "gate_w", "gate_table", "shift_state",
-                                "q_scale", "k_scale", "lam_prev", "o_scale", "o_proj"])
+                                "q_scale", "k_scale", "lam_prev", "o_scale", "o_proj", "row_bias"])
 @dataclasses.dataclass(frozen=True)
 class StepArrays:
     """``flash_decode(..., step=)``: a decode step's raw inputs; a None field: that part is absent (``StepGeom``). The
@@ -818,7 +856,10 @@ class StepArrays:
 
     Attributes:
       rows: [B, R, D] (q's dtype): the raw projections as rows, q (H = Hkv·G rows, query head h·G + g), k (Hkv),
-        v (Hkv), then with ``o_gate`` the output gate logits (H); further rows are ignored.
+        v (Hkv), then with ``o_gate`` the output gate logits (H); further rows are ignored. Or float32 [S, B, R, D]:
+        S partial sums of them (the GEMM's inner dimension split in S, as a batched GEMM's output lies: e.g.
+        ``fox_jax.nn.layers.split_dense``), which the kernel adds in float32 in order and rounds to q's dtype once
+        (not with ``x_norm_eps``): the split's reduction costs no kernel of its own.
       seq_start: [B] int32, each row's first column: the step's position is hi − 1 − seq_start (< 0: a pad, which
         adds no gate; ≤ 0: the shift sees zeros).
       gate_rows: [B, W] float32: with ``shift_state`` the logits of the k and v shift weights α (Hkv each), then
@@ -844,6 +885,8 @@ class StepArrays:
         while ``rows``, ``gate_rows``, the carries and the scales are the layer's ([B, 2, Hkv, D], [B, Hkv, G],
         [Hkv, ...] with the layer's Hkv). (o_gate, gate_logits, the eps and group_heads are static: a pytree's
         auxiliary data.) layer_kv_heads: the layer's Hkv, with group_heads.
+      row_bias: None, or [R, D] in q's dtype: a bias per row of ``rows`` (``nn.Dense``'s, e.g. GPT-2's c_attn), added
+        after the sum in float32 and rounded to q's dtype, as the layer adds it (not with ``x_norm_eps``).
       x_norm_eps: None, or the eps of an RMSNorm folded into the projections (static; needs ``gate_x``): ``rows`` and
         ``gate_x`` are then of the un-normalised x, with the norm's scale s in the weights (W' = s ⊙ W, the gate
         table likewise), and the kernel multiplies the q, k, v and output gate rows and the gate sums (before the
@@ -863,6 +906,7 @@ class StepArrays:
     lam_prev: tuple | None = None
     o_scale: jax.Array | None = None
     o_proj: jax.Array | None = None
+    row_bias: jax.Array | None = None
     o_gate: bool = False
     gate_logits: bool = True
     qk_eps: float = 1e-5
@@ -965,6 +1009,14 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                              f"(W_o by query head), got {list(step.o_proj.shape)}")
     if step is not None and step.x_norm_eps is not None and step.gate_x is None:
         raise ValueError("step.x_norm_eps needs step.gate_x (the kernel takes the row scale from the x it loads)")
+    if step is not None and (step.rows.ndim not in (3, 4) or (step.rows.ndim == 4 and (
+            step.rows.dtype != jnp.float32 or step.x_norm_eps is not None))):
+        raise ValueError(f"step.rows must be [B, R, D] in q's dtype or float32 partial sums [S, B, R, D] (not with "
+                         f"x_norm_eps), got {step.rows.dtype}{list(step.rows.shape)}")
+    if step is not None and step.row_bias is not None and (
+            tuple(step.row_bias.shape) != tuple(step.rows.shape[-2:]) or step.x_norm_eps is not None):
+        raise ValueError(f"step.row_bias must be [{step.rows.shape[-2]}, {step.rows.shape[-1]}] (one per row of "
+                         f"step.rows; not with x_norm_eps), got {list(step.row_bias.shape)}")
     if step is not None and step.group_heads is not None and step.layer_kv_heads is None:
         raise ValueError("step.group_heads needs step.layer_kv_heads (the layer's Hkv)")
     if d_run != d:  # zero columns change nothing; this copies K and V (see the module docstring)
@@ -1015,8 +1067,16 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
         lh = lambda i: layer_head(lax.rem(i, hkv), gh)  # noqa: E731  (this program's kv head in the layer)
         head_of = lambda i, s: (lh(i), 0, 0)  # noqa: E731  (parameters per key/value head)
         of_row = lambda i, s: (lax.div(i, hkv), 0, 0)  # noqa: E731  (a row's whole block)
-        n_rows = step.rows.shape[1]
-        ins += [("rows", step.rows.astype(q.dtype), pl.BlockSpec((None, n_rows, d_run), of_row)),
+        n_rows, parts = step.rows.shape[-2], (step.rows.shape[0] if step.rows.ndim == 4 else 0)
+        if parts:  # S float32 partial sums per row, summed in the kernel
+            ins.append(("rows", step.rows.astype(f32),
+                        pl.BlockSpec((parts, None, n_rows, d_run), lambda i, s: (0, lax.div(i, hkv), 0, 0))))
+        else:
+            ins.append(("rows", step.rows.astype(q.dtype), pl.BlockSpec((None, n_rows, d_run), of_row)))
+        if step.row_bias is not None:  # [R, D], whole: each program adds its heads' rows
+            ins.append(("row_bias", step.row_bias.astype(q.dtype),
+                        pl.BlockSpec((n_rows, d_run), lambda i, s: (0, 0))))
+        ins += [
                 ("seq_start", jnp.asarray(step.seq_start, jnp.int32).reshape(b),
                  pl.BlockSpec((None,), lambda i, s: (lax.div(i, hkv),)))]
         if step.gate_rows is not None:
@@ -1056,7 +1116,9 @@ def flash_decode(q, k, v, lo, hi, valid=None, lam_q=None, lam_k=None, *, scale: 
                              gate_logits=bool(step.gate_logits), q_heads=hkv_l * grp, kv_heads=hkv_l,
                              group_heads=None if gh is None else tuple(int(x) for x in gh),
                              qk_eps=float(step.qk_eps), o_eps=float(step.o_eps),
-                             x_norm_eps=None if step.x_norm_eps is None else float(step.x_norm_eps))
+                             x_norm_eps=None if step.x_norm_eps is None else float(step.x_norm_eps),
+                             row_parts=parts, row_dtype=jnp.dtype(q.dtype).name if parts else "",
+                             row_bias=step.row_bias is not None)
 
     nt = 0
     if tables is not None:  # [B, nt] → [B·nt, 1]: one entry per program (per row: the programs of its kv heads)

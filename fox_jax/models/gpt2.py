@@ -53,14 +53,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from fox_jax.config import GPT2_SIZES, SPARSE_PATTERNS, GPT2Config, gpt2_preset, parse_sparse_pattern, register_family
-from fox_jax.cache.slots import cache_columns, slot_attention
+from fox_jax.cache.slots import cache_columns, fuses_step, slot_attention
 from fox_jax.cache.visibility import LayerFacts
 from fox_jax.models.family import (FamilyModules, ModelOutput, dcp_aux, embed_rows, remat_block, rows_only,
                                    scan_applies, scan_blocks)
 from fox_jax.nn.attention import LayerOutput
-from fox_jax.nn.layers import LayerNorm
+from fox_jax.nn.layers import DenseParams, LayerNorm, split_dense
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
+from fox_jax.ops.head_ops import HeadOps
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,6 +204,20 @@ def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = Non
                     bias_init=nn.initializers.zeros, name=name)
 
 
+DECODE_QKV = "plain"
+"""How a decode step (T = 1 on a cache whose decode kernel takes the layer's projections: ``fuses_step``) hands
+c_attn's output to the decode op: ``"plain"``, q, k and v as three arrays (XLA slices c_attn's output into them: a
+kernel per layer, where its autotuner's split-K reduction and the bias also go); ``"rows"``, c_attn's whole output in
+place (``HeadOps.rows``: no slices); ``"parts"``, with at most ``QKV_PARTS_MAX_ROWS`` rows, c_attn as
+``QKV_PARTS`` float32 partial sums (``split_dense``) and its bias, both added by the decode kernel as it loads them
+(``HeadOps.rows_bias``): the step spends no kernel between c_attn's GEMM and attention (with more rows: ``"rows"``).
+The same values each way up to float32 summation order. A module setting (``benchmarks/profile_decode.py
+--kernel-variants x:qkv=parts``)."""
+QKV_PARTS, QKV_PARTS_MAX_ROWS = 4, 64
+"""``DECODE_QKV = "parts"``: the split of c_attn's inner dimension (XLA's own pick for GPT-2 124M's B32 step on an
+H100, split-K 4) and the most rows it is used for."""
+
+
 class GPT2Attention(nn.Module):
     """Causal multi-head self-attention, optionally with the DCP interaction mask.
 
@@ -220,7 +235,20 @@ class GPT2Attention(nn.Module):
         cfg = self.cfg
         b, t, d = x.shape
         h, dh = cfg.n_heads, cfg.dim_per_head
-        qkv = _dense(cfg, 3 * d, "c_attn")(x)
+        ops = None  # a fused decode step's c_attn output as the decode kernel reads it (``DECODE_QKV``)
+        rows = (b, t, 3 * h, dh)
+        if cache is not None and DECODE_QKV == "parts" and b * t <= QKV_PARTS_MAX_ROWS \
+                and d % (16 * QKV_PARTS) == 0 and fuses_step(cache, t, False):
+            kernel, bias = DenseParams(3 * d, True, cfg.init_std, name="c_attn")(d)
+            dtype = jnp.dtype(cfg.dtype)
+            bias = bias.astype(dtype)
+            parts = split_dense(x, kernel, dtype, QKV_PARTS)                             # [S, B, T, 3d] float32
+            qkv = jnp.sum(parts, axis=0).astype(dtype) + bias  # the XLA path's (unread on the kernel's)
+            ops = HeadOps(rows=parts.reshape(QKV_PARTS, *rows), rows_bias=bias.reshape(rows[2:]))
+        else:
+            qkv = _dense(cfg, 3 * d, "c_attn")(x)
+            if cache is not None and DECODE_QKV != "plain" and fuses_step(cache, t, False):
+                ops = HeadOps(rows=qkv.reshape(rows))
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
         log_mask = q_int = k_int = beta = None
@@ -230,7 +258,8 @@ class GPT2Attention(nn.Module):
             k_int = _dense(cfg, cfg.interaction_dim, "k_int", use_bias=False, dtype=jnp.float32)(xf)
             beta = self.param("beta", nn.initializers.constant(cfg.dcp_beta_init), (), jnp.float32)
         if cache is not None:  # decoding: the cache's policy decides what each query sees
-            o, cache = slot_attention(cache, q, k, v, None, facts=LayerFacts(q_int=q_int, k_int=k_int, beta=beta))
+            o, cache = slot_attention(cache, q, k, v, None, head_ops=ops,
+                                      facts=LayerFacts(q_int=q_int, k_int=k_int, beta=beta))
         elif cfg.dcp:
             z = keep_logits(q_int, k_int, beta)                         # [B, T, T] float32
             log_mask = cumulative_keep_log_mask(z, alpha)               # once per layer, all heads
@@ -249,6 +278,7 @@ class GPT2Attention(nn.Module):
                                      implementation=cfg.attention_impl)
         out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layers))(o.reshape(b, t, d))
         return LayerOutput(out, cache, log_mask)
+
 
 
 class GPT2MLP(nn.Module):

@@ -179,6 +179,30 @@ def fused_dense(x: jax.Array, weights: list[tuple], dtype: Dtype, *, packed: boo
     return (outs, y) if packed else outs
 
 
+def split_dense(x: jax.Array, kernel: jax.Array, dtype: Dtype, parts: int) -> jax.Array:
+    """x · kernel as ``parts`` float32 partial sums over consecutive slices of the inner dimension (a split-K made
+    explicit, as one batched GEMM): [parts, ..., n], whose sum over axis 0 is ``nn.Dense(n, use_bias=False,
+    dtype=dtype)``'s product before its rounding to ``dtype``. A decode step's small GEMM is split this way by XLA
+    itself (its autotuner picks split-K for few rows), and then reduced by a kernel of its own; made explicit, the
+    partial sums can go to a kernel that adds them while it loads them (the decode kernel's ``rows``), so the
+    reduction costs no launch.
+
+    Args:
+      x: [..., d_in]; kernel: [d_in, n] (cast to ``dtype``, as x); parts: S ≥ 1 dividing d_in.
+    Returns:
+      [S, ..., n] float32.
+    Raises:
+      ValueError: S < 1 or S not dividing d_in.
+    """
+    d_in, n = kernel.shape
+    if parts < 1 or d_in % parts:
+        raise ValueError(f"split_dense: parts must be ≥ 1 and divide d_in={d_in}, got {parts}")
+    xs = x.astype(dtype).reshape(-1, parts, d_in // parts)                                   # [M, S, d_in / S]
+    ws = kernel.astype(dtype).reshape(parts, d_in // parts, n)                              # [S, d_in / S, n]
+    y = jax.lax.dot_general(xs, ws, (((2,), (1,)), ((1,), (0,))), preferred_element_type=jnp.float32)  # [S, M, n]
+    return y.reshape(parts, *x.shape[:-1], n)
+
+
 class HeadNormScale(nn.Module):
     """The scale of a per-head RMSNorm (QK-norm, the Pro output norm): ``scale`` [H, D] float32, or one [D] shared by
     all heads, initialised to 1. The norm itself is ``fox_jax.ops.head_ops.rms_norm``, applied by the attention

@@ -463,10 +463,17 @@ def _check_step(step: DecodeStep, q, hi, lam_q, lam_k, lam_new) -> None:
         raise ValueError(f"step.seq_start must be int [{b}], got "
                          f"{jnp.result_type(step.seq_start)}{list(jnp.shape(step.seq_start))}")
     n_rows = 2 * h + 2 * hkv if ops.o_gate is not None else h + 2 * hkv
-    if ops.rows is not None and (ops.rows.ndim != 4 or ops.rows.shape[:2] != (b, 1) or ops.rows.shape[2] < n_rows
-                                 or ops.rows.shape[3] != d):
-        raise ValueError(f"step.ops.rows must be [{b}, 1, ≥ {n_rows}, {d}] (q, k, v, o gate rows), "
-                         f"got {list(ops.rows.shape)}")
+    rows = ops.rows
+    if rows is not None and (rows.ndim not in (4, 5) or rows.shape[-4:-2] != (b, 1) or rows.shape[-2] < n_rows
+                             or rows.shape[-1] != d or (rows.ndim == 5 and rows.dtype != jnp.float32)):
+        raise ValueError(f"step.ops.rows must be [{b}, 1, ≥ {n_rows}, {d}] (q, k, v, o gate rows) or float32 partial "
+                         f"sums [S, {b}, 1, ≥ {n_rows}, {d}], got {rows.dtype}{list(rows.shape)}")
+    if ops.rows_bias is not None and (rows is None or tuple(ops.rows_bias.shape) != tuple(rows.shape[-2:])
+                                      or ops.x_norm_eps is not None):
+        raise ValueError(f"step.ops.rows_bias must be [R, D] with step.ops.rows [..., R, D] (and no x_norm_eps), got "
+                         f"{list(ops.rows_bias.shape)}")
+    if rows is not None and rows.ndim == 5 and ops.x_norm_eps is not None:
+        raise ValueError("step.ops.rows as partial sums does not go with x_norm_eps")
     if ops.gate_weights is not None:
         x = ops.gate_x
         if x is None or x.ndim != 3 or tuple(x.shape[:2]) != (b, 1):
@@ -557,12 +564,12 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
     hkv = n if step.heads is None else step.kv_heads  # the layer's
     ops = step.ops
     gate = ops.o_gate is not None and epilogue
-    rows = ops.rows
+    rows, row_bias = ops.rows, None
     if rows is None:  # (not with a head group: the op runs XLA then)
         parts = [q.reshape(b, hkv * grp, d), k_new, v_new] + ([ops.o_gate.reshape(b, hkv * grp, d)] if gate else [])
         rows = jnp.concatenate([x.astype(q.dtype) for x in parts], axis=1)
     else:
-        rows = rows[:, 0]
+        rows, row_bias = rows[..., 0, :, :], ops.rows_bias  # the one token: [B, R, D] or [S, B, R, D]
     gate_rows, gate_logits, gate_x, gate_w, gate_table = None, True, None, None, None
     members = (2 if ops.shifts else 0) + (1 if step.log_fgate is not None else 0)
     if members:
@@ -581,7 +588,7 @@ def _step_arrays(step: DecodeStep, q, k_new, v_new, epilogue: bool) -> dk.StepAr
         shift_state=step.shift_state if ops.shifts else None,
         q_scale=per_q(ops.q_scale), k_scale=None if ops.k_scale is None else jnp.broadcast_to(ops.k_scale, (hkv, d)),
         lam_prev=step.lam_prev, o_scale=per_q(ops.o_scale) if epilogue else None, o_gate=gate,
-        o_proj=ops.o_proj.reshape(hkv, grp, d, -1) if epilogue and kernel_projects(ops) else None,
+        o_proj=ops.o_proj.reshape(hkv, grp, d, -1) if epilogue and kernel_projects(ops) else None, row_bias=row_bias,
         gate_logits=gate_logits, qk_eps=ops.qk_eps, o_eps=ops.o_eps, group_heads=step.heads,
         layer_kv_heads=step.kv_heads, x_norm_eps=ops.x_norm_eps)
 

@@ -18,11 +18,13 @@ from fox_jax.kernels import decode_attention as dk
 from fox_jax.sharding import kernel_mesh, per_shard, shard_count, shard_plan
 
 
-# the StepArrays fields with a leading batch dimension; the others (scales, gate weights and tables) are the layer's
+# the StepArrays fields with a batch dimension, leading (rows as partial sums [S, B, R, D]: second); the others
+# (scales, gate weights and tables, the rows' bias) are the layer's
 _STEP_ROW_FIELDS = ("rows", "seq_start", "gate_rows", "gate_x", "shift_state", "lam_prev")
-# the StepArrays fields per key/value head, and the axis of their heads (rows and gate_rows: once laid out per shard)
+# the StepArrays fields per key/value head, and the axis of their heads (rows and gate_rows: once laid out per shard;
+# rows as partial sums: one axis later)
 _STEP_HEAD_AXIS = dict(rows=1, gate_rows=1, gate_table=0, shift_state=2, q_scale=0, k_scale=0, lam_prev=1, o_scale=0,
-                       o_proj=0)
+                       o_proj=0, row_bias=0)
 
 
 def _shard_major(blocks: list[tuple[int, int]], hkv: int, shards: int) -> np.ndarray:
@@ -42,7 +44,9 @@ def _step_for_shards(step: dk.StepArrays, hkv: int, grp: int, shards: int) -> tu
     if shards > 1:
         h = hkv * grp
         rows = [(0, grp), (h, 1), (h + hkv, 1)] + ([(h + 2 * hkv, grp)] if step.o_gate else [])
-        step = dataclasses.replace(step, rows=step.rows[:, _shard_major(rows, hkv, shards)])
+        order = _shard_major(rows, hkv, shards)
+        step = dataclasses.replace(step, rows=step.rows[..., order, :],
+                                   row_bias=None if step.row_bias is None else step.row_bias[order])
         if step.gate_rows is not None:
             shifts = [(0, 1), (hkv, 1)] if step.shift_state is not None else []
             forget = [(2 * hkv if shifts else 0, grp)] if step.lam_prev is not None else []
@@ -54,10 +58,11 @@ def _step_for_shards(step: dk.StepArrays, hkv: int, grp: int, shards: int) -> tu
 
     def axes(field: str, x) -> tuple:
         names = [None] * x.ndim
+        parts = field == "rows" and x.ndim == 4  # partial sums [S, B, R, D]
         if field in _STEP_ROW_FIELDS:
-            names[0] = "batch"
+            names[1 if parts else 0] = "batch"
         if shards > 1 and field in _STEP_HEAD_AXIS:
-            names[_STEP_HEAD_AXIS[field]] = "heads"
+            names[_STEP_HEAD_AXIS[field] + parts] = "heads"
         return tuple(names)
 
     return step, tree.unflatten([axes(path[0].name, x) for path, x in leaves])

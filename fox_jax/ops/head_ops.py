@@ -137,7 +137,13 @@ class HeadOps:
         summed by the caller: no GEMM launch of its own).
       rows: [B, T, R, D] in the compute dtype, or None: the same raw projections as one array, q (H rows), k (Hkv),
         v (Hkv), then the o_gate logits (H) (further rows ignored): the decode GEMM's output, which a kernel reads in
-        place (the separate q, k, v, o_gate are slices of it: each passed on its own would be a copy).
+        place (the separate q, k, v, o_gate are slices of it: each passed on its own would be a copy). Or float32
+        [S, B, T, R, D]: S partial sums of them over a split of the GEMM's inner dimension
+        (``fox_jax.nn.layers.split_dense``), which the kernel adds and rounds to the compute dtype, so that the split
+        needs no reduction kernel (not with ``x_norm_eps``).
+      rows_bias: [R, D] in the compute dtype, or None: a bias per row of ``rows`` (not yet added there), which the
+        kernel adds after the sum as ``nn.Dense`` adds its bias (in float32, rounded to the compute dtype). The
+        separate q, k, v, o_gate have it already.
       gate_x, gate_weights: the float32 projections behind the shift and forget-gate logits, as data, or None: the
         layer's input x [B, T, d_in] (any float dtype) and, in column order, (kernel [d_in, n] float32, bias [n]
         float32 or None) of k_shift and v_shift (n = Hkv each, with a shift), then of the forget gates (n = H, with
@@ -164,6 +170,7 @@ class HeadOps:
     o_gate: jax.Array | None = None
     o_proj: jax.Array | None = None
     rows: jax.Array | None = None
+    rows_bias: jax.Array | None = None
     gate_x: jax.Array | None = None
     gate_weights: tuple | None = None
     gate_table: tuple | None = None
