@@ -64,10 +64,14 @@ def pallas_case(model, params, prompt, seq_start) -> dict:
     """The fused decode step through the Pallas decode kernel (interpret mode: "auto" made to pick it, as on a GPU)
     with and without a mesh — acp (per-head rings in head groups: rows split) under data=8, window:16 (one ring of
     every head: rows and heads split) under data=4,tensor=2, the latter also with W_o in the kernel
-    (``FUSE_OUTPUT_PROJ``: each shard's heads' shares, summed over the tensor axis) — gives the same tokens."""
+    (``FUSE_OUTPUT_PROJ``: each shard's heads' shares, summed over the tensor axis), and a GPT-2 whose c_attn reaches
+    the kernel as partial sums and a bias (``DECODE_QKV = "parts"``: the rows laid out per shard on their own axis)
+    under data=4,tensor=2 — gives the same tokens."""
     import importlib
 
     from fox_jax.decoding import generation
+    from fox_jax.models import GPT2Config
+    from fox_jax.models import gpt2 as gpt2_module
 
     from fox_jax.kernels import decode_attention as dk
 
@@ -87,11 +91,22 @@ def pallas_case(model, params, prompt, seq_start) -> dict:
             generation.FUSE_OUTPUT_PROJ = False
             equal[f"{policy}|{mesh}" + ("|proj" if proj else "")] = \
                 np.asarray(ref.tokens).tolist() == np.asarray(gen.tokens).tolist()
+        gcfg = GPT2Config(n_layers=2, d_model=64, n_heads=4, vocab_size=64, n_positions=64)
+        gmodel = gcfg.build()
+        gparams = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim >= 2 else x, gcfg.init_params(jax.random.PRNGKey(1)))
+        kw = dict(max_new_tokens=6, policy="window:16", seq_start=seq_start, prefill_chunk=8)
+        ref = generate(gmodel, gparams, prompt, **kw)
+        gpt2_module.DECODE_QKV = "parts"
+        jax.clear_caches()
+        gen = generate(gmodel, gparams, prompt, mesh=make_mesh("data=4,tensor=2"), **kw)
+        equal["gpt2|window:16|data=4,tensor=2|parts"] = np.asarray(ref.tokens).tolist() == np.asarray(gen.tokens).tolist()
     finally:
         ops.resolve_decode_implementation, dk.flash_decode = resolve, flash
         generation.FUSE_OUTPUT_PROJ = False
+        gpt2_module.DECODE_QKV = "plain"
     return {"equal": equal, "fused_calls": sum(s is not None for s in seen),
-            "projecting_calls": sum(s is not None and s.o_proj is not None for s in seen)}
+            "projecting_calls": sum(s is not None and s.o_proj is not None for s in seen),
+            "partial_row_calls": sum(s is not None and s.rows.ndim == 4 and s.row_bias is not None for s in seen)}
 
 
 def main() -> None:

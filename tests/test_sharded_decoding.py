@@ -70,11 +70,14 @@ def test_sharded_generation_and_scoring_equal_unsharded(sharded, policy, mesh):
 def test_the_pallas_decode_step_runs_per_shard(sharded):
     """The fused step through the Pallas decode kernel (as on a GPU; interpret mode here) gives the unsharded tokens:
     acp under data=8 (rows split), window:16 under data=4,tensor=2 (rows and heads), also with W_o in the kernel (each
-    shard's share of o·W_o, summed over tensor); that the kernel then runs per shard, with nothing gathered, is
+    shard's share of o·W_o, summed over tensor), and GPT-2's c_attn as partial sums with its bias (``DECODE_QKV``,
+    laid out per shard) under data=4,tensor=2; that the kernel then runs per shard, with nothing gathered, is
     test_sharding's decode cases."""
     assert sharded["pallas"]["equal"] == {"acp|data=8": True, "window:16|data=4,tensor=2": True,
-                                          "window:16|data=4,tensor=2|proj": True}
+                                          "window:16|data=4,tensor=2|proj": True,
+                                          "gpt2|window:16|data=4,tensor=2|parts": True}
     assert sharded["pallas"]["fused_calls"] >= 4 and sharded["pallas"]["projecting_calls"] >= 2
+    assert sharded["pallas"]["partial_row_calls"] >= 2  # GPT-2's c_attn as partial sums, per shard
 
 
 @pytest.mark.slow
