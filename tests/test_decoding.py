@@ -978,6 +978,47 @@ def test_gpt2_decode_kernel_reads_c_attn_in_place(qkv, policy, monkeypatch):
     _assert_same_caches(caches, ref_caches)
 
 
+@pytest.mark.parametrize("implementation,qkv", [("xla", "plain"), ("pallas", "plain"), ("pallas", "parts")])
+def test_gpt2_decode_step_adds_residuals_with_the_norms(implementation, qkv, monkeypatch):
+    """``DECODE_RESIDUAL = "fused"``: GPT-2's decode steps add the attention's and the MLP's c_proj (as float32
+    partial sums and their biases) to the residual stream inside the LayerNorm that follows (ln_2; the next layer's
+    ln_1; ln_f after the last layer), through ``residual_layer_norm``'s XLA form or its kernel (interpret mode), also
+    with c_attn read in place by the decode kernel: the logits of every step and the caches equal the plain path's.
+    Two layers, so a block's MLP output is added by the next one. Tolerance: float32, summation order only, 1e-5."""
+    gpt2_module = sys.modules["fox_jax.models.gpt2"]
+    dec = sys.modules["fox_jax.ops.decode_attention"]
+    model = GPT2(GPT2Config(n_layers=2, d_model=64, n_heads=4, vocab_size=VOCAB, n_positions=64))
+    params = random_params(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"])
+    t, p = 10, 6
+    tokens = padded_batch(t)
+
+    def run():
+        jax.clear_caches()
+        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=16, policy="dense")
+        steps = []
+        for c in range(p, t):
+            step_logits, caches = decode_step(model, params, caches, tokens[:, c])
+            steps.append(np.asarray(step_logits))
+        return np.stack(steps), caches
+
+    with jax.default_matmul_precision("highest"):
+        ref, ref_caches = run()
+        calls = []
+        norm = gpt2_module.residual_layer_norm
+        monkeypatch.setattr(gpt2_module, "residual_layer_norm",
+                            lambda *a, **kw: calls.append(len(a[1])) or norm(*a, **kw, implementation=implementation))
+        monkeypatch.setattr(gpt2_module, "DECODE_RESIDUAL", "fused")
+        monkeypatch.setattr(gpt2_module, "DECODE_QKV", qkv)
+        if qkv != "plain":
+            monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
+        got, caches = run()
+    # per step: ln_1 of layer 0 (nothing pending), ln_2 (the attention's c_proj), ln_1 of layer 1 (layer 0's MLP),
+    # ln_2, ln_f (layer 1's MLP): traced once per compiled step program
+    assert calls[:5] == [0, 1, 1, 1, 1]
+    np.testing.assert_allclose(got, ref, atol=1e-5)
+    _assert_same_caches(caches, ref_caches)
+
+
 @pytest.mark.parametrize("arch", ["fox-pro", "fox-llama"])
 def test_gate_tables_feed_the_decode_kernel(arch, monkeypatch):
     """``gate_tables`` finds every layer's gate projections — KV-shift and forget gates in FoX (Pro), forget gates

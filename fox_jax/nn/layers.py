@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fox_jax.ops.head_ops import rms_norm
+from fox_jax.ops.head_ops import layer_norm, rms_norm
 from fox_jax.sharding import constrain
 
 Dtype = Any
@@ -53,10 +53,7 @@ class LayerNorm(nn.Module):
         d = x.shape[-1]
         scale = self.param("scale", nn.initializers.ones, (d,), jnp.float32)
         bias = self.param("bias", nn.initializers.zeros, (d,), jnp.float32)
-        xf = x.astype(jnp.float32)
-        xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
-        y = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + self.eps)
-        return (y * scale + bias).astype(self.dtype)
+        return layer_norm(x, scale, bias, self.eps, self.dtype)
 
 
 class SwiGLU(nn.Module):

@@ -33,6 +33,16 @@ def rms_norm(x: jax.Array, scale: jax.Array, eps: float, dtype: Any) -> jax.Arra
     return (x.astype(jnp.float32) * rms_scale(x, eps) * scale).astype(dtype)
 
 
+def layer_norm(x: jax.Array, scale: jax.Array, bias: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """y = (x − mean(x)) / sqrt(mean((x − mean(x))²) + eps) · scale + bias over the last axis (Ba et al. 2016), in
+    float32 with the variance taken in two passes over the centred x, returned in ``dtype``. x: [..., D] any float
+    dtype; scale, bias: [D] float32."""
+    xf = x.astype(jnp.float32)
+    xc = xf - jnp.mean(xf, axis=-1, keepdims=True)
+    y = xc * jax.lax.rsqrt(jnp.mean(xc * xc, axis=-1, keepdims=True) + eps)
+    return (y * scale + bias).astype(dtype)
+
+
 def kv_shift(raw: jax.Array, alpha: jax.Array, *, state: jax.Array | None = None,
              segment_ids: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """Data-dependent token shift (FoX Pro "KV-shift", paper Eq. 14):
