@@ -139,7 +139,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
 
 def parse_kernel_variant(spec: str) -> tuple[str, dict]:
     """``"name"`` or ``"name:key=value,..."`` -> (name, settings); keys: DecodeConfig fields, ``gates``, ``head``,
-    ``norm``, ``mlp``, ``proj``, ``qkv`` and ``residual`` (GPT-2's ``DECODE_QKV``, ``DECODE_RESIDUAL``).
+    ``norm``, ``mlp``, ``proj``, ``qkv`` (GPT-2's ``DECODE_QKV``).
 
     Raises:
       ValueError: an unknown key or a bad value (an int for the DecodeConfig tilings, 0 or 1 for its switches).
@@ -150,8 +150,7 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
     switches = {f.name for f in dataclasses.fields(dk.DecodeConfig) if f.type in (bool, "bool")} | {
         "mlp_" + f.name for f in dataclasses.fields(km.MlpConfig) if f.type in (bool, "bool")}
     choices = {"gates": ("xla", "kernel"), "head": ("stored", "padded"), "norm": ("folded", "applied"),
-               "mlp": ("fused", "xla"), "proj": ("kernel", "xla"), "qkv": ("plain", "rows", "parts"),
-               "residual": ("plain", "fused")}
+               "mlp": ("fused", "xla"), "proj": ("kernel", "xla"), "qkv": ("plain", "parts")}
     settings = {}
     for item in [x for x in rest.split(",") if x]:
         key, eq, value = item.partition("=")
@@ -178,13 +177,12 @@ def parse_kernel_variant(spec: str) -> tuple[str, dict]:
 def kernel_variant(settings: dict):
     """The decode kernel as ``settings`` says while the block runs (module functions wrapped; jit caches cleared
     on entry and exit so that every program is traced again)."""
-    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp", "proj", "qkv", "residual") and
+    tiling = {k: v for k, v in settings.items() if k not in ("gates", "head", "norm", "mlp", "proj", "qkv") and
               not k.startswith("mlp_")}
     mlp_tiling = {k[len("mlp_"):]: v for k, v in settings.items() if k.startswith("mlp_")}
     saved = (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables, gen.FOLD_INPUT_NORMS,
-             gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ, gpt2_model.DECODE_QKV,
-             gpt2_model.DECODE_RESIDUAL)
-    base_config, base_arrays, _, base_tables, _, _, base_mlp_config, _, _, _ = saved
+             gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ, gpt2_model.DECODE_QKV)
+    base_config, base_arrays, _, base_tables, _, _, base_mlp_config, _, _ = saved
 
     def config(*args, **kwargs):
         return dataclasses.replace(base_config(*args, **kwargs), **tiling)
@@ -213,8 +211,6 @@ def kernel_variant(settings: dict):
         gen.FUSE_OUTPUT_PROJ = settings["proj"] == "kernel"
     if "qkv" in settings:
         gpt2_model.DECODE_QKV = settings["qkv"]
-    if "residual" in settings:
-        gpt2_model.DECODE_RESIDUAL = settings["residual"]
     km.default_mlp_config = mlp_config
     if settings.get("gates") == "xla":  # (a folded norm needs the kernel to read x for the gate logits)
         gen.gate_tables = lambda params, folded_norms=False, project_out=False: base_tables(params)
@@ -223,7 +219,7 @@ def kernel_variant(settings: dict):
     finally:
         (dk.default_decode_config, decode_op._step_arrays, gen.head_table, gen.gate_tables,
          gen.FOLD_INPUT_NORMS, gen.FUSE_DECODE_MLP, km.default_mlp_config, gen.FUSE_OUTPUT_PROJ,
-         gpt2_model.DECODE_QKV, gpt2_model.DECODE_RESIDUAL) = saved
+         gpt2_model.DECODE_QKV) = saved
         jax.clear_caches()
 
 

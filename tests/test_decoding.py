@@ -931,14 +931,13 @@ def _pallas_decode_steps_equal_the_xla_path(policy, t, p, slots, splits, monkeyp
     _assert_same_caches(caches, ref_caches)  # the ring written by the kernel
 
 
-@pytest.mark.parametrize("qkv,policy", [("rows", "dense"), ("parts", "dense"), ("parts", "window:5"),
-                                        ("parts", "sinks:2+5")])
-def test_gpt2_decode_kernel_reads_c_attn_in_place(qkv, policy, monkeypatch):
-    """GPT-2's decode step hands c_attn's output to the decode kernel (interpret mode here) as ``DECODE_QKV`` says:
-    "rows", the whole output in place of three slices; "parts", ``QKV_PARTS`` float32 partial sums over a split of
-    d_model and the bias, which the kernel adds as it loads them. Either way the steps give the logits and caches of
-    the XLA path with q, k, v apart ("plain"), on a ring that a window and sinks move and wrap, and dense equals the
-    full forward. Tolerance: float32, summation order only (the split's partial sums, the split softmax), 1e-5."""
+@pytest.mark.parametrize("policy", ["dense", "window:5", "sinks:2+5"])
+def test_gpt2_decode_kernel_reads_c_attn_in_place(policy, monkeypatch):
+    """GPT-2's decode step (``DECODE_QKV = "parts"``) hands c_attn to the decode kernel (interpret mode here) as
+    ``QKV_PARTS`` float32 partial sums over a split of d_model and the bias, which the kernel adds as it loads them:
+    the steps give the logits and caches of the XLA path with q, k, v apart ("plain"), on a ring that a window and
+    sinks move and wrap, and dense equals the full forward. Tolerance: float32, summation order only (the split's
+    partial sums, the split softmax), 1e-5."""
     gpt2_module = sys.modules["fox_jax.models.gpt2"]
     dec = sys.modules["fox_jax.ops.decode_attention"]
     model = GPT2(GPT2Config(n_layers=1, d_model=64, n_heads=4, vocab_size=VOCAB, n_positions=64))
@@ -958,64 +957,20 @@ def test_gpt2_decode_kernel_reads_c_attn_in_place(qkv, policy, monkeypatch):
     with jax.default_matmul_precision("highest"):
         monkeypatch.setattr(gpt2_module, "DECODE_QKV", "plain")
         ref, ref_caches = run()
-        monkeypatch.setattr(gpt2_module, "DECODE_QKV", qkv)
+        monkeypatch.setattr(gpt2_module, "DECODE_QKV", "parts")
         monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
         traced = []
         flash = dec.dk.flash_decode
         monkeypatch.setattr(dec.dk, "flash_decode", lambda *a, **kw: traced.append(kw.get("step")) or flash(*a, **kw))
         got, caches = run()
     assert traced and all(s is not None for s in traced)  # the fused step: the kernel read c_attn's output
-    if qkv == "parts":
-        assert all(s.rows.shape[0] == gpt2_module.QKV_PARTS and s.rows.dtype == jnp.float32
-                   and s.row_bias is not None for s in traced)
-    else:
-        assert all(s.rows.ndim == 3 and s.row_bias is None for s in traced)
+    assert all(s.rows.shape[0] == gpt2_module.QKV_PARTS and s.rows.dtype == jnp.float32 and s.row_bias is not None
+               for s in traced)
     np.testing.assert_allclose(got, ref, atol=1e-5)
     if policy == "dense":
         with jax.default_matmul_precision("highest"):
             full = np.asarray(full_forward(model, params, tokens)[0][:, p:]).transpose(1, 0, 2)
         np.testing.assert_allclose(got, full, atol=1e-4)
-    _assert_same_caches(caches, ref_caches)
-
-
-@pytest.mark.parametrize("implementation,qkv", [("xla", "plain"), ("pallas", "plain"), ("pallas", "parts")])
-def test_gpt2_decode_step_adds_residuals_with_the_norms(implementation, qkv, monkeypatch):
-    """``DECODE_RESIDUAL = "fused"``: GPT-2's decode steps add the attention's and the MLP's c_proj (as float32
-    partial sums and their biases) to the residual stream inside the LayerNorm that follows (ln_2; the next layer's
-    ln_1; ln_f after the last layer), through ``residual_layer_norm``'s XLA form or its kernel (interpret mode), also
-    with c_attn read in place by the decode kernel: the logits of every step and the caches equal the plain path's.
-    Two layers, so a block's MLP output is added by the next one. Tolerance: float32, summation order only, 1e-5."""
-    gpt2_module = sys.modules["fox_jax.models.gpt2"]
-    dec = sys.modules["fox_jax.ops.decode_attention"]
-    model = GPT2(GPT2Config(n_layers=2, d_model=64, n_heads=4, vocab_size=VOCAB, n_positions=64))
-    params = random_params(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"])
-    t, p = 10, 6
-    tokens = padded_batch(t)
-
-    def run():
-        jax.clear_caches()
-        logits, caches = prefill(model, params, tokens[:, :p], seq_start=PADS, slots=16, policy="dense")
-        steps = []
-        for c in range(p, t):
-            step_logits, caches = decode_step(model, params, caches, tokens[:, c])
-            steps.append(np.asarray(step_logits))
-        return np.stack(steps), caches
-
-    with jax.default_matmul_precision("highest"):
-        ref, ref_caches = run()
-        calls = []
-        norm = gpt2_module.residual_layer_norm
-        monkeypatch.setattr(gpt2_module, "residual_layer_norm",
-                            lambda *a, **kw: calls.append(len(a[1])) or norm(*a, **kw, implementation=implementation))
-        monkeypatch.setattr(gpt2_module, "DECODE_RESIDUAL", "fused")
-        monkeypatch.setattr(gpt2_module, "DECODE_QKV", qkv)
-        if qkv != "plain":
-            monkeypatch.setattr(dec, "resolve_decode_implementation", lambda impl, q, k, **kw: "pallas")
-        got, caches = run()
-    # per step: ln_1 of layer 0 (nothing pending), ln_2 (the attention's c_proj), ln_1 of layer 1 (layer 0's MLP),
-    # ln_2, ln_f (layer 1's MLP): traced once per compiled step program
-    assert calls[:5] == [0, 1, 1, 1, 1]
-    np.testing.assert_allclose(got, ref, atol=1e-5)
     _assert_same_caches(caches, ref_caches)
 
 

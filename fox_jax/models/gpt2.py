@@ -62,7 +62,6 @@ from fox_jax.nn.layers import DenseParams, LayerNorm, split_dense
 from fox_jax.ops.context_pruning import cumulative_keep_log_mask, dcp_attention, keep_logits
 from fox_jax.ops.forgetting_attention import forgetting_attention
 from fox_jax.ops.head_ops import HeadOps
-from fox_jax.ops.residual_norm import residual_layer_norm
 
 
 # ---------------------------------------------------------------------------------------------
@@ -205,27 +204,19 @@ def _dense(cfg: GPT2Config, features: int, name: str, *, std: float | None = Non
                     bias_init=nn.initializers.zeros, name=name)
 
 
-DECODE_QKV = "plain"
-"""How a decode step (T = 1 on a cache whose decode kernel takes the layer's projections: ``fuses_step``) hands
-c_attn's output to the decode op: ``"plain"``, q, k and v as three arrays (XLA slices c_attn's output into them: a
-kernel per layer, where its autotuner's split-K reduction and the bias also go); ``"rows"``, c_attn's whole output in
-place (``HeadOps.rows``: no slices); ``"parts"``, with at most ``PARTS_MAX_ROWS`` rows, c_attn as
-``QKV_PARTS`` float32 partial sums (``split_dense``) and its bias, both added by the decode kernel as it loads them
-(``HeadOps.rows_bias``): the step spends no kernel between c_attn's GEMM and attention (with more rows: ``"rows"``).
-The same values each way up to float32 summation order. A module setting (``benchmarks/profile_decode.py
---kernel-variants x:qkv=parts``)."""
-DECODE_RESIDUAL = "plain"
-"""How a decode step (T = 1, at most ``PARTS_MAX_ROWS`` rows) adds its sublayers to the residual stream: ``"plain"``,
-as the model is written (XLA: per layer the residual add after the MLP, then the next layer's ln_1, and ln_2 with
-the attention's add: three kernels); ``"fused"``, c_proj of the attention and of the MLP as ``RESIDUAL_PARTS``
-float32 partial sums (``split_dense``) that ``fox_jax.ops.residual_norm.residual_layer_norm`` adds to the residual
-stream together with the LayerNorm that follows (ln_2; the MLP's output with the next layer's ln_1, the last one's
-with ln_f): two launches per layer, each writing the residual stream and the norm's output. The same values up to
-float32 summation order. A module setting (``benchmarks/profile_decode.py --kernel-variants x:residual=fused``)."""
-QKV_PARTS, RESIDUAL_PARTS, PARTS_MAX_ROWS = 4, (8, 16), 64
-"""The splits of the inner dimension of c_attn (``DECODE_QKV = "parts"``) and of the attention's and the MLP's
-c_proj (``DECODE_RESIDUAL = "fused"``): XLA's own split-K picks for GPT-2 124M's B32 step on an H100; and the most
-rows (B·T) a decode step uses them for."""
+DECODE_QKV = "parts"
+"""How a decode step (T = 1 on a cache whose decode kernel takes the layer's projections: ``fuses_step``) of at most
+``PARTS_MAX_ROWS`` rows hands c_attn's output to the decode op: ``"parts"``, c_attn as ``QKV_PARTS`` float32 partial
+sums (``split_dense``) and its bias, both added by the decode kernel as it loads them (``HeadOps.rows``,
+``HeadOps.rows_bias``), so that no kernel runs between c_attn's GEMM and attention; ``"plain"``, q, k and v as three
+arrays (XLA slices c_attn's output into them in a kernel of its own, where its autotuner's split-K reduction and the
+bias also go; also the path of larger batches). The same values up to float32 summation order. On an H100
+(2026-12-07, B32 896 + 64, one process): 0.786 → 0.765 ms of kernels per step, 131 → 119 kernels, the same tokens
+(benchmarks/results/decode/gpt2_qkv_residual_variants_h100_1207.json). A module setting, read when a program is
+traced (``benchmarks/profile_decode.py --kernel-variants x:qkv=plain``)."""
+QKV_PARTS, PARTS_MAX_ROWS = 4, 64
+"""``DECODE_QKV = "parts"``: the split of c_attn's inner dimension (XLA's own split-K pick for GPT-2 124M's B32 step
+on an H100) and the most rows (B·T) a decode step uses it for."""
 
 
 class GPT2Attention(nn.Module):
@@ -241,7 +232,7 @@ class GPT2Attention(nn.Module):
     cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, cache=None, alpha=None, project: bool = True) -> LayerOutput:
+    def __call__(self, x, segment_ids=None, cache=None, alpha=None) -> LayerOutput:
         cfg = self.cfg
         b, t, d = x.shape
         h, dh = cfg.n_heads, cfg.dim_per_head
@@ -257,8 +248,6 @@ class GPT2Attention(nn.Module):
             ops = HeadOps(rows=parts.reshape(QKV_PARTS, *rows), rows_bias=bias.reshape(rows[2:]))
         else:
             qkv = _dense(cfg, 3 * d, "c_attn")(x)
-            if cache is not None and DECODE_QKV != "plain" and fuses_step(cache, t, False):
-                ops = HeadOps(rows=qkv.reshape(rows))
         q, k, v = jnp.split(qkv, 3, axis=-1)
         q, k, v = (a.reshape(b, t, h, dh) for a in (q, k, v))
         log_mask = q_int = k_int = beta = None
@@ -286,8 +275,6 @@ class GPT2Attention(nn.Module):
             # Plain causal softmax attention: the forgetting-attention op without forget gates.
             o = forgetting_attention(q, k, v, None, segment_ids=segment_ids,
                                      implementation=cfg.attention_impl)
-        if not project:  # the caller applies c_proj (``GPT2Block``'s fused residual)
-            return LayerOutput(o.reshape(b, t, d), cache, log_mask)
         out = _dense(cfg, d, "c_proj", std=cfg.init_std / math.sqrt(2 * cfg.n_layers))(o.reshape(b, t, d))
         return LayerOutput(out, cache, log_mask)
 
@@ -308,33 +295,14 @@ class GPT2MLP(nn.Module):
 
 class GPT2Block(nn.Module):
     """Pre-norm block: x + attn(ln_1(x)), then + mlp(ln_2(x)). Call args as ``GPT2Attention`` (x the
-    float32 residual stream); returns its ``LayerOutput`` with ``x`` the block's output.
-
-    With ``pending`` (a decode step under ``DECODE_RESIDUAL = "fused"``; () for the first block) the previous
-    block's MLP output is added here, with ln_1, by ``residual_layer_norm`` (one op), the attention's c_proj with
-    ln_2 likewise, and this block's MLP output is returned as ``LayerOutput.pending`` (its c_proj as partial sums
-    and its bias), not added: ``x`` is then the residual stream before it."""
+    float32 residual stream); returns its ``LayerOutput`` with ``x`` the block's output."""
 
     cfg: GPT2Config
 
     @nn.compact
-    def __call__(self, x, segment_ids=None, cache=None, alpha=None, pending=None) -> LayerOutput:
+    def __call__(self, x, segment_ids=None, cache=None, alpha=None) -> LayerOutput:
         cfg = self.cfg
         dtype = jnp.dtype(cfg.dtype)
-        if pending is not None:
-            p = self.variables["params"]
-            norm = lambda x, terms, name: residual_layer_norm(  # noqa: E731
-                x, terms, p[name]["scale"], p[name]["bias"], eps=cfg.norm_eps, dtype=dtype)
-            x, h = norm(x, pending, "ln_1")
-            attn = GPT2Attention(cfg, name="attn")(h, segment_ids, cache, alpha, project=False)
-            parts_attn, parts_mlp = RESIDUAL_PARTS
-            c_proj = p["attn"]["c_proj"]
-            x, h = norm(x, ((split_dense(attn.x, c_proj["kernel"], dtype, parts_attn), c_proj["bias"]),), "ln_2")
-            mlp = p["mlp"]  # GPT2MLP's arithmetic, its c_proj as partial sums
-            y = jax.lax.dot_general(h, mlp["c_fc"]["kernel"].astype(dtype), (((h.ndim - 1,), (0,)), ((), ())))
-            y = jax.nn.gelu(y + mlp["c_fc"]["bias"].astype(dtype), approximate=True)
-            return attn.replace(x=x, pending=((split_dense(y, mlp["c_proj"]["kernel"], dtype, parts_mlp),
-                                               mlp["c_proj"]["bias"]),))
         if cache is None:
             x = rows_only(x)
         attn = GPT2Attention(cfg, name="attn")(_layer_norm(cfg, "ln_1")(x).astype(dtype), segment_ids, cache, alpha)
@@ -437,20 +405,15 @@ class GPT2(nn.Module):
         else:
             block_cls = remat_block(GPT2Block, cfg.remat if cache is None else "none")  # decoding never differentiates
             outs = []
-            pending = () if self._fuses_residual(cache, b * t, t) else None  # (``DECODE_RESIDUAL``)
             for i, name in enumerate(cfg.layer_names):
-                out = block_cls(cfg, name=name)(x, segment_ids, None if cache is None else cache[i], alpha, pending)
-                x, pending = out.x, out.pending
+                out = block_cls(cfg, name=name)(x, segment_ids, None if cache is None else cache[i], alpha)
+                x = out.x
                 outs.append(out)
             if cache is None and (cfg.dcp or cfg.sparse_pattern is not None):
                 log_masks = jnp.stack([o.log_mask for o in outs])
         if last_logits:
             x = x[:, -1:]
-        if cache is not None and pending is not None:  # the last MLP's output added with ln_f
-            p = self.variables["params"]["ln_f"]
-            _, x = residual_layer_norm(x, pending, p["scale"], p["bias"], eps=cfg.norm_eps, dtype=dtype)
-        else:
-            x = _layer_norm(cfg, "ln_f")(x)
+        x = _layer_norm(cfg, "ln_f")(x)
         if cache is None:
             x = rows_only(x)
         logits = wte.attend(x.astype(dtype)).astype(jnp.float32)
@@ -459,13 +422,6 @@ class GPT2(nn.Module):
         if cfg.dcp or cfg.sparse_pattern is not None:
             return ModelOutput(logits, aux=dcp_aux(log_masks, segment_ids, with_loss=cfg.dcp))
         return ModelOutput(logits)
-
-    def _fuses_residual(self, cache, rows: int, t: int) -> bool:
-        """Whether this call is a decode step that adds its residual terms with the norms (``DECODE_RESIDUAL``)."""
-        cfg = self.cfg
-        return (cache is not None and DECODE_RESIDUAL == "fused" and t == 1 and rows <= PARTS_MAX_ROWS
-                and not self.is_initializing() and cfg.d_model % RESIDUAL_PARTS[0] == 0
-                and cfg.mlp_hidden % RESIDUAL_PARTS[1] == 0)
 
 
 class GPT2Modules(FamilyModules):

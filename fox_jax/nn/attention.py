@@ -127,15 +127,11 @@ class LayerOutput:
       cache: the updated per-layer cache when the layer was called with one, else None.
       log_mask: DCP (or a fixed sparse pattern): the layer's log-mask log I [B, T, T] float32 (0 kept,
         ``LOG_FLOOR`` ≈ −92.1 or −inf dropped), else None.
-      pending: a GPT-2 block's decode step with its residual adds fused into the norms
-        (``fox_jax.models.gpt2.DECODE_RESIDUAL``): the terms not yet added to ``x`` (the MLP's output as partial sums
-        and its bias, for ``fox_jax.ops.residual_norm``), else None.
     """
 
     x: jax.Array
     cache: Any = None
     log_mask: jax.Array | None = None
-    pending: tuple | None = None
 
 
 class ForgettingAttentionLayer(nn.Module):
