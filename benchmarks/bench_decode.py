@@ -41,7 +41,9 @@ and per row).
 
 Rows in the issue's format (``--rows-out FILE``, a JSON list; rows of earlier calls with other keys are kept, so
 several models of one run land in one file): model, mode, policy, provable, batch, prompt, new_tokens,
-tokens_per_s, decode_tokens_per_s, ms_per_step (decode: (generate − prefill) / (N − 1)), bound_tokens_per_s
+tokens_per_s, decode_tokens_per_s, ms_per_step (decode: (generate − prefill) / (N − 1)); with ``--device-times``
+device_ms_per_step (equal-batch rows: the kernels' time per decode step from two ``jax.profiler`` traces, the
+same difference without host gaps or the prefill's wall-time variance), bound_tokens_per_s
 (B / the seconds to read, once per step, the weights in the compute dtype (all but an untied input embedding,
 which a step only gathers) and the mean live KV bytes, at ``--bandwidth`` TB/s, by default the device's HBM peak, in
 bandwidth_tb_s), kv_bytes_allocated,
@@ -70,7 +72,9 @@ import json
 import math
 import os
 import platform
+import shutil
 import statistics
+import tempfile
 import time
 import warnings
 
@@ -213,6 +217,29 @@ def timed(fn, repeats: int, prefill: bool = True) -> tuple[float | None, float |
     return med(full), med(first), full, out
 
 
+def device_ms_per_step(fn, n: int) -> tuple[float | None, str]:
+    """(Kernel milliseconds per decode step, where from) of the program ``fn(steps)`` runs: the kernels' summed time
+    in a ``jax.profiler`` trace of the whole generate minus that of ``fn(1)`` (the prefill and first sample), over
+    the n − 1 steps between. Unlike the wall times' difference of two medians, host gaps and the prefill's variance
+    do not enter (at an 8k prompt the prefill is ~40% of a generate, and the two wall readings of the same H100 step
+    differed by 16–25%; benchmarks/NOTES.md, 2026-12-07). (None, the reason) when no trace could be read."""
+    from profile_step import TraceError, device_events, find_trace, load_trace  # a sibling script
+
+    totals, source = {}, ""
+    for steps in (1, n):
+        trace_dir = tempfile.mkdtemp(prefix="bench_decode_")
+        try:
+            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+                _ready(fn(steps))
+            events, source = device_events(load_trace(find_trace(trace_dir)))
+        except TraceError as e:
+            return None, f"no trace: {e}"
+        finally:
+            shutil.rmtree(trace_dir, ignore_errors=True)
+        totals[steps] = sum(e.dur_us for e in events)
+    return (totals[n] - totals[1]) / (n - 1) / 1e3, source
+
+
 def round_up(n: float, multiple: int = SLOT_MULTIPLE) -> int:
     return max(multiple, int(math.ceil(n / multiple) * multiple))
 
@@ -279,8 +306,10 @@ class Bench:
         n = a.new_tokens
         prompts = self.prompts.get(batch, t)
         want_prefill = a.prefill == "all" or (a.prefill == "budget" and mode == "kv-budget")
-        seconds, prefill, times, out = timed(lambda steps: self.generate(prompts, n, policy, slots, steps, self.mesh),
-                                             a.repeats, prefill=want_prefill and n > 1)
+        run = lambda steps: self.generate(prompts, n, policy, slots, steps, self.mesh)  # noqa: E731
+        seconds, prefill, times, out = timed(run, a.repeats, prefill=want_prefill and n > 1)
+        device_ms, device_source = (device_ms_per_step(run, n) if a.device_times and mode == "equal-batch" and n > 1
+                                    else (None, None))
         mem = cache_bytes(out.caches)
         live = np.asarray(out.live_counts, np.float64)          # [N, L, B]
         overflow = np.asarray(out.overflow)
@@ -296,6 +325,7 @@ class Bench:
             slots=mean_slots, capacity=float(np.mean([g.slots for c in out.caches for g in c.groups for _ in g.heads])),
             slots_spec=spec, seconds=seconds, times=times, prefill_seconds=prefill,
             tokens_per_sec=batch * n / seconds if seconds else None, decode_tokens_per_sec=decode,
+            device_ms_per_step=device_ms, device_time_source=device_source,
             kv_allocated_bytes=mem["allocated"], kv_live_bytes=mem["live"], kv_row_bytes=mem["allocated"] / batch,
             kv_live_bytes_mean=float(mem["live"] * live.mean() / final) if final > 0 else None,
             live_tokens_final=float(final), live_tokens_mean=float(live.mean()),
@@ -399,6 +429,7 @@ def issue_row(r: dict, model: str, weight_bytes: int, bandwidth_tb_s: float, dev
                 tokens_per_s=r.get("tokens_per_sec"),
                 decode_tokens_per_s=r.get("decode_tokens_per_sec"),
                 ms_per_step=None if step_s is None else step_s * 1e3,
+                device_ms_per_step=r.get("device_ms_per_step"), device_time_source=r.get("device_time_source"),
                 bound_tokens_per_s=b / bound_s, bound_ms_per_step=bound_s * 1e3,
                 fraction_of_bound=None if step_s is None else bound_s / step_s,
                 kv_bytes_allocated=r.get("kv_allocated_bytes"), kv_bytes_live=r.get("kv_live_bytes"),
@@ -418,7 +449,7 @@ def vs_dense(rows: list[dict]) -> None:
         ratio = lambda k: (r[k] / d[k]) if d and r.get(k) and d.get(k) else None  # noqa: E731
         r.update(decode_vs_dense=ratio("decode_tokens_per_s"), tokens_vs_dense=ratio("tokens_per_s"),
                  batch_vs_dense=ratio("batch"), step_vs_dense=ratio("ms_per_step"),
-                 kv_allocated_vs_dense=ratio("kv_bytes_allocated"))
+                 device_step_vs_dense=ratio("device_ms_per_step"), kv_allocated_vs_dense=ratio("kv_bytes_allocated"))
 
 
 def dense_live_bytes(rows: list[dict], rows_out: str | None, model: str, prompt: int, batch: int | None) -> float:
@@ -472,14 +503,15 @@ def markdown_rows(path: str) -> str:
     rows = json.load(open(path))
     num = lambda x, f="{:,.0f}": "–" if x is None else f.format(x)  # noqa: E731
     when = lambda r: (r.get("date") or "")[5:16].replace("T", " ") or "–"  # noqa: E731
-    lines = ["| model | prompt + new | mode | policy | batch | decode tok/s | ms/step | bound tok/s (% of it) "
-             "| KV allocated | KV live | ×dense decode | ×dense step | ×dense batch | measured |", "|" + "---|" * 14]
+    lines = ["| model | prompt + new | mode | policy | batch | decode tok/s | ms/step | device ms/step | bound tok/s "
+             "(% of it) | KV allocated | KV live | ×dense decode | ×dense step | ×dense device step | ×dense batch "
+             "| measured |", "|" + "---|" * 16]
     order = {"equal-batch": 0, "kv-budget": 1}
     for r in sorted(rows, key=lambda r: (r["model"].split(" ")[0], r.get("prompt") or 0, order.get(r.get("mode"), 2),
                                          " " in r["model"], r.get("policy") != "dense")):
         if "error" in r:
             lines.append(f"| {r['model']} | {r.get('prompt')} | {r.get('mode')} | {r.get('policy')} | | error: "
-                         f"{r['error'][:60]} | | | | | | | | {when(r)} |")
+                         f"{r['error'][:60]} | | | | | | | | | | {when(r)} |")
             continue
         mib = lambda x: "–" if x is None else f"{x / 2**20:,.0f} MiB"  # noqa: E731
         frac = r.get("fraction_of_bound")
@@ -487,10 +519,11 @@ def markdown_rows(path: str) -> str:
         lines.append(
             f"| {r['model']} | {r['prompt']} + {r['new_tokens']} | {mode} | {r['policy']} | {r['batch']} | "
             f"{num(r.get('decode_tokens_per_s'))} | {num(r.get('ms_per_step'), '{:.3f}')} | "
+            f"{num(r.get('device_ms_per_step'), '{:.3f}')} | "
             f"{num(r.get('bound_tokens_per_s'))} ({num(None if frac is None else 100 * frac, '{:.0f}')}%) | "
             f"{mib(r.get('kv_bytes_allocated'))} | {mib(r.get('kv_bytes_live'))} | "
             f"{num(r.get('decode_vs_dense'), '{:.2f}')} | {num(r.get('step_vs_dense'), '{:.2f}')} | "
-            f"{num(r.get('batch_vs_dense'), '{:.1f}')} | {when(r)} |")
+            f"{num(r.get('device_step_vs_dense'), '{:.2f}')} | {num(r.get('batch_vs_dense'), '{:.1f}')} | {when(r)} |")
     return "\n".join(lines)
 
 
@@ -567,6 +600,9 @@ def parse_args(argv=None):
     p.add_argument("--beta", type=float, default=1.5, help="β of random DCP weights (default 1.5)")
     p.add_argument("--repeats", type=int, default=5, help="timed calls after the warm-up (default 5; 0: warm-up "
                    "only, nothing timed: fills the persistent compilation cache for a later timed run)")
+    p.add_argument("--device-times", action="store_true",
+                   help="also trace each equal-batch row's generate and its prefill (jax.profiler) for the kernels' "
+                        "time per decode step (device_ms_per_step): free of host gaps and of the prefill's variance")
     p.add_argument("--prefill", choices=("all", "budget", "none"), default="all",
                    help="time the prefill (generate with max_new_tokens=1) in every mode (default), only in "
                         "--kv-budget mode, or never")

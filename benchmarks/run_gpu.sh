@@ -168,7 +168,8 @@ stage_profile() {  # where a training step's device time goes, per kernel catego
     --variants $PROFILE_VARIANTS --out "$OUT/profile{tag}.json"; }
 stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 35-60 s each; rows merge into one file):
   # gpt2 (B32, 896 + 128, every policy + HF static/dynamic cache) | fox:<prompt> (FoX (Pro) 125M, B8, prompt + 128)
-  # equal batch and a DECODE_BUDGET GiB KV budget; rows go to one file per card, decode_<card>.json (h100, h200:
+  # equal batch (with the kernels' time per step from a trace: --device-times) and a DECODE_BUDGET GiB KV budget;
+  # rows go to one file per card, decode_<card>.json (h100, h200:
   # from nvidia-smi): DECODE_ROWS (default results/decode/decode_<card>.json, carried along) collects the rows of
   # every part and call on that card; $OUT/decode_<card>.json is the merged file to commit back.
   local card part rc=0 rows
@@ -178,11 +179,12 @@ stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 3
   for part in ${DECODE_PART:-gpt2}; do
     case $part in
       gpt2) t python3 benchmarks/bench_decode.py --model gpt2 --model-name gpt2-124M --policies "$DECODE_POLICIES" \
-              --prompt-lengths 896 --new-tokens 128 --equal-batch 32 --kv-budget "$DECODE_BUDGET" --hf \
+              --prompt-lengths 896 --new-tokens 128 --equal-batch 32 --kv-budget "$DECODE_BUDGET" --hf --device-times \
               --out "$W/decode/decode_gpt2.json" --rows-out "$rows" || rc=$? ;;
       fox:*) t python3 benchmarks/bench_decode.py --model fox-pro:125M --model-name fox-pro-125M \
               --policies "$FOX_DECODE_POLICIES" --prompt-lengths "${part#fox:}" --new-tokens 128 --equal-batch 8 \
-              --kv-budget "$DECODE_BUDGET" --out "$W/decode/decode_fox_${part#fox:}.json" --rows-out "$rows" || rc=$? ;;
+              --kv-budget "$DECODE_BUDGET" --device-times --out "$W/decode/decode_fox_${part#fox:}.json" \
+              --rows-out "$rows" || rc=$? ;;
       *) echo "unknown DECODE_PART '$part' (gpt2 | fox:<prompt length>)"; rc=2 ;;
     esac
   done; return $rc; }

@@ -81,6 +81,27 @@ def test_the_bound_reads_the_device_bandwidth(monkeypatch):
         parse_args(["--bandwidth", "0"])
 
 
+def test_bench_decode_device_times_quick_run(tmp_path):
+    # --device-times: each equal-batch row also gets the kernels' time per decode step from two traces (here the
+    # CPU's thunks); budget rows are not traced; the docs' table shows the column and its ratio to dense
+    import bench_decode
+
+    rows_out = tmp_path / "rows.json"
+    bench_decode.main(["--quick", "--device-times", "--policies", "dense,window:16", "--out", str(tmp_path / "b.json"),
+                       "--rows-out", str(rows_out)])
+    rows = json.loads(rows_out.read_text())
+    equal = [r for r in rows if r["mode"] == "equal-batch"]
+    assert {r["policy"] for r in equal} == {"dense", "window:16"}
+    assert all(math.isfinite(r["device_ms_per_step"]) and r["device_time_source"] == "cpu" for r in equal)
+    assert all(r["device_ms_per_step"] is None for r in rows if r["mode"] == "kv-budget")
+    window = next(r for r in equal if r["policy"] == "window:16")
+    dense = next(r for r in equal if r["policy"] == "dense")
+    assert window["device_step_vs_dense"] == pytest.approx(window["device_ms_per_step"] / dense["device_ms_per_step"])
+    header, _, *lines = markdown_rows(str(rows_out)).splitlines()
+    assert "| device ms/step |" in header and "×dense device step" in header
+    assert all(line.count("|") == header.count("|") for line in lines)
+
+
 def test_profile_decode_quick_run(tmp_path):
     # benchmarks/profile_decode.py end to end: the trace is read, the step's kernels counted, the bound's
     # bandwidth recorded (the device's figure; a CPU has none: the H200's)
