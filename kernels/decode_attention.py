@@ -206,7 +206,7 @@ class StepGeom:
     x_norm_eps: float | None = None  # ``rows`` and the gate sums are of the un-normalised x: scaled by its RMS here
     row_parts: int = 0  # S > 0: ``rows`` holds S float32 partial sums per row, summed here (then ``row_dtype``)
     row_dtype: str = ""  # with ``row_parts``: the compute dtype the summed rows are rounded to (q's)
-    row_bias: bool = False  # a bias per row of ``rows`` added here, after the sum (and the row scale)
+    row_bias: bool = False  # a bias per row of ``rows`` added here, after the sum (never with a row scale)
 
 
 @dataclasses.dataclass(frozen=True)

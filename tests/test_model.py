@@ -378,6 +378,30 @@ def test_fused_dense_is_separate_dense_layers(dtype, lead):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=10 * atol, rtol=10 * atol)
 
 
+@pytest.mark.parametrize("dtype,parts", [("float32", 4), ("bfloat16", 3)])
+def test_split_dense_partial_sums_are_the_dense_product(dtype, parts):
+    """``split_dense``: S float32 partial sums over consecutive slices of d_in, shaped [S, ..., n], whose sum is the
+    product ``nn.Dense`` computes (float32: 1e-5, summation order; bfloat16 inputs: the same product of the rounded
+    operands, accumulated in float32); each part is its own slice's product; an S that does not divide d_in is
+    refused in one line."""
+    from fox_jax.nn.layers import split_dense
+
+    dt = jnp.dtype(dtype)
+    x = jax.random.normal(jax.random.PRNGKey(1), (2, 3, 24), jnp.float32)
+    w = jax.random.normal(jax.random.PRNGKey(2), (24, 10), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        got = split_dense(x, w, dt, parts)
+        xr, wr = x.astype(dt).astype(jnp.float32), w.astype(dt).astype(jnp.float32)
+        want = jnp.einsum("btd,dn->btn", xr, wr)
+        k = 24 // parts
+        first = jnp.einsum("btd,dn->btn", xr[..., :k], wr[:k])
+    assert got.shape == (parts, 2, 3, 10) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got.sum(0)), np.asarray(want), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(first), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="parts must be ≥ 1 and divide d_in=24, got 5"):
+        split_dense(x, w, dt, 5)
+
+
 def test_layer_norm_is_flax_layer_norm():
     """``fox_jax.nn.layers.LayerNorm`` (two-pass variance: one fused kernel on GPU) = ``flax.linen.LayerNorm``
     (E[x²] − E[x]²): the same parameter tree and initial values; outputs and input/parameter gradients within 1e-5

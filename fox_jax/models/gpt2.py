@@ -279,7 +279,6 @@ class GPT2Attention(nn.Module):
         return LayerOutput(out, cache, log_mask)
 
 
-
 class GPT2MLP(nn.Module):
     """c_fc -> GELU (tanh approximation, HF "gelu_new") -> c_proj."""
 
