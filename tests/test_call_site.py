@@ -9,7 +9,7 @@ import warnings
 
 import pytest
 
-from fox_jax.call_site import caller_stacklevel, skipped_prefixes, warn_at_caller
+from fox_jax.call_site import caller_stacklevel, skipped_prefixes
 
 LIBRARY = '''
 import warnings

@@ -1,5 +1,5 @@
 """One-off GPU check of the sliding window (not part of the suite): Triton kernels vs the f32 reference."""
-import sys, time
+import time
 import jax, jax.numpy as jnp, numpy as np
 from fox_jax.ops import forgetting_attention, forgetting_attention_reference
 print(jax.__version__, jax.devices(), flush=True)

@@ -277,7 +277,7 @@ def _fmt(x, spec="{:,.0f}"):
 
 def markdown(summary: dict) -> str:
     env = (summary.get("meta") or {}).get("env") or {}
-    lines = [f"# Pruned inference: quality vs speed and memory", "",
+    lines = ["# Pruned inference: quality vs speed and memory", "",
              f"device {env.get('device', '?')}, jax {env.get('jax', '?')}, flax {env.get('flax', '?')}", ""]
     stages = (summary.get("meta") or {}).get("stages") or []
     if stages:
