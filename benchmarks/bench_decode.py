@@ -72,9 +72,7 @@ import json
 import math
 import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 import warnings
 
@@ -223,19 +221,14 @@ def device_ms_per_step(fn, n: int) -> tuple[float | None, str]:
     the n − 1 steps between. Unlike the wall times' difference of two medians, host gaps and the prefill's variance
     do not enter (at an 8k prompt the prefill is ~40% of a generate, and the two wall readings of the same H100 step
     differed by 16–25%; benchmarks/NOTES.md, 2026-12-07). (None, the reason) when no trace could be read."""
-    from profile_step import TraceError, device_events, find_trace, load_trace  # a sibling script
+    from profile_step import TraceError, trace_calls  # a sibling script
 
     totals, source = {}, ""
     for steps in (1, n):
-        trace_dir = tempfile.mkdtemp(prefix="bench_decode_")
         try:
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                _ready(fn(steps))
-            events, source = device_events(load_trace(find_trace(trace_dir)))
+            events, _, source = trace_calls(lambda: fn(steps).tokens, 1)
         except TraceError as e:
             return None, f"no trace: {e}"
-        finally:
-            shutil.rmtree(trace_dir, ignore_errors=True)
         totals[steps] = sum(e.dur_us for e in events)
     return (totals[n] - totals[1]) / (n - 1) / 1e3, source
 

@@ -39,9 +39,7 @@ import importlib
 import json
 import os
 import platform
-import shutil
 import statistics
-import tempfile
 import time
 
 import jax
@@ -59,7 +57,7 @@ gpt2_model = importlib.import_module("fox_jax.models.gpt2")
 
 # sibling scripts (benchmarks/ is on sys.path when this file runs as a script)
 from bench_decode import bound_bandwidth, model_config, weight_bytes_read
-from profile_step import CATEGORIES, device_events, find_trace, load_trace, parse_hlo, summarize
+from profile_step import CATEGORIES, parse_hlo, summarize, trace_calls
 
 
 def _hlo_text(model, params, tokens, policy, slots, new_tokens: int, steps_per_check: int,
@@ -104,13 +102,7 @@ def profile_policy(model, params, tokens, spec: str, new_tokens: int, repeats: i
     infos = parse_hlo(_hlo_text(model, params, tokens, policy, slots, new_tokens, steps_per_check, prefill_chunk))
     summaries = {}
     for n in (1, new_tokens):
-        trace_dir = tempfile.mkdtemp(prefix="profile_decode_")
-        try:
-            with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-                jax.block_until_ready(run(n).tokens)
-            events, source = device_events(load_trace(find_trace(trace_dir)))
-        finally:
-            shutil.rmtree(trace_dir, ignore_errors=True)
+        events, _, source = trace_calls(lambda: run(n).tokens, 1)
         summaries[n] = (summarize(events, 1, infos, None, 10 ** 6), len(events), source)
     (s1, n1, _), (sn, nn, source) = summaries[1], summaries[new_tokens]
     steps = new_tokens - 1

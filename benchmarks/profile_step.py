@@ -133,18 +133,21 @@ def trace_steps(compiled, state, data, steps: int, warmup: int, trace_dir: str):
     return state, walls
 
 
-def trace_calls(fn, iters: int) -> tuple[list["KernelEvent"], list[float]]:
+def trace_calls(fn, iters: int) -> tuple[list["KernelEvent"], list[float], str]:
     """Call ``fn()`` (already compiled) ``iters`` times under ``jax.profiler.trace``, each call synchronised.
-    Returns (the trace's kernel events, ``device_events``; the wall seconds of each call)."""
+    Returns (the trace's kernel events, the wall seconds of each call, where the events came from: ``device_events``).
+
+    Raises:
+      TraceError: the profiler wrote nothing readable (``find_trace``)."""
     walls = []
     with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
             for _ in range(iters):
                 t = time.perf_counter()
                 jax.block_until_ready(fn())
                 walls.append(time.perf_counter() - t)
-        events, _ = device_events(load_trace(find_trace(tmp)))
-    return events, walls
+        events, source = device_events(load_trace(find_trace(tmp)))
+    return events, walls, source
 
 
 # The trace -----------------------------------------------------------------------------------------

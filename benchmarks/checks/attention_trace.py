@@ -41,7 +41,7 @@ def main(argv=None):
             _, fwd_bwd = jax_fns(impl, d)
             args = (q, k, v, lf, do)
             jax.block_until_ready(fwd_bwd(*args))
-            events, _ = trace_calls(lambda: fwd_bwd(*args), a.iters)
+            events, _, _ = trace_calls(lambda: fwd_bwd(*args), a.iters)
             us, n = collections.Counter(), collections.Counter()
             for e in events:
                 us[e.name] += e.dur_us

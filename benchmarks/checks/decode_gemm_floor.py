@@ -161,7 +161,7 @@ def main(argv=None):
             except Exception as e:  # noqa: BLE001 - a tiling Triton rejects: recorded, skipped
                 print(f"# {shape} {fname}: {type(e).__name__}: {str(e)[:160]}", flush=True)
                 continue
-            events, walls = trace_calls(lambda: fn(x, ws, wts), a.iters)
+            events, walls, _ = trace_calls(lambda: fn(x, ws, wts), a.iters)
             by_name = collections.Counter()
             for e in events:
                 by_name[e.name] += e.dur_us

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from profile_step import parse_hlo  # noqa: E402
 
-HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12}  # by the device kind's name: the bound's rate
+from fox_jax.train.metrics import device_peak_bandwidth  # noqa: E402  (the bound's rate: the device's HBM peak)
 
 
 def ints(sep: str, count: int, what: str):
@@ -78,7 +78,7 @@ for _ in range(5):
     out.block_until_ready()
     best = min(best, (time.perf_counter() - t0) / a.iters / a.layers * 1e6)
 kind = jax.devices()[0].device_kind
-rate = next((r for name, r in HBM_BYTES_PER_S.items() if name in kind), None)  # W's bytes at the HBM's rate
+rate = device_peak_bandwidth()  # W's bytes at the HBM's rate (None off a known GPU)
 print(json.dumps({"shape": "x".join(map(str, a.shape)), "config": ",".join(map(str, a.config or ())) or "xla",
                   "us_per_gemm": round(best, 3), "compile_s": round(compile_s, 1), "tiles": tiles,
                   "bound_us": rate and round(2 * k * n / rate * 1e6, 3), "device": kind}))
