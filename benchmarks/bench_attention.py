@@ -153,28 +153,24 @@ def parse_shapes(text: str, flag: str, error) -> list[tuple[int, int, int, int]]
 
 
 def parse_mosaic_configs(text: str, flag: str, error) -> list:
-    """``--mosaic-sweep``'s ``"BQxBKxST[xBBQxBBKxBST[p]][@M],..."`` as ``MosaicConfig`` s: the forward's block_q,
-    block_k and stages, then the backward's (BBQ = 0: the Triton backward), ``p`` for the backward's ping-pong
-    (``bwd_pingpong``; off otherwise, whatever ``default_mosaic_config`` would pick), ``@M`` last for M query tiles
-    per forward CTA (``tiles_per_cta``, 1 otherwise). Anything else, or a tiling ``MosaicConfig`` refuses, goes to
-    ``error`` (an argparse parser's: one line naming ``flag``)."""
+    """``--mosaic-sweep``'s ``"BQxBKxST[xBBQxBBKxBST[p]],..."`` as ``MosaicConfig`` s: the forward's block_q,
+    block_k and stages, then the backward's (BBQ = 0: the Triton backward), ``p`` at the end for the backward's
+    ping-pong (``bwd_pingpong``; off otherwise, whatever ``default_mosaic_config`` would pick). Anything else, or a
+    tiling ``MosaicConfig`` refuses, goes to ``error`` (an argparse parser's: one line naming ``flag``)."""
     from fox_jax.kernels import MosaicConfig
     configs = []
     for item in text.split(","):
         spec = item.strip()
-        tiling, at, per_cta = spec.partition("@")
-        pingpong = tiling.endswith("p")
-        dims = (tiling[:-1] if pingpong else tiling).split("x")
-        if (len(dims) not in (3, 6) or not all(x.isdigit() for x in dims) or (pingpong and len(dims) != 6)
-                or (at and not per_cta.isdigit())):
-            error(f"{flag}: expected BQxBKxST or BQxBKxSTxBBQxBBKxBST with an optional p, then an optional @M (e.g. "
-                  f"64x128x3x64x64x2p, 64x128x2@2), got {spec!r}")
+        pingpong = spec.endswith("p")
+        dims = (spec[:-1] if pingpong else spec).split("x")
+        if len(dims) not in (3, 6) or not all(x.isdigit() for x in dims) or (pingpong and len(dims) != 6):
+            error(f"{flag}: expected BQxBKxST or BQxBKxSTxBBQxBBKxBST with an optional p (e.g. 64x128x3x64x64x2p), "
+                  f"got {spec!r}")
         x = [int(y) for y in dims]
-        kw = dict(tiles_per_cta=int(per_cta or 1))
         try:
-            configs.append(MosaicConfig(*x, **kw) if len(x) == 3 else MosaicConfig(
+            configs.append(MosaicConfig(*x) if len(x) == 3 else MosaicConfig(
                 *x[:3], backward=x[3] > 0, bwd_block_q=x[3] or 64, bwd_block_k=x[4], bwd_stages=x[5],
-                bwd_pingpong=pingpong, **kw))
+                bwd_pingpong=pingpong))
         except ValueError as e:
             error(f"{flag}: {spec!r}: {e}")
     return configs
@@ -893,10 +889,10 @@ def main(argv=None):
     ap.add_argument("--fox-triton", default=None, metavar="DIR",
                     help="directory of the official FoX Triton kernel's forgetting_attention.py (benchmark-only copy, "
                          "e.g. ../shared/anchors/fox_triton): enables fox-triton and fox-triton-acp")
-    ap.add_argument("--mosaic-sweep", default=None, metavar="BQxBKxST[xBBQxBBKxBST[p]][@M],...",
+    ap.add_argument("--mosaic-sweep", default=None, metavar="BQxBKxST[xBBQxBBKxBST[p]],...",
                     help="first time the Mosaic kernels at these tilings on --shapes: forward block_q x block_k x "
                          "stages, then the backward's (BBQ = 0: the Triton backward), p: the backward's ping-pong, "
-                         "@M: M query tiles per forward CTA, e.g. 64x128x3x64x64x2,64x128x3x64x64x2p@2")
+                         "e.g. 64x128x3x64x64x2,64x128x3x64x64x2p")
     ap.add_argument("--sweep-acp", choices=["off", "on", "both"], default="off",
                     help="--mosaic-sweep: time each tiling without ACP (off), with adaptive_threshold='auto' (on), "
                          "or both")

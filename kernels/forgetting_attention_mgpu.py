@@ -79,13 +79,6 @@ class MosaicConfig:
         (``static_frames``): no running max, no rescaling, one multiply-add and an exp2 per score there; for
         bfloat16 inputs with ≥ ``STATIC_FRAME_MIN_KEYS`` keys and no window (elsewhere the running max alone).
         Measured on an H100 (2026-12-06): forward −12% to −20% at T ≥ 4096 (fwd+bwd −2% to −6%).
-      tiles_per_cta: query tiles per forward CTA (≥ 1): a head's tiles dealt over ceil(tiles / tiles_per_cta) CTAs
-        (``tile_deal``: with 2, tile i with tile n − 1 − i, a long causal tile with a short one), run one after the
-        other on key-block slots and barriers that run on across them: warpgroup 2 streams the next tile's blocks
-        while the compute warpgroups finish the current one, and the next tile's queries load during this one's
-        epilogue, so the pipeline's fill and drain are paid once per CTA (they are exposed where a tile runs few
-        blocks: ACP). The grid keeps its order (heads, tiles, batch rows), so the CTAs running at once still share
-        a head's keys in L2 and the hardware still balances them. The output is bitwise the same for every value.
     """
 
     block_q: int = 64
@@ -97,7 +90,6 @@ class MosaicConfig:
     bwd_stages: int = 2
     bwd_pingpong: bool = False
     static_frame: bool = True
-    tiles_per_cta: int = 1
 
     def __post_init__(self):
         for name in ("block_q", "bwd_block_q", "bwd_block_k"):
@@ -108,8 +100,6 @@ class MosaicConfig:
         for name in ("backward", "bwd_pingpong", "static_frame"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if not isinstance(self.tiles_per_cta, int) or isinstance(self.tiles_per_cta, bool) or self.tiles_per_cta < 1:
-            raise ValueError(f"MosaicConfig.tiles_per_cta must be an int ≥ 1, got {self.tiles_per_cta!r}")
         if self.stages < 2 or self.bwd_stages < 2:
             raise ValueError(f"MosaicConfig.stages and bwd_stages must be ≥ 2, got {self.stages}, {self.bwd_stages}")
 
@@ -139,11 +129,9 @@ def default_mosaic_config(head_dim: int) -> MosaicConfig:
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of the largest of the kernels (forward: q tiles (and o tiles with ``tiles_per_cta`` > 1), k/v
-    slots, Λ/segment slots, lse;
+    """Shared memory of the largest of the kernels (forward: q tiles, k/v slots, Λ/segment slots, lse;
     backward: two resident tiles per warpgroup, two streamed tiles per slot, vectors)."""
-    fwd = ((2 + 2 * (config.tiles_per_cta > 1)) * config.block_q * head_dim * itemsize
-           + 2 * config.stages * config.block_k * head_dim * itemsize
+    fwd = (2 * config.block_q * head_dim * itemsize + 2 * config.stages * config.block_k * head_dim * itemsize
            + 2 * config.stages * config.block_k * 4 + 2 * config.block_q * 4)
     if not config.backward:
         return fwd
@@ -249,10 +237,6 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
     if use_frames and always_mask:
         raise ValueError("mosaic_flash_forward: frames need unmasked blocks; a window masks every block")
 
-    per_cta = min(config.tiles_per_cta, n_tiles)
-    several = per_cta > 1
-    n_ctas = -(-n_tiles // per_cta)  # per head and batch row
-
     def kernel(q_ref, k_ref, v_ref, lq_ref, lk_ref, lo_ref, hi_ref, ss_ref, *rest):
         fr_ref, rest = (rest[0], rest[1:]) if use_frames else (None, rest)
         if segments:
@@ -260,206 +244,164 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         else:
             sq_ref = sk_ref = dlo_ref = dhi_ref = None
             o_ref, lse_ref, scoped = rest
-        (q_smem2, o_smem2, k_smem, v_smem, lk_smem, sk_smem, lse_smem2), (k_full, v_full, q_full), \
+        (q_smem2, k_smem, v_smem, lk_smem, sk_smem, lse_smem2), (k_full, v_full, q_full), \
             (k_free, v_free), schedule = scoped
+        bi = lax.axis_index("batch")
+        head = lax.axis_index("heads")
+        ti = _longest_first("q_tiles", n_tiles)
         wg = lax.axis_index("wg")
-        n_items, tile_rank = tile_deal(n_tiles, n_ctas, "q_tiles") if several else (1, None)
+        n_lo = lo_ref[bi, head, ti]
+        n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
+
         take_turn = _turns(schedule)
 
-        def item(k):
-            """(batch row, head, query tile) of this CTA's k-th tile, longest causal rows first."""
-            ti = _longest_first("q_tiles", n_tiles) if not several else n_tiles - 1 - tile_rank(k)
-            return lax.axis_index("batch"), lax.axis_index("heads"), ti
-
-        def blocks(bi, head, ti):  # the tile's key-block range [n_lo, n_tile)
-            n_lo = lo_ref[bi, head, ti]
-            return n_lo, jnp.maximum(hi_ref[bi, head, ti], n_lo)
+        def slot_of(n):
+            return lax.rem(n - n_lo, jnp.int32(stages))
 
         @pl.when(wg < 2)
         def _compute():
             plgpu.set_max_registers(232, action="increase")
             q_smem = q_smem2.at[wg]
-            o_smem = q_smem if o_smem2 is None else o_smem2.at[wg]  # the grid writes o over its q tile
-            lse_smem = lse_smem2.at[wg]
+            q_base = ti * config.tile_q + wg * bq
+            row0 = offset + q_base  # absolute position of this warpgroup's first row
+            n_hi = jnp.clip(pl.cdiv(row0 + bq, jnp.int32(bk)), n_lo, n_tile)
+            n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)  # below: no causal mask
+            ss = ss_ref[bi]
+            n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)      # below: seq_start mask
+            u_lo, u_hi = _unmasked(n_edge, n_full, dlo_ref, dhi_ref, bi, 2 * ti + wg)
+            plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), head], q_smem, q_full.at[wg])
+            lq = plgpu.load(lq_ref.at[bi, head, pl.ds(q_base, bq)], (), layout=row_layout, optimized=False)
+            sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
+                                                               optimized=False)
+            plgpu.barrier_wait(q_full.at[wg])
 
-            def load_q(bi, head, ti):
-                plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(ti * config.tile_q + wg * bq, bq), head], q_smem,
-                                        q_full.at[wg])
+            # the fixed frame F of this warpgroup's rows (static_frames): the running max starts there, and the
+            # unmasked blocks, whose logits are all ≤ F, skip the max and the rescaling; +inf: no frame
+            frame = fr_ref[bi, head, 2 * ti + wg] if use_frames else None
+            static = None if frame is None else frame < jnp.inf
+            m0 = _M_INIT if frame is None else jnp.where(static, frame, _M_INIT)
+            m_i = plgpu.layout_cast(jnp.full((bq,), m0, jnp.float32), row_layout)
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
 
-            load_q(*item(0))
+            @pl.when(n_hi > n_lo)
+            def _():
+                plgpu.barrier_wait(k_full.at[0])
 
-            def tile(k, g):  # g: the key blocks this CTA streamed before this tile (the slots run on across tiles)
-                bi, head, ti = item(k)
-                n_lo, n_tile = blocks(bi, head, ti)
+            pl.when(wg == 1)(take_turn)
 
-                def slot_of(n):
-                    return lax.rem(g + n - n_lo, jnp.int32(stages))
-
-                q_base = ti * config.tile_q + wg * bq
-                row0 = offset + q_base  # absolute position of this warpgroup's first row
-                n_hi = jnp.clip(pl.cdiv(row0 + bq, jnp.int32(bk)), n_lo, n_tile)
-                n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)  # below: no causal mask
-                ss = ss_ref[bi]
-                n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)      # below: seq_start mask
-                u_lo, u_hi = _unmasked(n_edge, n_full, dlo_ref, dhi_ref, bi, 2 * ti + wg)
-                lq = plgpu.load(lq_ref.at[bi, head, pl.ds(q_base, bq)], (), layout=row_layout, optimized=False)
-                sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (),
-                                                                   layout=row_layout, optimized=False)
-                plgpu.barrier_wait(q_full.at[wg])
-
-                # the fixed frame F of this warpgroup's rows (static_frames): the running max starts there, and the
-                # unmasked blocks, whose logits are all ≤ F, skip the max and the rescaling; +inf: no frame
-                frame = fr_ref[bi, head, 2 * ti + wg] if use_frames else None
-                static = None if frame is None else frame < jnp.inf
-                m0 = _M_INIT if frame is None else jnp.where(static, frame, _M_INIT)
-                m_i = plgpu.layout_cast(jnp.full((bq,), m0, jnp.float32), row_layout)
-                l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
-                acc = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-
-                @pl.when(n_hi > n_lo)
-                def _():
-                    plgpu.barrier_wait(k_full.at[slot_of(n_lo)])
-
-                pl.when(wg == 1)(take_turn)
-
-                def step(n, carry, masked: bool, fixed: bool = False):
-                    acc, m_i, l_i = carry
-                    slot = slot_of(n)
-
-                    s, = _products((bq, bk), [(q_smem, k_smem.at[slot])], take_turn)
-                    lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
-                    sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    shape = (bq, bk)
-                    if fixed:  # in the frame (m_i = F on every row): p = exp2(s − F), F folded into the column term
-                        p = jnp.exp2(s * qk_scale - _col(lk + frame, shape))
-                        m_new = m_i
-                        l_i = l_i + p.sum(axis=1)
-                    else:
-                        # the query's Λ_i is one constant per row: the softmax does not see it, so the loop leaves
-                        # it out (one subtraction per score fewer) and the lse gets it at the end
-                        s = s * qk_scale - _col(lk, shape)
-                        if masked:
-                            r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
-                            c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + n * bk
-                            vis = (c <= r) & (c >= ss)
-                            if window_size is not None:
-                                vis = vis & (r - c < window_size)
-                            if sk is not None:
-                                vis = vis & (_row(sq, shape) == _col(sk, shape))
-                            s = jnp.where(vis, s, -jnp.inf)
-                        m_new = jnp.maximum(m_i, s.max(axis=1))
-                        alpha = jnp.exp2(m_i - m_new)
-                        p = jnp.exp2(s - _row(m_new, shape))
-                        acc = acc * _row(alpha, acc.shape)
-                        l_i = l_i * alpha + p.sum(axis=1)
-                    p16 = p.astype(dtype)
-                    acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                    plgpu.barrier_arrive(schedule)  # softmax done
-                    plgpu.barrier_wait(v_full.at[slot])
-                    plgpu.barrier_wait(schedule)    # tensor cores free
-
-                    def pv(acc_ref):
-                        plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
-
-                        @pl.when(n + 1 < n_hi)
-                        def _():
-                            plgpu.barrier_wait(k_full.at[slot_of(n + 1)])
-
-                    acc = pl.run_state(pv)(plgpu.ACC.init(acc))
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    return acc, m_new, l_i
-
-                def release(n, _):  # a block the other warpgroup needs and this one does not
-                    slot = slot_of(n)
-                    # waited on like a block it runs: every warpgroup waits once for every fill of a slot, so the
-                    # barriers' phases stay in step over a CTA's tiles
-                    plgpu.barrier_wait(k_full.at[slot])
-                    plgpu.barrier_wait(v_full.at[slot])
-                    plgpu.barrier_arrive(k_free.at[slot])
-                    plgpu.barrier_arrive(v_free.at[slot])
-                    take_turn()
-                    take_turn()
-
-                carry = (acc, m_i, l_i)
-                masked = functools.partial(step, masked=True)
-                if always_mask:
-                    carry = lax.fori_loop(n_lo, n_hi, masked, carry)
-                else:
-                    # the blocks before u_hi hold keys ≤ row0 only: their logits are ≤ F, the max stays F through
-                    # the first loop, and the fixed-frame loop runs the unmasked ones where this warpgroup has a frame
-                    carry = lax.fori_loop(n_lo, u_lo, masked, carry)
-                    u_mid = u_lo if static is None else jnp.where(static, u_hi, u_lo)
-                    if static is not None:
-                        carry = lax.fori_loop(u_lo, u_mid, functools.partial(step, masked=False, fixed=True), carry)
-                    carry = lax.fori_loop(u_mid, u_hi, functools.partial(step, masked=False), carry)
-                    carry = lax.fori_loop(u_hi, n_hi, masked, carry)
+            def step(n, carry, masked: bool, fixed: bool = False):
                 acc, m_i, l_i = carry
-                lax.fori_loop(n_hi, n_tile, release, None)
-                pl.when(wg == 0)(take_turn)
+                slot = slot_of(n)
 
-                if several:  # the next tile's queries load during this epilogue, into the q tile it is done with
-                    @pl.when(k + 1 < n_items)
+                s, = _products((bq, bk), [(q_smem, k_smem.at[slot])], take_turn)
+                lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
+                sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
+                plgpu.barrier_arrive(k_free.at[slot])
+                shape = (bq, bk)
+                if fixed:  # in the frame (m_i = F on every row): p = exp2(s − F), F folded into the column term
+                    p = jnp.exp2(s * qk_scale - _col(lk + frame, shape))
+                    m_new = m_i
+                    l_i = l_i + p.sum(axis=1)
+                else:
+                    # the query's Λ_i is one constant per row: the softmax does not see it, so the loop leaves it
+                    # out (one subtraction per score fewer) and the lse gets it at the end
+                    s = s * qk_scale - _col(lk, shape)
+                    if masked:
+                        r = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + row0
+                        c = plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA) + n * bk
+                        vis = (c <= r) & (c >= ss)
+                        if window_size is not None:
+                            vis = vis & (r - c < window_size)
+                        if sk is not None:
+                            vis = vis & (_row(sq, shape) == _col(sk, shape))
+                        s = jnp.where(vis, s, -jnp.inf)
+                    m_new = jnp.maximum(m_i, s.max(axis=1))
+                    alpha = jnp.exp2(m_i - m_new)
+                    p = jnp.exp2(s - _row(m_new, shape))
+                    acc = acc * _row(alpha, acc.shape)
+                    l_i = l_i * alpha + p.sum(axis=1)
+                p16 = p.astype(dtype)
+                acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+                plgpu.barrier_arrive(schedule)  # softmax done
+                plgpu.barrier_wait(v_full.at[slot])
+                plgpu.barrier_wait(schedule)    # tensor cores free
+
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
+
+                    @pl.when(n + 1 < n_hi)
                     def _():
-                        load_q(*item(k + 1))
+                        plgpu.barrier_wait(k_full.at[slot_of(n + 1)])
 
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous tile's o and lse are read out
-                seen = l_i > 0
-                inv = 1.0 / jnp.where(seen, l_i, 1.0)
-                o_smem[...] = (acc * _row(inv, acc.shape)).astype(dtype)
-                lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E + lq, -jnp.inf)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(o_smem, o_ref.at[bi, pl.ds(q_base, bq), head])
-                plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_base, bq)])
-                return g + n_tile - n_lo
+                acc = pl.run_state(pv)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(v_free.at[slot])
+                return acc, m_new, l_i
 
-            if several:
-                lax.fori_loop(0, n_items, tile, jnp.int32(0))
+            def release(n, _):  # a block the other warpgroup needs and this one does not
+                slot = slot_of(n)
+                plgpu.barrier_arrive(k_free.at[slot])
+                plgpu.barrier_arrive(v_free.at[slot])
+                take_turn()
+                take_turn()
+
+            carry = (acc, m_i, l_i)
+            masked = functools.partial(step, masked=True)
+            if always_mask:
+                carry = lax.fori_loop(n_lo, n_hi, masked, carry)
             else:
-                tile(0, jnp.int32(0))
+                # the blocks before u_hi hold keys ≤ row0 only: their logits are ≤ F, the max stays F through
+                # the first loop, and the fixed-frame loop runs the unmasked ones where this warpgroup has a frame
+                carry = lax.fori_loop(n_lo, u_lo, masked, carry)
+                u_mid = u_lo if static is None else jnp.where(static, u_hi, u_lo)
+                if static is not None:
+                    carry = lax.fori_loop(u_lo, u_mid, functools.partial(step, masked=False, fixed=True), carry)
+                carry = lax.fori_loop(u_mid, u_hi, functools.partial(step, masked=False), carry)
+                carry = lax.fori_loop(u_hi, n_hi, masked, carry)
+            acc, m_i, l_i = carry
+            lax.fori_loop(n_hi, n_tile, release, None)
+            pl.when(wg == 0)(take_turn)
+
+            seen = l_i > 0
+            inv = 1.0 / jnp.where(seen, l_i, 1.0)
+            q_smem[...] = (acc * _row(inv, acc.shape)).astype(dtype)
+            lse_smem = lse_smem2.at[wg]
+            lse_smem[...] = jnp.where(seen, m_i + jnp.log(jnp.where(seen, l_i, 1.0)) * LOG2E + lq, -jnp.inf)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, o_ref.at[bi, pl.ds(q_base, bq), head])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_base, bq)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(40, action="decrease")
+            kv_head = lax.div(head, jnp.int32(group))
 
-            def tile(k, g):
-                bi, head, ti = item(k)
-                n_lo, n_tile = blocks(bi, head, ti)
-                kv_head = lax.div(head, jnp.int32(group))
+            def fetch(n, slot):
+                keys = (bi, pl.ds(n * bk, bk), kv_head)
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_full.at[slot])
+                plgpu.copy_gmem_to_smem(lk_ref.at[bi, head, pl.ds(n * bk, bk)], lk_smem.at[slot], k_full.at[slot])
+                if sk_ref is not None:
+                    plgpu.copy_gmem_to_smem(sk_ref.at[bi, pl.ds(n * bk, bk)], sk_smem.at[slot], k_full.at[slot])
+                return keys
 
-                @pl.loop(n_lo, n_tile)
-                def _(n):
-                    i = g + n - n_lo  # the CTA's i-th block: slot i mod stages, free once both let block i − stages go
-                    slot = lax.rem(i, jnp.int32(stages))
+            for i in range(stages):
+                @pl.when(n_lo + i < n_tile)
+                def _():
+                    keys = fetch(n_lo + i, i)
+                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[i], v_full.at[i])
 
-                    @pl.when(i >= stages)
-                    def _():
-                        plgpu.barrier_wait(k_free.at[slot])
-
-                    keys = (bi, pl.ds(n * bk, bk), kv_head)
-                    plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem.at[slot], k_full.at[slot])
-                    plgpu.copy_gmem_to_smem(lk_ref.at[bi, head, pl.ds(n * bk, bk)], lk_smem.at[slot],
-                                            k_full.at[slot])
-                    if sk_ref is not None:
-                        plgpu.copy_gmem_to_smem(sk_ref.at[bi, pl.ds(n * bk, bk)], sk_smem.at[slot], k_full.at[slot])
-
-                    @pl.when(i >= stages)
-                    def _():
-                        plgpu.barrier_wait(v_free.at[slot])
-
-                    plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
-                return g + n_tile - n_lo
-
-            if several:
-                lax.fori_loop(0, n_items, tile, jnp.int32(0))
-            else:
-                tile(0, jnp.int32(0))
+            @pl.loop(n_lo + stages, n_tile)
+            def _(n):
+                slot = slot_of(n)
+                plgpu.barrier_wait(k_free.at[slot])
+                keys = fetch(n, slot)
+                plgpu.barrier_wait(v_free.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem.at[slot], v_full.at[slot])
 
     def entry(*refs):
         smem = (
             plgpu.SMEM((2, bq, d), dtype, transforms=_swizzled()),
-            plgpu.SMEM((2, bq, d), dtype, transforms=_swizzled()) if several else None,
             plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bk), jnp.float32),
@@ -483,32 +425,13 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
     o, lse2 = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
-        grid=(h, n_ctas, b),
+        grid=(h, n_tiles, b),
         grid_names=("heads", "q_tiles", "batch"),
         num_threads=3,
         thread_name="wg",
         compiler_params=_params(),
     )(*args)
     return o, lse2
-
-
-def tile_deal(n: int, n_ctas: int, axis_name: str):
-    """Tiles [0, n) dealt over the ``n_ctas`` CTAs of grid axis ``axis_name`` in rounds of ``n_ctas``: CTA c takes
-    the c-th tile of the even rounds and the (n_ctas − 1 − c)-th of the odd ones (a snake: with the tiles in
-    decreasing length — the longest causal rows first — every CTA's sum is about the same; with 2 rounds, tile c
-    with tile 2·n_ctas − 1 − c).
-
-    Returns (count, rank): this CTA's number of tiles (int32 scalar) and ``rank(k)``, the position of its k-th
-    tile (0 ≤ k < count) in that order. Inside a kernel only (it reads the CTA's grid index)."""
-    c = lax.axis_index(axis_name)
-
-    def pos(r):
-        return jnp.where(lax.rem(r, 2) == 0, c, n_ctas - 1 - c)
-
-    rounds = -(-n // n_ctas)
-    last = n - (rounds - 1) * n_ctas  # tiles in the last round
-    count = jnp.int32(rounds - 1) + (pos(jnp.int32(rounds - 1)) < last).astype(jnp.int32)
-    return count, lambda k: k * n_ctas + pos(k)
 
 
 def _round_up(a: int, m: int) -> int:

@@ -86,11 +86,6 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d128-no-pingpong-window"),
     # ≥ STATIC_FRAME_MIN_KEYS keys: the forward with its fixed-frame loop (and documents, ACP around it)
     pytest.param(1, 4096, 4096, 2, 2, 64, jnp.bfloat16, dict(acp=True, segments=True), id="d64-t4096-static-frame"),
-    # several query tiles per forward CTA (MosaicConfig.tiles_per_cta), with documents and ACP; with a window
-    pytest.param(1, 4096, 4096, 2, 2, 128, jnp.bfloat16, dict(acp=True, segments=True, config=dataclasses.replace(
-                 default_mosaic_config(128), tiles_per_cta=2)), id="d128-two-tiles-acp-segments"),
-    pytest.param(2, 300, 300, 2, 2, 48, jnp.bfloat16, dict(window_size=100, config=MosaicConfig(tiles_per_cta=3)),
-                 id="d48-three-tiles-window"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
@@ -164,12 +159,6 @@ def test_config_checks_and_smem_budget():
         MosaicConfig(bwd_pingpong="yes")
     with pytest.raises(ValueError, match="static_frame"):
         MosaicConfig(static_frame=1)
-    for bad in (0, True, 2.0):
-        with pytest.raises(ValueError, match="tiles_per_cta"):
-            MosaicConfig(tiles_per_cta=bad)
-    # several tiles per CTA: o tiles of their own
-    assert mgpu.smem_bytes(MosaicConfig(tiles_per_cta=2, backward=False), 128) == \
-        mgpu.smem_bytes(MosaicConfig(backward=False), 128) + 2 * 64 * 128 * 2
     for d in (0, 96, 256):
         with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
             default_mosaic_config(d)
@@ -364,44 +353,6 @@ def test_gpu_mosaic_acp_minus_inf_is_bitwise_dense():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,tq,tk,h,hkv,d,dtype,per_cta,opts", [
-    # tiles of every length, ACP ranges that differ per head, left padding, GQA
-    pytest.param(2, 4096, 4096, 8, 4, 128, jnp.bfloat16, 2, dict(acp=True, seq_start=(0, 700)), id="T4096-D128-acp-2"),
-    # 20 tiles over 7 CTAs: rounds of 7, 7 and 6 (the snake's short last round)
-    pytest.param(1, 2500, 2500, 4, 4, 64, jnp.bfloat16, 3, dict(segments=(600, 640, 1900)), id="T2500-D64-docs-3"),
-    pytest.param(2, 700, 1300, 4, 2, 64, jnp.float16, 2, dict(window_size=300), id="T700of1300-D64-fp16-window-2"),
-    pytest.param(1, 130, 130, 1, 1, 128, jnp.bfloat16, 4, {}, id="T130-two-tiles-one-cta"),  # capped at the tiles
-])
-def test_gpu_mosaic_tiles_per_cta_are_bitwise_one_per_cta(b, tq, tk, h, hkv, d, dtype, per_cta, opts):
-    """``MosaicConfig.tiles_per_cta`` (a CTA running several query tiles, the key-block slots and the barriers'
-    phases running on across them) computes every tile as a CTA of its own does: o and all four gradients bitwise
-    equal to one tile per CTA, so that path's oracle checks hold for it too."""
-    if fpallas.mosaic_supported(jnp.zeros((1,), dtype), jnp.zeros((1,), dtype)) is not None:
-        pytest.skip("needs a Hopper GPU")
-    q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, dtype, seed=tq + d)
-    ss = jnp.asarray(opts.get("seq_start", (0,) * b), jnp.int32)
-    seg = None if "segments" not in opts else _segments(b, tk, opts["segments"])
-    base = fpallas.resolve_config(d, tq, tk)
-
-    def run(tiles_per_cta):
-        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128),
-                                                                   tiles_per_cta=tiles_per_cta))
-
-        def f(q_, k_, v_, lf_):
-            lam = decay_cumsum(lf_, ss)
-            delta = acp_lib.resolve_threshold("auto", q_, k_, d ** -0.5) if opts.get("acp") else None
-            return fpallas.attention(q_, k_, v_, lam, ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
-                                     config=cfg, window_size=opts.get("window_size"))
-        return _value_and_grads(f, q, k, v, lf, w)
-
-    one, several = run(1), run(per_cta)
-    for name, a, p in zip(("o", "dq", "dk", "dv", "dlog_fgate"), jax.tree_util.tree_leaves(one),
-                          jax.tree_util.tree_leaves(several)):
-        np.testing.assert_array_equal(np.asarray(p.astype(jnp.float32)), np.asarray(a.astype(jnp.float32)), name)
-    assert float(jnp.max(jnp.abs(one[0].astype(jnp.float32)))) > 0  # not a vacuous comparison
-
-
-@pytest.mark.gpu
 def test_gpu_mosaic_forward_with_triton_backward():
     """``MosaicConfig(backward=False)``: the Mosaic forward's lse feeds the Triton backward kernels."""
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
@@ -484,12 +435,11 @@ def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
 
 @pytest.mark.parametrize("spec,ok", [
     ("64x128x3", True), ("64x128x3x64x64x2", True), ("64x128x3x64x64x2p", True), ("64x128x2x0x64x2", True),
-    ("64x128x2@2", True), ("64x128x3x64x64x2p@3", True),
     ("64x128x3p", False), ("64x128", False), ("64x128x3x64x64", False), ("64xAx3", False), ("96x128x2", False),
-    ("64x128x3x64x32x2p", False), ("64x128x3x64x64x2@2p", False), ("64x128x2@0", False), ("64x128x2@", False)])
+    ("64x128x3x64x32x2p", False)])
 def test_bench_mosaic_sweep_specs(spec, ok):
-    """bench_attention.py --mosaic-sweep: tilings with an optional ``p`` (the backward's ping-pong) and ``@M`` (M
-    query tiles per forward CTA) become MosaicConfigs; a malformed spec, or one MosaicConfig refuses (block sizes not multiples of 64), is one error
+    """bench_attention.py --mosaic-sweep: tilings with an optional ``p`` (the backward's ping-pong) become
+    MosaicConfigs; a malformed spec, or one MosaicConfig refuses (block sizes not multiples of 64), is one error
     naming the flag, before anything is timed."""
     import os
     import sys
@@ -505,8 +455,7 @@ def test_bench_mosaic_sweep_specs(spec, ok):
             bench_attention.parse_mosaic_configs(spec, "--mosaic-sweep", error)
         return
     mc, = bench_attention.parse_mosaic_configs(spec, "--mosaic-sweep", error)
-    dims, _, per_cta = spec.partition("@")
-    assert mc.bwd_pingpong == dims.endswith("p") and mc.tiles_per_cta == int(per_cta or 1)
-    assert (mc.block_q, mc.block_k, mc.stages) == (64, 128, int(dims.split("x")[2].rstrip("p")))
+    assert mc.bwd_pingpong == spec.endswith("p")
+    assert (mc.block_q, mc.block_k, mc.stages) == (64, 128, int(spec.split("x")[2].rstrip("p")))
     if spec.startswith("64x128x2x0"):
         assert not mc.backward
