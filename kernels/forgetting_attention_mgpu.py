@@ -205,7 +205,8 @@ def static_frames(q, k, lam_q2, lam_k2, *, scale: float, offset: int, block_q: i
 
 
 def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q, seg_k, *, offset: int,
-                         scale: float, config: MosaicConfig, window_size: int | None = None, frames=None):
+                         scale: float, config: MosaicConfig, window_size: int | None = None, frames=None,
+                         heads=None):
     """The kernel on padded arrays.
 
     Args:
@@ -217,7 +218,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
       offset: absolute position of query row 0 (unpadded Tk − Tq); scale: logit scale;
       window_size: None or W: row r sees keys j > r − W;
       frames: None, or [B, H, Tq / block_q] float32 from ``static_frames`` (not with a window): the unmasked
-        blocks of a warpgroup whose frame is finite run in that fixed frame.
+        blocks of a warpgroup whose frame is finite run in that fixed frame;
+      heads: None, or [H] int32, the head each row of the grid runs (``head_order``; None: in order).
     Returns:
       o [B, Tq, H, D] in q.dtype and lse2 [B, H, Tq] float32 in base 2 (−inf for empty rows).
     """
@@ -237,7 +239,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
     if use_frames and always_mask:
         raise ValueError("mosaic_flash_forward: frames need unmasked blocks; a window masks every block")
 
-    def kernel(q_ref, k_ref, v_ref, lq_ref, lk_ref, lo_ref, hi_ref, ss_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, lq_ref, lk_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
         fr_ref, rest = (rest[0], rest[1:]) if use_frames else (None, rest)
         if segments:
             sq_ref, sk_ref, dlo_ref, dhi_ref, o_ref, lse_ref, scoped = rest
@@ -247,7 +249,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         (q_smem2, k_smem, v_smem, lk_smem, sk_smem, lse_smem2), (k_full, v_full, q_full), \
             (k_free, v_free), schedule = scoped
         bi = lax.axis_index("batch")
-        head = lax.axis_index("heads")
+        head = hd_ref[lax.axis_index("heads")]
         ti = _longest_first("q_tiles", n_tiles)
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
@@ -419,7 +421,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             collective_axes="wg",
         )
 
-    args = [q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start] + ([frames] if use_frames else [])
+    args = [q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, _heads(heads, h)] + ([frames] if use_frames else [])
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     o, lse2 = plgpu.kernel(
@@ -432,6 +434,37 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         compiler_params=_params(),
     )(*args)
     return o, lse2
+
+
+def head_order(lo, hi, *, group: int = 1):
+    """The order in which the grid runs the heads: the most work first, where the tiles' block ranges differ
+    per head (ACP); None where they do not.
+
+    The hardware starts CTAs in grid order, a head's tiles together (they share its keys in L2). With ACP a head's
+    work is set by its gates (a long-memory head keeps every block, a short one a few), so a long head late in the
+    grid leaves a tail of its long tiles running on a few SMs after the rest is done; heads in decreasing work put
+    the short heads' tiles last, where they fill the tail. GQA: the heads of one key/value head stay together (its
+    keys in L2), ordered by their group's work, then by their own. A heuristic for the schedule only: every order
+    gives the same output.
+
+    Args:
+      lo, hi: int32 block ranges, each broadcastable to [B, H, n] (``TileVisits.row_ranges()`` /
+        ``col_ranges()``); a head axis of size 1 means every head has the same ranges.
+      group: query heads per key/value head.
+    Returns:
+      [H] int32, a permutation of the heads, or None.
+    """
+    if lo.ndim != 3 or hi.ndim != 3 or max(lo.shape[1], hi.shape[1]) == 1:
+        return None
+    lo, hi = jnp.broadcast_arrays(lo.astype(jnp.int32), hi.astype(jnp.int32))
+    work = jnp.sum(jnp.maximum(hi - lo, 0), axis=(0, 2))  # [H]: blocks over the batch rows and tiles
+    group_work = jnp.repeat(work.reshape(-1, group).sum(axis=1), group)
+    heads = jnp.arange(work.shape[0], dtype=jnp.int32)
+    return jnp.lexsort((heads, -work, -group_work)).astype(jnp.int32)  # the last key sorts first
+
+
+def _heads(heads, h: int):
+    return jnp.arange(h, dtype=jnp.int32) if heads is None else heads
 
 
 def _round_up(a: int, m: int) -> int:
@@ -510,6 +543,7 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
     lam2 = lam.astype(jnp.float32).transpose(0, 2, 1) * LOG2E  # [B, H, Tk]
     lam_q2 = _pad_axis(lam2[:, :, tk - tq:], 2, tq_pad, edge=True)
     lam_k2 = _pad_axis(lam2, 2, tk_pad, edge=True)
+    heads = head_order(*row_ranges, group=h // k.shape[2])
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, n_tiles)) for x in row_ranges)
     seg_q = seg_k = None
     if segment_ids is not None:
@@ -521,7 +555,7 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
         frames = static_frames(qp, kp, lam_q2, lam_k2, scale=scale, offset=tk - tq, block_q=config.block_q)
     o, lse2 = mosaic_flash_forward(qp, kp, vp, lam_q2, lam_k2, lo, hi, seq_start.astype(jnp.int32), seg_q, seg_k,
                                    offset=tk - tq, scale=scale, config=config, window_size=window_size,
-                                   frames=frames)
+                                   frames=frames, heads=heads)
     lse = jnp.where(jnp.isfinite(lse2), lse2 / LOG2E, -jnp.inf)
     return o[:, :tq, :, :d], lse[:, :, :tq]
 
@@ -650,14 +684,14 @@ def _params():
 
 def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
                              offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                             window_size: int | None = None, pingpong: bool = False):
+                             window_size: int | None = None, pingpong: bool = False, heads=None):
     """dQ and the query-side decay gradient Σ_j dS_ij on padded arrays.
 
     Args:
       as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype); lq_lse2 [B, H, Tq] float32: the query rows'
       Λ minus their lse, base 2 (Λ·log2 e − lse·log2 e; −inf on empty rows), in place of the forward's lam_q2;
       delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)] the key-block ranges at
-      the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``.
+      the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``; heads: as the forward's.
     Returns:
       dq [B, Tq, H, D] in q.dtype and dΛ_q [B, H, Tq] float32.
     """
@@ -672,7 +706,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     n_tiles = tq // (2 * bq)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
         if segments:
             sq_ref, sk_ref, dlo_ref, dhi_ref, dq_ref, dlq_ref, scoped = rest
         else:
@@ -680,7 +714,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             dq_ref, dlq_ref, scoped = rest
         (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
-        bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), _longest_first("q_tiles", n_tiles)
+        bi, head, ti = lax.axis_index("batch"), hd_ref[lax.axis_index("heads")], _longest_first("q_tiles", n_tiles)
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
@@ -793,7 +827,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    args = [q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start]
+    args = [q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, _heads(heads, h)]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     return plgpu.kernel(
@@ -806,7 +840,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
 def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                              window_size: int | None = None, pingpong: bool = False):
+                              window_size: int | None = None, pingpong: bool = False, heads=None):
     """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays.
 
     Args:
@@ -827,7 +861,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
 
-    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, *rest):
+    def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
         if segments:
             sq_ref, sk_ref, dlo_ref, dhi_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
         else:
@@ -836,7 +870,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
         (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2), \
             (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
-        bi, head, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
+        bi, head, ti = lax.axis_index("batch"), hd_ref[lax.axis_index("heads")], lax.axis_index("k_tiles")
         wg = lax.axis_index("wg")
         kv_head = lax.div(head, jnp.int32(group))
         m_lo = lo_ref[bi, head, ti]
@@ -965,7 +999,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    args = [q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start]
+    args = [q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, _heads(heads, h)]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
@@ -1016,10 +1050,11 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size,
                   pingpong=config.bwd_pingpong)
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
-    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k, **common)
+    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k, **common,
+                                          heads=head_order(*dq_ranges, group=h // hkv))
     lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
     dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
-                                               **common)
+                                               **common, heads=head_order(*dkv_ranges, group=h // hkv))
     dq, dk, dv = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
     if h != hkv:  # GQA: sum the query heads of each key/value head in float32
         dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)

@@ -95,7 +95,8 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     forward = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text).group(1)  # the first call: the forward
     framed = (dtype == jnp.bfloat16 and tk >= mgpu.STATIC_FRAME_MIN_KEYS and opts.get("window_size") is None
               and (opts.get("config") or MosaicConfig()).static_frame)
-    assert forward.count("%") == 8 + framed + 4 * bool(opts.get("segments")), forward  # + frames, + ids and runs
+    # q, k, v, Λ_q, Λ_k, the ranges, seq_start, the head order (+ frames, + ids and runs)
+    assert forward.count("%") == 9 + framed + 4 * bool(opts.get("segments")), forward
     triton = text.count("__gpu$xla.gpu.triton")
     if opts.get("config") is not None and not opts["config"].backward:
         assert (calls, triton) == (1, 2), (calls, triton)
@@ -139,6 +140,21 @@ def test_document_runs_are_the_blocks_inside_the_rows_document(rows, cols):
             assert (int(lo[b, i]), int(hi[b, i])) == (first, end), (b, i)
             found += end - first
     assert found > 0  # the cases hold interior tiles
+
+
+def test_head_order_puts_the_most_work_first():
+    """``head_order``: None where every head has the same ranges (no head axis); otherwise a permutation with the
+    heads of most blocks (summed over batch rows and tiles) first, ties in head order, and with GQA each key/value
+    head's query heads together, groups by their total."""
+    assert mgpu.head_order(jnp.zeros((2, 1, 8), jnp.int32), jnp.ones((2, 1, 8), jnp.int32)) is None
+    blocks = jnp.asarray([3, 9, 1, 9, 5, 0], jnp.int32)  # per head, the same in both batch rows and every tile
+    lo = jnp.zeros((2, 6, 4), jnp.int32)
+    hi = jnp.broadcast_to(blocks[None, :, None], (2, 6, 4))
+    assert mgpu.head_order(lo, hi).tolist() == [1, 3, 4, 0, 2, 5]
+    # groups of 2: (3, 9) = 12, (1, 9) = 10, (5, 0) = 5
+    assert mgpu.head_order(lo, hi, group=2).tolist() == [1, 0, 3, 2, 4, 5]
+    # empty ranges (hi < lo) count as no work, not negative: blocks − 5 → [0, 4, 0, 4, 0, 0]
+    assert mgpu.head_order(lo + 5, hi).tolist() == [1, 3, 0, 2, 4, 5]
 
 
 def test_config_checks_and_smem_budget():
@@ -350,6 +366,41 @@ def test_gpu_mosaic_acp_minus_inf_is_bitwise_dense():
     base, minus_inf = run(None), run(-jnp.inf)
     for a, b in zip(jax.tree_util.tree_leaves(base), jax.tree_util.tree_leaves(minus_inf)):
         np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(b.astype(jnp.float32)))
+
+
+@pytest.mark.gpu
+def test_gpu_mosaic_acp_heads_in_order_of_work(monkeypatch):
+    """ACP with gates that differ per head (a permuted spread of memories, GQA): the grid runs the heads of most
+    work first (``head_order``, not the identity here); o and all four gradients are bitwise those of the heads in
+    order, and within the bf16 tolerance of the float32 oracle (ACP drops at most ε of each row's weight)."""
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    b, t, h, hkv, d = 2, 3000, 8, 4, 128
+    q, k, v, _, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=11)
+    memory = jnp.asarray([2.0, 7.0, 0.0, 5.0, 8.0, 1.0, 4.0, 3.0])  # gate logits per head: long and short memories
+    lf = jax.nn.log_sigmoid(memory + jax.random.normal(jax.random.PRNGKey(2), (b, t, h)))
+    delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5)
+    cfg = fpallas.resolve_config(d, t, t)
+    visits = fpallas.kernel_visits(cfg, t, t, lam=decay_cumsum(lf), delta=delta)
+    order = mgpu.head_order(*visits.fwd.row_ranges(), group=h // hkv)
+    assert order is not None and order.tolist() != list(range(h)), order
+
+    def run():
+        return _value_and_grads(lambda *a: forgetting_attention(*a, adaptive_threshold="auto",
+                                                                implementation="mosaic"), q, k, v, lf, w)
+
+    by_work = run()
+    monkeypatch.setattr(mgpu, "head_order", lambda *a, **kw: None)
+    in_order = run()
+    for name, a, c in zip(("o", "dq", "dk", "dv", "dlog_fgate"), jax.tree_util.tree_leaves(by_work),
+                          jax.tree_util.tree_leaves(in_order)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)), np.asarray(c.astype(jnp.float32)), name)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    o_ref, grads_ref = _value_and_grads(forgetting_attention_reference, f32(q), f32(k), f32(v), lf, w)
+    tol_o, tol_g = _TOL[jnp.bfloat16]
+    _assert_close("o", by_work[0], o_ref, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), by_work[1], grads_ref):
+        _assert_close(name, g, gr, tol_g)
 
 
 @pytest.mark.gpu
