@@ -1,0 +1,121 @@
+"""Scheduling choices of the Mosaic kernels against the kernels as they are, in one process: fwd and fwd+bwd ms
+with ``adaptive_threshold="auto"`` (or dense, ``--dense``) on bench_attention's gates (head h's gate logits centred
+on 6·h / (H − 1): the long-memory heads last). Each variant is the kernels (``base``) with one choice changed, timed
+alternating with ``base`` (A B A B); the rows keep every time. Every variant gives the same output bitwise (the
+choices only move work in time).
+
+Variants:
+  heads_in_order    the grid runs the heads in order, not in decreasing work (``head_order`` → None)
+  exit_after_reads  each CTA exits once its output stores have read shared memory, without waiting for the writes
+                    to reach memory (``plgpu.wait_smem_to_gmem(0, wait_read_only=True)`` at the kernels' ends, as
+                    jax's Hopper matmul does; not yet run on a GPU)
+
+    python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import jax
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench_attention import make_inputs, parse_shapes, time_jax, versions  # noqa: E402
+
+from fox_jax.kernels import forgetting_attention_mgpu as mgpu  # noqa: E402
+from fox_jax.ops import acp as acp_lib  # noqa: E402
+from fox_jax.ops import pallas as fpallas  # noqa: E402
+from fox_jax.ops.reference import decay_cumsum  # noqa: E402
+
+
+class _ReadOnlyWaits:
+    """``plgpu`` whose ``wait_smem_to_gmem`` waits for the reads only (the variant ``exit_after_reads``)."""
+
+    def __init__(self, plgpu):
+        self._plgpu = plgpu
+
+    def __getattr__(self, name):
+        return getattr(self._plgpu, name)
+
+    def wait_smem_to_gmem(self, n, wait_read_only=False):  # noqa: ARG002
+        return self._plgpu.wait_smem_to_gmem(n, wait_read_only=True)
+
+
+PATCHES = {
+    "heads_in_order": ("head_order", lambda original: (lambda *a, **kw: None)),
+    "exit_after_reads": ("plgpu", _ReadOnlyWaits),
+}
+
+
+def timed(shape, variants, acp: bool, repeats: int):
+    """{variant: {"fwd": [ms, ...], "fwd_bwd": [ms, ...]}} for one (B, T, H, D), ``base`` first."""
+    b, t, h, d = shape
+    q, k, v, lf, do = make_inputs(b, t, h, d)
+
+    def f(q, k, v, lf):
+        delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5) if acp else None
+        return fpallas.attention(q, k, v, decay_cumsum(lf), None, None, delta, scale=d ** -0.5, implementation="mosaic")
+
+    def fb(q, k, v, lf, do):
+        return jax.vjp(f, q, k, v, lf)[1](do)
+
+    compiled = {}
+    for variant in ("base", *variants):  # jit traces at the first call: each variant traces with its patch in place
+        attr, patch = PATCHES.get(variant, (None, None))
+        original = getattr(mgpu, attr) if attr else None
+        if attr:
+            setattr(mgpu, attr, patch(original))
+        try:
+            compiled[variant] = (jax.jit(f), jax.jit(fb))
+            jax.block_until_ready(compiled[variant][0](q, k, v, lf))
+            jax.block_until_ready(compiled[variant][1](q, k, v, lf, do))
+        finally:
+            if attr:
+                setattr(mgpu, attr, original)
+    out = {variant: {"fwd": [], "fwd_bwd": []} for variant in compiled}
+    for _ in range(repeats):
+        for variant, (jf, jfb) in compiled.items():
+            out[variant]["fwd"].append(time_jax(jf, (q, k, v, lf)))
+            out[variant]["fwd_bwd"].append(time_jax(jfb, (q, k, v, lf, do)))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="1x16384x16x128,1x16384x24x64", help="BxTxHxD,... (default %(default)s)")
+    ap.add_argument("--variants", default=",".join(PATCHES), help="comma-separated, from: " + ", ".join(PATCHES))
+    ap.add_argument("--dense", action="store_true", help="no ACP (default: adaptive_threshold='auto')")
+    ap.add_argument("--repeats", type=int, default=2, help="timings per variant, alternating (default %(default)s)")
+    ap.add_argument("--out", default="mosaic_ab.json", help="JSON output (default %(default)s)")
+    args = ap.parse_args(argv)
+    if args.repeats < 1:
+        ap.error(f"--repeats must be ≥ 1, got {args.repeats}")
+    variants = [x for x in args.variants.split(",") if x]
+    unknown = [x for x in variants if x not in PATCHES]
+    if unknown or not variants:
+        ap.error(f"--variants: expected names from {', '.join(PATCHES)}, got {args.variants!r}")
+    shapes = parse_shapes(args.shapes, "--shapes", ap.error)
+    rows = []
+    for shape in shapes:
+        res = timed(shape, variants, not args.dense, args.repeats)
+        best = {(v, m): min(res[v][m]) for v in res for m in ("fwd", "fwd_bwd")}
+        for variant in variants:
+            row = dict(zip("BTHD", shape), acp=not args.dense, variant=variant,
+                       **{f"{v}_{m}_ms": [round(x, 4) for x in res[v][m]] for v in ("base", variant)
+                          for m in ("fwd", "fwd_bwd")})
+            row["base_vs_variant_fwd_bwd"] = round(best["base", "fwd_bwd"] / best[variant, "fwd_bwd"] - 1, 4)
+            b_, t_, h_, d_ = shape
+            print(f"B{b_} T{t_} H{h_} D{d_}{'' if args.dense else ' ACP'} {variant}: fwd {best[variant, 'fwd']:.3f} → "
+                  f"{best['base', 'fwd']:.3f} ms, fwd+bwd {best[variant, 'fwd_bwd']:.3f} → "
+                  f"{best['base', 'fwd_bwd']:.3f} ms (variant → base; {row['base_vs_variant_fwd_bwd']:+.1%})",
+                  flush=True)
+            rows.append(row)
+        with open(args.out, "w") as fh:
+            json.dump(dict(versions=versions(), rows=rows), fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
