@@ -248,8 +248,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             o_ref, lse_ref, scoped = rest
         (q_smem2, k_smem, v_smem, lk_smem, sk_smem, lse_smem2), (k_full, v_full, q_full), \
             (k_free, v_free), schedule = scoped
-        bi = lax.axis_index("batch")
-        head = hd_ref[lax.axis_index("heads")]
+        bi, row = lax.axis_index("batch"), lax.axis_index("heads")
+        head = row if heads is None else hd_ref[row]  # without a head order no load: the grid as before
         ti = _longest_first("q_tiles", n_tiles)
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
@@ -464,6 +464,7 @@ def head_order(lo, hi, *, group: int = 1):
 
 
 def _heads(heads, h: int):
+    """The kernels' head-order input: ``heads``, or (unread) the identity."""
     return jnp.arange(h, dtype=jnp.int32) if heads is None else heads
 
 
@@ -714,7 +715,8 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             dq_ref, dlq_ref, scoped = rest
         (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
-        bi, head, ti = lax.axis_index("batch"), hd_ref[lax.axis_index("heads")], _longest_first("q_tiles", n_tiles)
+        bi, row, ti = lax.axis_index("batch"), lax.axis_index("heads"), _longest_first("q_tiles", n_tiles)
+        head = row if heads is None else hd_ref[row]
         wg = lax.axis_index("wg")
         n_lo = lo_ref[bi, head, ti]
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
@@ -870,7 +872,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
         (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2), \
             (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
-        bi, head, ti = lax.axis_index("batch"), hd_ref[lax.axis_index("heads")], lax.axis_index("k_tiles")
+        bi, row, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
+        head = row if heads is None else hd_ref[row]
         wg = lax.axis_index("wg")
         kv_head = lax.div(head, jnp.int32(group))
         m_lo = lo_ref[bi, head, ti]
