@@ -484,6 +484,29 @@ def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
     assert not fpallas.mosaic_auto_ok(bf(1, 512, 2, 64), bf(1, 512, 2, 64))
 
 
+def test_mosaic_ab_variants_change_the_kernels_and_are_undone():
+    """benchmarks/checks/mosaic_ab.py: each variant changes what the op lowers to under ACP (the head order's input,
+    the kernels' exit waits), and ``patched`` puts the module back, after an error too."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
+    import mosaic_ab
+
+    shape = (1, 1000, 1000, 4, 2, 64, jnp.bfloat16)
+    base = _lower_op(*shape, acp=True)
+    originals = (mgpu.head_order, mgpu.plgpu)
+    for variant in mosaic_ab.PATCHES:
+        with mosaic_ab.patched(variant):
+            assert _lower_op(*shape, acp=True) != base, variant
+        assert (mgpu.head_order, mgpu.plgpu) == originals, variant
+    with pytest.raises(RuntimeError), mosaic_ab.patched("heads_in_order"):
+        raise RuntimeError
+    assert (mgpu.head_order, mgpu.plgpu) == originals
+    with mosaic_ab.patched("base"):
+        assert _lower_op(*shape, acp=True) == base
+
+
 @pytest.mark.parametrize("spec,ok", [
     ("64x128x3", True), ("64x128x3x64x64x2", True), ("64x128x3x64x64x2p", True), ("64x128x2x0x64x2", True),
     ("64x128x3p", False), ("64x128", False), ("64x128x3x64x64", False), ("64xAx3", False), ("96x128x2", False),

@@ -16,6 +16,7 @@ Variants:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -50,6 +51,22 @@ PATCHES = {
 }
 
 
+@contextlib.contextmanager
+def patched(variant: str):
+    """The kernels' module with ``variant``'s choice while the block runs (``"base"``: as it is); jit traces the
+    kernels at a function's first call, so call it inside. Restored on exit, also after an error."""
+    if variant == "base":
+        yield
+        return
+    attr, patch = PATCHES[variant]
+    original = getattr(mgpu, attr)
+    setattr(mgpu, attr, patch(original))
+    try:
+        yield
+    finally:
+        setattr(mgpu, attr, original)
+
+
 def timed(shape, variants, acp: bool, repeats: int):
     """{variant: {"fwd": [ms, ...], "fwd_bwd": [ms, ...]}} for one (B, T, H, D), ``base`` first."""
     b, t, h, d = shape
@@ -63,18 +80,11 @@ def timed(shape, variants, acp: bool, repeats: int):
         return jax.vjp(f, q, k, v, lf)[1](do)
 
     compiled = {}
-    for variant in ("base", *variants):  # jit traces at the first call: each variant traces with its patch in place
-        attr, patch = PATCHES.get(variant, (None, None))
-        original = getattr(mgpu, attr) if attr else None
-        if attr:
-            setattr(mgpu, attr, patch(original))
-        try:
+    for variant in ("base", *variants):  # each variant's functions trace (at their first call) under its patch
+        with patched(variant):
             compiled[variant] = (jax.jit(f), jax.jit(fb))
             jax.block_until_ready(compiled[variant][0](q, k, v, lf))
             jax.block_until_ready(compiled[variant][1](q, k, v, lf, do))
-        finally:
-            if attr:
-                setattr(mgpu, attr, original)
     out = {variant: {"fwd": [], "fwd_bwd": []} for variant in compiled}
     for _ in range(repeats):
         for variant, (jf, jfb) in compiled.items():
