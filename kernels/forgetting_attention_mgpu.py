@@ -79,6 +79,14 @@ class MosaicConfig:
         (``static_frames``): no running max, no rescaling, one multiply-add and an exp2 per score there; for
         bfloat16 inputs with ≥ ``STATIC_FRAME_MIN_KEYS`` keys and no window (elsewhere the running max alone).
         Measured on an H100 (2026-12-06): forward −12% to −20% at T ≥ 4096 (fwd+bwd −2% to −6%).
+      bwd_fused_dq: dQ from the dK/dV kernel, without the dQ kernel (which computes S, P and dP again): each step
+        keeps dSᵀ in shared memory, and the step after, each compute warpgroup adds half of dQ's columns for
+        that query block, over the CTA's 2·bwd_block_k keys, to a float32 buffer with a TMA reduce-add store
+        (``mosaic_flash_backward_dkv``); five matmuls per block pair instead of seven. Runs the backward's
+        ping-pong schedule; head dim 128 only (a warpgroup's half of the columns is one 64-column swizzle
+        tile); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
+        dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij is zero (a row
+        constant does not move a softmax), so this path does not compute it.
     """
 
     block_q: int = 64
@@ -90,6 +98,7 @@ class MosaicConfig:
     bwd_stages: int = 2
     bwd_pingpong: bool = False
     static_frame: bool = True
+    bwd_fused_dq: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "bwd_block_q", "bwd_block_k"):
@@ -97,7 +106,7 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a positive multiple of 64, got {getattr(self, name)}")
         if self.block_k < 64 or self.block_k % 64 or self.block_k > 256:
             raise ValueError(f"MosaicConfig.block_k must be a multiple of 64 in [64, 256], got {self.block_k}")
-        for name in ("backward", "bwd_pingpong", "static_frame"):
+        for name in ("backward", "bwd_pingpong", "static_frame", "bwd_fused_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.stages < 2 or self.bwd_stages < 2:
@@ -138,10 +147,18 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
     dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    return max(fwd, dq, dkv)
+    if config.bwd_fused_dq:  # dSᵀ of two blocks per warpgroup, float32 dQ columns per warpgroup
+        dkv += 2 * 2 * bk * bq * itemsize + 2 * bq * (head_dim // 2) * 4
+    return max(fwd, dkv) if config.bwd_fused_dq else max(fwd, dq, dkv)
 
 
 SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
+
+# setmaxnreg budgets per kernel, (each compute warpgroup, the memory warpgroup): a CTA of 384 threads launches
+# with 168 registers a thread (the 64K file), so 2·128·c + 128·m ≤ 64,512. The dK/dV kernel's compute
+# warpgroups hold dK and dV (64 × D float32 each) with Sᵀ and dPᵀ: 240 / 24 keeps its loops free of spills
+# (232 / 40: 92 B of spill stores at D128, some in the masked loop; ptxas for sm_90a, offline_mosaic_check.py).
+REGISTERS = {"forward": (232, 40), "dq": (232, 40), "dkv": (232, 40)}
 
 
 def _row(x, shape):
@@ -262,7 +279,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS["forward"][0], action="increase")
             q_smem = q_smem2.at[wg]
             q_base = ti * config.tile_q + wg * bq
             row0 = offset + q_base  # absolute position of this warpgroup's first row
@@ -376,7 +393,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGISTERS["forward"][1], action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
             def fetch(n, slot):
@@ -599,7 +616,7 @@ def _produce(n_lo, n_tile, stages: int, full, free, fetch):
 def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=None):
     """Compute warpgroup: ``step(n, slot, carry, masked)`` over consecutive ``phases`` [(start, stop, masked)]
     inside [n_lo, n_tile); the blocks of the range before the first and after the last phase are waited on
-    and released without work, ``idle()`` once for each (the schedule barrier's turns a step would take)."""
+    and released without work, ``idle(n)`` once for each (the schedule barrier's turns a step would take)."""
     def slot_of(n):
         return lax.rem(n - n_lo, jnp.int32(stages))
 
@@ -608,7 +625,7 @@ def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=No
         plgpu.barrier_wait(full.at[slot])
         plgpu.barrier_arrive(free.at[slot])
         if idle is not None:
-            idle()
+            idle(n)
         return c
 
     def work(masked):
@@ -723,7 +740,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS["dq"][0], action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             q_base = ti * (2 * bq) + wg * bq
             row0 = offset + q_base
@@ -788,7 +805,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             if pingpong:
                 pl.when(wg == 1)(take_turn)
             dq_acc, dlq = _consume(n_lo, n_tile, phases, stages, full, free, step, (dq0, dl0),
-                                   idle=(lambda: (take_turn(), take_turn())) if pingpong else None)
+                                   idle=(lambda n: (take_turn(), take_turn())) if pingpong else None)
             if pingpong:
                 pl.when(wg == 0)(take_turn)
             q_smem[...] = (dq_acc * float(scale)).astype(dtype)
@@ -801,7 +818,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGISTERS["dq"][1], action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
             def fetch(n, slot):
@@ -842,16 +859,21 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
 def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                              window_size: int | None = None, pingpong: bool = False, heads=None):
-    """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays.
+                              window_size: int | None = None, pingpong: bool = False, heads=None,
+                              fused_dq: bool = False):
+    """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays; with ``fused_dq`` dQ too.
 
     Args:
       as ``mosaic_flash_backward_dq``; Tk a multiple of 2·block_k, Tq of block_q; q_lo, q_hi
       [B, H, Tk / (2·block_k)]: the query-block ranges (``TileVisits.col_ranges()`` at the tiling
-      (block_q, 2·block_k)).
+      (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq`` (the ping-pong schedule then, whatever
+      ``pingpong`` says): each step writes dSᵀ to shared memory, and one step later each compute warpgroup adds
+      its half of dQ's columns, scale·dS·K over both warpgroups' keys, to a float32 accumulator in global memory
+      with a TMA reduce-add store.
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
-      dΛ_k [B, H, Tk] float32.
+      dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] float32, summed over the key tiles in an
+      order that varies from run to run.
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -862,14 +884,17 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    pingpong = pingpong or fused_dq
+    dh = d // 2  # fused_dq: the dQ columns of each compute warpgroup
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
-        if segments:
-            sq_ref, sk_ref, dlo_ref, dhi_ref, dk_ref, dv_ref, dlk_ref, scoped = rest
-        else:
-            sq_ref = sk_ref = dlo_ref = dhi_ref = None
-            dk_ref, dv_ref, dlk_ref, scoped = rest
-        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2), \
+        *rest, scoped = rest
+        rest, (dk_ref, dv_ref, dlk_ref) = rest[:-3], rest[-3:]
+        dqa_ref = None
+        if fused_dq:  # the zeroed float32 accumulator (a ``jax.new_ref`` operand), after the other inputs
+            *rest, dqa_ref = rest
+        sq_ref, sk_ref, dlo_ref, dhi_ref = rest if segments else (None,) * 4
+        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, ds_smem, dq_smem), \
             (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
         bi, row, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
@@ -881,7 +906,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(REGISTERS["dkv"][0], action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k0 = ti * (2 * bk) + wg * bk
             keys = (bi, pl.ds(k0, bk), kv_head)
@@ -900,6 +925,38 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             u_lo, u_hi = _unmasked(m_full, m_tile, dlo_ref, dhi_ref, bi, 2 * ti + wg)
             plgpu.barrier_wait(res_full.at[wg])
             shape = (bk, bq)
+
+            def buf_of(m):  # fused_dq: dSᵀ of query block m in slot (m − m_lo) mod 2 of each warpgroup
+                return lax.rem(m - m_lo, jnp.int32(2))
+
+            def dq_half(m):
+                """fused_dq: this warpgroup's columns [wg·d/2, (wg + 1)·d/2) of dQ's query block m,
+                scale·Σ_j dS_ij k_j over both warpgroups' keys (dSᵀ read transposed from shared memory), added to
+                the float32 accumulator by a TMA reduce-add store."""
+                cols, b_ = pl.ds(pl.multiple_of(wg * dh, dh), dh), buf_of(m)
+
+                def product(acc_ref):
+                    for j in range(2):
+                        plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[j, b_], (1, 0)), k_smem2.at[j, :, cols])
+                    return acc_ref[...]
+
+                dq = pl.run_scoped(product, plgpu.ACC((bq, dh), jnp.float32))
+                out = dq_smem.at[wg]
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's store has read it
+                out[...] = dq * float(scale)
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, dqa_ref.at[bi, pl.ds(m * bq, bq), head, cols], reduction_op="add")
+
+            def add_dq(m):
+                """fused_dq, after the turn that ends a step's element-wise work: this warpgroup's dQ columns of
+                the previous block. Both warpgroups' dSᵀ of it are written (warpgroup 1 wrote its own before the
+                turn warpgroup 0 has just passed, warpgroup 0 a turn before that), and no one overwrites them
+                before both have passed the next turn, by which time these products are done."""
+                pl.when(m > m_lo)(lambda: dq_half(m - 1))
+
+            def put_ds(m, dst16):
+                ds_smem.at[wg, buf_of(m)][...] = dst16
+                plgpu.commit_smem()
 
             def step(m, slot, carry, masked):
                 dk_acc, dv_acc, dlk = carry
@@ -940,6 +997,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                                                              dlk - dst.sum(axis=1)))
                 plgpu.barrier_arrive(schedule[0])  # element-wise work done
                 plgpu.barrier_wait(schedule[0])    # tensor cores free
+                if fused_dq:
+                    put_ds(m, dst16)
 
                 def dv_dk(refs):  # dV += Pᵀ·dO and dK += dSᵀ·Q, one wgmma group
                     dv_ref_, dk_ref_ = refs
@@ -947,7 +1006,18 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
 
                 dv_acc, dk_acc = pl.run_state(dv_dk)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc)))
+                if fused_dq:
+                    add_dq(m)
                 return dk_acc, dv_acc, dlk
+
+            def idle(m):
+                """A block this warpgroup does not visit: the turns a step takes; with fused_dq zeros for its
+                dSᵀ and its share of the previous block's dQ, as a step does."""
+                take_turn()
+                take_turn()
+                if fused_dq:
+                    put_ds(m, plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA))
+                    add_dq(m)
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
             dl0 = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), row_layout)
@@ -956,9 +1026,15 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             if pingpong:
                 pl.when(wg == 1)(take_turn)
             dk_acc, dv_acc, dlk = _consume(m_lo, m_tile, phases, stages, full, free, step, (acc0, acc0, dl0),
-                                           idle=(lambda: (take_turn(), take_turn())) if pingpong else None)
+                                           idle=idle if pingpong else None)
             if pingpong:
                 pl.when(wg == 0)(take_turn)
+            if fused_dq:  # the last block's dQ once both have written its dSᵀ; then K is free to take dK
+                take_turn()
+
+                pl.when(m_tile > m_lo)(lambda: dq_half(m_tile - 1))
+
+                take_turn()
             k_smem[...] = (dk_acc * float(scale)).astype(dtype)
             v_smem[...] = dv_acc.astype(dtype)
             out_smem = out_smem2.at[wg]
@@ -972,7 +1048,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(REGISTERS["dkv"][1], action="decrease")
 
             def fetch(m, slot):
                 rows = (bi, pl.ds(m * bq, bq), head)
@@ -996,6 +1072,10 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
+            # fused_dq: dSᵀ of two consecutive blocks per warpgroup; each warpgroup's float32 dQ columns
+            plgpu.SMEM((2, 2, bk, bq), dtype, transforms=_swizzled()) if fused_dq else None,
+            plgpu.SMEM((2, bq, dh), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
+                                                              plgpu.SwizzleTransform(128))) if fused_dq else None,
         )
         barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
                     plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=stages),
@@ -1006,12 +1086,16 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
-    return plgpu.kernel(
-        entry,
-        out_type=(out, out, jax.ShapeDtypeStruct((b, h, tk), jnp.float32)),
-        grid=(h, tk // (2 * bk), b), grid_names=("heads", "k_tiles", "batch"),
-        num_threads=3, thread_name="wg", compiler_params=_params(),
-    )(*args)
+    out_type = (out, out, jax.ShapeDtypeStruct((b, h, tk), jnp.float32))
+    mesh = dict(grid=(h, tk // (2 * bk), b), grid_names=("heads", "k_tiles", "batch"), num_threads=3,
+                thread_name="wg")
+    if not fused_dq:
+        return plgpu.kernel(entry, out_type=out_type, compiler_params=_params(), **mesh)(*args)
+    # the zeroed accumulator the kernel adds into: a Ref, passed aliased in and out (``pl.kernel``)
+    dq_acc = jax.new_ref(jnp.zeros((b, tq, h, d), jnp.float32))
+    dk, dv, dlk = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=_params())(
+        *args, dq_acc)
+    return dk, dv, dlk, dq_acc[...]
 
 
 def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges, o, lse, do, *, scale: float,
@@ -1033,6 +1117,8 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     tk, hkv = k.shape[1], k.shape[2]
     bq, bk, stages = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     d_pad = _round_up(d, 64)
+    if config.bwd_fused_dq and d_pad != 128:
+        raise ValueError(f"MosaicConfig.bwd_fused_dq needs head dim 128 after padding, got {d_pad}")
     tq_pad = _round_up(tq, 2 * bq)  # the dQ tiles hold 2·bq rows, the dK/dV kernel streams bq-row blocks
     tk_pad = _round_up(tk, 2 * bk)  # the dK/dV tiles hold 2·bk keys, the dQ kernel streams bk-key blocks
     pad = lambda x, t: _pad_axis(_pad_axis(x, 3, d_pad), 1, t)  # noqa: E731
@@ -1052,15 +1138,23 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     ss = seq_start.astype(jnp.int32)
     common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size,
                   pingpong=config.bwd_pingpong)
-    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
-    dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k, **common,
-                                          heads=head_order(*dq_ranges, group=h // hkv))
-    lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
-    dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
-                                               **common, heads=head_order(*dkv_ranges, group=h // hkv))
-    dq, dk, dv = dq[:, :tq, :, :d], dk[:, :tk, :, :d], dv[:, :tk, :, :d]
+    dkv_lo, dkv_hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
+    dkv_heads = head_order(*dkv_ranges, group=h // hkv)
+    if config.bwd_fused_dq:  # dQ from the dK/dV kernel (MosaicConfig.bwd_fused_dq): no dQ kernel
+        dk, dv, dlam_k, dq = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss,
+                                                       seg_q, seg_k, **common, heads=dkv_heads, fused_dq=True)
+        dlam_q = None  # Σ_j dS_ij = 0: the rows' Λ_i is a constant of each row's softmax
+    else:
+        lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
+        dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
+                                              **common, heads=head_order(*dq_ranges, group=h // hkv))
+        dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss, seg_q,
+                                                   seg_k, **common, heads=dkv_heads)
+    dq, dk, dv = dq[:, :tq, :, :d].astype(q.dtype), dk[:, :tk, :, :d], dv[:, :tk, :, :d]
     if h != hkv:  # GQA: sum the query heads of each key/value head in float32
         dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
         dv = dv.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
-    dlam = dlam_k[:, :, :tk].at[:, :, tk - tq:].add(dlam_q[:, :, :tq])
+    dlam = dlam_k[:, :, :tk]
+    if dlam_q is not None:
+        dlam = dlam.at[:, :, tk - tq:].add(dlam_q[:, :, :tq])
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), dlam.transpose(0, 2, 1)

@@ -86,10 +86,18 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d128-no-pingpong-window"),
     # ≥ STATIC_FRAME_MIN_KEYS keys: the forward with its fixed-frame loop (and documents, ACP around it)
     pytest.param(1, 4096, 4096, 2, 2, 64, jnp.bfloat16, dict(acp=True, segments=True), id="d64-t4096-static-frame"),
+    # dQ inside the dK/dV kernel (TMA reduce-add stores): GQA with ACP, Tq < Tk with documents, a window (D ≤ 128)
+    pytest.param(2, 1000, 1000, 4, 2, 128, jnp.bfloat16, dict(acp=True, config=MosaicConfig(bwd_fused_dq=True)),
+                 id="d128-gqa-acp-fused-dq"),
+    pytest.param(1, 700, 1300, 2, 2, 96, jnp.bfloat16, dict(segments=True, config=MosaicConfig(bwd_fused_dq=True)),
+                 id="d96-tq<tk-segments-fused-dq"),
+    pytest.param(1, 512, 512, 2, 2, 128, jnp.float16, dict(window_size=200, config=MosaicConfig(bwd_fused_dq=True)),
+                 id="d128-fp16-window-fused-dq"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
-    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), or the
-    Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
+    """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), two with dQ in
+    the dK/dV kernel (``MosaicConfig(bwd_fused_dq=True)``: its TMA reduce-add stores into an aliased float32
+    accumulator), or the Mosaic forward with the two Triton backward kernels (``MosaicConfig(backward=False)``)."""
     text = _lower_op(b, tq, tk, h, hkv, d, dtype, **opts)
     calls = text.count("stablehlo.custom_call @mosaic_gpu")
     forward = re.search(r"custom_call @mosaic_gpu\w*\(([^)]*)\)", text).group(1)  # the first call: the forward
@@ -100,6 +108,10 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     triton = text.count("__gpu$xla.gpu.triton")
     if opts.get("config") is not None and not opts["config"].backward:
         assert (calls, triton) == (1, 2), (calls, triton)
+    elif opts.get("config") is not None and opts["config"].bwd_fused_dq:
+        assert (calls, triton) == (2, 0), (calls, triton)
+        # the reduce-add store, into the float32 accumulator aliased in and out
+        assert "cp.reduce.async.bulk" in text and text.count("stablehlo.output_operand_alias<") == 1
     else:
         assert (calls, triton) == (3, 0), (calls, triton)
 
@@ -175,6 +187,15 @@ def test_config_checks_and_smem_budget():
         MosaicConfig(bwd_pingpong="yes")
     with pytest.raises(ValueError, match="static_frame"):
         MosaicConfig(static_frame=1)
+    with pytest.raises(ValueError, match="bwd_fused_dq"):
+        MosaicConfig(bwd_fused_dq=1)
+    # dQ in the dK/dV kernel: its shared memory fits, and its column halves need D = 128 after padding
+    assert mgpu.smem_bytes(MosaicConfig(bwd_fused_dq=True), 128) <= mgpu.SMEM_LIMIT
+    with pytest.raises(ValueError, match="bwd_fused_dq needs head dim 128"):
+        g = jnp.zeros((1, 256, 1, 64), jnp.bfloat16)
+        mgpu.mosaic_backward(g, g, g, jnp.zeros((1, 256, 1)), jnp.zeros((1,), jnp.int32), None,
+                             (jnp.zeros((1, 1, 1), jnp.int32),) * 2, (jnp.zeros((1, 1, 1), jnp.int32),) * 2, g,
+                             jnp.zeros((1, 1, 256)), g, scale=1.0, config=MosaicConfig(bwd_fused_dq=True))
     for d in (0, 96, 256):
         with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
             default_mosaic_config(d)
@@ -349,6 +370,45 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window", [
+    pytest.param(1, 2048, 4, 4, 128, None, None, None, None, id="T2048"),
+    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, id="T1500-D96-gqa-seqstart-docs"),
+    pytest.param(1, 4096, 4, 2, 128, None, None, "auto", None, id="T4096-gqa-acp"),
+    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, id="T1000-window"),
+])
+def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold, window):
+    """``MosaicConfig.bwd_fused_dq`` (dQ added by the dK/dV kernel with TMA reduce-add stores, no dQ kernel, no
+    query-side dΛ) against the dQ kernel and the float32 oracle: the same gradients up to float32 summation order
+    and dQ's rounding (the bf16 tolerance of ``_TOL``; dK and dV come from the same kernel either way). Under ACP
+    the two forms visit their own kernels' tiles, both within the bound: compared with the oracle and each other at
+    the same tolerance."""
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d)
+    ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
+    seg = None if segments is None else _segments(b, t, segments)
+    delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
+    base = fpallas.resolve_config(d, t, t)
+
+    def run(fused):
+        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(default_mosaic_config(128), bwd_fused_dq=fused))
+        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+            q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
+            config=cfg, window_size=window), q, k, v, lf, w)
+
+    (o, grads), (o_k, grads_k) = run(True), run(False)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _, grads_ref = _value_and_grads(
+        lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg, window_size=window),
+        f32(q), f32(k), f32(v), lf, w)
+    tol_g = _TOL[jnp.bfloat16][1]
+    np.testing.assert_array_equal(np.asarray(f32(o)), np.asarray(f32(o_k)))  # the same forward
+    for name, g, g_k, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_k, grads_ref):
+        _assert_close(name + " vs the dQ kernel", g, g_k, tol_g)
+        _assert_close(name, g, gr, tol_g)
+
+
+@pytest.mark.gpu
 def test_gpu_mosaic_window():
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
@@ -486,23 +546,25 @@ def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
 
 def test_mosaic_ab_variants_change_the_kernels_and_are_undone():
     """benchmarks/checks/mosaic_ab.py: each variant changes what the op lowers to under ACP (the head order's input,
-    the kernels' exit waits), and ``patched`` puts the module back, after an error too."""
+    the kernels' exit waits, register budgets, dQ in the dK/dV kernel), and ``patched`` puts the module back, after
+    an error too."""
     import os
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks", "checks"))
     import mosaic_ab
 
-    shape = (1, 1000, 1000, 4, 2, 64, jnp.bfloat16)
+    shape = (1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
     base = _lower_op(*shape, acp=True)
-    originals = (mgpu.head_order, mgpu.plgpu)
+    state = lambda: (mgpu.head_order, mgpu.plgpu, dict(mgpu.REGISTERS), mgpu.mosaic_backward)  # noqa: E731
+    originals = state()
     for variant in mosaic_ab.PATCHES:
         with mosaic_ab.patched(variant):
             assert _lower_op(*shape, acp=True) != base, variant
-        assert (mgpu.head_order, mgpu.plgpu) == originals, variant
-    with pytest.raises(RuntimeError), mosaic_ab.patched("heads_in_order"):
+        assert state() == originals, variant
+    with pytest.raises(RuntimeError), mosaic_ab.patched("fused_dq_regs_240"):
         raise RuntimeError
-    assert (mgpu.head_order, mgpu.plgpu) == originals
+    assert state() == originals
     with mosaic_ab.patched("base"):
         assert _lower_op(*shape, acp=True) == base
 

@@ -1,14 +1,18 @@
 """Scheduling choices of the Mosaic kernels against the kernels as they are, in one process: fwd and fwd+bwd ms
 with ``adaptive_threshold="auto"`` (or dense, ``--dense``) on bench_attention's gates (head h's gate logits centred
 on 6·h / (H − 1): the long-memory heads last). Each variant is the kernels (``base``) with one choice changed, timed
-alternating with ``base`` (A B A B); the rows keep every time. Every variant gives the same output bitwise (the
-choices only move work in time).
+alternating with ``base`` (A B A B); the rows keep every time. The scheduling variants give the same output bitwise
+(the choices only move work in time); ``fused_dq`` changes dQ's summation order.
 
 Variants:
   heads_in_order    the grid runs the heads in order, not in decreasing work (``head_order`` → None)
   exit_after_reads  each CTA exits once its output stores have read shared memory, without waiting for the writes
                     to reach memory (``plgpu.wait_smem_to_gmem(0, wait_read_only=True)`` at the kernels' ends, as
-                    jax's Hopper matmul does; not yet run on a GPU)
+                    jax's Hopper matmul does)
+  dkv_regs_240      the dK/dV kernel's register budgets 240 / 24 (``REGISTERS``; its loops then spill nothing)
+  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; head dim 128 only, the
+                    base elsewhere); not bitwise: dQ's float32 sums come in another order
+  fused_dq_regs_240 both
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -45,9 +50,25 @@ class _ReadOnlyWaits:
         return self._plgpu.wait_smem_to_gmem(n, wait_read_only=True)
 
 
+def _fused_dq(backward):
+    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` where the padded head dim is 128 (its only one)."""
+    def run(q, *args, config, **kwargs):
+        if -(-q.shape[-1] // 64) * 64 == 128:
+            config = dataclasses.replace(config, bwd_fused_dq=True)
+        return backward(q, *args, config=config, **kwargs)
+    return run
+
+
+def _registers(**budgets):
+    return lambda original: dict(original, **budgets)
+
+
 PATCHES = {
-    "heads_in_order": ("head_order", lambda original: (lambda *a, **kw: None)),
-    "exit_after_reads": ("plgpu", _ReadOnlyWaits),
+    "heads_in_order": [("head_order", lambda original: (lambda *a, **kw: None))],
+    "exit_after_reads": [("plgpu", _ReadOnlyWaits)],
+    "dkv_regs_240": [("REGISTERS", _registers(dkv=(240, 24)))],
+    "fused_dq": [("mosaic_backward", _fused_dq)],
+    "fused_dq_regs_240": [("mosaic_backward", _fused_dq), ("REGISTERS", _registers(dkv=(240, 24)))],
 }
 
 
@@ -58,13 +79,14 @@ def patched(variant: str):
     if variant == "base":
         yield
         return
-    attr, patch = PATCHES[variant]
-    original = getattr(mgpu, attr)
-    setattr(mgpu, attr, patch(original))
+    originals = [(attr, getattr(mgpu, attr)) for attr, _ in PATCHES[variant]]
     try:
+        for (attr, patch), (_, original) in zip(PATCHES[variant], originals):
+            setattr(mgpu, attr, patch(original))
         yield
     finally:
-        setattr(mgpu, attr, original)
+        for attr, original in originals:
+            setattr(mgpu, attr, original)
 
 
 def timed(shape, variants, acp: bool, repeats: int):
