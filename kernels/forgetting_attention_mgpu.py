@@ -83,8 +83,8 @@ class MosaicConfig:
         keeps dSᵀ in shared memory, and the step after, each compute warpgroup adds half of dQ's columns for
         that query block, over the CTA's 2·bwd_block_k keys, to a float32 buffer with a TMA reduce-add store
         (``mosaic_flash_backward_dkv``); five matmuls per block pair instead of seven. Runs the backward's
-        ping-pong schedule; head dim 128 only (a warpgroup's half of the columns is one 64-column swizzle
-        tile); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
+        ping-pong schedule (at D = 64 with K, Q and dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's
+        columns); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
         dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij is zero (a row
         constant does not move a softmax), so this path does not compute it.
     """
@@ -692,8 +692,9 @@ def _visible(r, c, ss, window_size, seg_r=None, seg_c=None):
     return vis
 
 
-def _swizzled():
-    return plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128)
+def _swizzled(cols: int = 64):
+    """Tiles of 8 rows × ``cols`` 16-bit elements, swizzled over their 2·cols bytes (64 columns: 128 B)."""
+    return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
 def _params():
@@ -886,6 +887,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
     pingpong = pingpong or fused_dq
     dh = d // 2  # fused_dq: the dQ columns of each compute warpgroup
+    # fused_dq: K is read in column halves, so its swizzle tiles are dh wide (below 64: K, Q and dSᵀ, which meet
+    # K in wgmma, in 64-byte swizzle)
+    k_cols = min(dh, 64) if fused_dq else 64
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
         *rest, scoped = rest
@@ -1064,16 +1068,16 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
     def entry(*refs):
         smem = (
+            plgpu.SMEM((2, bk, d), dtype, transforms=_swizzled(k_cols)),
             plgpu.SMEM((2, bk, d), dtype, transforms=_swizzled()),
-            plgpu.SMEM((2, bk, d), dtype, transforms=_swizzled()),
-            plgpu.SMEM((stages, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((stages, bq, d), dtype, transforms=_swizzled(k_cols)),
             plgpu.SMEM((stages, bq, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
             # fused_dq: dSᵀ of two consecutive blocks per warpgroup; each warpgroup's float32 dQ columns
-            plgpu.SMEM((2, 2, bk, bq), dtype, transforms=_swizzled()) if fused_dq else None,
+            plgpu.SMEM((2, 2, bk, bq), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
             plgpu.SMEM((2, bq, dh), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
                                                               plgpu.SwizzleTransform(128))) if fused_dq else None,
         )
@@ -1117,8 +1121,6 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     tk, hkv = k.shape[1], k.shape[2]
     bq, bk, stages = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     d_pad = _round_up(d, 64)
-    if config.bwd_fused_dq and d_pad != 128:
-        raise ValueError(f"MosaicConfig.bwd_fused_dq needs head dim 128 after padding, got {d_pad}")
     tq_pad = _round_up(tq, 2 * bq)  # the dQ tiles hold 2·bq rows, the dK/dV kernel streams bq-row blocks
     tk_pad = _round_up(tk, 2 * bk)  # the dK/dV tiles hold 2·bk keys, the dQ kernel streams bk-key blocks
     pad = lambda x, t: _pad_axis(_pad_axis(x, 3, d_pad), 1, t)  # noqa: E731

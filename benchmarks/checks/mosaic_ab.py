@@ -10,8 +10,8 @@ Variants:
                     to reach memory (``plgpu.wait_smem_to_gmem(0, wait_read_only=True)`` at the kernels' ends, as
                     jax's Hopper matmul does)
   dkv_regs_240      the dK/dV kernel's register budgets 240 / 24 (``REGISTERS``; its loops then spill nothing)
-  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; head dim 128 only, the
-                    base elsewhere); not bitwise: dQ's float32 sums come in another order
+  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``); not bitwise: dQ's float32
+                    sums come in another order
   fused_dq_regs_240 both
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
@@ -51,11 +51,9 @@ class _ReadOnlyWaits:
 
 
 def _fused_dq(backward):
-    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` where the padded head dim is 128 (its only one)."""
-    def run(q, *args, config, **kwargs):
-        if -(-q.shape[-1] // 64) * 64 == 128:
-            config = dataclasses.replace(config, bwd_fused_dq=True)
-        return backward(q, *args, config=config, **kwargs)
+    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq``."""
+    def run(*args, config, **kwargs):
+        return backward(*args, config=dataclasses.replace(config, bwd_fused_dq=True), **kwargs)
     return run
 
 
