@@ -543,7 +543,7 @@ def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
     assert not fpallas.mosaic_auto_ok(bf(1, 512, 2, 64), bf(1, 512, 2, 64))
 
 
-def test_mosaic_ab_variants_change_the_kernels_and_are_undone():
+def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     """benchmarks/checks/mosaic_ab.py: each variant changes what the op lowers to under ACP (the head order's input,
     the kernels' exit waits, register budgets, dQ in the dK/dV kernel), and ``patched`` puts the module back, after
     an error too."""
@@ -566,6 +566,16 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone():
     assert state() == originals
     with mosaic_ab.patched("base"):
         assert _lower_op(*shape, acp=True) == base
+    # the timed functions themselves trace anew under each patch (jax caches a traced function by its identity)
+    x = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
+    args = (x, x, x, jax.ShapeDtypeStruct((1, 512, 2), jnp.float32), x)
+    monkeypatch.setattr(fpallas, "mosaic_supported", lambda q, k: None)  # a check for running; lowering needs none
+    texts = {}
+    for variant in ("base", "fused_dq"):
+        with mosaic_ab.patched(variant):
+            texts[variant] = mosaic_ab.functions(128, True)[1].trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+    assert texts["base"].count("@mosaic_gpu") == 3 and texts["fused_dq"].count("@mosaic_gpu") == 2
 
 
 @pytest.mark.parametrize("spec,ok", [

@@ -87,22 +87,29 @@ def patched(variant: str):
             setattr(mgpu, attr, original)
 
 
+def functions(d: int, acp: bool):
+    """The jitted forward (q, k, v, log_fgate) and fwd+bwd (…, do) at head dim ``d``: new function objects at
+    every call, because jax caches a traced function by its identity — a second ``jax.jit`` of the same function
+    would run the first variant's executable whatever the patch (the 12-07 runs of this script before 11:45 UTC
+    timed the base against itself)."""
+    def f(q, k, v, lf):
+        delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5) if acp else None
+        return fpallas.attention(q, k, v, decay_cumsum(lf), None, None, delta, scale=d ** -0.5, implementation="mosaic",
+                                 interpret=False)
+
+    def fb(q, k, v, lf, do):
+        return jax.vjp(f, q, k, v, lf)[1](do)
+    return jax.jit(f), jax.jit(fb)
+
+
 def timed(shape, variants, acp: bool, repeats: int):
     """{variant: {"fwd": [ms, ...], "fwd_bwd": [ms, ...]}} for one (B, T, H, D), ``base`` first."""
     b, t, h, d = shape
     q, k, v, lf, do = make_inputs(b, t, h, d)
-
-    def f(q, k, v, lf):
-        delta = acp_lib.resolve_threshold("auto", q, k, d ** -0.5) if acp else None
-        return fpallas.attention(q, k, v, decay_cumsum(lf), None, None, delta, scale=d ** -0.5, implementation="mosaic")
-
-    def fb(q, k, v, lf, do):
-        return jax.vjp(f, q, k, v, lf)[1](do)
-
     compiled = {}
     for variant in ("base", *variants):  # each variant's functions trace (at their first call) under its patch
         with patched(variant):
-            compiled[variant] = (jax.jit(f), jax.jit(fb))
+            compiled[variant] = functions(d, acp)
             jax.block_until_ready(compiled[variant][0](q, k, v, lf))
             jax.block_until_ready(compiled[variant][1](q, k, v, lf, do))
     out = {variant: {"fwd": [], "fwd_bwd": []} for variant in compiled}
