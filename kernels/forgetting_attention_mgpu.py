@@ -85,8 +85,9 @@ class MosaicConfig:
         (``mosaic_flash_backward_dkv``); five matmuls per block pair instead of seven. Runs the backward's
         ping-pong schedule (at D = 64 with K, Q and dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's
         columns); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
-        dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij is zero (a row
-        constant does not move a softmax), so this path does not compute it.
+        dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij (zero in exact
+        arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's
+        share of Δ's rounding (Δ from the bf16 output), which would otherwise sum up in dlog f's reverse cumsum.
     """
 
     block_q: int = 64
@@ -873,8 +874,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
       with a TMA reduce-add store.
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
-      dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] float32, summed over the key tiles in an
-      order that varies from run to run.
+      dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] and dΛ_q [B, H, Tq] float32, summed over
+      the key tiles in an order that varies from run to run.
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -894,11 +895,11 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
         *rest, scoped = rest
         rest, (dk_ref, dv_ref, dlk_ref) = rest[:-3], rest[-3:]
-        dqa_ref = None
-        if fused_dq:  # the zeroed float32 accumulator (a ``jax.new_ref`` operand), after the other inputs
-            *rest, dqa_ref = rest
+        dqa_ref = dlqa_ref = None
+        if fused_dq:  # the zeroed float32 accumulators (``jax.new_ref`` operands), after the other inputs
+            *rest, dqa_ref, dlqa_ref = rest
         sq_ref, sk_ref, dlo_ref, dhi_ref = rest if segments else (None,) * 4
-        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, ds_smem, dq_smem), \
+        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, ds_smem, dsum_smem, dq_smem), \
             (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
         bi, row, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
@@ -950,6 +951,10 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 out[...] = dq * float(scale)
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, dqa_ref.at[bi, pl.ds(m * bq, bq), head, cols], reduction_op="add")
+                # the query-side decay gradient of this warpgroup's keys: zero in exact arithmetic, but it cancels
+                # the key side's share of Δ's rounding (Δ from the bf16 output), as the dQ kernel's sums do
+                plgpu.copy_smem_to_gmem(dsum_smem.at[wg, b_], dlqa_ref.at[bi, head, pl.ds(m * bq, bq)],
+                                        reduction_op="add")
 
             def add_dq(m):
                 """fused_dq, after the turn that ends a step's element-wise work: this warpgroup's dQ columns of
@@ -958,8 +963,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 before both have passed the next turn, by which time these products are done."""
                 pl.when(m > m_lo)(lambda: dq_half(m - 1))
 
-            def put_ds(m, dst16):
+            def put_ds(m, dst16, dsum):
+                """fused_dq: dSᵀ of query block m and its query-side sums Σ_j dS_ij over this warpgroup's keys to
+                shared memory (slot (m − m_lo) mod 2), once the stores issued a step ago have read the slot."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 ds_smem.at[wg, buf_of(m)][...] = dst16
+                dsum_smem.at[wg, buf_of(m)][...] = dsum
                 plgpu.commit_smem()
 
             def step(m, slot, carry, masked):
@@ -997,12 +1006,13 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     return dk_acc, dv_acc, dlk - dst.sum(axis=1)
 
                 dst = pt * (dpt - _col(dl, shape))
-                pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
-                                                             dlk - dst.sum(axis=1)))
+                pt16, dst16, dlk, dsum = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
+                                                                   dlk - dst.sum(axis=1),
+                                                                   dst.sum(axis=0) if fused_dq else None))
                 plgpu.barrier_arrive(schedule[0])  # element-wise work done
                 plgpu.barrier_wait(schedule[0])    # tensor cores free
                 if fused_dq:
-                    put_ds(m, dst16)
+                    put_ds(m, dst16, dsum)
 
                 def dv_dk(refs):  # dV += Pᵀ·dO and dK += dSᵀ·Q, one wgmma group
                     dv_ref_, dk_ref_ = refs
@@ -1020,7 +1030,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 take_turn()
                 take_turn()
                 if fused_dq:
-                    put_ds(m, plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA))
+                    put_ds(m, plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA),
+                           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), col_layout))
                     add_dq(m)
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -1076,8 +1087,10 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
-            # fused_dq: dSᵀ of two consecutive blocks per warpgroup; each warpgroup's float32 dQ columns
+            # fused_dq: dSᵀ and its query-side sums of two consecutive blocks per warpgroup; each warpgroup's
+            # float32 dQ columns
             plgpu.SMEM((2, 2, bk, bq), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
+            plgpu.SMEM((2, 2, bq), jnp.float32) if fused_dq else None,
             plgpu.SMEM((2, bq, dh), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
                                                               plgpu.SwizzleTransform(128))) if fused_dq else None,
         )
@@ -1095,11 +1108,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 thread_name="wg")
     if not fused_dq:
         return plgpu.kernel(entry, out_type=out_type, compiler_params=_params(), **mesh)(*args)
-    # the zeroed accumulator the kernel adds into: a Ref, passed aliased in and out (``pl.kernel``)
+    # the zeroed accumulators the kernel adds into: Refs, passed aliased in and out (``pl.kernel``)
     dq_acc = jax.new_ref(jnp.zeros((b, tq, h, d), jnp.float32))
+    dlq_acc = jax.new_ref(jnp.zeros((b, h, tq), jnp.float32))
     dk, dv, dlk = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=_params())(
-        *args, dq_acc)
-    return dk, dv, dlk, dq_acc[...]
+        *args, dq_acc, dlq_acc)
+    return dk, dv, dlk, dq_acc[...], dlq_acc[...]
 
 
 def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges, o, lse, do, *, scale: float,
@@ -1143,9 +1157,9 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     dkv_lo, dkv_hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
     dkv_heads = head_order(*dkv_ranges, group=h // hkv)
     if config.bwd_fused_dq:  # dQ from the dK/dV kernel (MosaicConfig.bwd_fused_dq): no dQ kernel
-        dk, dv, dlam_k, dq = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss,
-                                                       seg_q, seg_k, **common, heads=dkv_heads, fused_dq=True)
-        dlam_q = None  # Σ_j dS_ij = 0: the rows' Λ_i is a constant of each row's softmax
+        dk, dv, dlam_k, dq, dlam_q = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi,
+                                                               ss, seg_q, seg_k, **common, heads=dkv_heads,
+                                                               fused_dq=True)
     else:
         lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
         dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
@@ -1156,7 +1170,5 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     if h != hkv:  # GQA: sum the query heads of each key/value head in float32
         dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
         dv = dv.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)
-    dlam = dlam_k[:, :, :tk]
-    if dlam_q is not None:
-        dlam = dlam.at[:, :, tk - tq:].add(dlam_q[:, :, :tq])
+    dlam = dlam_k[:, :, :tk].at[:, :, tk - tq:].add(dlam_q[:, :, :tq])
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), dlam.transpose(0, 2, 1)
