@@ -157,8 +157,9 @@ SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
 
 # setmaxnreg budgets per kernel, (each compute warpgroup, the memory warpgroup): a CTA of 384 threads launches
 # with 168 registers a thread (the 64K file), so 2·128·c + 128·m ≤ 64,512. The dK/dV kernel's compute
-# warpgroups hold dK and dV (64 × D float32 each) with Sᵀ and dPᵀ: 240 / 24 keeps its loops free of spills
-# (232 / 40: 92 B of spill stores at D128, some in the masked loop; ptxas for sm_90a, offline_mosaic_check.py).
+# warpgroups hold dK and dV (64 × D float32 each) with Sᵀ and dPᵀ: at 232 / 40 it spills 92 B at D128, some in
+# its masked loop; 240 / 24 leaves its loops free of spills (ptxas for sm_90a, offline_mosaic_check.py) but is
+# not yet timed (checks/mosaic_ab.py --variants dkv_regs_240).
 REGISTERS = {"forward": (232, 40), "dq": (232, 40), "dkv": (232, 40)}
 
 
