@@ -148,8 +148,8 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
     dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    if config.bwd_fused_dq:  # dSᵀ of two blocks per warpgroup, float32 dQ columns per warpgroup
-        dkv += 2 * 2 * bk * bq * itemsize + 2 * bq * (head_dim // 2) * 4
+    if config.bwd_fused_dq:  # dSᵀ and its float32 sums of two blocks per warpgroup, float32 dQ columns per warpgroup
+        dkv += 2 * 2 * (bk * bq * itemsize + bq * 4) + 2 * bq * (head_dim // 2) * 4
     return max(fwd, dkv) if config.bwd_fused_dq else max(fwd, dq, dkv)
 
 
@@ -1047,9 +1047,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 pl.when(wg == 0)(take_turn)
             if fused_dq:  # the last block's dQ once both have written its dSᵀ; then K is free to take dK
                 take_turn()
-
-                pl.when(m_tile > m_lo)(lambda: dq_half(m_tile - 1))
-
+                add_dq(m_tile)
                 take_turn()
             k_smem[...] = (dk_acc * float(scale)).astype(dtype)
             v_smem[...] = dv_acc.astype(dtype)
