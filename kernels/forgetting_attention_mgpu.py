@@ -148,19 +148,21 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
     dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    if config.bwd_fused_dq:  # dSᵀ and its float32 sums of two blocks per warpgroup, float32 dQ columns per warpgroup
-        dkv += 2 * 2 * (bk * bq * itemsize + bq * 4) + 2 * bq * (head_dim // 2) * 4
+    if config.bwd_fused_dq:  # dSᵀ of two blocks per warpgroup; per warpgroup ones, query sums and dQ's columns
+        dkv += 2 * 2 * bk * bq * itemsize + 2 * (8 * bk * itemsize + bq * 4 + bq * (head_dim // 2) * 4)
     return max(fwd, dkv) if config.bwd_fused_dq else max(fwd, dq, dkv)
 
 
 SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
 
-# setmaxnreg budgets per kernel, (each compute warpgroup, the memory warpgroup): a CTA of 384 threads launches
-# with 168 registers a thread (the 64K file), so 2·128·c + 128·m ≤ 64,512. The dK/dV kernel's compute
-# warpgroups hold dK and dV (64 × D float32 each) with Sᵀ and dPᵀ: at 232 / 40 it spills 92 B at D128, some in
-# its masked loop; 240 / 24 leaves its loops free of spills (ptxas for sm_90a, offline_mosaic_check.py) but is
-# not yet timed (checks/mosaic_ab.py --variants dkv_regs_240).
-REGISTERS = {"forward": (232, 40), "dq": (232, 40), "dkv": (232, 40)}
+# setmaxnreg budgets per kernel and padded head dim, (each compute warpgroup, the memory warpgroup): a CTA of 384
+# threads launches with 168 registers a thread (the 64K file), so 2·128·c + 128·m ≤ 64,512. The dK/dV kernel's
+# compute warpgroups hold dK and dV (64 × D float32 each) with Sᵀ and dPᵀ: at D128 and 232 / 40 it spills 92 B,
+# some in its masked loop; 240 / 24 leaves its loops free of spills (ptxas for sm_90a, offline_mosaic_check.py) and
+# was 2–3% faster under ACP at 16k, the same dense (H100, 2026-12-07, checks/mosaic_ab.py --variants dkv_regs_240).
+# At D64 nothing spills at 232 / 40 and 240 / 24 was 1–2% slower (the memory warpgroup's 24 registers).
+REGISTERS = {"forward": {64: (232, 40), 128: (232, 40)}, "dq": {64: (232, 40), 128: (232, 40)},
+             "dkv": {64: (232, 40), 128: (240, 24)}}
 
 
 def _row(x, shape):
@@ -281,7 +283,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(REGISTERS["forward"][0], action="increase")
+            plgpu.set_max_registers(REGISTERS["forward"][d][0], action="increase")
             q_smem = q_smem2.at[wg]
             q_base = ti * config.tile_q + wg * bq
             row0 = offset + q_base  # absolute position of this warpgroup's first row
@@ -395,7 +397,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(REGISTERS["forward"][1], action="decrease")
+            plgpu.set_max_registers(REGISTERS["forward"][d][1], action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
             def fetch(n, slot):
@@ -694,6 +696,14 @@ def _visible(r, c, ss, window_size, seg_r=None, seg_c=None):
     return vis
 
 
+def _opaque(x):
+    """``x`` through an inline-asm barrier: what is computed from it inside a loop stays in the loop. The wgmma
+    descriptors of a warpgroup's resident tiles (K, V) are loop invariants; hoisted, they hold ~2 registers each
+    across the loop, and in the fused-dQ dK/dV kernel that spilled them (432 B at D128, reloaded in every step;
+    none with this, ptxas for sm_90a)."""
+    return lax.optimization_barrier(x)
+
+
 def _swizzled(cols: int = 64):
     """Tiles of 8 rows × ``cols`` 16-bit elements, swizzled over their 2·cols bytes (64 columns: 128 B)."""
     return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
@@ -743,7 +753,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(REGISTERS["dq"][0], action="increase")
+            plgpu.set_max_registers(REGISTERS["dq"][d][0], action="increase")
             q_smem, do_smem = q_smem2.at[wg], do_smem2.at[wg]
             q_base = ti * (2 * bq) + wg * bq
             row0 = offset + q_base
@@ -821,7 +831,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(REGISTERS["dq"][1], action="decrease")
+            plgpu.set_max_registers(REGISTERS["dq"][d][1], action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
             def fetch(n, slot):
@@ -898,9 +908,10 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
         rest, (dk_ref, dv_ref, dlk_ref) = rest[:-3], rest[-3:]
         dqa_ref = dlqa_ref = None
         if fused_dq:  # the zeroed float32 accumulators (``jax.new_ref`` operands), after the other inputs
-            *rest, dqa_ref, dlqa_ref = rest
+            *rest, ones_ref, dqa_ref, dlqa_ref = rest
         sq_ref, sk_ref, dlo_ref, dhi_ref = rest if segments else (None,) * 4
-        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, ds_smem, dsum_smem, dq_smem), \
+        (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, ds_smem, ones_smem, dsum_smem,
+         dq_smem), \
             (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
         bi, row, ti = lax.axis_index("batch"), lax.axis_index("heads"), lax.axis_index("k_tiles")
@@ -912,12 +923,14 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(REGISTERS["dkv"][0], action="increase")
+            plgpu.set_max_registers(REGISTERS["dkv"][d][0], action="increase")
             k_smem, v_smem = k_smem2.at[wg], v_smem2.at[wg]
             k0 = ti * (2 * bk) + wg * bk
             keys = (bi, pl.ds(k0, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, res_full.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, res_full.at[wg])
+            if fused_dq:
+                plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], res_full.at[wg])
             lk = plgpu.load(lk_ref.at[bi, head, pl.ds(k0, bk)], (), layout=row_layout, optimized=False)
             sk = None if sk_ref is None else plgpu.load(sk_ref.at[bi, pl.ds(k0, bk)], (), layout=row_layout,
                                                          optimized=False)
@@ -937,24 +950,30 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
             def dq_half(m):
                 """fused_dq: this warpgroup's columns [wg·d/2, (wg + 1)·d/2) of dQ's query block m,
-                scale·Σ_j dS_ij k_j over both warpgroups' keys (dSᵀ read transposed from shared memory), added to
-                the float32 accumulator by a TMA reduce-add store."""
-                cols, b_ = pl.ds(pl.multiple_of(wg * dh, dh), dh), buf_of(m)
+                scale·Σ_j dS_ij k_j over both warpgroups' keys (dSᵀ read transposed from shared memory), and the
+                query-side sums Σ_j dS_ij over this warpgroup's keys (the same dSᵀ times a column of ones: no
+                reduction across the warpgroup's threads), each added to its float32 accumulator by a TMA
+                reduce-add store."""
+                w = _opaque(wg)
+                cols, b_ = pl.ds(pl.multiple_of(w * dh, dh), dh), buf_of(m)
 
-                def product(acc_ref):
+                def product(acc_ref, sums_ref):
                     for j in range(2):
                         plgpu.wgmma(acc_ref, plgpu.transpose_ref(ds_smem.at[j, b_], (1, 0)), k_smem2.at[j, :, cols])
-                    return acc_ref[...]
+                    plgpu.wgmma(sums_ref, plgpu.transpose_ref(ds_smem.at[w, b_], (1, 0)),
+                                plgpu.transpose_ref(ones_smem.at[w], (1, 0)))
+                    return acc_ref[...], sums_ref[...]
 
-                dq = pl.run_scoped(product, plgpu.ACC((bq, dh), jnp.float32))
+                dq, sums = pl.run_scoped(product, plgpu.ACC((bq, dh), jnp.float32), plgpu.ACC((bq, 8), jnp.float32))
                 out = dq_smem.at[wg]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's store has read it
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
                 out[...] = dq * float(scale)
+                dsum_smem.at[wg][...] = sums.sum(axis=1)  # the ones are column 0's: the others add zeros
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, dqa_ref.at[bi, pl.ds(m * bq, bq), head, cols], reduction_op="add")
-                # the query-side decay gradient of this warpgroup's keys: zero in exact arithmetic, but it cancels
-                # the key side's share of Δ's rounding (Δ from the bf16 output), as the dQ kernel's sums do
-                plgpu.copy_smem_to_gmem(dsum_smem.at[wg, b_], dlqa_ref.at[bi, head, pl.ds(m * bq, bq)],
+                # the query-side decay gradient: zero in exact arithmetic, but it cancels the key side's share of
+                # Δ's rounding (Δ from the bf16 output), as the dQ kernel's sums do
+                plgpu.copy_smem_to_gmem(dsum_smem.at[wg], dlqa_ref.at[bi, head, pl.ds(m * bq, bq)],
                                         reduction_op="add")
 
             def add_dq(m):
@@ -964,20 +983,21 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 before both have passed the next turn, by which time these products are done."""
                 pl.when(m > m_lo)(lambda: dq_half(m - 1))
 
-            def put_ds(m, dst16, dsum):
-                """fused_dq: dSᵀ of query block m and its query-side sums Σ_j dS_ij over this warpgroup's keys to
-                shared memory (slot (m − m_lo) mod 2), once the stores issued a step ago have read the slot."""
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            def put_ds(m, dst16):
+                """fused_dq: dSᵀ of query block m to shared memory (slot (m − m_lo) mod 2)."""
                 ds_smem.at[wg, buf_of(m)][...] = dst16
-                dsum_smem.at[wg, buf_of(m)][...] = dsum
                 plgpu.commit_smem()
 
             def step(m, slot, carry, masked):
                 dk_acc, dv_acc, dlk = carry
 
-                kq = (k_smem, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
+                k_res, v_res = k_smem, v_smem
+                if fused_dq:  # K's and V's descriptors made in the loop, not held in registers across it
+                    w = _opaque(wg)
+                    k_res, v_res = k_smem2.at[w], v_smem2.at[w]
+                kq = (k_res, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
                 if pingpong:
-                    st, dpt = _products(shape, [kq, (v_smem, do_smem.at[slot])], take_turn)
+                    st, dpt = _products(shape, [kq, (v_res, do_smem.at[slot])], take_turn)
                 else:
                     st, = _products(shape, [kq])
                 lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)  # Λ − lse, base 2
@@ -1007,13 +1027,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     return dk_acc, dv_acc, dlk - dst.sum(axis=1)
 
                 dst = pt * (dpt - _col(dl, shape))
-                pt16, dst16, dlk, dsum = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
-                                                                   dlk - dst.sum(axis=1),
-                                                                   dst.sum(axis=0) if fused_dq else None))
+                pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
+                                                             dlk - dst.sum(axis=1)))
                 plgpu.barrier_arrive(schedule[0])  # element-wise work done
                 plgpu.barrier_wait(schedule[0])    # tensor cores free
                 if fused_dq:
-                    put_ds(m, dst16, dsum)
+                    put_ds(m, dst16)
 
                 def dv_dk(refs):  # dV += Pᵀ·dO and dK += dSᵀ·Q, one wgmma group
                     dv_ref_, dk_ref_ = refs
@@ -1031,8 +1050,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 take_turn()
                 take_turn()
                 if fused_dq:
-                    put_ds(m, plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA),
-                           plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), col_layout))
+                    put_ds(m, plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA))
                     add_dq(m)
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
@@ -1062,7 +1080,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(REGISTERS["dkv"][1], action="decrease")
+            plgpu.set_max_registers(REGISTERS["dkv"][d][1], action="decrease")
 
             def fetch(m, slot):
                 rows = (bi, pl.ds(m * bq, bq), head)
@@ -1086,14 +1104,15 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
-            # fused_dq: dSᵀ and its query-side sums of two consecutive blocks per warpgroup; each warpgroup's
-            # float32 dQ columns
+            # fused_dq: dSᵀ of two consecutive blocks per warpgroup; per warpgroup a column of ones (stored
+            # transposed: 8 × bk, row 0 ones), the query-side sums and the float32 dQ columns
             plgpu.SMEM((2, 2, bk, bq), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
-            plgpu.SMEM((2, 2, bq), jnp.float32) if fused_dq else None,
+            plgpu.SMEM((2, 8, bk), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
+            plgpu.SMEM((2, bq), jnp.float32) if fused_dq else None,
             plgpu.SMEM((2, bq, dh), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
                                                               plgpu.SwizzleTransform(128))) if fused_dq else None,
         )
-        barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        barriers = (plgpu.Barrier(num_arrivals=3 if fused_dq else 2, num_barriers=2),  # K, V (and the ones)
                     plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
@@ -1110,8 +1129,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     # the zeroed accumulators the kernel adds into: Refs, passed aliased in and out (``pl.kernel``)
     dq_acc = jax.new_ref(jnp.zeros((b, tq, h, d), jnp.float32))
     dlq_acc = jax.new_ref(jnp.zeros((b, h, tq), jnp.float32))
+    ones = jnp.zeros((8, bk), dtype).at[0].set(1)  # dSᵀ's query-side sums as a wgmma: Σ_j dS_ij = (dS·1)_i
     dk, dv, dlk = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=_params())(
-        *args, dq_acc, dlq_acc)
+        *args, ones, dq_acc, dlq_acc)
     return dk, dv, dlk, dq_acc[...], dlq_acc[...]
 
 

@@ -9,10 +9,11 @@ Variants:
   exit_after_reads  each CTA exits once its output stores have read shared memory, without waiting for the writes
                     to reach memory (``plgpu.wait_smem_to_gmem(0, wait_read_only=True)`` at the kernels' ends, as
                     jax's Hopper matmul does)
-  dkv_regs_240      the dK/dV kernel's register budgets 240 / 24 (``REGISTERS``; its loops then spill nothing)
+  dkv_regs_232      the dK/dV kernel's register budgets 232 / 40 at both head dims (``REGISTERS``; D128's default is
+                    240 / 24, with which its loops spill nothing)
+  dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
   fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``); not bitwise: dQ's float32
                     sums come in another order
-  fused_dq_regs_240 both
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -58,15 +59,16 @@ def _fused_dq(backward):
 
 
 def _registers(**budgets):
-    return lambda original: dict(original, **budgets)
+    """``REGISTERS`` with each named kernel's budget the same at both head dims."""
+    return lambda original: dict(original, **{kernel: {64: b, 128: b} for kernel, b in budgets.items()})
 
 
 PATCHES = {
     "heads_in_order": [("head_order", lambda original: (lambda *a, **kw: None))],
     "exit_after_reads": [("plgpu", _ReadOnlyWaits)],
+    "dkv_regs_232": [("REGISTERS", _registers(dkv=(232, 40)))],
     "dkv_regs_240": [("REGISTERS", _registers(dkv=(240, 24)))],
     "fused_dq": [("mosaic_backward", _fused_dq)],
-    "fused_dq_regs_240": [("mosaic_backward", _fused_dq), ("REGISTERS", _registers(dkv=(240, 24)))],
 }
 
 
