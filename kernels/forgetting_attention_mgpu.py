@@ -86,8 +86,10 @@ class MosaicConfig:
         ping-pong schedule (at D = 64 with K, Q and dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's
         columns); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
         dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij (zero in exact
-        arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's
-        share of Δ's rounding (Δ from the bf16 output), which would otherwise sum up in dlog f's reverse cumsum.
+        arithmetic: a row constant does not move a softmax) is added the same way, from the same bf16 dSᵀ times a
+        column of ones (a small wgmma): it cancels the key side's share of Δ's rounding (Δ from the bf16 output),
+        which would otherwise sum up in dlog f's reverse cumsum. Slower than the two kernels so far (the second
+        form: 1.26–1.36× fwd+bwd on an H100); the third, without register spills, is not yet timed.
     """
 
     block_q: int = 64
