@@ -86,10 +86,11 @@ class MosaicConfig:
         ping-pong schedule (at D = 64 with K, Q and dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's
         columns); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
         dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij (zero in exact
-        arithmetic: a row constant does not move a softmax) is added the same way, from the same bf16 dSᵀ times a
-        column of ones (a small wgmma): it cancels the key side's share of Δ's rounding (Δ from the bf16 output),
-        which would otherwise sum up in dlog f's reverse cumsum. Slower than the two kernels so far (the second
-        form: 1.26–1.36× fwd+bwd on an H100); the third, without register spills, is not yet timed.
+        arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's share
+        of Δ's rounding (Δ from the bf16 output), which would otherwise sum up in dlog f's reverse cumsum. Both
+        sides' sums come from the bf16 dSᵀ times a column of ones (small wgmmas), the same values, so they cancel
+        as the two kernels' float32 sums do. Slower than the two kernels so far (the second form: 1.26–1.36×
+        fwd+bwd on an H100); the third, without register spills, is not yet timed.
     """
 
     block_q: int = 64
@@ -888,7 +889,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
       dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] and dΛ_q [B, H, Tq] float32, summed over
-      the key tiles in an order that varies from run to run.
+      the key tiles in an order that varies from run to run (and dΛ_k, dΛ_q both sums of the bf16 dS).
     """
     b, tq, h, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
@@ -945,6 +946,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             m_full = jnp.where(k0 < ss, m_tile, m_full)  # keys straddling seq_start: mask every block
             u_lo, u_hi = _unmasked(m_full, m_tile, dlo_ref, dhi_ref, bi, 2 * ti + wg)
             plgpu.barrier_wait(res_full.at[wg])
+            if fused_dq:  # dq_half reads the other warpgroup's K too
+                plgpu.barrier_wait(res_full.at[1 - wg])
             shape = (bk, bq)
 
             def buf_of(m):  # fused_dq: dSᵀ of query block m in slot (m − m_lo) mod 2 of each warpgroup
@@ -1029,19 +1032,30 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     return dk_acc, dv_acc, dlk - dst.sum(axis=1)
 
                 dst = pt * (dpt - _col(dl, shape))
-                pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
-                                                             dlk - dst.sum(axis=1)))
+                if fused_dq:  # the key-side sums below, from the same bf16 dSᵀ as the query side's
+                    pt16, dst16 = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype)))
+                else:
+                    pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
+                                                                 dlk - dst.sum(axis=1)))
                 plgpu.barrier_arrive(schedule[0])  # element-wise work done
                 plgpu.barrier_wait(schedule[0])    # tensor cores free
                 if fused_dq:
                     put_ds(m, dst16)
 
                 def dv_dk(refs):  # dV += Pᵀ·dO and dK += dSᵀ·Q, one wgmma group
-                    dv_ref_, dk_ref_ = refs
+                    dv_ref_, dk_ref_, *sums_ref = refs
                     plgpu.wgmma(dv_ref_, pt16, do_smem.at[slot])
                     plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
+                    if fused_dq:  # Σ_i dS_ij as dSᵀ times a column of ones: the bf16 values the query side sums,
+                        # so the two cancel in dlog f's reverse cumsum as the two kernels' float32 sums do
+                        plgpu.wgmma(sums_ref[0], dst16, plgpu.transpose_ref(ones_smem.at[w], (1, 0)))
 
-                dv_acc, dk_acc = pl.run_state(dv_dk)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc)))
+                accs = (plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc))
+                if fused_dq:
+                    accs += (plgpu.ACC.init(plgpu.layout_cast(jnp.zeros((bk, 8), jnp.float32), plgpu.Layout.WGMMA)),)
+                dv_acc, dk_acc, *key_sums = pl.run_state(dv_dk)(accs)
+                if fused_dq:
+                    dlk = dlk - key_sums[0].sum(axis=1)
                 if fused_dq:
                     add_dq(m)
                 return dk_acc, dv_acc, dlk
