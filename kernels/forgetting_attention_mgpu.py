@@ -620,10 +620,11 @@ def _produce(n_lo, n_tile, stages: int, full, free, fetch):
         fetch(n, slot)
 
 
-def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=None):
+def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=None, step_releases=False):
     """Compute warpgroup: ``step(n, slot, carry, masked)`` over consecutive ``phases`` [(start, stop, masked)]
     inside [n_lo, n_tile); the blocks of the range before the first and after the last phase are waited on
-    and released without work, ``idle(n)`` once for each (the schedule barrier's turns a step would take)."""
+    and released without work, ``idle(n)`` once for each (the schedule barrier's turns a step would take).
+    ``step_releases``: the step arrives on ``free`` itself (as soon as its last read of the slot is done)."""
     def slot_of(n):
         return lax.rem(n - n_lo, jnp.int32(stages))
 
@@ -640,7 +641,8 @@ def _consume(n_lo, n_tile, phases, stages: int, full, free, step, carry, idle=No
             slot = slot_of(n)
             plgpu.barrier_wait(full.at[slot])
             c = step(n, slot, c, masked)
-            plgpu.barrier_arrive(free.at[slot])
+            if not step_releases:
+                plgpu.barrier_arrive(free.at[slot])
             return c
         return body
 
@@ -1054,9 +1056,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 if fused_dq:
                     accs += (plgpu.ACC.init(plgpu.layout_cast(jnp.zeros((bk, 8), jnp.float32), plgpu.Layout.WGMMA)),)
                 dv_acc, dk_acc, *key_sums = pl.run_state(dv_dk)(accs)
-                if fused_dq:
+                if fused_dq:  # the slot's Q and dO are read: the loader may refill it while dQ is added
+                    plgpu.barrier_arrive(free.at[slot])
                     dlk = dlk - key_sums[0].sum(axis=1)
-                if fused_dq:
                     add_dq(m)
                 return dk_acc, dv_acc, dlk
 
@@ -1076,7 +1078,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             if pingpong:
                 pl.when(wg == 1)(take_turn)
             dk_acc, dv_acc, dlk = _consume(m_lo, m_tile, phases, stages, full, free, step, (acc0, acc0, dl0),
-                                           idle=idle if pingpong else None)
+                                           idle=idle if pingpong else None, step_releases=fused_dq)
             if pingpong:
                 pl.when(wg == 0)(take_turn)
             if fused_dq:  # the last block's dQ once both have written its dSᵀ; then K is free to take dK
