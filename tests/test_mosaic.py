@@ -445,7 +445,8 @@ def test_gpu_mosaic_acp_minus_inf_is_bitwise_dense():
 def test_gpu_mosaic_acp_heads_in_order_of_work(monkeypatch):
     """ACP with gates that differ per head (a permuted spread of memories, GQA): the grid runs the heads of most
     work first (``head_order``, not the identity here); o and all four gradients are bitwise those of the heads in
-    order (``_assert_same_run``), and within the bf16 tolerance of the float32 oracle (ACP drops at most ε of each row's weight)."""
+    order (``_assert_same_run``), and within the bf16 tolerance of the float32 oracle (ACP drops at most ε of each
+    row's weight)."""
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
     b, t, h, hkv, d = 2, 3000, 8, 4, 128
