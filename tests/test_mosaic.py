@@ -368,20 +368,21 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window", [
-    pytest.param(1, 2048, 4, 4, 128, None, None, None, None, id="T2048"),
-    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, id="T1500-D96-gqa-seqstart-docs"),
-    pytest.param(1, 4096, 4, 2, 128, None, None, "auto", None, id="T4096-gqa-acp"),
-    pytest.param(1, 2048, 4, 4, 64, (100,), (700, 1500), "auto", None, id="T2048-D64-seqstart-docs-acp"),
-    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, id="T1000-window"),
+@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window,stages", [
+    pytest.param(1, 2048, 4, 4, 128, None, None, None, None, 2, id="T2048"),
+    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, 2, id="T1500-D96-gqa-seqstart-docs"),
+    pytest.param(1, 4096, 4, 2, 128, None, None, "auto", None, 2, id="T4096-gqa-acp"),
+    pytest.param(1, 2048, 4, 4, 64, (100,), (700, 1500), "auto", None, 2, id="T2048-D64-seqstart-docs-acp"),
+    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, 2, id="T1000-window"),
+    pytest.param(2, 1500, 4, 2, 64, (0, 333), (500, 1200), "auto", None, 3, id="T1500-D64-gqa-docs-acp-3stages"),
 ])
-def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold, window):
+def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold, window, stages):
     """``MosaicConfig.bwd_fused_dq`` (dQ and the query-side dΛ added by the dK/dV kernel with TMA reduce-add stores,
     no dQ kernel) against the dQ kernel and the float32 oracle: the same gradients up to float32 summation order
     and dQ's rounding (the bf16 tolerance of ``_TOL``; dK and dV come from the same kernel either way). dlog f at
     T1500 D96 is the case that needs the query-side dΛ (without it: 3.4% of the scale at t = 0). Under ACP
     the two forms visit their own kernels' tiles, both within the bound: compared with the oracle and each other at
-    the same tolerance."""
+    the same tolerance. ``stages``: the fused kernel's backward stages (three fit at D64 only)."""
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
     q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d)
@@ -392,7 +393,8 @@ def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, s
 
     def run(fused):
         mosaic = default_mosaic_config(64 if d <= 64 else 128)
-        cfg = dataclasses.replace(base, mosaic=dataclasses.replace(mosaic, bwd_fused_dq=fused))
+        mosaic = dataclasses.replace(mosaic, bwd_fused_dq=True, bwd_stages=stages) if fused else mosaic
+        cfg = dataclasses.replace(base, mosaic=mosaic)
         return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
             q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
             config=cfg, window_size=window), q, k, v, lf, w)
@@ -570,13 +572,16 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     base = _lower_op(*shape, acp=True)
     state = lambda: (mgpu.head_order, mgpu.plgpu, dict(mgpu.REGISTERS), mgpu.mosaic_backward)  # noqa: E731
     originals = state()
-    d64 = shape[:5] + (64, jnp.bfloat16)  # dkv_regs_240 is D128's default: it changes D64's kernels
+    d64 = shape[:5] + (64, jnp.bfloat16)  # dkv_regs_240 is D128's default; three fused stages fit at D64 only
+    lowered = {}
     for variant in mosaic_ab.PATCHES:
-        s = d64 if variant == "dkv_regs_240" else shape
+        s = d64 if variant in ("dkv_regs_240", "fused_dq", "fused_dq_3stages") else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):
-            assert _lower_op(*s, acp=True) != b, variant
+            lowered[variant] = _lower_op(*s, acp=True)
+            assert lowered[variant] != b, variant
         assert state() == originals, variant
+    assert lowered["fused_dq_3stages"] != lowered["fused_dq"]
     with pytest.raises(RuntimeError), mosaic_ab.patched("dkv_regs_232"):
         raise RuntimeError
     assert state() == originals

@@ -14,6 +14,8 @@ Variants:
   dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
   fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``); not bitwise: dQ's float32
                     sums come in another order
+  fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
+                    same as ``fused_dq``)
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -51,10 +53,14 @@ class _ReadOnlyWaits:
         return self._plgpu.wait_smem_to_gmem(n, wait_read_only=True)
 
 
-def _fused_dq(backward):
-    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq``."""
+def _fused_dq(backward, stages: int | None = None):
+    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` (and ``stages`` backward stages where they fit)."""
     def run(*args, config, **kwargs):
-        return backward(*args, config=dataclasses.replace(config, bwd_fused_dq=True), **kwargs)
+        fused = dataclasses.replace(config, bwd_fused_dq=True)
+        deeper = dataclasses.replace(fused, bwd_stages=stages or fused.bwd_stages)
+        d_pad = -(-args[0].shape[-1] // 64) * 64  # the kernels pad the head dim to 64s
+        config = deeper if mgpu.smem_bytes(deeper, d_pad) <= mgpu.SMEM_LIMIT else fused
+        return backward(*args, config=config, **kwargs)
     return run
 
 
@@ -69,6 +75,7 @@ PATCHES = {
     "dkv_regs_232": [("REGISTERS", _registers(dkv=(232, 40)))],
     "dkv_regs_240": [("REGISTERS", _registers(dkv=(240, 24)))],
     "fused_dq": [("mosaic_backward", _fused_dq)],
+    "fused_dq_3stages": [("mosaic_backward", lambda backward: _fused_dq(backward, stages=3))],
 }
 
 
