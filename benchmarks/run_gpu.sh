@@ -38,7 +38,7 @@ STAGES=${STAGES:-"tests attention"}
 DEADLINE=${DEADLINE:-570}
 PREV=${PREV:-}
 declare -A BUDGET=(
-  [prepare]=900 [tests]=300 [attention]=330 [sweep]=120 [dcp]=140 [gates]=240 [train]=540 [scaling]=560 [profile]=400
+  [prepare]=900 [tests]=300 [mosaic-ab]=330 [attention]=330 [sweep]=120 [dcp]=140 [gates]=240 [train]=540 [scaling]=560 [profile]=400
   [decode]=560 [decode-blocks]=560 [decode-attention]=240 [profile-decode]=240 [decode-flags]=560 [determinism]=150 [window]=200 [e2e]=400 [quality]=560
   [tables]=30)
 
@@ -48,6 +48,9 @@ SHAPES=${SHAPES:-4x4096x32x64,8x2048x16x128,2x8192x16x128,1x16384x16x128,1x16384
 IMPLS=${IMPLS:-cudnn,torch-cudnn,pallas,mosaic,mosaic-triton-bwd,fox-triton,fla,pallas-acp,mosaic-acp,fox-triton-acp}
 SWEEP=${SWEEP:-64x128x3x64x64x2,64x128x3x64x64x3,64x128x3x128x64x2,64x128x3x0x64x2}
 SWEEP_SHAPES=${SWEEP_SHAPES:-1x16384x24x64,1x16384x16x128}
+# mosaic-ab (checks/mosaic_ab.py): kernel variants side by side with the kernels as they are
+MOSAIC_AB_MODES=${MOSAIC_AB_MODES:-"dense acp"}; MOSAIC_AB_SHAPES=${MOSAIC_AB_SHAPES:-1x16384x16x128,1x16384x24x64}
+MOSAIC_AB_VARIANTS=${MOSAIC_AB_VARIANTS:-fused_dq,fused_dq_3stages}
 # dcp (bench_dcp.py)
 DCP_SHAPES=${DCP_SHAPES:-8x1024x12x64,4x2048x16x128,1x8192x16x128}; DCP_ARGS=${DCP_ARGS:---no-xla --all-masked}
 # train / scaling (bench_train.py); ~45-130 s per compile: split TRAIN_CONFIGS over calls
@@ -75,7 +78,7 @@ mosaic-pad-chunked:attention_impl=mosaic,vocab_pad_multiple=128,loss_impl=chunke
 # decode / profile-decode (bench_decode.py, profile_decode.py): random-init models, speed and KV memory only
 DECODE_POLICIES=${DECODE_POLICIES:-dense,dcp,window:256,sinks:4+252}
 FOX_DECODE_POLICIES=${FOX_DECODE_POLICIES:-dense,acp,window:256,sinks:4+252}
-DECODE_BUDGET=${DECODE_BUDGET:-4}      # GiB of allocated KV in the budget mode
+DECODE_BUDGET=${DECODE_BUDGET-4}       # GiB of allocated KV in the budget mode ("": equal batch only)
 # tests: the GPU tests (pytest -m gpu; TEST_K: a -k selection)
 TEST_FILES=${TEST_FILES:-"tests/test_pallas.py tests/test_mosaic.py tests/test_dcp_pallas.py"}
 TEST_K=${TEST_K:-}
@@ -134,6 +137,15 @@ stage_attention() {  # forgetting attention side by side: cuDNN (jax, torch), ou
 stage_sweep() {  # Mosaic tilings (BQxBKxSTAGES forward x BBQxBBKxBSTAGES backward; SWEEP_ACP off|on|both)
   t python3 benchmarks/bench_attention.py --mosaic-sweep "$SWEEP" --shapes "$SWEEP_SHAPES" --impls "" \
     --sweep-acp "${SWEEP_ACP:-off}" --out "$OUT/sweep.json"; }
+stage_mosaic_ab() {  # Mosaic kernel variants against the kernels as they are (checks/mosaic_ab.py), one process per
+  # (shape, dense/ACP), so a cut stage keeps what finished: MOSAIC_AB_MODES "dense acp", MOSAIC_AB_SHAPES, MOSAIC_AB_VARIANTS
+  local mode shape rc=0
+  for mode in $MOSAIC_AB_MODES; do
+    for shape in ${MOSAIC_AB_SHAPES//,/ }; do
+      t python3 benchmarks/checks/mosaic_ab.py $([ "$mode" = dense ] && echo --dense) --shapes "$shape" \
+        --variants "$MOSAIC_AB_VARIANTS" --out "$OUT/mosaic_ab_${mode}_${shape}.json" || rc=$?
+    done
+  done; return $rc; }
 stage_dcp() {  # DCP attention: the Pallas kernels (live-tile lists) vs dense Pallas at 50% / 90% of pairs dropped
   each_tree t python3 benchmarks/bench_dcp.py $DCP_ARGS --shapes "$DCP_SHAPES" --sparsities 0.5,0.9 \
     --out "$OUT/dcp{tag}.json"; }
@@ -179,11 +191,11 @@ stage_decode() {  # issue 20's table, one DECODE_PART per call (~9 compiles of 3
   for part in ${DECODE_PART:-gpt2}; do
     case $part in
       gpt2) t python3 benchmarks/bench_decode.py --model gpt2 --model-name gpt2-124M --policies "$DECODE_POLICIES" \
-              --prompt-lengths 896 --new-tokens 128 --equal-batch 32 --kv-budget "$DECODE_BUDGET" --hf --device-times \
+              --prompt-lengths 896 --new-tokens 128 --equal-batch 32 ${DECODE_BUDGET:+--kv-budget "$DECODE_BUDGET"} --hf --device-times \
               --out "$W/decode/decode_gpt2.json" --rows-out "$rows" || rc=$? ;;
       fox:*) t python3 benchmarks/bench_decode.py --model fox-pro:125M --model-name fox-pro-125M \
               --policies "$FOX_DECODE_POLICIES" --prompt-lengths "${part#fox:}" --new-tokens 128 --equal-batch 8 \
-              --kv-budget "$DECODE_BUDGET" --device-times --out "$W/decode/decode_fox_${part#fox:}.json" \
+              ${DECODE_BUDGET:+--kv-budget "$DECODE_BUDGET"} --device-times --out "$W/decode/decode_fox_${part#fox:}.json" \
               --rows-out "$rows" || rc=$? ;;
       *) echo "unknown DECODE_PART '$part' (gpt2 | fox:<prompt length>)"; rc=2 ;;
     esac
