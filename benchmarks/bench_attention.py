@@ -13,6 +13,8 @@ Implementations (all bf16 q/k/v, float32 log forget gates):
   mosaic-acp    same with adaptive_threshold="auto"
   mosaic-nopp, mosaic-acp-nopp   the same two with the backward's ping-pong off (``MosaicConfig.bwd_pingpong``:
                 on by default at D = 128, where it measured +4.6% for ACP at 16k)
+  mosaic-dq-kernel, mosaic-acp-dq-kernel   the same two with the dQ kernel (``MosaicConfig.bwd_fused_dq`` off:
+                dQ from the dK/dV kernel is D = 128's default since 2026-12-07; at D = 64 these equal mosaic)
   pallas-seg, mosaic-seg  pallas / mosaic with segment ids of one document per row (all ones), as the train
                 step passes them: the cost of the segment mask where no tile needs it (checked equal to the
                 impl without ids)
@@ -85,7 +87,9 @@ OP_KWARGS = {"dense": dict(implementation="dense"), "xla-dense": dict(implementa
 # name → (the implementation it varies, MosaicConfig fields over the head dim's default)
 MOSAIC_VARIANTS = {"mosaic-triton-bwd": ("mosaic", dict(backward=False)),  # the Mosaic forward, Triton backward
                    "mosaic-nopp": ("mosaic", dict(bwd_pingpong=False)),       # the backward's ping-pong off
-                   "mosaic-acp-nopp": ("mosaic-acp", dict(bwd_pingpong=False))}
+                   "mosaic-acp-nopp": ("mosaic-acp", dict(bwd_pingpong=False)),
+                   "mosaic-dq-kernel": ("mosaic", dict(bwd_fused_dq=False)),  # dQ from its own kernel
+                   "mosaic-acp-dq-kernel": ("mosaic-acp", dict(bwd_fused_dq=False))}
 ALL_IMPLS = ["cudnn", *OP_KWARGS, "pallas-default", "pallas-prev", *MOSAIC_VARIANTS, *VARIANTS, *TORCH_IMPLS]
 # "pallas-default": the library's default tiles even when --sweep picked others (side-by-side check);
 # "pallas-prev": the previous (round 2) D=128 defaults, to compare against the current ones in one run
@@ -155,7 +159,8 @@ def parse_shapes(text: str, flag: str, error) -> list[tuple[int, int, int, int]]
 def parse_mosaic_configs(text: str, flag: str, error) -> list:
     """``--mosaic-sweep``'s ``"BQxBKxST[xBBQxBBKxBST[p]],..."`` as ``MosaicConfig`` s: the forward's block_q,
     block_k and stages, then the backward's (BBQ = 0: the Triton backward), ``p`` at the end for the backward's
-    ping-pong (``bwd_pingpong``; off otherwise, whatever ``default_mosaic_config`` would pick). Anything else, or a
+    ping-pong (``bwd_pingpong``; off otherwise, whatever ``default_mosaic_config`` would pick); the backward with
+    its dQ kernel (``bwd_fused_dq`` off, whatever the default). Anything else, or a
     tiling ``MosaicConfig`` refuses, goes to ``error`` (an argparse parser's: one line naming ``flag``)."""
     from fox_jax.kernels import MosaicConfig
     configs = []

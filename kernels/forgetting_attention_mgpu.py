@@ -45,6 +45,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -89,8 +91,11 @@ class MosaicConfig:
         arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's share
         of Δ's rounding (Δ from the bf16 output), which would otherwise sum up in dlog f's reverse cumsum. Both
         sides' sums come from the bf16 dSᵀ times a column of ones (small wgmmas), the same values, so they cancel
-        as the two kernels' float32 sums do. Slower than the two kernels so far (the second form: 1.26–1.36×
-        fwd+bwd on an H100); the third, without register spills, is not yet timed.
+        as the two kernels' float32 sums do. Measured on an H100 (2026-12-07, ``checks/mosaic_ab.py``, B1 T16384):
+        fwd+bwd −3.7% dense and −2.1% under ACP at D128 (every fused timing below every two-kernel one), +8% and
+        +9% at D64 (three backward stages there: the same); so ``default_mosaic_config`` turns it on at D = 128
+        (off by default here), except when ``XLA_FLAGS`` asks for deterministic ops. dQ and dlog f are then
+        reproducible to float32 summation order (relative ~1e-6), not bit for bit.
     """
 
     block_q: int = 64
@@ -132,13 +137,23 @@ class MosaicConfig:
         return self.bwd_block_q, 2 * self.bwd_block_k
 
 
+def deterministic_ops_requested() -> bool:
+    """Whether ``XLA_FLAGS`` asks XLA for run-to-run reproducible GPU results (``--xla_gpu_deterministic_ops`` or
+    ``--xla_gpu_exclude_nondeterministic_ops``, bare or ``=true``); read at each call (jit traces read it once)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    return re.search(r"--xla_gpu_(deterministic_ops|exclude_nondeterministic_ops)(=(true|1))?(\s|$)", flags) is not None
+
+
 def default_mosaic_config(head_dim: int) -> MosaicConfig:
-    """The forward tiling for a head dim (64 or 128 after padding): 64-row warpgroups, 128-key blocks;
-    three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v)); the
-    backward's ping-pong at D = 128 only (``MosaicConfig.bwd_pingpong``). Raises ValueError for other head dims."""
+    """The measured defaults for a head dim (64 or 128 after padding): forward 64-row warpgroups, 128-key blocks,
+    three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v)); at D = 128 the
+    backward's ping-pong (``MosaicConfig.bwd_pingpong``) and dQ from the dK/dV kernel (``bwd_fused_dq``), unless
+    ``XLA_FLAGS`` asks for reproducible results (``deterministic_ops_requested``): then the dQ kernel, whose dQ
+    is bitwise the same from run to run. Raises ValueError for other head dims."""
     if head_dim not in (64, 128):
         raise ValueError(f"default_mosaic_config: head_dim must be 64 or 128 (the padded head dim), got {head_dim!r}")
-    return MosaicConfig(64, 128, 3 if head_dim == 64 else 2, bwd_pingpong=head_dim == 128)
+    return MosaicConfig(64, 128, 3 if head_dim == 64 else 2, bwd_pingpong=head_dim == 128,
+                        bwd_fused_dq=head_dim == 128 and not deterministic_ops_requested())
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:

@@ -12,8 +12,9 @@ Variants:
   dkv_regs_232      the dK/dV kernel's register budgets 232 / 40 at both head dims (``REGISTERS``; D128's default is
                     240 / 24, with which its loops spill nothing)
   dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
-  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``); not bitwise: dQ's float32
-                    sums come in another order
+  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; D128's default since
+                    2026-12-07, so this changes D64 only); not bitwise: dQ's float32 sums come in another order
+  dq_kernel         the dQ kernel (``bwd_fused_dq=False``; D64's default, so this changes D128 only)
   fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
                     same as ``fused_dq``)
 
@@ -53,13 +54,16 @@ class _ReadOnlyWaits:
         return self._plgpu.wait_smem_to_gmem(n, wait_read_only=True)
 
 
-def _fused_dq(backward, stages: int | None = None):
-    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` (and ``stages`` backward stages where they fit)."""
+def _fused_dq(backward, stages: int | None = None, fused: bool = True):
+    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` = ``fused`` (and ``stages`` backward stages where
+    they fit)."""
     def run(*args, config, **kwargs):
-        fused = dataclasses.replace(config, bwd_fused_dq=True)
-        deeper = dataclasses.replace(fused, bwd_stages=stages or fused.bwd_stages)
+        if not fused:
+            return backward(*args, config=dataclasses.replace(config, bwd_fused_dq=False), **kwargs)
+        fused_config = dataclasses.replace(config, bwd_fused_dq=True)
+        deeper = dataclasses.replace(fused_config, bwd_stages=stages or fused_config.bwd_stages)
         d_pad = -(-args[0].shape[-1] // 64) * 64  # the kernels pad the head dim to 64s
-        config = deeper if mgpu.smem_bytes(deeper, d_pad) <= mgpu.SMEM_LIMIT else fused
+        config = deeper if mgpu.smem_bytes(deeper, d_pad) <= mgpu.SMEM_LIMIT else fused_config
         return backward(*args, config=config, **kwargs)
     return run
 
@@ -76,6 +80,7 @@ PATCHES = {
     "dkv_regs_240": [("REGISTERS", _registers(dkv=(240, 24)))],
     "fused_dq": [("mosaic_backward", _fused_dq)],
     "fused_dq_3stages": [("mosaic_backward", lambda backward: _fused_dq(backward, stages=3))],
+    "dq_kernel": [("mosaic_backward", lambda backward: _fused_dq(backward, fused=False))],
 }
 
 
