@@ -94,8 +94,9 @@ class MosaicConfig:
         as the two kernels' float32 sums do. Measured on an H100 (2026-12-07, ``checks/mosaic_ab.py``, B1 T16384):
         fwd+bwd −3.7% dense and −2.1% under ACP at D128 (every fused timing below every two-kernel one), +8% and
         +9% at D64 (three backward stages there: the same); so ``default_mosaic_config`` turns it on at D = 128
-        (off by default here), except when ``XLA_FLAGS`` asks for deterministic ops. dQ and dlog f are then
-        reproducible to float32 summation order (relative ~1e-6), not bit for bit.
+        (off by default here), except when ``XLA_FLAGS`` asks for deterministic ops, and with jax ≥ 0.11 only
+        (with 0.10 it does not compose with ``jax.vmap``). dQ and dlog f are then reproducible to float32
+        summation order (relative ~1e-6), not bit for bit.
     """
 
     block_q: int = 64
@@ -137,6 +138,11 @@ class MosaicConfig:
         return self.bwd_block_q, 2 * self.bwd_block_k
 
 
+# dQ from the dK/dV kernel composes with jax.vmap from jax 0.11 (``_batch_folded``: 0.10 cannot discharge the state
+# of its aliased accumulators inside a custom_vmap), which is also where it was measured: the default only there
+FUSED_DQ_BY_DEFAULT = jax.__version_info__ >= (0, 11)
+
+
 def deterministic_ops_requested() -> bool:
     """Whether ``XLA_FLAGS`` asks XLA for run-to-run reproducible GPU results (``--xla_gpu_deterministic_ops`` or
     ``--xla_gpu_exclude_nondeterministic_ops``, bare or ``=true``); read at each call (jit traces read it once)."""
@@ -147,13 +153,14 @@ def deterministic_ops_requested() -> bool:
 def default_mosaic_config(head_dim: int) -> MosaicConfig:
     """The measured defaults for a head dim (64 or 128 after padding): forward 64-row warpgroups, 128-key blocks,
     three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v)); at D = 128 the
-    backward's ping-pong (``MosaicConfig.bwd_pingpong``) and dQ from the dK/dV kernel (``bwd_fused_dq``), unless
-    ``XLA_FLAGS`` asks for reproducible results (``deterministic_ops_requested``): then the dQ kernel, whose dQ
-    is bitwise the same from run to run. Raises ValueError for other head dims."""
+    backward's ping-pong (``MosaicConfig.bwd_pingpong``) and, with jax ≥ 0.11 (``FUSED_DQ_BY_DEFAULT``), dQ from
+    the dK/dV kernel (``bwd_fused_dq``), unless ``XLA_FLAGS`` asks for reproducible results
+    (``deterministic_ops_requested``): then the dQ kernel, whose dQ is bitwise the same from run to run. Raises
+    ValueError for other head dims."""
     if head_dim not in (64, 128):
         raise ValueError(f"default_mosaic_config: head_dim must be 64 or 128 (the padded head dim), got {head_dim!r}")
     return MosaicConfig(64, 128, 3 if head_dim == 64 else 2, bwd_pingpong=head_dim == 128,
-                        bwd_fused_dq=head_dim == 128 and not deterministic_ops_requested())
+                        bwd_fused_dq=head_dim == 128 and FUSED_DQ_BY_DEFAULT and not deterministic_ops_requested())
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
@@ -1168,6 +1175,28 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     return dk, dv, dlk, dq_acc[...], dlq_acc[...]
 
 
+def _batch_folded(fn):
+    """``fn`` (arrays, or None, whose leading axis is the batch; returning such arrays) under ``jax.vmap``: the
+    vmapped axis is folded into the batch axis (unbatched arguments broadcast along it) and split off the outputs.
+    For the fused-dQ backward, whose ``pl.kernel`` with aliased accumulators has no batching rule in jax 0.10 /
+    0.11 (the other kernels' ``plgpu.kernel`` has one). jax 0.10 cannot discharge that kernel's state inside a
+    custom_vmap: there ``fn`` is returned as it is (and does not compose with vmap)."""
+    if not FUSED_DQ_BY_DEFAULT:
+        return fn
+    fn = jax.custom_batching.custom_vmap(fn)
+
+    @fn.def_vmap
+    def _rule(axis_size, in_batched, *args):
+        def fold(x, batched):
+            x = x if batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+            return x.reshape(axis_size * x.shape[1], *x.shape[2:])
+
+        outs = fn(*jax.tree_util.tree_map(fold, args, tuple(in_batched)))
+        outs = jax.tree_util.tree_map(lambda y: y.reshape(axis_size, -1, *y.shape[1:]), outs)
+        return outs, jax.tree_util.tree_map(lambda _: True, outs)
+    return fn
+
+
 def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges, o, lse, do, *, scale: float,
                     config: MosaicConfig, window_size: int | None = None):
     """Gradients of ``mosaic_forward``'s o with respect to q, k, v and Λ, with the Mosaic backward kernels.
@@ -1209,9 +1238,14 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     dkv_lo, dkv_hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
     dkv_heads = head_order(*dkv_ranges, group=h // hkv)
     if config.bwd_fused_dq:  # dQ from the dK/dV kernel (MosaicConfig.bwd_fused_dq): no dQ kernel
-        dk, dv, dlam_k, dq, dlam_q = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi,
-                                                               ss, seg_q, seg_k, **common, heads=dkv_heads,
-                                                               fused_dq=True)
+        per_head = dkv_heads is not None  # the ranges differ per head: run the heads in decreasing work
+
+        def fused(*arrays):  # every array with the batch leading: under jax.vmap the vmapped axis joins it
+            heads = head_order(arrays[7], arrays[8], group=h // hkv) if per_head else None
+            return mosaic_flash_backward_dkv(*arrays, **common, heads=heads, fused_dq=True)
+
+        dk, dv, dlam_k, dq, dlam_q = _batch_folded(fused)(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss,
+                                                          seg_q, seg_k)
     else:
         lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
         dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,

@@ -25,6 +25,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 
@@ -120,6 +121,42 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
         assert (calls, triton) == (3, 0), (calls, triton)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_default_backward_composes_with_vmap_and_scan(d):
+    """The default kernels' gradients lower for CUDA under ``jax.vmap`` (per-example gradients, ensembles) and inside
+    a ``lax.scan`` of checkpointed layers (``scan_layers``): with dQ from the dK/dV kernel (D128's default with
+    jax ≥ 0.11) the vmapped axis is folded into the batch (``_batch_folded``: its kernel has no batching rule) —
+    two kernels under vmap (forward, fused backward), else three; the scan's body adds the recomputed forward."""
+    b, t, h = 1, 512, 2
+    cfg = fpallas.resolve_config(d, t, t, None, interpret=False)  # on a Hopper GPU with the head dim's defaults:
+    cfg = dataclasses.replace(cfg, mosaic=default_mosaic_config(d))
+    fused = cfg.mosaic.bwd_fused_dq
+    assert fused is (d == 128 and mgpu.FUSED_DQ_BY_DEFAULT)
+
+    def attention(q, k, v, lam):
+        visits = fpallas.kernel_visits(cfg, t, t, seq_start=None, lam=None, delta=None, segment_ids=None,
+                                       window_size=None)
+        return fpallas.kernel_attention(q, k, v, lam, None, None, visits, None, d ** -0.5, cfg, False)
+
+    def vmapped(q, k, v, lam):
+        return jnp.sum(jax.vmap(attention)(q, k, v, lam).astype(jnp.float32))
+
+    def scanned(q, k, v, lam):
+        def layer(x, _):
+            return jax.checkpoint(attention)(x, k, v, lam).astype(x.dtype), None
+        return jnp.sum(lax.scan(layer, q, None, length=3)[0].astype(jnp.float32))
+
+    def kernels(loss, *shapes):
+        args = [jax.ShapeDtypeStruct(s, dt) for s, dt in shapes]
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower(lowering_platforms=("cuda",))
+        return text.as_text().count("@mosaic_gpu")
+
+    x, lam = ((b, t, h, d), jnp.bfloat16), ((b, t, h), jnp.float32)
+    xv, lamv = ((3, b, t, h, d), jnp.bfloat16), ((3, b, t, h), jnp.float32)
+    assert kernels(vmapped, xv, xv, xv, lamv) == (2 if fused else 3)
+    assert kernels(scanned, x, x, x, lam) == (3 if fused else 4)
+
+
 def test_forward_outputs_are_read_through_a_barrier():
     """The forward kernel's o reaches its readers (the layer's output, the backward's residual) only through
     ``jax.lax.optimization_barrier`` (``ops.pallas._apart``): with ``scan_layers`` XLA 0.11's dynamic-slice fusion
@@ -197,12 +234,15 @@ def test_config_checks_and_smem_budget(monkeypatch):
         assert mgpu.smem_bytes(dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True), d) <= mgpu.SMEM_LIMIT
     # ... and is D128's default (measured faster there, slower at D64), but for XLA's determinism flags: then the
     # dQ kernel, reproducible bit for bit
-    assert default_mosaic_config(128).bwd_fused_dq and not default_mosaic_config(64).bwd_fused_dq
+    # (with jax ≥ 0.11: FUSED_DQ_BY_DEFAULT)
+    assert default_mosaic_config(128).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
+    assert not default_mosaic_config(64).bwd_fused_dq
     for flags, fused in [("--xla_gpu_deterministic_ops", False), ("--a=1 --xla_gpu_deterministic_ops=true", False),
                          ("--xla_gpu_exclude_nondeterministic_ops=true --b=2", False),
                          ("--xla_gpu_deterministic_ops=false", True), ("--xla_backend_optimization_level=0", True)]:
         monkeypatch.setenv("XLA_FLAGS", flags)
-        assert default_mosaic_config(128).bwd_fused_dq is fused, flags
+        assert mgpu.deterministic_ops_requested() is not fused, flags
+        assert default_mosaic_config(128).bwd_fused_dq is (fused and mgpu.FUSED_DQ_BY_DEFAULT), flags
     for d in (0, 96, 256):
         with pytest.raises(ValueError, match="head_dim must be 64 or 128"):
             default_mosaic_config(d)
@@ -584,6 +624,8 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     d64 = shape[:5] + (64, jnp.bfloat16)  # dkv_regs_240 is D128's default; three fused stages fit at D64 only
     lowered = {}
     for variant in mosaic_ab.PATCHES:
+        if variant == "dq_kernel" and not mgpu.FUSED_DQ_BY_DEFAULT:
+            continue  # the dQ kernel is then the default at both head dims (checked below)
         s = d64 if variant in ("dkv_regs_240", "fused_dq", "fused_dq_3stages") else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):
@@ -601,11 +643,11 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     args = (x, x, x, jax.ShapeDtypeStruct((1, 512, 2), jnp.float32), x)
     monkeypatch.setattr(fpallas, "mosaic_supported", lambda q, k: None)  # a check for running; lowering needs none
     texts = {}
-    for variant in ("base", "dq_kernel"):  # dQ in the dK/dV kernel is D128's default
+    for variant in ("base", "dq_kernel", "fused_dq"):
         with mosaic_ab.patched(variant):
-            texts[variant] = mosaic_ab.functions(128, True)[1].trace(*args).lower(
-                lowering_platforms=("cuda",)).as_text()
-    assert texts["base"].count("@mosaic_gpu") == 2 and texts["dq_kernel"].count("@mosaic_gpu") == 3
+            fwd_bwd = mosaic_ab.functions(128, True)[1]
+            texts[variant] = fwd_bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("@mosaic_gpu")
+    assert texts == dict(base=2 if mgpu.FUSED_DQ_BY_DEFAULT else 3, dq_kernel=3, fused_dq=2), texts
 
 
 @pytest.mark.parametrize("spec,ok", [
