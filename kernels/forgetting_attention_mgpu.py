@@ -1240,9 +1240,10 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     if config.bwd_fused_dq:  # dQ from the dK/dV kernel (MosaicConfig.bwd_fused_dq): no dQ kernel
         per_head = dkv_heads is not None  # the ranges differ per head: run the heads in decreasing work
 
-        def fused(*arrays):  # every array with the batch leading: under jax.vmap the vmapped axis joins it
-            heads = head_order(arrays[7], arrays[8], group=h // hkv) if per_head else None
-            return mosaic_flash_backward_dkv(*arrays, **common, heads=heads, fused_dq=True)
+        def fused(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k):  # the batch axis leading
+            heads = head_order(lo, hi, group=h // hkv) if per_head else None  # under vmap: over the folded batch
+            return mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
+                                             **common, heads=heads, fused_dq=True)
 
         dk, dv, dlam_k, dq, dlam_q = _batch_folded(fused)(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss,
                                                           seg_q, seg_k)

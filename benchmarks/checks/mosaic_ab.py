@@ -14,7 +14,7 @@ Variants:
   dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
   fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; D128's default since
                     2026-12-07, so this changes D64 only); not bitwise: dQ's float32 sums come in another order
-  dq_kernel         the dQ kernel (``bwd_fused_dq=False``; D64's default, so this changes D128 only)
+  dq_kernel         the dQ kernel (``bwd_fused_dq=False``; D64's default, and D128's with jax 0.10)
   fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
                     same as ``fused_dq``)
 
@@ -54,8 +54,8 @@ class _ReadOnlyWaits:
         return self._plgpu.wait_smem_to_gmem(n, wait_read_only=True)
 
 
-def _fused_dq(backward, stages: int | None = None, fused: bool = True):
-    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` = ``fused`` (and ``stages`` backward stages where
+def _dq_from(backward, fused: bool = True, stages: int | None = None):
+    """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` = ``fused`` (with ``stages`` backward stages where
     they fit)."""
     def run(*args, config, **kwargs):
         if not fused:
@@ -78,9 +78,9 @@ PATCHES = {
     "exit_after_reads": [("plgpu", _ReadOnlyWaits)],
     "dkv_regs_232": [("REGISTERS", _registers(dkv=(232, 40)))],
     "dkv_regs_240": [("REGISTERS", _registers(dkv=(240, 24)))],
-    "fused_dq": [("mosaic_backward", _fused_dq)],
-    "fused_dq_3stages": [("mosaic_backward", lambda backward: _fused_dq(backward, stages=3))],
-    "dq_kernel": [("mosaic_backward", lambda backward: _fused_dq(backward, fused=False))],
+    "fused_dq": [("mosaic_backward", _dq_from)],
+    "fused_dq_3stages": [("mosaic_backward", lambda backward: _dq_from(backward, stages=3))],
+    "dq_kernel": [("mosaic_backward", lambda backward: _dq_from(backward, fused=False))],
 }
 
 
