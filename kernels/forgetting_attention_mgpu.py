@@ -138,9 +138,11 @@ class MosaicConfig:
         return self.bwd_block_q, 2 * self.bwd_block_k
 
 
-# dQ from the dK/dV kernel composes with jax.vmap from jax 0.11 (``_batch_folded``: 0.10 cannot discharge the state
-# of its aliased accumulators inside a custom_vmap), which is also where it was measured: the default only there
-FUSED_DQ_BY_DEFAULT = jax.__version_info__ >= (0, 11)
+# whether a custom_vmap may hold the fused-dQ kernel's aliased accumulator refs (``_batch_folded``): jax 0.10 cannot
+# discharge their state inside one
+_VMAP_FOLDS_REFS = jax.__version_info__ >= (0, 11)
+# dQ from the dK/dV kernel as D128's default where it composes with jax.vmap, which is also where it was measured
+FUSED_DQ_BY_DEFAULT = _VMAP_FOLDS_REFS
 
 
 def deterministic_ops_requested() -> bool:
@@ -724,7 +726,7 @@ def _visible(r, c, ss, window_size, seg_r=None, seg_c=None):
 
 
 def _opaque(x):
-    """``x`` through an inline-asm barrier: what is computed from it inside a loop stays in the loop. The wgmma
+    """``x`` through ``lax.optimization_barrier``: what is computed from it inside a loop stays in the loop. The wgmma
     descriptors of a warpgroup's resident tiles (K, V) are loop invariants; hoisted, they hold ~2 registers each
     across the loop, and in the fused-dQ dK/dV kernel that spilled them (432 B at D128, reloaded in every step;
     none with this, ptxas for sm_90a)."""
@@ -1181,7 +1183,7 @@ def _batch_folded(fn):
     For the fused-dQ backward, whose ``pl.kernel`` with aliased accumulators has no batching rule in jax 0.10 /
     0.11 (the other kernels' ``plgpu.kernel`` has one). jax 0.10 cannot discharge that kernel's state inside a
     custom_vmap: there ``fn`` is returned as it is (and does not compose with vmap)."""
-    if not FUSED_DQ_BY_DEFAULT:
+    if not _VMAP_FOLDS_REFS:
         return fn
     fn = jax.custom_batching.custom_vmap(fn)
 

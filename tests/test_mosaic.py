@@ -232,9 +232,8 @@ def test_config_checks_and_smem_budget(monkeypatch):
         MosaicConfig(bwd_fused_dq=1)
     for d in (64, 128):  # dQ in the dK/dV kernel: its shared memory fits
         assert mgpu.smem_bytes(dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True), d) <= mgpu.SMEM_LIMIT
-    # ... and is D128's default (measured faster there, slower at D64), but for XLA's determinism flags: then the
-    # dQ kernel, reproducible bit for bit
-    # (with jax ≥ 0.11: FUSED_DQ_BY_DEFAULT)
+    # ... and is D128's default with jax ≥ 0.11 (FUSED_DQ_BY_DEFAULT; measured faster there, slower at D64), but for
+    # XLA's determinism flags: then the dQ kernel, reproducible bit for bit
     assert default_mosaic_config(128).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
     assert not default_mosaic_config(64).bwd_fused_dq
     for flags, fused in [("--xla_gpu_deterministic_ops", False), ("--a=1 --xla_gpu_deterministic_ops=true", False),
@@ -642,12 +641,12 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     x = jax.ShapeDtypeStruct((1, 512, 2, 128), jnp.bfloat16)
     args = (x, x, x, jax.ShapeDtypeStruct((1, 512, 2), jnp.float32), x)
     monkeypatch.setattr(fpallas, "mosaic_supported", lambda q, k: None)  # a check for running; lowering needs none
-    texts = {}
+    counts = {}
     for variant in ("base", "dq_kernel", "fused_dq"):
         with mosaic_ab.patched(variant):
             fwd_bwd = mosaic_ab.functions(128, True)[1]
-            texts[variant] = fwd_bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("@mosaic_gpu")
-    assert texts == dict(base=2 if mgpu.FUSED_DQ_BY_DEFAULT else 3, dq_kernel=3, fused_dq=2), texts
+            counts[variant] = fwd_bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("@mosaic_gpu")
+    assert counts == dict(base=2 if mgpu.FUSED_DQ_BY_DEFAULT else 3, dq_kernel=3, fused_dq=2), counts
 
 
 @pytest.mark.parametrize("spec,ok", [
