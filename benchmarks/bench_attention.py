@@ -215,8 +215,9 @@ def is_oom(e: BaseException) -> bool:
 # --------------------------------------------------------------------------------------------------
 
 
-def jax_fns(impl, d, config=None):
-    """(fwd(q, k, v, lf), fwd_bwd(q, k, v, lf, do)) for one implementation."""
+def jax_fns(impl, d, config=None, t=None):
+    """(fwd(q, k, v, lf), fwd_bwd(q, k, v, lf, do)) for one implementation (``t``: the sequence length, for the
+    Mosaic variants' defaults; None: a long one)."""
     scale = d ** -0.5
     if impl == "pallas-default":
         impl, config = "pallas", None
@@ -230,7 +231,7 @@ def jax_fns(impl, d, config=None):
         from fox_jax.kernels import default_mosaic_config
         impl, fields = MOSAIC_VARIANTS[impl]
         base = config if config is not None else fpallas.resolve_config(d, 16384, 16384, None, False)
-        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), **fields)
+        mc = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128, t), **fields)
         config = dataclasses.replace(base, mosaic=mc)
     if impl == "cudnn":
         def f(q, k, v, lf):
@@ -727,7 +728,7 @@ def run(shapes, impls, workers, configs, skip_dense_bwd_above, trained=None, fox
             if impl == "cudnn" and jax.default_backend() != "gpu":
                 shape_res["impls"][impl] = dict(error="cuDNN needs a GPU")
                 continue
-            f, fb = jax_fns(impl, d, config)
+            f, fb = jax_fns(impl, d, config, t)
             gates = lf_tr if impl == "pallas-acp-trained" else lf
             jobs[(impl, "fwd")] = (f, (q, k, v, gates))
             if not (impl == "xla-dense" and t > skip_dense_bwd_above):

@@ -128,8 +128,9 @@ stage_prepare() {  # CPU machine, repo root: .gpu/ for the device (SHARED: the s
   fi
   du -sh "$d"/* "$GPU"/fox_triton "$GPU"/prev .whl 2>/dev/null; true; }
 stage_tests() {  # the GPU tests: dense float32 oracles, outputs and gradients (Pallas/Triton, Mosaic, DCP kernels);
-  # TEST_K: a pytest -k selection (the whole of tests/test_mosaic.py takes more than 330 s on an H100)
-  t python3 -m pytest -q -m gpu $TEST_FILES ${TEST_K:+-k "$TEST_K"} -rf -p no:cacheprovider; }
+  # TEST_K: a pytest -k selection (the whole of tests/test_mosaic.py takes more than 560 s on an H100: 17 of its 21 GPU tests
+  # passed in 561 s on 2026-12-07); -v names each test as it ends, so a cut stage says where it was
+  t python3 -m pytest -v -m gpu $TEST_FILES ${TEST_K:+-k "$TEST_K"} -rf --durations=0 -p no:cacheprovider; }
 stage_attention() {  # forgetting attention side by side: cuDNN (jax, torch), ours (Triton, Mosaic), official FoX, fla
   local fox=; [ -d "$GPU/fox_triton" ] && fox="--fox-triton $GPU/fox_triton"
   each_tree t python3 benchmarks/bench_attention.py --impls "$IMPLS" --shapes "$SHAPES" $fox \

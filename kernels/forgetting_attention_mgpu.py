@@ -82,11 +82,14 @@ class MosaicConfig:
         bfloat16 inputs with ≥ ``STATIC_FRAME_MIN_KEYS`` keys and no window (elsewhere the running max alone).
         Measured on an H100 (2026-12-06): forward −12% to −20% at T ≥ 4096 (fwd+bwd −2% to −6%).
       bwd_fused_dq: dQ from the dK/dV kernel, without the dQ kernel (which computes S, P and dP again): each step
-        keeps dSᵀ in shared memory, and the step after, each compute warpgroup adds half of dQ's columns for
-        that query block, over the CTA's 2·bwd_block_k keys, to a float32 buffer with a TMA reduce-add store
-        (``mosaic_flash_backward_dkv``); five matmuls per block pair instead of seven. Runs the backward's
-        ping-pong schedule (at D = 64 with K, Q and dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's
-        columns); dQ's float32 sums then come in an order that varies from run to run. Under ACP dQ visits the
+        keeps dSᵀ in shared memory and dQ is added to a float32 buffer with TMA reduce-add stores
+        (``mosaic_flash_backward_dkv``); five matmuls per block pair instead of seven. Its form follows
+        ``bwd_pingpong``: with it, the step after, each compute warpgroup adds half of dQ's columns for that
+        query block over the CTA's 2·bwd_block_k keys (the turns order the exchange of dSᵀ; at D = 64 K, Q and
+        dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's columns); without it, each warpgroup adds all of
+        dQ's columns over its own bwd_block_k keys in the step itself (two adds per block, no turns; built
+        2026-12-07 for D = 64, where the ping-pong alone costs 5.6%; not yet timed). dQ's float32 sums then come
+        in an order that varies from run to run. Under ACP dQ visits the
         dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij (zero in exact
         arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's share
         of Δ's rounding (Δ from the bf16 output), which would otherwise sum up in dlog f's reverse cumsum. Both
@@ -143,6 +146,11 @@ class MosaicConfig:
 _VMAP_FOLDS_REFS = jax.__version_info__ >= (0, 11)
 # dQ from the dK/dV kernel as D128's default where it composes with jax.vmap, which is also where it was measured
 FUSED_DQ_BY_DEFAULT = _VMAP_FOLDS_REFS
+# ... from this many query rows on: shorter, it was slower than the dQ kernel (its fwd+bwd against the dQ kernel's,
+# H100, jax 0.11.2, H16 D128, 2026-12-07, results/attention/h100_fused_dq_by_length_1207.json: T1024 +5.1% dense;
+# T2048 +0.4–0.8% dense, +3.6% ACP; T4096 −2.5% dense, ±1% ACP; T8192 −4.8% dense, ±1% ACP; T16384 −3.7% dense,
+# −2.1% ACP)
+FUSED_DQ_MIN_QUERIES = 4096
 
 
 def deterministic_ops_requested() -> bool:
@@ -152,17 +160,19 @@ def deterministic_ops_requested() -> bool:
     return re.search(r"--xla_gpu_(deterministic_ops|exclude_nondeterministic_ops)(=(true|1))?(\s|$)", flags) is not None
 
 
-def default_mosaic_config(head_dim: int) -> MosaicConfig:
-    """The measured defaults for a head dim (64 or 128 after padding): forward 64-row warpgroups, 128-key blocks,
-    three pipeline stages at D = 64, two at D = 128 (shared memory: 2 q tiles + stages × (k + v)); at D = 128 the
-    backward's ping-pong (``MosaicConfig.bwd_pingpong``) and, with jax ≥ 0.11 (``FUSED_DQ_BY_DEFAULT``), dQ from
-    the dK/dV kernel (``bwd_fused_dq``), unless ``XLA_FLAGS`` asks for reproducible results
-    (``deterministic_ops_requested``): then the dQ kernel, whose dQ is bitwise the same from run to run. Raises
-    ValueError for other head dims."""
+def default_mosaic_config(head_dim: int, q_len: int | None = None) -> MosaicConfig:
+    """The measured defaults for a head dim (64 or 128 after padding) and a query length (``q_len`` rows; None: a
+    long one): forward 64-row warpgroups, 128-key blocks, three pipeline stages at D = 64, two at D = 128 (shared
+    memory: 2 q tiles + stages × (k + v)); at D = 128 the backward's ping-pong (``MosaicConfig.bwd_pingpong``) and,
+    with jax ≥ 0.11 (``FUSED_DQ_BY_DEFAULT``) and from ``FUSED_DQ_MIN_QUERIES`` query rows on, dQ from the dK/dV
+    kernel (``bwd_fused_dq``), unless ``XLA_FLAGS`` asks for reproducible results (``deterministic_ops_requested``):
+    then the dQ kernel, whose dQ is bitwise the same from run to run. Raises ValueError for other head dims."""
     if head_dim not in (64, 128):
         raise ValueError(f"default_mosaic_config: head_dim must be 64 or 128 (the padded head dim), got {head_dim!r}")
+    long_enough = q_len is None or q_len >= FUSED_DQ_MIN_QUERIES
     return MosaicConfig(64, 128, 3 if head_dim == 64 else 2, bwd_pingpong=head_dim == 128,
-                        bwd_fused_dq=head_dim == 128 and FUSED_DQ_BY_DEFAULT and not deterministic_ops_requested())
+                        bwd_fused_dq=(head_dim == 128 and long_enough and FUSED_DQ_BY_DEFAULT
+                                      and not deterministic_ops_requested()))
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
@@ -175,8 +185,10 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
     dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    if config.bwd_fused_dq:  # dSᵀ of two blocks per warpgroup; per warpgroup ones, query sums and dQ's columns
-        dkv += 2 * 2 * bk * bq * itemsize + 2 * (8 * bk * itemsize + bq * 4 + bq * (head_dim // 2) * 4)
+    if config.bwd_fused_dq:  # per warpgroup dSᵀ of two blocks (ping-pong; else one), ones, query sums, dQ's columns
+        halves = config.bwd_pingpong
+        dkv += 2 * (2 if halves else 1) * bk * bq * itemsize + 2 * (
+            8 * bk * itemsize + bq * 4 + bq * (head_dim // 2 if halves else head_dim) * 4)
     return max(fwd, dkv) if config.bwd_fused_dq else max(fwd, dq, dkv)
 
 
@@ -909,9 +921,10 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
       as ``mosaic_flash_backward_dq``; Tk a multiple of 2·block_k, Tq of block_q; q_lo, q_hi
       [B, H, Tk / (2·block_k)]: the query-block ranges (``TileVisits.col_ranges()`` at the tiling
       (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq`` (the ping-pong schedule then, whatever
-      ``pingpong`` says): each step writes dSᵀ to shared memory, and one step later each compute warpgroup adds
-      its half of dQ's columns, scale·dS·K over both warpgroups' keys, to a float32 accumulator in global memory
-      with a TMA reduce-add store.
+      its form follows ``pingpong``): each step writes dSᵀ to shared memory; with ``pingpong`` one step later each
+      compute warpgroup adds its half of dQ's columns, scale·dS·K over both warpgroups' keys (the turns order the
+      exchange of dSᵀ), and without it each adds all of dQ's columns over its own keys in the step itself (two
+      adds per block, no turns); either to a float32 accumulator in global memory with a TMA reduce-add store.
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
       dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] and dΛ_q [B, H, Tq] float32, summed over
@@ -926,11 +939,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
-    pingpong = pingpong or fused_dq
-    dh = d // 2  # fused_dq: the dQ columns of each compute warpgroup
-    # fused_dq: K is read in column halves, so its swizzle tiles are dh wide (below 64: K, Q and dSᵀ, which meet
+    halves = fused_dq and pingpong  # dQ's column halves over both warpgroups' keys, a step later
+    own_keys = fused_dq and not pingpong  # all of dQ's columns over the warpgroup's own keys, in the step
+    dh = d // 2 if halves else d  # fused_dq: the dQ columns each compute warpgroup adds
+    # halves: K is read in column halves, so its swizzle tiles are dh wide (below 64: K, Q and dSᵀ, which meet
     # K in wgmma, in 64-byte swizzle)
-    k_cols = min(dh, 64) if fused_dq else 64
+    k_cols = min(dh, 64) if halves else 64
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
         *rest, scoped = rest
@@ -972,12 +986,26 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             m_full = jnp.where(k0 < ss, m_tile, m_full)  # keys straddling seq_start: mask every block
             u_lo, u_hi = _unmasked(m_full, m_tile, dlo_ref, dhi_ref, bi, 2 * ti + wg)
             plgpu.barrier_wait(res_full.at[wg])
-            if fused_dq:  # dq_half reads the other warpgroup's K too
+            if halves:  # dq_half reads the other warpgroup's K too
                 plgpu.barrier_wait(res_full.at[1 - wg])
             shape = (bk, bq)
 
-            def buf_of(m):  # fused_dq: dSᵀ of query block m in slot (m − m_lo) mod 2 of each warpgroup
+            def buf_of(m):  # halves: dSᵀ of query block m in slot (m − m_lo) mod 2 of each warpgroup
                 return lax.rem(m - m_lo, jnp.int32(2))
+
+            def add_to_dq(m, out, dq, sums, cols):
+                """fused_dq: scale·dq and the query-side sums (a (bq, 8) accumulator whose column 0 holds them) of
+                query block m added to the float32 accumulators, dQ's columns ``cols``, by TMA reduce-add stores
+                from ``out`` (this warpgroup's staging tile). The query-side decay gradient is zero in exact
+                arithmetic, but it cancels the key side's share of Δ's rounding (Δ from the bf16 output), as the
+                dQ kernel's sums do."""
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
+                out[...] = dq * float(scale)
+                dsum_smem.at[wg][...] = sums.sum(axis=1)  # the ones are column 0's: the others add zeros
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(out, dqa_ref.at[bi, pl.ds(m * bq, bq), head, cols], reduction_op="add")
+                plgpu.copy_smem_to_gmem(dsum_smem.at[wg], dlqa_ref.at[bi, head, pl.ds(m * bq, bq)],
+                                        reduction_op="add")
 
             def dq_half(m):
                 """fused_dq: this warpgroup's columns [wg·d/2, (wg + 1)·d/2) of dQ's query block m,
@@ -996,16 +1024,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     return acc_ref[...], sums_ref[...]
 
                 dq, sums = pl.run_scoped(product, plgpu.ACC((bq, dh), jnp.float32), plgpu.ACC((bq, 8), jnp.float32))
-                out = dq_smem.at[wg]
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
-                out[...] = dq * float(scale)
-                dsum_smem.at[wg][...] = sums.sum(axis=1)  # the ones are column 0's: the others add zeros
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(out, dqa_ref.at[bi, pl.ds(m * bq, bq), head, cols], reduction_op="add")
-                # the query-side decay gradient: zero in exact arithmetic, but it cancels the key side's share of
-                # Δ's rounding (Δ from the bf16 output), as the dQ kernel's sums do
-                plgpu.copy_smem_to_gmem(dsum_smem.at[wg], dlqa_ref.at[bi, head, pl.ds(m * bq, bq)],
-                                        reduction_op="add")
+                add_to_dq(m, dq_smem.at[wg], dq, sums, cols)
 
             def add_dq(m):
                 """fused_dq, after the turn that ends a step's element-wise work: this warpgroup's dQ columns of
@@ -1054,6 +1073,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     def dsq(acc_ref):
                         plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
 
+                    if own_keys:
+                        return own_keys_dk_dq(m, slot, dst.astype(dtype), dk_acc, dv_acc, dlk)
                     dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
                     return dk_acc, dv_acc, dlk - dst.sum(axis=1)
 
@@ -1086,6 +1107,33 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     add_dq(m)
                 return dk_acc, dv_acc, dlk
 
+            def own_keys_dk_dq(m, slot, dst16, dk_acc, dv_acc, dlk):
+                """fused_dq without the ping-pong: dK += dSᵀ·Q and this warpgroup's share of query block m's dQ,
+                dS·K over its own keys and all of dQ's columns (dSᵀ read transposed from shared memory, one slot:
+                the previous step's products read it before this step's wait), with both sides' sums of dS from
+                the same bf16 dSᵀ times a column of ones (they cancel in dlog f's reverse cumsum), in one wgmma
+                group; then dQ and the query-side sums are added (``add_to_dq``)."""
+                w = _opaque(wg)  # the descriptors made here, not held across the loop
+                ds_ref = ds_smem.at[w, 0]
+                ds_ref[...] = dst16
+                plgpu.commit_smem()
+                ds, ones = plgpu.transpose_ref(ds_ref, (1, 0)), plgpu.transpose_ref(ones_smem.at[w], (1, 0))
+
+                def dk_dq(refs):
+                    dk_ref_, dq_ref_, key_sums_ref, query_sums_ref = refs
+                    plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
+                    plgpu.wgmma(key_sums_ref, dst16, ones)
+                    plgpu.wgmma(dq_ref_, ds, k_smem2.at[w])
+                    plgpu.wgmma(query_sums_ref, ds, ones)
+
+                zeros = lambda *s: plgpu.layout_cast(jnp.zeros(s, jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+                dk_acc, dq, key_sums, query_sums = pl.run_state(dk_dq)(
+                    (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros(bq, d)), plgpu.ACC.init(zeros(bk, 8)),
+                     plgpu.ACC.init(zeros(bq, 8))))
+                plgpu.barrier_arrive(free.at[slot])  # the slot's Q and dO are read
+                add_to_dq(m, dq_smem.at[wg], dq, query_sums, slice(None))
+                return dk_acc, dv_acc, dlk - key_sums.sum(axis=1)
+
             def idle(m):
                 """A block this warpgroup does not visit: the turns a step takes; with fused_dq zeros for its
                 dSᵀ and its share of the previous block's dQ, as a step does."""
@@ -1105,7 +1153,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                                            idle=idle if pingpong else None, step_releases=fused_dq)
             if pingpong:
                 pl.when(wg == 0)(take_turn)
-            if fused_dq:  # the last block's dQ once both have written its dSᵀ; then K is free to take dK
+            if halves:  # the last block's dQ once both have written its dSᵀ; then K is free to take dK
                 take_turn()
                 add_dq(m_tile)
                 take_turn()
@@ -1146,9 +1194,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             plgpu.SMEM((stages, bq), jnp.float32),
             plgpu.SMEM((stages, bq), jnp.int32) if segments else None,
             plgpu.SMEM((2, bk), jnp.float32),
-            # fused_dq: dSᵀ of two consecutive blocks per warpgroup; per warpgroup a column of ones (stored
-            # transposed: 8 × bk, row 0 ones), the query-side sums and the float32 dQ columns
-            plgpu.SMEM((2, 2, bk, bq), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
+            # fused_dq: dSᵀ of two consecutive blocks per warpgroup (of one with own_keys); per warpgroup a column
+            # of ones (stored transposed: 8 × bk, row 0 ones), the query-side sums and the float32 dQ columns
+            plgpu.SMEM((2, 2 if halves else 1, bk, bq), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
             plgpu.SMEM((2, 8, bk), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
             plgpu.SMEM((2, bq), jnp.float32) if fused_dq else None,
             plgpu.SMEM((2, bq, dh), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),

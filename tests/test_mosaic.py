@@ -21,6 +21,7 @@ Tolerances as tests/test_pallas.py (relative to the reference's max magnitude): 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 
 import jax
@@ -87,16 +88,18 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d128-no-pingpong-window"),
     # ≥ STATIC_FRAME_MIN_KEYS keys: the forward with its fixed-frame loop (and documents, ACP around it)
     pytest.param(1, 4096, 4096, 2, 2, 64, jnp.bfloat16, dict(acp=True, segments=True), id="d64-t4096-static-frame"),
-    # dQ inside the dK/dV kernel (TMA reduce-add stores): GQA with ACP at D128 and D64 (64-byte swizzle), Tq < Tk
-    # with documents, fp16 with a window
-    pytest.param(2, 1000, 1000, 4, 2, 128, jnp.bfloat16, dict(acp=True, config=MosaicConfig(bwd_fused_dq=True)),
-                 id="d128-gqa-acp-fused-dq"),
+    # dQ inside the dK/dV kernel (TMA reduce-add stores), in its two forms: column halves over both warpgroups'
+    # keys (with the ping-pong: GQA with ACP at D128, Tq < Tk with documents) and each warpgroup's own keys
+    # (without: ACP at D64, fp16 with a window at D128)
+    pytest.param(2, 1000, 1000, 4, 2, 128, jnp.bfloat16,
+                 dict(acp=True, config=MosaicConfig(bwd_fused_dq=True, bwd_pingpong=True)), id="d128-gqa-acp-fused-dq"),
     pytest.param(2, 600, 600, 4, 4, 64, jnp.bfloat16, dict(acp=True, config=MosaicConfig(bwd_fused_dq=True)),
-                 id="d64-acp-fused-dq"),
-    pytest.param(1, 700, 1300, 2, 2, 96, jnp.bfloat16, dict(segments=True, config=MosaicConfig(bwd_fused_dq=True)),
+                 id="d64-acp-fused-dq-own-keys"),
+    pytest.param(1, 700, 1300, 2, 2, 96, jnp.bfloat16,
+                 dict(segments=True, config=MosaicConfig(bwd_fused_dq=True, bwd_pingpong=True)),
                  id="d96-tq<tk-segments-fused-dq"),
     pytest.param(1, 512, 512, 2, 2, 128, jnp.float16, dict(window_size=200, config=MosaicConfig(bwd_fused_dq=True)),
-                 id="d128-fp16-window-fused-dq"),
+                 id="d128-fp16-window-fused-dq-own-keys"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), two with dQ in
@@ -230,12 +233,22 @@ def test_config_checks_and_smem_budget(monkeypatch):
         MosaicConfig(static_frame=1)
     with pytest.raises(ValueError, match="bwd_fused_dq"):
         MosaicConfig(bwd_fused_dq=1)
-    for d in (64, 128):  # dQ in the dK/dV kernel: its shared memory fits
-        assert mgpu.smem_bytes(dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True), d) <= mgpu.SMEM_LIMIT
+    for d, pingpong in itertools.product((64, 128), (False, True)):  # dQ in the dK/dV kernel, either form, fits
+        cfg = dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True, bwd_pingpong=pingpong)
+        assert mgpu.smem_bytes(cfg, d) <= mgpu.SMEM_LIMIT, (d, pingpong)
     # ... and is D128's default with jax ≥ 0.11 (FUSED_DQ_BY_DEFAULT; measured faster there, slower at D64), but for
     # XLA's determinism flags: then the dQ kernel, reproducible bit for bit
     assert default_mosaic_config(128).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
     assert not default_mosaic_config(64).bwd_fused_dq
+    # ... from FUSED_DQ_MIN_QUERIES query rows on (shorter, the dQ kernel was faster), which the op passes
+    n = mgpu.FUSED_DQ_MIN_QUERIES
+    assert default_mosaic_config(128, n).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
+    assert not default_mosaic_config(128, n - 1).bwd_fused_dq and not default_mosaic_config(64, 2 * n).bwd_fused_dq
+    monkeypatch.setattr(fpallas, "mosaic_supported", lambda q, k: None)
+    for t in (n - 1, n):
+        x = jnp.zeros((1, t, 1, 128), jnp.bfloat16)
+        chosen = fpallas._with_mosaic(fpallas.resolve_config(128, t, t), x, x, interpret=False).mosaic
+        assert chosen == default_mosaic_config(128, t) and chosen.bwd_fused_dq is (t >= n and mgpu.FUSED_DQ_BY_DEFAULT)
     for flags, fused in [("--xla_gpu_deterministic_ops", False), ("--a=1 --xla_gpu_deterministic_ops=true", False),
                          ("--xla_gpu_exclude_nondeterministic_ops=true --b=2", False),
                          ("--xla_gpu_deterministic_ops=false", True), ("--xla_backend_optimization_level=0", True)]:
@@ -416,21 +429,24 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window,stages", [
-    pytest.param(1, 2048, 4, 4, 128, None, None, None, None, 2, id="T2048"),
-    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, 2, id="T1500-D96-gqa-seqstart-docs"),
-    pytest.param(1, 4096, 4, 2, 128, None, None, "auto", None, 2, id="T4096-gqa-acp"),
-    pytest.param(1, 2048, 4, 4, 64, (100,), (700, 1500), "auto", None, 2, id="T2048-D64-seqstart-docs-acp"),
-    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, 2, id="T1000-window"),
-    pytest.param(2, 1500, 4, 2, 64, (0, 333), (500, 1200), "auto", None, 3, id="T1500-D64-gqa-docs-acp-3stages"),
+@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window,stages,pingpong", [
+    pytest.param(1, 2048, 4, 4, 128, None, None, None, None, 2, True, id="T2048"),
+    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, 2, True, id="T1500-D96-gqa-seqstart-docs"),
+    pytest.param(1, 4096, 4, 2, 128, None, None, "auto", None, 2, True, id="T4096-gqa-acp"),
+    pytest.param(1, 2048, 4, 4, 64, (100,), (700, 1500), "auto", None, 2, True, id="T2048-D64-seqstart-docs-acp-halves"),
+    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, 2, False, id="T1000-window-own-keys"),
+    pytest.param(2, 1500, 4, 2, 64, (0, 333), (500, 1200), "auto", None, 3, False,
+                 id="T1500-D64-gqa-docs-acp-3stages-own-keys"),
 ])
-def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold, window, stages):
+def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, segments, threshold, window, stages,
+                                                  pingpong):
     """``MosaicConfig.bwd_fused_dq`` (dQ and the query-side dΛ added by the dK/dV kernel with TMA reduce-add stores,
     no dQ kernel) against the dQ kernel and the float32 oracle: the same gradients up to float32 summation order
     and dQ's rounding (the bf16 tolerance of ``_TOL``; dK and dV come from the same kernel either way). dlog f at
     T1500 D96 is the case that needs the query-side dΛ (without it: 3.4% of the scale at t = 0). Under ACP
     the two forms visit their own kernels' tiles, both within the bound: compared with the oracle and each other at
-    the same tolerance. ``stages``: the fused kernel's backward stages (three fit at D64 only)."""
+    the same tolerance. ``stages``: the fused kernel's backward stages (three fit at D64 only); ``pingpong``: its form
+    (``bwd_pingpong``: dQ's column halves over both warpgroups' keys; without: each warpgroup's own keys)."""
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
     q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d)
@@ -441,7 +457,8 @@ def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, s
 
     def run(fused):
         mosaic = default_mosaic_config(64 if d <= 64 else 128)
-        mosaic = dataclasses.replace(mosaic, bwd_fused_dq=fused, bwd_stages=stages if fused else mosaic.bwd_stages)
+        mosaic = dataclasses.replace(mosaic, bwd_fused_dq=fused, bwd_stages=stages if fused else mosaic.bwd_stages,
+                                     bwd_pingpong=pingpong if fused else mosaic.bwd_pingpong)
         cfg = dataclasses.replace(base, mosaic=mosaic)
         return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
             q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
@@ -488,7 +505,7 @@ def test_gpu_mosaic_acp_minus_inf_is_bitwise_dense():
     run = lambda thr: _value_and_grads(lambda *a: forgetting_attention(  # noqa: E731
         *a, adaptive_threshold=thr, implementation="mosaic"), q, k, v, lf, w)
     base, minus_inf = run(None), run(-jnp.inf)
-    _assert_same_run(base, minus_inf, fused_dq=default_mosaic_config(128).bwd_fused_dq)
+    _assert_same_run(base, minus_inf, fused_dq=default_mosaic_config(128, 4096).bwd_fused_dq)
 
 
 @pytest.mark.gpu
@@ -516,7 +533,7 @@ def test_gpu_mosaic_acp_heads_in_order_of_work(monkeypatch):
     by_work = run()
     monkeypatch.setattr(mgpu, "head_order", lambda *a, **kw: None)
     in_order = run()
-    _assert_same_run(by_work, in_order, fused_dq=default_mosaic_config(d).bwd_fused_dq)
+    _assert_same_run(by_work, in_order, fused_dq=default_mosaic_config(d, t).bwd_fused_dq)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
     o_ref, grads_ref = _value_and_grads(forgetting_attention_reference, f32(q), f32(k), f32(v), lf, w)
     tol_o, tol_g = _TOL[jnp.bfloat16]
@@ -625,13 +642,13 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     for variant in mosaic_ab.PATCHES:
         if variant == "dq_kernel" and not mgpu.FUSED_DQ_BY_DEFAULT:
             continue  # the dQ kernel is then the default at both head dims (checked below)
-        s = d64 if variant in ("dkv_regs_240", "fused_dq", "fused_dq_3stages") else shape
+        s = d64 if variant in ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves") else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):
             lowered[variant] = _lower_op(*s, acp=True)
             assert lowered[variant] != b, variant
         assert state() == originals, variant
-    assert lowered["fused_dq_3stages"] != lowered["fused_dq"]
+    assert lowered["fused_dq_3stages"] != lowered["fused_dq"] != lowered["fused_dq_halves"]  # D64: own keys, halves
     with pytest.raises(RuntimeError), mosaic_ab.patched("dkv_regs_232"):
         raise RuntimeError
     assert state() == originals
@@ -646,7 +663,8 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
         with mosaic_ab.patched(variant):
             fwd_bwd = mosaic_ab.functions(128, True)[1]
             counts[variant] = fwd_bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text().count("@mosaic_gpu")
-    assert counts == dict(base=2 if mgpu.FUSED_DQ_BY_DEFAULT else 3, dq_kernel=3, fused_dq=2), counts
+    # 512 query rows: the default is the dQ kernel there (below FUSED_DQ_MIN_QUERIES), so base and dq_kernel agree
+    assert counts == dict(base=3, dq_kernel=3, fused_dq=2), counts
 
 
 @pytest.mark.parametrize("spec,ok", [

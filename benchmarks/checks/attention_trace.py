@@ -38,7 +38,7 @@ def main(argv=None):
     for b, t, h, d in parse_shapes(a.shapes, "--shapes", ap.error):
         q, k, v, lf, do = make_inputs(b, t, h, d)
         for impl in a.impls.split(","):
-            _, fwd_bwd = jax_fns(impl, d)
+            _, fwd_bwd = jax_fns(impl, d, t=t)
             args = (q, k, v, lf, do)
             jax.block_until_ready(fwd_bwd(*args))
             events, _, _ = trace_calls(lambda: fwd_bwd(*args), a.iters)

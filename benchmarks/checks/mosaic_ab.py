@@ -12,8 +12,12 @@ Variants:
   dkv_regs_232      the dK/dV kernel's register budgets 232 / 40 at both head dims (``REGISTERS``; D128's default is
                     240 / 24, with which its loops spill nothing)
   dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
-  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; D128's default since
-                    2026-12-07, so this changes D64 only); not bitwise: dQ's float32 sums come in another order
+  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; D128's default from 4096
+                    query rows since 2026-12-07), in the form the head dim's ping-pong gives: at D128 column halves
+                    over both warpgroups' keys, at D64 each warpgroup's own keys; not bitwise: dQ's float32 sums
+                    come in another order
+  fused_dq_halves   the column-halves form (with the ping-pong) at either head dim (D64's fused form until 12-07)
+  fused_dq_own_keys the own-keys form (without the ping-pong) at either head dim (at D128 it spills)
   dq_kernel         the dQ kernel (``bwd_fused_dq=False``; D64's default, and D128's with jax 0.10)
   fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
                     same as ``fused_dq``)
@@ -54,13 +58,14 @@ class _ReadOnlyWaits:
         return self._plgpu.wait_smem_to_gmem(n, wait_read_only=True)
 
 
-def _dq_from(backward, fused: bool = True, stages: int | None = None):
+def _dq_from(backward, fused: bool = True, stages: int | None = None, pingpong: bool | None = None):
     """``mosaic_backward`` with ``MosaicConfig.bwd_fused_dq`` = ``fused`` (with ``stages`` backward stages where
-    they fit)."""
+    they fit; ``pingpong``: the fused form's ``bwd_pingpong``, None: the config's)."""
     def run(*args, config, **kwargs):
         if not fused:
             return backward(*args, config=dataclasses.replace(config, bwd_fused_dq=False), **kwargs)
-        fused_config = dataclasses.replace(config, bwd_fused_dq=True)
+        fused_config = dataclasses.replace(config, bwd_fused_dq=True, bwd_pingpong=(
+            config.bwd_pingpong if pingpong is None else pingpong))
         deeper = dataclasses.replace(fused_config, bwd_stages=stages or fused_config.bwd_stages)
         d_pad = -(-args[0].shape[-1] // 64) * 64  # the kernels pad the head dim to 64s
         config = deeper if mgpu.smem_bytes(deeper, d_pad) <= mgpu.SMEM_LIMIT else fused_config
@@ -80,6 +85,8 @@ PATCHES = {
     "dkv_regs_240": [("REGISTERS", _registers(dkv=(240, 24)))],
     "fused_dq": [("mosaic_backward", _dq_from)],
     "fused_dq_3stages": [("mosaic_backward", lambda backward: _dq_from(backward, stages=3))],
+    "fused_dq_halves": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=True))],
+    "fused_dq_own_keys": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=False))],
     "dq_kernel": [("mosaic_backward", lambda backward: _dq_from(backward, fused=False))],
 }
 

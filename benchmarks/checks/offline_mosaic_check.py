@@ -52,9 +52,10 @@ def parse_ptx(text: str) -> dict:
             "wgmma": len(re.findall(r"wgmma\.mma_async", text))}
 
 
-def compile_kernels(shape: tuple[int, int, int, int], overrides: dict, dump: str) -> float:
+def compile_kernels(shape: tuple[int, int, int, int], overrides: dict, dump: str) -> tuple[float, bool]:
     """Compile fwd+bwd of Mosaic forgetting attention at ``shape`` (B, T, H, D; bf16) for the described H200,
-    dumping the kernels' PTX and ptxas reports into ``dump``; returns the compile seconds."""
+    dumping the kernels' PTX and ptxas reports into ``dump``; returns the compile seconds and whether the
+    backward took dQ from the dK/dV kernel (``bwd_fused_dq``: no dQ kernel)."""
     os.environ.update(MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1", MOSAIC_GPU_DUMP_TO=dump)
     abstract = on_h200()
     import jax
@@ -66,7 +67,7 @@ def compile_kernels(shape: tuple[int, int, int, int], overrides: dict, dump: str
 
     fpallas.mosaic_supported = lambda q, k: None  # its check is for running; lowering needs no device
     b, t, h, d = shape
-    base = default_mosaic_config(64 if d <= 64 else 128)
+    base = default_mosaic_config(64 if d <= 64 else 128, t)
     overrides = {k: bool(v) if isinstance(getattr(base, k, None), bool) else v for k, v in overrides.items()}
     mosaic = dataclasses.replace(base, **overrides)  # flags as 0/1
     config = dataclasses.replace(fpallas.resolve_config(d, t, t, None, False), mosaic=mosaic)
@@ -80,7 +81,7 @@ def compile_kernels(shape: tuple[int, int, int, int], overrides: dict, dump: str
     args = abstract([x, x, x, jax.ShapeDtypeStruct((b, t, h), jnp.float32)])
     t0 = time.time()
     jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(*args).lower().compile()
-    return time.time() - t0
+    return time.time() - t0, mosaic.bwd_fused_dq
 
 
 def main(argv=None) -> int:
@@ -107,13 +108,13 @@ def main(argv=None) -> int:
     for old in glob.glob(os.path.join(dump, "entry_*")):
         os.remove(old)
     try:
-        secs = compile_kernels(shape, overrides, dump)
+        secs, fused_dq = compile_kernels(shape, overrides, dump)
     except (TypeError, ValueError) as e:  # an unknown MosaicConfig field or a value it refuses
         p.error(f"--config {args.config!r}: {e}")
     reports = sorted(glob.glob(os.path.join(dump, "entry_*.ptxas")), key=lambda f: int(re.findall(r"\d+", f)[-1]))
     print(f"Mosaic kernels at B{shape[0]} T{shape[1]} H{shape[2]} D{shape[3]}"
           f"{' with ' + args.config if args.config else ''}: compiled in {secs:.1f} s, no device ({dump})")
-    kernels = ("forward", "dkv") if overrides.get("bwd_fused_dq") else KERNELS  # fused: no dQ kernel
+    kernels = ("forward", "dkv") if fused_dq else KERNELS  # fused: no dQ kernel
     for name, report in zip(kernels, reports):
         info = parse_ptxas(open(report).read())
         info.update(parse_ptx(open(report[:-len("ptxas")] + "ptx").read()))

@@ -399,7 +399,7 @@ def _with_mosaic(cfg: KernelConfig, q, k, interpret: bool) -> KernelConfig:
     if cfg.mosaic is not None:
         return cfg
     d_pad = -(-q.shape[-1] // 64) * 64
-    return dataclasses.replace(cfg, mosaic=mgpu_kernels.default_mosaic_config(d_pad))
+    return dataclasses.replace(cfg, mosaic=mgpu_kernels.default_mosaic_config(d_pad, q.shape[1]))
 
 
 def _visit_counts(visits: KernelVisits, batch: int, heads: int) -> dict[str, tuple[jax.Array, jax.Array]]:
