@@ -94,12 +94,16 @@ class MosaicConfig:
         arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's share
         of Δ's rounding (Δ from the bf16 output), which would otherwise sum up in dlog f's reverse cumsum. Both
         sides' sums come from the bf16 dSᵀ times a column of ones (small wgmmas), the same values, so they cancel
-        as the two kernels' float32 sums do. Measured on an H100 (2026-12-07, ``checks/mosaic_ab.py``, B1 T16384):
-        fwd+bwd −3.7% dense and −2.1% under ACP at D128 (every fused timing below every two-kernel one), +8% and
-        +9% at D64 (three backward stages there: the same); so ``default_mosaic_config`` turns it on at D = 128
-        (off by default here), except when ``XLA_FLAGS`` asks for deterministic ops, and with jax ≥ 0.11 only
-        (with 0.10 it does not compose with ``jax.vmap``). dQ and dlog f are then reproducible to float32
-        summation order (relative ~1e-6), not bit for bit.
+        as the two kernels' float32 sums do (which needs bwd_block_q == bwd_block_k). Measured on an H100
+        (2026-12-07, ``checks/mosaic_ab.py``, B1 T16384, the halves form): fwd+bwd −3.7% dense and −2.1% under ACP
+        at D128 (every fused timing below every two-kernel one), +8% and +9% at D64 (three backward stages there:
+        the same); slower than the dQ kernel below 4096 query rows (``FUSED_DQ_MIN_QUERIES``). So
+        ``default_mosaic_config`` turns it on at D = 128 with the ping-pong, from 4096 query rows (off by default
+        here), except when ``XLA_FLAGS`` asks for deterministic ops, and with jax ≥ 0.11 only (with 0.10 it does
+        not compose with ``jax.vmap``). A config built by hand with ``bwd_fused_dq=True`` alone gets the own-keys
+        form (``bwd_pingpong`` is off by default here), which at D = 128 spills (its 64 × 128 dQ accumulator):
+        there set ``bwd_pingpong=True`` too. dQ and dlog f are reproducible to float32 summation order (relative
+        ~1e-6), not bit for bit.
     """
 
     block_q: int = 64
@@ -124,6 +128,9 @@ class MosaicConfig:
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
         if self.stages < 2 or self.bwd_stages < 2:
             raise ValueError(f"MosaicConfig.stages and bwd_stages must be ≥ 2, got {self.stages}, {self.bwd_stages}")
+        if self.bwd_fused_dq and self.bwd_block_q != self.bwd_block_k:  # dS's sums against one column of ones
+            raise ValueError(f"MosaicConfig.bwd_fused_dq needs bwd_block_q == bwd_block_k, got {self.bwd_block_q} "
+                             f"and {self.bwd_block_k}")
 
     @property
     def tile_q(self) -> int:
@@ -920,8 +927,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     Args:
       as ``mosaic_flash_backward_dq``; Tk a multiple of 2·block_k, Tq of block_q; q_lo, q_hi
       [B, H, Tk / (2·block_k)]: the query-block ranges (``TileVisits.col_ranges()`` at the tiling
-      (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq`` (the ping-pong schedule then, whatever
-      its form follows ``pingpong``): each step writes dSᵀ to shared memory; with ``pingpong`` one step later each
+      (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq`` (its form follows ``pingpong``): each step writes dSᵀ to shared memory; with ``pingpong`` one step later each
       compute warpgroup adds its half of dQ's columns, scale·dS·K over both warpgroups' keys (the turns order the
       exchange of dSᵀ), and without it each adds all of dQ's columns over its own keys in the step itself (two
       adds per block, no turns); either to a float32 accumulator in global memory with a TMA reduce-add store.
@@ -1008,7 +1014,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                                         reduction_op="add")
 
             def dq_half(m):
-                """fused_dq: this warpgroup's columns [wg·d/2, (wg + 1)·d/2) of dQ's query block m,
+                """halves: this warpgroup's columns [wg·d/2, (wg + 1)·d/2) of dQ's query block m,
                 scale·Σ_j dS_ij k_j over both warpgroups' keys (dSᵀ read transposed from shared memory), and the
                 query-side sums Σ_j dS_ij over this warpgroup's keys (the same dSᵀ times a column of ones: no
                 reduction across the warpgroup's threads), each added to its float32 accumulator by a TMA
@@ -1027,14 +1033,14 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 add_to_dq(m, dq_smem.at[wg], dq, sums, cols)
 
             def add_dq(m):
-                """fused_dq, after the turn that ends a step's element-wise work: this warpgroup's dQ columns of
+                """halves, after the turn that ends a step's element-wise work: this warpgroup's dQ columns of
                 the previous block. Both warpgroups' dSᵀ of it are written (warpgroup 1 wrote its own before the
                 turn warpgroup 0 has just passed, warpgroup 0 a turn before that), and no one overwrites them
                 before both have passed the next turn, by which time these products are done."""
                 pl.when(m > m_lo)(lambda: dq_half(m - 1))
 
             def put_ds(m, dst16):
-                """fused_dq: dSᵀ of query block m to shared memory (slot (m − m_lo) mod 2)."""
+                """halves: dSᵀ of query block m to shared memory (slot (m − m_lo) mod 2)."""
                 ds_smem.at[wg, buf_of(m)][...] = dst16
                 plgpu.commit_smem()
 
@@ -1064,7 +1070,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     def dv_dp(refs):
                         dv_ref_, dpt_ref = refs
                         plgpu.wgmma(dv_ref_, pt.astype(dtype), do_smem.at[slot])
-                        plgpu.wgmma(dpt_ref, v_smem, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
+                        plgpu.wgmma(dpt_ref, v_res, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
 
                     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
                     dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
@@ -1135,11 +1141,11 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 return dk_acc, dv_acc, dlk - key_sums.sum(axis=1)
 
             def idle(m):
-                """A block this warpgroup does not visit: the turns a step takes; with fused_dq zeros for its
+                """A block this warpgroup does not visit: the turns a step takes; with halves zeros for its
                 dSᵀ and its share of the previous block's dQ, as a step does."""
                 take_turn()
                 take_turn()
-                if fused_dq:
+                if halves:
                     put_ds(m, plgpu.layout_cast(jnp.zeros(shape, dtype), plgpu.Layout.WGMMA))
                     add_dq(m)
 

@@ -233,6 +233,8 @@ def test_config_checks_and_smem_budget(monkeypatch):
         MosaicConfig(static_frame=1)
     with pytest.raises(ValueError, match="bwd_fused_dq"):
         MosaicConfig(bwd_fused_dq=1)
+    with pytest.raises(ValueError, match="bwd_fused_dq needs bwd_block_q == bwd_block_k"):
+        MosaicConfig(bwd_fused_dq=True, bwd_block_k=128)
     for d, pingpong in itertools.product((64, 128), (False, True)):  # dQ in the dK/dV kernel, either form, fits
         cfg = dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True, bwd_pingpong=pingpong)
         assert mgpu.smem_bytes(cfg, d) <= mgpu.SMEM_LIMIT, (d, pingpong)
