@@ -927,10 +927,11 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     Args:
       as ``mosaic_flash_backward_dq``; Tk a multiple of 2·block_k, Tq of block_q; q_lo, q_hi
       [B, H, Tk / (2·block_k)]: the query-block ranges (``TileVisits.col_ranges()`` at the tiling
-      (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq`` (its form follows ``pingpong``): each step writes dSᵀ to shared memory; with ``pingpong`` one step later each
-      compute warpgroup adds its half of dQ's columns, scale·dS·K over both warpgroups' keys (the turns order the
-      exchange of dSᵀ), and without it each adds all of dQ's columns over its own keys in the step itself (two
-      adds per block, no turns); either to a float32 accumulator in global memory with a TMA reduce-add store.
+      (block_q, 2·block_k)); fused_dq: ``MosaicConfig.bwd_fused_dq``, its form following ``pingpong``: each
+      step writes dSᵀ to shared memory; with ``pingpong`` one step later each compute warpgroup adds its half of
+      dQ's columns, dS·K over both warpgroups' keys (the turns order the exchange of dSᵀ), and without it each
+      adds all of dQ's columns over its own keys in the step itself (two adds per block, no turns); either to a
+      float32 accumulator in global memory with a TMA reduce-add store (the scale applied once, to the sum).
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
       dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] and dΛ_q [B, H, Tq] float32, summed over
@@ -1000,13 +1001,14 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 return lax.rem(m - m_lo, jnp.int32(2))
 
             def add_to_dq(m, out, dq, sums, cols):
-                """fused_dq: scale·dq and the query-side sums (a (bq, 8) accumulator whose column 0 holds them) of
-                query block m added to the float32 accumulators, dQ's columns ``cols``, by TMA reduce-add stores
-                from ``out`` (this warpgroup's staging tile). The query-side decay gradient is zero in exact
+                """fused_dq: dq (unscaled: the scale is applied once to the sum, outside the kernel) and the
+                query-side sums (a (bq, 8) accumulator whose column 0 holds them) of query block m added to the
+                float32 accumulators, dQ's columns ``cols``, by TMA reduce-add stores from ``out`` (this
+                warpgroup's staging tile). The query-side decay gradient is zero in exact
                 arithmetic, but it cancels the key side's share of Δ's rounding (Δ from the bf16 output), as the
                 dQ kernel's sums do."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
-                out[...] = dq * float(scale)
+                out[...] = dq
                 dsum_smem.at[wg][...] = sums.sum(axis=1)  # the ones are column 0's: the others add zeros
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(out, dqa_ref.at[bi, pl.ds(m * bq, bq), head, cols], reduction_op="add")
@@ -1015,7 +1017,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
             def dq_half(m):
                 """halves: this warpgroup's columns [wg·d/2, (wg + 1)·d/2) of dQ's query block m,
-                scale·Σ_j dS_ij k_j over both warpgroups' keys (dSᵀ read transposed from shared memory), and the
+                Σ_j dS_ij k_j over both warpgroups' keys (dSᵀ read transposed from shared memory), and the
                 query-side sums Σ_j dS_ij over this warpgroup's keys (the same dSᵀ times a column of ones: no
                 reduction across the warpgroup's threads), each added to its float32 accumulator by a TMA
                 reduce-add store."""
@@ -1228,7 +1230,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     ones = jnp.zeros((8, bk), dtype).at[0].set(1)  # dSᵀ's query-side sums as a wgmma: Σ_j dS_ij = (dS·1)_i
     dk, dv, dlk = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=_params())(
         *args, ones, dq_acc, dlq_acc)
-    return dk, dv, dlk, dq_acc[...], dlq_acc[...]
+    return dk, dv, dlk, dq_acc[...] * float(scale), dlq_acc[...]
 
 
 def _batch_folded(fn):
