@@ -1004,9 +1004,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 """fused_dq: dq (unscaled: the scale is applied once to the sum, outside the kernel) and the
                 query-side sums (a (bq, 8) accumulator whose column 0 holds them) of query block m added to the
                 float32 accumulators, dQ's columns ``cols``, by TMA reduce-add stores from ``out`` (this
-                warpgroup's staging tile). The query-side decay gradient is zero in exact
-                arithmetic, but it cancels the key side's share of Δ's rounding (Δ from the bf16 output), as the
-                dQ kernel's sums do."""
+                warpgroup's staging tile). The query-side decay gradient is zero in exact arithmetic, but it
+                cancels the key side's share of Δ's rounding (Δ from the bf16 output), as the dQ kernel's sums do."""
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
                 out[...] = dq
                 dsum_smem.at[wg][...] = sums.sum(axis=1)  # the ones are column 0's: the others add zeros
@@ -1078,11 +1077,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
                     dst = pt * (dpt - _col(dl, shape))
 
+                    if own_keys:
+                        return own_keys_dk_dq(m, slot, dst.astype(dtype), dk_acc, dv_acc, dlk)
+
                     def dsq(acc_ref):
                         plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
 
-                    if own_keys:
-                        return own_keys_dk_dq(m, slot, dst.astype(dtype), dk_acc, dv_acc, dlk)
                     dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
                     return dk_acc, dv_acc, dlk - dst.sum(axis=1)
 
@@ -1118,7 +1118,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             def own_keys_dk_dq(m, slot, dst16, dk_acc, dv_acc, dlk):
                 """fused_dq without the ping-pong: dK += dSᵀ·Q and this warpgroup's share of query block m's dQ,
                 dS·K over its own keys and all of dQ's columns (dSᵀ read transposed from shared memory, one slot:
-                the previous step's products read it before this step's wait), with both sides' sums of dS from
+                the previous step waited for its products, so they have read it), with both sides' sums of dS from
                 the same bf16 dSᵀ times a column of ones (they cancel in dlog f's reverse cumsum), in one wgmma
                 group; then dQ and the query-side sums are added (``add_to_dq``)."""
                 w = _opaque(wg)  # the descriptors made here, not held across the loop
@@ -1134,7 +1134,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     plgpu.wgmma(dq_ref_, ds, k_smem2.at[w])
                     plgpu.wgmma(query_sums_ref, ds, ones)
 
-                zeros = lambda *s: plgpu.layout_cast(jnp.zeros(s, jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
+                zeros = lambda *dims: plgpu.layout_cast(jnp.zeros(dims, jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
                 dk_acc, dq, key_sums, query_sums = pl.run_state(dk_dq)(
                     (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros(bq, d)), plgpu.ACC.init(zeros(bk, 8)),
                      plgpu.ACC.init(zeros(bq, 8))))
