@@ -1106,12 +1106,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                         plgpu.wgmma(sums_ref[0], dst16, plgpu.transpose_ref(ones_smem.at[w], (1, 0)))
 
                 accs = (plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc))
-                if fused_dq:
-                    accs += (plgpu.ACC.init(plgpu.layout_cast(jnp.zeros((bk, 8), jnp.float32), plgpu.Layout.WGMMA)),)
+                if fused_dq:  # the key sums accumulate across the steps (``dlk``: (bk, 8), column 0's)
+                    accs += (plgpu.ACC.init(dlk),)
                 dv_acc, dk_acc, *key_sums = pl.run_state(dv_dk)(accs)
                 if fused_dq:  # the slot's Q and dO are read: the loader may refill it while dQ is added
                     plgpu.barrier_arrive(free.at[slot])
-                    dlk = dlk - key_sums[0].sum(axis=1)
+                    dlk, = key_sums
                     add_dq(m)
                 return dk_acc, dv_acc, dlk
 
@@ -1119,8 +1119,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 """fused_dq without the ping-pong: dK += dSᵀ·Q and this warpgroup's share of query block m's dQ,
                 dS·K over its own keys and all of dQ's columns (dSᵀ read transposed from shared memory, one slot:
                 the previous step waited for its products, so they have read it), with both sides' sums of dS from
-                the same bf16 dSᵀ times a column of ones (they cancel in dlog f's reverse cumsum), in one wgmma
-                group; then dQ and the query-side sums are added (``add_to_dq``)."""
+                the same bf16 dSᵀ times a column of ones (they cancel in dlog f's reverse cumsum; the key side's
+                accumulate in ``dlk`` across the steps), in one wgmma group; then dQ and the query-side sums are
+                added (``add_to_dq``)."""
                 w = _opaque(wg)  # the descriptors made here, not held across the loop
                 ds_ref = ds_smem.at[w, 0]
                 ds_ref[...] = dst16
@@ -1136,11 +1137,11 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
                 zeros = lambda *dims: plgpu.layout_cast(jnp.zeros(dims, jnp.float32), plgpu.Layout.WGMMA)  # noqa: E731
                 dk_acc, dq, key_sums, query_sums = pl.run_state(dk_dq)(
-                    (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros(bq, d)), plgpu.ACC.init(zeros(bk, 8)),
+                    (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros(bq, d)), plgpu.ACC.init(dlk),
                      plgpu.ACC.init(zeros(bq, 8))))
                 plgpu.barrier_arrive(free.at[slot])  # the slot's Q and dO are read
                 add_to_dq(m, dq_smem.at[wg], dq, query_sums, slice(None))
-                return dk_acc, dv_acc, dlk - key_sums.sum(axis=1)
+                return dk_acc, dv_acc, key_sums
 
             def idle(m):
                 """A block this warpgroup does not visit: the turns a step takes; with halves zeros for its
@@ -1152,7 +1153,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     add_dq(m)
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-            dl0 = plgpu.layout_cast(jnp.zeros((bk,), jnp.float32), row_layout)
+            # −Σ_i dS_ij; fused_dq: +Σ_i dS_ij in column 0 of a (bk, 8) wgmma accumulator, negated at the end
+            dl0 = plgpu.layout_cast(jnp.zeros((bk, 8) if fused_dq else (bk,), jnp.float32),
+                                    plgpu.Layout.WGMMA if fused_dq else row_layout)
             phases = [(m_begin, m_tile, True)] if always_mask else [
                 (m_begin, u_lo, True), (u_lo, u_hi, False), (u_hi, m_tile, True)]
             if pingpong:
@@ -1168,7 +1171,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             k_smem[...] = (dk_acc * float(scale)).astype(dtype)
             v_smem[...] = dv_acc.astype(dtype)
             out_smem = out_smem2.at[wg]
-            out_smem[...] = dlk
+            out_smem[...] = -dlk.sum(axis=1) if fused_dq else dlk
             plgpu.commit_smem()
             out_rows = (bi, pl.ds(k0, bk), head)
             plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
