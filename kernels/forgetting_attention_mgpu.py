@@ -154,8 +154,8 @@ _VMAP_FOLDS_REFS = jax.__version_info__ >= (0, 11)
 # dQ from the dK/dV kernel as D128's default where it composes with jax.vmap, which is also where it was measured
 FUSED_DQ_BY_DEFAULT = _VMAP_FOLDS_REFS
 # ... from this many query rows on: shorter, it was slower than the dQ kernel (its fwd+bwd against the dQ kernel's,
-# H100, jax 0.11.2, H16 D128, 2026-12-07, results/attention/h100_fused_dq_by_length_1207.json: T1024 +5.1% dense;
-# T2048 +0.4–0.8% dense, +3.6% ACP; T4096 −2.5% dense, ±1% ACP; T8192 −4.8% dense, ±1% ACP; T16384 −3.7% dense,
+# H100, jax 0.11.2, H16 D128, 2026-12-07, results/attention/h100_fused_dq_by_length_1207.json: T1024 +5.4% dense;
+# T2048 +0.4–0.8% dense, +3.7% ACP; T4096 −2.4% dense, ±1% ACP; T8192 −4.6% dense, ±1% ACP; T16384 −3.7% dense,
 # −2.1% ACP)
 FUSED_DQ_MIN_QUERIES = 4096
 
