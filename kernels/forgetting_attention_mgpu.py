@@ -1000,12 +1000,13 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             def buf_of(m):  # halves: dSᵀ of query block m in slot (m − m_lo) mod 2 of each warpgroup
                 return lax.rem(m - m_lo, jnp.int32(2))
 
-            def add_to_dq(m, out, dq, sums, cols):
+            def add_to_dq(m, dq, sums, cols):
                 """fused_dq: dq (unscaled: the scale is applied once to the sum, outside the kernel) and the
                 query-side sums (a (bq, 8) accumulator whose column 0 holds them) of query block m added to the
-                float32 accumulators, dQ's columns ``cols``, by TMA reduce-add stores from ``out`` (this
-                warpgroup's staging tile). The query-side decay gradient is zero in exact arithmetic, but it
+                float32 accumulators, dQ's columns ``cols``, by TMA reduce-add stores from this warpgroup's
+                staging tiles. The query-side decay gradient is zero in exact arithmetic, but it
                 cancels the key side's share of Δ's rounding (Δ from the bf16 output), as the dQ kernel's sums do."""
+                out = dq_smem.at[wg]
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the previous block's stores have read them
                 out[...] = dq
                 dsum_smem.at[wg][...] = sums.sum(axis=1)  # the ones are column 0's: the others add zeros
@@ -1031,7 +1032,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     return acc_ref[...], sums_ref[...]
 
                 dq, sums = pl.run_scoped(product, plgpu.ACC((bq, dh), jnp.float32), plgpu.ACC((bq, 8), jnp.float32))
-                add_to_dq(m, dq_smem.at[wg], dq, sums, cols)
+                add_to_dq(m, dq, sums, cols)
 
             def add_dq(m):
                 """halves, after the turn that ends a step's element-wise work: this warpgroup's dQ columns of
@@ -1140,7 +1141,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     (plgpu.ACC.init(dk_acc), plgpu.ACC.init(zeros(bq, d)), plgpu.ACC.init(dlk),
                      plgpu.ACC.init(zeros(bq, 8))))
                 plgpu.barrier_arrive(free.at[slot])  # the slot's Q and dO are read
-                add_to_dq(m, dq_smem.at[wg], dq, query_sums, slice(None))
+                add_to_dq(m, dq, query_sums, slice(None))
                 return dk_acc, dv_acc, key_sums
 
             def idle(m):

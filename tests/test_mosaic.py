@@ -242,15 +242,17 @@ def test_config_checks_and_smem_budget(monkeypatch):
     # XLA's determinism flags: then the dQ kernel, reproducible bit for bit
     assert default_mosaic_config(128).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
     assert not default_mosaic_config(64).bwd_fused_dq
-    # ... from FUSED_DQ_MIN_QUERIES query rows on (shorter, the dQ kernel was faster), which the op passes
+    # ... from FUSED_DQ_MIN_QUERIES query rows on (shorter, the dQ kernel was faster), which the op passes; checked
+    # with the version gate forced on, so that jax 0.10 checks the rule too
+    monkeypatch.setattr(mgpu, "FUSED_DQ_BY_DEFAULT", True)
     n = mgpu.FUSED_DQ_MIN_QUERIES
-    assert default_mosaic_config(128, n).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
+    assert default_mosaic_config(128, n).bwd_fused_dq and default_mosaic_config(128).bwd_fused_dq
     assert not default_mosaic_config(128, n - 1).bwd_fused_dq and not default_mosaic_config(64, 2 * n).bwd_fused_dq
     monkeypatch.setattr(fpallas, "mosaic_supported", lambda q, k: None)
     for t in (n - 1, n):
         x = jnp.zeros((1, t, 1, 128), jnp.bfloat16)
         chosen = fpallas._with_mosaic(fpallas.resolve_config(128, t, t), x, x, interpret=False).mosaic
-        assert chosen == default_mosaic_config(128, t) and chosen.bwd_fused_dq is (t >= n and mgpu.FUSED_DQ_BY_DEFAULT)
+        assert chosen == default_mosaic_config(128, t) and chosen.bwd_fused_dq is (t >= n)
     for flags, fused in [("--xla_gpu_deterministic_ops", False), ("--a=1 --xla_gpu_deterministic_ops=true", False),
                          ("--xla_gpu_exclude_nondeterministic_ops=true --b=2", False),
                          ("--xla_gpu_deterministic_ops=false", True), ("--xla_backend_optimization_level=0", True)]:
