@@ -158,6 +158,14 @@ FUSED_DQ_BY_DEFAULT = _VMAP_FOLDS_REFS
 # T2048 +0.4–0.8% dense, +3.7% ACP; T4096 −2.4% dense, ±1% ACP; T8192 −4.6% dense, ±1% ACP; T16384 −3.7% dense,
 # −2.1% ACP)
 FUSED_DQ_MIN_QUERIES = 4096
+# the two backward kernels' decay-gradient sums (Σ_j dS_ij in the dQ kernel, Σ_i dS_ij in the dK/dV kernel) as
+# wgmmas of the bf16 dS with a column of ones, accumulated across the loop in a (64, 8) float32 accumulator and
+# reduced once, in place of a float32 row sum of every step's dS (~30 adds and 4 shuffles a thread per step, ~10%
+# of each kernel's unmasked step at D64: 334 and 363 SASS instructions, ptxas for sm_90a). As the fused dQ does
+# (``MosaicConfig.bwd_fused_dq``, which always sums this way): both sides sum the same bf16 values, so they still
+# cancel in dlog f's reverse cumsum. Built 2026-12-07 offline; not yet timed on a GPU (``checks/mosaic_ab.py
+# --variants wgmma_sums``), so off.
+SUMS_BY_WGMMA = False
 
 
 def deterministic_ops_requested() -> bool:
@@ -192,10 +200,12 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
     dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
     dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    if config.bwd_fused_dq:  # per warpgroup dSᵀ of two blocks (ping-pong; else one), ones, query sums, dQ's columns
+    if SUMS_BY_WGMMA or config.bwd_fused_dq:  # per warpgroup a column of ones (stored as 8 rows)
+        dq, dkv = dq + 2 * 8 * bk * itemsize, dkv + 2 * 8 * bq * itemsize
+    if config.bwd_fused_dq:  # per warpgroup dSᵀ of two blocks (ping-pong; else one), query sums, dQ's columns
         halves = config.bwd_pingpong
-        dkv += 2 * (2 if halves else 1) * bk * bq * itemsize + 2 * (
-            8 * bk * itemsize + bq * 4 + bq * (head_dim // 2 if halves else head_dim) * 4)
+        dq_cols = head_dim // 2 if halves else head_dim
+        dkv += 2 * (2 if halves else 1) * bk * bq * itemsize + 2 * bq * 4 * (1 + dq_cols)
     return max(fwd, dkv) if config.bwd_fused_dq else max(fwd, dq, dkv)
 
 
@@ -757,20 +767,28 @@ def _swizzled(cols: int = 64):
     return plgpu.TilingTransform((8, cols)), plgpu.SwizzleTransform(2 * cols)
 
 
+def _ones(n: int, dtype):
+    """A column of n ones stored transposed, (8, n) with row 0 ones and zeros below: a wgmma's B operand (n × 8)
+    that turns A·B into A's row sums in column 0 of an (m, 8) accumulator (``SUMS_BY_WGMMA``, the fused dQ)."""
+    return jnp.zeros((8, n), dtype).at[0].set(1)
+
+
 def _params():
     return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
 def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
                              offset: int, scale: float, block_q: int, block_k: int, stages: int,
-                             window_size: int | None = None, pingpong: bool = False, heads=None):
+                             window_size: int | None = None, pingpong: bool = False, heads=None,
+                             wgmma_sums: bool = False):
     """dQ and the query-side decay gradient Σ_j dS_ij on padded arrays.
 
     Args:
       as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype); lq_lse2 [B, H, Tq] float32: the query rows'
       Λ minus their lse, base 2 (Λ·log2 e − lse·log2 e; −inf on empty rows), in place of the forward's lam_q2;
       delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)] the key-block ranges at
-      the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``; heads: as the forward's.
+      the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``; heads: as the forward's;
+      wgmma_sums: ``SUMS_BY_WGMMA`` (Σ_j dS_ij of the bf16 dS, by the tensor cores).
     Returns:
       dq [B, Tq, H, D] in q.dtype and dΛ_q [B, H, Tq] float32.
     """
@@ -786,12 +804,11 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
     n_tiles = tq // (2 * bq)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lq_ref, lk_ref, dl_ref, lo_ref, hi_ref, ss_ref, hd_ref, *rest):
-        if segments:
-            sq_ref, sk_ref, dlo_ref, dhi_ref, dq_ref, dlq_ref, scoped = rest
-        else:
-            sq_ref = sk_ref = dlo_ref = dhi_ref = None
-            dq_ref, dlq_ref, scoped = rest
-        (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2), (res_full, full, free, *schedule) = scoped
+        *rest, dq_ref, dlq_ref, scoped = rest
+        ones_ref = rest.pop() if wgmma_sums else None
+        sq_ref, sk_ref, dlo_ref, dhi_ref = rest if segments else (None,) * 4
+        (q_smem2, do_smem2, k_smem, v_smem, lk_smem, sk_smem, out_smem2, ones_smem), \
+            (res_full, full, free, *schedule) = scoped
         take_turn = _turns(*schedule) if pingpong else None
         bi, row, ti = lax.axis_index("batch"), lax.axis_index("heads"), _longest_first("q_tiles", n_tiles)
         head = row if heads is None else hd_ref[row]
@@ -808,6 +825,8 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             rows = (bi, pl.ds(q_base, bq), head)
             plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, res_full.at[wg])
             plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, res_full.at[wg])
+            if wgmma_sums:
+                plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], res_full.at[wg])
             vec = (bi, head, pl.ds(q_base, bq))
             lq = plgpu.load(lq_ref.at[vec], (), layout=row_layout, optimized=False)  # Λ − lse, base 2
             dl = plgpu.load(dl_ref.at[vec], (), layout=row_layout, optimized=False)
@@ -840,27 +859,30 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                 p = jnp.exp2(s)
                 if not pingpong:  # dP after P: each warpgroup at its own pace
                     dp, = _products(shape, [dov])
-                    ds = p * (dp - _row(dl, shape))
-
-                    def dsk(acc_ref):
-                        plgpu.wgmma(acc_ref, ds.astype(dtype), k_smem.at[slot])
-
-                    dq_acc = pl.run_state(dsk)(plgpu.ACC.init(dq_acc))
-                    return dq_acc, dlq + ds.sum(axis=1)
-
                 ds = p * (dp - _row(dl, shape))
-                ds16, dlq = lax.optimization_barrier((ds.astype(dtype), dlq + ds.sum(axis=1)))
-                plgpu.barrier_arrive(schedule[0])  # element-wise work done
-                plgpu.barrier_wait(schedule[0])    # tensor cores free
+                if wgmma_sums:  # Σ_j dS_ij: dS times a column of ones, in dQ's wgmma group (``dlq`` (bq, 8))
+                    ds16 = ds.astype(dtype)
+                else:
+                    ds16, dlq = ds.astype(dtype), dlq + ds.sum(axis=1)
+                if pingpong:
+                    ds16, dlq = lax.optimization_barrier((ds16, dlq))
+                    plgpu.barrier_arrive(schedule[0])  # element-wise work done
+                    plgpu.barrier_wait(schedule[0])    # tensor cores free
 
-                def dsk_pp(acc_ref):
+                def dsk(refs):
+                    acc_ref, *sums_ref = refs
                     plgpu.wgmma(acc_ref, ds16, k_smem.at[slot])
+                    if wgmma_sums:
+                        plgpu.wgmma(sums_ref[0], ds16, plgpu.transpose_ref(ones_smem.at[wg], (1, 0)))
 
-                dq_acc = pl.run_state(dsk_pp)(plgpu.ACC.init(dq_acc))
-                return dq_acc, dlq
+                accs = (plgpu.ACC.init(dq_acc),) + ((plgpu.ACC.init(dlq),) if wgmma_sums else ())
+                dq_acc, *sums = pl.run_state(dsk)(accs)
+                return dq_acc, sums[0] if wgmma_sums else dlq
 
             dq0 = plgpu.layout_cast(jnp.zeros((bq, d), jnp.float32), plgpu.Layout.WGMMA)
-            dl0 = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), row_layout)
+            # Σ_j dS_ij; wgmma_sums: in column 0 of a (bq, 8) wgmma accumulator, the other columns zeros
+            dl0 = plgpu.layout_cast(jnp.zeros((bq, 8) if wgmma_sums else (bq,), jnp.float32),
+                                    plgpu.Layout.WGMMA if wgmma_sums else row_layout)
             phases = [(n_lo, n_hi, True)] if always_mask else [
                 (n_lo, u_lo, True), (u_lo, u_hi, False), (u_hi, n_hi, True)]
             if pingpong:
@@ -871,7 +893,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                 pl.when(wg == 0)(take_turn)
             q_smem[...] = (dq_acc * float(scale)).astype(dtype)
             out_smem = out_smem2.at[wg]
-            out_smem[...] = dlq
+            out_smem[...] = dlq.sum(axis=1) if wgmma_sums else dlq
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
             plgpu.copy_smem_to_gmem(out_smem, dlq_ref.at[vec])
@@ -901,8 +923,10 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
             plgpu.SMEM((stages, bk), jnp.float32),
             plgpu.SMEM((stages, bk), jnp.int32) if segments else None,
             plgpu.SMEM((2, bq), jnp.float32),
+            # wgmma_sums: per warpgroup a column of ones (stored transposed: 8 × bk, row 0 ones)
+            plgpu.SMEM((2, 8, bk), dtype, transforms=_swizzled()) if wgmma_sums else None,
         )
-        barriers = (plgpu.Barrier(num_arrivals=2, num_barriers=2),
+        barriers = (plgpu.Barrier(num_arrivals=3 if wgmma_sums else 2, num_barriers=2),  # Q, dO (and the ones)
                     plgpu.Barrier(num_arrivals=4 if segments else 3, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
@@ -910,6 +934,8 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
     args = [q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, _heads(heads, h)]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
+    if wgmma_sums:
+        args.append(_ones(bk, dtype))
     return plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
@@ -921,7 +947,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
 def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
                               window_size: int | None = None, pingpong: bool = False, heads=None,
-                              fused_dq: bool = False):
+                              fused_dq: bool = False, wgmma_sums: bool = False):
     """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays; with ``fused_dq`` dQ too.
 
     Args:
@@ -931,7 +957,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
       step writes dSᵀ to shared memory; with ``pingpong`` one step later each compute warpgroup adds its half of
       dQ's columns, dS·K over both warpgroups' keys (the turns order the exchange of dSᵀ), and without it each
       adds all of dQ's columns over its own keys in the step itself (two adds per block, no turns); either to a
-      float32 accumulator in global memory with a TMA reduce-add store (the scale applied once, to the sum).
+      float32 accumulator in global memory with a TMA reduce-add store (the scale applied once, to the sum);
+      wgmma_sums: ``SUMS_BY_WGMMA`` (Σ_i dS_ij of the bf16 dSᵀ, by the tensor cores; always with ``fused_dq``).
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
       dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] and dΛ_q [B, H, Tq] float32, summed over
@@ -946,6 +973,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    wgmma_sums = wgmma_sums or fused_dq  # the fused dQ's query side sums the bf16 dS: so must the key side
     halves = fused_dq and pingpong  # dQ's column halves over both warpgroups' keys, a step later
     own_keys = fused_dq and not pingpong  # all of dQ's columns over the warpgroup's own keys, in the step
     dh = d // 2 if halves else d  # fused_dq: the dQ columns each compute warpgroup adds
@@ -958,7 +986,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
         rest, (dk_ref, dv_ref, dlk_ref) = rest[:-3], rest[-3:]
         dqa_ref = dlqa_ref = None
         if fused_dq:  # the zeroed float32 accumulators (``jax.new_ref`` operands), after the other inputs
-            *rest, ones_ref, dqa_ref, dlqa_ref = rest
+            *rest, dqa_ref, dlqa_ref = rest
+        ones_ref = rest.pop() if wgmma_sums else None
         sq_ref, sk_ref, dlo_ref, dhi_ref = rest if segments else (None,) * 4
         (k_smem2, v_smem2, q_smem, do_smem, lq_smem, dl_smem, sq_smem, out_smem2, ds_smem, ones_smem, dsum_smem,
          dq_smem), \
@@ -979,7 +1008,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             keys = (bi, pl.ds(k0, bk), kv_head)
             plgpu.copy_gmem_to_smem(k_ref.at[keys], k_smem, res_full.at[wg])
             plgpu.copy_gmem_to_smem(v_ref.at[keys], v_smem, res_full.at[wg])
-            if fused_dq:
+            if wgmma_sums:
                 plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], res_full.at[wg])
             lk = plgpu.load(lk_ref.at[bi, head, pl.ds(k0, bk)], (), layout=row_layout, optimized=False)
             sk = None if sk_ref is None else plgpu.load(sk_ref.at[bi, pl.ds(k0, bk)], (), layout=row_layout,
@@ -1050,8 +1079,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 dk_acc, dv_acc, dlk = carry
 
                 k_res, v_res = k_smem, v_smem
-                if fused_dq:  # K's and V's descriptors made in the loop, not held in registers across it
-                    w = _opaque(wg)
+                w = _opaque(wg) if fused_dq or pingpong else wg  # descriptors made in the loop, not held across it
+                if fused_dq:  # K's and V's too
                     k_res, v_res = k_smem2.at[w], v_smem2.at[w]
                 kq = (k_res, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
                 if pingpong:
@@ -1080,15 +1109,21 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
 
                     if own_keys:
                         return own_keys_dk_dq(m, slot, dst.astype(dtype), dk_acc, dv_acc, dlk)
+                    dst16 = dst.astype(dtype)
 
-                    def dsq(acc_ref):
-                        plgpu.wgmma(acc_ref, dst.astype(dtype), q_smem.at[slot])
+                    def dsq(refs):
+                        dk_ref_, *sums_ref = refs
+                        plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
+                        if wgmma_sums:  # Σ_i dS_ij as dSᵀ times a column of ones (``dlk`` (bk, 8))
+                            plgpu.wgmma(sums_ref[0], dst16, plgpu.transpose_ref(ones_smem.at[w], (1, 0)))
 
-                    dk_acc = pl.run_state(dsq)(plgpu.ACC.init(dk_acc))
-                    return dk_acc, dv_acc, dlk - dst.sum(axis=1)
+                    if not wgmma_sums:
+                        return pl.run_state(dsq)((plgpu.ACC.init(dk_acc),))[0], dv_acc, dlk - dst.sum(axis=1)
+                    dk_acc, dlk = pl.run_state(dsq)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dlk)))
+                    return dk_acc, dv_acc, dlk
 
                 dst = pt * (dpt - _col(dl, shape))
-                if fused_dq:  # the key-side sums below, from the same bf16 dSᵀ as the query side's
+                if wgmma_sums:  # the key-side sums below (with fused_dq: the same bf16 dSᵀ as the query side's)
                     pt16, dst16 = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype)))
                 else:
                     pt16, dst16, dlk = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype),
@@ -1102,17 +1137,18 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     dv_ref_, dk_ref_, *sums_ref = refs
                     plgpu.wgmma(dv_ref_, pt16, do_smem.at[slot])
                     plgpu.wgmma(dk_ref_, dst16, q_smem.at[slot])
-                    if fused_dq:  # Σ_i dS_ij as dSᵀ times a column of ones: the bf16 values the query side sums,
-                        # so the two cancel in dlog f's reverse cumsum as the two kernels' float32 sums do
+                    if wgmma_sums:  # Σ_i dS_ij as dSᵀ times a column of ones: the bf16 values the query side sums,
+                        # so the two cancel in dlog f's reverse cumsum as float32 sums of float32 values would
                         plgpu.wgmma(sums_ref[0], dst16, plgpu.transpose_ref(ones_smem.at[w], (1, 0)))
 
                 accs = (plgpu.ACC.init(dv_acc), plgpu.ACC.init(dk_acc))
-                if fused_dq:  # the key sums accumulate across the steps (``dlk``: (bk, 8), column 0's)
+                if wgmma_sums:  # the key sums accumulate across the steps (``dlk``: (bk, 8), column 0's)
                     accs += (plgpu.ACC.init(dlk),)
                 dv_acc, dk_acc, *key_sums = pl.run_state(dv_dk)(accs)
+                if wgmma_sums:
+                    dlk, = key_sums
                 if fused_dq:  # the slot's Q and dO are read: the loader may refill it while dQ is added
                     plgpu.barrier_arrive(free.at[slot])
-                    dlk, = key_sums
                     add_dq(m)
                 return dk_acc, dv_acc, dlk
 
@@ -1154,9 +1190,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     add_dq(m)
 
             acc0 = plgpu.layout_cast(jnp.zeros((bk, d), jnp.float32), plgpu.Layout.WGMMA)
-            # −Σ_i dS_ij; fused_dq: +Σ_i dS_ij in column 0 of a (bk, 8) wgmma accumulator, negated at the end
-            dl0 = plgpu.layout_cast(jnp.zeros((bk, 8) if fused_dq else (bk,), jnp.float32),
-                                    plgpu.Layout.WGMMA if fused_dq else row_layout)
+            # −Σ_i dS_ij; wgmma_sums: +Σ_i dS_ij in column 0 of a (bk, 8) wgmma accumulator, negated at the end
+            dl0 = plgpu.layout_cast(jnp.zeros((bk, 8) if wgmma_sums else (bk,), jnp.float32),
+                                    plgpu.Layout.WGMMA if wgmma_sums else row_layout)
             phases = [(m_begin, m_tile, True)] if always_mask else [
                 (m_begin, u_lo, True), (u_lo, u_hi, False), (u_hi, m_tile, True)]
             if pingpong:
@@ -1172,7 +1208,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             k_smem[...] = (dk_acc * float(scale)).astype(dtype)
             v_smem[...] = dv_acc.astype(dtype)
             out_smem = out_smem2.at[wg]
-            out_smem[...] = -dlk.sum(axis=1) if fused_dq else dlk
+            out_smem[...] = -dlk.sum(axis=1) if wgmma_sums else dlk
             plgpu.commit_smem()
             out_rows = (bi, pl.ds(k0, bk), head)
             plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[out_rows])
@@ -1209,12 +1245,12 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
             # fused_dq: dSᵀ of two consecutive blocks per warpgroup (of one with own_keys); per warpgroup a column
             # of ones (stored transposed: 8 × bk, row 0 ones), the query-side sums and the float32 dQ columns
             plgpu.SMEM((2, 2 if halves else 1, bk, bq), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
-            plgpu.SMEM((2, 8, bk), dtype, transforms=_swizzled(k_cols)) if fused_dq else None,
+            plgpu.SMEM((2, 8, bq), dtype, transforms=_swizzled(k_cols)) if wgmma_sums else None,
             plgpu.SMEM((2, bq), jnp.float32) if fused_dq else None,
             plgpu.SMEM((2, bq, dh), jnp.float32, transforms=(plgpu.TilingTransform((8, 32)),
                                                               plgpu.SwizzleTransform(128))) if fused_dq else None,
         )
-        barriers = (plgpu.Barrier(num_arrivals=3 if fused_dq else 2, num_barriers=2),  # K, V (and the ones)
+        barriers = (plgpu.Barrier(num_arrivals=3 if wgmma_sums else 2, num_barriers=2),  # K, V (and the ones)
                     plgpu.Barrier(num_arrivals=5 if segments else 4, num_barriers=stages),
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
@@ -1226,14 +1262,15 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
     out_type = (out, out, jax.ShapeDtypeStruct((b, h, tk), jnp.float32))
     mesh = dict(grid=(h, tk // (2 * bk), b), grid_names=("heads", "k_tiles", "batch"), num_threads=3,
                 thread_name="wg")
+    if wgmma_sums:
+        args.append(_ones(bq, dtype))
     if not fused_dq:
         return plgpu.kernel(entry, out_type=out_type, compiler_params=_params(), **mesh)(*args)
     # the zeroed accumulators the kernel adds into: Refs, passed aliased in and out (``pl.kernel``)
     dq_acc = jax.new_ref(jnp.zeros((b, tq, h, d), jnp.float32))
     dlq_acc = jax.new_ref(jnp.zeros((b, h, tq), jnp.float32))
-    ones = jnp.zeros((8, bk), dtype).at[0].set(1)  # dSᵀ's query-side sums as a wgmma: Σ_j dS_ij = (dS·1)_i
     dk, dv, dlk = pl.kernel(entry, out_type=out_type, mesh=plgpu.Mesh(**mesh), compiler_params=_params())(
-        *args, ones, dq_acc, dlq_acc)
+        *args, dq_acc, dlq_acc)
     return dk, dv, dlk, dq_acc[...] * float(scale), dlq_acc[...]
 
 
@@ -1296,7 +1333,7 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
         seg_k = _pad_axis(segment_ids.astype(jnp.int32), 1, tk_pad, value=-2)
     ss = seq_start.astype(jnp.int32)
     common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size,
-                  pingpong=config.bwd_pingpong)
+                  pingpong=config.bwd_pingpong, wgmma_sums=SUMS_BY_WGMMA)
     dkv_lo, dkv_hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
     dkv_heads = head_order(*dkv_ranges, group=h // hkv)
     if config.bwd_fused_dq:  # dQ from the dK/dV kernel (MosaicConfig.bwd_fused_dq): no dQ kernel

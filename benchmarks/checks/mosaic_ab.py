@@ -2,7 +2,7 @@
 with ``adaptive_threshold="auto"`` (or dense, ``--dense``) on bench_attention's gates (head h's gate logits centred
 on 6·h / (H − 1): the long-memory heads last). Each variant is the kernels (``base``) with one choice changed, timed
 alternating with ``base`` (A B A B); the rows keep every time. The scheduling variants give the same output bitwise
-(the choices only move work in time); ``fused_dq`` changes dQ's summation order.
+(the choices only move work in time); ``fused_dq`` changes dQ's summation order, ``wgmma_sums`` dlog f's.
 
 Variants:
   heads_in_order    the grid runs the heads in order, not in decreasing work (``head_order`` → None)
@@ -21,6 +21,9 @@ Variants:
   dq_kernel         the dQ kernel (``bwd_fused_dq=False``; D64's default, and D128's with jax 0.10)
   fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
                     same as ``fused_dq``)
+  wgmma_sums        the two backward kernels' decay-gradient sums by wgmma (``SUMS_BY_WGMMA``; where dQ comes from
+                    the dK/dV kernel, as at D128 from 4096 rows, it sums that way already: the same kernels); not
+                    bitwise in dlog f: the sums are of the bf16 dS
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -88,6 +91,7 @@ PATCHES = {
     "fused_dq_halves": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=True))],
     "fused_dq_own_keys": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=False))],
     "dq_kernel": [("mosaic_backward", lambda backward: _dq_from(backward, fused=False))],
+    "wgmma_sums": [("SUMS_BY_WGMMA", lambda original: True)],
 }
 
 
