@@ -166,6 +166,13 @@ FUSED_DQ_MIN_QUERIES = 4096
 # cancel in dlog f's reverse cumsum. Built 2026-12-07 offline; not yet timed on a GPU (``checks/mosaic_ab.py
 # --variants wgmma_sums``), so off.
 SUMS_BY_WGMMA = False
+# dP − Δ (dS = P ∘ (dP − Δ)) as the wgmma that adds dO·Vᵀ to an accumulator holding −Δ (the kernels take −Δ), in
+# place of a zeroed accumulator (whose 32 register moves a thread ptxas left in the dQ kernel's step) and a
+# subtraction per score: at D64, with ``SUMS_BY_WGMMA``, the unmasked steps 302 → 269 (dQ) and 332 → 290 (dK/dV)
+# SASS instructions, no spills (ptxas for sm_90a). Not in the fused dQ's halves form (the D128 default from 4096
+# rows), whose loop it made spill. Rounding: the tensor core's float32 accumulation instead of one float32
+# subtraction. Built 2026-12-07 offline; not yet timed (``checks/mosaic_ab.py --variants lean_step``), so off.
+DELTA_IN_ACCUMULATOR = False
 
 
 def deterministic_ops_requested() -> bool:
@@ -229,18 +236,23 @@ def _col(x, shape):
     return lax.broadcast_in_dim(x, shape, [1])
 
 
-def _products(shape, pairs, take_turn=None):
+def _products(shape, pairs, take_turn=None, last_init=None):
     """A·Bᵀ for each (A, B) of ``pairs`` (shared-memory refs), issued as one wgmma group into float32
     accumulators of ``shape`` and read back in the WGMMA layout; ``take_turn()`` (the ping-pong's turn) runs
-    between issuing and waiting. Returns one value per pair."""
+    between issuing and waiting; ``last_init``: the last pair's accumulator's initial value (WGMMA layout; None:
+    zeros), which its product is added to. Returns one value per pair."""
     def issue(*accs):
         for acc, (a, b) in zip(accs, pairs):
             plgpu.wgmma(acc, a, plgpu.transpose_ref(b, (1, 0)))
         if take_turn is not None:
             take_turn()
-        return tuple(acc[...] for acc in accs)
 
-    return pl.run_scoped(issue, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+    if last_init is None:
+        return pl.run_scoped(lambda *accs: (issue(*accs), tuple(acc[...] for acc in accs))[1],
+                             *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+    zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
+    return pl.run_state(lambda accs: issue(*accs))(
+        tuple(plgpu.ACC.init(zeros) for _ in pairs[1:]) + (plgpu.ACC.init(last_init),))
 
 
 STATIC_FRAME_RANGE = 90.0  # log2 units: the frame may sit at most this far above a row's diagonal logit
@@ -777,18 +789,19 @@ def _params():
     return plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane)
 
 
-def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
+def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, neg_delta, kv_lo, kv_hi, seq_start, seg_q, seg_k, *,
                              offset: int, scale: float, block_q: int, block_k: int, stages: int,
                              window_size: int | None = None, pingpong: bool = False, heads=None,
-                             wgmma_sums: bool = False):
+                             wgmma_sums: bool = False, delta_in_acc: bool = False):
     """dQ and the query-side decay gradient Σ_j dS_ij on padded arrays.
 
     Args:
       as ``mosaic_flash_forward``, plus do [B, Tq, H, D] (q.dtype); lq_lse2 [B, H, Tq] float32: the query rows'
       Λ minus their lse, base 2 (Λ·log2 e − lse·log2 e; −inf on empty rows), in place of the forward's lam_q2;
-      delta [B, H, Tq] float32 (rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)] the key-block ranges at
-      the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``; heads: as the forward's;
-      wgmma_sums: ``SUMS_BY_WGMMA`` (Σ_j dS_ij of the bf16 dS, by the tensor cores).
+      neg_delta [B, H, Tq] float32 (−Δ = −rowsum(o·do)); kv_lo, kv_hi [B, H, Tq / (2·block_q)] the key-block
+      ranges at the tiling (2·block_q, block_k); pingpong: ``MosaicConfig.bwd_pingpong``; heads: as the forward's;
+      wgmma_sums: ``SUMS_BY_WGMMA`` (Σ_j dS_ij of the bf16 dS, by the tensor cores); delta_in_acc:
+      ``DELTA_IN_ACCUMULATOR`` (dP − Δ from the wgmma that adds dO·Vᵀ to −Δ).
     Returns:
       dq [B, Tq, H, D] in q.dtype and dΛ_q [B, H, Tq] float32.
     """
@@ -829,7 +842,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                 plgpu.copy_gmem_to_smem(ones_ref, ones_smem.at[wg], res_full.at[wg])
             vec = (bi, head, pl.ds(q_base, bq))
             lq = plgpu.load(lq_ref.at[vec], (), layout=row_layout, optimized=False)  # Λ − lse, base 2
-            dl = plgpu.load(dl_ref.at[vec], (), layout=row_layout, optimized=False)
+            neg_dl = plgpu.load(dl_ref.at[vec], (), layout=row_layout, optimized=False)  # −Δ
             sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
                                                          optimized=False)
             ss = ss_ref[bi]
@@ -844,8 +857,10 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                 dq_acc, dlq = carry
 
                 qk, dov = (q_smem, k_smem.at[slot]), (do_smem, v_smem.at[slot])  # S = Q·Kᵀ, dP = dO·Vᵀ
+                neg_dl_tile = _row(neg_dl, shape)  # delta_in_acc: dP's initial value, dP − Δ_i from the wgmma
                 if pingpong:
-                    s, dp = _products(shape, [qk, dov], take_turn)
+                    s, dp_less_delta = _products(shape, [qk, dov], take_turn,
+                                                 last_init=neg_dl_tile if delta_in_acc else None)
                 else:
                     s, = _products(shape, [qk])
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
@@ -858,8 +873,10 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                                   s, -jnp.inf)
                 p = jnp.exp2(s)
                 if not pingpong:  # dP after P: each warpgroup at its own pace
-                    dp, = _products(shape, [dov])
-                ds = p * (dp - _row(dl, shape))
+                    dp_less_delta, = _products(shape, [dov], last_init=neg_dl_tile if delta_in_acc else None)
+                if not delta_in_acc:
+                    dp_less_delta = dp_less_delta + neg_dl_tile
+                ds = p * dp_less_delta
                 if wgmma_sums:  # Σ_j dS_ij: dS times a column of ones, in dQ's wgmma group (``dlq`` (bq, 8))
                     ds16 = ds.astype(dtype)
                 else:
@@ -931,7 +948,7 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    args = [q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, seq_start, _heads(heads, h)]
+    args = [q, k, v, do, lq_lse2, lam_k2, neg_delta, kv_lo, kv_hi, seq_start, _heads(heads, h)]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_q, seg_k, bq, bk)]
     if wgmma_sums:
@@ -944,10 +961,10 @@ def mosaic_flash_backward_dq(q, k, v, do, lq_lse2, lam_k2, delta, kv_lo, kv_hi, 
     )(*args)
 
 
-def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
+def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_hi, seq_start, seg_q, seg_k, *,
                               offset: int, scale: float, block_q: int, block_k: int, stages: int,
                               window_size: int | None = None, pingpong: bool = False, heads=None,
-                              fused_dq: bool = False, wgmma_sums: bool = False):
+                              fused_dq: bool = False, wgmma_sums: bool = False, delta_in_acc: bool = False):
     """dK, dV per query head and the key-side decay gradient −Σ_i dS_ij on padded arrays; with ``fused_dq`` dQ too.
 
     Args:
@@ -958,7 +975,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
       dQ's columns, dS·K over both warpgroups' keys (the turns order the exchange of dSᵀ), and without it each
       adds all of dQ's columns over its own keys in the step itself (two adds per block, no turns); either to a
       float32 accumulator in global memory with a TMA reduce-add store (the scale applied once, to the sum);
-      wgmma_sums: ``SUMS_BY_WGMMA`` (Σ_i dS_ij of the bf16 dSᵀ, by the tensor cores; always with ``fused_dq``).
+      wgmma_sums: ``SUMS_BY_WGMMA`` (Σ_i dS_ij of the bf16 dSᵀ, by the tensor cores; always with ``fused_dq``);
+      delta_in_acc: ``DELTA_IN_ACCUMULATOR`` (dPᵀ − Δ from the wgmma that adds V·dOᵀ to −Δ; not in the halves form).
     Returns:
       dk, dv [B, Tk, H, D] in k.dtype, per *query* head (GQA: the caller sums each group), and
       dΛ_k [B, H, Tk] float32; with ``fused_dq`` also dq [B, Tq, H, D] and dΛ_q [B, H, Tq] float32, summed over
@@ -1083,12 +1101,20 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                 if fused_dq:  # K's and V's too
                     k_res, v_res = k_smem2.at[w], v_smem2.at[w]
                 kq = (k_res, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
+                def neg_dl_tile():  # −Δ as columns, loaded where it is used (before the products: more registers)
+                    return _col(plgpu.load(dl_smem.at[slot], (), layout=col_layout), shape)
+
+                # delta_in_acc: −Δ as dPᵀ's initial value, dPᵀ − Δ from the wgmma (not with halves: there it made
+                # the fused loop spill at D128, ptxas for sm_90a)
+                in_acc = delta_in_acc and not halves
                 if pingpong:
-                    st, dpt = _products(shape, [kq, (v_res, do_smem.at[slot])], take_turn)
+                    st, dpt_less_delta = _products(shape, [kq, (v_res, do_smem.at[slot])], take_turn,
+                                                   last_init=neg_dl_tile() if in_acc else None)
+                    if not in_acc:
+                        dpt_less_delta = dpt_less_delta + neg_dl_tile()
                 else:
                     st, = _products(shape, [kq])
                 lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)  # Λ − lse, base 2
-                dl = plgpu.load(dl_smem.at[slot], (), layout=col_layout)
                 st = st * qk_scale + _col(lq, shape) - _row(lk, shape)
                 if masked:
                     c = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA) + k0
@@ -1104,8 +1130,11 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                         plgpu.wgmma(dpt_ref, v_res, plgpu.transpose_ref(do_smem.at[slot], (1, 0)))
 
                     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
-                    dv_acc, dpt = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc), plgpu.ACC.init(zeros)))
-                    dst = pt * (dpt - _col(dl, shape))
+                    dv_acc, dpt_less_delta = pl.run_state(dv_dp)((plgpu.ACC.init(dv_acc),
+                                                                  plgpu.ACC.init(neg_dl_tile() if in_acc else zeros)))
+                    if not in_acc:
+                        dpt_less_delta = dpt_less_delta + neg_dl_tile()
+                    dst = pt * dpt_less_delta
 
                     if own_keys:
                         return own_keys_dk_dq(m, slot, dst.astype(dtype), dk_acc, dv_acc, dlk)
@@ -1122,7 +1151,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     dk_acc, dlk = pl.run_state(dsq)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dlk)))
                     return dk_acc, dv_acc, dlk
 
-                dst = pt * (dpt - _col(dl, shape))
+                dst = pt * dpt_less_delta
                 if wgmma_sums:  # the key-side sums below (with fused_dq: the same bf16 dSᵀ as the query side's)
                     pt16, dst16 = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype)))
                 else:
@@ -1255,7 +1284,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, s
                     plgpu.Barrier(num_arrivals=2, num_barriers=stages)) + ((plgpu.Barrier(num_arrivals=2),) if pingpong else ())
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smem, barriers, collective_axes="wg")
 
-    args = [q, k, v, do, lq_lse2, lam_k2, delta, q_lo, q_hi, seq_start, _heads(heads, h)]
+    args = [q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_hi, seq_start, _heads(heads, h)]
     if segments:
         args += [seg_q, seg_k, *document_runs(seg_k, seg_q, bk, bq)]
     out = jax.ShapeDtypeStruct((b, tk, h, d), dtype)
@@ -1323,8 +1352,8 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
     lam2 = lam.astype(jnp.float32).transpose(0, 2, 1) * LOG2E
     lam_q2 = _pad_axis(lam2[:, :, tk - tq:], 2, tq_pad, edge=True)
     lam_k2 = _pad_axis(lam2, 2, tk_pad, edge=True)
-    delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
-    delta = _pad_axis(delta, 2, tq_pad)
+    neg_delta = -jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))  # −Δ
+    neg_delta = _pad_axis(neg_delta, 2, tq_pad)
     lse2 = _pad_axis(jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf), 2, tq_pad, value=jnp.inf)
     lq_lse2 = lam_q2 - lse2  # the row term of P = exp2(s·scale·log2 e + Λ_i·log2 e − Λ_j·log2 e − lse_i·log2 e)
     seg_q = seg_k = None
@@ -1333,25 +1362,25 @@ def mosaic_backward(q, k, v, lam, seq_start, segment_ids, dq_ranges, dkv_ranges,
         seg_k = _pad_axis(segment_ids.astype(jnp.int32), 1, tk_pad, value=-2)
     ss = seq_start.astype(jnp.int32)
     common = dict(offset=tk - tq, scale=scale, block_q=bq, block_k=bk, stages=stages, window_size=window_size,
-                  pingpong=config.bwd_pingpong, wgmma_sums=SUMS_BY_WGMMA)
+                  pingpong=config.bwd_pingpong, wgmma_sums=SUMS_BY_WGMMA, delta_in_acc=DELTA_IN_ACCUMULATOR)
     dkv_lo, dkv_hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tk_pad // (2 * bk))) for x in dkv_ranges)
     dkv_heads = head_order(*dkv_ranges, group=h // hkv)
     if config.bwd_fused_dq:  # dQ from the dK/dV kernel (MosaicConfig.bwd_fused_dq): no dQ kernel
         per_head = dkv_heads is not None  # the ranges differ per head: run the heads in decreasing work
 
-        def fused(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k):  # the batch axis leading
+        def fused(qp, kp, vp, dop, lq_lse2, lam_k2, neg_delta, lo, hi, ss, seg_q, seg_k):  # the batch axis leading
             heads = head_order(lo, hi, group=h // hkv) if per_head else None  # under vmap: over the folded batch
-            return mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
+            return mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, neg_delta, lo, hi, ss, seg_q, seg_k,
                                              **common, heads=heads, fused_dq=True)
 
-        dk, dv, dlam_k, dq, dlam_q = _batch_folded(fused)(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss,
-                                                          seg_q, seg_k)
+        dk, dv, dlam_k, dq, dlam_q = _batch_folded(fused)(qp, kp, vp, dop, lq_lse2, lam_k2, neg_delta, dkv_lo, dkv_hi,
+                                                          ss, seg_q, seg_k)
     else:
         lo, hi = (jnp.broadcast_to(x.astype(jnp.int32), (b, h, tq_pad // (2 * bq))) for x in dq_ranges)
-        dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, delta, lo, hi, ss, seg_q, seg_k,
+        dq, dlam_q = mosaic_flash_backward_dq(qp, kp, vp, dop, lq_lse2, lam_k2, neg_delta, lo, hi, ss, seg_q, seg_k,
                                               **common, heads=head_order(*dq_ranges, group=h // hkv))
-        dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, delta, dkv_lo, dkv_hi, ss, seg_q,
-                                                   seg_k, **common, heads=dkv_heads)
+        dk, dv, dlam_k = mosaic_flash_backward_dkv(qp, kp, vp, dop, lq_lse2, lam_k2, neg_delta, dkv_lo, dkv_hi, ss,
+                                                   seg_q, seg_k, **common, heads=dkv_heads)
     dq, dk, dv = dq[:, :tq, :, :d].astype(q.dtype), dk[:, :tk, :, :d], dv[:, :tk, :, :d]
     if h != hkv:  # GQA: sum the query heads of each key/value head in float32
         dk = dk.astype(jnp.float32).reshape(b, tk, hkv, h // hkv, d).sum(axis=3)

@@ -482,18 +482,20 @@ def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, s
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window", [
-    pytest.param(2, 1500, 4, 2, 64, (0, 333), (500, 1200), "auto", None, id="T1500-D64-gqa-seqstart-docs-acp"),
-    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, id="T1500-D96-pingpong-gqa-seqstart-docs"),
-    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, id="T1000-D128-pingpong-window"),
+@pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window,delta_in_acc", [
+    pytest.param(2, 1500, 4, 2, 64, (0, 333), (500, 1200), "auto", None, True, id="T1500-D64-gqa-seqstart-docs-acp"),
+    pytest.param(2, 1500, 4, 2, 96, (0, 333), (500, 1200), None, None, True,
+                 id="T1500-D96-pingpong-gqa-seqstart-docs"),
+    pytest.param(1, 1000, 2, 2, 128, None, None, None, 300, False, id="T1000-D128-pingpong-window-sums-only"),
 ])
-def test_gpu_mosaic_wgmma_sums_match_the_float32_sums(monkeypatch, b, t, h, hkv, d, seq_start, segments, threshold,
-                                                       window):
-    """``SUMS_BY_WGMMA`` (the two backward kernels' decay-gradient sums of the bf16 dS by the tensor cores) against
-    the float32 row sums and the float32 oracle, with and without the ping-pong (D64: off, D96 and D128: on):
-    dQ, dK and dV are the same kernels' products (bitwise equal), and dlog f stays within the bf16 tolerance of
-    ``_TOL`` — the case that would show sums that do not cancel in its reverse cumsum (T1500 D96 with documents
-    and seq_start: 3.4% of the scale at t = 0 when one side's sums were missing)."""
+def test_gpu_mosaic_lean_step_matches_the_plain_step(monkeypatch, b, t, h, hkv, d, seq_start, segments, threshold,
+                                                     window, delta_in_acc):
+    """The two backward kernels with ``SUMS_BY_WGMMA`` (the decay-gradient sums of the bf16 dS by the tensor cores)
+    and ``DELTA_IN_ACCUMULATOR`` (dP − Δ from a wgmma into −Δ) against the plain step and the float32 oracle, with
+    and without the ping-pong (D64: off, D96 and D128: on). With the sums alone dQ, dK and dV are the same products
+    (bitwise equal); every gradient stays within the bf16 tolerance of ``_TOL`` — dlog f is the one that would show
+    sums that do not cancel in its reverse cumsum (T1500 D96 with documents and seq_start: 3.4% of the scale at
+    t = 0 when one side's sums were missing)."""
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
     q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d + 1)
@@ -503,8 +505,9 @@ def test_gpu_mosaic_wgmma_sums_match_the_float32_sums(monkeypatch, b, t, h, hkv,
     cfg = dataclasses.replace(fpallas.resolve_config(d, t, t), mosaic=dataclasses.replace(
         default_mosaic_config(64 if d <= 64 else 128), bwd_fused_dq=False))
 
-    def run(by_wgmma):
-        monkeypatch.setattr(mgpu, "SUMS_BY_WGMMA", by_wgmma)
+    def run(lean):
+        monkeypatch.setattr(mgpu, "SUMS_BY_WGMMA", lean)
+        monkeypatch.setattr(mgpu, "DELTA_IN_ACCUMULATOR", lean and delta_in_acc)
         return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
             q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
             config=cfg, window_size=window), q, k, v, lf, w)
@@ -516,8 +519,9 @@ def test_gpu_mosaic_wgmma_sums_match_the_float32_sums(monkeypatch, b, t, h, hkv,
         f32(q), f32(k), f32(v), lf, w)
     np.testing.assert_array_equal(np.asarray(f32(o)), np.asarray(f32(o_f)))
     for name, g, g_f, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_f, grads_ref):
-        if name != "dlog_fgate":
+        if name != "dlog_fgate" and not delta_in_acc:
             np.testing.assert_array_equal(np.asarray(f32(g)), np.asarray(f32(g_f)), err_msg=name)
+        _assert_close(name + " vs the plain step", g, g_f, _TOL[jnp.bfloat16][1])
         _assert_close(name, g, gr, _TOL[jnp.bfloat16][1])
 
 
@@ -681,14 +685,15 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     shape = (1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
     base = _lower_op(*shape, acp=True)
     state = lambda: (mgpu.head_order, mgpu.plgpu, dict(mgpu.REGISTERS), mgpu.mosaic_backward,  # noqa: E731
-                     mgpu.SUMS_BY_WGMMA)
+                     mgpu.SUMS_BY_WGMMA, mgpu.DELTA_IN_ACCUMULATOR)
     originals = state()
     d64 = shape[:5] + (64, jnp.bfloat16)  # dkv_regs_240 is D128's default; three fused stages fit at D64 only
     lowered = {}
     for variant in mosaic_ab.PATCHES:
         if variant == "dq_kernel" and not mgpu.FUSED_DQ_BY_DEFAULT:
             continue  # the dQ kernel is then the default at both head dims (checked below)
-        at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "wgmma_sums")
+        at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "wgmma_sums", "delta_in_acc",
+                  "lean_step")
         s = d64 if variant in at_d64 else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):
@@ -697,9 +702,9 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
         assert state() == originals, variant
     assert lowered["fused_dq_3stages"] != lowered["fused_dq"] != lowered["fused_dq_halves"]  # D64: own keys, halves
     two_kernels = dataclasses.replace(default_mosaic_config(128), bwd_fused_dq=False)  # with the ping-pong
-    with mosaic_ab.patched("wgmma_sums"):  # (D64's default has none; the fused dQ sums by wgmma already)
-        sums = _lower_op(*shape, acp=True, config=two_kernels)
-    assert sums != _lower_op(*shape, acp=True, config=two_kernels)
+    with mosaic_ab.patched("lean_step"):  # (D64's default has none; the fused dQ sums by wgmma already)
+        lean = _lower_op(*shape, acp=True, config=two_kernels)
+    assert lean != _lower_op(*shape, acp=True, config=two_kernels)
     with pytest.raises(RuntimeError), mosaic_ab.patched("dkv_regs_232"):
         raise RuntimeError
     assert state() == originals

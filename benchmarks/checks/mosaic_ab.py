@@ -2,7 +2,8 @@
 with ``adaptive_threshold="auto"`` (or dense, ``--dense``) on bench_attention's gates (head h's gate logits centred
 on 6·h / (H − 1): the long-memory heads last). Each variant is the kernels (``base``) with one choice changed, timed
 alternating with ``base`` (A B A B); the rows keep every time. The scheduling variants give the same output bitwise
-(the choices only move work in time); ``fused_dq`` changes dQ's summation order, ``wgmma_sums`` dlog f's.
+(the choices only move work in time); ``fused_dq`` changes dQ's summation order, ``wgmma_sums`` dlog f's,
+``delta_in_acc`` dS's rounding.
 
 Variants:
   heads_in_order    the grid runs the heads in order, not in decreasing work (``head_order`` → None)
@@ -24,6 +25,9 @@ Variants:
   wgmma_sums        the two backward kernels' decay-gradient sums by wgmma (``SUMS_BY_WGMMA``; where dQ comes from
                     the dK/dV kernel, as at D128 from 4096 rows, it sums that way already: the same kernels); not
                     bitwise in dlog f: the sums are of the bf16 dS
+  delta_in_acc      dP − Δ from a wgmma into −Δ, no subtraction per score (``DELTA_IN_ACCUMULATOR``; not in the
+                    fused dQ's halves form); not bitwise: the tensor core's accumulation rounds it
+  lean_step         ``wgmma_sums`` and ``delta_in_acc`` together
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -92,6 +96,8 @@ PATCHES = {
     "fused_dq_own_keys": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=False))],
     "dq_kernel": [("mosaic_backward", lambda backward: _dq_from(backward, fused=False))],
     "wgmma_sums": [("SUMS_BY_WGMMA", lambda original: True)],
+    "delta_in_acc": [("DELTA_IN_ACCUMULATOR", lambda original: True)],
+    "lean_step": [("SUMS_BY_WGMMA", lambda original: True), ("DELTA_IN_ACCUMULATOR", lambda original: True)],
 }
 
 
