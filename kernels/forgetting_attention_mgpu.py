@@ -198,24 +198,30 @@ def default_mosaic_config(head_dim: int, q_len: int | None = None) -> MosaicConf
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
-    """Shared memory of the largest of the kernels (forward: q tiles, k/v slots, Λ/segment slots, lse;
-    backward: two resident tiles per warpgroup, two streamed tiles per slot, vectors)."""
-    fwd = (2 * config.block_q * head_dim * itemsize + 2 * config.stages * config.block_k * head_dim * itemsize
-           + 2 * config.stages * config.block_k * 4 + 2 * config.block_q * 4)
+    """Shared memory of the largest of the kernels, allocation by allocation as the kernels ask for it (with segment
+    ids), each rounded up to ``SMEM_ALIGNMENT`` as Pallas places them; the barriers (a few hundred bytes) not
+    counted. Forward: q tiles, k/v slots, Λ/segment slots, lse; backward: two resident tiles per warpgroup, two
+    streamed tiles per slot, vectors (and the fused dQ's or ``SUMS_BY_WGMMA``'s tiles)."""
+    def alloc(*sizes):
+        return sum(_round_up(size, SMEM_ALIGNMENT) for size in sizes)
+
+    d, w = head_dim, itemsize
+    bq, bk, st = config.block_q, config.block_k, config.stages
+    fwd = alloc(2 * bq * d * w, st * bk * d * w, st * bk * d * w, st * bk * 4, st * bk * 4, 2 * bq * 4)
     if not config.backward:
         return fwd
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
-    dq = 2 * 2 * bq * head_dim * itemsize + 2 * st * bk * head_dim * itemsize + 2 * st * bk * 4 + 2 * bq * 4
-    dkv = 2 * 2 * bk * head_dim * itemsize + 2 * st * bq * head_dim * itemsize + 3 * st * bq * 4 + 2 * bk * 4
-    if SUMS_BY_WGMMA or config.bwd_fused_dq:  # per warpgroup a column of ones (stored as 8 rows)
-        dq, dkv = dq + 2 * 8 * bk * itemsize, dkv + 2 * 8 * bq * itemsize
-    if config.bwd_fused_dq:  # per warpgroup dSᵀ of two blocks (ping-pong; else one), query sums, dQ's columns
-        halves = config.bwd_pingpong
-        dq_cols = head_dim // 2 if halves else head_dim
-        dkv += 2 * (2 if halves else 1) * bk * bq * itemsize + 2 * bq * 4 * (1 + dq_cols)
-    return max(fwd, dkv) if config.bwd_fused_dq else max(fwd, dq, dkv)
+    fused, halves = config.bwd_fused_dq, config.bwd_fused_dq and config.bwd_pingpong
+    dq = alloc(2 * bq * d * w, 2 * bq * d * w, st * bk * d * w, st * bk * d * w, st * bk * 4, st * bk * 4,
+               2 * bq * 4, 2 * 8 * bk * w if SUMS_BY_WGMMA else 0)
+    dkv = alloc(2 * bk * d * w, 2 * bk * d * w, st * bq * d * w, st * bq * d * w, st * bq * 4, st * bq * 4,
+                st * bq * 4, 2 * bk * 4, 2 * 8 * bq * w if SUMS_BY_WGMMA or fused else 0)
+    if fused:  # per warpgroup dSᵀ of two blocks (ping-pong; else one), the query sums, dQ's float32 columns
+        dkv += alloc(2 * (2 if halves else 1) * bk * bq * w, 2 * bq * 4, 2 * bq * (d // 2 if halves else d) * 4)
+    return max(fwd, dkv) if fused else max(fwd, dq, dkv)
 
 
+SMEM_ALIGNMENT = 1024  # bytes: where Pallas Mosaic GPU places each shared-memory allocation
 SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
 
 # setmaxnreg budgets per kernel and padded head dim, (each compute warpgroup, the memory warpgroup): a CTA of 384

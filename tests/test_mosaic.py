@@ -225,6 +225,12 @@ def test_config_checks_and_smem_budget(monkeypatch):
     assert MosaicConfig().dq_tiling == (128, 64) and MosaicConfig().dkv_tiling == (64, 128)
     for d in (64, 128):
         assert mgpu.smem_bytes(default_mosaic_config(d), d) <= mgpu.SMEM_LIMIT
+        monkeypatch.setattr(mgpu, "SUMS_BY_WGMMA", True)  # (its ones tiles fit too)
+        assert mgpu.smem_bytes(dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=False), d) <= mgpu.SMEM_LIMIT
+        monkeypatch.undo()
+    # each allocation from a 1 KiB boundary: the forward at D64 holds q 16 KiB, k and v 32 KiB each, and Λ, the
+    # segment ids (1 KiB each) and lse (512 B, counted as 1 KiB)
+    assert mgpu.smem_bytes(MosaicConfig(backward=False), 64) == (16 + 64 + 3) * 1024
     # the backward's ping-pong where it was measured faster (D128), not at D64 (slower there)
     assert default_mosaic_config(128).bwd_pingpong and not default_mosaic_config(64).bwd_pingpong
     with pytest.raises(ValueError, match="bwd_pingpong"):
