@@ -1103,8 +1103,9 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_h
                 dk_acc, dv_acc, dlk = carry
 
                 k_res, v_res = k_smem, v_smem
-                w = _opaque(wg) if fused_dq or pingpong else wg  # descriptors made in the loop, not held across it
-                if fused_dq:  # K's and V's too
+                # the ones' (fused: and K's, V's) descriptors made in the loop, not held across it (registers)
+                w = _opaque(wg) if fused_dq or (pingpong and wgmma_sums) else wg
+                if fused_dq:
                     k_res, v_res = k_smem2.at[w], v_smem2.at[w]
                 kq = (k_res, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
                 def neg_dl_tile():  # −Δ as columns, loaded where it is used (before the products: more registers)
