@@ -438,6 +438,31 @@ def test_gpu_mosaic_static_frame_equals_the_running_max(q_scale):
         _assert_close(name, g, gr, tol_g)
 
 
+def _gpu_backward_case(b, t, h, hkv, d, seq_start, segments, threshold, window, *, seed):
+    """A GPU backward comparison at bf16 (skipped without a Hopper GPU): ``run(mosaic_config)`` → (o, (dq, dk, dv,
+    dlog f)) of the op with the Mosaic kernels in that config (a new trace per call: module switches read then
+    apply), and the float32 oracle's gradients. ``threshold``: None or an ``adaptive_threshold`` (ACP)."""
+    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
+        pytest.skip("needs a Hopper GPU")
+    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=seed)
+    ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
+    seg = None if segments is None else _segments(b, t, segments)
+    delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
+    base = fpallas.resolve_config(d, t, t)
+
+    def run(mosaic):
+        cfg = dataclasses.replace(base, mosaic=mosaic)
+        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
+            q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
+            config=cfg, window_size=window), q, k, v, lf, w)
+
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    _, grads_ref = _value_and_grads(
+        lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg, window_size=window),
+        f32(q), f32(k), f32(v), lf, w)
+    return run, grads_ref
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,t,h,hkv,d,seq_start,segments,threshold,window,stages,pingpong", [
     pytest.param(1, 2048, 4, 4, 128, None, None, None, None, 2, True, id="T2048"),
@@ -458,28 +483,11 @@ def test_gpu_mosaic_fused_dq_matches_the_dq_kernel(b, t, h, hkv, d, seq_start, s
     the two forms visit their own kernels' tiles, both within the bound: compared with the oracle and each other at
     the same tolerance. ``stages``: the fused kernel's backward stages (three fit at D64 only); ``pingpong``: its form
     (``bwd_pingpong``: dQ's column halves over both warpgroups' keys; without: each warpgroup's own keys)."""
-    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
-        pytest.skip("needs a Hopper GPU")
-    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d)
-    ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
-    seg = None if segments is None else _segments(b, t, segments)
-    delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
-    base = fpallas.resolve_config(d, t, t)
-
-    def run(fused):
-        mosaic = default_mosaic_config(64 if d <= 64 else 128)
-        mosaic = dataclasses.replace(mosaic, bwd_fused_dq=fused, bwd_stages=stages if fused else mosaic.bwd_stages,
-                                     bwd_pingpong=pingpong if fused else mosaic.bwd_pingpong)
-        cfg = dataclasses.replace(base, mosaic=mosaic)
-        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
-            q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
-            config=cfg, window_size=window), q, k, v, lf, w)
-
-    (o, grads), (o_k, grads_k) = run(True), run(False)
+    run, grads_ref = _gpu_backward_case(b, t, h, hkv, d, seq_start, segments, threshold, window, seed=t + d)
+    plain = default_mosaic_config(64 if d <= 64 else 128)
+    o, grads = run(dataclasses.replace(plain, bwd_fused_dq=True, bwd_stages=stages, bwd_pingpong=pingpong))
+    o_k, grads_k = run(dataclasses.replace(plain, bwd_fused_dq=False))
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    _, grads_ref = _value_and_grads(
-        lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg, window_size=window),
-        f32(q), f32(k), f32(v), lf, w)
     tol_g = _TOL[jnp.bfloat16][1]
     np.testing.assert_array_equal(np.asarray(f32(o)), np.asarray(f32(o_k)))  # the same forward
     for name, g, g_k, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_k, grads_ref):
@@ -502,27 +510,16 @@ def test_gpu_mosaic_lean_step_matches_the_plain_step(monkeypatch, b, t, h, hkv, 
     (bitwise equal); every gradient stays within the bf16 tolerance of ``_TOL`` — dlog f is the one that would show
     sums that do not cancel in its reverse cumsum (T1500 D96 with documents and seq_start: 3.4% of the scale at
     t = 0 when one side's sums were missing)."""
-    if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
-        pytest.skip("needs a Hopper GPU")
-    q, k, v, lf, w = _inputs(b, t, t, h, hkv, d, jnp.bfloat16, seed=t + d + 1)
-    ss = jnp.zeros((b,), jnp.int32) if seq_start is None else jnp.asarray(seq_start, jnp.int32)
-    seg = None if segments is None else _segments(b, t, segments)
-    delta = None if threshold is None else acp_lib.resolve_threshold(threshold, q, k, d ** -0.5)
-    cfg = dataclasses.replace(fpallas.resolve_config(d, t, t), mosaic=dataclasses.replace(
-        default_mosaic_config(64 if d <= 64 else 128), bwd_fused_dq=False))
+    run, grads_ref = _gpu_backward_case(b, t, h, hkv, d, seq_start, segments, threshold, window, seed=t + d + 1)
+    two_kernels = dataclasses.replace(default_mosaic_config(64 if d <= 64 else 128), bwd_fused_dq=False)
 
-    def run(lean):
+    def run_step(lean):
         monkeypatch.setattr(mgpu, "SUMS_BY_WGMMA", lean)
         monkeypatch.setattr(mgpu, "DELTA_IN_ACCUMULATOR", lean and delta_in_acc)
-        return _value_and_grads(lambda q_, k_, v_, lf_: fpallas.attention(
-            q_, k_, v_, decay_cumsum(lf_, ss), ss, seg, delta, scale=d ** -0.5, implementation="mosaic",
-            config=cfg, window_size=window), q, k, v, lf, w)
+        return run(two_kernels)
 
-    (o, grads), (o_f, grads_f) = run(True), run(False)
+    (o, grads), (o_f, grads_f) = run_step(True), run_step(False)
     f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
-    _, grads_ref = _value_and_grads(
-        lambda *a: forgetting_attention_reference(*a, seq_start=ss, segment_ids=seg, window_size=window),
-        f32(q), f32(k), f32(v), lf, w)
     np.testing.assert_array_equal(np.asarray(f32(o)), np.asarray(f32(o_f)))
     for name, g, g_f, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads, grads_f, grads_ref):
         if name != "dlog_fgate" and not delta_in_acc:
