@@ -997,6 +997,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_h
     always_mask = window_size is not None
     qk_scale = float(scale) * LOG2E
     row_layout, col_layout = plgpu.Layout.WGMMA.reduce(1), plgpu.Layout.WGMMA.reduce(0)
+    if fused_dq and bq != bk:  # one ones tile serves both sides' sums (K = bq for the keys', bk for the queries')
+        raise ValueError(f"mosaic_flash_backward_dkv: fused_dq needs block_q == block_k, got {bq} and {bk}")
     wgmma_sums = wgmma_sums or fused_dq  # the fused dQ's query side sums the bf16 dS: so must the key side
     halves = fused_dq and pingpong  # dQ's column halves over both warpgroups' keys, a step later
     own_keys = fused_dq and not pingpong  # all of dQ's columns over the warpgroup's own keys, in the step
@@ -1108,6 +1110,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_h
                 if fused_dq:
                     k_res, v_res = k_smem2.at[w], v_smem2.at[w]
                 kq = (k_res, q_smem.at[slot])  # Sᵀ = K·Qᵀ (and with ping-pong dPᵀ = V·dOᵀ in the same group)
+
                 def neg_dl_tile():  # −Δ as columns, loaded where it is used (before the products: more registers)
                     return _col(plgpu.load(dl_smem.at[slot], (), layout=col_layout), shape)
 
@@ -1117,8 +1120,6 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_h
                 if pingpong:
                     st, dpt_less_delta = _products(shape, [kq, (v_res, do_smem.at[slot])], take_turn,
                                                    last_init=neg_dl_tile() if in_acc else None)
-                    if not in_acc:
-                        dpt_less_delta = dpt_less_delta + neg_dl_tile()
                 else:
                     st, = _products(shape, [kq])
                 lq = plgpu.load(lq_smem.at[slot], (), layout=col_layout)  # Λ − lse, base 2
@@ -1158,6 +1159,8 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_h
                     dk_acc, dlk = pl.run_state(dsq)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dlk)))
                     return dk_acc, dv_acc, dlk
 
+                if not in_acc:  # (after exp2, as before −Δ moved: earlier, the D128 loops spilled more)
+                    dpt_less_delta = dpt_less_delta + neg_dl_tile()
                 dst = pt * dpt_less_delta
                 if wgmma_sums:  # the key-side sums below (with fused_dq: the same bf16 dSᵀ as the query side's)
                     pt16, dst16 = lax.optimization_barrier((pt.astype(dtype), dst.astype(dtype)))
