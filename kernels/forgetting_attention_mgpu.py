@@ -1159,7 +1159,7 @@ def mosaic_flash_backward_dkv(q, k, v, do, lq_lse2, lam_k2, neg_delta, q_lo, q_h
                     dk_acc, dlk = pl.run_state(dsq)((plgpu.ACC.init(dk_acc), plgpu.ACC.init(dlk)))
                     return dk_acc, dv_acc, dlk
 
-                if not in_acc:  # (after exp2, as before −Δ moved: earlier, the D128 loops spilled more)
+                if not in_acc:  # −Δ after exp2 (added before it, right after the products, D128's loops spilled more)
                     dpt_less_delta = dpt_less_delta + neg_dl_tile()
                 dst = pt * dpt_less_delta
                 if wgmma_sums:  # the key-side sums below (with fused_dq: the same bf16 dSᵀ as the query side's)
