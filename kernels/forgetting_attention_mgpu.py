@@ -253,9 +253,12 @@ def _products(shape, pairs, take_turn=None, last_init=None):
         if take_turn is not None:
             take_turn()
 
+    def issue_and_read(*accs):
+        issue(*accs)
+        return tuple(acc[...] for acc in accs)
+
     if last_init is None:
-        return pl.run_scoped(lambda *accs: (issue(*accs), tuple(acc[...] for acc in accs))[1],
-                             *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
+        return pl.run_scoped(issue_and_read, *(plgpu.ACC(shape, jnp.float32) for _ in pairs))
     zeros = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), plgpu.Layout.WGMMA)
     return pl.run_state(lambda accs: issue(*accs))(
         tuple(plgpu.ACC.init(zeros) for _ in pairs[1:]) + (plgpu.ACC.init(last_init),))
