@@ -88,7 +88,7 @@ class MosaicConfig:
         query block over the CTA's 2·bwd_block_k keys (the turns order the exchange of dSᵀ; at D = 64 K, Q and
         dSᵀ in 64-byte swizzle: a warpgroup reads 32 of K's columns); without it, each warpgroup adds all of
         dQ's columns over its own bwd_block_k keys in the step itself (two adds per block, no turns; built
-        2026-12-07 for D = 64, where the ping-pong alone costs 5.6%; not yet timed). dQ's float32 sums then come
+        2026-12-07 for D = 64, where the ping-pong alone costs 5.6%). dQ's float32 sums then come
         in an order that varies from run to run. Under ACP dQ visits the
         dK/dV kernel's tiles (both within the bound). The query-side decay gradient Σ_j dS_ij (zero in exact
         arithmetic: a row constant does not move a softmax) is added the same way: it cancels the key side's share
@@ -96,11 +96,12 @@ class MosaicConfig:
         sides' sums come from the bf16 dSᵀ times a column of ones (small wgmmas), the same values, so they cancel
         as the two kernels' float32 sums do (which needs bwd_block_q == bwd_block_k). Measured on an H100
         (2026-12-07, ``checks/mosaic_ab.py``, B1 T16384, the halves form): fwd+bwd −3.7% dense and −2.1% under ACP
-        at D128 (every fused timing below every two-kernel one), +8% and +9% at D64 (three backward stages there:
-        the same); slower than the dQ kernel below 4096 query rows (``FUSED_DQ_MIN_QUERIES``). So
-        ``default_mosaic_config`` turns it on at D = 128 with the ping-pong, from 4096 query rows (off by default
-        here), except when ``XLA_FLAGS`` asks for deterministic ops, and with jax ≥ 0.11 only (with 0.10 it does
-        not compose with ``jax.vmap``). A config built by hand with ``bwd_fused_dq=True`` alone gets the own-keys
+        at D128 (every fused timing below every two-kernel one), +8% and +9% at D64 in the halves form; at D64 in
+        the own-keys form −5.7% dense and −6.9% under ACP (B1 T16384 H24), −8.0% and −5.8% (B4 T4096 H32), against
+        the dQ kernel; slower than the dQ kernel below 4096 query rows at D128 (``FUSED_DQ_MIN_QUERIES``). So
+        ``default_mosaic_config`` turns it on from 4096 query rows (off by default here; at D = 128 with the
+        ping-pong, at D = 64 in the own-keys form), except when ``XLA_FLAGS`` asks for deterministic ops, and
+        with jax ≥ 0.11 only (with 0.10 it does not compose with ``jax.vmap``). A config built by hand with ``bwd_fused_dq=True`` alone gets the own-keys
         form (``bwd_pingpong`` is off by default here), which at D = 128 spills (its 64 × 128 dQ accumulator):
         there set ``bwd_pingpong=True`` too. dQ and dlog f are reproducible to float32 summation order (relative
         ~1e-6), not bit for bit.
@@ -151,28 +152,31 @@ class MosaicConfig:
 # whether a custom_vmap may hold the fused-dQ kernel's aliased accumulator refs (``_batch_folded``): jax 0.10 cannot
 # discharge their state inside one
 _VMAP_FOLDS_REFS = jax.__version_info__ >= (0, 11)
-# dQ from the dK/dV kernel as D128's default where it composes with jax.vmap, which is also where it was measured
+# dQ from the dK/dV kernel as the default where it composes with jax.vmap, which is also where it was measured
 FUSED_DQ_BY_DEFAULT = _VMAP_FOLDS_REFS
 # ... from this many query rows on: shorter, it was slower than the dQ kernel (its fwd+bwd against the dQ kernel's,
 # H100, jax 0.11.2, H16 D128, 2026-12-07, results/attention/h100_fused_dq_by_length_1207.json: T1024 +5.4% dense;
 # T2048 +0.4–0.8% dense, +3.7% ACP; T4096 −2.4% dense, ±1% ACP; T8192 −4.6% dense, ±1% ACP; T16384 −3.7% dense,
-# −2.1% ACP)
+# −2.1% ACP; at D64 in the own-keys form, H100, 2026-12-07 21:19, results/attention/h100_lean_step_ab_1207.json:
+# T4096 H32 −8.0% dense, −5.8% ACP; T16384 H24 −5.7% dense, −6.9% ACP)
 FUSED_DQ_MIN_QUERIES = 4096
 # the two backward kernels' decay-gradient sums (Σ_j dS_ij in the dQ kernel, Σ_i dS_ij in the dK/dV kernel) as
 # wgmmas of the bf16 dS with a column of ones, accumulated across the loop in a (64, 8) float32 accumulator and
 # reduced once, in place of a float32 row sum of every step's dS (~30 adds and 4 shuffles a thread per step, ~10%
 # of each kernel's unmasked step at D64: 334 and 363 SASS instructions, ptxas for sm_90a). As the fused dQ does
 # (``MosaicConfig.bwd_fused_dq``, which always sums this way): both sides sum the same bf16 values, so they still
-# cancel in dlog f's reverse cumsum. Built 2026-12-07 offline; not yet timed on a GPU (``checks/mosaic_ab.py
-# --variants wgmma_sums``), so off.
-SUMS_BY_WGMMA = False
+# cancel in dlog f's reverse cumsum. Measured alone (H100, jax 0.11.2, 2026-12-07 21:18, D64 two kernels, fwd+bwd
+# against the plain step, results/attention/h100_lean_step_ab_1207.json): B1 T16384 H24 +0.0% dense, −2.2% ACP;
+# B4 T4096 H32 −1.3% dense, −1.4% ACP; with ``DELTA_IN_ACCUMULATOR`` below (the lean step) −4.0 to −5.2%: on.
+SUMS_BY_WGMMA = True
 # dP − Δ (dS = P ∘ (dP − Δ)) as the wgmma that adds dO·Vᵀ to an accumulator holding −Δ (the kernels take −Δ), in
 # place of a zeroed accumulator (whose 32 register moves a thread ptxas left in the dQ kernel's step) and a
 # subtraction per score: at D64, with ``SUMS_BY_WGMMA``, the unmasked steps 302 → 269 (dQ) and 332 → 290 (dK/dV)
 # SASS instructions, no spills (ptxas for sm_90a). Not in the fused dQ's halves form (the D128 default from 4096
 # rows), whose loop it made spill. Rounding: the tensor core's float32 accumulation instead of one float32
-# subtraction. Built 2026-12-07 offline; not yet timed (``checks/mosaic_ab.py --variants lean_step``), so off.
-DELTA_IN_ACCUMULATOR = False
+# subtraction. With ``SUMS_BY_WGMMA`` (the lean step; H100, 2026-12-07 21:18, D64 two kernels, fwd+bwd against the
+# plain step): B1 T16384 H24 −4.2% dense, −5.2% ACP; B4 T4096 H32 −4.3% dense, −4.0% ACP: on.
+DELTA_IN_ACCUMULATOR = True
 
 
 def deterministic_ops_requested() -> bool:
@@ -185,16 +189,15 @@ def deterministic_ops_requested() -> bool:
 def default_mosaic_config(head_dim: int, q_len: int | None = None) -> MosaicConfig:
     """The measured defaults for a head dim (64 or 128 after padding) and a query length (``q_len`` rows; None: a
     long one): forward 64-row warpgroups, 128-key blocks, three pipeline stages at D = 64, two at D = 128 (shared
-    memory: 2 q tiles + stages × (k + v)); at D = 128 the backward's ping-pong (``MosaicConfig.bwd_pingpong``) and,
+    memory: 2 q tiles + stages × (k + v)); at D = 128 the backward's ping-pong (``MosaicConfig.bwd_pingpong``); and,
     with jax ≥ 0.11 (``FUSED_DQ_BY_DEFAULT``) and from ``FUSED_DQ_MIN_QUERIES`` query rows on, dQ from the dK/dV
-    kernel (``bwd_fused_dq``), unless ``XLA_FLAGS`` asks for reproducible results (``deterministic_ops_requested``):
+    kernel (``bwd_fused_dq``: column halves at D = 128, each warpgroup's own keys at D = 64), unless ``XLA_FLAGS`` asks for reproducible results (``deterministic_ops_requested``):
     then the dQ kernel, whose dQ is bitwise the same from run to run. Raises ValueError for other head dims."""
     if head_dim not in (64, 128):
         raise ValueError(f"default_mosaic_config: head_dim must be 64 or 128 (the padded head dim), got {head_dim!r}")
     long_enough = q_len is None or q_len >= FUSED_DQ_MIN_QUERIES
     return MosaicConfig(64, 128, 3 if head_dim == 64 else 2, bwd_pingpong=head_dim == 128,
-                        bwd_fused_dq=(head_dim == 128 and long_enough and FUSED_DQ_BY_DEFAULT
-                                      and not deterministic_ops_requested()))
+                        bwd_fused_dq=long_enough and FUSED_DQ_BY_DEFAULT and not deterministic_ops_requested())
 
 
 def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:

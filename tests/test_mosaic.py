@@ -244,16 +244,19 @@ def test_config_checks_and_smem_budget(monkeypatch):
     for d, pingpong in itertools.product((64, 128), (False, True)):  # dQ in the dK/dV kernel, either form, fits
         cfg = dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True, bwd_pingpong=pingpong)
         assert mgpu.smem_bytes(cfg, d) <= mgpu.SMEM_LIMIT, (d, pingpong)
-    # ... and is D128's default with jax ≥ 0.11 (FUSED_DQ_BY_DEFAULT; measured faster there, slower at D64), but for
-    # XLA's determinism flags: then the dQ kernel, reproducible bit for bit
-    assert default_mosaic_config(128).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
-    assert not default_mosaic_config(64).bwd_fused_dq
+    # ... and is the default with jax ≥ 0.11 (FUSED_DQ_BY_DEFAULT; measured faster at both head dims, in the halves
+    # form at D128, in the own-keys form at D64), but for XLA's determinism flags: then the dQ kernel, reproducible
+    # bit for bit
+    for d in (64, 128):
+        assert default_mosaic_config(d).bwd_fused_dq is mgpu.FUSED_DQ_BY_DEFAULT
+        assert default_mosaic_config(d).bwd_pingpong is (d == 128)
     # ... from FUSED_DQ_MIN_QUERIES query rows on (shorter, the dQ kernel was faster), which the op passes; checked
     # with the version gate forced on, so that jax 0.10 checks the rule too
     monkeypatch.setattr(mgpu, "FUSED_DQ_BY_DEFAULT", True)
     n = mgpu.FUSED_DQ_MIN_QUERIES
     assert default_mosaic_config(128, n).bwd_fused_dq and default_mosaic_config(128).bwd_fused_dq
-    assert not default_mosaic_config(128, n - 1).bwd_fused_dq and not default_mosaic_config(64, 2 * n).bwd_fused_dq
+    assert not default_mosaic_config(128, n - 1).bwd_fused_dq and not default_mosaic_config(64, n - 1).bwd_fused_dq
+    assert default_mosaic_config(64, n).bwd_fused_dq
     monkeypatch.setattr(fpallas, "mosaic_supported", lambda q, k: None)
     for t in (n - 1, n):
         x = jnp.zeros((1, t, 1, 128), jnp.bfloat16)
@@ -695,8 +698,7 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     for variant in mosaic_ab.PATCHES:
         if variant == "dq_kernel" and not mgpu.FUSED_DQ_BY_DEFAULT:
             continue  # the dQ kernel is then the default at both head dims (checked below)
-        at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "wgmma_sums", "delta_in_acc",
-                  "lean_step")
+        at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "plain_step", "plain_delta")
         s = d64 if variant in at_d64 else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):
@@ -705,9 +707,9 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
         assert state() == originals, variant
     assert lowered["fused_dq_3stages"] != lowered["fused_dq"] != lowered["fused_dq_halves"]  # D64: own keys, halves
     two_kernels = dataclasses.replace(default_mosaic_config(128), bwd_fused_dq=False)  # with the ping-pong
-    with mosaic_ab.patched("lean_step"):  # (D64's default has none; the fused dQ sums by wgmma already)
-        lean = _lower_op(*shape, acp=True, config=two_kernels)
-    assert lean != _lower_op(*shape, acp=True, config=two_kernels)
+    with mosaic_ab.patched("plain_step"):  # (the fused dQ sums by wgmma whatever the switch)
+        plain = _lower_op(*shape, acp=True, config=two_kernels)
+    assert plain != _lower_op(*shape, acp=True, config=two_kernels)
     with pytest.raises(RuntimeError), mosaic_ab.patched("dkv_regs_232"):
         raise RuntimeError
     assert state() == originals

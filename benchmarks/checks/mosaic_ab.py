@@ -2,8 +2,8 @@
 with ``adaptive_threshold="auto"`` (or dense, ``--dense``) on bench_attention's gates (head h's gate logits centred
 on 6·h / (H − 1): the long-memory heads last). Each variant is the kernels (``base``) with one choice changed, timed
 alternating with ``base`` (A B A B); the rows keep every time. The scheduling variants give the same output bitwise
-(the choices only move work in time); ``fused_dq`` changes dQ's summation order, ``wgmma_sums`` dlog f's,
-``delta_in_acc`` dS's rounding.
+(the choices only move work in time); ``fused_dq`` changes dQ's summation order, ``plain_step`` dlog f's and
+dS's rounding, ``plain_delta`` dS's rounding.
 
 Variants:
   heads_in_order    the grid runs the heads in order, not in decreasing work (``head_order`` → None)
@@ -13,21 +13,21 @@ Variants:
   dkv_regs_232      the dK/dV kernel's register budgets 232 / 40 at both head dims (``REGISTERS``; D128's default is
                     240 / 24, with which its loops spill nothing)
   dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
-  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; D128's default from 4096
-                    query rows since 2026-12-07), in the form the head dim's ping-pong gives: at D128 column halves
-                    over both warpgroups' keys, at D64 each warpgroup's own keys; not bitwise: dQ's float32 sums
-                    come in another order
+  fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; the default from 4096
+                    query rows, at D128 since 2026-12-07 17:30, at D64 since 21:30), in the form the head dim's
+                    ping-pong gives: at D128 column halves over both warpgroups' keys, at D64 each warpgroup's own
+                    keys; not bitwise: dQ's float32 sums come in another order
   fused_dq_halves   the column-halves form (with the ping-pong) at either head dim (D64's fused form until 12-07)
   fused_dq_own_keys the own-keys form (without the ping-pong) at either head dim (at D128 it spills)
-  dq_kernel         the dQ kernel (``bwd_fused_dq=False``; D64's default, and D128's with jax 0.10)
+  dq_kernel         the dQ kernel (``bwd_fused_dq=False``; the default below 4096 query rows, and with jax 0.10)
   fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
                     same as ``fused_dq``)
-  wgmma_sums        the two backward kernels' decay-gradient sums by wgmma (``SUMS_BY_WGMMA``; where dQ comes from
-                    the dK/dV kernel, as at D128 from 4096 rows, it sums that way already: the same kernels); not
-                    bitwise in dlog f: the sums are of the bf16 dS
-  delta_in_acc      dP − Δ from a wgmma into −Δ, no subtraction per score (``DELTA_IN_ACCUMULATOR``; not in the
-                    fused dQ's halves form); not bitwise: the tensor core's accumulation rounds it
-  lean_step         ``wgmma_sums`` and ``delta_in_acc`` together
+  plain_step        the backward step before the lean one (``SUMS_BY_WGMMA`` and ``DELTA_IN_ACCUMULATOR`` off, on
+                    since 2026-12-07 21:30): the two kernels' decay-gradient sums as float32 row sums of every
+                    step's dS (the fused dQ sums by wgmma whatever the switch), and dP − Δ by a subtraction per
+                    score; not bitwise: dlog f sums other values, dS rounds otherwise
+  plain_delta       ``DELTA_IN_ACCUMULATOR`` alone off: dP − Δ by a subtraction per score (the halves form of the
+                    fused dQ always subtracts: there the same kernels)
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -95,9 +95,8 @@ PATCHES = {
     "fused_dq_halves": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=True))],
     "fused_dq_own_keys": [("mosaic_backward", lambda backward: _dq_from(backward, pingpong=False))],
     "dq_kernel": [("mosaic_backward", lambda backward: _dq_from(backward, fused=False))],
-    "wgmma_sums": [("SUMS_BY_WGMMA", lambda original: True)],
-    "delta_in_acc": [("DELTA_IN_ACCUMULATOR", lambda original: True)],
-    "lean_step": [("SUMS_BY_WGMMA", lambda original: True), ("DELTA_IN_ACCUMULATOR", lambda original: True)],
+    "plain_step": [("SUMS_BY_WGMMA", lambda original: False), ("DELTA_IN_ACCUMULATOR", lambda original: False)],
+    "plain_delta": [("DELTA_IN_ACCUMULATOR", lambda original: False)],
 }
 
 
