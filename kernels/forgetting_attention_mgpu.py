@@ -101,9 +101,9 @@ class MosaicConfig:
         the dQ kernel; slower than the dQ kernel below 4096 query rows at D128 (``FUSED_DQ_MIN_QUERIES``). So
         ``default_mosaic_config`` turns it on from 4096 query rows (off by default here; at D = 128 with the
         ping-pong, at D = 64 in the own-keys form), except when ``XLA_FLAGS`` asks for deterministic ops, and
-        with jax ≥ 0.11 only (with 0.10 it does not compose with ``jax.vmap``). A config built by hand with ``bwd_fused_dq=True`` alone gets the own-keys
-        form (``bwd_pingpong`` is off by default here), which at D = 128 spills (its 64 × 128 dQ accumulator):
-        there set ``bwd_pingpong=True`` too. dQ and dlog f are reproducible to float32 summation order (relative
+        with jax ≥ 0.11 only (with 0.10 it does not compose with ``jax.vmap``). A config built by hand with
+        ``bwd_fused_dq=True`` alone gets the own-keys form (``bwd_pingpong`` is off by default here), which at
+        D = 128 spills (its 64 × 128 dQ accumulator): there set ``bwd_pingpong=True`` too. dQ and dlog f are reproducible to float32 summation order (relative
         ~1e-6), not bit for bit.
     """
 
@@ -191,8 +191,9 @@ def default_mosaic_config(head_dim: int, q_len: int | None = None) -> MosaicConf
     long one): forward 64-row warpgroups, 128-key blocks, three pipeline stages at D = 64, two at D = 128 (shared
     memory: 2 q tiles + stages × (k + v)); at D = 128 the backward's ping-pong (``MosaicConfig.bwd_pingpong``); and,
     with jax ≥ 0.11 (``FUSED_DQ_BY_DEFAULT``) and from ``FUSED_DQ_MIN_QUERIES`` query rows on, dQ from the dK/dV
-    kernel (``bwd_fused_dq``: column halves at D = 128, each warpgroup's own keys at D = 64), unless ``XLA_FLAGS`` asks for reproducible results (``deterministic_ops_requested``):
-    then the dQ kernel, whose dQ is bitwise the same from run to run. Raises ValueError for other head dims."""
+    kernel (``bwd_fused_dq``: column halves at D = 128, each warpgroup's own keys at D = 64), unless ``XLA_FLAGS``
+    asks for reproducible results (``deterministic_ops_requested``): then the dQ kernel, whose dQ is bitwise the
+    same from run to run. Raises ValueError for other head dims."""
     if head_dim not in (64, 128):
         raise ValueError(f"default_mosaic_config: head_dim must be 64 or 128 (the padded head dim), got {head_dim!r}")
     long_enough = q_len is None or q_len >= FUSED_DQ_MIN_QUERIES
