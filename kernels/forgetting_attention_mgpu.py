@@ -103,8 +103,8 @@ class MosaicConfig:
         ping-pong, at D = 64 in the own-keys form), except when ``XLA_FLAGS`` asks for deterministic ops, and
         with jax ≥ 0.11 only (with 0.10 it does not compose with ``jax.vmap``). A config built by hand with
         ``bwd_fused_dq=True`` alone gets the own-keys form (``bwd_pingpong`` is off by default here), which at
-        D = 128 spills (its 64 × 128 dQ accumulator): there set ``bwd_pingpong=True`` too. dQ and dlog f are reproducible to float32 summation order (relative
-        ~1e-6), not bit for bit.
+        D = 128 spills (its 64 × 128 dQ accumulator): there set ``bwd_pingpong=True`` too. dQ and dlog f are
+        reproducible to float32 summation order (relative ~1e-6), not bit for bit.
     """
 
     block_q: int = 64
