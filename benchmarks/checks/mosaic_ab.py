@@ -14,7 +14,7 @@ Variants:
                     240 / 24, with which its loops spill nothing)
   dkv_regs_240      240 / 24 at both head dims (D64's default is 232 / 40)
   fused_dq          dQ from the dK/dV kernel, no dQ kernel (``MosaicConfig.bwd_fused_dq``; the default from 4096
-                    query rows, at D128 since 2026-12-07 17:30, at D64 since 21:30), in the form the head dim's
+                    query rows, at D128 since 2026-12-07 17:30, at D64 since 21:45), in the form the head dim's
                     ping-pong gives: at D128 column halves over both warpgroups' keys, at D64 each warpgroup's own
                     keys; not bitwise: dQ's float32 sums come in another order
   fused_dq_halves   the column-halves form (with the ping-pong) at either head dim (D64's fused form until 12-07)
@@ -23,7 +23,7 @@ Variants:
   fused_dq_3stages  ``fused_dq`` with three backward stages where they fit in shared memory (D ≤ 64; at D128 the
                     same as ``fused_dq``)
   plain_step        the backward step before the lean one (``SUMS_BY_WGMMA`` and ``DELTA_IN_ACCUMULATOR`` off, on
-                    since 2026-12-07 21:30): the two kernels' decay-gradient sums as float32 row sums of every
+                    since 2026-12-07 21:45): the two kernels' decay-gradient sums as float32 row sums of every
                     step's dS (the fused dQ sums by wgmma whatever the switch), and dP − Δ by a subtraction per
                     score; not bitwise: dlog f sums other values, dS rounds otherwise
   plain_delta       ``DELTA_IN_ACCUMULATOR`` alone off: dP − Δ by a subtraction per score (the halves form of the
