@@ -127,14 +127,14 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
 @pytest.mark.parametrize("d", [64, 128])
 def test_default_backward_composes_with_vmap_and_scan(d):
     """The default kernels' gradients lower for CUDA under ``jax.vmap`` (per-example gradients, ensembles) and inside
-    a ``lax.scan`` of checkpointed layers (``scan_layers``): with dQ from the dK/dV kernel (D128's default with
-    jax ≥ 0.11) the vmapped axis is folded into the batch (``_batch_folded``: its kernel has no batching rule) —
+    a ``lax.scan`` of checkpointed layers (``scan_layers``): with dQ from the dK/dV kernel (the default with
+    jax ≥ 0.11: the halves form at D128, own keys at D64) the vmapped axis is folded into the batch (``_batch_folded``: its kernel has no batching rule) —
     two kernels under vmap (forward, fused backward), else three; the scan's body adds the recomputed forward."""
     b, t, h = 1, 512, 2
     cfg = fpallas.resolve_config(d, t, t, None, interpret=False)  # on a Hopper GPU with the head dim's defaults:
     cfg = dataclasses.replace(cfg, mosaic=default_mosaic_config(d))
     fused = cfg.mosaic.bwd_fused_dq
-    assert fused is (d == 128 and mgpu.FUSED_DQ_BY_DEFAULT)
+    assert fused is mgpu.FUSED_DQ_BY_DEFAULT and cfg.mosaic.bwd_pingpong is (d == 128)
 
     def attention(q, k, v, lam):
         visits = fpallas.kernel_visits(cfg, t, t, seq_start=None, lam=None, delta=None, segment_ids=None,
