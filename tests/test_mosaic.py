@@ -128,7 +128,8 @@ def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
 def test_default_backward_composes_with_vmap_and_scan(d):
     """The default kernels' gradients lower for CUDA under ``jax.vmap`` (per-example gradients, ensembles) and inside
     a ``lax.scan`` of checkpointed layers (``scan_layers``): with dQ from the dK/dV kernel (the default with
-    jax ≥ 0.11: the halves form at D128, own keys at D64) the vmapped axis is folded into the batch (``_batch_folded``: its kernel has no batching rule) —
+    jax ≥ 0.11: the halves form at D128, own keys at D64) the vmapped axis is folded into the batch
+    (``_batch_folded``: its kernel has no batching rule) —
     two kernels under vmap (forward, fused backward), else three; the scan's body adds the recomputed forward."""
     b, t, h = 1, 512, 2
     cfg = fpallas.resolve_config(d, t, t, None, interpret=False)  # on a Hopper GPU with the head dim's defaults:
