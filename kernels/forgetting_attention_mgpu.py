@@ -11,7 +11,8 @@ The forward is a FlashAttention-3 style kernel written with ``jax.experimental.p
 block_q query rows; they compute S = Q·Kᵀ and O += P·V with ``wgmma`` (float32 accumulators) and
 take turns on the tensor cores (a "schedule" barrier: one does its softmax while the other
 multiplies). Warpgroup 2 streams the key blocks of the tile's range with TMA into ``stages`` shared
-memory slots, each with a produced and a consumed barrier.
+memory slots, each with a produced and a consumed barrier. (``MosaicConfig.forward_wgs`` = 3: three compute
+warpgroups of block_q rows each, without turns, and warpgroup 3 streams.)
 
 The decay enters the logits in float32 and base 2: s = q·k·scale·log2(e) + Λ_i·log2(e) − Λ_j·log2(e);
 the query-side Λ is loaded once per warpgroup as a row vector, the key-side Λ travels with each key
@@ -65,7 +66,8 @@ class MosaicConfig:
     one field changed, ``dataclasses.replace(default_mosaic_config(d), ...)``).
 
     Attributes:
-      block_q: forward query rows per compute warpgroup (a multiple of 64; a CTA's tile is 2·block_q rows).
+      block_q: forward query rows per compute warpgroup (a multiple of 64; a CTA's tile is
+        forward_wgs·block_q rows).
       block_k: forward keys per block (a multiple of 64, ≤ 256).
       stages: shared-memory slots of the forward's key/value pipeline (≥ 2).
       backward: run the backward with the Mosaic dQ and dK/dV kernels (False: the Triton kernels).
@@ -105,6 +107,15 @@ class MosaicConfig:
         ``bwd_fused_dq=True`` alone gets the own-keys form (``bwd_pingpong`` is off by default here), which at
         D = 128 spills (its 64 × 128 dQ accumulator): there set ``bwd_pingpong=True`` too. dQ and dlog f are
         reproducible to float32 summation order (relative ~1e-6), not bit for bit.
+      forward_wgs: the forward's compute warpgroups per CTA, 2 or 3 (a CTA's tile is forward_wgs·block_q query
+        rows; with 3 a CTA runs four warpgroups). With 3 (FlashAttention-3's forward tile at head dim ≤ 64: 192
+        rows) each key block loaded serves 1.5× the rows, and the CTA's fixed cost (q load, pipeline fill, the
+        epilogue's stores) is shared by 1.5× the work; the three run without the ping-pong (no turns), with
+        the register budgets ``REGISTERS["forward3"]`` (160 / 24 at D = 64: its loops spill nothing, ptxas for
+        sm_90a; at D = 128 the accumulators do not fit, so ``mosaic_forward`` refuses it). Each row visits the
+        same key blocks in the same order as with 2, so dense outputs are bitwise the same; under ACP a tile's
+        range spans 1.5× the rows and skips a few blocks fewer (within the same bound). Built 2026-12-08 for the
+        D64 forward's gap at B4 T4096 H32 (0.80 against cuDNN's 0.71 ms on an H100); not timed yet: off by default.
     """
 
     block_q: int = 64
@@ -117,6 +128,7 @@ class MosaicConfig:
     bwd_pingpong: bool = False
     static_frame: bool = True
     bwd_fused_dq: bool = False
+    forward_wgs: int = 2
 
     def __post_init__(self):
         for name in ("block_q", "bwd_block_q", "bwd_block_k"):
@@ -127,6 +139,8 @@ class MosaicConfig:
         for name in ("backward", "bwd_pingpong", "static_frame", "bwd_fused_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.forward_wgs not in (2, 3) or isinstance(self.forward_wgs, bool):
+            raise ValueError(f"MosaicConfig.forward_wgs must be 2 or 3, got {self.forward_wgs!r}")
         if self.stages < 2 or self.bwd_stages < 2:
             raise ValueError(f"MosaicConfig.stages and bwd_stages must be ≥ 2, got {self.stages}, {self.bwd_stages}")
         if self.bwd_fused_dq and self.bwd_block_q != self.bwd_block_k:  # dS's sums against one column of ones
@@ -135,8 +149,8 @@ class MosaicConfig:
 
     @property
     def tile_q(self) -> int:
-        """Forward query rows per CTA (two compute warpgroups)."""
-        return 2 * self.block_q
+        """Forward query rows per CTA (``forward_wgs`` compute warpgroups)."""
+        return self.forward_wgs * self.block_q
 
     @property
     def dq_tiling(self) -> tuple[int, int]:
@@ -211,7 +225,8 @@ def smem_bytes(config: MosaicConfig, head_dim: int, itemsize: int = 2) -> int:
 
     d, w = head_dim, itemsize
     bq, bk, st = config.block_q, config.block_k, config.stages
-    fwd = alloc(2 * bq * d * w, st * bk * d * w, st * bk * d * w, st * bk * 4, st * bk * 4, 2 * bq * 4)
+    wgs = config.forward_wgs
+    fwd = alloc(wgs * bq * d * w, st * bk * d * w, st * bk * d * w, st * bk * 4, st * bk * 4, wgs * bq * 4)
     if not config.backward:
         return fwd
     bq, bk, st = config.bwd_block_q, config.bwd_block_k, config.bwd_stages
@@ -234,8 +249,11 @@ SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
 # some in its masked loop; 240 / 24 leaves its loops free of spills (ptxas for sm_90a, offline_mosaic_check.py) and
 # was 2–3% faster under ACP at 16k, the same dense (H100, 2026-12-07, checks/mosaic_ab.py --variants dkv_regs_240).
 # At D64 nothing spills at 232 / 40 and 240 / 24 was 1–2% slower (the memory warpgroup's 24 registers).
+# "forward3": the forward with three compute warpgroups (``MosaicConfig.forward_wgs``), 512 threads launched with 128
+# registers, 3·128·c + 128·m ≤ 65,536: 160 / 24 at D64 spills 24 B in the prologue (three addresses kept for the
+# epilogue), none in a loop (ptxas for sm_90a, 2026-12-08).
 REGISTERS = {"forward": {64: (232, 40), 128: (232, 40)}, "dq": {64: (232, 40), 128: (232, 40)},
-             "dkv": {64: (232, 40), 128: (240, 24)}}
+             "dkv": {64: (232, 40), 128: (240, 24)}, "forward3": {64: (160, 24)}}
 
 
 def _row(x, shape):
@@ -330,6 +348,9 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
     bq, bk, stages = config.block_q, config.block_k, config.stages
     group = h // hkv
     n_tiles = tq // config.tile_q
+    n_wg = config.forward_wgs  # compute warpgroups; warpgroup n_wg loads
+    pingpong = n_wg == 2       # the turns pair two warpgroups; three run without them
+    registers = REGISTERS["forward" if n_wg == 2 else "forward3"][d]
     dtype = q.dtype
     segments = seg_q is not None
     always_mask = window_size is not None
@@ -357,14 +378,14 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         n_lo = lo_ref[bi, head, ti]
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
 
-        take_turn = _turns(schedule)
+        take_turn = _turns(schedule) if pingpong else (lambda: None)
 
         def slot_of(n):
             return lax.rem(n - n_lo, jnp.int32(stages))
 
-        @pl.when(wg < 2)
+        @pl.when(wg < n_wg)
         def _compute():
-            plgpu.set_max_registers(REGISTERS["forward"][d][0], action="increase")
+            plgpu.set_max_registers(registers[0], action="increase")
             q_smem = q_smem2.at[wg]
             q_base = ti * config.tile_q + wg * bq
             row0 = offset + q_base  # absolute position of this warpgroup's first row
@@ -372,7 +393,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             n_full = jnp.clip(lax.div(row0 + 1, jnp.int32(bk)), n_lo, n_hi)  # below: no causal mask
             ss = ss_ref[bi]
             n_edge = jnp.clip(pl.cdiv(ss, jnp.int32(bk)), n_lo, n_full)      # below: seq_start mask
-            u_lo, u_hi = _unmasked(n_edge, n_full, dlo_ref, dhi_ref, bi, 2 * ti + wg)
+            u_lo, u_hi = _unmasked(n_edge, n_full, dlo_ref, dhi_ref, bi, n_wg * ti + wg)
             plgpu.copy_gmem_to_smem(q_ref.at[bi, pl.ds(q_base, bq), head], q_smem, q_full.at[wg])
             lq = plgpu.load(lq_ref.at[bi, head, pl.ds(q_base, bq)], (), layout=row_layout, optimized=False)
             sq = None if sq_ref is None else plgpu.load(sq_ref.at[bi, pl.ds(q_base, bq)], (), layout=row_layout,
@@ -381,7 +402,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
             # the fixed frame F of this warpgroup's rows (static_frames): the running max starts there, and the
             # unmasked blocks, whose logits are all ≤ F, skip the max and the rescaling; +inf: no frame
-            frame = fr_ref[bi, head, 2 * ti + wg] if use_frames else None
+            frame = fr_ref[bi, head, n_wg * ti + wg] if use_frames else None
             static = None if frame is None else frame < jnp.inf
             m0 = _M_INIT if frame is None else jnp.where(static, frame, _M_INIT)
             m_i = plgpu.layout_cast(jnp.full((bq,), m0, jnp.float32), row_layout)
@@ -392,13 +413,14 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             def _():
                 plgpu.barrier_wait(k_full.at[0])
 
-            pl.when(wg == 1)(take_turn)
+            if pingpong:
+                pl.when(wg == 1)(take_turn)
 
             def step(n, carry, masked: bool, fixed: bool = False):
                 acc, m_i, l_i = carry
                 slot = slot_of(n)
 
-                s, = _products((bq, bk), [(q_smem, k_smem.at[slot])], take_turn)
+                s, = _products((bq, bk), [(q_smem, k_smem.at[slot])], take_turn if pingpong else None)
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
                 sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -427,9 +449,11 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                     l_i = l_i * alpha + p.sum(axis=1)
                 p16 = p.astype(dtype)
                 acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-                plgpu.barrier_arrive(schedule)  # softmax done
+                if pingpong:
+                    plgpu.barrier_arrive(schedule)  # softmax done
                 plgpu.barrier_wait(v_full.at[slot])
-                plgpu.barrier_wait(schedule)    # tensor cores free
+                if pingpong:
+                    plgpu.barrier_wait(schedule)    # tensor cores free
 
                 def pv(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_smem.at[slot])
@@ -442,7 +466,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                 plgpu.barrier_arrive(v_free.at[slot])
                 return acc, m_new, l_i
 
-            def release(n, _):  # a block the other warpgroup needs and this one does not
+            def release(n, _):  # a block another warpgroup needs and this one does not
                 slot = slot_of(n)
                 plgpu.barrier_arrive(k_free.at[slot])
                 plgpu.barrier_arrive(v_free.at[slot])
@@ -464,7 +488,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                 carry = lax.fori_loop(u_hi, n_hi, masked, carry)
             acc, m_i, l_i = carry
             lax.fori_loop(n_hi, n_tile, release, None)
-            pl.when(wg == 0)(take_turn)
+            if pingpong:
+                pl.when(wg == 0)(take_turn)
 
             seen = l_i > 0
             inv = 1.0 / jnp.where(seen, l_i, 1.0)
@@ -476,9 +501,9 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[bi, head, pl.ds(q_base, bq)])
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
+        @pl.when(wg == n_wg)
         def _memory():
-            plgpu.set_max_registers(REGISTERS["forward"][d][1], action="decrease")
+            plgpu.set_max_registers(registers[1], action="decrease")
             kv_head = lax.div(head, jnp.int32(group))
 
             def fetch(n, slot):
@@ -505,21 +530,21 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
     def entry(*refs):
         smem = (
-            plgpu.SMEM((2, bq, d), dtype, transforms=_swizzled()),
+            plgpu.SMEM((n_wg, bq, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bk, d), dtype, transforms=_swizzled()),
             plgpu.SMEM((stages, bk), jnp.float32),
             plgpu.SMEM((stages, bk), jnp.int32) if segments else None,
-            plgpu.SMEM((2, bq), jnp.float32),
+            plgpu.SMEM((n_wg, bq), jnp.float32),
         )
         k_arrivals = 3 if segments else 2  # k, its Λ (and segment ids) land on one barrier
         pl.run_scoped(
             lambda *scoped: kernel(*refs, scoped),
             smem,
             (plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-             plgpu.Barrier(num_barriers=2)),
-            (plgpu.Barrier(num_arrivals=2, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=2),
+             plgpu.Barrier(num_barriers=n_wg)),
+            (plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),) * 2,
+            plgpu.Barrier(num_arrivals=2),  # the ping-pong's schedule (unused by three warpgroups)
             collective_axes="wg",
         )
 
@@ -531,7 +556,7 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         out_type=(jax.ShapeDtypeStruct(q.shape, dtype), jax.ShapeDtypeStruct((b, h, tq), jnp.float32)),
         grid=(h, n_tiles, b),
         grid_names=("heads", "q_tiles", "batch"),
-        num_threads=3,
+        num_threads=n_wg + 1,
         thread_name="wg",
         compiler_params=_params(),
     )(*args)
@@ -625,7 +650,8 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
     Returns:
       o [B, Tq, H, D] in q.dtype, lse [B, H, Tq] float32 (natural log, −inf for empty rows).
     Raises:
-      ValueError: a dtype other than bfloat16/float16, D > 128, or a tiling over the shared memory.
+      ValueError: a dtype other than bfloat16/float16, D > 128, three forward warpgroups at D > 64, or a tiling
+        over the shared memory.
     """
     b, tq, h, d = q.shape
     tk = k.shape[1]
@@ -635,6 +661,9 @@ def mosaic_forward(q, k, v, lam, seq_start, segment_ids, row_ranges, *, scale: f
     if d > 128:
         raise ValueError(f"the Mosaic kernel takes head_dim ≤ 128, got {d}")
     d_pad = _round_up(d, 64)
+    if config.forward_wgs == 3 and d_pad not in REGISTERS["forward3"]:
+        raise ValueError(f"MosaicConfig.forward_wgs=3 takes head_dim ≤ 64 (three warpgroups' accumulators do not fit "
+                         f"the registers at 128), got {d}")
     if smem_bytes(config, d_pad) > SMEM_LIMIT:
         raise ValueError(f"{config} needs {smem_bytes(config, d_pad)} bytes of shared memory at D={d_pad}, "
                          f"over {SMEM_LIMIT}")

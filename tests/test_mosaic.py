@@ -56,7 +56,7 @@ def _segments(b, tk, cuts):
 def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, acp=False, window_size=None,
               config=None):
     cfg = fpallas.resolve_config(d, tq, tk, None, interpret=False)
-    cfg = dataclasses.replace(cfg, mosaic=config or default_mosaic_config(64 if d <= 64 else 128))
+    cfg = dataclasses.replace(cfg, mosaic=config or mgpu.default_mosaic_config(64 if d <= 64 else 128))
 
     def loss(q, k, v, lam, ss, seg, delta):
         visits = fpallas.kernel_visits(cfg, tq, tk, seq_start=ss, lam=lam if acp else None,
@@ -100,6 +100,9 @@ def _lower_op(b, tq, tk, h, hkv, d, dtype, *, seq_start=True, segments=False, ac
                  id="d96-tq<tk-segments-fused-dq"),
     pytest.param(1, 512, 512, 2, 2, 128, jnp.float16, dict(window_size=200, config=MosaicConfig(bwd_fused_dq=True)),
                  id="d128-fp16-window-fused-dq-own-keys"),
+    # three forward warpgroups (192-row tiles; T not a multiple of them), documents, ACP, GQA
+    pytest.param(2, 1000, 1000, 4, 2, 64, jnp.bfloat16, dict(acp=True, segments=True, config=MosaicConfig(
+        64, 128, 3, forward_wgs=3)), id="d64-gqa-acp-segments-three-warpgroups"),
 ])
 def test_op_lowers_for_cuda(b, tq, tk, h, hkv, d, dtype, opts):
     """Forward and backward lower for CUDA here: three Mosaic GPU kernels (forward, dQ, dK/dV), two with dQ in
@@ -242,6 +245,12 @@ def test_config_checks_and_smem_budget(monkeypatch):
         MosaicConfig(bwd_fused_dq=1)
     with pytest.raises(ValueError, match="bwd_fused_dq needs bwd_block_q == bwd_block_k"):
         MosaicConfig(bwd_fused_dq=True, bwd_block_k=128)
+    for wgs in (1, 4, True):
+        with pytest.raises(ValueError, match="forward_wgs must be 2 or 3"):
+            MosaicConfig(forward_wgs=wgs)
+    three = MosaicConfig(64, 128, 3, forward_wgs=3)  # a fourth warpgroup's q tile and lse row more
+    assert three.tile_q == 192 and default_mosaic_config(64).forward_wgs == 2
+    assert mgpu.smem_bytes(three, 64) - mgpu.smem_bytes(dataclasses.replace(three, forward_wgs=2), 64) <= (8 + 1) * 1024
     for d, pingpong in itertools.product((64, 128), (False, True)):  # dQ in the dK/dV kernel, either form, fits
         cfg = dataclasses.replace(default_mosaic_config(d), bwd_fused_dq=True, bwd_pingpong=pingpong)
         assert mgpu.smem_bytes(cfg, d) <= mgpu.SMEM_LIMIT, (d, pingpong)
@@ -286,6 +295,10 @@ def test_op_refuses_what_the_kernel_does_not_cover():
     q32, k32, v32 = (x.astype(jnp.float32) for x in (q, k, v))
     with pytest.raises(NotImplementedError, match="bfloat16 or float16"):
         forgetting_attention(q32, k32, v32, lf, implementation="mosaic")
+    with pytest.raises(ValueError, match="forward_wgs=3 takes head_dim ≤ 64"):
+        x = jnp.zeros((1, 192, 1, 128), jnp.bfloat16)
+        mgpu.mosaic_forward(x, x, x, jnp.zeros((1, 192, 1)), jnp.zeros((1,), jnp.int32), None,
+                            (jnp.zeros((1, 1, 1), jnp.int32),) * 2, scale=1.0, config=MosaicConfig(forward_wgs=3))
     with pytest.raises(ValueError, match="head_dim ≤ 128"):
         mgpu.mosaic_forward(jnp.zeros((1, 128, 1, 256), jnp.bfloat16), jnp.zeros((1, 128, 1, 256), jnp.bfloat16),
                             jnp.zeros((1, 128, 1, 256), jnp.bfloat16), jnp.zeros((1, 128, 1)),
@@ -345,11 +358,15 @@ def test_static_frames_bound_every_unmasked_logit(gates):
     pytest.param(300, 300, 2, (0, 77), None, None, id="seqstart-edge"),
     pytest.param(200, 333, 1, (140, 0), (100, 250), None, id="tq<tk-mqa-segments"),
     pytest.param(384, 384, 2, None, None, "auto", id="acp-auto"),
+    pytest.param(500, 500, 2, (0, 77), (230,), "auto", id="acp-auto-seqstart-segments-three-warpgroups"),
 ])
-def test_kernel_tiling_blockwise_matches_reference(tq, tk, hkv, seq_start, segments, threshold):
-    """The blockwise path at the Mosaic forward's tiles (128 query rows × 128 keys) and skip rules equals the
-    dense float32 oracle (outputs and gradients): the algorithm the kernel runs, covered on CPU."""
+def test_kernel_tiling_blockwise_matches_reference(tq, tk, hkv, seq_start, segments, threshold, request):
+    """The blockwise path at the Mosaic forward's tiles (128 query rows × 128 keys; 192 rows with three forward
+    warpgroups) and skip rules equals the dense float32 oracle (outputs and gradients): the algorithm the kernel
+    runs, covered on CPU."""
     cfg = default_mosaic_config(64)
+    if "three-warpgroups" in request.node.callspec.id:
+        cfg = dataclasses.replace(cfg, forward_wgs=3)
     b, h, d = 2, 4, 64
     q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, jnp.float32, seed=tq + tk)
     if threshold is not None:  # rows of norm √D (as with QK-norm) so that the "auto" bound holds
@@ -533,6 +550,31 @@ def test_gpu_mosaic_lean_step_matches_the_plain_step(monkeypatch, b, t, h, hkv, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b,t,h,hkv,seq_start,segments,threshold", [
+    pytest.param(1, 2048, 4, 4, None, None, None, id="T2048"),
+    pytest.param(2, 1500, 4, 2, (0, 333), (500, 1200), "auto", id="T1500-gqa-seqstart-docs-acp"),
+    pytest.param(1, 4500, 2, 2, (300,), None, None, id="T4500-seqstart-static-frame"),
+])
+def test_gpu_mosaic_three_forward_warpgroups(b, t, h, hkv, seq_start, segments, threshold):
+    """``MosaicConfig.forward_wgs=3`` (192-row tiles, no turns) at D64 against two warpgroups and the float32
+    oracle. Dense, each row visits the same key blocks in the same order: o bitwise, and the gradients too where
+    the backward is the dQ kernel's (below FUSED_DQ_MIN_QUERIES; the fused dQ's sums come in a varying order).
+    Under ACP the 192-row tiles skip other blocks: the oracle's tolerances."""
+    run, grads_ref = _gpu_backward_case(b, t, h, hkv, 64, seq_start, segments, threshold, None, seed=t + 3)
+    two = default_mosaic_config(64, t)
+    (o2, grads2), (o3, grads3) = run(two), run(dataclasses.replace(two, forward_wgs=3))
+    tol_o, tol_g = _TOL[jnp.bfloat16]
+    if threshold is None:
+        assert bool(jnp.array_equal(o3, o2)), float(jnp.max(jnp.abs(o3.astype(jnp.float32) - o2)))
+        if not two.bwd_fused_dq:
+            for name, g3, g2 in zip(("dq", "dk", "dv", "dlog_fgate"), grads3, grads2):
+                assert bool(jnp.array_equal(g3, g2)), name
+    _assert_close("o vs two warpgroups", o3, o2, tol_o)
+    for name, g, gr in zip(("dq", "dk", "dv", "dlog_fgate"), grads3, grads_ref):
+        _assert_close(name, g, gr, tol_g)
+
+
+@pytest.mark.gpu
 def test_gpu_mosaic_window():
     if fpallas.mosaic_supported(jnp.zeros((1,), jnp.bfloat16), jnp.zeros((1,), jnp.bfloat16)) is not None:
         pytest.skip("needs a Hopper GPU")
@@ -681,8 +723,8 @@ def test_auto_picks_mosaic_only_where_it_runs(monkeypatch):
 
 def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     """benchmarks/checks/mosaic_ab.py: each variant changes what the op lowers to under ACP (the head order's input,
-    the kernels' exit waits, register budgets, dQ in the dK/dV kernel), and ``patched`` puts the module back, after
-    an error too."""
+    the kernels' exit waits, register budgets, dQ in the dK/dV kernel, the forward's warpgroups), and ``patched``
+    puts the module back, after an error too."""
     import os
     import sys
 
@@ -692,14 +734,15 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     shape = (1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
     base = _lower_op(*shape, acp=True)
     state = lambda: (mgpu.head_order, mgpu.plgpu, dict(mgpu.REGISTERS), mgpu.mosaic_backward,  # noqa: E731
-                     mgpu.SUMS_BY_WGMMA, mgpu.DELTA_IN_ACCUMULATOR)
+                     mgpu.SUMS_BY_WGMMA, mgpu.DELTA_IN_ACCUMULATOR, mgpu.default_mosaic_config)
     originals = state()
     d64 = shape[:5] + (64, jnp.bfloat16)  # dkv_regs_240 is D128's default; three fused stages fit at D64 only
     lowered = {}
     for variant in mosaic_ab.PATCHES:
         if variant == "dq_kernel" and not mgpu.FUSED_DQ_BY_DEFAULT:
             continue  # the dQ kernel is then the default at both head dims (checked below)
-        at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "plain_step", "plain_delta")
+        at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "plain_step", "plain_delta",
+                  "forward_3wg")
         s = d64 if variant in at_d64 else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):

@@ -3,7 +3,7 @@ with ``adaptive_threshold="auto"`` (or dense, ``--dense``) on bench_attention's 
 on 6·h / (H − 1): the long-memory heads last). Each variant is the kernels (``base``) with one choice changed, timed
 alternating with ``base`` (A B A B); the rows keep every time. The scheduling variants give the same output bitwise
 (the choices only move work in time); ``fused_dq`` changes dQ's summation order, ``plain_step`` dlog f's and
-dS's rounding, ``plain_delta`` dS's rounding.
+dS's rounding, ``plain_delta`` dS's rounding, ``forward_3wg`` under ACP the blocks skipped.
 
 Variants:
   heads_in_order    the grid runs the heads in order, not in decreasing work (``head_order`` → None)
@@ -28,6 +28,9 @@ Variants:
                     score; not bitwise: dlog f sums other values, dS rounds otherwise
   plain_delta       ``DELTA_IN_ACCUMULATOR`` alone off: dP − Δ by a subtraction per score (the halves form of the
                     fused dQ always subtracts: there the same kernels)
+  forward_3wg       the forward with three compute warpgroups (``MosaicConfig.forward_wgs`` = 3: 192-row tiles,
+                    no turns) at head dim 64 (D128 as it is: it does not fit there); dense outputs bitwise the
+                    same, under ACP the tiles' ranges span 192 rows
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -80,6 +83,16 @@ def _dq_from(backward, fused: bool = True, stages: int | None = None, pingpong: 
     return run
 
 
+def _forward_wgs(wgs: int):
+    """``default_mosaic_config`` with ``forward_wgs`` = ``wgs`` at head dim 64 (D128 as it is)."""
+    def patch(original):
+        def config(head_dim, q_len=None):
+            chosen = original(head_dim, q_len)
+            return dataclasses.replace(chosen, forward_wgs=wgs) if head_dim == 64 else chosen
+        return config
+    return patch
+
+
 def _registers(**budgets):
     """``REGISTERS`` with each named kernel's budget the same at both head dims."""
     return lambda original: dict(original, **{kernel: {64: b, 128: b} for kernel, b in budgets.items()})
@@ -97,6 +110,7 @@ PATCHES = {
     "dq_kernel": [("mosaic_backward", lambda backward: _dq_from(backward, fused=False))],
     "plain_step": [("SUMS_BY_WGMMA", lambda original: False), ("DELTA_IN_ACCUMULATOR", lambda original: False)],
     "plain_delta": [("DELTA_IN_ACCUMULATOR", lambda original: False)],
+    "forward_3wg": [("default_mosaic_config", _forward_wgs(3))],
 }
 
 

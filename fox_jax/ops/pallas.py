@@ -116,16 +116,17 @@ def kernel_visits(config: KernelConfig, tq: int, tk: int, **visits) -> KernelVis
       **visits: seq_start, lam and delta (ACP), segment_ids, log_mask / floor / skip_dropped (DCP),
         window_size.
     """
-    def at(t: TileConfig) -> TileVisits:
-        return tile_visits(tq, tk, t.block_q, t.block_k, **visits)
+    def at(t: TileConfig | tuple[int, int]) -> TileVisits:
+        block_q, block_k = (t.block_q, t.block_k) if isinstance(t, TileConfig) else t
+        return tile_visits(tq, tk, block_q, block_k, **visits)
 
     dmask = None if visits.get("log_mask") is None else at(fa_kernels.dmask_tile(config))
     fwd, dq, dkv = config.fwd, config.dq, config.dkv
-    if config.mosaic is not None:  # the Mosaic kernels' loop ranges are per tile of two warpgroups
-        mc = config.mosaic
-        fwd = TileConfig(mc.tile_q, mc.block_k)
+    if config.mosaic is not None:  # the Mosaic kernels' loop ranges are per tile of all compute warpgroups
+        mc = config.mosaic  # (rows, keys) pairs: a tile of three warpgroups has 192 rows, no Triton TileConfig
+        fwd = (mc.tile_q, mc.block_k)
         if mc.backward:
-            dq, dkv = TileConfig(*mc.dq_tiling), TileConfig(*mc.dkv_tiling)
+            dq, dkv = mc.dq_tiling, mc.dkv_tiling
     return KernelVisits(at(fwd), at(dq), at(dkv), dmask)
 
 
