@@ -250,8 +250,9 @@ SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
 # was 2–3% faster under ACP at 16k, the same dense (H100, 2026-12-07, checks/mosaic_ab.py --variants dkv_regs_240).
 # At D64 nothing spills at 232 / 40 and 240 / 24 was 1–2% slower (the memory warpgroup's 24 registers).
 # "forward3": the forward with three compute warpgroups (``MosaicConfig.forward_wgs``), 512 threads launched with 128
-# registers, 3·128·c + 128·m ≤ 65,536: 160 / 24 at D64 spills 24 B in the prologue (three addresses kept for the
-# epilogue), none in a loop (ptxas for sm_90a, 2026-12-08).
+# registers, 3·128·c + 128·m ≤ 65,536: 160 / 24 at D64 spills 8 B (two values stored in the prologue, loaded for the
+# epilogue), none in a loop; its unmasked loop 368 SASS instructions against the two warpgroups' 377 (no turns)
+# (ptxas for sm_90a, B4 T4096 H32, 2026-12-08).
 REGISTERS = {"forward": {64: (232, 40), 128: (232, 40)}, "dq": {64: (232, 40), 128: (232, 40)},
              "dkv": {64: (232, 40), 128: (240, 24)}, "forward3": {64: (160, 24)}}
 
