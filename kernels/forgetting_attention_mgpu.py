@@ -115,7 +115,11 @@ class MosaicConfig:
         sm_90a; at D = 128 the accumulators do not fit, so ``mosaic_forward`` refuses it). Each row visits the
         same key blocks in the same order as with 2, so dense outputs are bitwise the same; under ACP a tile's
         range spans 1.5× the rows and skips a few blocks fewer (within the same bound). Built 2026-12-08 for the
-        D64 forward's gap at B4 T4096 H32 (0.80 against cuDNN's 0.71 ms on an H100); not timed yet: off by default.
+        D64 forward's gap at B4 T4096 H32 (0.80 against cuDNN's 0.71 ms on an H100) and measured slower there
+        (H100, ``checks/mosaic_ab.py --variants forward_3wg``): forward 0.838 against 0.785 ms dense (+7%), 0.586
+        against 0.506 under ACP (+16%); fwd+bwd +1.3% / +4.6%. So off by default; kept as the base for turns among
+        three warpgroups (FA3's round-robin), whose absence is the likeliest cause (with the padding to 192 rows,
+        +3% at T4096, and under ACP the wider tiles' ranges).
     """
 
     block_q: int = 64
