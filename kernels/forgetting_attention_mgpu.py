@@ -110,16 +110,16 @@ class MosaicConfig:
       forward_wgs: the forward's compute warpgroups per CTA, 2 or 3 (a CTA's tile is forward_wgs·block_q query
         rows; with 3 a CTA runs four warpgroups). With 3 (FlashAttention-3's forward tile at head dim ≤ 64: 192
         rows) each key block loaded serves 1.5× the rows, and the CTA's fixed cost (q load, pipeline fill, the
-        epilogue's stores) is shared by 1.5× the work; the three run without the ping-pong (no turns), with
-        the register budgets ``REGISTERS["forward3"]`` (160 / 24 at D = 64: its loops spill nothing, ptxas for
+        epilogue's stores) is shared by 1.5× the work; the three take turns in rotation (``FORWARD3_TURNS``)
+        instead of the ping-pong, with the register budgets ``REGISTERS["forward3"]`` (160 / 24 at D = 64: its loops spill nothing, ptxas for
         sm_90a; at D = 128 the accumulators do not fit, so ``mosaic_forward`` refuses it). Each row visits the
         same key blocks in the same order as with 2, so dense outputs are bitwise the same; under ACP a tile's
         range spans 1.5× the rows and skips a few blocks fewer (within the same bound). Built 2026-12-08 for the
         D64 forward's gap at B4 T4096 H32 (0.80 against cuDNN's 0.71 ms on an H100) and measured slower there
         (H100, ``checks/mosaic_ab.py --variants forward_3wg``): forward 0.838 against 0.785 ms dense (+7%), 0.586
-        against 0.506 under ACP (+16%); fwd+bwd +1.3% / +4.6%. So off by default; kept as the base for turns among
-        three warpgroups (FA3's round-robin), whose absence is the likeliest cause (with the padding to 192 rows,
-        +3% at T4096, and under ACP the wider tiles' ranges).
+        against 0.506 under ACP (+16%); fwd+bwd +1.3% / +4.6%, in its first form, without turns. So off by
+        default; the turns in rotation (built the same day, their absence being the likeliest cause, with the
+        padding to 192 rows, +3% at T4096, and under ACP the wider tiles' ranges) have not run on a GPU yet.
     """
 
     block_q: int = 64
@@ -195,6 +195,13 @@ SUMS_BY_WGMMA = True
 # subtraction. With ``SUMS_BY_WGMMA`` (the lean step; H100, 2026-12-07 21:18, D64 two kernels, fwd+bwd against the
 # plain step): B1 T16384 H24 −4.2% dense, −5.2% ACP; B4 T4096 H32 −4.3% dense, −4.0% ACP: on.
 DELTA_IN_ACCUMULATOR = True
+# the forward's three compute warpgroups (``MosaicConfig.forward_wgs`` = 3) take turns issuing their scores' wgmma in
+# rotation (FlashAttention-3's scheduler barrier among three): warpgroup w waits on turn barrier w, issues, arrives on
+# w + 1 mod 3; every warpgroup takes one turn per block of the tile's range (its own or one it releases), so the
+# phases stay in step. Without it (False) the three issue when ready: measured slower than two warpgroups with the
+# ping-pong (H100, 2026-12-08, B4 T4096 H32 D64: forward +7% dense, +16% ACP). Built the same day offline, not yet
+# run on a GPU.
+FORWARD3_TURNS = True
 
 
 def deterministic_ops_requested() -> bool:
@@ -354,7 +361,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
     group = h // hkv
     n_tiles = tq // config.tile_q
     n_wg = config.forward_wgs  # compute warpgroups; warpgroup n_wg loads
-    pingpong = n_wg == 2       # the turns pair two warpgroups; three run without them
+    pingpong = n_wg == 2       # the turns pair two warpgroups ...
+    round_robin = n_wg == 3 and FORWARD3_TURNS  # ... or pass among three
     registers = REGISTERS["forward" if n_wg == 2 else "forward3"][d]
     dtype = q.dtype
     segments = seg_q is not None
@@ -384,6 +392,11 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
         n_tile = jnp.maximum(hi_ref[bi, head, ti], n_lo)
 
         take_turn = _turns(schedule) if pingpong else (lambda: None)
+        # three warpgroups: warpgroup w waits for its turn (barrier w) before issuing its scores' wgmma and hands the
+        # turn on (barrier w + 1 mod 3) once they are issued, so the three issue in rotation
+        my_turn = (lambda: plgpu.barrier_wait(schedule.at[wg])) if round_robin else (lambda: None)
+        pass_turn = (lambda: plgpu.barrier_arrive(schedule.at[lax.rem(wg + 1, jnp.int32(n_wg))])) if round_robin \
+            else (lambda: None)
 
         def slot_of(n):
             return lax.rem(n - n_lo, jnp.int32(stages))
@@ -420,12 +433,16 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
 
             if pingpong:
                 pl.when(wg == 1)(take_turn)
+            if round_robin:  # the first turn is warpgroup 0's
+                pl.when(wg == n_wg - 1)(lambda: plgpu.barrier_arrive(schedule.at[0]))
 
             def step(n, carry, masked: bool, fixed: bool = False):
                 acc, m_i, l_i = carry
                 slot = slot_of(n)
 
-                s, = _products((bq, bk), [(q_smem, k_smem.at[slot])], take_turn if pingpong else None)
+                my_turn()
+                s, = _products((bq, bk), [(q_smem, k_smem.at[slot])],
+                               take_turn if pingpong else (pass_turn if round_robin else None))
                 lk = plgpu.load(lk_smem.at[slot], (), layout=col_layout)
                 sk = plgpu.load(sk_smem.at[slot], (), layout=col_layout) if masked and segments else None
                 plgpu.barrier_arrive(k_free.at[slot])
@@ -477,6 +494,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
                 plgpu.barrier_arrive(v_free.at[slot])
                 take_turn()
                 take_turn()
+                my_turn()  # (three warpgroups: one turn a block)
+                pass_turn()
 
             carry = (acc, m_i, l_i)
             masked = functools.partial(step, masked=True)
@@ -549,7 +568,8 @@ def mosaic_flash_forward(q, k, v, lam_q2, lam_k2, kv_lo, kv_hi, seq_start, seg_q
             (plgpu.Barrier(num_arrivals=k_arrivals, num_barriers=stages), plgpu.Barrier(num_barriers=stages),
              plgpu.Barrier(num_barriers=n_wg)),
             (plgpu.Barrier(num_arrivals=n_wg, num_barriers=stages),) * 2,
-            plgpu.Barrier(num_arrivals=2),  # the ping-pong's schedule (unused by three warpgroups)
+            # the ping-pong's schedule; with three warpgroups one turn barrier each (unused without FORWARD3_TURNS)
+            plgpu.Barrier(num_arrivals=2) if pingpong else plgpu.Barrier(num_barriers=n_wg),
             collective_axes="wg",
         )
 

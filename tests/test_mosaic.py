@@ -550,16 +550,18 @@ def test_gpu_mosaic_lean_step_matches_the_plain_step(monkeypatch, b, t, h, hkv, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("b,t,h,hkv,seq_start,segments,threshold", [
-    pytest.param(1, 2048, 4, 4, None, None, None, id="T2048"),
-    pytest.param(2, 1500, 4, 2, (0, 333), (500, 1200), "auto", id="T1500-gqa-seqstart-docs-acp"),
-    pytest.param(1, 4500, 2, 2, (300,), None, None, id="T4500-seqstart-static-frame"),
+@pytest.mark.parametrize("b,t,h,hkv,seq_start,segments,threshold,turns", [
+    pytest.param(1, 2048, 4, 4, None, None, None, True, id="T2048"),
+    pytest.param(1, 2048, 4, 4, None, None, None, False, id="T2048-no-turns"),
+    pytest.param(2, 1500, 4, 2, (0, 333), (500, 1200), "auto", True, id="T1500-gqa-seqstart-docs-acp"),
+    pytest.param(1, 4500, 2, 2, (300,), None, None, True, id="T4500-seqstart-static-frame"),
 ])
-def test_gpu_mosaic_three_forward_warpgroups(b, t, h, hkv, seq_start, segments, threshold):
-    """``MosaicConfig.forward_wgs=3`` (192-row tiles, no turns) at D64 against two warpgroups and the float32
-    oracle. Dense, each row visits the same key blocks in the same order: o bitwise, and the gradients too where
-    the backward is the dQ kernel's (below FUSED_DQ_MIN_QUERIES; the fused dQ's sums come in a varying order).
-    Under ACP the 192-row tiles skip other blocks: the oracle's tolerances."""
+def test_gpu_mosaic_three_forward_warpgroups(monkeypatch, b, t, h, hkv, seq_start, segments, threshold, turns):
+    """``MosaicConfig.forward_wgs=3`` (192-row tiles; turns in rotation, or none: ``FORWARD3_TURNS``) at D64
+    against two warpgroups and the float32 oracle. Dense, each row visits the same key blocks in the same order: o
+    bitwise, and the gradients too where the backward is the dQ kernel's (below FUSED_DQ_MIN_QUERIES; the fused
+    dQ's sums come in a varying order). Under ACP the 192-row tiles skip other blocks: the oracle's tolerances."""
+    monkeypatch.setattr(mgpu, "FORWARD3_TURNS", turns)
     run, grads_ref = _gpu_backward_case(b, t, h, hkv, 64, seq_start, segments, threshold, None, seed=t + 3)
     two = default_mosaic_config(64, t)
     (o2, grads2), (o3, grads3) = run(two), run(dataclasses.replace(two, forward_wgs=3))
@@ -734,7 +736,7 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
     shape = (1, 1000, 1000, 4, 2, 128, jnp.bfloat16)
     base = _lower_op(*shape, acp=True)
     state = lambda: (mgpu.head_order, mgpu.plgpu, dict(mgpu.REGISTERS), mgpu.mosaic_backward,  # noqa: E731
-                     mgpu.SUMS_BY_WGMMA, mgpu.DELTA_IN_ACCUMULATOR, mgpu.default_mosaic_config)
+                     mgpu.SUMS_BY_WGMMA, mgpu.DELTA_IN_ACCUMULATOR, mgpu.default_mosaic_config, mgpu.FORWARD3_TURNS)
     originals = state()
     d64 = shape[:5] + (64, jnp.bfloat16)  # dkv_regs_240 is D128's default; three fused stages fit at D64 only
     lowered = {}
@@ -742,7 +744,7 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
         if variant == "dq_kernel" and not mgpu.FUSED_DQ_BY_DEFAULT:
             continue  # the dQ kernel is then the default at both head dims (checked below)
         at_d64 = ("dkv_regs_240", "fused_dq", "fused_dq_3stages", "fused_dq_halves", "plain_step", "plain_delta",
-                  "forward_3wg")
+                  "forward_3wg", "forward_3wg_no_turns")
         s = d64 if variant in at_d64 else shape
         b = base if s is shape else _lower_op(*s, acp=True)
         with mosaic_ab.patched(variant):
@@ -750,6 +752,7 @@ def test_mosaic_ab_variants_change_the_kernels_and_are_undone(monkeypatch):
             assert lowered[variant] != b, variant
         assert state() == originals, variant
     assert lowered["fused_dq_3stages"] != lowered["fused_dq"] != lowered["fused_dq_halves"]  # D64: own keys, halves
+    assert lowered["forward_3wg"] != lowered["forward_3wg_no_turns"]
     two_kernels = dataclasses.replace(default_mosaic_config(128), bwd_fused_dq=False)  # with the ping-pong
     with mosaic_ab.patched("plain_step"):  # (the fused dQ sums by wgmma whatever the switch)
         plain = _lower_op(*shape, acp=True, config=two_kernels)

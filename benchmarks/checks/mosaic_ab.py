@@ -29,9 +29,10 @@ Variants:
   plain_delta       ``DELTA_IN_ACCUMULATOR`` alone off: dP − Δ by a subtraction per score (the halves form of the
                     fused dQ always subtracts: there the same kernels)
   forward_3wg       the forward with three compute warpgroups (``MosaicConfig.forward_wgs`` = 3: 192-row tiles,
-                    no turns) at head dim 64 (D128 as it is: it does not fit there); dense outputs bitwise the
-                    same, under ACP the tiles' ranges span 192 rows; off by default (2026-12-08, B4 T4096 H32 on an
-                    H100: forward +7% dense, +16% ACP)
+                    turns in rotation, ``FORWARD3_TURNS``) at head dim 64 (D128 as it is: it does not fit there);
+                    dense outputs bitwise the same, under ACP the tiles' ranges span 192 rows
+  forward_3wg_no_turns  the same without turns (the form timed on 2026-12-08, B4 T4096 H32 on an H100: forward +7%
+                    dense, +16% ACP)
 
     python3 benchmarks/checks/mosaic_ab.py --shapes 1x16384x16x128,1x16384x24x64 --out $OUT/mosaic_ab.json  # GPU
 """
@@ -112,6 +113,7 @@ PATCHES = {
     "plain_step": [("SUMS_BY_WGMMA", lambda original: False), ("DELTA_IN_ACCUMULATOR", lambda original: False)],
     "plain_delta": [("DELTA_IN_ACCUMULATOR", lambda original: False)],
     "forward_3wg": [("default_mosaic_config", _forward_wgs(3))],
+    "forward_3wg_no_turns": [("default_mosaic_config", _forward_wgs(3)), ("FORWARD3_TURNS", lambda original: False)],
 }
 
 
