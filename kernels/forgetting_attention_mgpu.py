@@ -111,8 +111,9 @@ class MosaicConfig:
         rows; with 3 a CTA runs four warpgroups). With 3 (FlashAttention-3's forward tile at head dim ≤ 64: 192
         rows) each key block loaded serves 1.5× the rows, and the CTA's fixed cost (q load, pipeline fill, the
         epilogue's stores) is shared by 1.5× the work; the three take turns in rotation (``FORWARD3_TURNS``)
-        instead of the ping-pong, with the register budgets ``REGISTERS["forward3"]`` (160 / 24 at D = 64: its loops spill nothing, ptxas for
-        sm_90a; at D = 128 the accumulators do not fit, so ``mosaic_forward`` refuses it). Each row visits the
+        instead of the ping-pong, with the register budgets ``REGISTERS["forward3"]`` (160 / 24 at D = 64: its
+        loops spill nothing, ptxas for sm_90a; at D = 128 the accumulators do not fit, so ``mosaic_forward``
+        refuses it). Each row visits the
         same key blocks in the same order as with 2, so dense outputs are bitwise the same; under ACP a tile's
         range spans 1.5× the rows and skips a few blocks fewer (within the same bound). Built 2026-12-08 for the
         D64 forward's gap at B4 T4096 H32 (0.80 against cuDNN's 0.71 ms on an H100) and measured slower there
@@ -261,9 +262,9 @@ SMEM_LIMIT = 227 * 1024  # per CTA on sm_90
 # was 2–3% faster under ACP at 16k, the same dense (H100, 2026-12-07, checks/mosaic_ab.py --variants dkv_regs_240).
 # At D64 nothing spills at 232 / 40 and 240 / 24 was 1–2% slower (the memory warpgroup's 24 registers).
 # "forward3": the forward with three compute warpgroups (``MosaicConfig.forward_wgs``), 512 threads launched with 128
-# registers, 3·128·c + 128·m ≤ 65,536: 160 / 24 at D64 spills 8 B (two values stored in the prologue, loaded for the
-# epilogue), none in a loop; its unmasked loop 368 SASS instructions against the two warpgroups' 377 (no turns)
-# (ptxas for sm_90a, B4 T4096 H32, 2026-12-08).
+# registers, 3·128·c + 128·m ≤ 65,536: 160 / 24 at D64 spills 8 B without turns, 28 B with ``FORWARD3_TURNS`` (values
+# stored in the prologue, loaded for the epilogue), none in a loop; its unmasked loop 368 / 373 SASS instructions
+# against the two warpgroups' 377 (ptxas for sm_90a, B4 T4096 H32, 2026-12-08).
 REGISTERS = {"forward": {64: (232, 40), 128: (232, 40)}, "dq": {64: (232, 40), 128: (232, 40)},
              "dkv": {64: (232, 40), 128: (240, 24)}, "forward3": {64: (160, 24)}}
 
