@@ -12,7 +12,7 @@ block_q query rows; they compute S = Q·Kᵀ and O += P·V with ``wgmma`` (float
 take turns on the tensor cores (a "schedule" barrier: one does its softmax while the other
 multiplies). Warpgroup 2 streams the key blocks of the tile's range with TMA into ``stages`` shared
 memory slots, each with a produced and a consumed barrier. (``MosaicConfig.forward_wgs`` = 3: three compute
-warpgroups of block_q rows each, without turns, and warpgroup 3 streams.)
+warpgroups of block_q rows each, taking turns in rotation, and warpgroup 3 streams.)
 
 The decay enters the logits in float32 and base 2: s = q·k·scale·log2(e) + Λ_i·log2(e) − Λ_j·log2(e);
 the query-side Λ is loaded once per warpgroup as a row vector, the key-side Λ travels with each key
@@ -113,9 +113,9 @@ class MosaicConfig:
         epilogue's stores) is shared by 1.5× the work; the three take turns in rotation (``FORWARD3_TURNS``)
         instead of the ping-pong, with the register budgets ``REGISTERS["forward3"]`` (160 / 24 at D = 64: its
         loops spill nothing, ptxas for sm_90a; at D = 128 the accumulators do not fit, so ``mosaic_forward``
-        refuses it). Each row visits the
-        same key blocks in the same order as with 2, so dense outputs are bitwise the same; under ACP a tile's
-        range spans 1.5× the rows and skips a few blocks fewer (within the same bound). Built 2026-12-08 for the
+        refuses it). Each row visits the same key blocks in the same order as with 2, so dense outputs are bitwise
+        the same; under ACP a tile's range spans 1.5× the rows and skips a few blocks fewer (within the same
+        bound). Built 2026-12-08 for the
         D64 forward's gap at B4 T4096 H32 (0.80 against cuDNN's 0.71 ms on an H100) and measured slower there
         (H100, ``checks/mosaic_ab.py --variants forward_3wg``): forward 0.838 against 0.785 ms dense (+7%), 0.586
         against 0.506 under ACP (+16%); fwd+bwd +1.3% / +4.6%, in its first form, without turns. So off by
@@ -144,7 +144,7 @@ class MosaicConfig:
         for name in ("backward", "bwd_pingpong", "static_frame", "bwd_fused_dq"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"MosaicConfig.{name} must be a bool, got {getattr(self, name)!r}")
-        if self.forward_wgs not in (2, 3) or isinstance(self.forward_wgs, bool):
+        if type(self.forward_wgs) is not int or self.forward_wgs not in (2, 3):
             raise ValueError(f"MosaicConfig.forward_wgs must be 2 or 3, got {self.forward_wgs!r}")
         if self.stages < 2 or self.bwd_stages < 2:
             raise ValueError(f"MosaicConfig.stages and bwd_stages must be ≥ 2, got {self.stages}, {self.bwd_stages}")

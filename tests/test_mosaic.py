@@ -245,7 +245,7 @@ def test_config_checks_and_smem_budget(monkeypatch):
         MosaicConfig(bwd_fused_dq=1)
     with pytest.raises(ValueError, match="bwd_fused_dq needs bwd_block_q == bwd_block_k"):
         MosaicConfig(bwd_fused_dq=True, bwd_block_k=128)
-    for wgs in (1, 4, True):
+    for wgs in (1, 4, True, 2.0):
         with pytest.raises(ValueError, match="forward_wgs must be 2 or 3"):
             MosaicConfig(forward_wgs=wgs)
     three = MosaicConfig(64, 128, 3, forward_wgs=3)  # a fourth warpgroup's q tile and lse row more
