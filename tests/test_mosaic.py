@@ -354,19 +354,17 @@ def test_static_frames_bound_every_unmasked_logit(gates):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tq,tk,hkv,seq_start,segments,threshold", [
-    pytest.param(300, 300, 2, (0, 77), None, None, id="seqstart-edge"),
-    pytest.param(200, 333, 1, (140, 0), (100, 250), None, id="tq<tk-mqa-segments"),
-    pytest.param(384, 384, 2, None, None, "auto", id="acp-auto"),
-    pytest.param(500, 500, 2, (0, 77), (230,), "auto", id="acp-auto-seqstart-segments-three-warpgroups"),
+@pytest.mark.parametrize("tq,tk,hkv,seq_start,segments,threshold,wgs", [
+    pytest.param(300, 300, 2, (0, 77), None, None, 2, id="seqstart-edge"),
+    pytest.param(200, 333, 1, (140, 0), (100, 250), None, 2, id="tq<tk-mqa-segments"),
+    pytest.param(384, 384, 2, None, None, "auto", 2, id="acp-auto"),
+    pytest.param(500, 500, 2, (0, 77), (230,), "auto", 3, id="acp-auto-seqstart-segments-three-warpgroups"),
 ])
-def test_kernel_tiling_blockwise_matches_reference(tq, tk, hkv, seq_start, segments, threshold, request):
+def test_kernel_tiling_blockwise_matches_reference(tq, tk, hkv, seq_start, segments, threshold, wgs):
     """The blockwise path at the Mosaic forward's tiles (128 query rows × 128 keys; 192 rows with three forward
     warpgroups) and skip rules equals the dense float32 oracle (outputs and gradients): the algorithm the kernel
     runs, covered on CPU."""
-    cfg = default_mosaic_config(64)
-    if "three-warpgroups" in request.node.callspec.id:
-        cfg = dataclasses.replace(cfg, forward_wgs=3)
+    cfg = dataclasses.replace(default_mosaic_config(64), forward_wgs=wgs)
     b, h, d = 2, 4, 64
     q, k, v, lf, w = _inputs(b, tq, tk, h, hkv, d, jnp.float32, seed=tq + tk)
     if threshold is not None:  # rows of norm √D (as with QK-norm) so that the "auto" bound holds
